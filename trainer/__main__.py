@@ -1,0 +1,22 @@
+"""`python -m trainer`: compose conf/ with Hydra, check it, run the job."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer.cli import check_group_overrides
+from trainer.config import register_configs
+from trainer.job import run_job
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+if __name__ == "__main__":
+    check_group_overrides(sys.argv[1:])
+    main()

@@ -1,0 +1,394 @@
+"""The typed schema: one dataclass per config group, the root config, and their registration.
+
+Hydra composes conf/ against `TrainConfig` (registered as `train_schema`), so a misspelt key
+or a value of the wrong type fails at compose time. Range and cross-field rules live in
+`__post_init__`, which OmegaConf runs only in `OmegaConf.to_object`: `validate` below is the
+first thing a job does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user mistake in the composed config; its message names the dotted key."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+# OmegaConf 2.3 rejects Literal[...]; a str Enum validates at compose time and prints the
+# allowed names. Enum members are matched by name, so each name equals its value.
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Stage(str, Enum):
+    stage0 = "stage0"
+    stage1 = "stage1"
+    stage2 = "stage2"
+    stage3 = "stage3"
+
+
+class CheckpointMode(str, Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class OffloadTarget(str, Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class DataKind(str, Enum):
+    synthetic = "synthetic"
+    tokens = "tokens"
+
+
+class LoggerBackend(str, Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class Mode(str, Enum):
+    train = "train"
+    plan = "plan"
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+# `raise` is a keyword, so this Enum is built from a mapping rather than a class body.
+NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
+
+
+class FaultKind(str, Enum):
+    none = "none"
+    inf_grad = "inf_grad"
+    nan_loss = "nan_loss"
+    raise_error = "raise_error"
+    kill = "kill"
+
+
+@dataclass
+class ModelConfig:
+    """conf/model/*.yaml: the shape of a Llama-style decoder."""
+
+    name: str = "tiny"
+    """Preset name, reported in logs."""
+    dim: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads."""
+    n_kv_heads: int = 2
+    """Key/value heads; fewer than n_heads is grouped-query attention."""
+    vocab_size: int = 512
+    """Token vocabulary."""
+    ffn_dim: int = 384
+    """Hidden width of the SwiGLU MLP."""
+    max_seq_len: int = 512
+    """Longest context the model accepts."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1, got {getattr(self, key)}")
+        _require(self.dim % self.n_heads == 0, f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})",
+        )
+        _require((self.dim // self.n_heads) % 2 == 0, f"model.dim / model.n_heads must be even for rotary embeddings")
+
+
+@dataclass
+class PrecisionConfig:
+    """conf/precision/*.yaml: the compute dtype; master weights and optimizer state stay fp32."""
+
+    name: str = "fp32"
+    """Preset name, reported in logs."""
+    compute_dtype: DType = DType.float32
+    """Dtype the forward and backward run in."""
+    loss_scale_init: float = 2.0**16
+    """fp16 only: the dynamic loss scaler's starting scale."""
+    growth_interval: int = 2000
+    """fp16 only: overflow-free steps before the scale grows."""
+    growth_factor: float = 2.0
+    """fp16 only: factor the scale grows by."""
+    backoff_factor: float = 0.5
+    """fp16 only: factor the scale shrinks by on overflow."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the scale never backs off below this."""
+
+    def __post_init__(self) -> None:
+        _require(self.loss_scale_init > 0, f"precision.loss_scale_init must be > 0, got {self.loss_scale_init}")
+        _require(self.growth_interval >= 1, f"precision.growth_interval must be >= 1, got {self.growth_interval}")
+        _require(self.growth_factor > 1, f"precision.growth_factor must be > 1, got {self.growth_factor}")
+        _require(0 < self.backoff_factor < 1, f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        _require(self.min_loss_scale > 0, f"precision.min_loss_scale must be > 0, got {self.min_loss_scale}")
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.compute_dtype == DType.float16
+
+
+@dataclass
+class ZeroConfig:
+    """conf/zero/*.yaml: how model states are sharded across data-parallel ranks."""
+
+    stage: Stage = Stage.stage0
+    """stage0 DDP; stage1 + ZeroRedundancyOptimizer; stage2/3 FSDP2 fully_shard."""
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.stage in (Stage.stage2, Stage.stage3)
+
+
+@dataclass
+class CheckpointingConfig:
+    """conf/checkpointing/*.yaml: activation checkpointing (recompute in backward)."""
+
+    mode: CheckpointMode = CheckpointMode.none
+    """none, full (every block) or selective (every Nth block)."""
+    every_n_layers: int = 2
+    """selective only: checkpoint blocks 0, N, 2N, ..."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_n_layers >= 1, f"checkpointing.every_n_layers must be >= 1, got {self.every_n_layers}")
+
+
+@dataclass
+class OffloadConfig:
+    """conf/offload/*.yaml: FSDP2 CPUOffloadPolicy."""
+
+    target: OffloadTarget = OffloadTarget.none
+    """none, or cpu: parameters, gradients and optimizer state live in host memory."""
+    pin_memory: bool = True
+    """cpu only: pin the offloaded tensors for faster host-device copies (GPU only)."""
+
+
+@dataclass
+class DataloaderConfig:
+    """conf/dataloader/*.yaml: options handed to torch.utils.data.DataLoader."""
+
+    num_workers: int = 0
+    """Worker processes per rank; 0 loads in the rank's own process."""
+    prefetch_factor: Optional[int] = None
+    """Batches each worker loads ahead; needs num_workers > 0."""
+    pin_memory: bool = False
+    """Page-lock batches for faster host-to-GPU copies."""
+    persistent_workers: bool = False
+    """Keep workers alive between epochs; needs num_workers > 0."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, f"dataloader.num_workers must be >= 0, got {self.num_workers}")
+        if self.num_workers == 0:
+            _require(self.prefetch_factor is None, "dataloader.prefetch_factor needs dataloader.num_workers > 0")
+            _require(not self.persistent_workers, "dataloader.persistent_workers needs dataloader.num_workers > 0")
+        _require(
+            self.prefetch_factor is None or self.prefetch_factor >= 1,
+            f"dataloader.prefetch_factor must be >= 1, got {self.prefetch_factor}",
+        )
+
+
+@dataclass
+class DataConfig:
+    """conf/data/*.yaml: where training tokens come from."""
+
+    kind: DataKind = DataKind.synthetic
+    """synthetic (a learnable Markov stream) or tokens (a memory-mapped .npy of token ids)."""
+    path: Optional[str] = None
+    """tokens only: the .npy file made by `python -m trainer.data make-tokens`."""
+    branching: int = 4
+    """synthetic only: how many next tokens each token may be followed by."""
+    data_seed: int = 1234
+    """synthetic only: seed of the Markov chain's transition table (fixed across runs)."""
+
+    def __post_init__(self) -> None:
+        _require(self.branching >= 1, f"data.branching must be >= 1, got {self.branching}")
+        if self.kind == DataKind.tokens:
+            _require(bool(self.path), "data.path must name a token file (.npy) when data=tokens")
+
+
+@dataclass
+class OptimConfig:
+    """conf/optim/*.yaml: AdamW with linear warmup, cosine decay and gradient clipping."""
+
+    name: str = "adamw"
+    """Optimizer name."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _require(self.name == "adamw", f"optim.name must be adamw, got {self.name}")
+        _require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class SaveConfig:
+    """conf/save/*.yaml: full training state saved with torch.distributed.checkpoint."""
+
+    every: int = 0
+    """Save every N optimizer steps (and at the end); 0 disables saving."""
+    keep: int = 2
+    """How many saves to keep."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"save.every must be >= 0, got {self.every}")
+        _require(self.keep >= 1, f"save.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class LoggerConfig:
+    """conf/logger/*.yaml: where metrics go besides the always-written metrics.jsonl."""
+
+    backend: LoggerBackend = LoggerBackend.wandb
+    """wandb or none."""
+    project: str = "zerolab"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team or user); None uses the account's default."""
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and rehearsals: what goes wrong, on which rank, at which step."""
+
+    kind: FaultKind = FaultKind.none
+    step: int = 0
+    """Optimizer step (1-based) at which the fault happens."""
+    rank: int = 0
+    """Rank on which it happens."""
+
+
+@dataclass
+class TrainConfig:
+    """conf/train.yaml: one training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    dataloader: DataloaderConfig = field(default_factory=DataloaderConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    micro_batch: int = 8
+    """Sequences per rank per forward pass."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; the global batch is micro_batch * grad_accum * world size."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    steps: int = 200
+    """Optimizer steps."""
+    seed: int = 0
+    """Seed of initialisation and data order."""
+    nproc: str = "auto"
+    """Ranks on this host: auto (every visible GPU, else 2 CPU ranks) or a positive integer."""
+    device: DeviceKind = DeviceKind.auto
+    """auto (CUDA when present), cpu or cuda."""
+    mode: Mode = Mode.train
+    """train, or plan: print the memory plan and train nothing."""
+    resume: str = "false"
+    """false, true (the newest save of this config) or a path to a save."""
+    max_restarts: int = 0
+    """Times the launcher restarts all ranks after one dies."""
+    nonfinite: NonFinitePolicy = NonFinitePolicy["raise"]  # type: ignore[valid-type]
+    """raise (stop, naming the step and ranks) or skip (skip the optimizer step)."""
+    device_memory_gib: Optional[float] = None
+    """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
+    log_every: int = 1
+    """Optimizer steps between log lines (each one gathers every rank's figures)."""
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
+            _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
+        _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
+        _require(
+            self.nproc == "auto" or (self.nproc.isdigit() and int(self.nproc) >= 1),
+            f"nproc must be auto or an integer >= 1, got {self.nproc}",
+        )
+        _require(
+            self.seq_len <= self.model.max_seq_len,
+            f"seq_len ({self.seq_len}) must be <= model.max_seq_len ({self.model.max_seq_len}) of model={self.model.name}",
+        )
+        _require(
+            self.offload.target == OffloadTarget.none or self.zero.uses_fsdp,
+            f"offload=cpu needs zero=stage2 or zero=stage3 (FSDP2 CPUOffloadPolicy), got zero={self.zero.stage.value}",
+        )
+        _require(
+            self.device_memory_gib is None or self.device_memory_gib > 0,
+            f"device_memory_gib must be > 0, got {self.device_memory_gib}",
+        )
+        _require(self.save.every == 0 or self.save.every >= 1, "save.every must be >= 0")
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per optimizer step, over all ranks."""
+        return self.micro_batch * self.grad_accum * world_size
+
+
+def register_configs() -> None:
+    """Register the root schema so Hydra validates every composed config against it."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def validate(cfg: DictConfig) -> TrainConfig:
+    """The composed config as a typed, checked `TrainConfig`; raises ConfigError naming the key."""
+    try:
+        config = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as err:  # OmegaConf wraps errors raised inside __post_init__
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+    assert isinstance(config, TrainConfig)
+    return config
+
+
+def to_plain(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain data (enums as strings) to hand to ranks and loggers."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def from_plain(plain: dict[str, Any]) -> TrainConfig:
+    """Rebuild a checked `TrainConfig` from `to_plain`'s output (inside a rank)."""
+    return validate(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))  # type: ignore[arg-type]

@@ -1,0 +1,127 @@
+"""The training loop of one rank, top to bottom."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.amp import GradScaler
+
+from trainer.activation_checkpointing import apply_activation_checkpointing
+from trainer.config import FaultKind, TrainConfig
+from trainer.data import build_batches
+from trainer.metrics import Meter, StepStats
+from trainer.model import build_model, flops_per_token
+from trainer.optim import build_optimizer, build_scheduler, clip_gradients
+from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.sharding import apply_zero, gradient_sync
+from trainer.world import World
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Trainee:
+    """What one rank trains with, built once."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: GradScaler
+
+
+def build_trainee(config: TrainConfig, world: World) -> Trainee:
+    model = build_model(config.model, device="meta")
+    apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
+    model = apply_zero(model, config, world)  # shard, then materialise only this rank's part
+    optimizer = build_optimizer(model, config.optim, config.zero)
+    scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
+    return Trainee(model, optimizer, scheduler, scaler)
+
+
+def train(config: TrainConfig, world: World, out_dir: Path) -> dict[str, Any] | None:
+    """Train for config.steps optimizer steps; rank 0 returns the run's figures."""
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size)
+    meter = Meter(config, world, out_dir, flops_per_token=flops_per_token(config.model, config.seq_len))
+    for step in range(1, config.steps + 1):
+        stats = train_step(trainee, batches, config, world, step)
+        meter.update(step, stats)  # device tensors, no sync
+        if meter.should_log(step):
+            meter.log(step, trainee.model, trainee.optimizer)  # the one sync point: gathers every rank
+    return meter.finish()
+
+
+def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int) -> StepStats:
+    """One optimizer step over grad_accum micro-batches."""
+    model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
+    # Gradients are freed here rather than after the step, so they can be measured between steps.
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=world.device)
+    data_s = 0.0
+    for micro in range(config.grad_accum):
+        start = time.perf_counter()
+        inputs, targets = (t.to(world.device, non_blocking=True) for t in next(batches))
+        data_s += time.perf_counter() - start
+        is_last = micro == config.grad_accum - 1
+        with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
+            loss = cross_entropy(model(inputs), targets)
+            loss_sum += loss.detach()
+            loss = inject_fault(loss, config, world, step, is_last)
+            scaler.scale(loss / config.grad_accum).backward()
+    scaler.unscale_(optimizer)  # clipping must see true gradients
+    grad_norm = clip_gradients(model, config.optim.grad_clip)
+    scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
+    overflow = found_overflow(scaler, optimizer)
+    update_loss_scale(scaler, config.precision.min_loss_scale)
+    trainee.scheduler.step()
+    return StepStats(
+        loss=loss_sum / config.grad_accum,
+        grad_norm=grad_norm.detach(),
+        lr=trainee.scheduler.get_last_lr()[0],
+        # fp16 only: GradScaler.step has already synchronised with the host this step.
+        loss_scale=scaler.get_scale() if scaler.is_enabled() else 1.0,
+        overflow=overflow,
+        data_s=data_s,
+    )
+
+
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+
+def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether scaler.step skipped the step.
+
+    GradScaler exposes no public flag; comparing scales misses an overflow at the scale floor.
+    Its per-optimizer found_inf record (filled by unscale_, cleared by update) is the truth.
+    """
+    if not scaler.is_enabled():
+        return False
+    return sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) > 0
+
+
+def inject_fault(loss: torch.Tensor, config: TrainConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
+    """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
+    fault = config.fault
+    if fault.kind == FaultKind.none or fault.step != step or fault.rank != world.rank or not is_last:
+        return loss
+    if fault.kind == FaultKind.inf_grad:
+        # An overflow in backward: every gradient of this rank becomes inf/nan before reduction.
+        return loss * float("inf")
+    if fault.kind == FaultKind.nan_loss:
+        return loss * float("nan")
+    if fault.kind == FaultKind.raise_error:
+        raise RuntimeError(f"injected fault at step {step}")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return loss

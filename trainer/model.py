@@ -1,0 +1,244 @@
+"""A Llama-style decoder in one file: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Shapes are suffixed on names: B batch, T time (sequence), D model width, H query heads,
+K key/value heads, Q head width, F rotary frequencies (Q / 2), V vocabulary, M MLP hidden width.
+
+The model is meant to be built on the meta device (no memory), wrapped (activation
+checkpointing) and sharded (FSDP2), and only then materialised: `materialize` allocates the
+storage where each parameter now lives and `init_weights` fills it. Initialisation is drawn
+per parameter from a seed derived from the parameter's canonical name, so every rank, whatever
+slice it holds, sees the same full weights as a single unsharded process would.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from trainer.config import ModelConfig
+
+INIT_STD = 0.02
+"""Standard deviation of every linear and embedding weight (GPT-2 / Llama)."""
+
+# Name segments that wrappers insert into parameter names: checkpoint_wrapper, torch.compile,
+# and DDP / other `.module` wrappers. They never name a parameter of the model itself.
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "module"})
+
+# Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) so the
+# residual's variance does not grow with depth (GPT-2, section 2.3).
+_RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def build_rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angle of every (position, frequency) pair, in fp32."""
+    inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles_TF = torch.outer(pos_T, inv_freq_F)
+    return angles_TF.cos(), angles_TF.sin()
+
+
+def apply_rope(x_BTHQ: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle."""
+    # In fp32 whatever the compute dtype: bf16 angles at position ~4000 lose whole radians.
+    x0_BTHF, x1_BTHF = x_BTHQ.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos_1T1F, sin_1T1F = cos_TF[None, :, None, :], sin_TF[None, :, None, :]
+    y0_BTHF = x0_BTHF * cos_1T1F - x1_BTHF * sin_1T1F
+    y1_BTHF = x0_BTHF * sin_1T1F + x1_BTHF * cos_1T1F
+    return torch.stack((y0_BTHF, y1_BTHF), dim=-1).flatten(-2).type_as(x_BTHQ)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: n_kv_heads key/value heads shared by n_heads queries."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHQ = apply_rope(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TF, sin_TF)
+        k_BTKQ = apply_rope(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TF, sin_TF)
+        v_BTKQ = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        # SDPA wants heads before time. enable_gqa shares each K/V head among n_heads/n_kv_heads
+        # queries without materialising repeated K/V; asked for only when grouped, because some
+        # fused CUDA kernels do not take the flag at all.
+        o_BHTQ = F.scaled_dot_product_attention(
+            q_BTHQ.transpose(1, 2),
+            k_BTKQ.transpose(1, 2),
+            v_BTKQ.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x), hidden width exactly `ffn_dim`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTM = F.silu(self.w1(x_BTD)) * self.w3(x_BTD)
+        return self.w2(h_BTM)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TF, sin_TF)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class Transformer(nn.Module):
+    """Token embedding, `n_layers` blocks, a final RMSNorm and an untied output head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Rotary tables are buffers, not parameters: derived from the config, never trained or
+        # saved (persistent=False keeps them out of state_dict and checkpoints). Built on meta
+        # they are free; `to_empty` leaves them as garbage, so `init_weights` recomputes them.
+        # One copy here, handed to every block, rather than one per block.
+        self.register_buffer("rope_cos_TF", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin_TF", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the rotary tables in fp32 on the device the buffers live on now."""
+        head_dim = self.config.dim // self.config.n_heads
+        device = self.rope_cos_TF.device
+        self.rope_cos_TF, self.rope_sin_TF = build_rope_tables(head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Next-token logits in the compute dtype; the caller takes the loss in fp32."""
+        T = tokens_BT.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.config.max_seq_len}); lower seq_len")
+        cos_TF, sin_TF = self.rope_cos_TF[:T], self.rope_sin_TF[:T]
+        x_BTD = self.tok_embeddings(tokens_BT)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, cos_TF, sin_TF)
+        return self.output(self.norm(x_BTD))
+
+
+# ----------------------------------------------------------------------------- build and initialise
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """The decoder with storage on `device`; on meta (the default) it allocates nothing.
+
+    Weights are not initialised here: call `materialize` (or `init_weights`) once the model
+    is wrapped and sharded, so that each rank fills only its own shard.
+    """
+    with torch.device(device):
+        return Transformer(config)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper segments removed: the same before and after wrapping."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _find_transformer(model: nn.Module) -> Transformer:
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            return module
+    raise TypeError(f"init_weights needs a model containing a trainer.model.Transformer, got {type(model).__name__}")
+
+
+def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.Tensor:
+    """The full fp32 value of parameter `name`, on CPU, from a generator seeded by (seed, name)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_PROJECTIONS) else INIT_STD
+    # crc32, not hash(): Python salts str hashes per process, and every rank must agree.
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((seed * 2**32 + zlib.crc32(name.encode())) % 2**64)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` into `param`, or only this rank's slice of it when `param` is sharded."""
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank slices its own identical copy, so no communication.
+        # (distribute_tensor moves `full` to the mesh's device first: transient, one parameter.)
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter deterministically and recompute the rotary tables.
+
+    Each parameter is drawn whole, on CPU in fp32, from its own generator seeded by `seed` and
+    its canonical name, then only the local shard is kept. So the weights do not depend on
+    wrapping (checkpoint_wrapper, torch.compile), on sharding (FSDP2 DTensors on any number
+    of ranks) or on parameter order, and the transient memory is one parameter, never the model.
+    Linear and embedding weights ~ N(0, 0.02), wo and w2 scaled by 1/sqrt(2 * n_layers); norms 1.
+    """
+    n_layers = _find_transformer(model).config.n_layers
+    for name, param in model.named_parameters():
+        _copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            module.reset_buffers()
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it."""
+    model.to_empty(device=device)
+    init_weights(model, seed)
+
+
+# ----------------------------------------------------------------------------- size and cost
+
+
+def num_params(config: ModelConfig) -> int:
+    """Exact parameter count, counted on a meta-device build (allocates nothing)."""
+    return sum(p.numel() for p in build_model(config, device="meta").parameters())
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12 L H Q T (PaLM, appendix B; torchtitan).
+
+    6N is forward (2N) plus backward (4N) through the weights; 12 L H Q T is the attention
+    scores and the weighted sum of values, which have no parameters. N excludes the token
+    embedding: it is a table lookup, not a matmul (the untied output head is a matmul and counts).
+    """
+    n_matmul = num_params(config) - config.vocab_size * config.dim
+    head_dim = config.dim // config.n_heads
+    return 6.0 * n_matmul + 12.0 * config.n_layers * config.n_heads * head_dim * seq_len

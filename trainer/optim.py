@@ -1,0 +1,45 @@
+"""AdamW (fp32 state), its ZeRO-1 sharding, the warmup + cosine schedule, gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import OptimConfig, Stage, ZeroConfig
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig) -> torch.optim.Optimizer:
+    """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only."""
+    kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+    if zero.stage == Stage.stage1:
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step (step is 0-based)."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, optim, total_steps))
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (before clipping), clipping when max_norm > 0.
+
+    For FSDP2's DTensor gradients torch computes the norm over all shards (one all-reduce);
+    under DDP every rank already holds the reduced gradients.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

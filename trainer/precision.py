@@ -1,0 +1,62 @@
+"""Mixed precision: autocast for DDP stages, FSDP2's MixedPrecisionPolicy, and the fp16 loss scaler.
+
+Master weights and optimizer state are fp32 in every mode: autocast casts per op and FSDP2
+casts the unsharded copy, while the sharded parameters the optimizer updates stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch.amp import GradScaler
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from trainer.config import DType, PrecisionConfig, ZeroConfig
+
+TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+
+
+def compute_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return TORCH_DTYPES[precision.compute_dtype]
+
+
+def build_autocast(precision: PrecisionConfig, zero: ZeroConfig, device: torch.device) -> ContextManager:
+    """torch.autocast for DDP stages in bf16/fp16; FSDP2 casts through its policy instead."""
+    if precision.compute_dtype == DType.float32 or zero.uses_fsdp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype(precision))
+
+
+def build_mp_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
+    """FSDP2 all-gathers parameters in the compute dtype and reduces gradients in fp32."""
+    if precision.compute_dtype == DType.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+
+
+def build_grad_scaler(precision: PrecisionConfig, zero: ZeroConfig, device: torch.device) -> GradScaler:
+    """Always present, enabled only for fp16 (nanoGPT's habit: one code path for every precision).
+
+    FSDP2 needs ShardedGradScaler: each rank sees only its gradient shard, so the overflow
+    flag must be all-reduced for every rank to skip the same step. Under DDP the gradients
+    are already all-reduced, so an overflow anywhere is an overflow everywhere.
+    """
+    scaler_cls = ShardedGradScaler if zero.uses_fsdp else GradScaler
+    return scaler_cls(
+        device=device.type,
+        init_scale=precision.loss_scale_init,
+        growth_factor=precision.growth_factor,
+        backoff_factor=precision.backoff_factor,
+        growth_interval=precision.growth_interval,
+        enabled=precision.is_fp16,
+    )
+
+
+def update_loss_scale(scaler: GradScaler, min_loss_scale: float) -> None:
+    """scaler.update(), then hold the scale at the floor GradScaler itself does not have."""
+    scaler.update()
+    if scaler.is_enabled() and scaler.get_scale() < min_loss_scale:
+        scaler.update(new_scale=min_loss_scale)

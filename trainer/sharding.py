@@ -1,0 +1,79 @@
+"""ZeRO stages on PyTorch's own data parallelism.
+
+stage0: DistributedDataParallel (every rank holds everything).
+stage1: DDP + ZeroRedundancyOptimizer (optimizer state sharded; see trainer/optim.py).
+stage2: FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded;
+        parameters are sharded at rest but stay unsharded from forward to backward.
+stage3: FSDP2 fully_shard: parameters re-sharded after each block's forward as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import OffloadTarget, Stage, TrainConfig
+from trainer.model import materialize
+from trainer.precision import build_mp_policy
+from trainer.world import World
+
+
+def apply_zero(model: nn.Module, config: TrainConfig, world: World) -> nn.Module:
+    """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds.
+
+    FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
+    DDP wraps real parameters, so it comes after.
+    """
+    if config.zero.uses_fsdp:
+        apply_fsdp(model, config, world)
+        materialize(model, state_device(config, world), seed=config.seed)
+        return model
+    materialize(model, world.device, seed=config.seed)
+    device_ids = [world.device.index] if world.device.type == "cuda" else None
+    # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def state_device(config: TrainConfig, world: World) -> torch.device:
+    """Where sharded model states live: host memory under offload=cpu, else the training device."""
+    return torch.device("cpu") if config.offload.target == OffloadTarget.cpu else world.device
+
+
+def apply_fsdp(model: nn.Module, config: TrainConfig, world: World) -> None:
+    """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    reshard = config.zero.stage == Stage.stage3
+    common = dict(mesh=mesh, mp_policy=build_mp_policy(config.precision), offload_policy=build_offload_policy(config, world))
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    # The root's parameters are used again at the very start of backward (the output head), so
+    # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
+    fully_shard(model, reshard_after_forward=False, **common)
+
+
+def build_offload_policy(config: TrainConfig, world: World) -> OffloadPolicy:
+    if config.offload.target == OffloadTarget.none:
+        return OffloadPolicy()
+    # Pinning needs a CUDA runtime; on a CPU-only host the offloaded states are plain host memory.
+    return CPUOffloadPolicy(pin_memory=config.offload.pin_memory and world.device.type == "cuda")
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:
+    """Reduce gradients only on the last micro-batch of an accumulation window."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Transformer inside DDP (FSDP2 modifies the module in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

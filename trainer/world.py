@@ -1,0 +1,81 @@
+"""Where this process stands: its rank, the world size, its device and the process group."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import ConfigError, DeviceKind
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_kind(device: DeviceKind) -> str:
+    """`auto` is CUDA when a GPU is visible, else CPU; asking for CUDA without one is an error."""
+    if device == DeviceKind.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == DeviceKind.cuda and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; allowed here: auto, cpu")
+    return device.value
+
+
+def resolve_nproc(nproc: str, device_kind: str) -> int:
+    """`auto` is every visible GPU, else 2 CPU ranks."""
+    if nproc != "auto":
+        count = int(nproc)
+        if device_kind == "cuda" and count > torch.cuda.device_count():
+            raise ConfigError(f"nproc={count} but only {torch.cuda.device_count()} CUDA devices are visible")
+        return count
+    return torch.cuda.device_count() if device_kind == "cuda" else 2
+
+
+def is_under_torchrun() -> bool:
+    """torchrun (or any elastic agent) sets these before starting this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def init_world(device_kind: str) -> World:
+    """Join the process group the launcher described in the environment (RANK, MASTER_PORT, ...)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device_kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Ranks sharing a host each take every core by default and thrash; split the cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown_world() -> None:
+    """Leave the process group cleanly.
+
+    gloo occasionally aborts at shutdown while tensors that reference the group are still
+    alive; collecting them and meeting at a barrier first avoids it.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
