@@ -82,6 +82,7 @@ class FaultKind(str, Enum):
     nan_loss = "nan_loss"
     raise_error = "raise_error"
     kill = "kill"
+    kill_during_save = "kill_during_save"
 
 
 @dataclass
@@ -261,7 +262,7 @@ class OptimConfig:
 class SaveConfig:
     """conf/save/*.yaml: full training state saved with torch.distributed.checkpoint."""
 
-    every: int = 0
+    every: int = 100
     """Save every N optimizer steps (and at the end); 0 disables saving."""
     keep: int = 2
     """How many saves to keep."""
@@ -288,6 +289,8 @@ class FaultConfig:
     """Fault injection for tests and rehearsals: what goes wrong, on which rank, at which step."""
 
     kind: FaultKind = FaultKind.none
+    """none, inf_grad, nan_loss, raise_error, kill, or kill_during_save (SIGKILL once the save of
+    `step` is written, before it is renamed into place). Fires in the launcher's first attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""
     rank: int = 0
@@ -332,6 +335,8 @@ class TrainConfig:
     """Times the launcher restarts all ranks after one dies."""
     nonfinite: NonFinitePolicy = NonFinitePolicy["raise"]  # type: ignore[valid-type]
     """raise (stop, naming the step and ranks) or skip (skip the optimizer step)."""
+    max_nonfinite_skips: int = 3
+    """nonfinite=skip stops the run once this many steps in a row were non-finite."""
     device_memory_gib: Optional[float] = None
     """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
     log_every: int = 1
@@ -341,6 +346,7 @@ class TrainConfig:
         for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
+        _require(self.max_nonfinite_skips >= 1, f"max_nonfinite_skips must be >= 1, got {self.max_nonfinite_skips}")
         _require(
             self.nproc == "auto" or (self.nproc.isdigit() and int(self.nproc) >= 1),
             f"nproc must be auto or an integer >= 1, got {self.nproc}",

@@ -1,0 +1,70 @@
+"""Every option of every config group composes and validates against the typed schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from trainer.config import TrainConfig, register_configs, validate
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+GROUPS = ["model", "precision", "zero", "checkpointing", "offload", "dataloader", "data", "optim", "save", "logger"]
+REQUIRED_OPTIONS = {
+    "model": {"tiny", "125m", "350m", "1b", "7b", "13b", "70b"},
+    "precision": {"fp32", "bf16", "fp16"},
+    "zero": {"stage0", "stage1", "stage2", "stage3"},
+    "checkpointing": {"none", "full", "selective"},
+    "offload": {"none", "cpu"},
+    "dataloader": {"default"},
+    "data": {"synthetic", "tokens"},
+    "optim": {"adamw"},
+    "save": {"default", "off"},
+    "logger": {"wandb", "none"},
+}
+# Options that need a partner to be valid on their own.
+PARTNERS = {("offload", "cpu"): ["zero=stage3"], ("data", "tokens"): ["data.path=tokens.npy"]}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return validate(compose(config_name="train", overrides=overrides))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_group_has_the_required_options(group: str) -> None:
+    assert REQUIRED_OPTIONS[group] <= set(options(group))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes(group: str, option: str) -> None:
+    config = compose_config([f"{group}={option}", *PARTNERS.get((group, option), [])])
+    assert isinstance(config, TrainConfig)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_file_opens_with_a_comment_naming_its_mechanism(group: str, option: str) -> None:
+    first = (CONF / group / f"{option}.yaml").read_text().splitlines()[0]
+    assert first.startswith("# ") and len(first) > 20
+
+
+def test_the_option_selects_its_values() -> None:
+    config = compose_config(["model=70b", "zero=stage3", "precision=fp16", "checkpointing=selective"])
+    assert (config.model.dim, config.model.n_layers, config.model.n_kv_heads) == (8192, 80, 8)
+    assert config.zero.stage.value == "stage3"
+    assert config.precision.compute_dtype.value == "float16"
+    assert config.checkpointing.every_n_layers == 2
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    config = compose_config([])
+    assert (config.model.name, config.zero.stage.value, config.precision.name) == ("tiny", "stage0", "fp32")
+    assert config.nproc == "auto" and config.device.value == "auto" and config.mode.value == "train"

@@ -1,0 +1,36 @@
+"""Bad input ends in one line naming the key and what is allowed, before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+CASES = [
+    (["zero=stage5"], "zero=stage5", "stage0, stage1, stage2, stage3"),
+    (["precision=fp17"], "precision=fp17", "bf16, fp16, fp32"),
+    (["micro_batch=0"], "micro_batch", ">= 1"),
+    (["steps=-1"], "steps", ">= 1"),
+    (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),
+    (["offload=cpu", "zero=stage1"], "offload=cpu", "zero=stage2 or zero=stage3"),
+    (["nproc=0"], "nproc", "auto or an integer >= 1"),
+    (["model=13b"], "model=13b", "Try"),
+    (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "Try"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,allowed", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_naming_the_key(tmp_path: Path, overrides: list[str], key: str, allowed: str) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "device=cpu", "logger=none", *overrides, f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and key in lines[0] and allowed in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (out / "metrics.jsonl").exists()  # no rank ever started

@@ -1,0 +1,33 @@
+"""Mixed precision: the fp16 loss scaler's skip-and-back-off, and bf16/fp16 tracking fp32."""
+
+from __future__ import annotations
+
+import pytest
+
+INIT_SCALE = 1024.0
+FP16 = ("precision=fp16", f"precision.loss_scale_init={INIT_SCALE}", "precision.growth_interval=1000", "nproc=2")
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage3"])
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_both(trainer, stage: str) -> None:
+    run = trainer(*FP16, f"zero={stage}", "steps=5", "fault.kind=inf_grad", "fault.step=3", "fault.rank=1")
+    by_step = {r["step"]: r for r in run.records}
+    assert [by_step[s]["precision/overflow"] for s in range(1, 6)] == [0, 0, 1, 0, 0]
+    assert [by_step[s]["precision/loss_scale"] for s in range(1, 6)] == [INIT_SCALE] * 2 + [INIT_SCALE / 2] * 3
+    assert [by_step[s]["precision/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    # The meter checks that every rank reports the same scale and skip count on every log step.
+    assert run.summary["status"] == "ok"
+
+
+TOLERANCE = {"bf16": 0.02, "fp16": 0.005}  # relative, at every step
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage3"])  # autocast under DDP; MixedPrecisionPolicy under FSDP2
+def test_low_precision_tracks_fp32(trainer, stage: str) -> None:
+    """Each step's loss within TOLERANCE of the fp32 run; the curves fall together."""
+    fp32 = trainer("precision=fp32", f"zero={stage}", "nproc=2", "steps=16")
+    for precision, tolerance in TOLERANCE.items():
+        low = trainer(f"precision={precision}", f"zero={stage}", "nproc=2", "steps=16")
+        for step, (a, b) in enumerate(zip(low.losses, fp32.losses), start=1):
+            assert abs(a - b) <= tolerance * b, f"step {step}: {precision} {a} vs fp32 {b}"
+        assert low.losses[-1] < 0.8 * low.losses[0]

@@ -1,0 +1,74 @@
+"""The schema's range and cross-field rules name the key that is wrong."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from trainer.config import (
+    CheckpointingConfig,
+    ConfigError,
+    DataConfig,
+    DataKind,
+    DataloaderConfig,
+    ModelConfig,
+    OffloadConfig,
+    OffloadTarget,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+    from_plain,
+    to_plain,
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"grad_accum": 0}, "grad_accum"),
+        ({"steps": -1}, "steps"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"seq_len": 4096}, "model.max_seq_len"),
+        ({"nproc": "0"}, "nproc"),
+        ({"nproc": "two"}, "nproc"),
+        ({"device_memory_gib": -1.0}, "device_memory_gib"),
+        ({"offload": OffloadConfig(target=OffloadTarget.cpu)}, "offload=cpu"),
+    ],
+)
+def test_bad_top_level_values_name_the_key(kwargs: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "build,key",
+    [
+        (lambda: ModelConfig(dim=130, n_heads=4), "model.dim"),
+        (lambda: ModelConfig(n_heads=4, n_kv_heads=3), "model.n_heads"),
+        (lambda: CheckpointingConfig(every_n_layers=0), "checkpointing.every_n_layers"),
+        (lambda: DataloaderConfig(num_workers=0, prefetch_factor=2), "dataloader.prefetch_factor"),
+        (lambda: DataloaderConfig(num_workers=0, persistent_workers=True), "dataloader.persistent_workers"),
+        (lambda: DataConfig(kind=DataKind.tokens, path=None), "data.path"),
+    ],
+)
+def test_bad_group_values_name_the_key(build, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build()
+
+
+def test_offload_is_allowed_with_fsdp_stages() -> None:
+    for stage in (Stage.stage2, Stage.stage3):
+        TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
+
+
+def test_global_batch_is_micro_batch_times_accum_times_world() -> None:
+    assert TrainConfig(micro_batch=3, grad_accum=5).global_batch(world_size=7) == 105
+
+
+def test_plain_round_trip_keeps_every_value() -> None:
+    config = TrainConfig(micro_batch=3, zero=ZeroConfig(stage=Stage.stage3), nproc="2")
+    plain = to_plain(config)
+    assert plain["zero"]["stage"] == "stage3" and plain["nonfinite"] == "raise"  # enums as plain strings
+    assert OmegaConf.create(plain) is not None
+    assert from_plain(plain) == config

@@ -1,0 +1,324 @@
+"""Full training state saved with torch.distributed.checkpoint (DCP): atomic saves, found again to resume.
+
+A save is a DCP directory `<run>/checkpoints/step_XXXXXXXX` holding, under canonical,
+wrapper-free names (no `module.`, no activation-checkpoint or FSDP prefixes):
+
+- model:     every parameter (FSDP2 DTensor shards or DDP's replicated tensors; DCP writes each
+             element once and reads back whatever slice the loading rank holds),
+- optim:     AdamW's state and hyperparameters, flattened per parameter name,
+- scheduler: the LR scheduler's counters, scaler: the fp16 loss scale and its growth tracker,
+- rng:       every rank's torch / CUDA / Python / NumPy generator states,
+- progress:  the step (= the data position: data.build_batches resumes the global sample stream
+             at any step) and the global batch it was taken with, plus skip counters.
+
+Because the names and the layout do not depend on the ZeRO stage or the world size, a save from
+N ranks at one stage loads into M ranks at another.
+
+Atomicity: every rank writes into `checkpoints/.tmp_step_XXXXXXXX`; after DCP has written the
+metadata (its last act, once every rank's data is on disk) and a barrier, rank 0 renames the
+directory to `step_XXXXXXXX` (one rename: atomic on POSIX) and prunes to the last `save.keep`.
+A kill at any moment leaves either the previous saves alone or a `.tmp_*` directory, which is
+never read. Only a directory named `step_XXXXXXXX` that contains `.metadata` is a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from trainer.config import ConfigError, FaultKind, TrainConfig
+from trainer.world import World
+
+if TYPE_CHECKING:  # loop.py imports this module
+    from trainer.loop import Trainee
+
+SAVES_DIR = "checkpoints"
+SAVE_NAME = re.compile(r"^step_(\d{8})$")
+METADATA = ".metadata"  # written by DCP last, on rank 0, once every rank's data is written
+
+# Flattened optimizer state is keyed by parameter name (`state.<fqn>.exp_avg`,
+# `param_groups.<fqn>.lr`) rather than by position in a param group: names are the same whatever
+# the stage, and under ZeRO-1 each rank's partial state then has keys disjoint from the others'.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class Resumed:
+    """Where a run starts: the step already taken and the counters carried over."""
+
+    step: int = 0
+    nonfinite_skipped: int = 0
+    overflow_skipped: int = 0
+    path: Path | None = None
+
+
+def save_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def saves_root(run_dir: Path) -> Path:
+    return run_dir / SAVES_DIR
+
+
+def is_valid_save(path: Path) -> bool:
+    """A complete save: the final name (renamed only after writing) and DCP's metadata file."""
+    return SAVE_NAME.match(path.name) is not None and (path / METADATA).is_file()
+
+
+def list_saves(run_dir: Path) -> list[Path]:
+    """The run's complete saves, oldest first; half-written `.tmp_*` directories are not saves."""
+    root = saves_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_valid_save(p)), key=lambda p: p.name)
+
+
+def latest_save(run_dir: Path) -> Path | None:
+    saves = list_saves(run_dir)
+    return saves[-1] if saves else None
+
+
+def save_step(path: Path) -> int:
+    match = SAVE_NAME.match(path.name)
+    assert match is not None, path
+    return int(match.group(1))
+
+
+def should_save(config: TrainConfig, step: int) -> bool:
+    """Every save.every steps and at the last step; never when save.every is 0."""
+    every = config.save.every
+    return every > 0 and (step % every == 0 or step == config.steps)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state DCP can name.
+
+    ZeroRedundancyOptimizer.state_dict() only works after consolidate_state_dict() gathers every
+    partition onto one rank (the memory ZeRO-1 exists to avoid), and the DCP state-dict helpers
+    do not know the wrapper. Its `.optim` is a plain AdamW over this rank's partition, holding
+    the same Parameter objects as the model, so the helpers map it to parameter names: each rank
+    contributes its partition's state, and the union is exactly a stage0 AdamW's state.
+    """
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def copy_hyperparameters(src_groups: list[dict[str, Any]], dst_groups: list[dict[str, Any]]) -> None:
+    """Copy lr, betas, ... between matching param groups (what ZeroRedundancyOptimizer's private
+    _sync_param_groups does): the scheduler writes the wrapper's groups, and the wrapper copies
+    them into `.optim` only inside step(), so at save time `.optim` still has the last step's lr."""
+    for src, dst in zip(src_groups, dst_groups, strict=True):
+        dst.update({key: value for key, value in src.items() if key != "params"})
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def training_state(trainee: Trainee, config: TrainConfig, world: World, resumed: Resumed) -> dict[str, Any]:
+    """The state dict DCP writes (and, as a template, fills in place when loading)."""
+    optimizer = inner_optimizer(trainee.optimizer)
+    if optimizer is not trainee.optimizer:
+        copy_hyperparameters(trainee.optimizer.param_groups, optimizer.param_groups)
+    return {
+        "model": get_model_state_dict(trainee.model, options=OPTIONS),
+        "optim": get_optimizer_state_dict(trainee.model, optimizer, options=OPTIONS),
+        "scheduler": trainee.scheduler.state_dict(),
+        "scaler": trainee.scaler.state_dict(),  # {} unless fp16
+        # One entry per rank: DCP keeps a single copy of a key that every rank writes.
+        "rng": {f"rank{world.rank}": rng_state()},
+        "progress": {
+            "step": resumed.step,
+            "global_batch": config.global_batch(world.world_size),
+            "world_size": world.world_size,
+            "stage": config.zero.stage.value,
+            "nonfinite_skipped": resumed.nonfinite_skipped,
+            "overflow_skipped": resumed.overflow_skipped,
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, resumed: Resumed) -> Path:
+    """Write the state after `resumed.step` steps atomically (a collective: every rank calls it)."""
+    root = saves_root(run_dir)
+    final, tmp = root / save_name(resumed.step), root / f".tmp_{save_name(resumed.step)}"
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save killed at this very step
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(training_state(trainee, config, world, resumed), checkpoint_id=tmp)
+    kill_if_rehearsing(config, world, resumed.step)
+    dist.barrier()  # every rank has returned from DCP: its data and the metadata are on disk
+    if world.is_main:
+        publish(tmp, final)
+        prune(root, config.save.keep)
+    return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the finished save into place; the rename is the moment it becomes a save."""
+    if final.exists():
+        # Only after resuming from an earlier save of this directory: that timeline is replaced.
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable, not only the files (DCP fsyncs those)
+    finally:
+        os.close(fd)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` saves; remove leftovers of killed saves."""
+    for path in list_saves(root.parent)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(".tmp_step_*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def kill_if_rehearsing(config: TrainConfig, world: World, step: int) -> None:
+    """fault.kind=kill_during_save: SIGKILL this rank after its data is written, before the rename."""
+    fault = config.fault
+    if fault.kind == FaultKind.kill_during_save and fault.step == step and fault.rank == world.rank and first_attempt():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher has restarted the ranks of this job (0: first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def first_attempt() -> bool:
+    """Whether this is the launcher's first start of the ranks (a fault rehearses one failure)."""
+    return restart_count() == 0
+
+
+def find_start(config: TrainConfig, run_dir: Path) -> Path | None:
+    """The save this rank starts from, or None for step 0.
+
+    After a launcher restart: the newest save of this run (the ranks died after it). Otherwise
+    the save the job process resolved `resume` to (job.py turns true / a run directory into one).
+    """
+    if not first_attempt() and (newest := latest_save(run_dir)) is not None:
+        return newest
+    return None if config.resume in ("false", "true") else Path(config.resume)
+
+
+def log_restart(run_dir: Path, start: Path | None, world: World) -> None:
+    """Rank 0 records each launcher restart on the console and in restarts.jsonl."""
+    if first_attempt() or not world.is_main:
+        return
+    where = f"resuming from {start}" if start is not None else "no save yet: starting from step 0"
+    print(f"restart {restart_count()}: the launcher restarted all ranks; {where}", flush=True)
+    with (run_dir / "restarts.jsonl").open("a") as f:
+        f.write(json.dumps({"restart": restart_count(), "save": str(start) if start else None}) + "\n")
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The flattened keys in a save (e.g. `rng.rank1.torch`), from DCP's metadata."""
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def has_entry(keys: set[str], prefix: str) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for key in keys)
+
+
+def load_training_state(trainee: Trainee, config: TrainConfig, world: World, path: Path) -> Resumed:
+    """Fill the trainee from a save made with any world size and stage; returns where to go on."""
+    keys = saved_keys(path)
+    state = training_state(trainee, config, world, Resumed())
+    # Optional entries: a rank the save did not have (more ranks now), a scaler only fp16 has.
+    if not has_entry(keys, f"rng.rank{world.rank}"):
+        del state["rng"]
+    if not state["scaler"] or not has_entry(keys, "scaler"):
+        del state["scaler"]
+    dcp.load(state, checkpoint_id=path)
+    progress = state["progress"]
+    check_global_batch(progress["global_batch"], config, world, path)
+    apply_training_state(trainee, state)
+    return Resumed(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"], path)
+
+
+def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
+    """Hand the loaded entries to their owners (tensors DCP already filled in place)."""
+    optimizer = inner_optimizer(trainee.optimizer)
+    set_model_state_dict(trainee.model, state["model"], options=OPTIONS)
+    set_optimizer_state_dict(trainee.model, optimizer, state["optim"], options=OPTIONS)
+    if optimizer is not trainee.optimizer:
+        copy_hyperparameters(optimizer.param_groups, trainee.optimizer.param_groups)
+    trainee.scheduler.load_state_dict(state["scheduler"])
+    if "scaler" in state:
+        # The scale and its growth tracker are state; factors and interval stay as configured now.
+        current = trainee.scaler.state_dict()
+        trainee.scaler.load_state_dict({**current, "scale": state["scaler"]["scale"], "_growth_tracker": state["scaler"]["_growth_tracker"]})
+    if "rng" in state:
+        set_rng_state(next(iter(state["rng"].values())))
+
+
+def check_global_batch(saved: int, config: TrainConfig, world: World, path: Path) -> None:
+    """The data position is a step of `saved` sequences each; another global batch would skip or repeat samples."""
+    now = config.global_batch(world.world_size)
+    if saved != now:
+        raise ConfigError(
+            f"resume: {path} was saved with a global batch of {saved} sequences; this run has {now} "
+            f"(micro_batch={config.micro_batch} x grad_accum={config.grad_accum} x {world.world_size} ranks): "
+            f"set micro_batch or grad_accum so that the product is {saved}"
+        )
+
+
+def rewind_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl records after `step` (left by the run that died), so the file is one history.
+
+    Truncated in place (same file, same inode): the job process's reader notices the shorter file.
+    """
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep_bytes = 0
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip() and json.loads(line)["step"] > step:
+                break
+            keep_bytes += len(line)
+    with path.open("r+b") as f:
+        f.truncate(keep_bytes)
