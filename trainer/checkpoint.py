@@ -18,7 +18,9 @@ Atomicity: every rank writes into `checkpoints/.tmp_step_XXXXXXXX`; after DCP ha
 metadata (its last act, once every rank's data is on disk) and a barrier, rank 0 renames the
 directory to `step_XXXXXXXX` (one rename: atomic on POSIX) and prunes to the last `save.keep`.
 A kill at any moment leaves either the previous saves alone or a `.tmp_*` directory, which is
-never read. Only a directory named `step_XXXXXXXX` that contains `.metadata` is a save.
+never read. Only a directory named `step_XXXXXXXX` that contains `.metadata` is a save. (DCP
+writes straight into the directory it is given and has no commit step of its own, hence the
+rename, written here.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import random
 import re
 import shutil
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,13 +67,15 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
-class Resumed:
-    """Where a run starts: the step already taken and the counters carried over."""
+class Progress:
+    """Where training stands: what a save records besides the trainee, and where a resume starts."""
 
     step: int = 0
+    """Optimizer steps taken; also the data position (build_batches(start_step=step))."""
     nonfinite_skipped: int = 0
+    """Steps skipped by nonfinite=skip so far."""
     overflow_skipped: int = 0
-    path: Path | None = None
+    """fp16 steps the GradScaler skipped so far."""
 
 
 def save_name(step: int) -> str:
@@ -149,7 +154,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def training_state(trainee: Trainee, config: TrainConfig, world: World, resumed: Resumed) -> dict[str, Any]:
+def training_state(trainee: Trainee, config: TrainConfig, world: World, progress: Progress) -> dict[str, Any]:
     """The state dict DCP writes (and, as a template, fills in place when loading)."""
     optimizer = inner_optimizer(trainee.optimizer)
     if optimizer is not trainee.optimizer:
@@ -162,12 +167,12 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, resumed:
         # One entry per rank: DCP keeps a single copy of a key that every rank writes.
         "rng": {f"rank{world.rank}": rng_state()},
         "progress": {
-            "step": resumed.step,
+            "step": progress.step,
             "global_batch": config.global_batch(world.world_size),
             "world_size": world.world_size,
             "stage": config.zero.stage.value,
-            "nonfinite_skipped": resumed.nonfinite_skipped,
-            "overflow_skipped": resumed.overflow_skipped,
+            "nonfinite_skipped": progress.nonfinite_skipped,
+            "overflow_skipped": progress.overflow_skipped,
         },
     }
 
@@ -175,27 +180,28 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, resumed:
 # ----------------------------------------------------------------------------- save
 
 
-def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, resumed: Resumed) -> Path:
-    """Write the state after `resumed.step` steps atomically (a collective: every rank calls it)."""
+def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, progress: Progress) -> Path:
+    """Write the state after `progress.step` steps atomically (a collective: every rank calls it)."""
     root = saves_root(run_dir)
-    final, tmp = root / save_name(resumed.step), root / f".tmp_{save_name(resumed.step)}"
+    final, tmp = root / save_name(progress.step), root / f".tmp_{save_name(progress.step)}"
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save killed at this very step
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(training_state(trainee, config, world, resumed), checkpoint_id=tmp)
-    kill_if_rehearsing(config, world, resumed.step)
+    dcp.save(training_state(trainee, config, world, progress), checkpoint_id=tmp)
+    kill_if_rehearsing(config, world, progress.step)
     dist.barrier()  # every rank has returned from DCP: its data and the metadata are on disk
     if world.is_main:
         publish(tmp, final)
-        prune(root, config.save.keep)
+        prune(root, config.save.keep, progress.step)
     return final
 
 
 def publish(tmp: Path, final: Path) -> None:
     """Rename the finished save into place; the rename is the moment it becomes a save."""
     if final.exists():
-        # Only after resuming from an earlier save of this directory: that timeline is replaced.
+        # A save of this step from a run this one replaces (a reused directory). The previous
+        # saves stay valid meanwhile; only this step's is briefly missing.
         shutil.rmtree(final)
     os.rename(tmp, final)
     fd = os.open(final.parent, os.O_RDONLY)
@@ -205,9 +211,15 @@ def publish(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` saves; remove leftovers of killed saves."""
-    for path in list_saves(root.parent)[:-keep]:
+def prune(root: Path, keep: int, step: int) -> None:
+    """Keep the newest `keep` saves up to `step`; remove leftovers of killed saves.
+
+    Saves after `step` belong to a timeline this run has replaced (a directory reused for a
+    new run): they go, so they can never be resumed by mistake nor crowd out this run's saves.
+    """
+    saves = list_saves(root.parent)
+    current = [path for path in saves if save_step(path) <= step]
+    for path in current[:-keep] + [path for path in saves if save_step(path) > step]:
         shutil.rmtree(path, ignore_errors=True)
     for path in root.glob(".tmp_step_*"):
         shutil.rmtree(path, ignore_errors=True)
@@ -263,10 +275,10 @@ def has_entry(keys: set[str], prefix: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for key in keys)
 
 
-def load_training_state(trainee: Trainee, config: TrainConfig, world: World, path: Path) -> Resumed:
+def load_training_state(trainee: Trainee, config: TrainConfig, world: World, path: Path) -> Progress:
     """Fill the trainee from a save made with any world size and stage; returns where to go on."""
     keys = saved_keys(path)
-    state = training_state(trainee, config, world, Resumed())
+    state = training_state(trainee, config, world, Progress())
     # Optional entries: a rank the save did not have (more ranks now), a scaler only fp16 has.
     if not has_entry(keys, f"rng.rank{world.rank}"):
         del state["rng"]
@@ -274,9 +286,9 @@ def load_training_state(trainee: Trainee, config: TrainConfig, world: World, pat
         del state["scaler"]
     dcp.load(state, checkpoint_id=path)
     progress = state["progress"]
-    check_global_batch(progress["global_batch"], config, world, path)
+    check_global_batch(progress["global_batch"], config, world.world_size, path)
     apply_training_state(trainee, state)
-    return Resumed(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"], path)
+    return Progress(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"])
 
 
 def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
@@ -295,30 +307,149 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
         set_rng_state(next(iter(state["rng"].values())))
 
 
-def check_global_batch(saved: int, config: TrainConfig, world: World, path: Path) -> None:
+def check_global_batch(saved: int, config: TrainConfig, world_size: int, path: Path) -> None:
     """The data position is a step of `saved` sequences each; another global batch would skip or repeat samples."""
-    now = config.global_batch(world.world_size)
+    now = config.global_batch(world_size)
     if saved != now:
         raise ConfigError(
             f"resume: {path} was saved with a global batch of {saved} sequences; this run has {now} "
-            f"(micro_batch={config.micro_batch} x grad_accum={config.grad_accum} x {world.world_size} ranks): "
-            f"set micro_batch or grad_accum so that the product is {saved}"
+            f"(micro_batch={config.micro_batch} x grad_accum={config.grad_accum} x {world_size} ranks): "
+            f"set micro_batch and grad_accum so that micro_batch x grad_accum x ranks is {saved}"
         )
 
 
 def rewind_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records after `step` (left by the run that died), so the file is one history.
+    """Drop the metrics.jsonl records after `step` (written by ranks that died), so the file is one history.
 
-    Truncated in place (same file, same inode): the job process's reader notices the shorter file.
+    The shorter file replaces the old one with os.replace: atomic, and a new inode, by which the
+    job process's reader (loggers.MetricsTail) knows to read the file anew.
     """
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    keep_bytes = 0
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip() and json.loads(line)["step"] > step:
-                break
-            keep_bytes += len(line)
-    with path.open("r+b") as f:
-        f.truncate(keep_bytes)
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(".metrics.jsonl.rewind")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the loop's entry points
+
+
+def resume_training(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path) -> Progress:
+    """Load the save this run starts from, if any; Progress() (step 0) for a fresh start."""
+    start = find_start(config, run_dir)
+    log_restart(run_dir, start, world)
+    progress = load_training_state(trainee, config, world, start) if start is not None else Progress()
+    if world.is_main and (start is not None or not first_attempt()):
+        rewind_metrics(run_dir, progress.step)
+        if start is not None:
+            print(f"resumed from {start} at step {progress.step}", flush=True)
+    return progress
+
+
+def save_last_good(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, progress: Progress) -> None:
+    """Before stopping on a non-finite step: save the state after the last good step, when saving is on.
+
+    The failed step changed neither weights, optimizer, scheduler nor scaler, so the trainee is
+    exactly the state after `progress.step` steps. Skipped when that save exists already.
+    """
+    if config.save.every == 0 or progress.step == 0 or (saves_root(run_dir) / save_name(progress.step)).exists():
+        return
+    path = save_training_state(trainee, config, world, run_dir, progress)
+    if world.is_main:
+        print(f"saved the last good state (step {progress.step}) to {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------- resume, in the job process
+
+# Keys that say how a job runs rather than what it trains: a run that differs only in these is
+# the same run for `resume=true` (the resumed invocation itself differs in `resume`, and a killed
+# rehearsal in `fault`).
+NOT_IDENTITY = (
+    "resume", "fault", "max_restarts", "save", "logger", "nonfinite", "max_nonfinite_skips", "log_every",
+    "telemetry", "dataloader", "plan", "fail_fast", "device_memory_gib",
+)  # fmt: skip
+
+
+def run_identity(plain: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in plain.items() if key not in NOT_IDENTITY}
+
+
+def saved_run_identity(run_dir: Path) -> dict[str, Any] | None:
+    """The identity of the run in `run_dir`, from the config Hydra stored there; None if unreadable."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import from_plain, to_plain
+
+    try:
+        stored = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
+        return run_identity(to_plain(from_plain(stored)))  # type: ignore[arg-type]
+    except Exception:  # not a run directory, or one from an older schema: not this run
+        return None
+
+
+def candidate_runs(out_dir: Path) -> list[Path]:
+    """This job's directory and its siblings in Hydra's `<root>/<date>/<time>` layout (outputs/runs/*/*)."""
+    siblings = [p for p in out_dir.parent.parent.glob("*/*") if p.is_dir()]
+    return sorted(set(siblings) | {out_dir})
+
+
+def newest_matching_save(config: TrainConfig, out_dir: Path) -> Path | None:
+    """The most recently written valid save of a run with this config (NOT_IDENTITY aside)."""
+    from trainer.config import to_plain
+
+    identity = run_identity(to_plain(config))
+    saves = [
+        save
+        for run in candidate_runs(out_dir)
+        if (save := latest_save(run)) is not None and saved_run_identity(run) == identity
+    ]
+    return max(saves, key=lambda save: (save / METADATA).stat().st_mtime, default=None)
+
+
+def resolve_resume(config: TrainConfig, out_dir: Path) -> tuple[str, Path]:
+    """`resume` as the ranks take it (false, or a save's path) and the directory the job writes to.
+
+    - false: start at step 0 in this job's directory.
+    - true: the newest save of this config; continue in *that* run's directory, so metrics.jsonl
+      and the W&B run go on. With no save yet, start at step 0 (a preemptible job can always
+      pass resume=true).
+    - a run directory: its newest save, continuing in that directory.
+    - a save directory (`.../checkpoints/step_XXXXXXXX`): start from it in this job's directory,
+      for example with another world size or stage.
+    """
+    if config.resume == "false":
+        return "false", out_dir
+    if config.resume == "true":
+        save = newest_matching_save(config, out_dir)
+        if save is None:
+            print(f"resume=true: no save of this config under {out_dir.parent.parent}; starting at step 0", flush=True)
+            return "false", out_dir
+        return str(save), save.parent.parent
+    path = Path(config.resume).expanduser().resolve()
+    if is_valid_save(path):
+        return str(path), out_dir
+    if (save := latest_save(path)) is not None:
+        return str(save), path
+    raise ConfigError(
+        f"resume={config.resume}: no save there; allowed: false, true, a run directory with "
+        f"{SAVES_DIR}/step_XXXXXXXX saves, or one such save directory"
+    )
+
+
+def read_progress(path: Path) -> dict[str, Any]:
+    """The `progress` entry of a save, read in this process without a process group."""
+    state: dict[str, Any] = {"progress": {"step": 0, "global_batch": 0, "world_size": 0, "stage": ""}}
+    with warnings.catch_warnings():  # DCP warns that there is no process group: that is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["progress"]
+
+
+def count_restarts(run_dir: Path) -> int:
+    path = run_dir / "restarts.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0

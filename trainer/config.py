@@ -75,6 +75,10 @@ class DeviceKind(str, Enum):
 # `raise` is a keyword, so this Enum is built from a mapping rather than a class body.
 NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
 
+# Accelerators whose memory the plan knows (trainer/plan.py ACCELERATOR_MIB); names carry a
+# dash, so this Enum too is built from a mapping.
+Accelerator = Enum("Accelerator", {name: name for name in ("a100-40gb", "a100-80gb", "h100", "h200")}, type=str)
+
 
 class FaultKind(str, Enum):
     none = "none"
@@ -298,6 +302,43 @@ class FaultConfig:
 
 
 @dataclass
+class TelemetryConfig:
+    """conf/train.yaml `telemetry:`: what ranks measure besides loss and time (trainer/metrics.py, memory.py)."""
+
+    enabled: bool = True
+    """false: no memory figures and no MFU, only loss, lr, grad norm, throughput and the loss scale."""
+    memory_every: int = 500
+    """CPU: tensor-level memory tracking (torch's MemTracker, several times slower than a plain step)
+    runs on the run's second step and then every this many steps; 0: that step only. GPU counters
+    and host RSS are read on every log step at no cost."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOPS of one device, for MFU; None: looked up from the GPU's name (CPU: no MFU)."""
+    warmup_steps: Optional[int] = None
+    """Steps that steady-state throughput leaves out; None: 10% of steps, at least the first log window."""
+
+    def __post_init__(self) -> None:
+        _require(self.memory_every >= 0, f"telemetry.memory_every must be >= 0, got {self.memory_every}")
+        _require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"telemetry.peak_tflops must be > 0 or null, got {self.peak_tflops}",
+        )
+        _require(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            f"telemetry.warmup_steps must be >= 0 or null, got {self.warmup_steps}",
+        )
+
+
+@dataclass
+class PlanConfig:
+    """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan.py)."""
+
+    enforce: bool = True
+    """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""
+    accelerator: Optional[Accelerator] = None  # type: ignore[valid-type]
+    """Plan for this accelerator's memory (a100-40gb, a100-80gb, h100, h200) instead of this host's."""
+
+
+@dataclass
 class TrainConfig:
     """conf/train.yaml: one training job."""
 
@@ -312,6 +353,8 @@ class TrainConfig:
     save: SaveConfig = field(default_factory=SaveConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     micro_batch: int = 8
     """Sequences per rank per forward pass."""
@@ -339,6 +382,8 @@ class TrainConfig:
     """nonfinite=skip stops the run once this many steps in a row were non-finite."""
     device_memory_gib: Optional[float] = None
     """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
+    fail_fast: bool = False
+    """Multirun: stop the sweep (exit 1) at the first point that does not end `ok`; false records it and goes on."""
     log_every: int = 1
     """Optimizer steps between log lines (each one gathers every rank's figures)."""
 
@@ -346,6 +391,8 @@ class TrainConfig:
         for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.resume.lower() in ("true", "false"):
+            self.resume = self.resume.lower()  # `resume=true` on the command line arrives as the bool's str "True"
         _require(self.max_nonfinite_skips >= 1, f"max_nonfinite_skips must be >= 1, got {self.max_nonfinite_skips}")
         _require(
             self.nproc == "auto" or (self.nproc.isdigit() and int(self.nproc) >= 1),

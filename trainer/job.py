@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,38 +11,69 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
 from trainer.launch import RankFailure, launch_local, rank_main
-from trainer.plan import preflight
-from trainer.summary import build_summary, provenance, read_metrics, write_summary
+from trainer.loggers import open_logger, run_group, run_name
+from trainer.nonfinite import summarize as nonfinite_summary
+from trainer.plan import build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
+from trainer.plan import refusal as plan_refusal
+from trainer.plan import summary_fields as plan_summary_fields
+from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
+from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
 
 def run_job(cfg: DictConfig) -> None:
     """The Hydra task: everything a job does, and the exit status it ends with."""
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if finished_ok(out_dir):  # a sweep re-run into the same directory: this point is done
+        print(f"skipped: {out_dir} already finished with status ok", flush=True)
+        return
     try:
         config = validate(cfg)
-        device_kind = resolve_device_kind(config.device)
-        world_size = resolve_nproc(config.nproc, device_kind)
+        if config.mode == Mode.plan:  # plans for any device and world size: nothing checked against this host
+            device_kind = planned_device_kind(config)
+            world_size = planned_world_size(config, device_kind)
+        else:
+            device_kind = resolve_device_kind(config.device)
+            world_size = resolve_nproc(config.nproc, device_kind)
+        if config.mode == Mode.train and not is_under_torchrun():
+            config, out_dir = prepare_resume(config, out_dir, world_size)
     except ConfigError as err:
         fail(f"error: {err}", code=2)
         return
     if is_under_torchrun():
         run_under_torchrun(config, device_kind)
         return
+    # Plan before launching (trainer/plan.py): the table and plan.json for every job, and a
+    # refusal of what cannot fit, recorded as status `refused` without starting a rank.
+    plan = build_plan(config, device_kind, world_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_plan(out_dir, plan)
+    print(format_plan(plan), flush=True)
+    if config.mode == Mode.plan:
+        return
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
-    refusal = preflight(config, device_kind, world_size)
-    if refusal is not None:
+    meta.update(plan_summary_fields(plan))
+    refusal = plan_refusal(plan)
+    if refusal is not None and config.plan.enforce:
         write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
         fail(f"error: {refusal}", code=2)
         return
-    if config.mode == Mode.plan:
-        print(f"fits: model states of model={config.model.name} fit on {world_size} {device_kind} ranks")
-        return
-    status, extra = train_ranks(config, out_dir, device_kind, world_size)
-    summary = build_summary(status, read_metrics(out_dir), config.steps, **extra, **meta)
-    write_summary(out_dir, summary)
+    if refusal is not None:
+        print("warning: plan.enforce=false, trying anyway", flush=True)
+    # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
+    # with the job's status, also when a rank died.
+    with open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
+        with logger.follow(out_dir / "metrics.jsonl"):
+            status, extra = train_ranks(config, out_dir, device_kind, world_size)
+        records = read_metrics(out_dir)
+        summary = build_summary(
+            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
+        )
+        write_summary(out_dir, summary)
+        logger.finish(summary)
     report_end(summary, out_dir)
     if status != "ok":
         fail(f"error: {extra['error']}", code=1)
@@ -49,11 +81,29 @@ def run_job(cfg: DictConfig) -> None:
 
 def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str, dict[str, Any]]:
     """Run the ranks; a rank's death is a status to record, not an exception to propagate."""
+    restarts_before = count_restarts(out_dir)
     try:
-        launch_local(to_plain(config), out_dir, device_kind, world_size, config.max_restarts)
+        result = launch_local(to_plain(config), out_dir, device_kind, world_size, config.max_restarts)
     except RankFailure as failure:
-        return "crashed", {"error": str(failure), "failed_rank": failure.rank}
-    return "ok", {}
+        where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
+        return "oom" if failure.oom else "crashed", {"error": str(failure), **where}
+    restarts = {"restarts": count_restarts(out_dir) - restarts_before}
+    if result is not None and result.get("status") == "diverged":  # the non-finite policy stopped it
+        return "diverged", {"error": result["error"], **restarts}
+    return "ok", restarts
+
+
+def prepare_resume(config: TrainConfig, out_dir: Path, world_size: int) -> tuple[TrainConfig, Path]:
+    """Resolve `resume` to a save and the directory to write to (checkpoint.resolve_resume); refuse,
+    before any rank starts, a save whose global batch differs from this run's."""
+    resume, run_dir = resolve_resume(config, out_dir)
+    if resume != "false":
+        saved = read_progress(Path(resume))
+        check_global_batch(saved["global_batch"], config, world_size, Path(resume))
+        rewind_metrics(run_dir, saved["step"])  # before the W&B feeder starts reading it
+        where = f"; continuing in {run_dir}" if run_dir != out_dir else ""
+        print(f"resume: from step {saved['step']} of {resume}{where}", flush=True)
+    return dataclasses.replace(config, resume=resume), run_dir
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
@@ -64,26 +114,24 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     import torch.distributed as dist
 
     world = init_world(device_kind)
-    shared = [to_plain(config), str(HydraConfig.get().runtime.output_dir)]
+    resume, run_dir = resolve_resume(config, Path(HydraConfig.get().runtime.output_dir))
+    shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir)]
     dist.broadcast_object_list(shared, src=0)
     plain, out_dir = shared
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    rank_main(plain, out_dir, device_kind)
+    result = rank_main(plain, out_dir, device_kind)
     if world.is_main:
-        summary = build_summary("ok", read_metrics(Path(out_dir)), config.steps, world_size=world.world_size)
+        status = "diverged" if result is not None and result.get("status") == "diverged" else "ok"
+        # No W&B here: every process is a rank (ranks never import wandb); metrics.jsonl and summary.json only.
+        records = read_metrics(Path(out_dir))
+        summary = build_summary(status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, world_size=world.world_size)
         write_summary(Path(out_dir), summary)
         report_end(summary, Path(out_dir))
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:
     """A short end-of-run account on the console."""
-    lines = [f"status: {summary['status']}"]
-    if "loss/first" in summary:
-        lines.append(f"loss: {summary['loss/first']:.4f} -> {summary['loss/final']:.4f} over {summary['steps_done']} steps")
-    if summary.get("throughput/tokens_per_s"):
-        lines.append(f"throughput (steady): {summary['throughput/tokens_per_s']:,.0f} tokens/s")
-    lines.append(f"outputs: {out_dir}")
-    print("\n".join(lines), flush=True)
+    print(f"{summary_table(summary)}\n  outputs: {out_dir}", flush=True)
 
 
 def fail(message: str, code: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import uuid
 from dataclasses import dataclass
@@ -13,32 +14,46 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config import from_plain
+from trainer.oom import apply_memory_cap, explain, recording_failures
 from trainer.world import init_world, shutdown_world
 
 
 @dataclass
 class RankFailure(Exception):
-    """A rank died or raised; `cause` is one readable line."""
+    """A rank died or raised; `cause` is one readable line; where the rank's record says, the step and phase."""
 
     rank: int
     exitcode: int
     cause: str
+    oom: bool = False
+    step: int | None = None
+    phase: str | None = None
 
     def __str__(self) -> str:
-        return f"rank {self.rank} failed: {self.cause}"
+        where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
+        return f"rank {self.rank} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
 
 
 @record
 def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str, Any] | None:
     """The entry point of every rank: plain config in, rank 0's final figures out."""
     from trainer.loop import train  # imported in the rank: the job process never builds a model
+    from trainer.nonfinite import NonFiniteError
 
     config = from_plain(plain)
     world = init_world(device_kind)
-    try:
-        return train(config, world, Path(out_dir))
-    finally:
-        shutdown_world()
+    apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
+    with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
+        try:
+            result = train(config, world, Path(out_dir))
+        except NonFiniteError as err:
+            # Every rank stops here together (they agreed), so this is an ending, not a crash: no
+            # traceback, no elastic restart; the job records status `diverged` with this line.
+            result = {"status": "diverged", "error": str(err)}
+    # Not in a `finally`: a rank that raised must leave without the shutdown barrier, which its
+    # peers (inside another collective) would never reach; the launcher stops them instead.
+    shutdown_world()
+    return result
 
 
 def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int) -> dict[str, Any] | None:
@@ -56,11 +71,27 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
         start_method="spawn",
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # With restarts, each attempt's ranks need a store of their own: the c10d rendezvous shares one
+    # TCPStore across attempts by default, and a restarted rank can then read the dead attempt's
+    # gloo/NCCL addresses and hang or fail to connect (pytorch/pytorch#135712; seen here as
+    # "Gloo connectFullMesh failed ... Connection refused"). Rank 0 of each attempt hosts a fresh
+    # store instead. Without restarts the shared store (no port race) stays.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
     try:
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind)
     except ChildFailedError as err:
-        raise first_failure(err) from None
+        raise with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None) from None
     return results.get(0)
+
+
+def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capped: bool) -> RankFailure:
+    """The failure as the ranks' own records tell it (trainer/oom.py): out of memory or not, step, phase."""
+    exitcodes = {rank: f.exitcode for rank, f in err.failures.items()}
+    record = explain(failure.rank, exitcodes, out_dir, capped)
+    if record is None:
+        return failure
+    exitcode = exitcodes.get(record["rank"], failure.exitcode)
+    return RankFailure(record["rank"], exitcode, record["message"], record["oom"], record["step"], record["phase"])
 
 
 def first_failure(err: ChildFailedError) -> RankFailure:

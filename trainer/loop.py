@@ -15,10 +15,13 @@ from torch import nn
 from torch.amp import GradScaler
 
 from trainer.activation_checkpointing import apply_activation_checkpointing
+from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
 from trainer.config import FaultKind, TrainConfig
 from trainer.data import build_batches
 from trainer.metrics import Meter, StepStats
 from trainer.model import build_model, flops_per_token
+from trainer.nonfinite import NonFiniteError, NonFiniteGuard, find_nonfinite
+from trainer.oom import mark_phase
 from trainer.optim import build_optimizer, build_scheduler, clip_gradients
 from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.sharding import apply_zero, gradient_sync
@@ -48,21 +51,36 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
 
 
 def train(config: TrainConfig, world: World, out_dir: Path) -> dict[str, Any] | None:
-    """Train for config.steps optimizer steps; rank 0 returns the run's figures."""
+    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures."""
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
-    batches = build_batches(config, world.rank, world.world_size)
+    start = resume_training(trainee, config, world, out_dir)  # step 0 unless resuming or restarted
+    batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token=flops_per_token(config.model, config.seq_len))
-    for step in range(1, config.steps + 1):
-        stats = train_step(trainee, batches, config, world, step)
+    meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
+    guard = NonFiniteGuard(config, world, skipped=start.nonfinite_skipped)
+    for step in range(start.step + 1, config.steps + 1):
+        try:
+            with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
+                stats = train_step(trainee, batches, config, world, step, guard)
+        except NonFiniteError:  # every rank raises together: they agreed in train_step
+            save_last_good(trainee, config, world, out_dir, progress(step - 1, guard, meter))
+            raise
         meter.update(step, stats)  # device tensors, no sync
         if meter.should_log(step):
             meter.log(step, trainee.model, trainee.optimizer)  # the one sync point: gathers every rank
+        if should_save(config, step):
+            save_training_state(trainee, config, world, out_dir, progress(step, guard, meter))
     return meter.finish()
 
 
-def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int) -> StepStats:
-    """One optimizer step over grad_accum micro-batches."""
+def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
+    """What a save records besides the trainee: the step (= data position) and the skip counters."""
+    return Progress(step=step, nonfinite_skipped=guard.skipped, overflow_skipped=meter.skipped_steps)
+
+
+def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int, guard: NonFiniteGuard) -> StepStats:
+    """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite)."""
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
@@ -74,13 +92,17 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
         data_s += time.perf_counter() - start
         is_last = micro == config.grad_accum - 1
         with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
-            loss = cross_entropy(model(inputs), targets)
+            mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
+            loss = inject_fault(cross_entropy(model(inputs), targets), config, world, step, is_last)
             loss_sum += loss.detach()
-            loss = inject_fault(loss, config, world, step, is_last)
+            mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
+    mark_phase(step, "optimizer")
     scaler.unscale_(optimizer)  # clipping must see true gradients
     grad_norm = clip_gradients(model, config.optim.grad_clip)
-    scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
+    # Every rank agrees (one all-reduce) before stepping; under fp16 a gradient overflow is the scaler's.
+    if guard.check(find_nonfinite(loss_sum, grad_norm, step, world, scaler.is_enabled())):
+        scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
     update_loss_scale(scaler, config.precision.min_loss_scale)
     trainee.scheduler.step()
@@ -92,6 +114,7 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
         loss_scale=scaler.get_scale() if scaler.is_enabled() else 1.0,
         overflow=overflow,
         data_s=data_s,
+        nonfinite_skipped=guard.skipped,
     )
 
 
@@ -114,11 +137,15 @@ def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool
 def inject_fault(loss: torch.Tensor, config: TrainConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
     fault = config.fault
-    if fault.kind == FaultKind.none or fault.step != step or fault.rank != world.rank or not is_last:
+    if fault.kind in (FaultKind.none, FaultKind.kill_during_save) or fault.step != step or fault.rank != world.rank:
+        return loss
+    if not is_last or not first_attempt():  # a fault rehearses one failure, not one per restart
         return loss
     if fault.kind == FaultKind.inf_grad:
-        # An overflow in backward: every gradient of this rank becomes inf/nan before reduction.
-        return loss * float("inf")
+        # An overflow in backward: the loss value stays finite, every gradient of this rank
+        # becomes inf/nan before reduction.
+        loss.register_hook(lambda grad: grad * float("inf"))
+        return loss
     if fault.kind == FaultKind.nan_loss:
         return loss * float("nan")
     if fault.kind == FaultKind.raise_error:

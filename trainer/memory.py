@@ -48,9 +48,16 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def should_track_tensors(step: int, memory_every: int) -> bool:
-    """Step 1 always (it falls in the warm-up that steady throughput leaves out), then every N steps."""
-    return step == 1 or (memory_every > 0 and (step - 1) % memory_every == 0)
+def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:
+    """Tensor tracking on `anchor` and every `memory_every` steps from it (0: the anchor only).
+
+    The anchor is the run's second step: the first one that starts with Adam's state (step 1
+    creates it, so its peak is lower than every later step's), and one that the warm-up, left
+    out of steady throughput, still covers in a run that logs less often than every step.
+    """
+    if memory_every == 0:
+        return step == anchor
+    return (step - anchor) % memory_every == 0
 
 
 class MemoryProbe:
@@ -60,11 +67,13 @@ class MemoryProbe:
     one tensor; a figure not measured in the window is NaN.
     """
 
-    def __init__(self, device: torch.device, memory_every: int) -> None:
+    def __init__(self, device: torch.device, memory_every: int, last_step: int) -> None:
         self.device = device
         self.memory_every = memory_every
+        self.last_step = last_step
         self.fields = CUDA_FIELDS if device.type == "cuda" else CPU_FIELDS
         self._ooms_before = self._retries_before = 0
+        self._anchor: int | None = None  # the second step of this run (of this attempt, after a resume)
         self.reset()
 
     def reset(self) -> None:
@@ -79,7 +88,9 @@ class MemoryProbe:
 
     def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
         """Wrap one training step: tensor-level tracking on chosen CPU steps, nothing otherwise."""
-        if self.device.type != "cpu" or not should_track_tensors(step, self.memory_every):
+        if self._anchor is None:
+            self._anchor = min(step + 1, self.last_step)
+        if self.device.type != "cpu" or not should_track_tensors(step, self._anchor, self.memory_every):
             return contextlib.nullcontext()
         return self._track_tensors(model, optimizer)
 

@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from trainer.config import TrainConfig
+from trainer.config import DType, PrecisionConfig, TrainConfig
+from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_optimizer
+from trainer.nonfinite import SKIPPED_KEY
+from trainer.plan import predicted_peak_bytes
 from trainer.world import World
 
 GIB = 2**30
+BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
+
+# Dense (no sparsity) peak TFLOPS of one device, from the vendors' datasheets, per matmul input
+# dtype: (bf16, fp16, tf32, fp32). Matched as a substring of torch.cuda.get_device_name(), in
+# this order, so the more specific names come first. None: the device has no such mode.
+PEAK_TFLOPS: list[tuple[str, tuple[float | None, float | None, float | None, float]]] = [
+    ("H100 PCIe", (756.0, 756.0, 378.0, 51.2)),
+    ("H100 NVL", (835.5, 835.5, 417.5, 60.0)),
+    ("H100", (989.4, 989.4, 494.7, 66.9)),  # SXM5
+    ("H200 NVL", (835.5, 835.5, 417.5, 60.0)),
+    ("H200", (989.4, 989.4, 494.7, 66.9)),  # SXM5
+    ("A100", (312.0, 312.0, 156.0, 19.5)),
+    ("L40S", (362.1, 362.1, 183.0, 91.6)),
+    ("L4", (121.0, 121.0, 60.0, 30.3)),
+    ("A10", (125.0, 125.0, 62.5, 31.2)),
+    ("V100", (None, 125.0, None, 15.7)),  # SXM2; fp16 tensor cores, no bf16 or tf32
+]
 
 
 @dataclass
@@ -31,6 +51,8 @@ class StepStats:
     loss_scale: float
     overflow: bool
     data_s: float
+    nonfinite_skipped: int = 0
+    """Cumulative steps skipped by nonfinite=skip (trainer/nonfinite.py), the same on every rank."""
 
 
 class Meter:
@@ -47,14 +69,27 @@ class Meter:
         self.path = out_dir / "metrics.jsonl"
         self.skipped_steps = 0
         self.last_record: dict[str, Any] | None = None
+        telemetry = config.telemetry
+        self.memory = MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
+        # The plan's worst-rank peak, next to the measured one in every record (rank 0 writes them).
+        self.predicted_peak_gib = predicted_peak_bytes(config, world.world_size) / GIB if telemetry.enabled and world.is_main else None
         self._open_window()
 
     def _open_window(self) -> None:
+        if self.memory is not None:
+            self.memory.reset()
         self.window_start = time.perf_counter()
         self.window_steps = 0
         self.window_data_s = 0.0
         self.window_overflows = 0
         self.last: StepStats | None = None
+
+    def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
+        """Wrap a training step: tensor-level memory tracking on the steps chosen for it."""
+        if self.memory is None:
+            return contextlib.nullcontext()
+        return self.memory.measure(step, model, optimizer)
 
     def update(self, step: int, stats: StepStats) -> None:
         self.window_steps += 1
@@ -74,6 +109,8 @@ class Meter:
         elapsed = time.perf_counter() - self.window_start
         states = model_state_bytes(model, optimizer)
         row = [self.last.loss.item(), elapsed, self.window_data_s, *states, self.last.loss_scale, self.skipped_steps]
+        if self.memory is not None:
+            row += self.memory.read()
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
         if self.world.is_main:
             self.last_record = self.build_record(step, per_rank)
@@ -84,29 +121,39 @@ class Meter:
         assert self.last is not None
         # Every rank must have taken (or skipped) the same steps with the same scale.
         assert (per_rank[:, 6:8] == per_rank[0, 6:8]).all(), f"ranks disagree on loss scale: {per_rank[:, 6:8].tolist()}"
-        # The slowest rank sets the pace: every rank waits for it at the collectives.
-        window_s = per_rank[:, 1].max().item()
-        step_s = window_s / self.window_steps
-        tokens_per_s = self.tokens_per_step / step_s
         record: dict[str, Any] = {
             "step": step,
             "loss/train": per_rank[:, 0].mean().item(),
             "optim/lr": self.last.lr,
             "optim/grad_norm": float(self.last.grad_norm.item()),
-            "throughput/tokens_per_s": tokens_per_s,
-            "throughput/tokens_per_s_per_rank": tokens_per_s / self.world.world_size,
-            "time/step_s": step_s,
-            "time/data_s": per_rank[:, 2].max().item() / self.window_steps,
+            SKIPPED_KEY: self.last.nonfinite_skipped,
+            **self.throughput_fields(per_rank),
         }
         for rank, (params, grads, optimizer) in enumerate(per_rank[:, 3:6].tolist()):
             record[f"memory/rank{rank}/params_gib"] = params / GIB
             record[f"memory/rank{rank}/grads_gib"] = grads / GIB
             record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
+        if self.memory is not None:
+            record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib))
         if self.config.precision.is_fp16:
             record["precision/loss_scale"] = self.last.loss_scale
             record["precision/overflow"] = self.window_overflows
             record["precision/skipped_steps"] = self.skipped_steps
         return record
+
+    def throughput_fields(self, per_rank: torch.Tensor) -> dict[str, float]:
+        # The slowest rank sets the pace: every rank waits for it at the collectives.
+        step_s = per_rank[:, 1].max().item() / self.window_steps
+        tokens_per_s = self.tokens_per_step / step_s
+        fields = {
+            "throughput/tokens_per_s": tokens_per_s,
+            "throughput/tokens_per_s_per_rank": tokens_per_s / self.world.world_size,
+            "time/step_s": step_s,
+            "time/data_s": per_rank[:, 2].max().item() / self.window_steps,
+        }
+        if self.peak_flops is not None:
+            fields["throughput/mfu_pct"] = mfu_pct(self.flops_per_token, tokens_per_s, self.peak_flops, self.world.world_size)
+        return fields
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -115,6 +162,63 @@ class Meter:
 
     def finish(self) -> dict[str, Any] | None:
         return self.last_record
+
+
+def memory_fields(fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib: float | None) -> dict[str, float]:
+    """Every rank's memory figures, the worst rank and the plan's prediction next to it.
+
+    A figure a rank did not measure in this window (NaN) is left out rather than logged.
+    """
+    record: dict[str, float] = {}
+    for rank, row in enumerate(per_rank.tolist()):
+        for name, value in zip(fields, row):
+            if not math.isnan(value):
+                record[memory_key(rank, name)] = value if name in COUNT_FIELDS else value / GIB
+    peaks = per_rank[:, fields.index("peak_allocated")]
+    measured = not torch.isnan(peaks).any().item()
+    if measured:
+        worst = int(peaks.argmax().item())
+        record["memory/max_rank_peak_gib"] = peaks[worst].item() / GIB
+        record["memory/argmax_rank"] = worst
+        record["memory/imbalance"] = (peaks.max() / peaks.mean()).item()
+    if predicted_gib is not None:
+        record["memory/predicted_peak_gib"] = predicted_gib
+        if measured:
+            # Positive: the plan over-predicts; relative to what was measured.
+            record["memory/prediction_error_pct"] = 100.0 * (predicted_gib - record["memory/max_rank_peak_gib"]) / record["memory/max_rank_peak_gib"]
+    return record
+
+
+def memory_key(rank: int, name: str) -> str:
+    """JSONL / W&B key of one memory figure: `memory/rank{r}/peak_allocated_gib`, `.../at_peak/grads_gib`."""
+    if name in COUNT_FIELDS:
+        return f"memory/rank{rank}/{name}"
+    category = name.removeprefix("peak_")
+    if category in TENSOR_CATEGORIES:
+        return f"memory/rank{rank}/at_peak/{category}_gib"  # what the tensors at the peak moment were
+    return f"memory/rank{rank}/{name}_gib"
+
+
+def mfu_pct(flops_per_token: float, tokens_per_s: float, peak_flops: float, world_size: int) -> float:
+    """Model FLOPs utilisation: the model's training FLOPs per second over the ranks' summed peak."""
+    return 100.0 * flops_per_token * tokens_per_s / (peak_flops * world_size)
+
+
+def device_peak_flops(device: torch.device, precision: PrecisionConfig, override_tflops: float | None) -> float | None:
+    """Dense peak FLOP/s of one device for this precision; None where unknown (CPU without an override)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    column = {DType.bfloat16: 0, DType.float16: 1}.get(precision.compute_dtype)
+    if column is None:
+        # fp32 matmuls use TF32 tensor cores only when torch is told it may (default: "highest" = no).
+        column = 3 if torch.get_float32_matmul_precision() == "highest" else 2
+    for pattern, peaks in PEAK_TFLOPS:
+        if pattern in name:
+            return peaks[column] * 1e12 if peaks[column] is not None else None
+    return None
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -131,11 +235,9 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     """
     params = sum(local_bytes(p) for p in model.parameters())
     grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    # ZeroRedundancyOptimizer wraps a local optimizer over this rank's partition only.
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     moments = sum(
         local_bytes(value)
-        for state in inner.state.values()
+        for state in local_optimizer(optimizer).state.values()  # ZeRO-1: this rank's partition only
         for value in state.values()
         if torch.is_tensor(value) and value.dim() > 0
     )
@@ -151,12 +253,34 @@ def gather_rows(local: torch.Tensor, world: World) -> torch.Tensor:
 
 
 def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    """One console line per log step: step, loss, tokens/s, and the worst rank's memory."""
     parts = [
         f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
         f"loss {record['loss/train']:.4f}",
         f"lr {record['optim/lr']:.2e}",
         f"{record['throughput/tokens_per_s']:,.0f} tok/s",
     ]
+    if "throughput/mfu_pct" in record:
+        parts.append(f"mfu {record['throughput/mfu_pct']:.1f}%")
+    worst = worst_rank_memory(record)
+    if worst is not None:
+        parts.append(worst)
     if "precision/loss_scale" in record:
         parts.append(f"scale {record['precision/loss_scale']:g}")
     return " | ".join(parts)
+
+
+def worst_rank_memory(record: dict[str, Any]) -> str | None:
+    """The worst rank's peak: tensor memory where measured this window, else host RSS (CPU)."""
+    if "memory/max_rank_peak_gib" in record:
+        return f"peak {format_gib(record['memory/max_rank_peak_gib'])} (rank {record['memory/argmax_rank']})"
+    rss = {key: value for key, value in record.items() if key.endswith("/peak_rss_gib")}
+    if not rss:
+        return None
+    key = max(rss, key=rss.__getitem__)
+    return f"rss {format_gib(rss[key])} ({key.split('/')[1].replace('rank', 'rank ')})"
+
+
+def format_gib(gib: float) -> str:
+    """A memory figure readable at every scale: MiB below 1 GiB."""
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"

@@ -7,7 +7,8 @@ The model is meant to be built on the meta device (no memory), wrapped (activati
 checkpointing) and sharded (FSDP2), and only then materialised: `materialize` allocates the
 storage where each parameter now lives and `init_weights` fills it. Initialisation is drawn
 per parameter from a seed derived from the parameter's canonical name, so every rank, whatever
-slice it holds, sees the same full weights as a single unsharded process would.
+slice it holds, sees the same full weights as a single unsharded process would. The model
+holds no buffers: the rotary tables are computed in forward (see `Transformer.__init__`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ _RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 # ----------------------------------------------------------------------------- rotary embeddings
 
 
-def build_rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def build_rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angle of every (position, frequency) pair, in fp32."""
     inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
@@ -127,26 +130,31 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        # Rotary tables are buffers, not parameters: derived from the config, never trained or
-        # saved (persistent=False keeps them out of state_dict and checkpoints). Built on meta
-        # they are free; `to_empty` leaves them as garbage, so `init_weights` recomputes them.
-        # One copy here, handed to every block, rather than one per block.
-        self.register_buffer("rope_cos_TF", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin_TF", torch.empty(0), persistent=False)
-        self.reset_buffers()
+        # Rotary tables are derived from the config, never trained or saved, so they are neither
+        # parameters nor buffers: computed on first use on the device of the tokens and cached per
+        # device. As buffers they would be garbage after `to_empty`, be stranded on the CPU when
+        # FSDP2 offloads states to host memory but computes on the GPU, be rounded by
+        # `model.to(bfloat16)`, and be broadcast by DDP (broadcast_buffers) on every forward.
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def reset_buffers(self) -> None:
-        """(Re)compute the rotary tables in fp32 on the device the buffers live on now."""
-        head_dim = self.config.dim // self.config.n_heads
-        device = self.rope_cos_TF.device
-        self.rope_cos_TF, self.rope_sin_TF = build_rope_tables(head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
+        if device not in self._rope_cache:
+            head_dim = self.config.dim // self.config.n_heads
+            # Built outside inference mode even when first asked for inside it (an eval before
+            # training): an inference tensor could never be saved for a later backward.
+            with torch.inference_mode(False):
+                tables = build_rope_tables(head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+            self._rope_cache[device] = tables
+        return self._rope_cache[device]
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """Next-token logits in the compute dtype; the caller takes the loss in fp32."""
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.config.max_seq_len}); lower seq_len")
-        cos_TF, sin_TF = self.rope_cos_TF[:T], self.rope_sin_TF[:T]
+            max_len = self.config.max_seq_len
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({max_len}); lower seq_len")
+        cos_TF, sin_TF = (table[:T] for table in self.rope_tables(tokens_BT.device))
         x_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos_TF, sin_TF)
@@ -178,14 +186,21 @@ def _find_transformer(model: nn.Module) -> Transformer:
     raise TypeError(f"init_weights needs a model containing a trainer.model.Transformer, got {type(model).__name__}")
 
 
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name` (canonical) under run seed `seed`: 32 bits."""
+    # crc32, not hash(): Python salts str hashes per process, and every rank must agree.
+    # Seed and name go into one 32-bit value because the CPU generator (mt19937) silently
+    # keeps only the low 32 bits of its seed: `seed * 2**32 + crc` would ignore the seed.
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
 def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.Tensor:
     """The full fp32 value of parameter `name`, on CPU, from a generator seeded by (seed, name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_PROJECTIONS) else INIT_STD
-    # crc32, not hash(): Python salts str hashes per process, and every rank must agree.
     generator = torch.Generator(device="cpu")
-    generator.manual_seed((seed * 2**32 + zlib.crc32(name.encode())) % 2**64)
+    generator.manual_seed(param_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
@@ -202,7 +217,7 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter deterministically and recompute the rotary tables.
+    """Fill every parameter deterministically (the model has no buffers to fill).
 
     Each parameter is drawn whole, on CPU in fp32, from its own generator seeded by `seed` and
     its canonical name, then only the local shard is kept. So the weights do not depend on
@@ -213,12 +228,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
     n_layers = _find_transformer(model).config.n_layers
     for name, param in model.named_parameters():
         _copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
-    for module in model.modules():
-        if isinstance(module, Transformer):
-            module.reset_buffers()
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize(model: nn.Module, device: str | torch.device, seed: int) -> None:
     """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it."""
     model.to_empty(device=device)
     init_weights(model, seed)

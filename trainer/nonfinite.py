@@ -87,13 +87,13 @@ class NonFiniteGuard:
             return True
         if not self.skip:
             raise NonFiniteError(f"{found.describe()} (nonfinite=raise; nonfinite=skip skips such steps)")
-        self.skipped += 1
-        self.in_a_row += 1
-        if self.in_a_row >= self.max_in_a_row:
+        if self.in_a_row + 1 >= self.max_in_a_row:
             raise NonFiniteError(
-                f"{found.describe()}: {self.in_a_row} non-finite steps in a row "
+                f"{found.describe()}: {self.in_a_row + 1} non-finite steps in a row "
                 f"(nonfinite=skip stops at max_nonfinite_skips={self.max_in_a_row})"
             )
+        self.skipped += 1
+        self.in_a_row += 1
         if self.is_main:
             print(f"skipped: {found.describe()} ({self.skipped} skipped so far, nonfinite=skip)", flush=True)
         return False

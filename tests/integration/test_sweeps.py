@@ -1,0 +1,222 @@
+"""Multirun sweeps run as a user runs them: `python -m trainer -m ...`, 2 CPU ranks per point.
+
+One named sweep with W&B (offline, read back with `wandb leet inspect --json`) is run once per
+module and re-run into its directory; an out-of-memory sweep, a fail-fast sweep and two jobs
+started at the same moment each run once.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from trainer.config import register_configs
+from trainer.report import COLUMNS, sweep_group
+from trainer.sweep import SweepCallback
+
+REPO = Path(__file__).resolve().parents[2]
+WANDB = Path(sys.executable).parent / "wandb"
+POINT = ("nproc=2", "device=cpu", "model=tiny", "steps=5", "seq_len=64", "log_every=1")
+REPORT_FILES = ("results.csv", "report.md", "throughput.png", "memory.png", "losses.png")
+# A cap that micro_batch=1 stays far below and that micro_batch=64 at seq_len 256 (~0.8 GiB of
+# activations per rank, the plan says) cannot fit; plan.enforce=false so that it runs and fails.
+CAPPED = ("device_memory_gib=0.25", "nproc=2", "device=cpu", "model=tiny", "steps=2", "seq_len=256", "log_every=1")
+
+
+def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "trainer", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    """The sweep's point directories in point order."""
+    return sorted((d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0]))
+
+
+def settings(point: Path) -> dict[str, str]:
+    overrides = OmegaConf.to_container(OmegaConf.load(point / ".hydra" / "overrides.yaml"))
+    return dict(o.lstrip("+").split("=", 1) for o in overrides)  # type: ignore[union-attr]
+
+
+def summary(point: Path) -> dict[str, Any]:
+    return json.loads((point / "summary.json").read_text())
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def table_rows(report_md: Path) -> list[str]:
+    return [line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+
+
+def wandb_records(run_file: Path) -> list[dict[str, Any]]:
+    """Every record of an offline run, read back with W&B's own reader."""
+    out = subprocess.run([str(WANDB), "leet", "inspect", "--json", str(run_file)], capture_output=True, text=True, timeout=60, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def wandb_summary(run_file: Path) -> dict[str, Any]:
+    out = subprocess.run([str(WANDB), "leet", "inspect", "--summary", "--json", str(run_file)], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def wandb_run(run_file: Path) -> dict[str, Any]:
+    return next(r["run"] for r in wandb_records(run_file) if r["type"] == "run")
+
+
+@dataclass
+class Sweep:
+    dir: Path
+    proc: subprocess.CompletedProcess[str]
+    report_bytes: dict[str, bytes]
+
+
+@pytest.fixture(scope="module")
+def named_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    """Acceptance 1 and 3: the named sweep micro_batch_x_stage, its grid narrowed on the command
+    line to micro_batch=1,2 x zero=stage2,stage3 (its 16 points take too long for the suite)."""
+    sweep_dir = tmp_path_factory.mktemp("named") / "sweep"
+    proc = run_sweep(sweep_dir, "+sweeps=micro_batch_x_stage", "micro_batch=1,2", "zero=stage2,stage3", *POINT, "logger=wandb")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Sweep(sweep_dir, proc, {name: (sweep_dir / name).read_bytes() for name in REPORT_FILES})
+
+
+def test_every_point_runs_in_its_own_directory_and_the_report_has_a_row_each(named_sweep: Sweep) -> None:
+    points = point_dirs(named_sweep.dir)
+    grid = {(mb, stage) for mb, stage in itertools.product(("1", "2"), ("stage2", "stage3"))}
+    assert {(settings(p)["micro_batch"], settings(p)["zero"]) for p in points} == grid and len(points) == 4
+    assert [(summary(p)["status"], summary(p)["steps_done"]) for p in points] == [("ok", 5)] * 4
+    rows = read_csv(named_sweep.dir / "results.csv")
+    assert [row["dir"] for row in rows] == [p.name for p in points]
+    for row, point in zip(rows, points):
+        assert row["status"] == "ok"
+        assert float(row["tokens_per_s"]) == summary(point)["throughput/tokens_per_s"]
+        assert float(row["final_loss"]) == summary(point)["loss/final"]
+        assert row["overrides"] == f"micro_batch={settings(point)['micro_batch']} zero={settings(point)['zero']}"
+    fastest = max(rows, key=lambda row: float(row["tokens_per_s"]))
+    assert [row["fastest"] for row in rows] == [str(row is fastest) for row in rows]
+    table = table_rows(named_sweep.dir / "report.md")
+    assert [line.split(" | ")[2] for line in table] == ["**ok, fastest**" if row is fastest else "ok" for row in rows]
+    for name in ("throughput.png", "memory.png", "losses.png"):
+        assert matplotlib.image.imread(named_sweep.dir / name).shape[:2] == (550, 900)
+
+
+def test_points_and_the_report_are_wandb_runs_in_one_group(named_sweep: Sweep) -> None:
+    points = point_dirs(named_sweep.dir)
+    runs = [wandb_run(next(p.glob("wandb/offline-run-*/run-*.wandb"))) for p in points]
+    assert {run["run_group"] for run in runs} == {sweep_group(named_sweep.dir)}
+    assert len({run["run_id"] for run in runs}) == 4
+    report_file = next(named_sweep.dir.glob("wandb/offline-run-*/run-report-*.wandb"))
+    report_run = wandb_run(report_file)
+    assert (report_run["run_group"], report_run["job_type"]) == (sweep_group(named_sweep.dir), "report")
+    history = next(r["history"]["item"] for r in wandb_records(report_file) if r["type"] == "history")
+    assert history["sweep/results._type"] == "table-file"
+    assert {history[f"sweep/{chart}._type"] for chart in ("throughput", "memory", "losses")} == {"image-file"}
+    table = json.loads(next(report_file.parent.glob("files/media/table/sweep/results_*.table.json")).read_text())
+    assert table["columns"] == COLUMNS
+    csv_rows = read_csv(named_sweep.dir / "results.csv")
+    index = COLUMNS.index("tokens_per_s")
+    assert [row[index] for row in table["data"]] == [float(row["tokens_per_s"]) for row in csv_rows]
+
+
+def test_rerunning_into_the_same_directory_runs_no_job_and_rewrites_the_same_report(named_sweep: Sweep) -> None:
+    """Acceptance 4."""
+    points = point_dirs(named_sweep.dir)
+    before = {p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points}
+    for name in REPORT_FILES:
+        (named_sweep.dir / name).unlink()
+    proc = run_sweep(named_sweep.dir, "+sweeps=micro_batch_x_stage", "micro_batch=1,2", "zero=stage2,stage3", *POINT, "logger=wandb")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("skipped: ") == 4
+    assert {p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points} == before
+    assert {name: (named_sweep.dir / name).read_bytes() for name in REPORT_FILES} == named_sweep.report_bytes
+    report_runs = {wandb_run(f)["run_id"] for f in named_sweep.dir.glob("wandb/offline-run-*/run-report-*.wandb")}
+    assert len(report_runs) == 1  # the same W&B report run, continued
+
+
+def test_a_point_that_runs_out_of_memory_is_a_result(tmp_path: Path) -> None:
+    """Acceptance 2: micro_batch=64 cannot fit the cap; the sweep records it as oom and exits 0."""
+    proc = run_sweep(tmp_path, "micro_batch=1,64", "plan.enforce=false", *CAPPED, "logger=wandb")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fits, too_big = (summary(p) for p in point_dirs(tmp_path))
+    assert fits["status"] == "ok" and fits["memory/max_rank_peak_gib"] < 0.25 < too_big["memory/predicted_peak_gib"]
+    assert too_big["status"] == "oom"
+    records = [json.loads(f.read_text()) for f in sorted((point_dirs(tmp_path)[1] / "failures").glob("rank*.json"))]
+    first_oom = next(r for r in records if r["oom"])
+    # Activations fill up during the first forward: that is where and when it runs out.
+    assert (too_big["failed_rank"], too_big["failed_step"], too_big["failed_phase"]) == (first_oom["rank"], 1, "forward")
+    assert "can't allocate memory" in too_big["error"]
+    wandb_end = wandb_summary(next(point_dirs(tmp_path)[1].glob("wandb/offline-run-*/run-*.wandb")))
+    assert {k: wandb_end["summary"][k] for k in ("status", "failed_rank", "failed_step", "failed_phase")} == {
+        k: too_big[k] for k in ("status", "failed_rank", "failed_step", "failed_phase")
+    }
+    row = read_csv(tmp_path / "results.csv")[1]
+    assert (row["status"], row["failed_rank"], row["failed_step"], row["failed_phase"]) == ("oom", str(first_oom["rank"]), "1", "forward")
+    assert f"**oom** (rank {first_oom['rank']}, step 1, forward)" in table_rows(tmp_path / "report.md")[1]
+    assert "**ok, fastest**" in table_rows(tmp_path / "report.md")[0]
+
+
+def test_fail_fast_stops_the_sweep_at_the_first_point_that_does_not_end_ok(tmp_path: Path) -> None:
+    """Here the plan refuses micro_batch=64 up front (no ranks start): the sweep stops there, exit 1."""
+    proc = run_sweep(tmp_path, "micro_batch=64,1", "fail_fast=true", *CAPPED, "logger=none")
+    assert proc.returncode == 1
+    assert "fail_fast" in proc.stderr
+    points = point_dirs(tmp_path)
+    assert [(settings(p)["micro_batch"], summary(p)["status"]) for p in points] == [("64", "refused")]  # micro_batch=1 never ran
+    assert [row["status"] for row in read_csv(tmp_path / "results.csv")] == ["refused"]
+
+
+def test_two_jobs_started_at_the_same_moment_do_not_collide(tmp_path: Path) -> None:
+    """Acceptance 5: two 2-rank jobs at once, both asking for the same timestamped directory
+    (day resolution, so they surely ask for the same one): each gets its own directory and its
+    own rendezvous port, and both finish ok with complete, unmixed metrics."""
+    point = (*POINT, "steps=3", "telemetry.enabled=false", "logger=none")
+    args = [sys.executable, "-m", "trainer", *point, f"hydra.run.dir={tmp_path}/runs/${{now:%Y-%m-%d}}"]
+    first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert first.poll() is None  # the first is still running when the second starts
+    outputs = [job.communicate(timeout=600) for job in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), [err[-2000:] for _, err in outputs]
+    today = datetime.date.today().isoformat()
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert [d.name for d in runs] == [today, f"{today}_1"]
+    for run in runs:
+        assert summary(run)["status"] == "ok"
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3]
+
+
+def test_sweeps_started_in_the_same_second_get_their_own_directories(tmp_path: Path) -> None:
+    """The same for two sweeps: each claims its own sweep directory, and the points (composed again
+    from the recorded overrides, as Hydra's launcher does) land in it."""
+    claimed = []
+    for _ in range(2):
+        cfg = compose_hydra([f"hydra.sweep.dir={tmp_path}/${{now:%Y-%m-%d}}"])
+        SweepCallback().on_multirun_start(cfg)
+        point_cfg = compose_hydra(list(cfg.hydra.overrides.hydra))
+        assert point_cfg.hydra.sweep.dir == cfg.hydra.sweep.dir
+        claimed.append(Path(cfg.hydra.sweep.dir))
+    today = datetime.date.today().isoformat()
+    assert claimed == [tmp_path / today, tmp_path / f"{today}_1"] and all(d.is_dir() for d in claimed)
+
+
+def compose_hydra(overrides: list[str]) -> Any:
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides, return_hydra_config=True)

@@ -1,0 +1,242 @@
+"""Telemetry of real 2-rank jobs on CPU: per-rank memory, the loss-scale history and the W&B run.
+
+The W&B runs are offline and read back with the wandb library's own reader
+(`wandb leet inspect --json`), then compared with metrics.jsonl value for value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import REPO, Run, run_trainer
+from trainer.config import ModelConfig, PrecisionConfig
+from trainer.model import build_model, num_params
+
+WANDB = str(Path(sys.executable).parent / "wandb")
+FAKE_KEY = "f00dfacecafe" * 3 + "beef"  # 40 characters, the shape of a W&B API key
+SMALL = ("model=tiny", "device=cpu", "nproc=2", "seq_len=64", "micro_batch=2", "log_every=1")
+
+# Acceptance 1 and 2 in one job: fp16 under stage3 with W&B, an overflow injected on rank 1.
+OVERFLOW_STEP, GROWTH_INTERVAL, INIT_SCALE = 7, 4, 1024.0
+FP16_JOB = (
+    *SMALL, "precision=fp16", "zero=stage3", "steps=20", "logger=wandb", "telemetry.memory_every=5",
+    "fault.kind=inf_grad", f"fault.step={OVERFLOW_STEP}", "fault.rank=1",
+    f"precision.growth_interval={GROWTH_INTERVAL}", f"precision.loss_scale_init={INIT_SCALE}",
+)  # fmt: skip
+
+
+def run_with_env(out_dir: Path, *overrides: str, env: dict[str, str], check: bool = True) -> Run:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return run_trainer(out_dir, *overrides, check=check)
+
+
+def wandb_file(out_dir: Path) -> Path:
+    files = sorted(out_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, f"expected one W&B run in {out_dir}, found {files}"
+    return files[0]
+
+
+def inspect_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a .wandb transaction log, as wandb's own reader prints it."""
+    out = subprocess.run([WANDB, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def wandb_history(out_dir: Path) -> dict[int, dict[str, Any]]:
+    history = [r["history"] for r in inspect_records(wandb_file(out_dir)) if r["type"] == "history"]
+    return {int(h["step"]["num"]): h["item"] for h in history}
+
+
+def wandb_summary(out_dir: Path) -> dict[str, Any]:
+    cmd = [WANDB, "leet", "inspect", "--summary", "--json", str(wandb_file(out_dir))]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+
+def same_value(wandb_value: Any, jsonl_value: Any) -> bool:
+    if isinstance(jsonl_value, float) and math.isnan(jsonl_value):
+        return wandb_value == "NaN"
+    return wandb_value == jsonl_value
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    env = {"WANDB_API_KEY": FAKE_KEY, "WANDB_MODE": "offline"}
+    return run_with_env(tmp_path_factory.mktemp("fp16"), *FP16_JOB, env=env)
+
+
+def test_wandb_history_holds_every_record_of_metrics_jsonl_value_for_value(fp16_run: Run) -> None:
+    history = wandb_history(fp16_run.out_dir)
+    records = fp16_run.records
+    assert sorted(history) == [r["step"] for r in records] == list(range(1, 21))
+    for record in records:
+        item = history[record["step"]]
+        differing = {k: (item.get(k), v) for k, v in record.items() if k != "step" and not same_value(item.get(k), v)}
+        assert not differing, f"step {record['step']}: W&B vs metrics.jsonl {differing}"
+        for key in ("precision/loss_scale", "precision/overflow", "throughput/tokens_per_s"):
+            assert key in item
+        for rank in (0, 1):
+            assert {f"memory/rank{rank}/params_gib", f"memory/rank{rank}/peak_rss_gib"} <= item.keys()
+
+
+def test_each_rank_reports_its_peak_on_the_tracked_steps_with_the_worst_rank(fp16_run: Run) -> None:
+    tracked = [r for r in fp16_run.records if "memory/max_rank_peak_gib" in r]
+    assert [r["step"] for r in tracked] == [2, 7, 12, 17]  # the anchor (step 2), then every memory_every=5
+    for record in tracked:
+        peaks = [record[f"memory/rank{rank}/peak_allocated_gib"] for rank in (0, 1)]
+        assert record["memory/max_rank_peak_gib"] == max(peaks)
+        assert record["memory/argmax_rank"] == peaks.index(max(peaks))
+        assert record["memory/imbalance"] == pytest.approx(max(peaks) / (sum(peaks) / 2))
+        predicted = record["memory/predicted_peak_gib"]
+        assert record["memory/prediction_error_pct"] == pytest.approx(100 * (predicted - max(peaks)) / max(peaks))
+
+
+def expected_scales(steps: int, precision: PrecisionConfig, overflow_step: int) -> list[float]:
+    """GradScaler's documented rule: back off on an overflow, grow after growth_interval clean steps."""
+    scale, clean, scales = precision.loss_scale_init, 0, []
+    for step in range(1, steps + 1):
+        if step == overflow_step:
+            scale, clean = scale * precision.backoff_factor, 0
+        else:
+            clean += 1
+            if clean == precision.growth_interval:
+                scale, clean = scale * precision.growth_factor, 0
+        scales.append(scale)
+    return scales
+
+
+def test_injected_overflow_halves_the_scale_and_growth_resumes_after_the_interval(fp16_run: Run) -> None:
+    precision = PrecisionConfig(loss_scale_init=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    history = wandb_history(fp16_run.out_dir)
+    for source in (fp16_run.records, [{"step": s, **history[s]} for s in sorted(history)]):
+        scales = [r["precision/loss_scale"] for r in source]
+        assert scales == expected_scales(20, precision, OVERFLOW_STEP)
+        assert [r["precision/overflow"] for r in source] == [int(r["step"] == OVERFLOW_STEP) for r in source]
+        assert [r["precision/skipped_steps"] for r in source] == [int(r["step"] >= OVERFLOW_STEP) for r in source]
+        k, g = OVERFLOW_STEP - 1, GROWTH_INTERVAL  # list index of the overflow step
+        assert scales[k] == scales[k - 1] * precision.backoff_factor
+        assert scales[k : k + g] == [scales[k]] * g  # held for growth_interval - 1 clean steps ...
+        assert scales[k + g] == scales[k] * precision.growth_factor  # ... and grown on the interval's last
+    assert fp16_run.summary["precision/skipped_steps"] == 1
+
+
+def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -> None:
+    run = next(r["run"] for r in inspect_records(wandb_file(fp16_run.out_dir)) if r["type"] == "run")
+    summary = fp16_run.summary
+    hydra = OmegaConf.load(fp16_run.out_dir / ".hydra" / "hydra.yaml").hydra
+    assert run["display_name"] == hydra.job.override_dirname  # the overrides, as Hydra names the job
+    assert "zero=stage3" in run["display_name"] and "precision=fp16" in run["display_name"]
+    assert run["job_type"] == "stage3"
+    assert len(run["run_group"]) == len("YYYY-MM-DD")  # a single run is grouped by its date
+    config = {k: v for k, v in run["config"]["update"].items() if k not in ("_wandb", "overrides", "provenance")}
+    assert config == summary["config"]
+    assert run["config"]["update"]["overrides"] == summary["overrides"]
+    assert run["config"]["update"]["provenance"]["world_size"] == 2
+    wandb_end = wandb_summary(fp16_run.out_dir)
+    assert wandb_end["state"] == "finished"
+    for key in ("status", "throughput/tokens_per_s", "memory/max_rank_peak_gib", "precision/skipped_steps", "loss/final"):
+        assert wandb_end["summary"][key] == summary[key]
+
+
+def test_no_api_key_in_any_output_or_wandb_file(fp16_run: Run) -> None:
+    files = [p for p in fp16_run.out_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert any(p.suffix == ".wandb" for p in files) and any(p.name == "summary.json" for p in files)
+    leaking = [str(p) for p in files if FAKE_KEY.encode() in p.read_bytes()]
+    assert leaking == []
+    assert FAKE_KEY not in fp16_run.stdout + fp16_run.stderr
+
+
+def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_path: Path) -> None:
+    killed_at = 4
+    job = (*SMALL, "steps=8", "logger=wandb", "fault.kind=kill", f"fault.step={killed_at}", "fault.rank=1")
+    run = run_with_env(tmp_path, *job, env={"WANDB_MODE": "offline"}, check=False)
+    assert run.returncode == 1
+    assert (run.summary["status"], run.summary["failed_rank"]) == ("crashed", 1)
+    wandb_end = wandb_summary(run.out_dir)
+    assert (wandb_end["state"], wandb_end["exit_code"]) == ("failed", 1)
+    assert (wandb_end["summary"]["status"], wandb_end["summary"]["failed_rank"]) == ("crashed", 1)
+    assert "SIGKILL" in wandb_end["summary"]["error"]
+    # What rank 0 logged before the kill reached W&B too.
+    assert sorted(wandb_history(run.out_dir)) == [r["step"] for r in run.records] == list(range(1, killed_at))
+
+
+def test_sweep_jobs_in_one_process_get_one_wandb_run_each_in_one_group(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = [sys.executable, "-m", "trainer", "-m", *SMALL, "nproc=1", "steps=1", "logger=wandb", "zero=stage0,stage1", f"hydra.sweep.dir={sweep_dir}"]
+    subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "WANDB_MODE": "offline"})
+    runs = [next(r["run"] for r in inspect_records(wandb_file(job)) if r["type"] == "run") for job in sorted(sweep_dir.glob("[0-9]_*"))]
+    assert [r["job_type"] for r in runs] == ["stage0", "stage1"]
+    assert len({r["run_id"] for r in runs}) == 2
+    assert {r["run_group"] for r in runs} == {f"{sweep_dir.parent.name}/{sweep_dir.name}"}
+    assert all(f"zero={r['job_type']}" in r["display_name"] for r in runs)
+
+
+# --------------------------------------------------------------------------- ZeRO in measured memory
+
+STAGE_JOB = (*SMALL, "precision=fp32", "steps=2", "logger=none", "telemetry.memory_every=0")
+
+
+@pytest.fixture(scope="module")
+def stage_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Step 2's record (tracked: the first step that starts with Adam's state) of stage0, stage1, stage3."""
+    return {stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}").records[-1] for stage in ("stage0", "stage1", "stage3")}
+
+
+def peak_bytes(record: dict[str, Any], rank: int, key: str = "peak_allocated_gib") -> float:
+    return record[f"memory/rank{rank}/{key}"] * 2**30
+
+
+def test_stage1_saves_each_rank_exactly_the_optimizer_state_it_no_longer_holds(stage_peaks) -> None:
+    stage0, stage1 = stage_peaks["stage0"], stage_peaks["stage1"]
+    adam_bytes = 8 * num_params(ModelConfig())  # two fp32 moments per parameter, on every rank at stage0
+    # ZeroRedundancyOptimizer partitions whole tensors, so the ranks' shares differ; together they hold it all.
+    shares = [peak_bytes(stage1, rank, "optimizer_gib") for rank in (0, 1)]
+    assert sum(shares) == pytest.approx(adam_bytes)
+    for rank in (0, 1):
+        saving = peak_bytes(stage0, rank) - peak_bytes(stage1, rank)
+        # The ZeRO arithmetic: stage1 removes (8P - this rank's share); bound: within 2% of it.
+        assert saving == pytest.approx(adam_bytes - shares[rank], rel=0.02)
+
+
+def test_stage3_saves_the_sharded_model_states_less_the_transient_full_copies(stage_peaks) -> None:
+    stage0, stage3 = stage_peaks["stage0"], stage_peaks["stage3"]
+    model = build_model(ModelConfig(), device="meta")
+    params = num_params(ModelConfig())
+    at_rest = 16 * params // 2  # fp32 params + grads + Adam moments, halved on 2 ranks
+    # FSDP2 holds full copies while computing: the root (embeddings, norm, head: never resharded
+    # after forward) and up to two blocks at a time (one computing, one prefetched), parameters
+    # and their unsharded gradients. The bound: the saving lies between at_rest minus those and at_rest.
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    transient = 4 * (root + 2 * 2 * block)
+    for rank in (0, 1):
+        saving = peak_bytes(stage0, rank) - peak_bytes(stage3, rank)
+        assert at_rest - transient <= saving <= at_rest * 1.01
+    assert peak_bytes(stage3, 0) < peak_bytes(stage_peaks["stage1"], 0) < peak_bytes(stage0, 0)
+
+
+# --------------------------------------------------------------------------- GPU counters
+
+
+@pytest.mark.gpu
+def test_gpu_counters_cover_the_model_states_and_mfu_uses_the_device_peak(tmp_path: Path) -> None:
+    job = ("model=tiny", "device=cuda", "nproc=1", "seq_len=64", "micro_batch=2", "log_every=1", "steps=3", "precision=bf16", "logger=none")
+    record = run_trainer(tmp_path, *job).records[-1]
+    states = sum(record[f"memory/rank0/{k}_gib"] for k in ("params", "grads", "optimizer"))
+    assert record["memory/rank0/peak_allocated_gib"] >= states
+    assert record["memory/rank0/peak_reserved_gib"] >= record["memory/rank0/peak_allocated_gib"]
+    assert record["memory/rank0/peak_active_gib"] >= record["memory/rank0/peak_allocated_gib"]
+    assert (record["memory/rank0/num_ooms"], record["memory/rank0/alloc_retries"]) == (0, 0)
+    assert record["memory/max_rank_peak_gib"] == record["memory/rank0/peak_allocated_gib"]
+    if "throughput/mfu_pct" in record:  # a device in the peak table
+        assert 0 < record["throughput/mfu_pct"] < 100

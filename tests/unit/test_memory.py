@@ -1,0 +1,74 @@
+"""One rank's memory probe on CPU, in this process: what MemTracker counts and when it runs."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainer.memory import CPU_FIELDS, MemoryProbe, peak_rss_bytes, reset_peak_rss, should_track_tensors
+
+CPU = torch.device("cpu")
+
+
+def test_tracking_runs_on_the_anchor_and_every_n_steps_after_it() -> None:
+    assert [s for s in range(1, 13) if should_track_tensors(s, anchor=2, memory_every=5)] == [2, 7, 12]
+    assert [s for s in range(1, 13) if should_track_tensors(s, anchor=2, memory_every=0)] == [2]
+    assert [s for s in range(1, 5) if should_track_tensors(s, anchor=2, memory_every=1)] == [1, 2, 3, 4]
+
+
+def adam_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(torch.randn(8, 256)).square().mean().backward()
+    optimizer.step()
+
+
+def test_tracked_step_counts_parameters_gradients_and_adam_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    adam_step(model, optimizer)  # Adam's state exists from here on, as in every step after the first
+    probe = MemoryProbe(CPU, memory_every=1, last_step=3)
+    with probe.measure(2, model, optimizer):
+        adam_step(model, optimizer)
+    figures = dict(zip(CPU_FIELDS, probe.read()))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert figures["peak_params"] == param_bytes
+    assert figures["peak_grads"] == param_bytes
+    # Two fp32 moments per parameter; the peak falls inside optimizer.step, whose temporaries
+    # MemTracker files as optimizer state too (at most one moment's worth here, per-tensor Adam).
+    assert 2 * param_bytes <= figures["peak_optimizer"] <= 3 * param_bytes + 4 * len(list(model.parameters()))
+    categories = [figures[f] for f in CPU_FIELDS if f not in ("peak_allocated", "peak_rss")]
+    assert figures["peak_allocated"] == sum(categories)
+
+
+def test_untracked_window_reports_no_tensor_peak_but_a_host_peak() -> None:
+    model = nn.Linear(16, 16)
+    optimizer = torch.optim.Adam(model.parameters())
+    probe = MemoryProbe(CPU, memory_every=0, last_step=10)
+    with probe.measure(1, model, optimizer):  # step 1: the anchor is step 2
+        adam_step_small(model, optimizer)
+    figures = dict(zip(CPU_FIELDS, probe.read()))
+    assert np.isnan(figures["peak_allocated"])
+    assert figures["peak_rss"] > 0
+
+
+def adam_step_small(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-window peak RSS needs /proc/self/clear_refs")
+def test_peak_rss_resets_each_window() -> None:
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    del block
+    high = peak_rss_bytes()
+    reset_peak_rss()
+    assert high - before >= 60 * 2**20
+    assert peak_rss_bytes() < high - 60 * 2**20

@@ -1,0 +1,290 @@
+"""The memory plan's arithmetic, pinned against torch itself and against hand-counted ledgers.
+
+- model states: against ZeroRedundancyOptimizer's own partition and FSDP2's own shards, built
+  for 3 ranks on torch's fake process group (uneven shards on purpose);
+- activations: against the tensors autograd really saves for the tiny model;
+- whole moments: a ledger of named tensors for the tiny model under every stage and precision.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import ModelConfig, TrainConfig, register_configs, validate
+from trainer.model import build_model, init_weights
+from trainer.plan import (
+    GIB,
+    activations,
+    build_plan,
+    model_shape,
+    model_states_per_rank,
+    padded_numel,
+    predicted_peak_bytes,
+    rank_states,
+    refusal,
+    shard_rows,
+    zero1_partition,
+)
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+# Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
+LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return validate(compose("train", overrides=["logger=none", *overrides]))
+
+
+def moment(plan, name: str, rank: int = 0) -> int:
+    (found,) = [m for m in plan.ranks[rank].moments if m.name == name]
+    return found.total
+
+
+# ----------------------------------------------------------------------------- model states
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA2))
+def test_llama2_presets_have_the_published_parameter_counts(name: str) -> None:
+    model = ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+    assert model_shape(model).num_params == LLAMA2[name]
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA2))
+def test_stage3_on_8_ranks_holds_the_zero_arithmetic(name: str) -> None:
+    """ZeRO-3: 16 bytes per parameter over N ranks (4 fp32 weights + 4 fp32 grads + 8 Adam here)."""
+    config = compose_config(f"model={name}", "zero=stage3", "precision=bf16")
+    plan = build_plan(config, "cuda", 8)
+    P = LLAMA2[name]
+    for rank in plan.ranks:
+        assert (rank.states.params, rank.states.grads, rank.states.optimizer) == (4 * P // 8, 4 * P // 8, 8 * P // 8)
+        assert rank.states.params + rank.states.grads + rank.states.optimizer == 16 * P // 8
+    assert model_states_per_rank(P, config.zero.stage, 8).total == 16 * P // 8
+
+
+@pytest.fixture
+def fake_group():
+    """A 3-rank world on torch's fake process group (collectives are no-ops): rank 2, the last."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=2, world_size=3, store=FakeStore())
+    yield 3, 2
+    dist.destroy_process_group()
+
+
+def test_zero1_partition_is_zero_redundancy_optimizers(fake_group) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    world_size, _ = fake_group
+    model = build_model(ModelConfig(), device="cpu")
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    theirs = [sorted(index[id(p)] for group in groups for p in group["params"]) for groups in optimizer._partition_parameters()]
+    assert [sorted(mine) for mine in zero1_partition([p.numel() for p in params], world_size)] == theirs
+    states = rank_states(model_shape(ModelConfig()), compose_config("zero=stage1").zero.stage, world_size)
+    assert [s.optimizer for s in states] == [8 * sum(params[i].numel() for i in part) for part in theirs]
+
+
+def test_fsdp2_shards_are_the_plans(fake_group) -> None:
+    """Uneven dims on 3 ranks: the plan's padded storage and unpadded shard are fully_shard's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_size, rank = fake_group
+    config = ModelConfig()
+    model = build_model(config, device="meta")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = [block._get_fsdp_state()._fsdp_param_group for block in model.layers] + [model._get_fsdp_state()._fsdp_param_group]
+    fsdp_params = [p for group in groups for p in group.fsdp_params]
+    assert len(fsdp_params) == len(list(model.parameters()))
+    for fp in fsdp_params:
+        shape = tuple(fp._orig_size)
+        assert fp._sharded_param_data.numel() == padded_numel(shape, world_size) // world_size
+        assert fp.sharded_param.to_local().numel() == shard_rows(shape[0], world_size, rank) * math.prod(shape[1:])
+    states = rank_states(model_shape(config), compose_config("zero=stage3").zero.stage, world_size)[rank]
+    assert states.params == 4 * sum(fp._sharded_param_data.numel() for fp in fsdp_params)
+    assert states.optimizer == 8 * sum(fp.sharded_param.to_local().numel() for fp in fsdp_params)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss of the tiny model,
+    parameters and rotary tables excluded (they are model states and `other`)."""
+    config = ModelConfig()
+    model = build_model(config, device="cpu")
+    init_weights(model, seed=0)
+    if regime == "fsdp_mp":
+        model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
+    inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast")
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    excluded |= {t.untyped_storage().data_ptr() for tables in model._rope_cache.values() for t in tables}
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
+
+
+@pytest.mark.parametrize(
+    ("regime", "overrides"),
+    [("fp32", ["precision=fp32"]), ("autocast", ["precision=bf16", "zero=stage1"]), ("fsdp_mp", ["precision=bf16", "zero=stage3"])],
+)
+def test_planned_activations_are_what_autograd_saves(regime: str, overrides: list[str]) -> None:
+    config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", *overrides)
+    acts = activations(config)
+    expected = acts.total
+    if regime == "autocast":  # autocast's cached bf16 weights are saved too; the plan counts them as temporary
+        shape = model_shape(config.model)
+        expected += 2 * (shape.block_linear_numel * config.model.n_layers + config.model.vocab_size * config.model.dim)
+    assert saved_bytes(regime, micro_batch=3, seq_len=40) == expected
+
+
+def test_full_checkpointing_keeps_each_blocks_input_only() -> None:
+    plain = activations(compose_config("model=tiny", "checkpointing=none", "precision=bf16", "zero=stage3"))
+    ckpt = activations(compose_config("model=tiny", "checkpointing=full", "precision=bf16", "zero=stage3"))
+    config = compose_config("model=tiny")
+    tokens = config.micro_batch * config.seq_len
+    assert ckpt.blocks == (2 * config.model.dim * tokens,) * config.model.n_layers  # bf16 residual stream
+    assert ckpt.full_block == plain.full_block and ckpt.head == plain.head
+    selective = activations(compose_config("model=tiny", "checkpointing=selective", "checkpointing.every_n_layers=2"))
+    fp32_plain = activations(compose_config("model=tiny"))
+    assert selective.blocks[1] == fp32_plain.full_block and selective.blocks[0] == 4 * config.model.dim * tokens
+
+
+# ----------------------------------------------------------------------------- whole moments, by ledger
+
+
+def tiny_ledger(stage: str, precision: str) -> dict[str, int]:
+    """The tiny model (micro_batch=2, seq_len=64) on 2 CPU ranks, tensor by tensor."""
+    D, L, H, KQ, V, M, S = 128, 4, 4, 64, 512, 384, 2  # conf/model/tiny.yaml; 2 kv heads of width 32
+    N = 2 * 64
+    block_params = 2 * D * D + 2 * KQ * D + 3 * M * D + 2 * D
+    P = 2 * V * D + D + L * block_params
+    other = 2 * 512 * (D // H // 2) * 4 + (16 * V * 4 + 8 * V) + 4 * (3 + 9 * L)  # rope, data tables, Adam steps
+    half = precision != "fp32"
+    fsdp = stage in ("stage2", "stage3")
+    if not half:
+        block = N * 4 * (5 * D + 2 * KQ + 3 * D + 4 * M) + N * (4 * H + 8)
+        head = N * (4 * D * 3 + 4)
+    elif not fsdp:  # autocast: residual, norms fp32; norm output cast per projection
+        block = N * (4 * D * 2 + 2 * D * 3 + 2 * D * 2 + 2 * 2 * KQ + 4 * D * 2 + 2 * D * 2 + 2 * 4 * M) + N * (4 * H + 8)
+        head = N * (4 * D * 2 + 2 * D + 4)
+    else:  # FSDP2 bf16: RMSNorm saves its fp32 upcast input
+        block = N * (4 * D * 2 + 2 * D * 3 + 2 * 2 * KQ + 4 * D * 2 + 2 * D + 2 * 4 * M) + N * (4 * H + 8)
+        head = N * (4 * D * 2 + 2 * D + 4)
+    acts = L * block + head + N * 4 * V + 16 * N + 4  # + log_softmax, inputs and targets, nll's total weight
+    # At the loss's backward FSDP2 holds no gradients yet (zero_grad freed them); DDP its buckets.
+    states = {"stage0": 16 * P, "stage2": 12 * P // S, "stage3": 12 * P // S}
+    if stage == "stage1":  # ZeRO-1 splits whole tensors: rank 0's part by the partition rule (tested above)
+        numels = [V * D] + [n for _ in range(L) for n in (D * D, KQ * D, KQ * D, D * D, M * D, M * D, M * D, D, D)] + [D, V * D]
+        mine = zero1_partition(numels, S)[0]
+        states["stage1"] = 8 * P + 8 * sum(numels[i] for i in mine)
+        other += 4 * (len(mine) - len(numels))  # Adam's step counters of rank 0's tensors only
+    unsharded = {"stage2": (2 if half else 4) * P, "stage3": (2 if half else 4) * (2 * V * D + D)}.get(stage, 0)
+    cache = 2 * (L * (block_params - 2 * D) + V * D) if half and not fsdp else 0
+    loss_backward = states[stage] + other + acts + unsharded + cache + 8 * N * V
+    ledger = {"backward: loss": loss_backward}
+    if fsdp:  # gradients: every shard, the root's reduce-scatter input twice (gloo), the kept output-head gradient
+        ledger["backward: root reduce-scatter"] = 16 * P // S + other + 16 * N + 2 * 4 * (2 * V * D + D) + (2 if half else 4) * (V * D + D)
+    return ledger
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_tiny_moments_match_the_ledger(stage: str, precision: str) -> None:
+    config = compose_config("model=tiny", f"zero={stage}", f"precision={precision}", "micro_batch=2", "seq_len=64")
+    plan = build_plan(config, "cpu", 2)
+    for name, expected in tiny_ledger(stage, precision).items():
+        assert moment(plan, name) == expected, name
+
+
+# ----------------------------------------------------------------------------- what stages and options change
+
+
+def test_stage2_keeps_every_block_unsharded_and_stage3_none() -> None:
+    stage2 = build_plan(compose_config("model=tiny", "zero=stage2"), "cpu", 2)
+    stage3 = build_plan(compose_config("model=tiny", "zero=stage3"), "cpu", 2)
+    shape = model_shape(compose_config("model=tiny").model)
+    all_blocks = 4 * shape.config.n_layers * sum(padded_numel(s, 2) for s in shape.block)
+    assert moment(stage2, "forward: loss") - moment(stage3, "forward: loss") == all_blocks
+
+
+def test_offload_moves_model_states_off_the_gpu() -> None:
+    on = build_plan(compose_config("model=1b", "zero=stage3", "offload=cpu"), "cuda", 4)
+    off = build_plan(compose_config("model=1b", "zero=stage3"), "cuda", 4)
+    states = off.ranks[0].states
+    held = states.params + states.grads + states.optimizer
+    assert on.ranks[0].offloaded == held
+    assert moment(off, "forward: loss") - moment(on, "forward: loss") == states.params + states.optimizer  # no grads yet
+    # On a CPU device offload moves nothing.
+    assert build_plan(compose_config("model=tiny", "zero=stage3", "offload=cpu"), "cpu", 2).peak_bytes == build_plan(
+        compose_config("model=tiny", "zero=stage3"), "cpu", 2
+    ).peak_bytes
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage3"])
+def test_gradient_accumulation_holds_a_full_fp32_gradient(stage: str) -> None:
+    one = build_plan(compose_config("model=tiny", f"zero={stage}"), "cpu", 2)
+    two = build_plan(compose_config("model=tiny", f"zero={stage}", "grad_accum=2"), "cpu", 2)
+    assert moment(two, "forward: loss") - moment(one, "forward: loss") == 4 * one.num_params
+
+
+def test_adam_temporaries_follow_the_device() -> None:
+    config = compose_config("model=tiny")
+    states = build_plan(config, "cpu", 2).ranks[0].states
+    cpu = moment(build_plan(config, "cpu", 2), "optimizer step")
+    cuda = moment(build_plan(config, "cuda", 2), "optimizer step")
+    # foreach: one temporary of every tensor; the CPU loop: 2 of a tensor and 1 of the one before it
+    assert cuda - cpu == 4 * states.local_numel - 4 * states.loop_temporary
+    shape = model_shape(config.model)
+    numels = [math.prod(s) for s in shape.order]
+    assert states.loop_temporary == max(2 * n + (numels[i - 1] if i else 0) for i, n in enumerate(numels))
+
+
+# ----------------------------------------------------------------------------- refusal and the job's figure
+
+
+def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
+    config = compose_config("model=7b", "zero=stage0", "precision=bf16", "micro_batch=4", "seq_len=4096", "plan.accelerator=h100")
+    plan = build_plan(config, "cuda", 8)
+    message = refusal(plan)
+    assert message is not None and "\n" not in message
+    assert f"{plan.peak_bytes / GIB:.2f} GiB" in message and "79.65 GiB (h100" in message
+    assert "plan.enforce=false" in message
+    suggestion = message.split("Try ", 1)[1].split(" (peak ")[0]  # e.g. "checkpointing=full zero=stage3"
+    fixed = compose_config(*[o for o in config_overrides(config)], *suggestion.split())
+    assert build_plan(fixed, "cuda", 8).fits
+
+
+def config_overrides(config: TrainConfig) -> list[str]:
+    return [
+        f"model={config.model.name}", f"zero={config.zero.stage.value}", f"precision={config.precision.name}",
+        f"micro_batch={config.micro_batch}", f"seq_len={config.seq_len}", "plan.accelerator=h100",
+    ]
+
+
+def test_a_fitting_plan_is_not_refused_and_its_peak_is_the_jobs_prediction() -> None:
+    config = compose_config("model=tiny", "zero=stage2", "device=cpu")
+    plan = build_plan(config, "cpu", 2)
+    assert plan.fits and refusal(plan) is None
+    assert predicted_peak_bytes(config, 2) == plan.peak_bytes == max(r.peak.total for r in plan.ranks)

@@ -1,0 +1,120 @@
+"""Sweeps as Hydra runs them: fresh output directories, points already done skipped, fail-fast, the report.
+
+`SweepCallback` is registered under `hydra.callbacks` in conf/train.yaml, so Hydra calls it in
+the process that runs `python -m trainer` (the ranks never see it):
+
+- on_run_start / on_multirun_start: a timestamped output directory (`${now:...}` in
+  hydra.run.dir or hydra.sweep.dir) has a one-second resolution; two jobs or sweeps started in
+  the same second would share it. The callback creates the directory atomically and, when it
+  exists already, takes `<dir>_1`, `<dir>_2`, ... instead.
+- on_job_end: with `fail_fast=true`, the first point that does not end `ok` stops the sweep
+  (exit status 1) after writing the report of the points so far.
+- on_multirun_end: the sweep report (trainer/report.py), and with logger=wandb its W&B run.
+
+`finished_ok` is the job's check (trainer/job.py) that lets a re-run of a sweep into the same
+directory (`hydra.sweep.dir=<dir>`) skip the points that already ended `ok`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+
+def read_status(out_dir: Path) -> str | None:
+    """The status in a job's summary.json, None when it wrote none (or it cannot be read)."""
+    try:
+        return json.loads((out_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def finished_ok(out_dir: Path) -> bool:
+    """Whether this multirun point already ended `ok` in an earlier run of the same sweep."""
+    return HydraConfig.get().mode == RunMode.MULTIRUN and read_status(out_dir) == "ok"
+
+
+def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
+    """Make `hydra.<kind>.dir` a directory no other job has, when it is a timestamped one.
+
+    mkdir is atomic: of two jobs asking for one name, one gets it and the other the next
+    `_N`. A directory without `${now:` was chosen on purpose (a re-run of a sweep, a resume)
+    and is left as it is. Returns the directory taken, or None.
+    """
+    node = config.hydra[kind]
+    if "${now:" not in str(OmegaConf.to_container(node, resolve=False).get("dir")):  # type: ignore[union-attr]
+        return None
+    base = Path(str(node.dir))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count():
+        candidate = base if n == 0 else base.with_name(f"{base.name}_{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        with read_write(config.hydra), open_dict(config.hydra):
+            node.dir = str(candidate)
+        return candidate
+    raise AssertionError("unreachable")
+
+
+def hydra_quote(value: str) -> str:
+    """A value for a Hydra command-line override, quoted so that any path parses as one string."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+class SweepCallback(Callback):
+    """Hydra's hooks for zerolab's runs and sweeps (see the module docstring)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainer.world import is_under_torchrun
+
+        # Under torchrun every rank runs Hydra and rank 0's directory is used (trainer/job.py):
+        # claiming would leave one empty directory per rank.
+        if not is_under_torchrun():
+            claim_fresh_dir(config, "run")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        claimed = claim_fresh_dir(config, "sweep")
+        if claimed is not None:
+            # Hydra composes every point's config again from the recorded overrides (and copies
+            # the `now` cache), so the claimed directory must be one of them to reach the points.
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={hydra_quote(str(claimed))}")
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN or not config.get("fail_fast", False):
+            return
+        out_dir = Path(config.hydra.runtime.output_dir)
+        status = read_status(out_dir)
+        # No summary.json and no exception: a mode=plan point, which ends without one.
+        if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
+            return
+        from trainer.report import summary_line, write_report
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        report = write_report(sweep_dir)
+        print(summary_line(report), flush=True)
+        print(f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainer.report import log_to_wandb, summary_line, write_report
+
+        report = write_report(Path(config.hydra.sweep.dir))
+        print(summary_line(report), flush=True)
+        if config.logger.backend != "wandb":
+            return
+        try:
+            log_to_wandb(report, config.logger.project, config.logger.entity)
+        except Exception as err:  # W&B is a mirror: the local report is complete without it
+            print(f"warning: the sweep report could not go to W&B ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
