@@ -16,6 +16,7 @@ from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
 from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
+from trainer.oom import failure_path
 from trainer.plan import build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
@@ -86,7 +87,9 @@ def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, world_size
         result = launch_local(to_plain(config), out_dir, device_kind, world_size, config.max_restarts)
     except RankFailure as failure:
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
-        return "oom" if failure.oom else "crashed", {"error": str(failure), **where}
+        details = failure_path(out_dir, failure.rank)
+        error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
+        return "oom" if failure.oom else "crashed", {"error": error, **where}
     restarts = {"restarts": count_restarts(out_dir) - restarts_before}
     if result is not None and result.get("status") == "diverged":  # the non-finite policy stopped it
         return "diverged", {"error": result["error"], **restarts}

@@ -70,7 +70,10 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
         monitor_interval=0.1,
         start_method="spawn",
     )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The launcher logs every failed rank's whole traceback at ERROR level; the job reports the
+    # failure in one line instead and keeps the traceback in failures/rank{r}.json.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ... via SIGTERM"
     # With restarts, each attempt's ranks need a store of their own: the c10d rendezvous shares one
     # TCPStore across attempts by default, and a restarted rank can then read the dead attempt's
     # gloo/NCCL addresses and hang or fail to connect (pytorch/pytorch#135712; seen here as
@@ -101,11 +104,11 @@ def first_failure(err: ChildFailedError) -> RankFailure:
         name = signal.Signals(-failure.exitcode).name
         cause = f"killed by {name} (exit code {failure.exitcode})"
     else:
-        cause = last_line(failure.message) or f"exit code {failure.exitcode}"
+        cause = first_line(failure.message) or f"exit code {failure.exitcode}"
     return RankFailure(rank=rank, exitcode=failure.exitcode, cause=cause)
 
 
-def last_line(message: Any) -> str:
+def first_line(message: Any) -> str:
     """The exception line of a recorded error (`message` is a dict or a string by torch version)."""
     if isinstance(message, dict):
         message = message.get("message", "")

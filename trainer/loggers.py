@@ -22,6 +22,9 @@ from trainer.config import LoggerBackend, TrainConfig
 from trainer.summary import redact_secrets
 
 
+PROVENANCE_KEYS = ("world_size", "device", "torch_version", "git_revision")  # summary.provenance's, besides config
+
+
 class Logger(Protocol):
     def follow(self, path: Path) -> ContextManager[None]: ...
     def finish(self, summary: dict[str, Any]) -> None: ...
@@ -196,7 +199,7 @@ def wandb_config(meta: dict[str, Any]) -> dict[str, Any]:
     Provenance gets a key of its own: its `device` (the device's name) would otherwise
     overwrite the config's `device` (auto, cpu or cuda).
     """
-    provenance = {k: v for k, v in meta.items() if k not in ("config", "overrides")}
+    provenance = {k: meta[k] for k in PROVENANCE_KEYS if k in meta}  # the plan's figures go to the summary
     return {**meta["config"], "overrides": meta["overrides"], "provenance": provenance}
 
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import resource
 import signal
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -109,7 +110,13 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
         yield
     except Exception as err:
         lift_memory_cap()
-        record = {**asdict(POSITION), "rank": rank, "oom": is_out_of_memory(err), "message": one_line(err)}
+        record = {
+            **asdict(POSITION),
+            "rank": rank,
+            "oom": is_out_of_memory(err),
+            "message": one_line(err),
+            "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
+        }
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
         raise

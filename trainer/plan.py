@@ -1,9 +1,10 @@
 """The memory plan: what each rank will hold, and when, known before any rank starts.
 
-The plan walks one optimizer step as a list of moments (end of forward, the loss's backward,
-the output head's backward, the last block, each reduce-scatter, the optimizer step), adds up
-the tensors alive at each, and calls the largest the peak. Every figure is exact arithmetic on
-the parameter shapes of the model built on the meta device; nothing is allocated.
+The plan walks one optimizer step as a list of moments (the last block's forward, the loss,
+the output head's backward, the start, end and reduce-scatter of each block's backward, the
+optimizer step), adds up the tensors alive at each, and calls the largest the peak. Every
+figure is exact arithmetic on the parameter shapes of the model built on the meta device;
+nothing is allocated. benchmarks/plan_accuracy.py checks it against real runs.
 
 Model states (the ZeRO paper, Rajbhandari et al. 2020, section 3.1) for mixed-precision Adam
 are 2P (fp16 weights) + 2P (fp16 gradients) + 12P (fp32 weights, momentum, variance) = 16P
@@ -58,8 +59,8 @@ Temporaries, the part estimators leave out and where stages differ most:
   backward until the root's reduce-scatter at the very end of backward.
 - DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
-- Adam: on CPU the per-tensor loop makes 2 temporaries of the largest tensor; on CUDA the
-  foreach path makes one of every tensor it updates.
+- Adam: on CPU the per-tensor loop makes 2 temporaries of a tensor while the previous
+  tensor's is still alive; on CUDA the foreach path makes one of every tensor it updates.
 - Gradient accumulation: micro-batches before the last keep a full unsharded fp32 gradient
   (DDP no_sync outside its buckets; FSDP2 without reduce-scatter).
 
@@ -92,7 +93,6 @@ BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weigh
 SHARDED_FROM = {"params": Stage.stage2, "grads": Stage.stage2, "optimizer": Stage.stage1}
 STAGE_ORDER = [Stage.stage0, Stage.stage1, Stage.stage2, Stage.stage3]
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
-PARTS = ("params", "grads", "optimizer", "activations", "temporary", "other")
 
 # Usable memory of known accelerators (MiB, as nvidia-smi reports the total).
 ACCELERATOR_MIB = {
@@ -884,18 +884,24 @@ def _job_order(path: Path) -> tuple[int, str]:
     return (int(number) if number.isdigit() else 1 << 30, path.name)
 
 
+def varying_overrides(names: list[str]) -> list[str]:
+    """Each point's `N_key=value,...` directory name cut to the overrides that differ between points."""
+    items = [dict(pair.partition("=")[::2] for pair in name.split("_", 1)[-1].split(",") if "=" in pair) for name in names]
+    varying = [key for key in dict.fromkeys(k for point in items for k in point) if len({p.get(key) for p in items}) > 1]
+    return [" ".join(f"{key}={point[key]}" for key in varying if key in point) or name for name, point in zip(names, items)]
+
+
 def format_sweep(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the sweep's plans: worst-rank peak, when, the memory, fits, status."""
     lines = [
         "| point | peak GiB (worst rank) | at | memory GiB per rank | fits | status |",
         "|---|---:|---|---:|---|---|",
     ]
-    for row in rows:
+    for row, label in zip(rows, varying_overrides([row["point"] for row in rows])):
         memory = "?" if row["device_memory_gib"] is None else f"{row['device_memory_gib']:.2f}"
         fits = {True: "yes", False: "no", None: "?"}[row["fits"]]
-        lines.append(
-            f"| {row['point']} | {row['peak_gib']:.2f} (rank {row['peak_rank']}) | {row['peak_moment']} | {memory} | {fits} | {row['status']} |"
-        )
+        peak = f"{row['peak_gib']:.2f} (rank {row['peak_rank']})"
+        lines.append(f"| {row['point'].split('_')[0]}: {label} | {peak} | {row['peak_moment']} | {memory} | {fits} | {row['status']} |")
     return "\n".join(lines)
 
 

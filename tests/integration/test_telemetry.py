@@ -141,7 +141,9 @@ def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -
     config = {k: v for k, v in run["config"]["update"].items() if k not in ("_wandb", "overrides", "provenance")}
     assert config == summary["config"]
     assert run["config"]["update"]["overrides"] == summary["overrides"]
-    assert run["config"]["update"]["provenance"]["world_size"] == 2
+    provenance = run["config"]["update"]["provenance"]
+    assert provenance == {k: summary[k] for k in ("world_size", "device", "torch_version", "git_revision")}
+    assert provenance["world_size"] == 2
     wandb_end = wandb_summary(fp16_run.out_dir)
     assert wandb_end["state"] == "finished"
     for key in ("status", "throughput/tokens_per_s", "memory/max_rank_peak_gib", "precision/skipped_steps", "loss/final"):
@@ -183,13 +185,29 @@ def test_sweep_jobs_in_one_process_get_one_wandb_run_each_in_one_group(tmp_path:
 
 # --------------------------------------------------------------------------- ZeRO in measured memory
 
-STAGE_JOB = (*SMALL, "precision=fp32", "steps=2", "logger=none", "telemetry.memory_every=0")
+STAGE_JOB = (*SMALL, "precision=fp32", "steps=2", "logger=none", "telemetry.memory_every=1")
 
 
 @pytest.fixture(scope="module")
-def stage_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Step 2's record (tracked: the first step that starts with Adam's state) of stage0, stage1, stage3."""
-    return {stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}").records[-1] for stage in ("stage0", "stage1", "stage3")}
+def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """stage0, stage1 and stage3 with tensor tracking on every step, and stage0 with telemetry off."""
+    runs = {stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}") for stage in ("stage0", "stage1", "stage3")}
+    runs["stage0_off"] = run_trainer(tmp_path_factory.mktemp("off"), *STAGE_JOB, "zero=stage0", "telemetry.enabled=false")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def stage_peaks(stage_runs: dict[str, Run]) -> dict[str, dict[str, Any]]:
+    """Step 2's record: the first step that starts with Adam's state (step 1 creates it)."""
+    return {stage: run.records[-1] for stage, run in stage_runs.items()}
+
+
+def test_tracking_memory_leaves_training_bitwise_unchanged(stage_runs: dict[str, Run]) -> None:
+    tracked, untracked = stage_runs["stage0"], stage_runs["stage0_off"]
+    assert all("memory/max_rank_peak_gib" in r for r in tracked.records)
+    assert not any("memory/max_rank_peak_gib" in r for r in untracked.records)
+    assert tracked.losses == untracked.losses
+    assert [r["optim/grad_norm"] for r in tracked.records] == [r["optim/grad_norm"] for r in untracked.records]
 
 
 def peak_bytes(record: dict[str, Any], rank: int, key: str = "peak_allocated_gib") -> float:

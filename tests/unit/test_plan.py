@@ -89,7 +89,8 @@ def test_zero1_partition_is_zero_redundancy_optimizers(fake_group) -> None:
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
-    theirs = [sorted(index[id(p)] for group in groups for p in group["params"]) for groups in optimizer._partition_parameters()]
+    partition = optimizer._partition_parameters()  # per rank, its param groups
+    theirs = [sorted(index[id(p)] for group in groups for p in group["params"]) for groups in partition]
     assert [sorted(mine) for mine in zero1_partition([p.numel() for p in params], world_size)] == theirs
     states = rank_states(model_shape(ModelConfig()), compose_config("zero=stage1").zero.stage, world_size)
     assert [s.optimizer for s in states] == [8 * sum(params[i].numel() for i in part) for part in theirs]
@@ -107,8 +108,8 @@ def test_fsdp2_shards_are_the_plans(fake_group) -> None:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    groups = [block._get_fsdp_state()._fsdp_param_group for block in model.layers] + [model._get_fsdp_state()._fsdp_param_group]
-    fsdp_params = [p for group in groups for p in group.fsdp_params]
+    modules = [*model.layers, model]
+    fsdp_params = [p for module in modules for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
     assert len(fsdp_params) == len(list(model.parameters()))
     for fp in fsdp_params:
         shape = tuple(fp._orig_size)
@@ -140,8 +141,9 @@ def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast")
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    excluded |= {t.untyped_storage().data_ptr() for tables in model._rope_cache.values() for t in tables}
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    # The rotary tables, cached on the model per device (counted under `other`).
+    excluded |= {t.untyped_storage().data_ptr() for tables in getattr(model, "_rope_cache", {}).values() for t in tables}
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
 
 
