@@ -52,7 +52,7 @@ def run_job(cfg: DictConfig) -> None:
     plan = build_plan(config, device_kind, world_size)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_plan(out_dir, plan)
-    print(format_plan(plan), flush=True)
+    print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
     if config.mode == Mode.plan:
         return
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)

@@ -18,6 +18,7 @@ from trainer.activation_checkpointing import apply_activation_checkpointing
 from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
 from trainer.config import FaultKind, TrainConfig
 from trainer.data import build_batches
+from trainer.memory import next_micro_batch
 from trainer.metrics import Meter, StepStats
 from trainer.model import build_model, flops_per_token
 from trainer.nonfinite import NonFiniteError, NonFiniteGuard, find_nonfinite
@@ -87,6 +88,8 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
     loss_sum = torch.zeros((), device=world.device)
     data_s = 0.0
     for micro in range(config.grad_accum):
+        if micro > 0:
+            next_micro_batch()  # lets the tensor-level memory tracker see the next forward
         start = time.perf_counter()
         inputs, targets = (t.to(world.device, non_blocking=True) for t in next(batches))
         data_s += time.perf_counter() - start

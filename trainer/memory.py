@@ -60,6 +60,19 @@ def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:
     return (step - anchor) % memory_every == 0
 
 
+_ACTIVE_TRACKER: list = []  # the MemTracker of the step being tracked, if any (one per rank process)
+
+
+def next_micro_batch() -> None:
+    """Tell an active MemTracker that another forward of the same modules begins (grad_accum > 1).
+
+    MemTracker refuses a second forward of a module within one tracking context unless its
+    per-module stats are cleared first; clearing them keeps the step's global peak.
+    """
+    for tracker in _ACTIVE_TRACKER:
+        tracker.reset_mod_stats()
+
+
 class MemoryProbe:
     """Peak memory of this rank since the last `reset`, as a fixed-order row of floats.
 
@@ -105,7 +118,11 @@ class MemoryProbe:
         # invisible to a dispatch mode until an op touches it; register it up front.
         tracker.track_external(model, local_optimizer(optimizer))
         with tracker:
-            yield
+            _ACTIVE_TRACKER.append(tracker)
+            try:
+                yield
+            finally:
+                _ACTIVE_TRACKER.clear()
         peak = {"peak_allocated": 0.0, **{f"peak_{name}": 0.0 for name in TENSOR_CATEGORIES}}
         for per_kind in tracker.get_tracker_snapshot("peak").values():
             by_name = {getattr(kind, "value", kind): nbytes for kind, nbytes in per_kind.items()}

@@ -71,6 +71,7 @@ they leave the device figure (reported as `offloaded_gib`); on a CPU device noth
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -151,12 +152,16 @@ class ModelShape:
 @functools.lru_cache(maxsize=32)
 def _model_shape(key: tuple[Any, ...]) -> ModelShape:
     config = ModelConfig(**dict(key))
-    model = build_model(config, device="meta")  # no storage: shapes only
-    block = model.layers[0]
-    root = tuple(tuple(p.shape) for name, p in model.named_parameters() if not name.startswith("layers."))
-    order = tuple(tuple(p.shape) for p in model.parameters())
-    linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
-    return ModelShape(config, root, tuple(tuple(p.shape) for p in block.parameters()), order, linear)
+    # Every block is the same TransformerBlock(config), so one block on meta gives every shape;
+    # 70b's 80 blocks would take seconds to build even on meta (tests compare with a full build).
+    model = build_model(dataclasses.replace(config, n_layers=1), device="meta")  # no storage: shapes only
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    block = tuple(shape for name, shape in named if name.startswith("layers.0."))
+    first = next(i for i, (name, _) in enumerate(named) if name.startswith("layers.0."))
+    root = tuple(shape for name, shape in named if not name.startswith("layers."))
+    order = tuple(shape for _, shape in named[:first]) + block * config.n_layers + tuple(shape for _, shape in named[first + len(block) :])
+    linear = sum(m.weight.numel() for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    return ModelShape(config, root, block, order, linear)
 
 
 def model_shape(config: ModelConfig) -> ModelShape:
@@ -740,8 +745,9 @@ def format_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_plan(plan: Plan) -> str:
-    """The console report of mode=plan (and of every job before it launches)."""
+def format_plan(plan: Plan, way_out: bool = True) -> str:
+    """The console report of mode=plan (and of every job before it launches: there a refusal
+    comes as the job's error line, so the table ends with the short verdict)."""
     worst = plan.worst
     offloaded = f"; {worst.offloaded / GIB:.2f} GiB of model states per rank in host memory" if worst.offloaded else ""
     lines = [
@@ -749,20 +755,21 @@ def format_plan(plan: Plan) -> str:
         format_table(plan),
         f"peak on rank {worst.rank} at {worst.peak.name}; model states at rest, activations at the end "
         f"of forward, temporary and other at the peak{offloaded}",
-        verdict(plan),
+        verdict(plan, way_out),
     ]
     return "\n".join(lines)
 
 
-def verdict(plan: Plan) -> str:
+def verdict(plan: Plan, way_out: bool = True) -> str:
     if plan.fits is None:
         return (
             f"fits: unknown ({plan.memory.source}); set plan.accelerator="
             f"{'|'.join(ACCELERATOR_MIB)} or device_memory_gib=N to compare"
         )
+    figures = f"peak {plan.peak_bytes / GIB:.3g} GiB of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
     if plan.fits:
-        return f"fits: peak {plan.peak_bytes / GIB:.3g} GiB of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
-    return refusal(plan) or ""
+        return f"fits: {figures}"
+    return (refusal(plan) or "") if way_out else f"does not fit: {figures}"
 
 
 def refusal(plan: Plan) -> str | None:

@@ -18,8 +18,8 @@ CASES = [
     (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),
     (["offload=cpu", "zero=stage1"], "offload=cpu", "zero=stage2 or zero=stage3"),
     (["nproc=0"], "nproc", "auto or an integer >= 1"),
-    (["model=13b"], "model=13b", "Try"),
-    (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "Try"),
+    (["model=13b"], "model=13b", "a smaller model"),
+    (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
 ]
 
 

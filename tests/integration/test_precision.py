@@ -30,4 +30,4 @@ def test_low_precision_tracks_fp32(trainer, stage: str) -> None:
         low = trainer(f"precision={precision}", f"zero={stage}", "nproc=2", "steps=16")
         for step, (a, b) in enumerate(zip(low.losses, fp32.losses), start=1):
             assert abs(a - b) <= tolerance * b, f"step {step}: {precision} {a} vs fp32 {b}"
-        assert low.losses[-1] < 0.8 * low.losses[0]
+        assert low.losses[-1] < 0.85 * low.losses[0]

@@ -59,6 +59,12 @@ def test_llama2_presets_have_the_published_parameter_counts(name: str) -> None:
     assert model_shape(model).num_params == LLAMA2[name]
 
 
+def test_shapes_are_the_full_models_in_parameter_order() -> None:
+    config = ModelConfig(n_layers=5)
+    full = build_model(config, device="meta")
+    assert model_shape(config).order == tuple(tuple(p.shape) for p in full.parameters())
+
+
 @pytest.mark.parametrize("name", sorted(LLAMA2))
 def test_stage3_on_8_ranks_holds_the_zero_arithmetic(name: str) -> None:
     """ZeRO-3: 16 bytes per parameter over N ranks (4 fp32 weights + 4 fp32 grads + 8 Adam here)."""
