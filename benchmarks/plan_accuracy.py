@@ -59,6 +59,7 @@ def overrides(args: argparse.Namespace, zero: str, precision: str, checkpointing
         "nproc=2",
         "device=cpu",
         "logger=none",
+        "save=off",  # a 1b checkpoint is ~13 GB per job; the plan is what is measured
         "log_every=1",
         "telemetry.memory_every=0",  # MemTracker on step 2 only
     ]
