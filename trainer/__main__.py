@@ -5,7 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from trainer.cli import check_group_overrides
+from trainer.cli import check_group_overrides, one_line_config_errors
 from trainer.config import register_configs
 from trainer.job import run_job
 
@@ -19,4 +19,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_group_overrides(sys.argv[1:])
-    main()
+    with one_line_config_errors():
+        main()

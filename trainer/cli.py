@@ -1,9 +1,12 @@
-"""Command-line checks that Hydra would otherwise report over many lines."""
+"""Command-line mistakes reported in one line, where Hydra would print many."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -29,3 +32,43 @@ def check_group_overrides(args: list[str]) -> None:
             if option not in allowed:
                 sys.stderr.write(f"error: {key}={option} is not an option; allowed: {', '.join(allowed)}\n")
                 raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def one_line_config_errors() -> Iterator[None]:
+    """Turn Hydra's and OmegaConf's composition errors (`micro_batch=abc`, `foo=1`, `steps=[1`) into
+    `error: <key>...` on one line and exit status 2, like every other bad input.
+
+    Hydra prints these itself over several lines and exits 1 unless HYDRA_FULL_ERROR is set, in
+    which case it re-raises them: that is the only hook it offers, so it is set here. A user who
+    sets HYDRA_FULL_ERROR gets Hydra's full traceback, as Hydra documents.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        yield
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as err:
+        sys.stderr.write(f"error: {config_error_line(err)}\n")
+        raise SystemExit(2) from None
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def config_error_line(err: Exception) -> str:
+    """One line naming the key and what went wrong."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
+        return f"{key} is not a config key; `python -m trainer --cfg job` shows them all"
+    if key:
+        override = str(err).splitlines()[0].removeprefix("Error merging override ")
+        return f"{override if '=' in override else key}: {str(getattr(cause, 'msg', cause)).splitlines()[0]}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https://")]
+    return "; ".join(lines)

@@ -8,6 +8,7 @@ first thing a job does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -434,7 +435,20 @@ def validate(cfg: DictConfig) -> TrainConfig:
             raise cause from None
         raise
     assert isinstance(config, TrainConfig)
+    _reject_unknown_keys(config)
     return config
+
+
+def _reject_unknown_keys(node: Any, prefix: str = "") -> None:
+    """`+foo=1` adds a key the schema lacks and OmegaConf.to_object keeps it as a stray attribute:
+    a typo'd option would be silently ignored, so it is refused instead."""
+    known = {f.name for f in dataclasses.fields(node)}
+    for name in vars(node):
+        _require(name in known, f"{prefix}{name} is not a config key; `python -m trainer --cfg job` shows them all")
+    for name in known:
+        value = getattr(node, name)
+        if dataclasses.is_dataclass(value):
+            _reject_unknown_keys(value, f"{prefix}{name}.")
 
 
 def to_plain(config: TrainConfig) -> dict[str, Any]:

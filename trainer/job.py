@@ -17,9 +17,10 @@ from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
 from trainer.oom import failure_path
-from trainer.plan import build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
+from trainer.plan import build_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
+from trainer.plan_table import format_plan
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
@@ -49,21 +50,13 @@ def run_job(cfg: DictConfig) -> None:
         return
     # Plan before launching (trainer/plan.py): the table and plan.json for every job, and a
     # refusal of what cannot fit, recorded as status `refused` without starting a rank.
-    plan = build_plan(config, device_kind, world_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_plan(out_dir, plan)
-    print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
+    refusal, meta = plan_job(config, out_dir, device_kind, world_size)
     if config.mode == Mode.plan:
         return
-    meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
-    meta.update(plan_summary_fields(plan))
-    refusal = plan_refusal(plan)
-    if refusal is not None and config.plan.enforce:
+    if refusal is not None:
         write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
         fail(f"error: {refusal}", code=2)
         return
-    if refusal is not None:
-        print("warning: plan.enforce=false, trying anyway", flush=True)
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died.
     with open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
@@ -112,24 +105,52 @@ def prepare_resume(config: TrainConfig, out_dir: Path, world_size: int) -> tuple
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     """torchrun started every rank and each ran Hydra: take rank 0's config and output directory.
 
-    `${now:}` and sweep order can differ between ranks, so rank 0's choice is broadcast.
+    `${now:}` and sweep order can differ between ranks, so rank 0's choices are broadcast:
+    the config, the directory, and the plan's verdict (free host memory differs between hosts,
+    so only rank 0 plans and every rank follows it).
     """
     import torch.distributed as dist
 
     world = init_world(device_kind)
     resume, run_dir = resolve_resume(config, Path(HydraConfig.get().runtime.output_dir))
-    shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir)]
+    shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir), None, {}]
+    if world.is_main:
+        shared[2:] = plan_job(config, Path(run_dir), device_kind, world.world_size)
     dist.broadcast_object_list(shared, src=0)
-    plain, out_dir = shared
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    plain, out_dir, refusal, meta = shared
+    if refusal is not None:
+        if world.is_main:
+            write_summary(Path(out_dir), build_summary("refused", [], config.steps, reason=refusal, **meta))
+        fail(f"error: {refusal}" if world.is_main else "", code=2)
+        return
     result = rank_main(plain, out_dir, device_kind)
     if world.is_main:
         status = "diverged" if result is not None and result.get("status") == "diverged" else "ok"
         # No W&B here: every process is a rank (ranks never import wandb); metrics.jsonl and summary.json only.
         records = read_metrics(Path(out_dir))
-        summary = build_summary(status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, world_size=world.world_size)
+        summary = build_summary(
+            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **nonfinite_summary(records), **meta
+        )
         write_summary(Path(out_dir), summary)
         report_end(summary, Path(out_dir))
+
+
+def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:
+    """Write plan.json and print the plan; return the refusal to enforce (None: go) and the
+    provenance and plan figures for summary.json."""
+    plan = build_plan(config, device_kind, world_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_plan(out_dir, plan)
+    print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
+    if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance
+        return None, {}
+    meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
+    meta.update(plan_summary_fields(plan))
+    refusal = plan_refusal(plan)
+    if refusal is not None and not config.plan.enforce:
+        print("warning: plan.enforce=false, trying anyway", flush=True)
+        return None, meta
+    return refusal, meta
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:
@@ -138,7 +159,8 @@ def report_end(summary: dict[str, Any], out_dir: Path) -> None:
 
 
 def fail(message: str, code: int) -> None:
-    """One line on stderr; a single job exits with `code`, a sweep goes on to its next point."""
-    print(message, file=sys.stderr, flush=True)
+    """One line on stderr (none when empty); a single job exits with `code`, a sweep goes on to its next point."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         raise SystemExit(code)

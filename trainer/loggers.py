@@ -146,7 +146,7 @@ def start_wandb(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
     try:
         import wandb
 
-        return wandb.init(
+        run = wandb.init(
             project=config.logger.project,
             entity=config.logger.entity,
             dir=str(out_dir),  # the run lives inside the job's output directory
@@ -161,6 +161,24 @@ def start_wandb(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
     except Exception as err:  # unreachable server, bad credentials, bad settings: training goes on
         warn(f"W&B could not start ({type(err).__name__}: {err}); training goes on, metrics in {out_dir}")
         return None
+    yield_cpu_to_ranks()
+    return run
+
+
+def yield_cpu_to_ranks() -> None:
+    """Give W&B's service process (wandb-core, and what it starts later) the lowest CPU priority.
+
+    It runs beside the ranks for the whole job. On a CPU host the ranks keep every core busy, so
+    whatever the service does at normal priority comes straight out of training throughput;
+    at nice 19 it runs in the ranks' gaps instead. Its work (writing records, sampling system
+    stats) can wait milliseconds; a rank waiting holds up every other rank.
+    """
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone already, or not ours to renice
+            if child.name().startswith("wandb"):
+                child.nice(19)
 
 
 def wandb_run_id(config: TrainConfig, out_dir: Path) -> str:
@@ -221,6 +239,10 @@ def run_group() -> str:
 
     hydra_config = HydraConfig.get()
     if hydra_config.mode == RunMode.MULTIRUN:
-        sweep_dir = Path(hydra_config.sweep.dir)
-        return f"{sweep_dir.parent.name}/{sweep_dir.name}"
+        return sweep_group(Path(hydra_config.sweep.dir))
     return datetime.date.today().isoformat()
+
+
+def sweep_group(sweep_dir: Path) -> str:
+    """A sweep's W&B group, shared by its jobs' runs and its report's run: `<date>/<time>` of its directory."""
+    return f"{sweep_dir.parent.name}/{sweep_dir.name}"

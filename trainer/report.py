@@ -34,6 +34,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from trainer.loggers import sweep_group  # noqa: E402
+
 COLUMNS = [
     "point", "overrides", "status", "tokens_per_s", "mfu_pct", "max_rank_peak_gib", "argmax_rank",
     "predicted_peak_gib", "skipped_steps", "final_loss", "fastest", "failed_rank", "failed_step",
@@ -439,11 +441,6 @@ def plot_loss_scale(ax: plt.Axes, report: Report) -> bool:
 
 
 # ---------------------------------------------------------------------------- W&B
-
-
-def sweep_group(sweep_dir: Path) -> str:
-    """The sweep's W&B group: `<date>/<time>` of its directory, as trainer.loggers.run_group names it."""
-    return f"{sweep_dir.parent.name}/{sweep_dir.name}"
 
 
 def log_to_wandb(report: Report, project: str, entity: str | None) -> str:

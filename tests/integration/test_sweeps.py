@@ -24,7 +24,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from trainer.config import register_configs
-from trainer.report import COLUMNS, sweep_group
+from trainer.loggers import sweep_group
+from trainer.report import COLUMNS
 from trainer.sweep import SweepCallback
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,19 +20,9 @@ from omegaconf import OmegaConf
 
 from trainer.config import ModelConfig, TrainConfig, register_configs, validate
 from trainer.model import build_model, init_weights
-from trainer.plan import (
-    GIB,
-    activations,
-    build_plan,
-    model_shape,
-    model_states_per_rank,
-    padded_numel,
-    predicted_peak_bytes,
-    rank_states,
-    refusal,
-    shard_rows,
-    zero1_partition,
-)
+from trainer.plan import GIB, build_plan, predicted_peak_bytes, refusal
+from trainer.plan_states import model_shape, model_states_per_rank, padded_numel, rank_states, shard_rows, zero1_partition
+from trainer.plan_step import activations
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
