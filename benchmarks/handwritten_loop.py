@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dist.get_world_size()))
     config = ModelConfig()  # the tiny preset
     model = build_model(config, device="meta")
     materialize(model, torch.device("cpu"), seed=0)
