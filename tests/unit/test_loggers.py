@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
+import pytest
 import wandb
 
 from trainer.loggers import MetricsTail, yield_cpu_to_ranks
 
 
-def test_wandb_service_processes_run_at_the_lowest_priority_and_the_job_process_does_not(tmp_path: Path) -> None:
+@pytest.fixture
+def isolated_wandb() -> Iterator[None]:
+    """wandb.setup's settings are process-wide: later tests must read the environment afresh."""
+    yield
+    wandb.teardown()
+
+
+def test_wandb_service_processes_run_at_the_lowest_priority_and_the_job_process_does_not(tmp_path: Path, isolated_wandb) -> None:
     own_priority = os.nice(0)
     with wandb.init(project="zerolab-test", dir=str(tmp_path), mode="offline"):
         yield_cpu_to_ranks()
