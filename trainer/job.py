@@ -118,6 +118,7 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
         shared[2:] = plan_job(config, Path(run_dir), device_kind, world.world_size)
     dist.broadcast_object_list(shared, src=0)
     plain, out_dir, refusal, meta = shared
+    Path(out_dir).mkdir(parents=True, exist_ok=True)  # other hosts may not share rank 0's file system
     if refusal is not None:
         if world.is_main:
             write_summary(Path(out_dir), build_summary("refused", [], config.steps, reason=refusal, **meta))

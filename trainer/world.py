@@ -64,7 +64,8 @@ def init_world(device_kind: str) -> World:
         # Ranks sharing a host each take every core by default and thrash; split the cores this
         # process may run on (taskset, a cgroup cpuset or a batch scheduler can allow fewer than
         # the host has).
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, usable // local_world))
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
