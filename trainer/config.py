@@ -41,6 +41,11 @@ class Stage(str, Enum):
     stage3 = "stage3"
 
 
+class ReduceDType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class CheckpointMode(str, Enum):
     none = "none"
     full = "full"
@@ -163,6 +168,19 @@ class ZeroConfig:
 
     stage: Stage = Stage.stage0
     """stage0 DDP; stage1 + ZeroRedundancyOptimizer; stage2/3 FSDP2 fully_shard."""
+    reduce_dtype: ReduceDType = ReduceDType.fp32
+    """Dtype gradients are reduced in: fp32, or bf16 (FSDP2: MixedPrecisionPolicy.reduce_dtype; DDP: torch's bf16_compress_hook)."""
+    bucket_cap_mb: Optional[float] = None
+    """DDP (stage0/1) only: gradient bucket size in MiB (DistributedDataParallel's bucket_cap_mb); None: torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is None:
+            return
+        _require(self.bucket_cap_mb > 0, f"zero.bucket_cap_mb must be > 0 or null, got {self.bucket_cap_mb}")
+        _require(
+            not self.uses_fsdp,
+            f"zero.bucket_cap_mb applies to DDP buckets (zero=stage0 or stage1), got zero={self.stage.value}; FSDP2 reduces per block",
+        )
 
     @property
     def uses_fsdp(self) -> bool:

@@ -31,6 +31,7 @@ import psutil
 import torch
 
 from trainer.config import CheckpointMode, OffloadTarget, Stage, TrainConfig
+from trainer.plan_comm import CommPlan, plan_comm
 from trainer.plan_states import RankStates, model_shape, rank_states
 from trainer.plan_step import Moment, StepContext, activations, ddp_moments, fsdp_moments, other_bytes, precisions
 
@@ -114,6 +115,7 @@ class Plan:
     num_params: int
     ranks: tuple[RankPlan, ...]
     memory: DeviceMemory
+    comm: CommPlan  # bytes each rank's collectives move per optimizer step (trainer/plan_comm.py)
 
     @property
     def worst(self) -> RankPlan:
@@ -162,6 +164,7 @@ class Plan:
                 }
                 for r in self.ranks
             ],
+            "comm": self.comm.to_json(),
         }
 
 
@@ -177,7 +180,9 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
             planned[states] = tuple(fsdp_moments(ctx) if config.zero.uses_fsdp else ddp_moments(ctx))
         offloaded = states.params + states.grads + states.optimizer if offload else 0
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
-    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), device_memory(config, device_kind, world_size))
+    memory = device_memory(config, device_kind, world_size)
+    comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm)
 
 
 def planned_device_kind(config: TrainConfig) -> str:
@@ -310,6 +315,7 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
     worst = plan.worst
     return {
         "memory/predicted_peak_gib": plan.peak_bytes / GIB,
+        "comm/predicted_bytes_per_step": plan.comm.total,
         "plan": {
             "fits": plan.fits,
             "peak_rank": worst.rank,

@@ -51,9 +51,28 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         format_table(plan),
         f"peak on rank {worst.rank} at {worst.peak.name}; model states at rest, activations at the end "
         f"of forward, temporary and other at the peak{offloaded}",
+        comm_line(plan),
         verdict(plan, way_out),
     ]
     return "\n".join(lines)
+
+
+def comm_line(plan: Plan) -> str:
+    """What each rank's collectives move per optimizer step (trainer/plan_comm.py): total and by kind."""
+    comm = plan.comm
+    parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in comm.bytes_by_collective.items() if n)
+    return (
+        f"communication: {format_bytes(comm.total)} ({comm.total:,} bytes) per rank per optimizer step"
+        f"{f' ({parts})' if parts else ''}; payloads on {comm.backend}, see docs/communication.md"
+    )
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def verdict(plan: Plan, way_out: bool = True) -> str:

@@ -14,9 +14,10 @@ from torch.amp import GradScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from trainer.config import DType, PrecisionConfig, ZeroConfig
+from trainer.config import DType, PrecisionConfig, ReduceDType, ZeroConfig
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+REDUCE_DTYPES = {ReduceDType.fp32: torch.float32, ReduceDType.bf16: torch.bfloat16}
 
 
 def compute_dtype(precision: PrecisionConfig) -> torch.dtype:
@@ -30,11 +31,14 @@ def build_autocast(precision: PrecisionConfig, zero: ZeroConfig, device: torch.d
     return torch.autocast(device_type=device.type, dtype=compute_dtype(precision))
 
 
-def build_mp_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
-    """FSDP2 all-gathers parameters in the compute dtype and reduces gradients in fp32."""
-    if precision.compute_dtype == DType.float32:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+def build_mp_policy(precision: PrecisionConfig, zero: ZeroConfig) -> MixedPrecisionPolicy:
+    """FSDP2 all-gathers parameters in the compute dtype and reduce-scatters gradients in zero.reduce_dtype.
+
+    The sharded gradients the optimizer reads stay in the parameters' fp32 either way: FSDP2
+    casts the reduced shard back.
+    """
+    param_dtype = None if precision.compute_dtype == DType.float32 else compute_dtype(precision)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype])
 
 
 def build_grad_scaler(precision: PrecisionConfig, zero: ZeroConfig, device: torch.device) -> GradScaler:

@@ -14,11 +14,12 @@ from typing import ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import OffloadTarget, Stage, TrainConfig
+from trainer.config import OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.model import materialize
 from trainer.precision import build_mp_policy
 from trainer.world import World
@@ -36,8 +37,13 @@ def apply_zero(model: nn.Module, config: TrainConfig, world: World) -> nn.Module
         return model
     materialize(model, world.device, seed=config.seed)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
+    buckets = {} if config.zero.bucket_cap_mb is None else {"bucket_cap_mb": config.zero.bucket_cap_mb}
     # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
+    if config.zero.reduce_dtype == ReduceDType.bf16:
+        # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
+        ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    return ddp
 
 
 def state_device(config: TrainConfig, world: World) -> torch.device:
@@ -49,7 +55,7 @@ def apply_fsdp(model: nn.Module, config: TrainConfig, world: World) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = config.zero.stage == Stage.stage3
-    common = dict(mesh=mesh, mp_policy=build_mp_policy(config.precision), offload_policy=build_offload_policy(config, world))
+    common = dict(mesh=mesh, mp_policy=build_mp_policy(config.precision, config.zero), offload_policy=build_offload_policy(config, world))
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)
     # The root's parameters are used again at the very start of backward (the output head), so

@@ -18,6 +18,8 @@ CASES = [
     (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),
     (["offload=cpu", "zero=stage1"], "offload=cpu", "zero=stage2 or zero=stage3"),
     (["nproc=0"], "nproc", "auto or an integer >= 1"),
+    (["zero=stage2", "zero.bucket_cap_mb=10"], "zero.bucket_cap_mb", "zero=stage0 or stage1"),
+    (["zero.reduce_dtype=fp8"], "zero.reduce_dtype=fp8", "fp32, bf16"),
     (["model=13b"], "model=13b", "a smaller model"),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)

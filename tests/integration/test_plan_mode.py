@@ -72,6 +72,10 @@ def test_plan_mode_plans_64_ranks_on_a_2_core_host(tmp_path: Path) -> None:
     assert {round(r["params_gib"] * GIB) for r in plan["ranks"]} == {4 * P // 64}
     assert plan["peak_gib"] == max(r["peak_gib"] for r in plan["ranks"])
     assert "0-63" in run.stdout and not (tmp_path / "metrics.jsonl").exists()
+    # The bytes per rank per step (docs/communication.md): bf16 all-gathers 2·(2P − R), fp32 reduction 4P.
+    root = 2 * 32_000 * 8_192 + 8_192
+    assert plan["comm"]["bytes_per_step"] == 2 * (2 * P - root) + 4 * P == 550_764_593_152
+    assert "communication: 512.94 GiB (550,764,593,152 bytes) per rank per optimizer step" in run.stdout
 
 
 def test_a_sweep_refuses_the_point_that_cannot_fit_without_starting_its_ranks(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ def test_bad_top_level_values_name_the_key(kwargs: dict, key: str) -> None:
         (lambda: DataloaderConfig(num_workers=0, prefetch_factor=2), "dataloader.prefetch_factor"),
         (lambda: DataloaderConfig(num_workers=0, persistent_workers=True), "dataloader.persistent_workers"),
         (lambda: DataConfig(kind=DataKind.tokens, path=None), "data.path"),
+        (lambda: ZeroConfig(bucket_cap_mb=0.0), "zero.bucket_cap_mb must be > 0"),
+        (lambda: ZeroConfig(stage=Stage.stage3, bucket_cap_mb=10.0), "zero.bucket_cap_mb applies to DDP"),
     ],
 )
 def test_bad_group_values_name_the_key(build, key: str) -> None:

@@ -1,0 +1,117 @@
+"""The communication plan: the bytes each rank's collectives move per optimizer step, before launch.
+
+ZeRO buys memory with communication. This module predicts the payload of every collective one
+rank takes part in during one optimizer step, as torch's own implementations issue them and as
+c10d's flight recorder records them (trainer/comm.py measures the same quantity):
+
+- payload = the bytes of the full (unsharded) tensor a collective reads or writes: an all-reduce's
+  buffer, an all-gather's output, a reduce-scatter's input, a broadcast's tensor. What crosses the
+  wire is a multiple of it that depends on the algorithm (a ring all-reduce sends 2(N-1)/N of it
+  per rank, a ring all-gather or reduce-scatter (N-1)/N); the plan states payloads.
+- stage0 (DDP): one all-reduce of every gradient per accumulation window (no_sync before the last
+  micro-batch), in fp32, or in bf16 under torch's bf16_compress_hook (zero.reduce_dtype=bf16).
+  Buckets (zero.bucket_cap_mb) change how many all-reduces, not their bytes.
+- stage1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then each parameter broadcast from
+  the rank that stepped it: 4 bytes per parameter (fp32 master weights).
+- stage2/3 (FSDP2): per micro-batch, one all-gather of the root (embeddings, final norm, output
+  head) and of each block in forward, in the compute dtype (param_dtype), each parameter's dim 0
+  padded to a multiple of N; stage3 gathers every block again in backward (the root is not
+  re-sharded after forward, trainer/sharding.py). FSDP2 re-shards after every backward, so each
+  micro-batch gathers afresh. Once per step (the last micro-batch), one reduce-scatter of the
+  root and of each block in zero.reduce_dtype, on the same padded sizes.
+- gloo has no reduce-scatter of its own: ProcessGroupGloo runs `reduce_scatter_tensor` as an
+  all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
+  is planned, and measured, under `all_reduce`.
+
+Left out, by design: the scalar collectives the training loop issues itself (trainer/comm.py
+LOOP_COLLECTIVES names them) and one-time ones (DDP's parameter broadcast at construction, its
+bucket rebuild after the first step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import DType, ReduceDType, Stage, TrainConfig
+from trainer.plan_states import ModelShape, model_shape, padded_numel
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+"""The kinds of collective the plan and the measurement name (metric keys use these names)."""
+
+PARAM_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
+REDUCE_BYTES = {ReduceDType.fp32: 4, ReduceDType.bf16: 2}
+MASTER_BYTES = 4  # fp32 master weights, what ZeroRedundancyOptimizer broadcasts
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Payload bytes one rank's collectives move per optimizer step, by kind of collective."""
+
+    bytes_by_collective: dict[str, int]
+    """all_reduce, all_gather, reduce_scatter, broadcast -> payload bytes per rank per optimizer step."""
+    calls_by_collective: dict[str, int]
+    """How many collectives of each kind per optimizer step (sizes the flight recorder's buffer)."""
+    backend: str
+    """gloo or nccl: gloo records a reduce-scatter as an all-reduce."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_by_collective.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(self.calls_by_collective.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "bytes_per_step": self.total,
+            "bytes_by_collective": dict(self.bytes_by_collective),
+            "calls_by_collective": dict(self.calls_by_collective),
+        }
+
+
+def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) -> CommPlan:
+    """Bytes per rank per optimizer step; backend None: nccl when the job plans for a GPU, else gloo."""
+    if backend is None:
+        from trainer.plan import planned_device_kind  # trainer/plan.py imports this module
+
+        backend = "nccl" if planned_device_kind(config) == "cuda" else "gloo"
+    shape = model_shape(config.model)
+    moves = fsdp_moves(config, shape, world_size) if config.zero.uses_fsdp else ddp_moves(config, shape)
+    bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
+    for kind, payload, calls in moves:
+        if kind == "reduce_scatter" and backend == "gloo":
+            kind = "all_reduce"  # ProcessGroupGloo's reduce_scatter_tensor is an all-reduce
+        bytes_by[kind] += payload
+        calls_by[kind] += calls
+    return CommPlan(bytes_by, calls_by, backend)
+
+
+Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step
+
+
+def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
+    """DDP's bucketed all-reduce once per accumulation window; ZeRO-1 adds one broadcast per parameter."""
+    numel = shape.num_params
+    # Buckets (zero.bucket_cap_mb) hold whole tensors: at most one all-reduce per tensor.
+    buckets = len(shape.order)
+    moves = [("all_reduce", numel * REDUCE_BYTES[config.zero.reduce_dtype], buckets)]
+    if config.zero.stage == Stage.stage1:
+        moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
+    return moves
+
+
+def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
+    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (once per step)."""
+    root = sum(padded_numel(s, world_size) for s in shape.root)
+    block = sum(padded_numel(s, world_size) for s in shape.block)
+    layers, accum = config.model.n_layers, config.grad_accum
+    gathers_per_block = 2 if config.zero.stage == Stage.stage3 else 1  # stage3 re-gathers in backward
+    param_bytes = PARAM_BYTES[config.precision.compute_dtype]
+    reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]
+    return [
+        ("all_gather", accum * param_bytes * (root + gathers_per_block * layers * block), accum * (1 + gathers_per_block * layers)),
+        ("reduce_scatter", reduce_bytes * (root + layers * block), 1 + layers),
+    ]
