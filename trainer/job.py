@@ -21,6 +21,7 @@ from trainer.plan import build_plan, planned_device_kind, planned_world_size, wr
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.plan_table import format_plan
+from trainer.sharding import check_device_support
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
@@ -40,6 +41,7 @@ def run_job(cfg: DictConfig) -> None:
         else:
             device_kind = resolve_device_kind(config.device)
             world_size = resolve_nproc(config.nproc, device_kind)
+            check_device_support(config, device_kind)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
     except ConfigError as err:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.config import ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.model import materialize
 from trainer.precision import build_mp_policy
 from trainer.world import World
@@ -44,6 +44,17 @@ def apply_zero(model: nn.Module, config: TrainConfig, world: World) -> nn.Module
         # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
         ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
     return ddp
+
+
+def check_device_support(config: TrainConfig, device_kind: str) -> None:
+    """Refuse before any rank starts what DDP would refuse in every rank: torch's bf16_compress_hook
+    is allowed only on CUDA with NCCL (DistributedDataParallel.register_comm_hook checks it by name)."""
+    zero = config.zero
+    if zero.reduce_dtype == ReduceDType.bf16 and not zero.uses_fsdp and device_kind != "cuda":
+        raise ConfigError(
+            f"zero.reduce_dtype=bf16 with zero={zero.stage.value} needs CUDA and NCCL (torch's bf16_compress_hook for DDP); "
+            f"on {device_kind} use zero.reduce_dtype=fp32, or zero=stage2 or stage3 (FSDP2 reduces in bf16 on gloo too)"
+        )
 
 
 def state_device(config: TrainConfig, world: World) -> torch.device:

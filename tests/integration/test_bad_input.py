@@ -20,6 +20,7 @@ CASES = [
     (["nproc=0"], "nproc", "auto or an integer >= 1"),
     (["zero=stage2", "zero.bucket_cap_mb=10"], "zero.bucket_cap_mb", "zero=stage0 or stage1"),
     (["zero.reduce_dtype=fp8"], "zero.reduce_dtype=fp8", "fp32, bf16"),
+    (["zero=stage1", "zero.reduce_dtype=bf16"], "zero.reduce_dtype=bf16", "zero=stage2 or stage3"),
     (["model=13b"], "model=13b", "a smaller model"),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)
