@@ -20,6 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from trainer.config import LoggerBackend, TrainConfig
 from trainer.summary import redact_secrets
+from trainer.wandb_run import define_metrics, describe_job, steady_figures
 
 
 PROVENANCE_KEYS = ("world_size", "device", "torch_version", "git_revision")  # summary.provenance's, besides config
@@ -53,7 +54,8 @@ class WandbLogger:
         # file can repeat steps, so they are skipped here instead.
         if record["step"] <= self.last_step:
             return
-        self.guard(lambda: self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"], commit=True))
+        # The record as it is, `step` included: W&B's step and the charts' x-axis (wandb_run.define_metrics).
+        self.guard(lambda: self.run.log(record, step=record["step"], commit=True))
         self.last_step = record["step"]
 
     @contextlib.contextmanager
@@ -68,7 +70,7 @@ class WandbLogger:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write the summary and end the run: exit code 0 when status is ok, else 1 (state `failed`)."""
-        figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")}
+        figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(summary)
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
         self.guard(lambda: self.run.finish(exit_code=0 if summary["status"] == "ok" else 1))
 
@@ -146,6 +148,7 @@ def start_wandb(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
     try:
         import wandb
 
+        labels = describe_job(meta["config"])
         run = wandb.init(
             project=config.logger.project,
             entity=config.logger.entity,
@@ -156,8 +159,10 @@ def start_wandb(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
             job_type=config.zero.stage.value,
             id=wandb_run_id(config, out_dir),
             resume="allow",  # a resumed job continues its directory's run; a new id starts a new one
-            config=redact_secrets(wandb_config(meta)),
+            tags=labels.tags,
+            config=redact_secrets({**wandb_config(meta), "swept": labels.swept}),
         )
+        define_metrics(run)
     except Exception as err:  # unreachable server, bad credentials, bad settings: training goes on
         warn(f"W&B could not start ({type(err).__name__}: {err}); training goes on, metrics in {out_dir}")
         return None

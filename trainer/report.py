@@ -1,8 +1,9 @@
-"""The sweep report: one row per point, charts, and with W&B on one summary run in the sweep's group.
+"""The sweep report: one row per point, charts, a W&B Report, and with W&B on one summary run.
 
 `python -m trainer.report <sweep dir>` (and the sweep callback, trainer/sweep.py, at the end of
 every multirun) reads each point's summary.json, metrics.jsonl and plan.json and writes into the
-sweep directory:
+sweep directory; `python -m trainer.report DIR [DIR ...]` does the same over any run and sweep
+directories together (trainer/compare.py), into `--out` or a new directory under outputs/reports/:
 
     results.csv      one row per point; figures exactly as in the point's summary.json
     report.md        the same table for people, the fastest point that fits marked, the charts
@@ -10,15 +11,16 @@ sweep directory:
     memory.png       every rank's peak tensor memory per point, with the predicted peak and the cap
     losses.png       training loss against step, per point
     loss_scale.png   the fp16 loss scale against step of every fp16 point (only when there is one)
+    wandb_report.json  the W&B Report of the same points (trainer/wandb_report.py), ready to publish
 
-The report depends only on the points' files, so writing it again gives the same bytes.
+The report depends only on the points' files, so writing it again gives the same bytes (the W&B
+Report's panel ids aside).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import re
 import sys
@@ -82,11 +84,21 @@ class Point:
 class Report:
     """What write_report wrote: the points, the keys that differ between them, the rows, the charts."""
 
-    sweep_dir: Path
+    sweep_dir: Path  # where the report is written: the sweep directory, or a comparison's --out
     points: list[Point]
     swept: list[str]
     rows: list[dict[str, Any]]
     charts: dict[str, Path]
+    is_sweep: bool = True  # False: a comparison of run and sweep directories (trainer/compare.py)
+
+    @property
+    def title(self) -> str:
+        return f"{'Sweep report' if self.is_sweep else 'Comparison'}: {sweep_group(self.sweep_dir)}"
+
+    @property
+    def description(self) -> str:
+        tally = ", ".join(f"{n} {status}" for status, n in count_statuses(self.rows).items())
+        return f"{plural(len(self.rows), 'point')} ({tally}); swept: {', '.join(self.swept) or 'nothing'}."
 
     @property
     def fastest(self) -> dict[str, Any] | None:
@@ -197,15 +209,20 @@ def per_rank_peaks(point: Point) -> dict[int, float]:
     return dict(sorted(peaks.items()))
 
 
-def write_report(sweep_dir: Path) -> Report:
-    """Read the sweep's points and write results.csv, the charts and report.md into `sweep_dir`."""
-    points = load_points(sweep_dir)
+def write_report(sweep_dir: Path, points: list[Point] | None = None) -> Report:
+    """Write results.csv, the charts, wandb_report.json and report.md into `sweep_dir`: of the sweep's
+    own points, or of `points` (a comparison; trainer/compare.py)."""
+    from trainer.wandb_report import write_wandb_report
+
+    is_sweep = points is None
+    points = load_points(sweep_dir) if points is None else points
     swept = swept_keys(points)
-    rows = build_rows(points, swept)
-    report = Report(sweep_dir, points, swept, rows, charts={})
-    write_csv(rows, sweep_dir / "results.csv")
+    report = Report(sweep_dir, points, swept, build_rows(points, swept), charts={}, is_sweep=is_sweep)
+    write_csv(report.rows, sweep_dir / "results.csv")
     report.charts = write_charts(report)
-    (sweep_dir / "report.md").write_text(markdown(report))
+    logger = report_logger(report)
+    wandb_json = write_wandb_report(report, logger.get("project") or "zerolab", logger.get("entity"))
+    (sweep_dir / "report.md").write_text(markdown(report, wandb_json))
     return report
 
 
@@ -219,14 +236,34 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 # ---------------------------------------------------------------------------- report.md
 
 
-def markdown(report: Report) -> str:
-    tally = ", ".join(f"{n} {status}" for status, n in count_statuses(report.rows).items())
-    lines = [f"# Sweep report: {sweep_group(report.sweep_dir)}", ""]
-    lines.append(f"{plural(len(report.rows), 'point')} ({tally}); swept: {', '.join(report.swept) or 'nothing'}.")
+def markdown(report: Report, wandb_json: Path | None) -> str:
+    lines = [f"# {report.title}", "", report.description]
     if (best := report.fastest) is not None:
         lines.append(f"Fastest point that fits: #{best['point']} `{best['overrides']}`, {best['tokens_per_s']:,.0f} tokens/s.")
     lines += ["", *markdown_table(report.rows), *markdown_failures(report.rows), *markdown_charts(report.charts)]
+    if wandb_json is not None:
+        lines += ["", "## W&B", "", wandb_line(None, report.sweep_dir)]
     return "\n".join(lines) + "\n"
+
+
+WANDB_LINE = "W&B Report: "
+
+
+def wandb_line(url: str | None, report_dir: Path) -> str:
+    """report.md's line about the W&B Report: its URL once published, else how to publish it."""
+    if url is not None:
+        return f"{WANDB_LINE}{url}"
+    return (
+        f"{WANDB_LINE}built offline in `wandb_report.json`; to publish it, upload the runs (`wandb sync`) "
+        f"and run `python -m trainer.report --wandb {report_dir}`."
+    )
+
+
+def set_wandb_url(report_dir: Path, url: str) -> None:
+    """Put the published Report's URL into report.md, in place of how to publish it."""
+    path = report_dir / "report.md"
+    lines = [wandb_line(url, report_dir) if line.startswith(WANDB_LINE) else line for line in path.read_text().splitlines()]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -344,7 +381,7 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.minorticks_off()
     ax.set_xlabel("micro_batch (sequences per rank per step)")
-    finish_throughput(ax, legend_title=", ".join(others) if others else None)
+    finish_throughput(ax, report.rows, legend_title=", ".join(others) if others else None)
     return True
 
 
@@ -357,7 +394,7 @@ def plot_throughput_bars(ax: plt.Axes, report: Report) -> bool:
         if row["status"] != "ok":
             mark_failure(ax, x, row, FAILED_COLOR, 0)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    finish_throughput(ax, legend_title=None)
+    finish_throughput(ax, report.rows, legend_title=None)
     return True
 
 
@@ -366,10 +403,11 @@ def mark_failure(ax: plt.Axes, x: float, row: dict[str, Any], color: str, index:
     ax.annotate(failure_note(row), (x, 0), xytext=(6, 8 + 13 * index), textcoords="offset points", fontsize=8, color=FAILED_COLOR)
 
 
-def finish_throughput(ax: plt.Axes, legend_title: str | None) -> None:
+def finish_throughput(ax: plt.Axes, rows: list[dict[str, Any]], legend_title: str | None) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("steady tokens/s (all ranks)")
-    ax.set_title("Throughput per point (✕ at 0: did not end ok)")
+    failed = any(row["status"] != "ok" for row in rows)
+    ax.set_title("Throughput per point" + (" (✕ at 0: did not end ok)" if failed else ""))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(title=legend_title, fontsize=8)
 
@@ -443,29 +481,75 @@ def plot_loss_scale(ax: plt.Axes, report: Report) -> bool:
 # ---------------------------------------------------------------------------- W&B
 
 
-def log_to_wandb(report: Report, project: str, entity: str | None) -> str:
-    """One summary run in the sweep's group: the results table and every chart. Returns its id.
+def log_to_wandb(report: Report, project: str, entity: str | None) -> tuple[str, bool]:
+    """One summary run in the sweep's group: the results table and every chart. Returns its id and
+    whether it went to the server (online) rather than to an offline run directory.
 
-    The run's id is derived from the sweep directory, so writing the report again (a re-run of
+    The run's id is derived from the report's directory, so writing the report again (a re-run of
     the sweep, or `python -m trainer.report`) continues the same W&B run instead of adding one.
     """
     import wandb
 
     from trainer.loggers import wandb_mode
+    from trainer.wandb_report import RESULTS_TABLE, report_run_id
 
     group = sweep_group(report.sweep_dir)
-    run_id = "report-" + hashlib.sha1(str(report.sweep_dir.resolve()).encode()).hexdigest()[:12]
     with wandb.init(
-        project=project, entity=entity, group=group, name=f"sweep report {group}", job_type="report",
-        id=run_id, resume="allow", dir=str(report.sweep_dir), mode=wandb_mode(),
+        project=project, entity=entity, group=group, name=f"{report.title.split(':')[0].lower()} {group}", job_type="report",
+        id=report_run_id(report.sweep_dir), resume="allow", dir=str(report.sweep_dir), mode=wandb_mode(),
         config={"sweep_dir": str(report.sweep_dir), "swept": report.swept, "points": len(report.rows)},
     ) as run:
         table = wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS] for row in report.rows])
-        run.log({"sweep/results": table, **{f"sweep/{name}": wandb.Image(str(path)) for name, path in report.charts.items()}})
+        run.log({RESULTS_TABLE: table, **{f"sweep/{name}": wandb.Image(str(path)) for name, path in report.charts.items()}})
         if (best := report.fastest) is not None:
             run.summary.update({"fastest/overrides": best["overrides"], "fastest/tokens_per_s": best["tokens_per_s"]})
         run.summary.update({f"points/{status}": sum(r["status"] == status for r in report.rows) for status in {r["status"] for r in report.rows}})
-    return run_id
+        online = run.settings.mode == "online"
+    return run.id, online
+
+
+def mirror_to_wandb(report: Report) -> None:
+    """With logger=wandb: the report run, and online the W&B Report saved and its URL in report.md.
+
+    W&B is a mirror: each failure is one warning line, and the local report stays complete.
+    """
+    from trainer.loggers import warn
+    from trainer.wandb_report import REPORT_FILE
+
+    logger = report_logger(report)
+    if logger.get("backend") != "wandb":
+        return
+    try:
+        run_id, online = log_to_wandb(report, logger.get("project") or "zerolab", logger.get("entity"))
+    except Exception as err:  # unreachable, misconfigured: the local report is complete without it
+        warn(f"the report could not go to W&B ({type(err).__name__}: {err}); the local report is complete")
+        return
+    print(f"W&B: report run {run_id} in group {sweep_group(report.sweep_dir)}", flush=True)
+    if online and (report.sweep_dir / REPORT_FILE).exists():
+        publish_and_link(report.sweep_dir)
+
+
+def publish_and_link(report_dir: Path) -> str | None:
+    """Save the W&B Report in `report_dir` and write its URL into report.md; None (one warning) on failure."""
+    from trainer.loggers import warn
+    from trainer.wandb_report import REPORT_FILE, publish
+
+    try:
+        url = publish(report_dir / REPORT_FILE)
+    except Exception as err:  # the library, the server or the credentials: report.md keeps how to publish
+        warn(f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}")
+        return None
+    set_wandb_url(report_dir, url)
+    print(f"W&B Report: {url}", flush=True)
+    return url
+
+
+def report_logger(report: Report) -> dict[str, Any]:
+    """The `logger` settings the report's runs used: the sweep's multirun.yaml, else the first
+    point's config that names one (a comparison)."""
+    if report.is_sweep and (logger := sweep_logger(report.sweep_dir)) is not None:
+        return logger
+    return next((p.config["logger"] for p in report.points if isinstance(p.config.get("logger"), dict)), {})
 
 
 def sweep_logger(sweep_dir: Path) -> dict[str, Any] | None:
@@ -478,23 +562,9 @@ def sweep_logger(sweep_dir: Path) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer.report", description="Write the report of a sweep directory.")
-    parser.add_argument("sweep_dir", type=Path)
-    parser.add_argument(
-        "--wandb", action=argparse.BooleanOptionalAction, default=None,
-        help="also log the report to a W&B run in the sweep's group (default: when the sweep used logger=wandb)",
-    )
-    args = parser.parse_args(argv)
-    if not args.sweep_dir.is_dir():
-        parser.error(f"sweep_dir: {args.sweep_dir} is not a directory")
-    if not load_points(args.sweep_dir):
-        parser.error(f"sweep_dir: {args.sweep_dir} holds no sweep point (no */.hydra/hydra.yaml)")
-    report = write_report(args.sweep_dir)
-    print(summary_line(report))
-    logger = sweep_logger(args.sweep_dir) or {}
-    if args.wandb or (args.wandb is None and logger.get("backend") == "wandb"):
-        run_id = log_to_wandb(report, logger.get("project", "zerolab"), logger.get("entity"))
-        print(f"W&B: run {run_id} in group {sweep_group(args.sweep_dir)}")
+    from trainer.compare import main as compare_main
+
+    compare_main(argv)
 
 
 def summary_line(report: Report) -> str:

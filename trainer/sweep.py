@@ -9,7 +9,8 @@ the process that runs `python -m trainer` (the ranks never see it):
   exists already, takes `<dir>_1`, `<dir>_2`, ... instead.
 - on_job_end: with `fail_fast=true`, the first point that does not end `ok` stops the sweep
   (exit status 1) after writing the report of the points so far.
-- on_multirun_end: the sweep report (trainer/report.py), and with logger=wandb its W&B run.
+- on_multirun_end: the sweep report (trainer/report.py) with its W&B Report, and with logger=wandb
+  its W&B run (online: the W&B Report saved, its URL in report.md).
 
 `finished_ok` is the job's check (trainer/job.py) that lets a re-run of a sweep into the same
 directory (`hydra.sweep.dir=<dir>`) skip the points that already ended `ok`.
@@ -108,13 +109,8 @@ class SweepCallback(Callback):
         raise SystemExit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer.report import log_to_wandb, summary_line, write_report
+        from trainer.report import mirror_to_wandb, summary_line, write_report
 
         report = write_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
-        if config.logger.backend != "wandb":
-            return
-        try:
-            log_to_wandb(report, config.logger.project, config.logger.entity)
-        except Exception as err:  # W&B is a mirror: the local report is complete without it
-            print(f"warning: the sweep report could not go to W&B ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+        mirror_to_wandb(report)  # with logger=wandb; failures are warnings, the local report is complete

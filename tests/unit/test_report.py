@@ -215,12 +215,13 @@ def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
     assert {name: (grid / name).read_bytes() for name in names} == first
 
 
-def test_the_command_refuses_a_directory_without_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_refuses_a_directory_that_is_neither_a_run_nor_a_sweep_in_one_line(grid: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    stray = tmp_path_factory.mktemp("stray")
     with pytest.raises(SystemExit) as exit_info:
-        rpt.main([str(tmp_path)])
+        rpt.main([str(grid), str(stray), "--out", str(stray / "out")])
     assert exit_info.value.code == 2
-    assert "holds no sweep point" in capsys.readouterr().err
-    assert not (tmp_path / "report.md").exists()
+    assert capsys.readouterr().err.splitlines() == [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"]
+    assert not (stray / "out").exists() and not (grid / "report.md").exists()
 
 
 # ---------------------------------------------------------------------------- trainer/oom.py
