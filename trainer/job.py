@@ -126,16 +126,22 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
             write_summary(Path(out_dir), build_summary("refused", [], config.steps, reason=refusal, **meta))
         fail(f"error: {refusal}" if world.is_main else "", code=2)
         return
-    result = rank_main(plain, out_dir, device_kind)
-    if world.is_main:
+    if not world.is_main:  # only global rank 0's process owns the W&B run: the other ranks never import wandb
+        rank_main(plain, out_dir, device_kind)
+        return
+    # Rank 0's process plays the job process's part: it feeds the W&B run from metrics.jsonl (a
+    # thread beside its training) and ends it with the job's status.
+    with open_logger(config, Path(out_dir), meta, name=run_name(), group=run_group()) as logger:
+        with logger.follow(Path(out_dir) / "metrics.jsonl"):
+            result = rank_main(plain, out_dir, device_kind)
         status = "diverged" if result is not None and result.get("status") == "diverged" else "ok"
-        # No W&B here: every process is a rank (ranks never import wandb); metrics.jsonl and summary.json only.
         records = read_metrics(Path(out_dir))
         summary = build_summary(
             status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **nonfinite_summary(records), **meta
         )
         write_summary(Path(out_dir), summary)
-        report_end(summary, Path(out_dir))
+        logger.finish(summary)
+    report_end(summary, Path(out_dir))
 
 
 def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:

@@ -43,6 +43,7 @@ GROUP_FIELDS = {
     "optim": "optim.name",
     "logger": "logger.backend",
 }
+UNNAMED_GROUPS = ("dataloader", "save")  # their options set several fields, none naming the option
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ def config_path(key: str) -> str:
     field (`zero` -> `zero.stage`), a key at its own dotted path, a group without one under `swept`."""
     if key in GROUP_FIELDS:
         return GROUP_FIELDS[key]
-    if "." in key or key not in ("dataloader", "save"):
-        return key
-    return f"swept.{swept_name(key)}"
+    if key in UNNAMED_GROUPS:
+        return f"swept.{swept_name(key)}"
+    return key
 
 
 def swept_name(key: str) -> str:

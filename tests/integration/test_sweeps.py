@@ -11,6 +11,7 @@ import csv
 import datetime
 import itertools
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from trainer.config import register_configs
 from trainer.loggers import sweep_group
 from trainer.report import COLUMNS
 from trainer.sweep import SweepCallback
+from trainer.wandb_report import load_report_json
 
 REPO = Path(__file__).resolve().parents[2]
 WANDB = Path(sys.executable).parent / "wandb"
@@ -37,9 +39,9 @@ REPORT_FILES = ("results.csv", "report.md", "throughput.png", "memory.png", "los
 CAPPED = ("device_memory_gib=0.25", "nproc=2", "device=cpu", "model=tiny", "steps=2", "seq_len=256", "log_every=1")
 
 
-def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+def run_sweep(sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "trainer", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -133,6 +135,56 @@ def test_points_and_the_report_are_wandb_runs_in_one_group(named_sweep: Sweep) -
     csv_rows = read_csv(named_sweep.dir / "results.csv")
     index = COLUMNS.index("tokens_per_s")
     assert [row[index] for row in table["data"]] == [float(row["tokens_per_s"]) for row in csv_rows]
+
+
+def test_every_run_has_its_tags_typed_swept_values_and_summary_json_as_its_summary(named_sweep: Sweep) -> None:
+    """Issue 9, acceptance 2: read back with `wandb leet inspect --json`."""
+    for point in point_dirs(named_sweep.dir):
+        run_file = next(point.glob("wandb/offline-run-*/run-*.wandb"))
+        run, end, local = wandb_run(run_file), wandb_summary(run_file), summary(point)
+        chosen = settings(point)
+        assert sorted(end["tags"]) == sorted([f"zero={chosen['zero']}", "model=tiny", "precision=fp32", "checkpointing=none", "offload=none", "sweep"])
+        assert run["config"]["update"]["swept"] == {"micro_batch": int(chosen["micro_batch"]), "zero": chosen["zero"]}
+        figures = {k: v for k, v in local.items() if k not in ("config", "overrides")}
+        assert {k: end["summary"][k] for k in figures} == figures
+        steady = ("throughput/steady_tokens_per_s", "throughput/steady_mfu_pct")  # MFU only where the device's peak is known
+        assert [end["summary"].get(k) for k in steady] == [local["throughput/tokens_per_s"], local.get("throughput/mfu_pct")]
+        losses = [json.loads(line)["loss/train"] for line in (point / "metrics.jsonl").read_text().splitlines()]
+        assert end["summary"]["loss/train"] == {"min": min(losses), "last": losses[-1]}
+
+
+def test_a_report_over_run_and_sweep_directories_together(named_sweep: Sweep, tmp_path: Path) -> None:
+    """Issue 9, acceptance 3: two point directories and the whole sweep, into a new outputs/reports/ directory."""
+    points = point_dirs(named_sweep.dir)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "trainer.report", str(points[0]), str(points[3]), str(named_sweep.dir)]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (out,) = (tmp_path / "outputs" / "reports").glob("*/*")
+    rows = read_csv(out / "results.csv")
+    compared = [points[0], points[3], *points]
+    assert [row["dir"] for row in rows] == [p.name for p in compared] and [int(row["point"]) for row in rows] == list(range(6))
+    assert [float(row["tokens_per_s"]) for row in rows] == [summary(p)["throughput/tokens_per_s"] for p in compared]
+    assert len(table_rows(out / "report.md")) == 6 and (out / "throughput.png").exists()
+    runs = load_report_json(out / "wandb_report.json").blocks[2].runsets[0]  # the W&B Report's run set: the compared runs
+    assert runs.filters == f"Metric(\"ID\") in {sorted({(p / 'wandb_run_id').read_text().strip() for p in points})!r}"
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    proc = subprocess.run([*args, str(stray)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"])
+
+
+def test_wandb_unreachable_costs_one_warning_per_job_and_the_local_report_is_complete(tmp_path: Path) -> None:
+    """Issue 9, acceptance 5: online with a key of the right shape and no server to reach."""
+    env = {**os.environ, "WANDB_MODE": "online", "WANDB_API_KEY": "f00dfacecafe" * 3 + "beef", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "5"}
+    proc = run_sweep(tmp_path, "micro_batch=1,2", *POINT, "steps=2", "logger=wandb", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [summary(p)["status"] for p in point_dirs(tmp_path)] == ["ok", "ok"]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert [w.startswith("warning: W&B could not start") for w in warnings] == [True, True, False], warnings  # one per job, then the report's
+    assert "the report could not go to W&B" in warnings[2]
+    assert [row["status"] for row in read_csv(tmp_path / "results.csv")] == ["ok", "ok"]
+    assert all((tmp_path / name).exists() for name in (*REPORT_FILES, "wandb_report.json"))
 
 
 def test_rerunning_into_the_same_directory_runs_no_job_and_rewrites_the_same_report(named_sweep: Sweep) -> None:

@@ -7,17 +7,42 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, TINY, Run, run_trainer
+from tests.integration.test_telemetry import inspect_records, wandb_file, wandb_summary
 
 
-def test_torchrun_ranks_train_like_the_runners_own(tmp_path: Path) -> None:
-    settings = [*TINY, "steps=4", "zero=stage3"]
-    joined = torchrun(tmp_path / "torchrun", *settings)
-    assert joined.returncode == 0, joined.stderr[-3000:]
-    launched = run_trainer(tmp_path / "launched", *settings, "nproc=2")
+SETTINGS = [*TINY, "steps=4", "zero=stage3"]
+
+
+@pytest.fixture(scope="module")
+def joined(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A torchrun job with W&B (offline, tests/conftest.py): shared by the tests below."""
+    with_wandb = [s for s in SETTINGS if not s.startswith("logger=")] + ["logger=wandb"]
+    run = torchrun(tmp_path_factory.mktemp("torchrun") / "run", *with_wandb)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_torchrun_ranks_train_like_the_runners_own(joined: Run, tmp_path: Path) -> None:
+    launched = run_trainer(tmp_path / "launched", *SETTINGS, "nproc=2")
     assert joined.summary["status"] == "ok"
     assert joined.losses == launched.losses  # same ranks, same data, same numbers
     assert joined.summary["memory/predicted_peak_gib"] == launched.summary["memory/predicted_peak_gib"]  # planned alike
+
+
+def test_torchrun_job_has_one_wandb_run_owned_by_rank0_with_metrics_jsonl_as_history(joined: Run) -> None:
+    """Acceptance 4: rank 0's process fed the run from metrics.jsonl and ended it with the job's status."""
+    path = wandb_file(joined.out_dir)  # exactly one run: rank 1 started none
+    assert len(list(joined.out_dir.rglob("*.wandb"))) == 1
+    history = [r["history"]["item"] for r in inspect_records(path) if r["type"] == "history"]
+    records = joined.records
+    assert len(records) == 4
+    assert [{k: v for k, v in item.items() if not k.startswith("_")} for item in history] == records  # W&B's own keys aside
+    end = wandb_summary(joined.out_dir)
+    assert (end["state"], end["exit_code"], end["summary"]["status"]) == ("finished", 0, joined.summary["status"])
+    assert "zero=stage3" in end["tags"] and "sweep" not in end["tags"]
 
 
 def torchrun(out: Path, *overrides: str) -> Run:

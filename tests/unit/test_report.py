@@ -207,6 +207,22 @@ def test_loss_scale_chart_appears_only_with_an_fp16_point(tmp_path: Path) -> Non
     plt.close(fig)
 
 
+def test_the_throughput_charts_title_speaks_of_failed_points_only_when_there_are_some(grid: Path) -> None:
+    titles = []
+    for report in (rpt.write_report(grid), ok_only(rpt.write_report(grid))):
+        fig, ax = plt.subplots()
+        rpt.plot_throughput(ax, report)
+        titles.append(ax.get_title())
+        plt.close(fig)
+    assert titles == ["Throughput per point (✕ at 0: did not end ok)", "Throughput per point"]
+
+
+def ok_only(report: rpt.Report) -> rpt.Report:
+    """The same report without its failed points."""
+    keep = [i for i, row in enumerate(report.rows) if row["status"] == "ok"]
+    return rpt.Report(report.sweep_dir, [report.points[i] for i in keep], report.swept, [report.rows[i] for i in keep], report.charts)
+
+
 def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
     rpt.write_report(grid)
     names = ["results.csv", "report.md", "throughput.png", "memory.png", "losses.png"]
