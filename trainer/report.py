@@ -222,7 +222,8 @@ def write_report(sweep_dir: Path, points: list[Point] | None = None) -> Report:
     report.charts = write_charts(report)
     logger = report_logger(report)
     wandb_json = write_wandb_report(report, logger.get("project") or "zerolab", logger.get("entity"))
-    (sweep_dir / "report.md").write_text(markdown(report, wandb_json))
+    published = wandb_json if logger.get("backend") == "wandb" else None  # no runs in W&B: nothing to publish
+    (sweep_dir / "report.md").write_text(markdown(report, published))
     return report
 
 

@@ -50,7 +50,7 @@ def run_filter(report: Report) -> list[Any]:
 
     if report.is_sweep:
         return [expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"]
-    return [expr.Metric("ID").isin(sorted(run_id for point in report.points if (run_id := read_run_id(point.path)) is not None))]
+    return [expr.Metric("ID").isin(sorted({run_id for point in report.points if (run_id := read_run_id(point.path)) is not None}))]
 
 
 def read_run_id(run_dir: Path) -> str | None:

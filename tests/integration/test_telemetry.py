@@ -138,8 +138,15 @@ def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -
     assert "zero=stage3" in run["display_name"] and "precision=fp16" in run["display_name"]
     assert run["job_type"] == "stage3"
     assert len(run["run_group"]) == len("YYYY-MM-DD")  # a single run is grouped by its date
-    config = {k: v for k, v in run["config"]["update"].items() if k not in ("_wandb", "overrides", "provenance")}
+    config = {k: v for k, v in run["config"]["update"].items() if k not in ("_wandb", "overrides", "provenance", "swept")}
     assert config == summary["config"]
+    # A single run's `swept`: the keys its command line set, typed as the config has them.
+    swept = run["config"]["update"]["swept"]
+    assert {k: swept[k] for k in ("micro_batch", "precision", "zero", "steps", "precision/loss_scale_init")} == {
+        "micro_batch": 2, "precision": "fp16", "zero": "stage3", "steps": 20, "precision/loss_scale_init": INIT_SCALE,
+    }  # fmt: skip
+    assert "logger" not in swept  # keys that do not change what a run measures stay out, as from its name
+    assert sorted(run["tags"]) == ["checkpointing=none", "model=tiny", "offload=none", "precision=fp16", "zero=stage3"]
     assert run["config"]["update"]["overrides"] == summary["overrides"]
     provenance = run["config"]["update"]["provenance"]
     assert provenance == {k: summary[k] for k in ("world_size", "device", "torch_version", "git_revision")}

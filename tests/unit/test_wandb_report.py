@@ -162,3 +162,38 @@ def test_without_the_reports_library_the_local_report_is_complete_and_one_warnin
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "wandb-workspaces" in warnings[0]
     assert "W&B Report" not in (tmp_path / "report.md").read_text()
+
+
+def test_publishing_points_the_run_sets_at_the_project_saves_and_links_the_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m trainer.report --wandb DIR`, with the library's calls to the server stood in for."""
+    make_sweep(tmp_path)
+    rpt.write_report(tmp_path)
+    assert "python -m trainer.report --wandb" in (tmp_path / "report.md").read_text()
+    saved: list[Any] = []
+
+    def save(report: Any, draft: bool = False, clone: bool = False) -> Any:
+        saved.append([(runs.entity, runs.project) for block in report.blocks if isinstance(block, wr.PanelGrid) for runs in block.runsets])
+        report.id = "R1"
+        return report
+
+    monkeypatch.setattr(wr.Report, "save", save)
+    monkeypatch.setattr(wr.Report, "url", property(lambda report: f"https://wandb.test/{report.entity}/{report.project}/reports/{report.id}"))
+    monkeypatch.setattr(wr_interface, "execute_graphql", lambda api, query, variables: {"project": {"internalId": "P1"}})
+    monkeypatch.setattr(wr_interface, "_get_api", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        rpt.main(["--wandb", str(tmp_path)])
+    assert exit_info.value.code == 0
+    assert saved == [[("team", "zerolab")] * 4]
+    assert "W&B Report: https://wandb.test/team/zerolab/reports/R1" in (tmp_path / "report.md").read_text().splitlines()
+    assert load_report_json(tmp_path / REPORT_FILE).id == "R1"  # publishing again updates the same Report
+
+
+def test_publishing_without_a_server_is_one_warning_and_leaves_report_md(tmp_path: Path, no_server: None, capsys: pytest.CaptureFixture[str]) -> None:
+    make_sweep(tmp_path)
+    rpt.write_report(tmp_path)
+    before = (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        rpt.main(["--wandb", str(tmp_path)])
+    assert exit_info.value.code == 1
+    assert [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()] == ["warning: the W&B Report could not be saved"]
+    assert (tmp_path / "report.md").read_text() == before
