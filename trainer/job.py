@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     """
     import torch.distributed as dist
 
+    from trainer.comm import enable_recording
+
+    enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind)
     resume, run_dir = resolve_resume(config, Path(HydraConfig.get().runtime.output_dir))
     shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir), None, {}]

@@ -13,6 +13,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.comm import enable_recording
 from trainer.config import from_plain
 from trainer.oom import apply_memory_cap, explain, recording_failures
 from trainer.world import init_world, shutdown_world
@@ -41,6 +42,7 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     from trainer.nonfinite import NonFiniteError
 
     config = from_plain(plain)
+    enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind)
     apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase

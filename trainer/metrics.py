@@ -15,10 +15,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.comm import CommProbe, comm_fields
+from trainer.comm import FIELDS as COMM_FIELDS
 from trainer.config import DType, PrecisionConfig, TrainConfig
 from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_optimizer
 from trainer.nonfinite import SKIPPED_KEY
 from trainer.plan import predicted_peak_bytes
+from trainer.plan_comm import plan_comm
 from trainer.world import World
 
 GIB = 2**30
@@ -71,9 +74,12 @@ class Meter:
         self.last_record: dict[str, Any] | None = None
         telemetry = config.telemetry
         self.memory = MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        # Collectives from here on: the model's construction and a resume's load are not steps.
+        self.comm = CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
         self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
         # The plan's worst-rank peak, next to the measured one in every record (rank 0 writes them).
         self.predicted_peak_gib = predicted_peak_bytes(config, world.world_size) / GIB if telemetry.enabled and world.is_main else None
+        self.predicted_comm = plan_comm(config, world.world_size).total if telemetry.enabled and world.is_main else None
         self._open_window()
 
     def _open_window(self) -> None:
@@ -86,10 +92,13 @@ class Meter:
         self.last: StepStats | None = None
 
     def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
-        """Wrap a training step: tensor-level memory tracking on the steps chosen for it."""
-        if self.memory is None:
+        """Wrap a training step: tensor-level memory tracking, or profiling of communication, on the steps chosen for them."""
+        if self.memory is None or self.comm is None:
             return contextlib.nullcontext()
-        return self.memory.measure(step, model, optimizer)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.memory.measure(step, model, optimizer))
+        stack.enter_context(self.comm.measure(step))
+        return stack
 
     def update(self, step: int, stats: StepStats) -> None:
         self.window_steps += 1
@@ -109,8 +118,8 @@ class Meter:
         elapsed = time.perf_counter() - self.window_start
         states = model_state_bytes(model, optimizer)
         row = [self.last.loss.item(), elapsed, self.window_data_s, *states, self.last.loss_scale, self.skipped_steps]
-        if self.memory is not None:
-            row += self.memory.read()
+        if self.memory is not None and self.comm is not None:
+            row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
         if self.world.is_main:
             self.last_record = self.build_record(step, per_rank)
@@ -135,6 +144,7 @@ class Meter:
             record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
         if self.memory is not None:
             record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib))
+            record.update(comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm))
         if self.config.precision.is_fp16:
             record["precision/loss_scale"] = self.last.loss_scale
             record["precision/overflow"] = self.window_overflows

@@ -76,6 +76,28 @@ def worst_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def steady_comm(records: list[dict[str, Any]], after_step: int) -> dict[str, Any]:
+    """Communication per optimizer step over the windows after warm-up (all windows when none is
+    past it), each window weighted by its steps; the plan next to the worst rank; the mean exposed share."""
+    steady = [r for r in records if r["step"] > after_step] or records
+    steps = {id(r): r["step"] - prev["step"] for prev, r in zip([{"step": 0}, *records], records)}
+    keys = [k for k in dict.fromkeys(k for r in steady for k in r) if k.startswith("comm/rank")]
+    figures: dict[str, Any] = {}
+    for key in keys:
+        measured = [(r[key], steps[id(r)]) for r in steady if key in r]
+        figures[key] = sum(v * n for v, n in measured) / sum(n for _, n in measured)
+    predicted = [r["comm/predicted_bytes_per_step"] for r in records if "comm/predicted_bytes_per_step" in r]
+    totals = [v for k, v in figures.items() if k.endswith("/bytes_per_step")]
+    if predicted:
+        figures["comm/predicted_bytes_per_step"] = predicted[-1]
+        if totals and max(totals) > 0:
+            figures["comm/prediction_error_pct"] = 100.0 * (predicted[-1] - max(totals)) / max(totals)
+    exposed = [r["comm/exposed_pct"] for r in records if "comm/exposed_pct" in r]
+    if exposed:
+        figures["comm/exposed_pct"] = sum(exposed) / len(exposed)
+    return figures
+
+
 def git_revision() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
@@ -118,6 +140,7 @@ def build_summary(
             if value is not None:
                 summary[key] = value
         summary.update(worst_memory(records))
+        summary.update(steady_comm(records, after))
         if "precision/skipped_steps" in records[-1]:
             summary["precision/skipped_steps"] = records[-1]["precision/skipped_steps"]
             summary["precision/loss_scale"] = records[-1]["precision/loss_scale"]
