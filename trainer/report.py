@@ -9,6 +9,7 @@ directories together (trainer/compare.py), into `--out` or a new directory under
     report.md        the same table for people, the fastest point that fits marked, the charts
     throughput.png   steady tokens/s against micro-batch, a line per other swept setting, failures marked
     memory.png       every rank's peak tensor memory per point, with the predicted peak and the cap
+    comm.png         memory each stage saved over stage0 against the bytes it moved per step, per point
     losses.png       training loss against step, per point
     loss_scale.png   the fp16 loss scale against step of every fp16 point (only when there is one)
     wandb_report.json  the W&B Report of the same points (trainer/wandb_report.py), ready to publish
@@ -40,7 +41,7 @@ from trainer.loggers import sweep_group  # noqa: E402
 
 COLUMNS = [
     "point", "overrides", "status", "tokens_per_s", "mfu_pct", "max_rank_peak_gib", "argmax_rank",
-    "predicted_peak_gib", "skipped_steps", "final_loss", "fastest", "failed_rank", "failed_step",
+    "predicted_peak_gib", "comm_bytes_per_step", "predicted_comm_bytes_per_step", "skipped_steps", "final_loss", "fastest", "failed_rank", "failed_step",
     "failed_phase", "reason", "dir",
 ]
 SUMMARY_KEYS = {
@@ -54,6 +55,7 @@ SUMMARY_KEYS = {
     "failed_phase": "failed_phase",
 }
 PEAK_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
+COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 FAILED_COLOR = "#d62728"
 LINE_STYLES = ["-", (0, (6, 3)), (0, (2, 2)), (0, (8, 3, 2, 3))]  # solid, dashed, dotted, dash-dot
 
@@ -177,6 +179,8 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
         overrides=label(point, swept),
         status=point.status,
         predicted_peak_gib=predicted_peak_gib(point),
+        comm_bytes_per_step=max((v for k, v in summary.items() if COMM_KEY.fullmatch(k)), default=None),
+        predicted_comm_bytes_per_step=predicted_comm_bytes(point),
         skipped_steps=skipped_steps(summary),
         fastest=False,
         reason=summary.get("reason") or summary.get("error"),
@@ -190,6 +194,13 @@ def predicted_peak_gib(point: Point) -> float | None:
     if "memory/predicted_peak_gib" in point.summary:
         return point.summary["memory/predicted_peak_gib"]
     return point.plan.get("peak_gib") if point.plan is not None else None
+
+
+def predicted_comm_bytes(point: Point) -> int | None:
+    """The plan's bytes per rank per step (trainer/plan_comm.py): in the summary, else in plan.json."""
+    if "comm/predicted_bytes_per_step" in point.summary:
+        return point.summary["comm/predicted_bytes_per_step"]
+    return (point.plan.get("comm") or {}).get("bytes_per_step") if point.plan is not None else None
 
 
 def skipped_steps(summary: dict[str, Any]) -> int | None:
@@ -270,7 +281,7 @@ def set_wandb_url(report_dir: Path, url: str) -> None:
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     header = [
         "#", "overrides", "status", "tokens/s (steady)", "MFU %", "worst-rank peak GiB (rank)",
-        "predicted peak GiB", "skipped steps", "final loss",
+        "predicted peak GiB", "comm MiB/step (worst rank)", "plan MiB/step", "skipped steps", "final loss",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -280,6 +291,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
         cells = [
             str(row["point"]), f"`{row['overrides']}`", status_cell(row), number(row["tokens_per_s"], "{:,.0f}"),
             number(row["mfu_pct"], "{:.1f}"), peak, gib(row["predicted_peak_gib"]),
+            mib(row["comm_bytes_per_step"]), mib(row["predicted_comm_bytes_per_step"]),
             number(row["skipped_steps"], "{}"), number(row["final_loss"], "{:.4f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -312,11 +324,16 @@ def markdown_charts(charts: dict[str, Path]) -> list[str]:
         "memory": "Peak tensor memory per rank",
         "losses": "Training loss",
         "loss_scale": "fp16 loss scale",
+        "comm": "Memory saved against bytes moved",
     }
     lines: list[str] = []
     for name, path in charts.items():
         lines += ["", f"## {titles[name]}", "", f"![{titles[name]}]({path.name})"]
     return lines
+
+
+def mib(value: float | None) -> str:
+    return "–" if value is None else f"{value / 2**20:,.2f}"
 
 
 def number(value: Any, pattern: str) -> str:
@@ -335,7 +352,7 @@ def gib(value: float | None) -> str:
 def write_charts(report: Report) -> dict[str, Path]:
     """Draw every chart that has something to show; returns name -> file."""
     charts: dict[str, Path] = {}
-    drawers = {"throughput": plot_throughput, "memory": plot_memory, "losses": plot_losses, "loss_scale": plot_loss_scale}
+    drawers = {"throughput": plot_throughput, "memory": plot_memory, "comm": plot_comm, "losses": plot_losses, "loss_scale": plot_loss_scale}
     for name, draw in drawers.items():
         path = report.sweep_dir / f"{name}.png"
         fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
@@ -438,6 +455,47 @@ def plot_memory(ax: plt.Axes, report: Report) -> bool:
     by_name = dict(zip(names, handles))
     ax.legend(by_name.values(), by_name.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return True
+
+
+def stage_of(point: Point) -> str | None:
+    """The point's zero stage: from summary.json's config, or plan.json's `zero` (a mode=plan point)."""
+    zero = point.config.get("zero")
+    return zero.get("stage") if isinstance(zero, dict) else zero
+
+
+def plot_comm(ax: plt.Axes, report: Report) -> bool:
+    """ZeRO's trade, one point per configuration: the worst rank's measured bytes per step against the
+    memory its stage saved over stage0 at the same other settings (worst-rank peak, tensor-level)."""
+    rows = {point.num: row for point, row in zip(report.points, report.rows)}
+    others = [key for key in report.swept if key != "zero"]
+
+    def same(point: Point) -> tuple[str | None, ...]:  # the settings a stage0 reference must share
+        return tuple(point.settings.get(key) for key in others)
+
+    reference = {
+        same(p): rows[p.num]["max_rank_peak_gib"] for p in report.points if stage_of(p) == "stage0"
+    }
+    drawn = False
+    for stage in ("stage0", "stage1", "stage2", "stage3"):
+        xs, ys, names = [], [], []
+        for point in report.points:
+            row, base = rows[point.num], reference.get(same(point))
+            if stage_of(point) != stage or None in (row["comm_bytes_per_step"], row["max_rank_peak_gib"], base):
+                continue
+            xs.append(row["comm_bytes_per_step"] / 2**20)
+            ys.append((base - row["max_rank_peak_gib"]) * 1024)
+            names.append(label(point, others) if others else "")
+        if xs:
+            ax.scatter(xs, ys, s=60, label=stage, zorder=3)
+            for index, (x, y, name) in enumerate(zip(xs, ys, names)):  # stacked: equal points share a spot
+                ax.annotate(name, (x, y), xytext=(6, 4 - 10 * index), textcoords="offset points", fontsize=7)
+            drawn = True
+    ax.set_xlabel("bytes moved per rank per optimizer step (MiB, measured)")
+    ax.set_ylabel("peak memory saved vs stage0 (MiB, worst rank)")
+    ax.set_title("What each stage saves and what it moves (one point per configuration)")
+    if drawn:
+        ax.legend(title="zero", fontsize=8)
+    return drawn
 
 
 def plot_losses(ax: plt.Axes, report: Report) -> bool:

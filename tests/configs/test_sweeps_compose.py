@@ -18,7 +18,7 @@ from trainer.config import TrainConfig, register_configs, validate
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 SWEEPS = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
-REQUIRED = {"micro_batch_x_stage", "precision_x_stage", "checkpointing_x_micro_batch"}
+REQUIRED = {"micro_batch_x_stage", "precision_x_stage", "checkpointing_x_micro_batch", "comm_x_stage"}
 
 
 def compose_sweep(name: str, overrides: list[str]) -> DictConfig:

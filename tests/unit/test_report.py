@@ -306,3 +306,26 @@ print(json.dumps({"small": small.numel(), "big": big, "after": after}))
     out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == {"small": 4 * 2**20, "big": "oom", "after": 64 * 2**20}
+
+
+def test_comm_chart_puts_each_point_at_its_bytes_and_the_memory_its_stage_saved(tmp_path: Path) -> None:
+    """comm.png: x = the worst rank's measured bytes per step, y = stage0's peak minus this point's, at
+    the same micro-batch; results.csv carries the measured and planned bytes."""
+    mib, gib = 2**20, 2**30
+    for num, (stage, peak_mib, sent_mib) in enumerate([("stage0", 30, 3.5), ("stage3", 20, 10.0)]):
+        summary = {
+            "status": "ok", "memory/max_rank_peak_gib": peak_mib * mib / gib, "comm/predicted_bytes_per_step": int(sent_mib * mib),
+            "comm/rank0/bytes_per_step": sent_mib * mib, "comm/rank1/bytes_per_step": sent_mib * mib - 8,
+            "config": {"zero": {"stage": stage}},
+        }
+        make_point(tmp_path, num, ["micro_batch=2", f"zero={stage}"], summary)
+    report = rpt.write_report(tmp_path)
+    assert report.charts["comm"].is_file()
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [float(r["comm_bytes_per_step"]) for r in rows] == [3.5 * mib, 10.0 * mib]
+    assert [int(r["predicted_comm_bytes_per_step"]) for r in rows] == [int(3.5 * mib), 10 * mib]
+    fig, ax = plt.subplots()
+    assert rpt.plot_comm(ax, report)
+    points = sorted(tuple(xy) for c in ax.collections for xy in c.get_offsets().tolist())
+    assert points == [(3.5, 0.0), (10.0, pytest.approx(10.0))]
+    plt.close(fig)
