@@ -86,7 +86,25 @@ def test_wandb_history_holds_every_record_of_metrics_jsonl_value_for_value(fp16_
         for key in ("precision/loss_scale", "precision/overflow", "throughput/tokens_per_s"):
             assert key in item
         for rank in (0, 1):
-            assert {f"memory/rank{rank}/params_gib", f"memory/rank{rank}/peak_rss_gib"} <= item.keys()
+            assert {f"memory/rank{rank}/params_gib", f"memory/rank{rank}/peak_rss_gib", f"comm/rank{rank}/bytes_per_step"} <= item.keys()
+
+
+def test_communication_is_measured_every_window_and_its_exposed_share_on_profiled_steps(fp16_run: Run) -> None:
+    """Each window's bytes exceed the plan's by the loop's own small collectives only (the
+    non-finite agreement, clipping's norms, the fp16 scaler's flag, the previous log's gather:
+    well under 1 KiB here); gloo times no collective; the step after each memory-tracked step
+    (2, 7, 12, 17) is profiled; summary.json and the W&B summary carry the figures."""
+    predicted = fp16_run.records[0]["comm/predicted_bytes_per_step"]
+    for record in fp16_run.records:
+        for rank in (0, 1):
+            assert 0 < record[f"comm/rank{rank}/bytes_per_step"] - predicted < 1024
+            assert f"comm/rank{rank}/time_s_per_step" not in record  # gloo records no durations
+        assert ("comm/exposed_pct" in record) == (record["step"] in (3, 8, 13, 18))
+        assert 0 <= record.get("comm/exposed_pct", 0) <= 100
+    summary, logged = fp16_run.summary, wandb_summary(fp16_run.out_dir)["summary"]
+    for key in ("comm/predicted_bytes_per_step", "comm/prediction_error_pct", "comm/rank1/all_gather_bytes_per_step", "comm/exposed_pct"):
+        assert key in summary and key in logged, key
+    assert summary["comm/predicted_bytes_per_step"] == predicted
 
 
 def test_each_rank_reports_its_peak_on_the_tracked_steps_with_the_worst_rank(fp16_run: Run) -> None:
