@@ -6,10 +6,12 @@ import hydra
 from omegaconf import DictConfig
 
 from trainer.cli import check_group_overrides, one_line_config_errors
+from trainer.cluster import register_resolvers
 from trainer.config import register_configs
 from trainer.job import run_job
 
 register_configs()
+register_resolvers()  # the launcher presets' ${zerolab.gpus_per_node:...}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -371,7 +371,7 @@ def save_last_good(trainee: Trainee, config: TrainConfig, world: World, run_dir:
 # rehearsal in `fault`).
 NOT_IDENTITY = (
     "resume", "fault", "max_restarts", "save", "logger", "nonfinite", "max_nonfinite_skips", "log_every",
-    "telemetry", "dataloader", "plan", "fail_fast", "device_memory_gib",
+    "telemetry", "dataloader", "plan", "fail_fast", "device_memory_gib", "node_rank", "rdzv_endpoint",
 )  # fmt: skip
 
 

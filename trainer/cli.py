@@ -11,8 +11,20 @@ from typing import Iterator
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+# Groups of Hydra's own config whose options zerolab adds to (conf/hydra/<group>/).
+HYDRA_GROUPS = ("hydra/launcher",)
+
+
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """The options of a group: conf/<group>/*.yaml, and for a Hydra group also Hydra's and its plugins'."""
+    options = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    if group in HYDRA_GROUPS:
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+
+        Plugins.instance()  # imports the installed plugins, which register their options
+        options |= {name.removesuffix(".yaml") for name in ConfigStore.instance().list(group)}
+    return sorted(options)
 
 
 def check_group_overrides(args: list[str]) -> None:
@@ -25,7 +37,7 @@ def check_group_overrides(args: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, _, value = arg.lstrip("+~").partition("=")
-        if "." in key or "/" in key or not (CONF_DIR / key).is_dir() or "(" in value:
+        if "." in key or ("/" in key and key not in HYDRA_GROUPS) or not (CONF_DIR / key).is_dir() or "(" in value:
             continue
         allowed = group_options(key)
         for option in value.split(","):

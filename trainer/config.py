@@ -405,6 +405,12 @@ class TrainConfig:
     """Multirun: stop the sweep (exit 1) at the first point that does not end `ok`; false records it and goes on."""
     log_every: int = 1
     """Optimizer steps between log lines (each one gathers every rank's figures)."""
+    nodes: int = 1
+    """Hosts the job spans, `nproc` ranks on each (trainer/cluster.py); the world size is nodes * nproc."""
+    node_rank: int = 0
+    """This host's place among `nodes` (0 .. nodes-1); under SLURM it comes from the allocation."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port where every node's elastic launcher meets (c10d); under SLURM derived from the allocation."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
@@ -430,10 +436,25 @@ class TrainConfig:
             f"device_memory_gib must be > 0, got {self.device_memory_gib}",
         )
         _require(self.save.every == 0 or self.save.every >= 1, "save.every must be >= 0")
+        _require(self.nodes >= 1, f"nodes must be an integer >= 1, got {self.nodes}")
+        _require(
+            0 <= self.node_rank < self.nodes,
+            f"node_rank must be in 0..{self.nodes - 1} (nodes={self.nodes}), got {self.node_rank}",
+        )
+        _require(
+            self.rdzv_endpoint is None or is_endpoint(self.rdzv_endpoint),
+            f"rdzv_endpoint must be host:port (port 0-65535; 0: any free port, one node only), got {self.rdzv_endpoint}",
+        )
 
     def global_batch(self, world_size: int) -> int:
         """Sequences per optimizer step, over all ranks."""
         return self.micro_batch * self.grad_accum * world_size
+
+
+def is_endpoint(value: str) -> bool:
+    """`host:port` with a TCP port (c10d's rendezvous endpoint)."""
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and int(port) <= 65535
 
 
 def register_configs() -> None:

@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
+from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
 from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
@@ -38,11 +39,13 @@ def run_job(cfg: DictConfig) -> None:
         config = validate(cfg)
         if config.mode == Mode.plan:  # plans for any device and world size: nothing checked against this host
             device_kind = planned_device_kind(config)
-            world_size = planned_world_size(config, device_kind)
+            nproc = planned_world_size(config, device_kind)
         else:
             device_kind = resolve_device_kind(config.device)
-            world_size = resolve_nproc(config.nproc, device_kind)
+            nproc = resolve_nproc(config.nproc, device_kind)
             check_device_support(config, device_kind)
+            config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
+        world_size = config.nodes * nproc
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
     except ConfigError as err:
@@ -56,15 +59,21 @@ def run_job(cfg: DictConfig) -> None:
     refusal, meta = plan_job(config, out_dir, device_kind, world_size)
     if config.mode == Mode.plan:
         return
-    if refusal is not None:
-        write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
+    if refusal is not None:  # every node plans and refuses alike: none waits at the rendezvous for another
+        if config.node_rank == 0:
+            write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
         fail(f"error: {refusal}", code=2)
+        return
+    if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
+        status, extra = train_ranks(config, out_dir, device_kind, nproc)
+        if status != "ok":
+            fail(f"error: {extra['error']}", code=1)
         return
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died.
     with open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
         with logger.follow(out_dir / "metrics.jsonl"):
-            status, extra = train_ranks(config, out_dir, device_kind, world_size)
+            status, extra = train_ranks(config, out_dir, device_kind, nproc)
         records = read_metrics(out_dir)
         summary = build_summary(
             status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
@@ -76,13 +85,15 @@ def run_job(cfg: DictConfig) -> None:
         fail(f"error: {extra['error']}", code=1)
 
 
-def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str, dict[str, Any]]:
-    """Run the ranks; a rank's death is a status to record, not an exception to propagate."""
+def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int) -> tuple[str, dict[str, Any]]:
+    """Run this node's ranks; a rank's death is a status to record, not an exception to propagate."""
     restarts_before = count_restarts(out_dir)
     try:
-        result = launch_local(to_plain(config), out_dir, device_kind, world_size, config.max_restarts)
-    except RankFailure as failure:
+        result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts)
+    except RankFailure as own:
+        failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
+        where.update({"failed_node": failure.node} if failure.node is not None else {})
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return "oom" if failure.oom else "crashed", {"error": error, **where}
@@ -153,7 +164,8 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
     provenance and plan figures for summary.json."""
     plan = build_plan(config, device_kind, world_size)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_plan(out_dir, plan)
+    if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
+        write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
     if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance
         return None, {}

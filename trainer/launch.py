@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.comm import enable_recording
@@ -29,10 +32,13 @@ class RankFailure(Exception):
     oom: bool = False
     step: int | None = None
     phase: str | None = None
+    node: int | None = None
+    """The node the rank ran on, in a multi-node job (None: a one-node job)."""
 
     def __str__(self) -> str:
         where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
-        return f"rank {self.rank} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
+        on = f" on node {self.node}" if self.node is not None else ""
+        return f"rank {self.rank}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
 
 
 @record
@@ -59,15 +65,20 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
 
 
 def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int) -> dict[str, Any] | None:
-    """Run `nproc` ranks on this host; returns rank 0's result or raises RankFailure."""
+    """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
+    returns the lowest local rank's result or raises RankFailure."""
+    nodes = plain["nodes"]
     launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes,
+        max_nodes=nodes,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:12],
+        # Every node must name the same rendezvous: the shared output directory does; one node alone
+        # gets a fresh id per job.
+        run_id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12] if nodes > 1 else uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
-        # Port 0: the OS picks a free port, so concurrent jobs (sweeps) on one host never collide.
-        rdzv_endpoint="localhost:0",
+        # One node: localhost:0, the OS picks a free port, so concurrent jobs (sweeps) on one host
+        # never collide. Several: the endpoint every node was given or derived from the allocation.
+        rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -85,8 +96,14 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
     try:
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind)
     except ChildFailedError as err:
-        raise with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None) from None
-    return results.get(0)
+        failure = with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None)
+        raise dataclasses.replace(failure, node=plain["node_rank"]) if nodes > 1 else failure from None
+    except RendezvousConnectionError as err:
+        # Another node ended and took the rendezvous store it hosted with it, while this node's
+        # ranks were still running (they are stopped now): which rank failed is that node's to say.
+        cause = f"{type(err).__name__}: {first_line(str(err))}"
+        raise RankFailure(rank=-1, exitcode=1, cause=cause, node=plain["node_rank"]) from None
+    return results[min(results)]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
 
 
 def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capped: bool) -> RankFailure:

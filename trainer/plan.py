@@ -101,7 +101,7 @@ def device_memory(config: TrainConfig, device_kind: str, world_size: int) -> Dev
     # CPU ranks share this host's memory, so each gets an equal part of what is free now;
     # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
     available = psutil.virtual_memory().available
-    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size // config.nodes)))  # this host's share
     return DeviceMemory(available // ranks_here, f"this host, {available / GIB:.1f} GiB available / {ranks_here} ranks")
 
 

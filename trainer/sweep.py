@@ -81,8 +81,12 @@ class SweepCallback(Callback):
 
         # Under torchrun every rank runs Hydra and rank 0's directory is used (trainer/job.py):
         # claiming would leave one empty directory per rank.
-        if not is_under_torchrun():
+        if not is_under_torchrun() and config.get("nodes", 1) == 1:
             claim_fresh_dir(config, "run")
+        elif not is_under_torchrun() and "${now:" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")):
+            # The nodes of one job share its directory; each node's own clock would name another.
+            print(f"error: nodes={config.nodes} needs hydra.run.dir=<a directory every node shares>", file=sys.stderr, flush=True)
+            raise SystemExit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         claimed = claim_fresh_dir(config, "sweep")

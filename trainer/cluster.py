@@ -1,0 +1,192 @@
+"""Beyond one host: where this node stands in a multi-node job, and Hydra's submitit launchers.
+
+Multi-node: each node's Hydra job starts its own `nproc` ranks with torch's elastic launcher,
+and every node's launcher meets the others at one c10d rendezvous endpoint (`rdzv_endpoint`,
+`nodes`), which assigns the global ranks. By hand the endpoint and `node_rank` are given on
+the command line; inside a submitit job (conf/hydra/launcher/slurm.yaml) they come from the
+allocation through submitit's own helpers: the first host of SLURM_JOB_NODELIST and a port
+derived from the job id (submitit.helpers.TorchDistributedEnvironment), the node's SLURM_NODEID.
+
+The launchers: hydra-submitit-launcher's, with one addition. On preemption or time-out the
+cluster signals the job (submitit's signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise);
+submitit's own handler would checkpoint and requeue at once, while the ranks are mid-step. Here
+the job is first allowed to end as `preempted` (every rank saves), and only then submitit's
+handler runs: it calls `checkpoint` below, which resubmits the same sweep point with
+`resume=<its run directory>`, and requeues the job (`scontrol requeue`; the local executor
+restarts it in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as SubmititLocalLauncher
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from omegaconf import OmegaConf
+
+from trainer.config import ConfigError, TrainConfig
+from trainer.launch import RankFailure
+from trainer.oom import FAILURES_DIR
+
+# One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
+LOCAL_ENDPOINT = "localhost:0"
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+# (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
+LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
+# How long a node whose ranks only lost a peer waits for the other nodes to say what happened.
+PEER_WAIT_S = 30.0
+# GPUs a SLURM node is asked for when nproc=auto: the typical 8-GPU node.
+AUTO_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this node's ranks stand among every node's: how many nodes, which one, where they meet."""
+
+    nodes: int
+    node_rank: int
+    rdzv_endpoint: str
+
+    @property
+    def is_main(self) -> bool:
+        """The node that plans, writes summary.json and owns the W&B run (node 0 of the allocation)."""
+        return self.node_rank == 0
+
+
+def submitit_environment() -> Any | None:
+    """submitit's view of the job this process runs in (SLURM or local executor), None outside one."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    import submitit
+
+    return submitit.JobEnvironment()
+
+
+def resolve_placement(config: TrainConfig) -> Placement:
+    """This node's placement: from the allocation inside a submitit job, else from the command line."""
+    job = submitit_environment()
+    if job is None:
+        if config.nodes > 1 and config.rdzv_endpoint is None:
+            raise ConfigError(
+                f"nodes={config.nodes} needs rdzv_endpoint=host:port (where every node's launcher meets) "
+                "and node_rank on each node, or hydra/launcher=slurm"
+            )
+        return Placement(config.nodes, config.node_rank, config.rdzv_endpoint or LOCAL_ENDPOINT)
+    if job.num_tasks != job.num_nodes:
+        raise ConfigError(
+            f"hydra.launcher.tasks_per_node must be 1 (got {job.num_tasks // job.num_nodes}): each node's one task starts its nproc ranks"
+        )
+    if job.num_nodes != config.nodes:
+        raise ConfigError(f"nodes={config.nodes} but the allocation has {job.num_nodes} node(s); set hydra.launcher.nodes=${{nodes}}")
+    if config.nodes == 1:
+        return Placement(1, 0, config.rdzv_endpoint or LOCAL_ENDPOINT)
+    from submitit.helpers import TorchDistributedEnvironment
+
+    derived = TorchDistributedEnvironment()  # first host of the allocation, a port seeded by the job id
+    return Placement(config.nodes, job.node, config.rdzv_endpoint or f"{derived.master_addr}:{derived.master_port}")
+
+
+def place_node(config: TrainConfig) -> TrainConfig:
+    """The config with this node's placement filled in (resolve_placement); torchrun placed its ranks itself."""
+    from trainer.world import is_under_torchrun
+
+    if is_under_torchrun():
+        return config
+    placement = resolve_placement(config)
+    return dataclasses.replace(config, node_rank=placement.node_rank, rdzv_endpoint=placement.rdzv_endpoint)
+
+
+def node_failure_path(out_dir: Path, node: int) -> Path:
+    return out_dir / FAILURES_DIR / f"node{node}.json"
+
+
+def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
+    """The failure that ended a multi-node job, as every node tells it.
+
+    Each node sees only its own ranks: when a rank on one node dies, the ranks of the others fail
+    on the broken connection a moment later. So each node writes its own failure to the shared
+    output directory (failures/node{n}.json); a node whose ranks only lost a peer waits (at most
+    PEER_WAIT_S) for the node whose rank failed first, and names that one.
+    """
+    if nodes == 1:
+        return own
+    path = node_failure_path(out_dir, own.node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**dataclasses.asdict(own), "time": time.time()}) + "\n")
+    if not lost_peer(own):
+        return own
+    deadline = time.monotonic() + PEER_WAIT_S
+    while True:
+        records = [json.loads(p.read_text()) for p in sorted((out_dir / FAILURES_DIR).glob("node*.json"))]
+        causes = [r for r in records if not lost_peer(RankFailure(**{k: v for k, v in r.items() if k != "time"}))]
+        if causes or len(records) == nodes or time.monotonic() > deadline:
+            first = min(causes or records, key=lambda r: r["time"])
+            return RankFailure(**{k: v for k, v in first.items() if k != "time"})
+        time.sleep(0.2)
+
+
+def lost_peer(failure: RankFailure) -> bool:
+    """Whether a rank failed only because another rank's process went away (its connection broke)."""
+    return any(marker in failure.cause for marker in LOST_PEER_MARKERS)
+
+
+def gpus_per_node(nproc: str, device: str, auto: int | None = None) -> int:
+    """The `gpus_per_node` a launcher preset asks for: nproc GPUs, none for device=cpu; nproc=auto
+    is `auto` GPUs (slurm: a typical 8-GPU node) or, with auto unset, every GPU this host sees."""
+    if str(device) == "cpu":
+        return 0
+    if str(nproc).isdigit():
+        return int(nproc)
+    if auto is not None:
+        return int(auto)
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def register_resolvers() -> None:
+    """`${zerolab.gpus_per_node:${nproc},${device}[,auto]}` for conf/hydra/launcher/*.yaml."""
+    if not OmegaConf.has_resolver("zerolab.gpus_per_node"):
+        OmegaConf.register_new_resolver("zerolab.gpus_per_node", gpus_per_node)
+
+
+def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
+    """A preempted point's overrides for its requeued run: resume from its own run directory's newest
+    save (and so continue that directory and W&B run); unchanged when it had saved nothing."""
+    from trainer.checkpoint import latest_save
+
+    if run_dir is None or latest_save(run_dir) is None:
+        return list(overrides)
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
+    return [*kept, f"resume={run_dir}"]
+
+
+class Requeueing:
+    """The requeue half of preemption, mixed into hydra-submitit-launcher's launchers (module docstring)."""
+
+    run_dir: Path | None = None
+
+    def __call__(self, sweep_overrides: list[str], *args: Any) -> Any:  # runs inside the submitit job
+        result = super().__call__(sweep_overrides, *args)  # type: ignore[misc]
+        self.run_dir = Path(result.working_dir) if getattr(result, "working_dir", None) else None
+        return result
+
+    def checkpoint(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> Any:
+        """submitit calls this on preemption: the same point again, resuming where it stopped."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, resumed_overrides(sweep_overrides, self.run_dir), *args, **kwargs)
+
+
+class SlurmLauncher(Requeueing, SubmititSlurmLauncher):
+    """hydra/launcher=slurm: one SLURM job per sweep point, requeued after preemption."""
+
+
+class LocalLauncher(Requeueing, SubmititLocalLauncher):
+    """hydra/launcher=local: submitit's local executor, the SLURM path on one host."""
