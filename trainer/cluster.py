@@ -7,7 +7,8 @@ the command line; inside a submitit job (conf/hydra/launcher/slurm.yaml) they co
 allocation through submitit's own helpers: the first host of SLURM_JOB_NODELIST and a port
 derived from the job id (submitit.helpers.TorchDistributedEnvironment), the node's SLURM_NODEID.
 
-The launchers: hydra-submitit-launcher's, with one addition. On preemption or time-out the
+The launchers (hydra_plugins/zerolab_launchers: Hydra takes launchers only from the
+`hydra_plugins` package): hydra-submitit-launcher's, with `Requeueing` added. On preemption or time-out the
 cluster signals the job (submitit's signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise);
 submitit's own handler would checkpoint and requeue at once, while the ranks are mid-step. Here
 the job is first allowed to end as `preempted` (every rank saves), and only then submitit's
@@ -26,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as SubmititLocalLauncher
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
@@ -136,10 +135,10 @@ def lost_peer(failure: RankFailure) -> bool:
     return any(marker in failure.cause for marker in LOST_PEER_MARKERS)
 
 
-def gpus_per_node(nproc: str, device: str, auto: int | None = None) -> int:
+def gpus_per_node(nproc: str, device: Any, auto: int | None = None) -> int:
     """The `gpus_per_node` a launcher preset asks for: nproc GPUs, none for device=cpu; nproc=auto
     is `auto` GPUs (slurm: a typical 8-GPU node) or, with auto unset, every GPU this host sees."""
-    if str(device) == "cpu":
+    if getattr(device, "value", device) == "cpu":  # the DeviceKind enum, or its name
         return 0
     if str(nproc).isdigit():
         return int(nproc)
@@ -182,11 +181,3 @@ class Requeueing:
         import submitit
 
         return submitit.helpers.DelayedSubmission(self, resumed_overrides(sweep_overrides, self.run_dir), *args, **kwargs)
-
-
-class SlurmLauncher(Requeueing, SubmititSlurmLauncher):
-    """hydra/launcher=slurm: one SLURM job per sweep point, requeued after preemption."""
-
-
-class LocalLauncher(Requeueing, SubmititLocalLauncher):
-    """hydra/launcher=local: submitit's local executor, the SLURM path on one host."""

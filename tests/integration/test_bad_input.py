@@ -30,6 +30,12 @@ CASES = [
     (["lr=0.1"], "lr is not a config key", "--cfg job"),
     (["+optim.betas2=0.9"], "optim.betas2 is not a config key", "--cfg job"),
     (["steps=[1"], "error: ", "[1"),
+    # Beyond one host (trainer/cluster.py)
+    (["nodes=0"], "nodes", "an integer >= 1"),
+    (["node_rank=2", "nodes=2"], "node_rank", "0..1"),
+    (["nodes=2"], "nodes=2 needs rdzv_endpoint=host:port", "hydra/launcher=slurm"),
+    (["nodes=2", "rdzv_endpoint=somehost"], "rdzv_endpoint", "host:port"),
+    (["hydra/launcher=pbs"], "hydra/launcher=pbs", "basic, local, slurm, submitit_local, submitit_slurm"),
 ]
 
 
