@@ -168,7 +168,7 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, progress
         "rng": {f"rank{world.rank}": rng_state()},
         "progress": {
             "step": progress.step,
-            "global_batch": config.global_batch(world.world_size),
+            "global_batch": config.sequences_per_step(world.world_size),
             "world_size": world.world_size,
             "stage": config.zero.stage.value,
             "nonfinite_skipped": progress.nonfinite_skipped,
@@ -309,7 +309,7 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
 
 def check_global_batch(saved: int, config: TrainConfig, world_size: int, path: Path) -> None:
     """The data position is a step of `saved` sequences each; another global batch would skip or repeat samples."""
-    now = config.global_batch(world_size)
+    now = config.sequences_per_step(world_size)
     if saved != now:
         raise ConfigError(
             f"resume: {path} was saved with a global batch of {saved} sequences; this run has {now} "

@@ -70,6 +70,7 @@ class LoggerBackend(str, Enum):
 class Mode(str, Enum):
     train = "train"
     plan = "plan"
+    advise = "advise"
 
 
 class DeviceKind(str, Enum):
@@ -358,6 +359,46 @@ class PlanConfig:
 
 
 @dataclass
+class AdviseConfig:
+    """conf/train.yaml `advise:`: mode=advise, which configuration to run (trainer/advise.py, docs/advisor.md)."""
+
+    stages: list[Stage] = field(default_factory=lambda: list(Stage))
+    """ZeRO stages to consider."""
+    checkpointing: list[CheckpointMode] = field(default_factory=lambda: list(CheckpointMode))
+    """Activation checkpointing modes to consider (selective uses checkpointing.every_n_layers)."""
+    offload: list[OffloadTarget] = field(default_factory=lambda: list(OffloadTarget))
+    """Offload targets to consider; cpu only with stage2/3 and only on a GPU (on a CPU host it moves nothing)."""
+    reduce_dtypes: list[ReduceDType] = field(default_factory=lambda: list(ReduceDType))
+    """Gradient-reduction dtypes (zero.reduce_dtype) to consider."""
+    micro_batches: Optional[list[int]] = None
+    """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
+    headroom: float = 0.2
+    """Fraction of each rank's memory the predicted peak must leave free."""
+    top: int = 12
+    """Rows of the ranked table printed (advice.json keeps every candidate)."""
+    verify: int = 0
+    """Run the K best configurations on this host as real jobs and show measured next to predicted."""
+    verify_steps: int = 10
+    """Optimizer steps of each verification job."""
+    cache_dir: str = "~/.cache/zerolab"
+    """Where this host's calibration (matmul, Adam and collective rates) is kept, with its date and host."""
+    recalibrate: bool = False
+    """Measure this host again even when a cached calibration matches it."""
+
+    def __post_init__(self) -> None:
+        for key in ("stages", "checkpointing", "offload", "reduce_dtypes"):
+            _require(len(getattr(self, key)) >= 1, f"advise.{key} must list at least one option")
+        _require(
+            self.micro_batches is None or (len(self.micro_batches) >= 1 and min(self.micro_batches) >= 1),
+            f"advise.micro_batches must be null or a list of integers >= 1, got {self.micro_batches}",
+        )
+        _require(0 <= self.headroom < 1, f"advise.headroom must be in [0, 1), got {self.headroom}")
+        _require(self.top >= 1, f"advise.top must be >= 1, got {self.top}")
+        _require(self.verify >= 0, f"advise.verify must be >= 0, got {self.verify}")
+        _require(self.verify_steps >= 2, f"advise.verify_steps must be >= 2, got {self.verify_steps}")
+
+
+@dataclass
 class TrainConfig:
     """conf/train.yaml: one training job."""
 
@@ -374,6 +415,7 @@ class TrainConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    advise: AdviseConfig = field(default_factory=AdviseConfig)
 
     micro_batch: int = 8
     """Sequences per rank per forward pass."""
@@ -390,7 +432,10 @@ class TrainConfig:
     device: DeviceKind = DeviceKind.auto
     """auto (CUDA when present), cpu or cuda."""
     mode: Mode = Mode.train
-    """train, or plan: print the memory plan and train nothing."""
+    """train; plan: print the memory plan and train nothing; advise: rank configurations for global_batch."""
+    global_batch: Optional[int] = None
+    """mode=advise only: sequences per optimizer step, over all ranks (the advisor chooses micro_batch
+    and grad_accum); train and plan take micro_batch and grad_accum instead and refuse it."""
     resume: str = "false"
     """false, true (the newest save of this config) or a path to a save."""
     max_restarts: int = 0
@@ -445,9 +490,22 @@ class TrainConfig:
             self.rdzv_endpoint is None or is_endpoint(self.rdzv_endpoint),
             f"rdzv_endpoint must be host:port (port 0-65535; 0: any free port, one node only), got {self.rdzv_endpoint}",
         )
+        self._check_global_batch()
 
-    def global_batch(self, world_size: int) -> int:
-        """Sequences per optimizer step, over all ranks."""
+    def _check_global_batch(self) -> None:
+        if self.mode != Mode.advise:
+            _require(
+                self.global_batch is None,
+                f"global_batch is read by mode=advise only; mode={self.mode.value} takes micro_batch and grad_accum "
+                "(global batch = micro_batch * grad_accum * ranks)",
+            )
+            return
+        _require(self.global_batch is not None, "mode=advise needs global_batch=N (sequences per optimizer step, over all ranks)")
+        _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
+
+    def sequences_per_step(self, world_size: int) -> int:
+        """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
+        key, which mode=advise reads to choose micro_batch and grad_accum)."""
         return self.micro_batch * self.grad_accum * world_size
 
 

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from trainer.advise import check_advice_inputs, run_advice
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
@@ -37,7 +38,7 @@ def run_job(cfg: DictConfig) -> None:
         return
     try:
         config = validate(cfg)
-        if config.mode == Mode.plan:  # plans for any device and world size: nothing checked against this host
+        if config.mode in (Mode.plan, Mode.advise):  # any device and world size: nothing checked against this host
             device_kind = planned_device_kind(config)
             nproc = planned_world_size(config, device_kind)
         else:
@@ -46,10 +47,15 @@ def run_job(cfg: DictConfig) -> None:
             check_device_support(config, device_kind)
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
+        if config.mode == Mode.advise:
+            check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
     except ConfigError as err:
         fail(f"error: {err}", code=2)
+        return
+    if config.mode == Mode.advise:  # trainer/advise.py: rank configurations, run none unless advise.verify
+        run_advice(config, out_dir, device_kind, world_size, list(HydraConfig.get().overrides.task))
         return
     if is_under_torchrun():
         run_under_torchrun(config, device_kind)

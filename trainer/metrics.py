@@ -67,7 +67,7 @@ class Meter:
 
     def __init__(self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float) -> None:
         self.config, self.world = config, world
-        self.tokens_per_step = config.global_batch(world.world_size) * config.seq_len
+        self.tokens_per_step = config.sequences_per_step(world.world_size) * config.seq_len
         self.flops_per_token = flops_per_token
         self.path = out_dir / "metrics.jsonl"
         self.skipped_steps = 0

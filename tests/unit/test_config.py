@@ -65,7 +65,7 @@ def test_offload_is_allowed_with_fsdp_stages() -> None:
 
 
 def test_global_batch_is_micro_batch_times_accum_times_world() -> None:
-    assert TrainConfig(micro_batch=3, grad_accum=5).global_batch(world_size=7) == 105
+    assert TrainConfig(micro_batch=3, grad_accum=5).sequences_per_step(world_size=7) == 105
 
 
 def test_plain_round_trip_keeps_every_value() -> None:

@@ -47,7 +47,7 @@ def test_ranks_together_read_the_one_rank_global_batch(world_size: int, grad_acc
     for step in range(config.steps):
         union = sorted(row for batches in per_rank for row in step_rows(batches, step, grad_accum))
         assert union == step_rows(single, step, grad_accum * world_size)
-        assert len(union) == config.global_batch(world_size)
+        assert len(union) == config.sequences_per_step(world_size)
 
 
 def test_sampler_follows_the_documented_partition() -> None:
