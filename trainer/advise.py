@@ -119,12 +119,13 @@ def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, worl
     except ConfigError:
         return None
     plan = build_plan(candidate, device_kind, world_size)
+    peak = plan.peak_bytes  # a max over every rank's moments: once
     budget = None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     step = predict_step(candidate, world_size, plan_comm(candidate, world_size).bytes_by_collective, local_numel, flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     return Candidate(
-        choice, plan.peak_bytes, None if budget is None else plan.peak_bytes <= budget, step, tokens_per_s,
+        choice, peak, None if budget is None else peak <= budget, step, tokens_per_s,
         mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size), step.limiter,
     )
 

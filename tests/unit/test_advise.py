@@ -1,0 +1,106 @@
+"""mode=advise (trainer/advise.py): what it enumerates, what it keeps, and that its command lines fit."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from trainer.advise import advise, check_advice_inputs, choices, micro_batches, run_advice
+from trainer.calibrate import HostProbe, host_rates
+from trainer.config import ConfigError, TrainConfig, register_configs, validate
+from trainer.plan import build_plan
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.fixture(scope="module")
+def hydra_conf() -> Iterator[None]:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def composed(overrides: list[str]) -> TrainConfig:
+    return validate(compose("train", overrides=overrides))
+
+
+def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hydra_conf: None) -> None:
+    config = composed(["mode=advise", "global_batch=96", "nproc=2"])
+    assert micro_batches(config, 2) == [1, 2, 4, 8, 16]  # 48 per rank
+    assert micro_batches(composed(["mode=advise", "global_batch=96", "advise.micro_batches=[2,3,32]"]), 2) == [2, 3]
+
+
+def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
+    config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
+    on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
+    assert len(on_cpu) == 4 * 3 * 1 * 3  # stages x checkpointing x offload none x micro-batch 1, 2, 4
+    assert len(on_gpu) == len(on_cpu) + 2 * 3 * 3  # + offload=cpu for stage2, stage3
+    assert {c["zero"] for c in on_gpu if c["offload"] == "cpu"} == {"stage2", "stage3"}
+    assert all(c["micro_batch"] * c["grad_accum"] == 4 for c in on_cpu)
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> None:
+    with pytest.raises(ConfigError, match=r"global_batch \(15\) must be divisible by the 2 ranks"):
+        check_advice_inputs(composed(["mode=advise", "global_batch=15", "nproc=2"]), 2)
+    with pytest.raises(ConfigError, match="advise.verify runs jobs on this host"):
+        check_advice_inputs(composed(["mode=advise", "global_batch=16", "advise.verify=1", "plan.accelerator=h100"]), 8)
+
+
+# 70b: one sequence per rank. With grad_accum > 1 zerolab's loop accumulates unsharded fp32
+# gradients (no reduce-scatter before the last micro-batch; trainer/plan_step.py), 280 GB for 70b,
+# so at global_batch=512 nothing fits on 8 or 64 H100s, and the advisor says so.
+CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("70b", 8, 8), ("70b", 64, 64)]
+
+
+@pytest.mark.parametrize("model,nproc,global_batch", CASES, ids=[f"{m}-{n}x-h100-gb{g}" for m, n, g in CASES])
+def test_named_accelerator_advice_is_quick_and_every_listed_command_fits(
+    hydra_conf: None, tmp_path: Path, model: str, nproc: int, global_batch: int
+) -> None:
+    overrides = [f"model={model}", f"nproc={nproc}", "plan.accelerator=h100", "seq_len=4096", "precision=bf16"]
+    config = composed(["mode=advise", f"global_batch={global_batch}", *overrides])
+    start = time.monotonic()
+    listed = run_advice(config, tmp_path, "cuda", nproc, ["mode=advise", f"global_batch={global_batch}", *overrides])
+    assert time.monotonic() - start < 30
+    advice = json.loads((tmp_path / "advice.json").read_text())
+    fitting = [row for row in advice["candidates"] if row["fits"]]
+    assert len(fitting) >= 1
+    assert [row["predicted_tokens_per_s"] for row in fitting] == sorted((row["predicted_tokens_per_s"] for row in fitting), reverse=True)
+    for row in fitting[: config.advise.top]:  # the printed rows: their command lines, as mode=plan composes them
+        args = shlex.split(row["command"])[3:]
+        assert "mode=advise" not in args and not any(a.startswith("global_batch") for a in args)
+        plan = build_plan(composed([*args, "mode=plan"]), "cuda", nproc)
+        assert plan.fits and plan.peak_bytes / 2**30 == pytest.approx(row["predicted_peak_gib"])
+    assert len(listed) == len(advice["candidates"])
+
+
+def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Path) -> None:
+    config = composed(["mode=advise", "global_batch=4", f"advise.cache_dir={tmp_path}"])
+    import dataclasses
+    import socket
+
+    import torch
+
+    from trainer.calibrate import host_threads
+
+    probe = HostProbe(
+        socket.gethostname(), torch.__version__, 2, host_threads(2), "float32",
+        tuple(sorted(dataclasses.asdict(config.model).items())), config.seq_len, (1, 2),
+    )
+    record = {
+        "date": "2026-01-01T00:00:00+00:00", **dataclasses.asdict(probe),
+        "matmul_flops": {"128": 3e10, "256": 4e10}, "block_flops": {"128": 1e10, "256": 2e10},
+        "adam_params_per_s": 5e7, "bus_bytes_per_s": {"all_reduce": 1e9, "all_gather": 2e8},
+    }
+    probe.cache_path(tmp_path).write_text(json.dumps(record))
+    rates = host_rates(config, 2, [2, 1])
+    assert "2026-01-01" in rates.source and "cached" in rates.source
+    assert rates.compute_flops == {128: 1e10, 256: 2e10} and rates.peak_flops == 4e10
+    assert rates.flops_at(200) == 2e10 and not rates.overlap and rates.reduce_scatter_as_all_reduce
+    ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
+    assert len(ranked) == 4 * 3 * 2 * 2 and ranked[0].tokens_per_s == max(c.tokens_per_s for c in ranked)

@@ -1,0 +1,92 @@
+"""The advisor's arithmetic (trainer/predict.py, docs/advisor.md) on fixed calibration figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.calibrate import ACCELERATORS, Rates, accelerator_rates
+from trainer.config import CheckpointingConfig, CheckpointMode, DType, OffloadConfig, OffloadTarget, Stage, TrainConfig, ZeroConfig
+from trainer.predict import predict_step, recompute_flops_per_token
+
+# Fixed figures: 1 TFLOP/s, all-reduce 100 GB/s, all-gather 50 GB/s bus bandwidth, 1e9 Adam params/s.
+RATES = Rates(
+    source="test",
+    peak_flops=2e12,
+    compute_flops={0: 1e12},
+    bus_bytes_per_s={"all_reduce": 1e11, "all_gather": 5e10},
+    adam_params_per_s=1e9,
+    overlap=False,
+    reduce_scatter_as_all_reduce=False,
+)
+F = 1e6  # model FLOPs per token, fixed
+
+
+def config(stage: Stage = Stage.stage0, checkpointing: CheckpointMode = CheckpointMode.none, **top: int) -> TrainConfig:
+    return TrainConfig(zero=ZeroConfig(stage=stage), checkpointing=CheckpointingConfig(mode=checkpointing), **top)
+
+
+def test_recompute_is_the_checkpointed_blocks_forward_without_w2() -> None:
+    # tiny: D=128, 4 layers, 4 heads (Q=32), 2 KV heads, M=384, T=128
+    block_params = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 2 * 128  # wq, wk+wv, wo, w1-3, 2 norms
+    per_block = 2 * (block_params - 128 * 384) + 4 * 4 * 32 * 128
+    assert per_block == 360_960
+    assert recompute_flops_per_token(config(checkpointing=CheckpointMode.full, seq_len=128)) == 4 * per_block
+    assert recompute_flops_per_token(config(checkpointing=CheckpointMode.selective, seq_len=128)) == 2 * per_block  # blocks 0, 2
+    assert recompute_flops_per_token(config(seq_len=128)) == 0
+
+
+def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
+    c = config(micro_batch=2, grad_accum=2, seq_len=128)
+    step = predict_step(c, 4, {"all_reduce": 4_000_000, "broadcast": 0}, 1_000_000, F, RATES)
+    tokens = 2 * 2 * 128
+    assert step.compute_s == pytest.approx(tokens * F / 1e12)
+    assert step.wire_s == {"all_reduce": pytest.approx(4e6 * 2 * 3 / 4 / 1e11)}  # ring: 2(n-1)/n of the payload
+    assert step.exposed_comm_s == pytest.approx(4e6 * 1.5 / 1e11)  # CPU: nothing hides it
+    assert step.optimizer_s == pytest.approx(1e6 / 1e9)
+    assert step.step_s == pytest.approx(tokens * F / 1e12 + 6e-5 + 1e-3)
+    assert step.limiter == "optimizer"
+
+
+def test_gloo_reduce_scatter_is_timed_as_an_all_reduce() -> None:
+    c = config(Stage.stage2, seq_len=128)
+    gloo = dataclasses.replace(RATES, reduce_scatter_as_all_reduce=True)
+    nccl = predict_step(c, 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES).wire_s
+    assert nccl == {"reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10), "all_gather": pytest.approx(1e8 * 0.5 / 5e10)}
+    assert predict_step(c, 2, {"reduce_scatter": 10**8}, 0, F, gloo).wire_s["reduce_scatter"] == pytest.approx(1e8 * 1.0 / 1e11)
+
+
+def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
+    overlapping = dataclasses.replace(RATES, overlap=True)
+    c = config(Stage.stage3, micro_batch=4, grad_accum=2, seq_len=128)  # tiny: 4 layers
+    tokens = 4 * 2 * 128
+    forward, compute = tokens * F / 3 / 1e12, tokens * F / 1e12
+    backward = compute - forward
+    gather, scatter = 8 * 10**6, 4 * 10**8
+    step = predict_step(c, 8, {"all_gather": gather, "reduce_scatter": scatter}, 0, F, overlapping)
+    gather_s, scatter_s = gather * 7 / 8 / 5e10, scatter * 7 / 8 / 5e10
+    # all-gather (stage3) hides behind forward + backward: only one block's share shows;
+    # reduce-scatter behind the last micro-batch's backward only.
+    expected = max(gather_s / 4, gather_s - (forward + backward)) + max(scatter_s / 4, scatter_s - backward / 2)
+    assert gather_s < forward + backward and scatter_s > backward / 2  # one of each case
+    assert step.exposed_comm_s == pytest.approx(expected)
+    assert step.limiter == "communication"
+
+
+def test_offload_moves_shards_over_the_host_link_and_steps_adam_on_the_host() -> None:
+    gpu = dataclasses.replace(RATES, offload_bytes_per_s=5e10, host_adam_params_per_s=1e8)
+    c = dataclasses.replace(config(Stage.stage3, seq_len=128), offload=OffloadConfig(target=OffloadTarget.cpu))
+    step = predict_step(c, 4, {"all_gather": 8 * 10**8, "reduce_scatter": 4 * 10**8}, 10**7, F, gpu)
+    assert step.offload_s == pytest.approx(12e8 / 4 / 5e10)
+    assert step.optimizer_s == pytest.approx(1e7 / 1e8)
+
+
+def test_accelerator_table_uses_nvlink_inside_a_node_and_the_network_beyond() -> None:
+    spec = ACCELERATORS["h100"]
+    inside, across = accelerator_rates("h100", DType.bfloat16, 8), accelerator_rates("h100", DType.bfloat16, 64)
+    assert inside.peak_flops == 989.4e12  # trainer.metrics.PEAK_TFLOPS, H100 SXM5 dense bf16
+    assert inside.compute_flops == {0: pytest.approx(989.4e12 * spec.matmul_efficiency)}
+    assert inside.bus_bytes_per_s["all_reduce"] == pytest.approx(360e9)
+    assert across.bus_bytes_per_s["all_gather"] == pytest.approx(40e9)
+    assert accelerator_rates("a100-80gb", DType.float32, 8).peak_flops == 19.5e12
