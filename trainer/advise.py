@@ -28,6 +28,7 @@ from trainer.model import flops_per_token
 from trainer.plan import GIB, build_plan, device_memory
 from trainer.plan_comm import plan_comm
 from trainer.predict import StepTime, predict_step
+from trainer.sharding import check_device_support
 
 CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
@@ -113,16 +114,18 @@ def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) ->
 
 
 def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int, rates: Rates, flops: float) -> Candidate | None:
-    """Plan and time one choice; None where the schema refuses the combination."""
+    """Plan and time one choice; None where the schema or the device refuses the combination."""
     try:
         candidate = configure(config, choice)
+        check_device_support(candidate, device_kind)  # e.g. DDP's bf16 reduction needs NCCL
     except ConfigError:
         return None
     plan = build_plan(candidate, device_kind, world_size)
     peak = plan.peak_bytes  # a max over every rank's moments: once
     budget = None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
-    step = predict_step(candidate, world_size, plan_comm(candidate, world_size).bytes_by_collective, local_numel, flops, rates)
+    comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     return Candidate(
         choice, peak, None if budget is None else peak <= budget, step, tokens_per_s,

@@ -54,8 +54,6 @@ class Rates:
     """Parameters AdamW updates per second on one rank."""
     overlap: bool
     """Collectives run beside compute (NCCL's own streams); False on CPU, where gloo's threads share the cores."""
-    reduce_scatter_as_all_reduce: bool
-    """gloo runs a reduce-scatter as a full all-reduce."""
     offload_bytes_per_s: float | None = None
     """Host-device link (PCIe) for offload=cpu; None where there is no device memory to offload from."""
     host_adam_params_per_s: float | None = None
@@ -129,7 +127,6 @@ def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates
         bus_bytes_per_s={"all_reduce": bus, "all_gather": bus},
         adam_params_per_s=spec.hbm_tbps * 1e12 * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
         overlap=True,
-        reduce_scatter_as_all_reduce=False,
         offload_bytes_per_s=spec.pcie_gbps * GB,
         host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
     )
@@ -200,7 +197,6 @@ def rates_from_record(record: dict[str, Any], source: str) -> Rates:
         bus_bytes_per_s=record["bus_bytes_per_s"],
         adam_params_per_s=record["adam_params_per_s"],
         overlap=False,
-        reduce_scatter_as_all_reduce=True,
     )
 
 

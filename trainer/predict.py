@@ -11,7 +11,8 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
     wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer.plan_comm predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
-        on gloo a reduce-scatter is a full all-reduce: f = 2(n−1)/n at all-reduce's bandwidth
+        the plan books gloo's reduce-scatter under all-reduce (gloo runs it as one), so on CPU
+        FSDP2's gradient reduction is timed as a ring all-reduce
     exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
         compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
         all-gather overlaps forward (stage2) or forward and backward (stage3) of every micro-batch;
@@ -76,10 +77,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def wire_factor(collective: str, world_size: int, rates: Rates) -> tuple[float, str]:
+def wire_factor(collective: str, world_size: int) -> tuple[float, str]:
     """(bytes on the wire per payload byte, the bandwidth it runs at) for a ring implementation."""
     n = world_size
-    if collective == "all_reduce" or (collective == "reduce_scatter" and rates.reduce_scatter_as_all_reduce):
+    if collective == "all_reduce":
         return 2 * (n - 1) / n, "all_reduce"
     return (n - 1) / n, "all_gather"
 
@@ -108,7 +109,7 @@ def predict_step(
     for collective, payload in comm_bytes.items():
         if not payload:
             continue
-        factor, bandwidth = wire_factor(collective, world_size, rates)
+        factor, bandwidth = wire_factor(collective, world_size)
         wire_s[collective] = payload * factor / rates.bus_bytes_per_s[bandwidth]
         if rates.overlap:
             window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)

@@ -18,7 +18,6 @@ RATES = Rates(
     bus_bytes_per_s={"all_reduce": 1e11, "all_gather": 5e10},
     adam_params_per_s=1e9,
     overlap=False,
-    reduce_scatter_as_all_reduce=False,
 )
 F = 1e6  # model FLOPs per token, fixed
 
@@ -49,12 +48,9 @@ def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
     assert step.limiter == "optimizer"
 
 
-def test_gloo_reduce_scatter_is_timed_as_an_all_reduce() -> None:
-    c = config(Stage.stage2, seq_len=128)
-    gloo = dataclasses.replace(RATES, reduce_scatter_as_all_reduce=True)
-    nccl = predict_step(c, 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES).wire_s
-    assert nccl == {"reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10), "all_gather": pytest.approx(1e8 * 0.5 / 5e10)}
-    assert predict_step(c, 2, {"reduce_scatter": 10**8}, 0, F, gloo).wire_s["reduce_scatter"] == pytest.approx(1e8 * 1.0 / 1e11)
+def test_all_gather_and_reduce_scatter_move_n_minus_1_over_n_of_their_payload() -> None:
+    wire = predict_step(config(Stage.stage2, seq_len=128), 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES).wire_s
+    assert wire == {"reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10), "all_gather": pytest.approx(1e8 * 0.5 / 5e10)}
 
 
 def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
