@@ -22,6 +22,10 @@ CASES = [
     (["zero.reduce_dtype=fp8"], "zero.reduce_dtype=fp8", "fp32, bf16"),
     (["zero=stage1", "zero.reduce_dtype=bf16"], "zero.reduce_dtype=bf16", "zero=stage2 or stage3"),
     (["model=13b"], "model=13b", "a smaller model"),
+    (["mode=advise", "global_batch=0"], "global_batch", ">= 1"),
+    (["mode=advise", "global_batch=15", "nproc=2"], "global_batch (15)", "divisible by the 2 ranks"),
+    (["mode=advise"], "mode=advise needs global_batch", "global_batch=N"),
+    (["global_batch=16"], "global_batch is read by mode=advise only", "micro_batch and grad_accum"),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)
     (["micro_batch=abc"], "micro_batch=abc", "converted to Integer"),

@@ -105,3 +105,17 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
     assert len(ranked) == 4 * 3 * 2 + 2 * 3 * 2 and ranked[0].tokens_per_s == max(c.tokens_per_s for c in ranked)
+
+
+def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -> None:
+    from trainer.config import AdviseConfig, Mode
+
+    assert TrainConfig(mode=Mode.advise, global_batch=4).global_batch == 4
+    with pytest.raises(ConfigError, match="mode=advise needs global_batch"):
+        TrainConfig(mode=Mode.advise)
+    with pytest.raises(ConfigError, match="global_batch is read by mode=advise only; mode=plan"):
+        TrainConfig(mode=Mode.plan, global_batch=4)
+    with pytest.raises(ConfigError, match=r"advise.headroom must be in \[0, 1\)"):
+        AdviseConfig(headroom=1.0)
+    with pytest.raises(ConfigError, match="advise.stages must list at least one option"):
+        AdviseConfig(stages=[])
