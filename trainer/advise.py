@@ -60,7 +60,7 @@ def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
     assert config.global_batch is not None  # TrainConfig requires it in mode=advise
     if config.global_batch % world_size:
         raise ConfigError(
-            f"global_batch ({config.global_batch}) must be divisible by the {world_size} ranks (nproc={config.nproc}); "
+            f"global_batch ({config.global_batch}) must be divisible by the {world_size} ranks (nodes={config.nodes} x nproc={config.nproc}); "
             f"nearest: {max(world_size, config.global_batch // world_size * world_size)} or {-(-config.global_batch // world_size) * world_size}"
         )
     if config.advise.verify and config.plan.accelerator is not None:
