@@ -13,7 +13,8 @@ Blocks (docs/telemetry.md describes each panel and the question it answers):
     throughput         steady tokens/s against micro_batch, runs grouped by the other swept keys
                        (a bar per run, grouped the same way, when micro_batch was not swept)
     memory             the worst rank's peak with the plan's prediction; every rank's peak
-    training           loss/train against step; precision/loss_scale where fp16 ran
+    training           loss/train against step; precision/loss_scale where fp16 ran; bytes moved
+                       per step by every rank with the plan's, where the runs recorded them
     results            the results table the report run logged (`sweep/results`, = results.csv)
 
 A sweep's run sets are its W&B group without the report run; a comparison's are the runs'
@@ -23,6 +24,7 @@ own ids (each job keeps its id in `wandb_run_id`).
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ REPORT_FILE = "wandb_report.json"
 STEADY_TOKENS = STEADY_KEYS["throughput/tokens_per_s"]
 STEADY_MFU = STEADY_KEYS["throughput/mfu_pct"]
 RESULTS_TABLE = "sweep/results"  # the report run's table (trainer/report.py log_to_wandb)
+COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 
 
 def report_run_id(out_dir: Path) -> str:
@@ -73,7 +76,7 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
         wr.H1("Throughput"),
         wr.PanelGrid(runsets=[runset(wr, "runs by " + (", ".join(others) or "run"), filters, others, [])], panels=[throughput_panel(wr, report, others)]),
         wr.H1("Memory and training"),
-        wr.PanelGrid(runsets=[runset(wr, "runs", filters, [], [])], panels=memory_panels(wr, report) + training_panels(wr, report)),
+        wr.PanelGrid(runsets=[runset(wr, "runs", filters, [], [])], panels=memory_panels(wr, report) + training_panels(wr, report) + comm_panels(wr, report)),
         wr.H1("Results"),
         wr.PanelGrid(
             runsets=[runset(wr, "report run", [expr.Metric("ID") == report_run_id(report.sweep_dir)], [], [])],
@@ -135,6 +138,15 @@ def training_panels(wr: Any, report: Report) -> list[Any]:
     if any("precision/loss_scale" in record for point in report.points for record in point.records):
         panels.append(wr.LinePlot(title="fp16 loss scale", x=STEP_KEY, y=["precision/loss_scale"], log_y=True, layout=wr.Layout(w=12, h=8)))
     return panels
+
+
+def comm_panels(wr: Any, report: Report) -> list[Any]:
+    """Bytes each rank moved per optimizer step next to the plan's, where the runs recorded them."""
+    keys = sorted({key for point in report.points for record in point.records for key in record if COMM_KEY.fullmatch(key)})
+    if not keys:
+        return []
+    keys.sort(key=lambda key: int(COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
+    return [wr.LinePlot(title="bytes moved per step, every rank, and the plan's", x=STEP_KEY, y=[*keys, "comm/predicted_bytes_per_step"], layout=wr.Layout(w=12, h=8))]
 
 
 # ---------------------------------------------------------------------------- serialised form

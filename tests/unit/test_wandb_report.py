@@ -139,6 +139,18 @@ def test_fp16_points_add_the_loss_scale_panel(tmp_path: Path, no_server: None) -
     assert len(scale) == 1 and scale[0].log_y is True
 
 
+def test_recorded_communication_adds_a_panel_of_every_ranks_bytes_and_the_plans(tmp_path: Path, no_server: None) -> None:
+    for point in make_sweep(tmp_path):
+        records = [json.loads(line) for line in (point / "metrics.jsonl").read_text().splitlines()]
+        for record in records:
+            record.update({"comm/rank0/bytes_per_step": 4e6, "comm/rank1/bytes_per_step": 4e6, "comm/predicted_bytes_per_step": 4e6})
+        (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rpt.write_report(tmp_path)
+    comm = [panel for panel, _ in panels_of(load_report_json(tmp_path / REPORT_FILE)) if "bytes" in (getattr(panel, "title", None) or "")]
+    assert len(comm) == 1
+    assert comm[0].y == [wr.Metric(k) for k in ("comm/rank0/bytes_per_step", "comm/rank1/bytes_per_step", "comm/predicted_bytes_per_step")]
+
+
 def test_a_comparison_filters_the_runs_by_their_ids(tmp_path: Path, no_server: None) -> None:
     points = make_sweep(tmp_path / "sweep")
     out = tmp_path / "out"

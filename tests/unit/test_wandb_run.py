@@ -43,3 +43,13 @@ def test_a_group_choice_is_addressed_through_the_field_that_names_it() -> None:
 def test_steady_figures_go_under_keys_no_record_is_logged_under() -> None:
     summary = {"throughput/tokens_per_s": 1234.5, "throughput/mfu_pct": None, "loss/final": 2.0}
     assert steady_figures(summary) == {"throughput/steady_tokens_per_s": 1234.5}
+
+
+def test_a_rank_importing_the_job_and_its_logger_does_not_import_wandb() -> None:
+    """Under torchrun every rank runs trainer.job; only rank 0's process may start W&B."""
+    import subprocess
+    import sys
+
+    code = "import sys, trainer.job, trainer.loggers, trainer.wandb_run, trainer.launch; print('wandb' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
