@@ -11,6 +11,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from trainer.advise import check_advice_inputs, run_advice
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
@@ -25,6 +26,7 @@ from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.plan_table import format_plan
 from trainer.sharding import check_device_support
+from trainer.stop import STOP_STATUSES, JobStop, exit_code_for, handling_stops, stopped, stopped_at_once
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
@@ -71,15 +73,17 @@ def run_job(cfg: DictConfig) -> None:
         fail(f"error: {refusal}", code=2)
         return
     if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
-        status, extra = train_ranks(config, out_dir, device_kind, nproc)
+        with handling_stops(out_dir, owner=False) as job_stop:
+            status, extra = train_ranks(config, out_dir, device_kind, nproc, job_stop)
         if status != "ok":
-            fail(f"error: {extra['error']}", code=1)
+            fail(f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}", code=exit_code_for(status))
         return
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
-    # with the job's status, also when a rank died.
-    with open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
+    # with the job's status, also when a rank died. From here a signal stops the job at a step
+    # boundary (trainer/stop.py).
+    with handling_stops(out_dir) as job_stop, open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
         with logger.follow(out_dir / "metrics.jsonl"):
-            status, extra = train_ranks(config, out_dir, device_kind, nproc)
+            status, extra = train_ranks(config, out_dir, device_kind, nproc, job_stop)
         records = read_metrics(out_dir)
         summary = build_summary(
             status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
@@ -88,14 +92,17 @@ def run_job(cfg: DictConfig) -> None:
         logger.finish(summary)
     report_end(summary, out_dir)
     if status != "ok":
-        fail(f"error: {extra['error']}", code=1)
+        fail(f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}", code=exit_code_for(status))
 
 
-def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int) -> tuple[str, dict[str, Any]]:
-    """Run this node's ranks; a rank's death is a status to record, not an exception to propagate."""
+def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, job_stop: JobStop) -> tuple[str, dict[str, Any]]:
+    """Run this node's ranks; a rank's death or a stop is a status to record, not an exception to propagate."""
     restarts_before = count_restarts(out_dir)
+    if job_stop.stop is not None:  # a signal came before the ranks started: start none
+        return job_stop.stop.status, {"error": f"{job_stop.signal_name} before any rank started", "stop_signal": job_stop.signal_name}
     try:
-        result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts)
+        with job_stop.ranks_running():
+            result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts)
     except RankFailure as own:
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
@@ -103,10 +110,19 @@ def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return "oom" if failure.oom else "crashed", {"error": error, **where}
-    restarts = {"restarts": count_restarts(out_dir) - restarts_before}
+    except SignalException:  # a second signal: the agent killed the ranks (trainer/stop.py)
+        return stopped_at_once(job_stop)
+    status, extra = ranks_ending(result, config)
+    return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
+
+
+def ranks_ending(result: dict[str, Any] | None, config: TrainConfig) -> tuple[str, dict[str, Any]]:
+    """The status the ranks ended with, from rank 0's result: ok, or they stopped together on purpose."""
     if result is not None and result.get("status") == "diverged":  # the non-finite policy stopped it
-        return "diverged", {"error": result["error"], **restarts}
-    return "ok", restarts
+        return "diverged", {"error": result["error"]}
+    if result is not None and result.get("status") in STOP_STATUSES:  # a signal: every rank stopped after one step
+        return result["status"], stopped(result, saving=config.save.every > 0)
+    return "ok", {}
 
 
 def prepare_resume(config: TrainConfig, out_dir: Path, world_size: int) -> tuple[TrainConfig, Path]:
@@ -155,14 +171,16 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     with open_logger(config, Path(out_dir), meta, name=run_name(), group=run_group()) as logger:
         with logger.follow(Path(out_dir) / "metrics.jsonl"):
             result = rank_main(plain, out_dir, device_kind)
-        status = "diverged" if result is not None and result.get("status") == "diverged" else "ok"
+        status, extra = ranks_ending(result, config)
         records = read_metrics(Path(out_dir))
         summary = build_summary(
-            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **nonfinite_summary(records), **meta
+            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
         )
         write_summary(Path(out_dir), summary)
         logger.finish(summary)
     report_end(summary, Path(out_dir))
+    if status in STOP_STATUSES:  # torchrun itself was signalled and ends the job
+        print(f"{status}: {extra['error']}", file=sys.stderr, flush=True)
 
 
 def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:

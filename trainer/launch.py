@@ -19,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.comm import enable_recording
 from trainer.config import from_plain
 from trainer.oom import apply_memory_cap, explain, recording_failures
+from trainer.stop import AGENT_SIGNALS, RankStop
 from trainer.world import init_world, shutdown_world
 
 
@@ -47,13 +48,15 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     from trainer.loop import train  # imported in the rank: the job process never builds a model
     from trainer.nonfinite import NonFiniteError
 
+    # Before anything slow: from here a signal is a request to stop at a step boundary (trainer/stop.py).
+    stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind)
     apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
         try:
-            result = train(config, world, Path(out_dir))
+            result = train(config, world, Path(out_dir), stop)
         except NonFiniteError as err:
             # Every rank stops here together (they agreed), so this is an ending, not a crash: no
             # traceback, no elastic restart; the job records status `diverged` with this line.
@@ -82,6 +85,9 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/stop.py): the agent would turn them
+        # into a SignalException and SIGTERM the ranks mid-step.
+        signals_to_handle=",".join(AGENT_SIGNALS),
     )
     # The launcher logs every failed rank's whole traceback at ERROR level; the job reports the
     # failure in one line instead and keeps the traceback in failures/rank{r}.json.

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from trainer.config import LoggerBackend, TrainConfig
+from trainer.stop import exit_code_for
 from trainer.summary import redact_secrets
 from trainer.wandb_run import define_metrics, describe_job, steady_figures
 
@@ -69,10 +70,12 @@ class WandbLogger:
             tail.stop()
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Write the summary and end the run: exit code 0 when status is ok, else 1 (state `failed`)."""
+        """Write the summary and end the run with the job's exit code (0 when ok: state `finished`, else `failed`)."""
         figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(summary)
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
-        self.guard(lambda: self.run.finish(exit_code=0 if summary["status"] == "ok" else 1))
+        if summary["status"] == "preempted":
+            self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
+        self.guard(lambda: self.run.finish(exit_code=exit_code_for(summary["status"])))
 
     def guard(self, action: Callable[[], Any]) -> None:
         """Run a W&B call; on the first failure warn once and stop using W&B for this job."""

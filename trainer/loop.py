@@ -26,6 +26,7 @@ from trainer.oom import mark_phase
 from trainer.optim import build_optimizer, build_scheduler, clip_gradients
 from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.sharding import apply_zero, gradient_sync
+from trainer.stop import RankStop
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -51,8 +52,9 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     return Trainee(model, optimizer, scheduler, scaler)
 
 
-def train(config: TrainConfig, world: World, out_dir: Path) -> dict[str, Any] | None:
-    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures."""
+def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop) -> dict[str, Any] | None:
+    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures
+    (or, when the ranks agreed to stop on a signal, how they stopped: trainer/stop.py)."""
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
     start = resume_training(trainee, config, world, out_dir)  # step 0 unless resuming or restarted
@@ -63,15 +65,19 @@ def train(config: TrainConfig, world: World, out_dir: Path) -> dict[str, Any] | 
     for step in range(start.step + 1, config.steps + 1):
         try:
             with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
-                stats = train_step(trainee, batches, config, world, step, guard)
+                stats = train_step(trainee, batches, config, world, step, guard, stop)
         except NonFiniteError:  # every rank raises together: they agreed in train_step
             save_last_good(trainee, config, world, out_dir, progress(step - 1, guard, meter))
             raise
+        stopping = bool(stop.agreed) and step < config.steps  # agreed in train_step, like the non-finite check
         meter.update(step, stats)  # device tensors, no sync
-        if meter.should_log(step):
+        if meter.should_log(step) or stopping:
             meter.log(step, trainee.model, trainee.optimizer)  # the one sync point: gathers every rank
-        if should_save(config, step):
-            save_training_state(trainee, config, world, out_dir, progress(step, guard, meter))
+        save = None
+        if should_save(config, step) or (stopping and config.save.every > 0):
+            save = save_training_state(trainee, config, world, out_dir, progress(step, guard, meter))
+        if stopping:
+            return stop.ending(step, save)
     return meter.finish()
 
 
@@ -80,7 +86,9 @@ def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
     return Progress(step=step, nonfinite_skipped=guard.skipped, overflow_skipped=meter.skipped_steps)
 
 
-def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int, guard: NonFiniteGuard) -> StepStats:
+def train_step(
+    trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int, guard: NonFiniteGuard, stop: RankStop | None = None
+) -> StepStats:
     """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite)."""
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
     # Gradients are freed here rather than after the step, so they can be measured between steps.
@@ -103,8 +111,8 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
     mark_phase(step, "optimizer")
     scaler.unscale_(optimizer)  # clipping must see true gradients
     grad_norm = clip_gradients(model, config.optim.grad_clip)
-    # Every rank agrees (one all-reduce) before stepping; under fp16 a gradient overflow is the scaler's.
-    if guard.check(find_nonfinite(loss_sum, grad_norm, step, world, scaler.is_enabled())):
+    # Every rank agrees (one all-reduce) before stepping, on non-finite values and on stopping; under fp16 a gradient overflow is the scaler's.
+    if guard.check(find_nonfinite(loss_sum, grad_norm, step, world, scaler.is_enabled(), stop)):
         scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
     update_loss_scale(scaler, config.precision.min_loss_scale)

@@ -17,13 +17,16 @@ hence this module; it is one all-reduce per step, which is the cost of every ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from trainer.config import TrainConfig
 from trainer.world import World
+
+if TYPE_CHECKING:
+    from trainer.stop import RankStop
 
 SKIPPED_KEY = "train/nonfinite_skipped"
 """Metric: cumulative count of optimizer steps skipped by nonfinite=skip."""
@@ -50,19 +53,27 @@ class NonFinite:
         return f"non-finite gradient at step {self.step} (global gradient norm; the loss was finite on every rank)"
 
 
-def find_nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor, step: int, world: World, scaler_enabled: bool) -> NonFinite | None:
+def find_nonfinite(
+    loss: torch.Tensor, grad_norm: torch.Tensor, step: int, world: World, scaler_enabled: bool, stop: RankStop | None = None
+) -> NonFinite | None:
     """One all-reduce (MAX) of a flag per rank for the loss and one for the gradient norm.
 
     A host sync every step, deliberately: every rank must take the same branch (step or skip).
     Returns None when all is finite, or when only the gradient is non-finite under fp16 (an
     overflow, which the GradScaler handles on every rank).
+
+    The same all-reduce carries the ranks' stop requests (trainer/stop.py): a signal number per
+    rank, MAX-reduced, so every rank learns at this step whether they all stop after it.
     """
-    flags = torch.zeros(world.world_size + 1, device=world.device)
+    flags = torch.zeros(world.world_size + 2, device=world.device)
     flags[world.rank] = (~torch.isfinite(loss.detach().float())).float()
+    flags[-2] = float(stop.local_request()) if stop is not None else 0.0
     flags[-1] = (~torch.isfinite(grad_norm.detach().float())).float()
     if world.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    *loss_flags, grad_flag = flags.tolist()
+    *loss_flags, stop_flag, grad_flag = flags.tolist()
+    if stop is not None:
+        stop.agree(stop_flag)
     loss_ranks = tuple(rank for rank, flag in enumerate(loss_flags) if flag > 0)
     if not loss_ranks and (grad_flag == 0 or scaler_enabled):
         return None

@@ -7,8 +7,10 @@ the process that runs `python -m trainer` (the ranks never see it):
   hydra.run.dir or hydra.sweep.dir) has a one-second resolution; two jobs or sweeps started in
   the same second would share it. The callback creates the directory atomically and, when it
   exists already, takes `<dir>_1`, `<dir>_2`, ... instead.
-- on_job_end: with `fail_fast=true`, the first point that does not end `ok` stops the sweep
-  (exit status 1) after writing the report of the points so far.
+- on_job_end: a point stopped by a signal (Ctrl-C: `interrupted`; SIGTERM/SIGUSR1: `preempted`,
+  trainer/stop.py) stops the sweep with that signal's exit status, and with `fail_fast=true` the
+  first point that does not end `ok` stops it (exit status 1), each after writing the report of
+  the points so far.
 - on_multirun_end: the sweep report (trainer/report.py) with its W&B Report, and with logger=wandb
   its W&B run (online: the W&B Report saved, its URL in report.md).
 
@@ -29,6 +31,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from trainer.stop import sweep_stop
 
 
 def read_status(out_dir: Path) -> str | None:
@@ -97,20 +101,27 @@ class SweepCallback(Callback):
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir={hydra_quote(str(claimed))}")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or not config.get("fail_fast", False):
+        if config.hydra.mode != RunMode.MULTIRUN:
             return
         out_dir = Path(config.hydra.runtime.output_dir)
         status = read_status(out_dir)
+        if (stop := sweep_stop(status)) is not None:  # Ctrl-C (or a preemption) ends the sweep after this point
+            self.end_early(config, f"{stop.status}: the sweep stops after {out_dir.name}", stop.exit_code)
+        if not config.get("fail_fast", False):
+            return
         # No summary.json and no exception: a mode=plan point, which ends without one.
         if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
             return
+        self.end_early(config, f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here", 1)
+
+    def end_early(self, config: DictConfig, line: str, code: int) -> None:
+        """Stop the sweep after this point: the report of the points that ran, one line, `code`."""
         from trainer.report import summary_line, write_report
 
-        sweep_dir = Path(config.hydra.sweep.dir)
-        report = write_report(sweep_dir)
+        report = write_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
-        print(f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from trainer.report import mirror_to_wandb, summary_line, write_report
