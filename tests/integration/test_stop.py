@@ -173,5 +173,5 @@ def test_ctrl_c_stops_a_sweep_after_the_current_point_with_a_report(tmp_path: Pa
     assert stderr.strip().splitlines()[-1] == f"interrupted: the sweep stops after {first.name}"
     assert list(sweep_dir.glob("1_*")) == []  # the second point never started
     report = (sweep_dir / "report.md").read_text()
-    assert "micro_batch=1" in report and "**interrupted**" in report
+    assert "1 point (1 interrupted)" in report and "interrupted: SIGINT stopped the job after step" in report
     assert "report: " in stdout and "1 point: 1 interrupted" in stdout
