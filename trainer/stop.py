@@ -178,10 +178,9 @@ class JobStop:
 def stopped(result: dict[str, Any], saving: bool) -> dict[str, Any]:
     """summary.json's account of ranks that stopped together after a step (rank 0's RankStop.ending)."""
     step, save = result["stopped_step"], result["save"]
-    if save:
-        after = f"; saved {save}: resume=true continues from it"
-    else:
-        after = "; saving is off (save.every=0), so nothing to resume from" if not saving else ""
+    after = f"; saved {save}: resume=true continues from it" if save else ""
+    if not saving:
+        after = "; saving is off (save.every=0), so nothing to resume from"
     line = f"{result['signal']} stopped the job after step {step}{after}"
     return {"error": line, "stop_signal": result["signal"], "stopped_step": step, "save": save}
 
@@ -189,7 +188,7 @@ def stopped(result: dict[str, Any], saving: bool) -> dict[str, Any]:
 def stopped_at_once(job_stop: JobStop) -> tuple[str, dict[str, Any]]:
     """The status of a job whose ranks were killed on a second signal (the last save stays as it was)."""
     assert job_stop.stop is not None
-    line = f"{job_stop.signal_name}, then a second signal: the ranks were stopped at once, mid-step"
+    line = f"{job_stop.signal_name}, then a second signal: the ranks were killed at once (a save cut short is never a save)"
     return job_stop.stop.status, {"error": line, "stop_signal": job_stop.signal_name}
 
 
@@ -197,8 +196,7 @@ def stopped_at_once(job_stop: JobStop) -> tuple[str, dict[str, Any]]:
 # list without those in STOPS.
 AGENT_SIGNALS = ("SIGHUP", "SIGQUIT")
 
-CURRENT: JobStop | None = None  # the job now running in this process (a sweep runs jobs one by one)
-LAST: JobStop | None = None  # the last job's, for the sweep's on_job_end
+LAST: JobStop | None = None  # the last job's in this process (a sweep runs jobs one by one), for on_job_end
 
 
 @contextlib.contextmanager
@@ -208,20 +206,19 @@ def handling_stops(run_dir: Path) -> Iterator[JobStop]:
     Only the main thread may set handlers; elsewhere (a test calling the job in a thread) the
     body runs with the handlers as they are.
     """
-    global CURRENT, LAST
-    job_stop = JobStop(run_dir)
+    global LAST
+    job_stop, LAST = JobStop(run_dir), None
     (run_dir / STOP_REQUEST).unlink(missing_ok=True)  # left by an earlier job in this directory
     previous: dict[signal.Signals, Any] = {}
     try:
         with contextlib.suppress(ValueError):  # not the main thread
             for signum in STOPS:
                 previous[signum] = signal.signal(signum, job_stop)
-        CURRENT = job_stop
         yield job_stop
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        CURRENT, LAST = None, job_stop
+        LAST = job_stop
         (run_dir / STOP_REQUEST).unlink(missing_ok=True)
 
 
