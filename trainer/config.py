@@ -356,6 +356,12 @@ class PlanConfig:
     """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""
     accelerator: Optional[Accelerator] = None  # type: ignore[valid-type]
     """Plan for this accelerator's memory (a100-40gb, a100-80gb, h100, h200) instead of this host's."""
+    cpu_rank_runtime_gib: float = 0.4
+    """Host memory each CPU rank's process holds before its first tensor (Python, torch, gloo, threads;
+    0.32-0.44 GiB measured with torch 2.13 on CPU), counted per rank against the host (trainer/host.py)."""
+
+    def __post_init__(self) -> None:
+        _require(self.cpu_rank_runtime_gib >= 0, f"plan.cpu_rank_runtime_gib must be >= 0, got {self.cpu_rank_runtime_gib}")
 
 
 @dataclass

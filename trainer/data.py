@@ -179,6 +179,13 @@ def open_token_file(path: str, seq_len: int) -> np.ndarray:
             f"data.path: token file {path} does not exist; make one with "
             "`python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`"
         )
+    with open(path, "rb") as f:
+        # np.load reads anything else as a pickle and says so, which misleads: name the format instead.
+        if f.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+            raise ConfigError(
+                f"data.path: {path} is not a .npy file of token ids; make one with "
+                "`python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`"
+            )
     try:
         tokens = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as err:
@@ -256,6 +263,13 @@ def build_dataset(config: TrainConfig) -> Dataset[Tensor]:
     return SyntheticTokens(
         config.model.vocab_size, config.seq_len, config.data.branching, config.data.data_seed, config.seed
     )
+
+
+def check_data(config: TrainConfig) -> None:
+    """In the job process, before any rank starts: the token file is a 1-D integer .npy whose ids fit
+    the model's vocabulary (the checks TokenFile makes when a rank opens it); ConfigError otherwise."""
+    if config.data.kind == DataKind.tokens:
+        build_dataset(config)
 
 
 def should_pin_memory(config: TrainConfig) -> bool:

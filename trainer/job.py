@@ -17,6 +17,8 @@ from trainer.advise import check_advice_inputs, run_advice
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
+from trainer.data import check_data
+from trainer.host import cores_warning, host_budget, host_refusal
 from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
@@ -47,6 +49,7 @@ def run_job(cfg: DictConfig) -> None:
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
             check_device_support(config, device_kind)
+            check_data(config)  # a bad token file is a config error, found before any rank starts
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
         if config.mode == Mode.advise:
@@ -191,11 +194,16 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
     if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
+    # CPU ranks are processes sharing this host: their runtime and the cores (trainer/host.py).
+    budget = host_budget(config, device_kind, world_size, plan.peak_bytes) if device_kind == "cpu" else None
+    for line in (budget and budget.describe(), cores_warning(budget)):
+        if line:
+            print(line, flush=True)
     if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance
         return None, {}
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
     meta.update(plan_summary_fields(plan))
-    refusal = plan_refusal(plan)
+    refusal = plan_refusal(plan) or host_refusal(budget)
     if refusal is not None and not config.plan.enforce:
         print("warning: plan.enforce=false, trying anyway", flush=True)
         return None, meta

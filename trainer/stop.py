@@ -200,15 +200,18 @@ LAST: JobStop | None = None  # the last job's in this process (a sweep runs jobs
 
 
 @contextlib.contextmanager
-def handling_stops(run_dir: Path) -> Iterator[JobStop]:
+def handling_stops(run_dir: Path, owner: bool = True) -> Iterator[JobStop]:
     """While the body runs, STOPS' signals are requests to stop (JobStop); the previous handlers after.
 
+    The `owner` of the run directory (node 0 of a multi-node job, whose nodes share it) clears a
+    request left there before and after; another node's request must stay for every node to see.
     Only the main thread may set handlers; elsewhere (a test calling the job in a thread) the
     body runs with the handlers as they are.
     """
     global LAST
     job_stop, LAST = JobStop(run_dir), None
-    (run_dir / STOP_REQUEST).unlink(missing_ok=True)  # left by an earlier job in this directory
+    if owner:
+        (run_dir / STOP_REQUEST).unlink(missing_ok=True)  # left by an earlier job in this directory
     previous: dict[signal.Signals, Any] = {}
     try:
         with contextlib.suppress(ValueError):  # not the main thread
@@ -219,7 +222,8 @@ def handling_stops(run_dir: Path) -> Iterator[JobStop]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         LAST = job_stop
-        (run_dir / STOP_REQUEST).unlink(missing_ok=True)
+        if owner:
+            (run_dir / STOP_REQUEST).unlink(missing_ok=True)
 
 
 def sweep_stop(status: str | None) -> Stop | None:
