@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,6 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from trainer.config import ConfigError, FaultKind, TrainConfig
+from trainer.oom import mark_phase
+from trainer.save_faults import newest_whole_save, save_error, save_problem
 from trainer.world import World
 
 if TYPE_CHECKING:  # loop.py imports this module
@@ -184,17 +187,30 @@ def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run
     """Write the state after `progress.step` steps atomically (a collective: every rank calls it)."""
     root = saves_root(run_dir)
     final, tmp = root / save_name(progress.step), root / f".tmp_{save_name(progress.step)}"
-    if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save killed at this very step
-        root.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(training_state(trainee, config, world, progress), checkpoint_id=tmp)
+    mark_phase(progress.step, "save")  # where a failure is reported to have happened
+    try:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save killed at this very step
+            root.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dcp.save(training_state(trainee, config, world, progress), checkpoint_id=tmp)
+    except OSError as err:  # no space, a path that cannot be created: one line naming the path
+        raise unwritable(err, root, tmp, world, progress.step) from err
+    except CheckpointException as err:  # DCP's wrapper of each rank's error
+        raise unwritable(err, root, tmp, world, progress.step) from err
     kill_if_rehearsing(config, world, progress.step)
     dist.barrier()  # every rank has returned from DCP: its data and the metadata are on disk
     if world.is_main:
         publish(tmp, final)
         prune(root, config.save.keep, progress.step)
     return final
+
+
+def unwritable(err: BaseException, root: Path, tmp: Path, world: World, step: int) -> Exception:
+    """The save's one-line error; rank 0 removes what was half written (space a full disk needs back)."""
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return save_error(err, root, step)
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -248,7 +264,7 @@ def find_start(config: TrainConfig, run_dir: Path) -> Path | None:
     After a launcher restart: the newest save of this run (the ranks died after it). Otherwise
     the save the job process resolved `resume` to (job.py turns true / a run directory into one).
     """
-    if not first_attempt() and (newest := latest_save(run_dir)) is not None:
+    if not first_attempt() and (newest := newest_whole_save(list_saves(run_dir), say=False)) is not None:
         return newest
     return None if config.resume in ("false", "true") else Path(config.resume)
 
@@ -403,11 +419,8 @@ def newest_matching_save(config: TrainConfig, out_dir: Path) -> Path | None:
     from trainer.config import to_plain
 
     identity = run_identity(to_plain(config))
-    saves = [
-        save
-        for run in candidate_runs(out_dir)
-        if (save := latest_save(run)) is not None and saved_run_identity(run) == identity
-    ]
+    runs = [run for run in candidate_runs(out_dir) if list_saves(run) and saved_run_identity(run) == identity]
+    saves = [save for run in runs if (save := newest_whole_save(list_saves(run))) is not None]
     return max(saves, key=lambda save: (save / METADATA).stat().st_mtime, default=None)
 
 
@@ -427,13 +440,15 @@ def resolve_resume(config: TrainConfig, out_dir: Path) -> tuple[str, Path]:
     if config.resume == "true":
         save = newest_matching_save(config, out_dir)
         if save is None:
-            print(f"resume=true: no save of this config under {out_dir.parent.parent}; starting at step 0", flush=True)
+            print(f"resume=true: no whole save of this config under {out_dir.parent.parent}; starting at step 0", flush=True)
             return "false", out_dir
         return str(save), save.parent.parent
     path = Path(config.resume).expanduser().resolve()
     if is_valid_save(path):
+        if (problem := save_problem(path)) is not None:
+            raise ConfigError(f"resume={config.resume}: that save is broken: {problem}")
         return str(path), out_dir
-    if (save := latest_save(path)) is not None:
+    if (save := newest_whole_save(list_saves(path))) is not None:
         return str(save), path
     raise ConfigError(
         f"resume={config.resume}: no save there; allowed: false, true, a run directory with "

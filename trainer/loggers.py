@@ -138,11 +138,19 @@ def open_logger(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
     if run is None:
         yield NullLogger()
         return
-    # The run as a context manager: finished when the job ends, so the next job of a sweep
-    # (same process under Hydra's basic launcher) gets a run of its own.
-    with run:
-        yield WandbLogger(run)
-    if run.settings.mode == "offline":
+    # Finished when the job ends, also when it raised (failed), so the next job of a sweep (same
+    # process under Hydra's basic launcher) gets a run of its own; finish() is a no-op once ended.
+    logger = WandbLogger(run)
+    try:
+        yield logger
+    finally:
+        logger.guard(lambda: run.finish(exit_code=1))
+        if logger.failed:  # its service died: tear down now, quietly, not in an atexit hook that prints the broken pipe
+            import wandb
+
+            with contextlib.suppress(Exception):
+                wandb.teardown()
+    if run.settings.mode == "offline" and not logger.failed:
         print(f"W&B run saved offline; upload it with: wandb sync {run.settings.sync_dir}", flush=True)
 
 
