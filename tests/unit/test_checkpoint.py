@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -69,8 +71,10 @@ def fake_save(run_dir: Path, step: int, complete: bool = True, tmp: bool = False
     name = f"{'.tmp_' if tmp else ''}step_{step:08d}"
     path = run_dir / "checkpoints" / name
     path.mkdir(parents=True)
-    if complete:
-        (path / ".metadata").write_bytes(b"x")
+    if complete:  # a real, whole DCP save: resume checks a save's files against its metadata
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # no process group: intended
+            dcp.save({"x": torch.zeros(1)}, checkpoint_id=path, no_dist=True)
     return path
 
 
