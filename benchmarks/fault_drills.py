@@ -1,0 +1,341 @@
+"""Fault drills: every everyday fault, done to a real 2-rank CPU job, and whether anything was lost.
+
+Each drill runs `python -m trainer` as a user does, does the fault to it (a signal, a host too
+small, a bad token file, a broken or unwritable save, W&B's service killed, a rank killed, a
+kill during a save, an elastic restart, an out-of-memory rank, a non-finite loss), reads back
+what the job reported (exit status, summary.json, its one error line) and checks that nothing
+was lost: the losses after a resume equal an uninterrupted run's bit for bit, the saves left are
+whole, the local files are complete, no process is left behind.
+
+    .venv/bin/python benchmarks/fault_drills.py            # every drill, a few minutes here
+    .venv/bin/python benchmarks/fault_drills.py --only sigint wandb
+
+Prints one Markdown table (docs/faults.md carries it) and exits 1 when a drill lost something.
+Jobs run with save=off except where saves are the point; everything is written under a
+temporary directory that is removed at the end (--keep keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from trainer.checkpoint import list_saves, save_step  # noqa: E402
+from trainer.save_faults import save_problem  # noqa: E402
+
+TINY = ("model=tiny", "device=cpu", "seq_len=64", "micro_batch=2", "log_every=1", "precision=fp32", "optim.warmup_steps=2")
+STEPS = 16
+SAVING = ("nproc=2", f"steps={STEPS}", "save.every=4", "save.keep=3", "logger=none")
+NO_SAVE = ("nproc=2", f"steps={STEPS}", "save=off", "logger=none")
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+    out_dir: Path
+    seconds: float = 0.0
+    left_running: int = 0
+    """Live processes of the job's session 5 s after it exited."""
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        path = self.out_dir / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @property
+    def losses(self) -> list[float]:
+        path = self.out_dir / "metrics.jsonl"
+        return [json.loads(line)["loss/train"] for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def line(self) -> str:
+        """The job's last stderr line: its one-line account of a fault."""
+        lines = [line for line in self.stderr.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+@dataclass
+class Row:
+    fault: str
+    reported: str
+    nothing_lost: bool
+    how: str
+
+
+def trainer_args(out_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", *TINY, *overrides, f"hydra.run.dir={out_dir}"]
+
+
+def run(out_dir: Path, *overrides: str) -> Job:
+    start = time.monotonic()
+    proc = subprocess.run(trainer_args(out_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600)
+    return Job(proc.returncode, proc.stdout, proc.stderr, out_dir, time.monotonic() - start)
+
+
+def run_and_do(out_dir: Path, *overrides: str, at_step: int, action: Callable[[subprocess.Popen[str], threading.Event], None]) -> Job:
+    """Start a job in a session of its own, `action` once metrics.jsonl has `at_step` records."""
+    proc = subprocess.Popen(
+        trainer_args(out_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    stdout: list[str] = []
+    stopping = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            stdout.append(line)
+            if "stop after their current step" in line:
+                stopping.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    metrics = out_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= at_step):
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    start = time.monotonic()
+    action(proc, stopping)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    proc.wait(timeout=600)
+    seconds = time.monotonic() - start
+    reader.join(10)
+    time.sleep(5)
+    return Job(proc.returncode, "".join(stdout), stderr, out_dir, seconds, left_running(proc.pid))
+
+
+def left_running(sid: int) -> int:
+    count = 0
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                count += 1
+        except (psutil.Error, OSError):
+            continue
+    return count
+
+
+def saves(run_dir: Path) -> list[int]:
+    return [save_step(p) for p in list_saves(run_dir)]
+
+
+def all_whole(run_dir: Path) -> bool:
+    return all(save_problem(p) is None for p in list_saves(run_dir))
+
+
+# ----------------------------------------------------------------------------- the drills
+
+
+class Drills:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._reference: list[float] | None = None
+
+    def day(self, name: str) -> Path:
+        """A run directory in Hydra's <root>/<date>/<time> layout, where resume=true looks."""
+        return self.root / name / "runs" / "day"
+
+    @property
+    def reference(self) -> list[float]:
+        """The losses of the uninterrupted run every resumed drill is compared with."""
+        if self._reference is None:
+            self._reference = run(self.root / "reference", *SAVING).losses
+        return self._reference
+
+    def resumed_equal(self, job: Job, day: Path) -> tuple[bool, str]:
+        resumed = run(day / "t2", *SAVING, "resume=true")
+        equal = resumed.returncode == 0 and job.losses == self.reference
+        return equal, f"resume=true: {len(job.losses)} steps, losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run"
+
+    def signal_drill(self, name: str, sig: signal.Signals, group: bool) -> Row:
+        day = self.day(name)
+        send = (lambda p: os.killpg(p.pid, sig)) if group else (lambda p: os.kill(p.pid, sig))
+        job = run_and_do(day / "t1", *SAVING, "save.every=1000", at_step=3, action=lambda p, _: send(p))
+        step = job.summary.get("stopped_step")
+        reported = f"exit {job.returncode}, {job.summary.get('status')} after step {step}, save at {saves(job.out_dir)}, {job.seconds:.1f} s"
+        equal, how = self.resumed_equal(job, day)
+        ok = equal and job.left_running == 0 and "Traceback" not in job.stderr
+        return Row(f"{sig.name} ({'Ctrl-C, process group' if group else 'job process only: a scheduler'})", reported, ok, f"{how}; {job.left_running} processes left")
+
+    def sigint(self) -> Row:
+        return self.signal_drill("sigint", signal.SIGINT, group=True)
+
+    def sigterm(self) -> Row:
+        return self.signal_drill("sigterm", signal.SIGTERM, group=False)
+
+    def sigint_twice(self) -> Row:
+        def twice(proc: subprocess.Popen[str], stopping: threading.Event) -> None:
+            os.killpg(proc.pid, signal.SIGINT)
+            stopping.wait(60)
+            os.killpg(proc.pid, signal.SIGINT)
+
+        job = run_and_do(self.day("twice") / "t1", *SAVING, "save.every=1000", at_step=3, action=twice)
+        reported = f"exit {job.returncode}, {job.summary.get('status')}, {job.seconds:.1f} s after the second Ctrl-C"
+        ok = job.returncode == 130 and job.left_running == 0 and list_saves(job.out_dir) == []
+        return Row("Ctrl-C twice (during the stop's save)", reported, ok, f"{job.left_running} processes left, no partial save: {list_saves(job.out_dir) == []}")
+
+    def host_too_small(self) -> Row:
+        job = run(self.root / "n64" / "run", "nproc=64", "logger=none")
+        started = (job.out_dir / "metrics.jsonl").exists()
+        return Row("nproc=64 device=cpu on this host", f"exit {job.returncode} in {job.seconds:.1f} s: `{job.line[:110]}...`", job.returncode == 2 and not started, "no rank started")
+
+    def token_file(self) -> Row:
+        text = self.root / "corpus.txt"
+        text.write_text("plain text, not token ids\n" * 50)
+        job = run(self.root / "tokens" / "run", "nproc=2", "logger=none", "data=tokens", f"data.path={text}")
+        one_line = len(job.stderr.strip().splitlines()) == 1
+        line = job.line.replace(str(text), "corpus.txt")
+        return Row("a text file as data.path", f"exit {job.returncode}: `{line[:90]}...`", job.returncode == 2 and one_line, "refused before any rank started")
+
+    def broken_save(self) -> Row:
+        day = self.day("broken")
+        job = run(day / "t1", *SAVING)
+        newest = list_saves(job.out_dir)[-1]
+        shard = newest / "__1_0.distcp"
+        with shard.open("r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+        resumed = run(day / "t2", *SAVING, "resume=true")
+        skipped = next((line for line in resumed.stdout.splitlines() if line.startswith("resume: skipping")), "")
+        equal = job.losses == self.reference and all_whole(job.out_dir)
+        reported = f"`{skipped.replace(str(newest.parent), '...')}`, then resumed from step {save_step(list_saves(job.out_dir)[-2])}"
+        return Row("a truncated shard in the newest save", reported, equal and bool(skipped), "losses after the resume bitwise equal; every save whole")
+
+    def unwritable_save(self) -> Row:
+        out_dir = self.root / "unwritable" / "run"
+        (out_dir / "checkpoints").mkdir(parents=True)
+        full = mount_small_tmpfs(self.root / "small", megabytes=16)  # room for one tiny save, not two
+        if full is not None:
+            shutil.rmtree(out_dir / "checkpoints")
+            (out_dir / "checkpoints").symlink_to(full)
+            what = "no space left (a 16 MiB file system)"
+        else:  # not allowed to mount here: a path that cannot be created instead
+            (out_dir / "checkpoints" / ".tmp_step_00000008").write_text("")
+            what = "a path that cannot be created"
+        try:
+            job = run(out_dir, *SAVING)
+            kept = saves(out_dir)
+            ok = job.summary.get("status") == "crashed" and kept == [4] and all_whole(out_dir) and "SaveError" in job.line
+            return Row(f"a save that cannot be written: {what}", f"exit {job.returncode}, crashed: `{job.line.split('SaveError: ')[-1][:100]}...`", ok, f"saves left {kept}, whole")
+        finally:
+            if full is not None:
+                subprocess.run(["umount", str(full)], check=False)
+
+    def wandb_killed(self) -> Row:
+        def kill_service(proc: subprocess.Popen[str], _: threading.Event) -> None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if child.name().startswith("wandb"):
+                    child.kill()
+
+        job = run_and_do(self.root / "wandb" / "run", *NO_SAVE[:-1], "logger=wandb", at_step=3, action=kill_service)
+        steps = len(job.losses)
+        ok = job.returncode == 0 and job.summary.get("status") == "ok" and steps == STEPS and len(job.stderr.strip().splitlines()) == 1
+        return Row("W&B's service killed mid-run", f"exit {job.returncode}, ok, one line: `{job.line[:60]}...`", ok, f"metrics.jsonl has all {steps} steps, summary.json ok")
+
+    def rank_killed(self) -> Row:
+        day = self.day("kill")
+        job = run(day / "t1", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1")
+        reported = f"exit {job.returncode}, {job.summary.get('status')}: `{job.line[:70]}`"
+        equal, how = self.resumed_equal(job, day)
+        return Row("rank 1 SIGKILLed at step 7", reported, equal and job.summary.get("status") == "crashed", how)
+
+    def kill_during_save(self) -> Row:
+        day = self.day("killsave")
+        job = run(day / "t1", *SAVING, "fault.kind=kill_during_save", "fault.step=8", "fault.rank=0")
+        kept = saves(job.out_dir)
+        equal, how = self.resumed_equal(job, day)
+        return Row("rank 0 SIGKILLed inside the step-8 save", f"exit {job.returncode}, {job.summary.get('status')}, saves left {kept}", equal and kept == [4], how)
+
+    def elastic_restart(self) -> Row:
+        job = run(self.root / "restart" / "run", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1", "max_restarts=1")
+        equal = job.losses == self.reference
+        reported = f"exit {job.returncode}, {job.summary.get('status')}, restarts {job.summary.get('restarts')}"
+        return Row("rank 1 SIGKILLed, max_restarts=1", reported, equal and job.summary.get("status") == "ok", f"losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run")
+
+    def oom(self) -> Row:
+        capped = ("device_memory_gib=0.25", "plan.enforce=false", "micro_batch=64", "seq_len=256", "steps=2", "nproc=2", "save=off", "logger=none")
+        job = run(self.root / "oom" / "run", *capped)
+        s = job.summary
+        reported = f"exit {job.returncode}, {s.get('status')} on rank {s.get('failed_rank')} at step {s.get('failed_step')} ({s.get('failed_phase')})"
+        return Row("out of memory under device_memory_gib=0.25", reported, s.get("status") == "oom", "a result, not a crash: the sweep goes on")
+
+    def nonfinite(self) -> Row:
+        job = run(self.root / "nan" / "run", *SAVING, "fault.kind=nan_loss", "fault.step=6", "fault.rank=1")
+        kept = saves(job.out_dir)
+        ok = job.summary.get("status") == "diverged" and kept == [4, 5] and job.losses == self.reference[:5]
+        return Row("NaN loss on rank 1 at step 6", f"exit {job.returncode}, {job.summary.get('status')}: `{job.line[7:60]}...`", ok, f"the last good step saved: saves {kept}")
+
+
+def mount_small_tmpfs(path: Path, megabytes: int) -> Path | None:
+    """A small file system to fill (needs the right to mount: root on Linux); None where not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)], capture_output=True)
+    return path if proc.returncode == 0 else None
+
+
+DRILLS = {
+    "sigint": Drills.sigint,
+    "sigterm": Drills.sigterm,
+    "sigint_twice": Drills.sigint_twice,
+    "host": Drills.host_too_small,
+    "tokens": Drills.token_file,
+    "broken_save": Drills.broken_save,
+    "unwritable_save": Drills.unwritable_save,
+    "wandb": Drills.wandb_killed,
+    "rank_kill": Drills.rank_killed,
+    "kill_during_save": Drills.kill_during_save,
+    "restart": Drills.elastic_restart,
+    "oom": Drills.oom,
+    "nonfinite": Drills.nonfinite,
+}
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| fault | what the job reported | nothing lost | checked |", "|---|---|---|---|"]
+    lines += [f"| {r.fault} | {r.reported} | {'yes' if r.nothing_lost else '**NO**'} | {r.how} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", choices=list(DRILLS), help="run these drills only")
+    parser.add_argument("--keep", action="store_true", help="keep the drills' output directories")
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    root = Path(tempfile.mkdtemp(prefix="fault_drills_"))
+    drills, rows, start = Drills(root), [], time.monotonic()
+    try:
+        for name in args.only or list(DRILLS):
+            row = DRILLS[name](drills)
+            print(f"{name}: {'nothing lost' if row.nothing_lost else 'LOST SOMETHING'} ({time.monotonic() - start:.0f} s so far)", flush=True)
+            rows.append(row)
+    finally:
+        if args.keep:
+            print(f"kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{table(rows)}\n\n{len(rows)} drills in {time.monotonic() - start:.0f} s on {os.cpu_count()} cores")
+    return 0 if all(row.nothing_lost for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
