@@ -152,7 +152,7 @@ def test_a_second_ctrl_c_stops_at_once_leaving_no_process_and_no_partial_save(tm
     stopped = signal_job(tmp_path / "run", *JOB, "logger=none", sig=signal.SIGINT, group=True, again=True)
     run = stopped.run
     assert run.returncode == 130 and "Traceback" not in run.stdout + run.stderr, run.stderr
-    assert run.summary["status"] == "interrupted" and "stopped at once" in run.summary["error"]
+    assert run.summary["status"] == "interrupted" and "killed at once" in run.summary["error"]
     assert list_saves(run.out_dir) == []  # a save cut short is never a save
     assert stopped.exited_s < 15
     assert stopped.left_running == []
