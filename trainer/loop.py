@@ -111,7 +111,8 @@ def train_step(
     mark_phase(step, "optimizer")
     scaler.unscale_(optimizer)  # clipping must see true gradients
     grad_norm = clip_gradients(model, config.optim.grad_clip)
-    # Every rank agrees (one all-reduce) before stepping, on non-finite values and on stopping; under fp16 a gradient overflow is the scaler's.
+    # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
+    # this step (trainer/stop.py); under fp16 a gradient overflow is the scaler's.
     if guard.check(find_nonfinite(loss_sum, grad_norm, step, world, scaler.is_enabled(), stop)):
         scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
