@@ -7,6 +7,7 @@ The one table (STOPS below) maps a signal to what the job reports:
 | SIGINT  | Ctrl-C in a terminal                      | interrupted         | 130         |
 | SIGTERM | SLURM before it kills a job, `kill`       | preempted           | 143         |
 | SIGUSR1 | SLURM's `--signal=USR1@<s>` warning       | preempted           | 138         |
+| SIGUSR2 | submitit's warning (`--signal=USR2@<s>`)  | preempted           | 140         |
 
 Who does what:
 
@@ -57,6 +58,8 @@ STOPS: dict[signal.Signals, Stop] = {
     signal.SIGINT: Stop("interrupted", 128 + signal.SIGINT),
     signal.SIGTERM: Stop("preempted", 128 + signal.SIGTERM),
     signal.SIGUSR1: Stop("preempted", 128 + signal.SIGUSR1),
+    # submitit's preemption and time-out signal (hydra/launcher=slurm|local, trainer/cluster.py requeues after it)
+    signal.SIGUSR2: Stop("preempted", 128 + signal.SIGUSR2),
 }
 STOP_STATUSES = frozenset(stop.status for stop in STOPS.values())
 

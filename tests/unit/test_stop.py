@@ -34,6 +34,7 @@ def test_the_table_maps_each_signal_to_a_status_and_the_shells_exit_code() -> No
         "SIGINT": ("interrupted", 130),
         "SIGTERM": ("preempted", 143),
         "SIGUSR1": ("preempted", 138),
+        "SIGUSR2": ("preempted", 140),
     }
     assert [exit_code_for(status) for status in ("ok", "interrupted", "preempted", "crashed", "oom")] == [0, 130, 143, 1, 1]
 
