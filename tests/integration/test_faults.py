@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, TINY, Run, run_trainer
+from tests.integration.test_stop import error_lines
 from trainer.checkpoint import list_saves, save_step
 from trainer.save_faults import save_problem
 
@@ -100,5 +101,5 @@ def test_wandb_dying_mid_run_leaves_one_warning_and_an_ok_job(tmp_path: Path) ->
     stdout, stderr = proc.communicate(timeout=240)
     run = Run(proc.returncode, stdout, stderr, out_dir)
     assert run.returncode == 0 and run.summary["status"] == "ok", stderr
-    assert stderr.strip().splitlines() == ["warning: W&B stopped working (ConnectionResetError: Connection lost); metrics.jsonl and summary.json are complete"]
+    assert error_lines(stderr) == ["warning: W&B stopped working (ConnectionResetError: Connection lost); metrics.jsonl and summary.json are complete"]
     assert [r["step"] for r in run.records] == list(range(1, 21))
