@@ -184,8 +184,12 @@ def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}")
-    if not fitting:
-        lines.append("    nothing fits: a smaller model, more ranks, or more memory per rank")
+    if not fitting and candidates:
+        smallest = min(candidates, key=lambda c: c.peak_bytes)
+        lines.append(
+            f"    nothing fits: the smallest peak is {smallest.peak_bytes / GIB:.1f} GiB ({smallest.label()}); "
+            "try a smaller model, more ranks, a global batch with fewer sequences per rank, or advise.headroom"
+        )
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines)
 

@@ -119,3 +119,13 @@ def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -
         AdviseConfig(headroom=1.0)
     with pytest.raises(ConfigError, match="advise.stages must list at least one option"):
         AdviseConfig(stages=[])
+
+
+def test_when_nothing_fits_the_advice_names_the_smallest_peak(hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 70b, 8 sequences per rank at 4096: grad_accum > 1 keeps unsharded fp32 gradients, grad_accum 1
+    # needs 8 sequences of activations; the best is just over 80% of an H100.
+    overrides = ["mode=advise", "global_batch=512", "model=70b", "nproc=64", "plan.accelerator=h100", "seq_len=4096", "precision=bf16"]
+    candidates = run_advice(composed(overrides), tmp_path, "cuda", 64, overrides)
+    assert candidates and not any(c.fits for c in candidates)
+    smallest = min(candidates, key=lambda c: c.peak_bytes)
+    assert f"nothing fits: the smallest peak is {smallest.peak_bytes / 2**30:.1f} GiB ({smallest.label()})" in capsys.readouterr().out
