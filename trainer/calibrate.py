@@ -49,7 +49,8 @@ class Rates:
     compute_flops: dict[int, float]
     """Achieved FLOP/s of one rank's forward and backward by tokens per micro-batch; key 0: any."""
     bus_bytes_per_s: dict[str, float]
-    """Bus bandwidth per collective (all_reduce, all_gather); reduce_scatter and broadcast use all_gather's."""
+    """Bus bandwidth per collective (all_reduce, all_gather; reduce_scatter and broadcast use all_gather's),
+    and where measured in bf16 as well (`all_reduce_bf16`, `all_gather_bf16`); else bf16 runs at fp32's."""
     adam_params_per_s: float
     """Parameters AdamW updates per second on one rank."""
     overlap: bool
@@ -278,13 +279,17 @@ def adam_rate(numel: int = 2**22) -> float:
 
 
 def collective_rates(world_size: int) -> dict[str, float]:
-    """Bus bandwidth of all-reduce and all-gather of PAYLOAD_BYTES fp32 between the ranks."""
+    """Bus bandwidth of all-reduce and all-gather of PAYLOAD_BYTES between the ranks, in fp32 and in
+    bf16 (`<collective>_bf16`): gloo reduces bf16 on the CPU much more slowly than fp32."""
     import torch.distributed as dist
 
-    numel = PAYLOAD_BYTES // 4
-    full, shard = torch.ones(numel), torch.ones(numel // world_size)
+    n, rates = world_size, {}
     dist.barrier()  # the ranks left their matmuls at different times
-    reduce_s = timed(lambda: dist.all_reduce(full), repeats=5)
-    gather_s = timed(lambda: dist.all_gather_into_tensor(full, shard), repeats=5)
-    n = world_size
-    return {"all_reduce": PAYLOAD_BYTES * 2 * (n - 1) / n / reduce_s, "all_gather": PAYLOAD_BYTES * (n - 1) / n / gather_s}
+    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        numel = PAYLOAD_BYTES // dtype.itemsize
+        full, shard = torch.ones(numel, dtype=dtype), torch.ones(numel // n, dtype=dtype)
+        reduce_s = timed(lambda: dist.all_reduce(full), repeats=5)
+        gather_s = timed(lambda: dist.all_gather_into_tensor(full, shard), repeats=5)
+        rates[f"all_reduce{suffix}"] = PAYLOAD_BYTES * 2 * (n - 1) / n / reduce_s
+        rates[f"all_gather{suffix}"] = PAYLOAD_BYTES * (n - 1) / n / gather_s
+    return rates

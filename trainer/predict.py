@@ -12,7 +12,8 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
         the plan books gloo's reduce-scatter under all-reduce (gloo runs it as one), so on CPU
-        FSDP2's gradient reduction is timed as a ring all-reduce
+        FSDP2's gradient reduction is timed as a ring all-reduce; busbw in the dtype the collective
+        runs in where calibrated (this host: fp32 and bf16; gloo's bf16 reduction is slow)
     exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
         compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
         all-gather overlaps forward (stage2) or forward and backward (stage3) of every micro-batch;
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from trainer.activation_checkpointing import should_checkpoint
 from trainer.calibrate import Rates
-from trainer.config import OffloadTarget, Stage, TrainConfig
+from trainer.config import DType, OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.plan_states import model_shape
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
@@ -85,6 +86,16 @@ def wire_factor(collective: str, world_size: int) -> tuple[float, str]:
     return (n - 1) / n, "all_gather"
 
 
+def bandwidth(rates: Rates, kind: str, collective: str, config: TrainConfig) -> float:
+    """The bus bandwidth in the dtype the collective runs in, where the rates have it: gradients
+    reduce in zero.reduce_dtype, FSDP2 gathers in the compute dtype, the broadcast is fp32."""
+    if collective in ("all_reduce", "reduce_scatter"):
+        half = config.zero.reduce_dtype == ReduceDType.bf16
+    else:
+        half = collective == "all_gather" and config.precision.compute_dtype != DType.float32
+    return rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind]) if half else rates.bus_bytes_per_s[kind]
+
+
 def overlap_window(collective: str, stage: Stage, forward_s: float, backward_s: float, last_backward_s: float) -> float:
     """Compute that a collective of this kind can hide behind (see the module docstring)."""
     if collective == "all_gather":
@@ -109,8 +120,8 @@ def predict_step(
     for collective, payload in comm_bytes.items():
         if not payload:
             continue
-        factor, bandwidth = wire_factor(collective, world_size)
-        wire_s[collective] = payload * factor / rates.bus_bytes_per_s[bandwidth]
+        factor, kind = wire_factor(collective, world_size)
+        wire_s[collective] = payload * factor / bandwidth(rates, kind, collective, config)
         if rates.overlap:
             window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)

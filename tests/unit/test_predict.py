@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 
 from trainer.calibrate import ACCELERATORS, Rates, accelerator_rates
-from trainer.config import CheckpointingConfig, CheckpointMode, DType, OffloadConfig, OffloadTarget, Stage, TrainConfig, ZeroConfig
+from trainer.config import (
+    CheckpointingConfig, CheckpointMode, DType, OffloadConfig, OffloadTarget, ReduceDType, Stage, TrainConfig, ZeroConfig,
+)
 from trainer.predict import predict_step, recompute_flops_per_token
 
 # Fixed figures: 1 TFLOP/s, all-reduce 100 GB/s, all-gather 50 GB/s bus bandwidth, 1e9 Adam params/s.
@@ -51,6 +53,15 @@ def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
 def test_all_gather_and_reduce_scatter_move_n_minus_1_over_n_of_their_payload() -> None:
     wire = predict_step(config(Stage.stage2, seq_len=128), 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES).wire_s
     assert wire == {"reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10), "all_gather": pytest.approx(1e8 * 0.5 / 5e10)}
+
+
+def test_bf16_reduction_runs_at_the_bandwidth_measured_in_bf16() -> None:
+    rates = dataclasses.replace(RATES, bus_bytes_per_s={**RATES.bus_bytes_per_s, "all_reduce_bf16": 1e10})
+    fp32 = config(Stage.stage2, seq_len=128)
+    bf16 = dataclasses.replace(fp32, zero=ZeroConfig(stage=Stage.stage2, reduce_dtype=ReduceDType.bf16))
+    assert predict_step(fp32, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(1e8 / 1e11)
+    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(1e8 / 1e10)
+    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, RATES).wire_s["all_reduce"] == pytest.approx(1e8 / 1e11)  # not measured: fp32's
 
 
 def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
