@@ -65,15 +65,21 @@ NAME_KINDS = (
 NAN = float("nan")
 
 
-def enable_recording(config: TrainConfig, world_size: int, device_kind: str) -> None:
-    """Before init_process_group: size the flight recorder for two log windows, time NCCL collectives.
+LOOP_CALLS_PER_STEP = 3  # the non-finite agreement, clipping's norms, the fp16 scaler's flag
+WINDOW_SLACK = 64  # the metric gather, a save's DCP collectives, DDP's first-steps broadcasts
 
+
+def enable_recording(config: TrainConfig, world_size: int, device_kind: str) -> None:
+    """Before init_process_group: size the flight recorder to one log window, time NCCL collectives.
+
+    Each read dumps the whole ring buffer (about 0.05-0.3 ms per entry here), so it holds one
+    window's collectives and some slack, no more; a window it cannot hold is reported absent.
     A user's own setting of either variable wins. Telemetry off: nothing is recorded.
     """
     if not config.telemetry.enabled:
         return
-    per_step = plan_comm(config, world_size).calls + 8  # + the loop's own collectives and slack
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(2 * per_step * config.log_every + 256))
+    per_step = plan_comm(config, world_size).calls + LOOP_CALLS_PER_STEP
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(per_step * config.log_every + WINDOW_SLACK))
     if device_kind == "cuda":
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
 

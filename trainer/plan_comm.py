@@ -30,8 +30,11 @@ bucket rebuild after the first step).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from torch.nn.parallel import distributed as ddp_module
 
 from trainer.config import DType, ReduceDType, Stage, TrainConfig
 from trainer.plan_states import ModelShape, model_shape, padded_numel
@@ -95,8 +98,11 @@ Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls
 def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     """DDP's bucketed all-reduce once per accumulation window; ZeRO-1 adds one broadcast per parameter."""
     numel = shape.num_params
-    # Buckets (zero.bucket_cap_mb) hold whole tensors: at most one all-reduce per tensor.
-    buckets = len(shape.order)
+    # How many all-reduces (to size the flight recorder): DDP fills its small first bucket, then
+    # buckets of at least bucket_cap_mb (fp32 gradients); torch's default cap where none is set
+    # (a private constant: 25 MiB in torch 2.13 where it is missing).
+    cap_mb = config.zero.bucket_cap_mb or getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
+    buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * 2**20)))
     moves = [("all_reduce", numel * REDUCE_BYTES[config.zero.reduce_dtype], buckets)]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
