@@ -41,7 +41,7 @@ KINDS = (*COLLECTIVES, "other")
 FIELDS = (*KINDS, "time_s", "exposed_pct", "profiled_step_s")
 
 LOOP_COLLECTIVES = {
-    "non-finite agreement": "all_reduce of world_size + 1 fp32 flags, every step (trainer/nonfinite.py)",
+    "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/nonfinite.py)",
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/metrics.py)",

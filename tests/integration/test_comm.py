@@ -112,10 +112,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def loop_bytes(config: TrainConfig) -> int:
-    """The loop's own collectives in a step without a log (docs/communication.md): the non-finite
-    agreement (N + 1 fp32 flags) and, on FSDP2's DTensors, clipping's all-reduce of one fp32 norm per tensor."""
+    """The loop's own collectives in a step without a log (docs/communication.md): the non-finite and
+    stop agreement (N + 2 fp32 flags) and, on FSDP2's DTensors, clipping's all-reduce of one fp32 norm per tensor."""
     tensors = len(model_shape(config.model).order)
-    return 4 * (WORLD + 1) + (4 * tensors if config.zero.uses_fsdp else 0)
+    return 4 * (WORLD + 2) + (4 * tensors if config.zero.uses_fsdp else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=key)
