@@ -454,7 +454,7 @@ class TrainConfig:
     """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
     fail_fast: bool = False
     """Multirun: stop the sweep (exit 1) at the first point that does not end `ok`; false records it and goes on."""
-    log_every: int = 1
+    log_every: int = 10
     """Optimizer steps between log lines (each one gathers every rank's figures)."""
     nodes: int = 1
     """Hosts the job spans, `nproc` ranks on each (trainer/cluster.py); the world size is nodes * nproc."""

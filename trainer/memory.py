@@ -12,13 +12,12 @@ CPU: there is no allocator counter, so two figures stand in:
   several times slower, so it runs only on chosen steps (`telemetry.memory_every`);
 - the process's peak resident set (host memory, VmHWM), reset per window through
   /proc/self/clear_refs. It shows what the process really held, but at small scale the
-  runtime dominates it and ZeRO's savings do not show (DESIGN.md, pitfalls).
+  runtime dominates it and ZeRO's savings do not show (docs/design.md, pitfalls).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import sys
 from pathlib import Path
@@ -168,6 +167,3 @@ def peak_rss_bytes() -> int:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, kB elsewhere
 
-
-def is_measured(value: float) -> bool:
-    return not math.isnan(value)

@@ -21,7 +21,6 @@ import torch
 
 GIB = 2**30
 FAILURES_DIR = "failures"
-PHASES = ("setup", "forward", "backward", "optimizer")
 
 # What torch's allocators say when an allocation fails: the CPU allocator raises a RuntimeError
 # ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that
