@@ -37,6 +37,7 @@ def make_config(stage: str, precision: str, grad_accum: int, reduce_dtype: str =
         precision=PrecisionConfig(name=precision, compute_dtype=dtype),
         zero=ZeroConfig(stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype)),
         micro_batch=2, seq_len=16, grad_accum=grad_accum, steps=steps, device=DeviceKind.cpu, nproc=str(WORLD),
+        log_every=1,  # the flight recorder is sized for one log window of this many steps (trainer/comm.py)
     )
 
 
