@@ -190,15 +190,48 @@ def probe_cost_s() -> float:
     return (time.perf_counter() - start) / 1000
 
 
-def tracked_step_extra_s(extra: list[str]) -> tuple[float, float]:
-    """(extra seconds of the tensor-tracked step 2, median seconds of a plain step) in a default-shaped job."""
+def comm_read_cost_s() -> float:
+    """Seconds one log window spends reading the flight recorder (trainer/comm.py) in the default job:
+    a 1-rank gloo group in this process, the recorder sized as a rank sizes it, a window's collectives
+    (the default job's DDP buckets and the loop's agreement, 10 steps) before each read."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.comm import CommProbe, enable_recording
+    from trainer.config import TrainConfig
+
+    config = TrainConfig(log_every=10)  # the schema's job with conf/train.yaml's log_every
+    enable_recording(config, 2, "cpu")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    grads, flags = torch.zeros(2**18), torch.zeros(4)
+    probe, spent = CommProbe(torch.device("cpu"), memory_every=500, last_step=200), 0.0
+    for _ in range(50):
+        for _ in range(10):
+            dist.all_reduce(grads)
+            dist.all_reduce(flags)
+        start = time.perf_counter()
+        probe.read()
+        spent += time.perf_counter() - start
+    dist.destroy_process_group()
+    return spent / 50
+
+
+def tracked_step_extra_s(extra: list[str]) -> tuple[float, float, float]:
+    """(extra seconds of the tensor-tracked step 2, extra seconds of the communication-profiled step 3,
+    median seconds of a plain step) in a default-shaped job."""
     with tempfile.TemporaryDirectory() as out:
         args = [sys.executable, "-m", "trainer", "device=cpu", "nproc=2", "steps=12", "log_every=1", "logger=none",
                 "telemetry.memory_every=0", *extra, f"hydra.run.dir={out}"]  # fmt: skip
         subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True)
         step_s = {r["step"]: r["time/step_s"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())}
-    plain = statistics.median(t for step, t in step_s.items() if step > 2)
-    return step_s[2] - plain, plain
+    plain = statistics.median(t for step, t in step_s.items() if step > 3)
+    return step_s[2] - plain, step_s[3] - plain, plain
 
 
 def wandb_cpu_per_s(record_every_s: float, duration_s: float = 30.0) -> float:
@@ -223,12 +256,16 @@ def wandb_cpu_per_s(record_every_s: float, duration_s: float = 30.0) -> float:
 
 def report_components(extra: list[str]) -> None:
     probe_s = probe_cost_s()
-    extra_s, plain_s = tracked_step_extra_s(extra)
+    extra_s, profiled_s, plain_s = tracked_step_extra_s(extra)
     window_s = 10 * plain_s  # the default log_every
     wandb_cores = wandb_cpu_per_s(record_every_s=window_s)
     cores = os.cpu_count() or 1
     print("\n| part | measured | share of training time |\n|---|---|---|")
     print(f"| memory probe, per log window | {probe_s * 1e6:.0f} us | {100 * probe_s / window_s:.4f}% |")
+    comm_s = comm_read_cost_s()
+    print(f"| flight-recorder read (communication bytes), per log window | {comm_s * 1e6:.0f} us | {100 * comm_s / window_s:.4f}% |")
+    print(f"| communication-profiled step (step 3, then every 500) | +{profiled_s:.3f} s on a {plain_s:.3f} s step | "
+          f"{100 * profiled_s / (500 * plain_s):.2f}% per 500 steps; in the warm-up of runs under 503 steps |")  # fmt: skip
     print(f"| tensor-tracked step (default: step 2, then every 500) | +{extra_s:.3f} s on a {plain_s:.3f} s step | "
           f"{100 * extra_s / (500 * plain_s):.2f}% per 500 steps; in the warm-up of runs under 502 steps |")  # fmt: skip
     print(f"| W&B (job process + wandb-core), one record per {window_s:.2f} s | {wandb_cores:.4f} CPU s/s | "
