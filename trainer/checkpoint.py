@@ -142,19 +142,33 @@ def copy_hyperparameters(src_groups: list[dict[str, Any]], dst_groups: list[dict
         dst.update({key: value for key, value in src.items() if key != "params"})
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The generators this rank draws from; the CUDA one only when the rank computes on a GPU
+    (not whenever the host has one: a CPU run on a GPU host must save what a CPU host saves)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what the save has; a CPU save on a GPU rank leaves the CUDA generator as seeded."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def drop_unsaved_rng(state: dict[str, Any], keys: set[str], rank: int) -> None:
+    """Leave out of the load template what the save does not have: the whole rng entry of a rank
+    the save did not have (more ranks now), the CUDA state of a save made on CPU. (A GPU save's
+    CUDA state is simply not asked for by a CPU rank.)"""
+    entry = f"rng.rank{rank}"
+    if not has_entry(keys, entry):
+        del state["rng"]
+    elif not has_entry(keys, f"{entry}.cuda"):
+        state["rng"][f"rank{rank}"].pop("cuda", None)
 
 
 def training_state(trainee: Trainee, config: TrainConfig, world: World, progress: Progress) -> dict[str, Any]:
@@ -168,7 +182,7 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, progress
         "scheduler": trainee.scheduler.state_dict(),
         "scaler": trainee.scaler.state_dict(),  # {} unless fp16
         # One entry per rank: DCP keeps a single copy of a key that every rank writes.
-        "rng": {f"rank{world.rank}": rng_state()},
+        "rng": {f"rank{world.rank}": rng_state(world.device)},
         "progress": {
             "step": progress.step,
             "global_batch": config.sequences_per_step(world.world_size),
@@ -296,18 +310,17 @@ def load_training_state(trainee: Trainee, config: TrainConfig, world: World, pat
     keys = saved_keys(path)
     state = training_state(trainee, config, world, Progress())
     # Optional entries: a rank the save did not have (more ranks now), a scaler only fp16 has.
-    if not has_entry(keys, f"rng.rank{world.rank}"):
-        del state["rng"]
+    drop_unsaved_rng(state, keys, world.rank)
     if not state["scaler"] or not has_entry(keys, "scaler"):
         del state["scaler"]
     dcp.load(state, checkpoint_id=path)
     progress = state["progress"]
     check_global_batch(progress["global_batch"], config, world.world_size, path)
-    apply_training_state(trainee, state)
+    apply_training_state(trainee, state, world.device)
     return Progress(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"])
 
 
-def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
+def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.device) -> None:
     """Hand the loaded entries to their owners (tensors DCP already filled in place)."""
     optimizer = inner_optimizer(trainee.optimizer)
     set_model_state_dict(trainee.model, state["model"], options=OPTIONS)
@@ -320,7 +333,7 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any]) -> None:
         current = trainee.scaler.state_dict()
         trainee.scaler.load_state_dict({**current, "scale": state["scaler"]["scale"], "_growth_tracker": state["scaler"]["_growth_tracker"]})
     if "rng" in state:
-        set_rng_state(next(iter(state["rng"].values())))
+        set_rng_state(next(iter(state["rng"].values())), device)
 
 
 def check_global_batch(saved: int, config: TrainConfig, world_size: int, path: Path) -> None:

@@ -82,9 +82,12 @@ class DeviceKind(str, Enum):
 # `raise` is a keyword, so this Enum is built from a mapping rather than a class body.
 NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
 
-# Accelerators whose memory the plan knows (trainer/plan.py ACCELERATOR_MIB); names carry a
-# dash, so this Enum too is built from a mapping.
-Accelerator = Enum("Accelerator", {name: name for name in ("a100-40gb", "a100-80gb", "h100", "h200")}, type=str)
+
+class AttentionKernel(str, Enum):
+    auto = "auto"
+    flash = "flash"
+    efficient = "efficient"
+    math = "math"
 
 
 class FaultKind(str, Enum):
@@ -150,6 +153,8 @@ class PrecisionConfig:
     """fp16 only: factor the scale shrinks by on overflow."""
     min_loss_scale: float = 1.0
     """fp16 only: the scale never backs off below this."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions may use TF32 tensor cores (torch.backends fp32_precision "tf32"; false: "ieee")."""
 
     def __post_init__(self) -> None:
         _require(self.loss_scale_init > 0, f"precision.loss_scale_init must be > 0, got {self.loss_scale_init}")
@@ -273,6 +278,8 @@ class OptimConfig:
     """The cosine decays to lr * min_lr_ratio at the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    fused: Optional[bool] = None
+    """AdamW's fused kernel (and the non-finite skip decided on the device, trainer/nonfinite.py); null: fused on CUDA only."""
 
     def __post_init__(self) -> None:
         _require(self.name == "adamw", f"optim.name must be adamw, got {self.name}")
@@ -354,14 +361,22 @@ class PlanConfig:
 
     enforce: bool = True
     """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""
-    accelerator: Optional[Accelerator] = None  # type: ignore[valid-type]
-    """Plan for this accelerator's memory (a100-40gb, a100-80gb, h100, h200) instead of this host's."""
+    accelerator: Optional[str] = None
+    """Plan for this accelerator's memory (a name of trainer/devices.py, any case: h100, H200, l40s) instead of this host's."""
     cpu_rank_runtime_gib: float = 0.4
     """Host memory each CPU rank's process holds before its first tensor (Python, torch, gloo, threads;
     0.32-0.44 GiB measured with torch 2.13 on CPU), counted per rank against the host (trainer/host.py)."""
 
     def __post_init__(self) -> None:
+        from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
+
         _require(self.cpu_rank_runtime_gib >= 0, f"plan.cpu_rank_runtime_gib must be >= 0, got {self.cpu_rank_runtime_gib}")
+        if self.accelerator is not None:
+            _require(
+                find_accelerator(self.accelerator) is not None,
+                f"plan.accelerator={self.accelerator} is unknown; allowed (any case): {', '.join(accelerator_names())}",
+            )
+            self.accelerator = self.accelerator.strip().lower()
 
 
 @dataclass
@@ -462,6 +477,10 @@ class TrainConfig:
     """This host's place among `nodes` (0 .. nodes-1); under SLURM it comes from the allocation."""
     rdzv_endpoint: Optional[str] = None
     """host:port where every node's elastic launcher meets (c10d); under SLURM derived from the allocation."""
+    compile: bool = False
+    """torch.compile each transformer block in place (after activation checkpointing, before sharding)."""
+    attention: AttentionKernel = AttentionKernel.auto
+    """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/attention.py says; math materialises the scores."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):

@@ -16,7 +16,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from trainer.advise import check_advice_inputs, run_advice
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.cluster import job_failure, place_node
-from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
+from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
+from trainer.cuda import check_local_ranks
 from trainer.data import check_data
 from trainer.host import cores_warning, host_budget, host_refusal
 from trainer.launch import RankFailure, launch_local, rank_main
@@ -56,6 +57,8 @@ def run_job(cfg: DictConfig) -> None:
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
+        if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
+            check_local_ranks(int(os.environ["LOCAL_WORLD_SIZE"]))  # one line, not CUDA's invalid device ordinal
     except ConfigError as err:
         fail(f"error: {err}", code=2)
         return
@@ -153,7 +156,7 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     from trainer.comm import enable_recording
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(device_kind)
+    world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu)
     resume, run_dir = resolve_resume(config, Path(HydraConfig.get().runtime.output_dir))
     shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir), None, {}]
     if world.is_main:

@@ -17,7 +17,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.comm import enable_recording
-from trainer.config import from_plain
+from trainer.config import OffloadTarget, from_plain
+from trainer.cuda import apply_tf32
 from trainer.oom import apply_memory_cap, explain, recording_failures
 from trainer.stop import AGENT_SIGNALS, RankStop
 from trainer.world import init_world, shutdown_world
@@ -52,7 +53,9 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(device_kind)
+    world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu, out_dir=Path(out_dir))
+    if world.device.type == "cuda":
+        apply_tf32(config.precision.tf32)
     apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -21,9 +22,9 @@ from trainer.data import build_batches
 from trainer.memory import next_micro_batch
 from trainer.metrics import Meter, StepStats
 from trainer.model import build_model, flops_per_token
-from trainer.nonfinite import NonFiniteError, NonFiniteGuard, find_nonfinite
+from trainer.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.oom import mark_phase
-from trainer.optim import build_optimizer, build_scheduler, clip_gradients
+from trainer.optim import build_optimizer, build_scheduler, clip_gradients, rewind_scheduler, step_unless, uses_fused
 from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.sharding import apply_zero, gradient_sync
 from trainer.stop import RankStop
@@ -46,7 +47,7 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
     model = apply_zero(model, config, world)  # shard, then materialise only this rank's part
-    optimizer = build_optimizer(model, config.optim, config.zero)
+    optimizer = build_optimizer(model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     return Trainee(model, optimizer, scheduler, scaler)
@@ -61,20 +62,24 @@ def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop) -> d
     batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token=flops_per_token(config.model, config.seq_len))
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
-    guard = NonFiniteGuard(config, world, skipped=start.nonfinite_skipped)
+    # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
+    guard = NonFiniteGuard(config, world, skipped=start.nonfinite_skipped, defer=uses_fused(config.optim, world.device.type))
     for step in range(start.step + 1, config.steps + 1):
         try:
             with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
-        except NonFiniteError:  # every rank raises together: they agreed in train_step
-            save_last_good(trainee, config, world, out_dir, progress(step - 1, guard, meter))
+            if meter.should_log(step) or should_save(config, step):
+                guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
+        except NonFiniteError as err:  # every rank raises together: they agreed on the flags
+            rewind_scheduler(trainee.scheduler, err.step - 1)  # weights were held since err.step
+            save_last_good(trainee, config, world, out_dir, progress(err.step - 1, guard, meter))
             raise
-        stopping = bool(stop.agreed) and step < config.steps  # agreed in train_step, like the non-finite check
-        meter.update(step, stats)  # device tensors, no sync
+        stopping = bool(stop.agreed) and step < config.steps  # agreed with the non-finite flags
+        meter.update(step, dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
         if meter.should_log(step) or stopping:
-            # Gathers every rank's figures: the host syncs of a log step. train_step has one more on
-            # every step, the agreement all-reduce (non-finite check and stop, trainer/nonfinite.py),
-            # and under fp16 GradScaler.step reads its overflow flag on the host.
+            # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
+            # (CPU's default) train_step reads the agreement (non-finite check and stop,
+            # trainer/nonfinite.py) on every step as well; with the fused one it does not.
             meter.log(step, trainee.model, trainee.optimizer)
         save = None
         if should_save(config, step) or (stopping and config.save.every > 0):
@@ -86,7 +91,7 @@ def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop) -> d
 
 def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
     """What a save records besides the trainee: the step (= data position) and the skip counters."""
-    return Progress(step=step, nonfinite_skipped=guard.skipped, overflow_skipped=meter.skipped_steps)
+    return Progress(step=step, nonfinite_skipped=guard.skipped, overflow_skipped=int(meter.skipped_steps))
 
 
 def train_step(
@@ -126,7 +131,10 @@ def train_step(
     grad_norm = clip_gradients(model, config.optim.grad_clip)
     # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
     # this step (trainer/stop.py); under fp16 a gradient overflow is the scaler's.
-    if guard.check(find_nonfinite(loss_sum, grad_norm, step, world, scaler.is_enabled(), stop)):
+    flags = agree(loss_sum, grad_norm, world, extra=(stop_request(stop),))
+    if guard.defer:
+        step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
+    elif guard.check_now(step, flags, stop):
         scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
     update_loss_scale(scaler, config.precision.min_loss_scale)
@@ -135,8 +143,7 @@ def train_step(
         loss=loss_sum / config.grad_accum,
         grad_norm=grad_norm.detach(),
         lr=trainee.scheduler.get_last_lr()[0],
-        # fp16 only: GradScaler.step has already synchronised with the host this step.
-        loss_scale=scaler.get_scale() if scaler.is_enabled() else 1.0,
+        loss_scale=loss_scale(scaler),
         overflow=overflow,
         data_s=data_s,
         nonfinite_skipped=guard.skipped,
@@ -148,15 +155,22 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
 
-def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether scaler.step skipped the step.
+def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+    """Whether the scaler skipped the step (fp16): a device tensor (1.0 or 0.0), read at log steps.
 
     GradScaler exposes no public flag; comparing scales misses an overflow at the scale floor.
     Its per-optimizer found_inf record (filled by unscale_, cleared by update) is the truth.
     """
     if not scaler.is_enabled():
         return False
-    return sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) > 0
+    return sum(scaler._found_inf_per_device(optimizer).values()).reshape(()).clamp(max=1.0)
+
+
+def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
+    """The scale after this step's update, left on the device (get_scale() would sync every step)."""
+    if not scaler.is_enabled():
+        return 1.0
+    return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
 
 
 def inject_fault(loss: torch.Tensor, config: TrainConfig, world: World, step: int, is_last: bool) -> torch.Tensor:

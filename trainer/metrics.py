@@ -17,32 +17,17 @@ from torch.distributed.tensor import DTensor
 
 from trainer.comm import CommProbe, comm_fields
 from trainer.comm import FIELDS as COMM_FIELDS
-from trainer.config import DType, PrecisionConfig, TrainConfig
+from trainer.config import PrecisionConfig, TrainConfig
+from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_optimizer
 from trainer.nonfinite import SKIPPED_KEY
 from trainer.plan import predicted_peak_bytes
 from trainer.plan_comm import plan_comm
+from trainer.precision import compute_dtype
 from trainer.world import World
 
 GIB = 2**30
 BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
-
-# Dense (no sparsity) peak TFLOPS of one device, from the vendors' datasheets, per matmul input
-# dtype: (bf16, fp16, tf32, fp32). Matched as a substring of torch.cuda.get_device_name(), in
-# this order, so the more specific names come first. None: the device has no such mode.
-PEAK_TFLOPS: list[tuple[str, tuple[float | None, float | None, float | None, float]]] = [
-    ("H100 PCIe", (756.0, 756.0, 378.0, 51.2)),
-    ("H100 NVL", (835.5, 835.5, 417.5, 60.0)),
-    ("H100", (989.4, 989.4, 494.7, 66.9)),  # SXM5
-    ("H200 NVL", (835.5, 835.5, 417.5, 60.0)),
-    ("H200", (989.4, 989.4, 494.7, 66.9)),  # SXM5
-    ("A100", (312.0, 312.0, 156.0, 19.5)),
-    ("L40S", (362.1, 362.1, 183.0, 91.6)),
-    ("L4", (121.0, 121.0, 60.0, 30.3)),
-    ("A10", (125.0, 125.0, 62.5, 31.2)),
-    ("V100", (None, 125.0, None, 15.7)),  # SXM2; fp16 tensor cores, no bf16 or tf32
-]
-
 
 @dataclass
 class StepStats:
@@ -51,8 +36,10 @@ class StepStats:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
-    loss_scale: float
-    overflow: bool
+    loss_scale: float | torch.Tensor
+    """fp16: the scale after the step (a device scalar, read at log steps); else 1.0."""
+    overflow: bool | torch.Tensor
+    """fp16: the scaler skipped this step (a device scalar, read at log steps)."""
     data_s: float
     nonfinite_skipped: int = 0
     """Cumulative steps skipped by nonfinite=skip (trainer/nonfinite.py), the same on every rank."""
@@ -103,8 +90,8 @@ class Meter:
     def update(self, step: int, stats: StepStats) -> None:
         self.window_steps += 1
         self.window_data_s += stats.data_s
-        self.window_overflows += int(stats.overflow)
-        self.skipped_steps += int(stats.overflow)
+        self.window_overflows += stats.overflow  # a device tensor under fp16: summed without a sync
+        self.skipped_steps += stats.overflow
         self.last = stats
 
     def should_log(self, step: int) -> bool:
@@ -116,6 +103,9 @@ class Meter:
         if self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)  # the window's time must include its kernels
         elapsed = time.perf_counter() - self.window_start
+        # The fp16 figures were summed on the device; read them here, where the host syncs anyway.
+        self.window_overflows, self.skipped_steps = int(self.window_overflows), int(self.skipped_steps)
+        self.last.loss_scale = float(self.last.loss_scale)
         states = model_state_bytes(model, optimizer)
         row = [self.last.loss.item(), elapsed, self.window_data_s, *states, self.last.loss_scale, self.skipped_steps]
         if self.memory is not None and self.comm is not None:
@@ -215,20 +205,17 @@ def mfu_pct(flops_per_token: float, tokens_per_s: float, peak_flops: float, worl
 
 
 def device_peak_flops(device: torch.device, precision: PrecisionConfig, override_tflops: float | None) -> float | None:
-    """Dense peak FLOP/s of one device for this precision; None where unknown (CPU without an override)."""
+    """Dense peak FLOP/s of one device for this precision; None where unknown (CPU without an
+    override, a device trainer/devices.py does not list by its exact name, a MIG slice)."""
     if override_tflops is not None:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    column = {DType.bfloat16: 0, DType.float16: 1}.get(precision.compute_dtype)
-    if column is None:
-        # fp32 matmuls use TF32 tensor cores only when torch is told it may (default: "highest" = no).
-        column = 3 if torch.get_float32_matmul_precision() == "highest" else 2
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern in name:
-            return peaks[column] * 1e12 if peaks[column] is not None else None
-    return None
+    spec = find_device(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None
+    peak = peak_tflops(spec, compute_dtype(precision), tf32_enabled())
+    return peak * 1e12 if peak is not None else None
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -31,19 +31,12 @@ import psutil
 import torch
 
 from trainer.config import CheckpointMode, OffloadTarget, Stage, TrainConfig
+from trainer.devices import find_accelerator
 from trainer.plan_comm import CommPlan, plan_comm
 from trainer.plan_states import RankStates, model_shape, rank_states
 from trainer.plan_step import Moment, StepContext, activations, ddp_moments, fsdp_moments, other_bytes, precisions
 
 GIB = 2**30
-
-# Usable memory of known accelerators (MiB, as nvidia-smi reports the total).
-ACCELERATOR_MIB = {
-    "a100-40gb": 40_960,
-    "a100-80gb": 81_920,
-    "h100": 81_559,
-    "h200": 143_771,
-}
 
 
 # ----------------------------------------------------------------------------- the plan of a job
@@ -91,8 +84,9 @@ def device_memory(config: TrainConfig, device_kind: str, world_size: int) -> Dev
         return DeviceMemory(int(config.device_memory_gib * GIB), f"device_memory_gib={config.device_memory_gib:g}")
     accelerator = config.plan.accelerator
     if accelerator is not None:
-        mib = ACCELERATOR_MIB[accelerator.value]
-        return DeviceMemory(mib * 2**20, f"{accelerator.value}, {mib * 2**20 / GIB:.1f} GiB")
+        spec = find_accelerator(accelerator)
+        assert spec is not None  # PlanConfig checked the name
+        return DeviceMemory(spec.memory_mib * 2**20, f"{spec.short}, {spec.memory_mib * 2**20 / GIB:.1f} GiB")
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             return DeviceMemory(None, "no GPU visible here")

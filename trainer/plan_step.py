@@ -39,8 +39,8 @@ Temporaries, the part estimators leave out and where stages differ most:
   backward until the root's reduce-scatter at the very end of backward.
 - DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
-- Adam: on CPU the per-tensor loop makes 2 temporaries of a tensor while the previous
-  tensor's is still alive; on CUDA the foreach path makes one of every tensor it updates.
+- Adam: the per-tensor loop (CPU's default) makes 2 temporaries of a tensor while the previous
+  tensor's is still alive; the fused kernel (CUDA's default, `optim.fused`) makes none.
 - Gradient accumulation: micro-batches before the last keep a full unsharded fp32 gradient
   (DDP no_sync outside its buckets; FSDP2 without reduce-scatter).
 
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from trainer.activation_checkpointing import should_checkpoint
 from trainer.config import DType, ModelConfig, OffloadTarget, Stage, TrainConfig
+from trainer.optim import uses_fused
 from trainer.plan_states import ModelShape, RankStates, padded_numel
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
@@ -204,12 +205,11 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
 
 
 def optimizer_temporary(ctx: StepContext) -> int:
-    """Adam's temporaries: CPU runs a per-tensor loop (`loop_temporary`), CUDA the foreach path
-    (one sqrt of every tensor the rank updates). Offloaded states are updated on the host."""
-    if ctx.offloaded:
+    """Adam's temporaries: the fused kernel (trainer/optim.py's default on CUDA) updates in place
+    and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`. Offloaded states
+    are updated on the host."""
+    if ctx.offloaded or uses_fused(ctx.config.optim, ctx.device_kind):
         return 0
-    if ctx.device_kind == "cuda":
-        return 4 * ctx.states.local_numel
     return 4 * ctx.states.loop_temporary
 
 

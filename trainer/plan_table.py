@@ -14,7 +14,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from trainer.plan import ACCELERATOR_MIB, GIB, Plan, describe, refusal
+from trainer.devices import accelerator_names
+from trainer.plan import GIB, Plan, describe, refusal
 
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -79,7 +80,7 @@ def verdict(plan: Plan, way_out: bool = True) -> str:
     if plan.fits is None:
         return (
             f"fits: unknown ({plan.memory.source}); set plan.accelerator="
-            f"{'|'.join(ACCELERATOR_MIB)} or device_memory_gib=N to compare"
+            f"{'|'.join(accelerator_names())} or device_memory_gib=N to compare"
         )
     figures = f"peak {plan.peak_bytes / GIB:.3g} GiB of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
     if plan.fits:

@@ -6,11 +6,13 @@ import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DeviceKind
+from trainer.cuda import check_local_ranks, process_group_backend, set_rank_environment
 
 
 @dataclass(frozen=True)
@@ -49,25 +51,31 @@ def is_under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_world(device_kind: str) -> World:
-    """Join the process group the launcher described in the environment (RANK, MASTER_PORT, ...)."""
+def init_world(device_kind: str, offload_to_cpu: bool = False, out_dir: Path | None = None) -> World:
+    """Join the process group the launcher described in the environment (RANK, MASTER_PORT, ...).
+
+    On CUDA the group is bound to this rank's GPU (`device_id`: NCCL connects eagerly and knows
+    its device) and has gloo beside NCCL under CPU offload (trainer/cuda.py says why).
+    """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device_id = None
     if device_kind == "cuda":
-        device = torch.device("cuda", local_rank)
+        check_local_ranks(local_world)
+        set_rank_environment(out_dir)  # before the allocator and NCCL start
+        device = device_id = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
         # Ranks sharing a host each take every core by default and thrash; split the cores this
         # process may run on (taskset, a cgroup cpuset or a batch scheduler can allow fewer than
         # the host has).
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, usable // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+        backend = process_group_backend(device_kind, offload_to_cpu)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10), device_id=device_id)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -251,3 +251,40 @@ def test_find_nonfinite_tells_loss_from_gradient_and_leaves_fp16_overflow_to_the
     assert find_nonfinite(one, inf, 3, WORLD, scaler_enabled=True) is None  # an overflow: GradScaler skips it
     assert find_nonfinite(nan, inf, 3, WORLD, scaler_enabled=True) == NonFinite(3, (0,), True)
     assert find_nonfinite(one, one, 3, WORLD, scaler_enabled=False) is None
+
+
+# ----------------------------------------------------------------------------- RNG state follows the rank's device
+
+
+def test_a_cpu_save_loads_with_cuda_state_absent_and_present(process_group: None, tmp_path: Path, monkeypatch) -> None:
+    import trainer.checkpoint as checkpoint
+
+    config = tiny_config()
+    trainee = build_trainee(config, WORLD)
+    run_steps(trainee, config, 1, 1)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host running CPU ranks
+        assert sorted(checkpoint.rng_state(WORLD.device)) == ["numpy", "python", "torch"]  # keyed on the rank's device
+    save_training_state(trainee, config, WORLD, tmp_path / "cpu", Progress(step=1))
+    cpu_save = tmp_path / "cpu" / "checkpoints" / "step_00000001"
+    assert not any(k.startswith("rng.rank0.cuda") for k in saved_keys(cpu_save))
+    saved_torch = torch.get_rng_state()
+
+    applied: list[dict] = []
+    real_rng_state, real_set = checkpoint.rng_state, checkpoint.set_rng_state
+    monkeypatch.setattr(checkpoint, "set_rng_state", lambda state, device: (applied.append(state), real_set(state, device)))
+    load_training_state(build_trainee(config, WORLD), config, WORLD, cpu_save)  # a CPU rank: no CUDA state asked for
+    # A GPU rank asks for CUDA state the CPU save does not have: the load leaves it out.
+    fake_cuda = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(checkpoint, "rng_state", lambda device: {**real_rng_state(device), "cuda": fake_cuda.clone()})
+    load_training_state(build_trainee(config, WORLD), config, WORLD, cpu_save)
+    assert [sorted(state) for state in applied] == [["numpy", "python", "torch"]] * 2
+    assert all(torch.equal(state["torch"], saved_torch) for state in applied)
+
+    # And a save made by a GPU rank (with CUDA state, still patched in) loads on a CPU rank.
+    save_training_state(trainee, config, WORLD, tmp_path / "gpu", Progress(step=1))
+    gpu_save = tmp_path / "gpu" / "checkpoints" / "step_00000001"
+    assert "rng.rank0.cuda" in saved_keys(gpu_save)
+    monkeypatch.setattr(checkpoint, "rng_state", real_rng_state)
+    assert load_training_state(build_trainee(config, WORLD), config, WORLD, gpu_save).step == 1
+    assert sorted(applied[-1]) == ["numpy", "python", "torch"]

@@ -13,7 +13,7 @@ from trainer.config import DType, PrecisionConfig
 from trainer.config import TrainConfig
 from trainer.loggers import MetricsTail, NullLogger, WandbLogger, open_logger
 from trainer.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.metrics import GIB, PEAK_TFLOPS, device_peak_flops, memory_fields, mfu_pct
+from trainer.metrics import GIB, device_peak_flops, memory_fields, mfu_pct
 from trainer.summary import build_summary, redact_secrets, steady_tokens_per_s
 
 NAN = float("nan")
@@ -67,27 +67,36 @@ def test_peak_tflops_override_wins_and_cpu_has_no_peak_without_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device_name", "dtype", "expected_row"),
+    ("device_name", "dtype", "expected_tflops"),
     [
-        ("NVIDIA H100 80GB HBM3", DType.bfloat16, "H100"),
-        ("NVIDIA H100 PCIe", DType.bfloat16, "H100 PCIe"),
-        ("NVIDIA H200", DType.float16, "H200"),
-        ("NVIDIA A100-SXM4-80GB", DType.bfloat16, "A100"),
-        ("NVIDIA A10", DType.bfloat16, "A10"),
-        ("NVIDIA L40S", DType.float32, "L40S"),
+        ("NVIDIA H100 80GB HBM3", DType.bfloat16, 989.4),  # SXM
+        ("NVIDIA H100 PCIe", DType.bfloat16, 756.5),
+        ("NVIDIA H100 NVL", DType.bfloat16, 835.5),
+        ("NVIDIA H200", DType.float16, 989.4),
+        ("NVIDIA B200", DType.bfloat16, 2250.0),
+        ("NVIDIA A100-SXM4-80GB", DType.bfloat16, 312.0),
+        ("NVIDIA A100-PCIE-40GB", DType.float32, 19.5),
+        ("NVIDIA L4", DType.bfloat16, 121.0),  # not L40's 181
+        ("NVIDIA L40", DType.bfloat16, 181.0),
+        ("NVIDIA L40S", DType.float32, 91.6),
     ],
 )
-def test_gpu_peak_comes_from_the_most_specific_table_row(monkeypatch, device_name: str, dtype: DType, expected_row: str) -> None:
+def test_gpu_peak_comes_from_the_exact_device_name(monkeypatch, device_name: str, dtype: DType, expected_tflops: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
-    peaks = dict(PEAK_TFLOPS)[expected_row]
-    column = {DType.bfloat16: 0, DType.float16: 1, DType.float32: 3}[dtype]  # fp32 at torch's default "highest"
-    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=dtype), None) == peaks[column] * 1e12
+    monkeypatch.setattr("trainer.metrics.tf32_enabled", lambda: False)
+    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=dtype), None) == expected_tflops * 1e12
 
 
-def test_fp32_uses_the_tf32_peak_once_torch_allows_tf32(monkeypatch) -> None:
+@pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "NVIDIA L4X", "NVIDIA GeForce RTX 4090"])
+def test_mig_slices_and_unlisted_devices_have_no_peak(monkeypatch, device_name: str) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=DType.bfloat16), None) is None
+
+
+def test_fp32_uses_the_tf32_peak_once_tf32_is_on(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
-    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(), None) == dict(PEAK_TFLOPS)["A100"][2] * 1e12
+    monkeypatch.setattr("trainer.metrics.tf32_enabled", lambda: True)
+    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(), None) == 156.0e12
 
 
 def window(step: int, tokens_per_s: float, step_s: float, **extra: float) -> dict[str, float]:

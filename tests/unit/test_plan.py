@@ -247,13 +247,16 @@ def test_gradient_accumulation_holds_a_full_fp32_gradient(stage: str) -> None:
     assert moment(two, "forward: loss") - moment(one, "forward: loss") == 4 * one.num_params
 
 
-def test_adam_temporaries_follow_the_device() -> None:
+def test_adam_temporaries_follow_the_optimizer_implementation() -> None:
     config = compose_config("model=tiny")
     states = build_plan(config, "cpu", 2).ranks[0].states
     cpu = moment(build_plan(config, "cpu", 2), "optimizer step")
     cuda = moment(build_plan(config, "cuda", 2), "optimizer step")
-    # foreach: one temporary of every tensor; the CPU loop: 2 of a tensor and 1 of the one before it
-    assert cuda - cpu == 4 * states.local_numel - 4 * states.loop_temporary
+    fused_cpu = moment(build_plan(compose_config("model=tiny", "optim.fused=true"), "cpu", 2), "optimizer step")
+    loop_cuda = moment(build_plan(compose_config("model=tiny", "optim.fused=false"), "cuda", 2), "optimizer step")
+    # the fused kernel (CUDA's default) updates in place; the loop (CPU's default): 2 of a tensor and 1 of the one before it
+    assert cpu - cuda == cpu - fused_cpu == 4 * states.loop_temporary
+    assert loop_cuda == cpu
     shape = model_shape(config.model)
     numels = [math.prod(s) for s in shape.order]
     assert states.loop_temporary == max(2 * n + (numels[i - 1] if i else 0) for i, n in enumerate(numels))
