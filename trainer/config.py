@@ -479,6 +479,8 @@ class TrainConfig:
     """host:port where every node's elastic launcher meets (c10d); under SLURM derived from the allocation."""
     compile: bool = False
     """torch.compile each transformer block in place (after activation checkpointing, before sharding)."""
+    compile_backend: str = "inductor"
+    """compile=true only: the torch.compile backend (inductor; aot_eager checks composition without generating code)."""
     attention: AttentionKernel = AttentionKernel.auto
     """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/attention.py says; math materialises the scores."""
 
@@ -515,6 +517,8 @@ class TrainConfig:
             self.rdzv_endpoint is None or is_endpoint(self.rdzv_endpoint),
             f"rdzv_endpoint must be host:port (port 0-65535; 0: any free port, one node only), got {self.rdzv_endpoint}",
         )
+        backends = ("inductor", "aot_eager", "eager")
+        _require(self.compile_backend in backends, f"compile_backend must be one of {', '.join(backends)}, got {self.compile_backend}")
         self._check_global_batch()
 
     def _check_global_batch(self) -> None:

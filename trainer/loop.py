@@ -16,6 +16,7 @@ from torch import nn
 from torch.amp import GradScaler
 
 from trainer.activation_checkpointing import apply_activation_checkpointing
+from trainer.compile import apply_compile
 from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
 from trainer.config import FaultKind, TrainConfig
 from trainer.data import build_batches
@@ -46,6 +47,7 @@ class Trainee:
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
+    apply_compile(model, config.compile, config.compile_backend)  # after checkpointing, before sharding: in place
     model = apply_zero(model, config, world)  # shard, then materialise only this rank's part
     optimizer = build_optimizer(model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)

@@ -23,6 +23,7 @@ from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_o
 from trainer.nonfinite import SKIPPED_KEY
 from trainer.plan import predicted_peak_bytes
 from trainer.plan_comm import plan_comm
+from trainer.plan_headroom import HEADROOM
 from trainer.precision import compute_dtype
 from trainer.world import World
 
@@ -67,6 +68,10 @@ class Meter:
         # The plan's worst-rank peak, next to the measured one in every record (rank 0 writes them).
         self.predicted_peak_gib = predicted_peak_bytes(config, world.world_size) / GIB if telemetry.enabled and world.is_main else None
         self.predicted_comm = plan_comm(config, world.world_size).total if telemetry.enabled and world.is_main else None
+        # On a GPU, also what the allocator will reserve for it (trainer/plan_headroom.py).
+        self.predicted_reserved_gib = (
+            HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB if self.predicted_peak_gib is not None and world.device.type == "cuda" else None
+        )
         self._open_window()
 
     def _open_window(self) -> None:
@@ -133,7 +138,7 @@ class Meter:
             record[f"memory/rank{rank}/grads_gib"] = grads / GIB
             record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
         if self.memory is not None:
-            record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib))
+            record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib, self.predicted_reserved_gib))
             record.update(comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm))
         if self.config.precision.is_fp16:
             record["precision/loss_scale"] = self.last.loss_scale
@@ -164,7 +169,9 @@ class Meter:
         return self.last_record
 
 
-def memory_fields(fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib: float | None) -> dict[str, float]:
+def memory_fields(
+    fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib: float | None, predicted_reserved_gib: float | None = None
+) -> dict[str, float]:
     """Every rank's memory figures, the worst rank and the plan's prediction next to it.
 
     A figure a rank did not measure in this window (NaN) is left out rather than logged.
@@ -186,6 +193,11 @@ def memory_fields(fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib
         if measured:
             # Positive: the plan over-predicts; relative to what was measured.
             record["memory/prediction_error_pct"] = 100.0 * (predicted_gib - record["memory/max_rank_peak_gib"]) / record["memory/max_rank_peak_gib"]
+    if predicted_reserved_gib is not None and "peak_reserved" in fields:
+        reserved = per_rank[:, fields.index("peak_reserved")].max().item() / GIB
+        record["memory/predicted_reserved_gib"] = predicted_reserved_gib
+        if reserved > 0:
+            record["memory/reserved_prediction_error_pct"] = 100.0 * (predicted_reserved_gib - reserved) / reserved
     return record
 
 

@@ -20,6 +20,7 @@ The planner is four modules; each one's docstring is its part of the design note
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -33,10 +34,17 @@ import torch
 from trainer.config import CheckpointMode, OffloadTarget, Stage, TrainConfig
 from trainer.devices import find_accelerator
 from trainer.plan_comm import CommPlan, plan_comm
+from trainer.plan_headroom import HEADROOM
 from trainer.plan_states import RankStates, model_shape, rank_states
 from trainer.plan_step import Moment, StepContext, activations, ddp_moments, fsdp_moments, other_bytes, precisions
 
 GIB = 2**30
+
+
+COMPILE_NOTE = (
+    "compile=true: the plan is of the eager step; inductor fuses pointwise ops and chooses what to save "
+    "for backward itself, which changes activations and temporaries in ways the plan does not model"
+)
 
 
 # ----------------------------------------------------------------------------- the plan of a job
@@ -86,17 +94,24 @@ def device_memory(config: TrainConfig, device_kind: str, world_size: int) -> Dev
     if accelerator is not None:
         spec = find_accelerator(accelerator)
         assert spec is not None  # PlanConfig checked the name
-        return DeviceMemory(spec.memory_mib * 2**20, f"{spec.short}, {spec.memory_mib * 2**20 / GIB:.1f} GiB")
+        return allocator_share(spec.memory_mib * 2**20, spec.short, world_size)
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             return DeviceMemory(None, "no GPU visible here")
-        total = torch.cuda.get_device_properties(0).total_memory
-        return DeviceMemory(total, f"{torch.cuda.get_device_name(0)}, {total / GIB:.1f} GiB")
+        return allocator_share(torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), world_size)
     # CPU ranks share this host's memory, so each gets an equal part of what is free now;
     # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
     available = psutil.virtual_memory().available
     ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size // config.nodes)))  # this host's share
     return DeviceMemory(available // ranks_here, f"this host, {available / GIB:.1f} GiB available / {ranks_here} ranks")
+
+
+def allocator_share(total: int, name: str, world_size: int) -> DeviceMemory:
+    """What the caching allocator of a GPU rank may reserve: the device less the CUDA context and
+    NCCL's buffers (trainer/plan_headroom.py). A `device_memory_gib` cap needs no such deduction:
+    it caps the allocator's reserved memory itself."""
+    outside = HEADROOM.outside_allocator(world_size)
+    return DeviceMemory(total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and NCCL")
 
 
 @dataclass(frozen=True)
@@ -119,14 +134,25 @@ class Plan:
     def peak_bytes(self) -> int:
         return self.worst.peak.total
 
+    def required_bytes(self, rank: RankPlan) -> int:
+        """What must fit: on a GPU the allocator's reserved memory (tensor peak, fragmentation,
+        cuBLAS workspace; trainer/plan_headroom.py), on CPU the tensor peak."""
+        return HEADROOM.reserved(rank.peak.total) if self.device_kind == "cuda" else rank.peak.total
+
     def rank_fits(self, rank: RankPlan) -> bool | None:
         if self.memory.per_rank_bytes is None:
             return None
-        return rank.peak.total <= self.memory.per_rank_bytes
+        return self.required_bytes(rank) <= self.memory.per_rank_bytes
 
     @property
     def fits(self) -> bool | None:
         return self.rank_fits(self.worst)
+
+    def reserved_fields(self) -> dict[str, Any]:
+        """GPU plans: the predicted reserved peak and the headroom assumptions behind it."""
+        if self.device_kind != "cuda":
+            return {}
+        return {"predicted_reserved_gib": self.required_bytes(self.worst) / GIB, "headroom": dataclasses.asdict(HEADROOM)}
 
     def to_json(self) -> dict[str, Any]:
         c = self.config
@@ -145,6 +171,8 @@ class Plan:
             "device_memory_gib": None if self.memory.per_rank_bytes is None else self.memory.per_rank_bytes / GIB,
             "device_memory_source": self.memory.source,
             "peak_gib": self.peak_bytes / GIB,
+            **self.reserved_fields(),
+            **({"compile": COMPILE_NOTE} if c.compile else {}),
             "peak_rank": self.worst.rank,
             "peak_moment": self.worst.peak.name,
             "fits": self.fits,
@@ -226,9 +254,10 @@ def refusal(plan: Plan) -> str | None:
         return None
     worst, c = plan.worst, plan.config
     parts = " + ".join(f"{name} {value / GIB:.2f}" for name, value in worst.peak.parts.items() if value)
+    reserved = f", {plan.required_bytes(worst) / GIB:.2f} GiB reserved with headroom" if plan.device_kind == "cuda" else ""
     need = (
         f"{describe(c, plan.world_size, plan.device_kind)} ({plan.num_params / 1e9:.2f}B params) needs "
-        f"{plan.peak_bytes / GIB:.2f} GiB on rank {worst.rank} at {worst.peak.name} ({parts})"
+        f"{plan.peak_bytes / GIB:.2f} GiB on rank {worst.rank} at {worst.peak.name} ({parts}{reserved})"
     )
     assert plan.memory.per_rank_bytes is not None
     have = f"each rank has {plan.memory.per_rank_bytes / GIB:.2f} GiB ({plan.memory.source})"
@@ -317,5 +346,6 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
             "device_memory_gib": None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes / GIB,
             "device_memory_source": plan.memory.source,
             **{key: value for key, value in worst.figures().items()},
+            **plan.reserved_fields(),
         },
     }

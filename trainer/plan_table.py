@@ -15,7 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from trainer.devices import accelerator_names
-from trainer.plan import GIB, Plan, describe, refusal
+from trainer.plan import COMPILE_NOTE, GIB, Plan, describe, refusal
 
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -55,6 +55,8 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         comm_line(plan),
         verdict(plan, way_out),
     ]
+    if plan.config.compile:
+        lines.append(f"note: {COMPILE_NOTE}")
     return "\n".join(lines)
 
 
@@ -82,7 +84,8 @@ def verdict(plan: Plan, way_out: bool = True) -> str:
             f"fits: unknown ({plan.memory.source}); set plan.accelerator="
             f"{'|'.join(accelerator_names())} or device_memory_gib=N to compare"
         )
-    figures = f"peak {plan.peak_bytes / GIB:.3g} GiB of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
+    reserved = f" ({plan.required_bytes(plan.worst) / GIB:.3g} GiB reserved with headroom)" if plan.device_kind == "cuda" else ""
+    figures = f"peak {plan.peak_bytes / GIB:.3g} GiB{reserved} of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
     if plan.fits:
         return f"fits: {figures}"
     return (refusal(plan) or "") if way_out else f"does not fit: {figures}"

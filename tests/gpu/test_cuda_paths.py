@@ -1,0 +1,110 @@
+"""The CUDA paths the CPU tests cannot reach, on one GPU (marked gpu: skipped without CUDA).
+
+benchmarks/gpu_check.py runs these first (`pytest -m gpu tests/gpu`).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit.test_checkpoint import tiny_config
+from trainer.checkpoint import Progress, load_training_state, rng_state, save_training_state, saved_keys
+from trainer.cuda import apply_tf32, process_group_backend
+from trainer.data import build_batches
+from trainer.devices import find_device
+from trainer.loop import build_trainee, train_step
+from trainer.nonfinite import NonFiniteGuard
+from trainer.world import World
+
+pytestmark = pytest.mark.gpu
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    """One rank on GPU 0 in a `cuda:nccl,cpu:gloo` group, as a CPU-offloaded run gets."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    backend = process_group_backend("cuda", offload_to_cpu=True)
+    store = dist.TCPStore("localhost", free_port(), 1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=device)
+    yield World(rank=0, world_size=1, local_rank=0, device=device)
+    dist.destroy_process_group()
+
+
+def cuda_config(**overrides: object):
+    return tiny_config(device="cuda", **overrides)
+
+
+def test_the_offload_group_reduces_host_and_device_tensors(world: World) -> None:
+    host, device = torch.ones(4), torch.ones(4, device=world.device)
+    dist.all_reduce(host)
+    dist.all_reduce(device)
+    assert host.tolist() == device.tolist() == [1.0] * 4
+
+
+def test_this_gpu_is_in_the_device_table() -> None:
+    name = torch.cuda.get_device_name(0)
+    assert find_device(name) is not None, f"{name!r} is not in trainer/devices.py"
+
+
+def test_tf32_switches_the_matmul_precision() -> None:
+    a = torch.randn(512, 512, device="cuda")
+    apply_tf32(False)
+    exact = a @ a
+    apply_tf32(True)
+    fast = a @ a
+    apply_tf32(False)
+    reference = (a.double() @ a.double()).float()
+    assert (exact - reference).abs().max() < (fast - reference).abs().max()  # TF32 keeps 10 mantissa bits
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage3"])
+def test_a_deferred_step_never_syncs_with_the_host(world: World, stage: str) -> None:
+    config = cuda_config(zero__stage=stage, nonfinite="skip", fault__kind="nan_loss", fault__step=3)
+    trainee = build_trainee(config, world)
+    guard = NonFiniteGuard(config, world, defer=True)
+    assert trainee.optimizer.defaults["fused"]  # fused on CUDA by default
+    batches = build_batches(config, 0, 1, start_step=0)
+    train_step(trainee, batches, config, world, 1, guard)  # warm-up: lazy state, rope tables
+    torch.cuda.set_sync_debug_mode("error")  # any host sync now raises
+    try:
+        for step in range(2, 5):
+            train_step(trainee, batches, config, world, step, guard)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    guard.settle()
+    assert guard.skipped == 1
+
+
+def test_rng_state_of_a_gpu_rank_has_cuda_and_a_cpu_save_loads_on_it(world: World, tmp_path: Path) -> None:
+    assert "cuda" in rng_state(world.device)
+    cpu_world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    config = tiny_config()
+    save_training_state(build_trainee(config, cpu_world), config, cpu_world, tmp_path, Progress(step=1))
+    path = tmp_path / "checkpoints" / "step_00000001"
+    assert not any(".cuda" in key for key in saved_keys(path))
+    assert load_training_state(build_trainee(cuda_config(), world), cuda_config(), world, path).step == 1
+
+
+def test_fused_and_loop_adamw_agree(world: World) -> None:
+    losses = {}
+    for fused in (True, False):
+        config = cuda_config(optim__fused=fused)
+        torch.manual_seed(config.seed)
+        trainee = build_trainee(config, world)
+        guard = NonFiniteGuard(config, world, defer=fused)
+        batches = build_batches(config, 0, 1, start_step=0)
+        losses[fused] = [train_step(trainee, batches, config, world, s, guard).loss.item() for s in range(1, 6)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
