@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from trainer.advise import check_advice_inputs, run_advice
 from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
+from trainer.attention import run_choice
 from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
 from trainer.cuda import check_local_ranks
@@ -57,6 +58,7 @@ def run_job(cfg: DictConfig) -> None:
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
+        run_choice(config, device_kind)  # an attention kernel this device cannot run: one line, exit 2
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(int(os.environ["LOCAL_WORLD_SIZE"]))  # one line, not CUDA's invalid device ordinal
     except ConfigError as err:

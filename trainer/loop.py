@@ -16,6 +16,7 @@ from torch import nn
 from torch.amp import GradScaler
 
 from trainer.activation_checkpointing import apply_activation_checkpointing
+from trainer.attention import apply_sdpa_choice, run_choice
 from trainer.compile import apply_compile
 from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
 from trainer.config import FaultKind, TrainConfig
@@ -46,6 +47,7 @@ class Trainee:
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
+    apply_sdpa_choice(model, run_choice(config, world.device.type))  # the attention kernel, explicit
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
     apply_compile(model, config.compile, config.compile_backend)  # after checkpointing, before sharding: in place
     model = apply_zero(model, config, world)  # shard, then materialise only this rank's part

@@ -13,6 +13,7 @@ holds no buffers: the rotary tables are computed in forward (see `Transformer.__
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -20,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention import sdpa_kernel
 
+from trainer.attention import SdpaChoice
 from trainer.config import ModelConfig
 
 INIT_STD = 0.02
@@ -72,22 +75,24 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.sdpa = SdpaChoice()  # the run's kernel (trainer/attention.py apply_sdpa_choice)
 
     def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHQ = apply_rope(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TF, sin_TF)
         k_BTKQ = apply_rope(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TF, sin_TF)
         v_BTKQ = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        q_BHTQ, k_BKTQ, v_BKTQ = q_BTHQ.transpose(1, 2), k_BTKQ.transpose(1, 2), v_BTKQ.transpose(1, 2)
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and self.sdpa.repeat_kv:  # the chosen kernel cannot group heads: give it H of them
+            k_BKTQ = k_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v_BKTQ = v_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            grouped = False
         # SDPA wants heads before time. enable_gqa shares each K/V head among n_heads/n_kv_heads
         # queries without materialising repeated K/V; asked for only when grouped, because some
         # fused CUDA kernels do not take the flag at all.
-        o_BHTQ = F.scaled_dot_product_attention(
-            q_BTHQ.transpose(1, 2),
-            k_BTKQ.transpose(1, 2),
-            v_BTKQ.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        with sdpa_kernel(self.sdpa.backend) if self.sdpa.backend is not None else contextlib.nullcontext():
+            o_BHTQ = F.scaled_dot_product_attention(q_BHTQ, k_BKTQ, v_BKTQ, is_causal=True, enable_gqa=grouped)
         return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
 
 

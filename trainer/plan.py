@@ -193,7 +193,7 @@ class Plan:
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     """Plan every rank of a job; shapes come from the model built on meta, nothing is allocated."""
     shape = model_shape(config.model)
-    acts, prec = activations(config), precisions(config)
+    acts, prec = activations(config, device_kind), precisions(config)
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
     for rank, states in enumerate(rank_states(shape, config.zero.stage, world_size)):

@@ -21,9 +21,9 @@ see docs/memory_plan.md), per token, in bytes:
     bf16/fp16, stages 2-3       24D + 4·KQ + 8M + 4H + 8   (FSDP2: everything in bf16 except
                                 RMSNorm, which upcasts its input to fp32 and saves that)
 
-No dropout (Korthikanti's 2 masks), no attention matrix: SDPA on CPU runs the flash kernel
+No dropout (Korthikanti's 2 masks), no attention matrix: by default SDPA runs the flash kernel
 (saves q, k, v, output and a logsumexp; grouped K/V are not repeated), hence no 5·a·s²·b
-term; SwiGLU saves 4 M-wide tensors where GELU saves 2. After the blocks: the final norm and
+term; other kernels (`attention=`, and fp32 on CUDA) add what `attention_extra_per_token` says; SwiGLU saves 4 M-wide tensors where GELU saves 2. After the blocks: the final norm and
 the fp32 log-softmax of the logits (4·V per token; `logits.float()` adds a transient fp32
 copy in bf16). Activation checkpointing (non-reentrant) keeps only a block's input (D values
 in the residual dtype) and recomputes the block in backward, so the last block's full set
@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.activation_checkpointing import should_checkpoint
+from trainer.attention import run_choice
 from trainer.config import DType, ModelConfig, OffloadTarget, Stage, TrainConfig
 from trainer.optim import uses_fused
 from trainer.plan_states import ModelShape, RankStates, padded_numel
@@ -119,10 +120,29 @@ class Activations:
         return sum(self.blocks[:-1]) + self.batch
 
 
-def activations(config: TrainConfig) -> Activations:
+def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
+    """What the run's SDPA kernel (trainer/attention.py) saves per token beyond the flash kernel's
+    q, k, v, output and logsumexp, which block_bytes_per_token counts.
+
+    K/V repeated for a kernel that cannot group heads: 2·(H - K)·Q more values. Math: its scaled
+    q, the repeated K and V and the B·H·T·T softmax output, and no logsumexp; on CPU it computes
+    half dtypes in fp32 (torch upcasts them there), on CUDA in the compute dtype. (Math's
+    transient pre-softmax scores, alive for one op in forward, are not modelled.)
+    """
+    m, prec = config.model, precisions(config)
+    choice = run_choice(config, device_kind)
+    D, H, KQ, T = m.dim, m.n_heads, m.n_kv_heads * (m.dim // m.n_heads), config.seq_len
+    flash = prec.compute * (D + 2 * KQ) + 4 * H
+    if choice.saves_scores:
+        width = 4 if device_kind == "cpu" else prec.compute
+        return width * (3 * D + H * T) - flash
+    return 2 * (D - KQ) * prec.compute if choice.repeat_kv else 0
+
+
+def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config)
     tokens = config.micro_batch * config.seq_len
-    full = block_bytes_per_token(m, prec.regime) * tokens
+    full = (block_bytes_per_token(m, prec.regime) + attention_extra_per_token(config, device_kind)) * tokens
     checkpointed = prec.residual * m.dim * tokens  # non-reentrant checkpoint keeps the block's input
     blocks = tuple(checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers))
     head = head_bytes_per_token(m, prec.regime) * tokens + 4  # + nll_loss's fp32 total weight

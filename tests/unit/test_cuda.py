@@ -16,6 +16,7 @@ from trainer.config import ConfigError
 from trainer.cuda import ALLOC_CONF, apply_tf32, local_ranks_error, process_group_backend, set_rank_environment
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
 from trainer.plan import GIB, device_memory
+from trainer.plan_headroom import HEADROOM
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl() -> None:
@@ -84,10 +85,10 @@ def test_device_names_are_exact_and_variants_differ() -> None:
 def test_plan_accelerator_is_accepted_in_any_case(name: str, short: str) -> None:
     config = compose_config(f"plan.accelerator={name}")
     memory = device_memory(config, "cuda", 8)
-    assert memory.per_rank_bytes == find_accelerator(short).memory_mib * 2**20
+    assert memory.per_rank_bytes == find_accelerator(short).memory_mib * 2**20 - HEADROOM.outside_allocator(8)
     assert memory.source.startswith(short)
     assert compose_config("plan.accelerator=H200").plan.accelerator == "h200"
-    assert device_memory(compose_config("plan.accelerator=h200"), "cuda", 8).per_rank_bytes / GIB == pytest.approx(140.4, abs=0.05)
+    assert find_accelerator("h200").memory_mib * 2**20 / GIB == pytest.approx(140.4, abs=0.05)
 
 
 def test_an_unknown_accelerator_is_refused_naming_the_key() -> None:

@@ -1,0 +1,101 @@
+"""trainer/attention.py: the SDPA kernel is a choice, and the plan counts what the chosen kernel saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from tests.unit.test_plan import compose_config
+from trainer.attention import SdpaChoice, apply_sdpa_choice, choose_sdpa, run_choice
+from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
+from trainer.model import build_model, init_weights
+from trainer.plan_step import activations, attention_extra_per_token
+
+FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
+
+
+@pytest.mark.parametrize(
+    ("kernel", "device", "dtype", "expected"),
+    [
+        ("auto", "cpu", "float32", SdpaChoice(FLASH)),
+        ("auto", "cpu", "bfloat16", SdpaChoice(FLASH)),
+        ("auto", "cuda", "bfloat16", SdpaChoice(FLASH)),
+        ("auto", "cuda", "float16", SdpaChoice(FLASH)),
+        ("auto", "cuda", "float32", SdpaChoice(EFFICIENT, repeat_kv=True)),  # not math's B·H·T·T scores
+        ("flash", "cuda", "bfloat16", SdpaChoice(FLASH)),
+        ("efficient", "cuda", "bfloat16", SdpaChoice(EFFICIENT, repeat_kv=True)),
+        ("math", "cuda", "float32", SdpaChoice(MATH)),
+        ("math", "cpu", "bfloat16", SdpaChoice(MATH)),
+    ],
+)
+def test_the_kernel_is_chosen_from_device_and_dtype(kernel: str, device: str, dtype: str, expected: SdpaChoice) -> None:
+    assert choose_sdpa(AttentionKernel(kernel), device, DType(dtype), grouped=True) == expected
+
+
+def test_ungrouped_heads_are_never_repeated() -> None:
+    assert choose_sdpa(AttentionKernel.auto, "cuda", DType.float32, grouped=False) == SdpaChoice(EFFICIENT, repeat_kv=False)
+
+
+def test_kernels_a_device_cannot_run_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^attention=flash needs precision=bf16 or fp16 on CUDA"):
+        run_choice(compose_config("attention=flash", "precision=fp32"), "cuda")
+    with pytest.raises(ConfigError, match=r"^attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math"):
+        run_choice(compose_config("attention=efficient"), "cpu")
+
+
+def test_a_kernel_that_cannot_take_the_inputs_fails_instead_of_falling_back() -> None:
+    model = build_model(ModelConfig(), device="cpu")
+    init_weights(model, seed=0)
+    apply_sdpa_choice(model, SdpaChoice(EFFICIENT))  # no CPU kernel of that name
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def saved_bytes(choice: SdpaChoice, dtype: torch.dtype, micro_batch: int = 3, seq_len: int = 40) -> int:
+    """Bytes autograd saves in one forward + loss of the tiny model under `choice` (parameters and rotary tables excluded)."""
+    config = ModelConfig()
+    model = build_model(config, device="cpu")
+    init_weights(model, seed=0)
+    model.to(dtype)  # as FSDP2's MixedPrecisionPolicy computes (fp32: unchanged)
+    apply_sdpa_choice(model, choice)
+    inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+    excluded = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    excluded |= {t.untyped_storage().data_ptr() for tables in model._rope_cache.values() for t in tables}
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+def test_planned_activations_are_what_the_chosen_kernel_saves(precision: str, dtype: torch.dtype, kernel: str) -> None:
+    config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", f"precision={precision}", "zero=stage3", f"attention={kernel}")
+    choice = run_choice(config, "cpu")
+    assert saved_bytes(choice, dtype) == activations(config, "cpu").total
+
+
+def test_math_scores_grow_with_the_square_of_the_sequence() -> None:
+    short = compose_config("model=tiny", "seq_len=64", "attention=math")
+    long = compose_config("model=tiny", "seq_len=128", "attention=math")
+    flash = compose_config("model=tiny", "seq_len=128")
+    # Per token, the scores are H·T fp32 values: B·H·T·T in all.
+    assert attention_extra_per_token(long, "cpu") - attention_extra_per_token(short, "cpu") == 4 * short.model.n_heads * (128 - 64)
+    assert attention_extra_per_token(flash, "cpu") == 0
+
+
+def test_repeated_kv_is_what_the_plan_adds_for_cuda_fp32() -> None:
+    """The repeat path is CUDA's (fp32); its saved tensors are the same on CPU's flash kernel."""
+    config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", "precision=fp32", "zero=stage3")
+    m = config.model
+    extra = attention_extra_per_token(config, "cuda")
+    assert extra == 2 * (m.n_heads - m.n_kv_heads) * (m.dim // m.n_heads) * 4
+    measured = saved_bytes(SdpaChoice(FLASH, repeat_kv=True), torch.float32) - saved_bytes(SdpaChoice(FLASH), torch.float32)
+    assert measured == extra * m.n_layers * config.micro_batch * config.seq_len

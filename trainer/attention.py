@@ -1,0 +1,77 @@
+"""Which SDPA kernel attention runs on, chosen explicitly (`attention=`), and what it keeps for backward.
+
+Left to itself, `F.scaled_dot_product_attention` picks the first kernel that accepts its inputs,
+and a fallback is silent. On CUDA grouped K/V heads (`enable_gqa`) are taken by the flash
+kernel only in bf16/fp16 (and by math); the memory-efficient kernel takes fp32 but not
+`enable_gqa`. So fp32 with grouped heads used to fall back to math, which materialises the
+B·H·T·T score matrix: slower, and far more memory than a plan of q, k, v, output and logsumexp.
+
+The choice here is made once per run, from the device, the compute dtype and whether K/V are
+grouped, and the model enters `torch.nn.attention.sdpa_kernel` with exactly that kernel, so an
+impossible combination fails loudly instead of falling back:
+
+| attention= | CPU | CUDA bf16/fp16 | CUDA fp32 |
+|---|---|---|---|
+| auto | flash (takes grouped K/V) | flash (takes grouped K/V) | efficient, K/V repeated to every query head |
+| flash | flash | flash | refused: flash on CUDA needs bf16 or fp16 |
+| efficient | refused: no such CPU kernel | efficient, K/V repeated | efficient, K/V repeated |
+| math | math: saves the scores | math: saves the scores | math: saves the scores |
+
+Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
+H·T scores of math. trainer/plan_step.py counts what each choice saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from trainer.config import AttentionKernel, ConfigError, DType, TrainConfig
+
+
+@dataclass(frozen=True)
+class SdpaChoice:
+    """The kernel attention runs on, and how its inputs are prepared for it."""
+
+    backend: SDPBackend | None = None
+    """None: SDPA's own choice (a model used outside a run, e.g. in tests)."""
+    repeat_kv: bool = False
+    """K/V heads repeated to the query heads before SDPA (the kernel cannot group them)."""
+
+    @property
+    def saves_scores(self) -> bool:
+        """The math kernel keeps the softmax output, B·H·T·T, for backward."""
+        return self.backend == SDPBackend.MATH
+
+
+def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped: bool) -> SdpaChoice:
+    """The kernel for this device and dtype (see the module docstring); ConfigError where it cannot run."""
+    half = dtype in (DType.bfloat16, DType.float16)
+    if kernel == AttentionKernel.math:
+        return SdpaChoice(SDPBackend.MATH)
+    if kernel == AttentionKernel.efficient:
+        if device_kind != "cuda":
+            raise ConfigError("attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math")
+        return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)
+    if kernel == AttentionKernel.flash and device_kind == "cuda" and not half:
+        raise ConfigError("attention=flash needs precision=bf16 or fp16 on CUDA; allowed in fp32: auto, efficient, math")
+    if device_kind == "cuda" and not half:  # auto in fp32 on CUDA
+        return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)
+    return SdpaChoice(SDPBackend.FLASH_ATTENTION)
+
+
+def run_choice(config: TrainConfig, device_kind: str) -> SdpaChoice:
+    """The choice of a run (raises ConfigError before any rank starts, when called from the job)."""
+    grouped = config.model.n_kv_heads != config.model.n_heads
+    return choose_sdpa(config.attention, device_kind, config.precision.compute_dtype, grouped)
+
+
+def apply_sdpa_choice(model: torch.nn.Module, choice: SdpaChoice) -> None:
+    """Give every attention layer the run's kernel choice (before compile: it is traced with it)."""
+    from trainer.model import Attention  # the model module imports this one
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa = choice
