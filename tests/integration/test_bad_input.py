@@ -28,6 +28,9 @@ CASES = [
     (["mode=advise", "global_batch=15", "nproc=2"], "global_batch (15)", "divisible by the 2 ranks"),
     (["mode=advise"], "mode=advise needs global_batch", "global_batch=N"),
     (["global_batch=16"], "global_batch is read by mode=advise only", "micro_batch and grad_accum"),
+    (["attention=efficient"], "attention=efficient", "allowed on CPU: auto, flash, math"),
+    (["plan.accelerator=H300"], "plan.accelerator=H300", "h100-pcie"),
+    (["compile=true", "compile_backend=tvm"], "compile_backend", "inductor, aot_eager, eager"),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)
     (["micro_batch=abc"], "micro_batch=abc", "converted to Integer"),
