@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.calibrate import Rates, accelerator_rates, host_rates
+from trainer.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.metrics import mfu_pct
 from trainer.model import flops_per_token
@@ -65,9 +65,11 @@ def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
         )
     if config.advise.verify and config.plan.accelerator is not None:
         raise ConfigError(
-            f"advise.verify runs jobs on this host, which is not plan.accelerator={config.plan.accelerator.value}; "
+            f"advise.verify runs jobs on this host, which is not plan.accelerator={config.plan.accelerator}; "
             "drop plan.accelerator or set advise.verify=0"
         )
+    if config.plan.accelerator is not None:
+        advisor_accelerator(config.plan.accelerator)  # a device the plan knows but the advisor has no rates for
 
 
 def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
@@ -109,7 +111,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
 
 def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:
     if config.plan.accelerator is not None:
-        return accelerator_rates(config.plan.accelerator.value, config.precision.compute_dtype, world_size)
+        return accelerator_rates(config.plan.accelerator, config.precision.compute_dtype, world_size)
     return host_rates(config, world_size, micro_batches)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import DType, ModelConfig, TrainConfig
+from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
 
 GB = 1e9
 
@@ -72,7 +72,7 @@ class Rates:
 
 @dataclass(frozen=True)
 class AcceleratorSpec:
-    datasheet: str  # the row of trainer.metrics.PEAK_TFLOPS with its dense peaks
+    datasheet: str  # the device of trainer/devices.py whose dense peaks these are
     matmul_efficiency: float  # assumption: achieved/dense over a whole training step's matmuls
     nvlink_bus_gbps: float  # GB/s per GPU per direction inside a node, times an assumed 0.8 bus efficiency
     network_bus_gbps: float  # GB/s per GPU per direction between nodes, times 0.8
@@ -82,27 +82,27 @@ class AcceleratorSpec:
     sources: str
 
 
-# Dense peaks are trainer.metrics.PEAK_TFLOPS's datasheet figures (the MFU denominator of every
-# run; fp32 without TF32, as torch runs fp32 matmuls by default). Efficiency factors are assumptions, not measurements: 0.55 of the
+# Dense peaks are trainer/devices.py's datasheet figures (the MFU denominator of every run; fp32
+# without TF32: a conservative figure, since zerolab turns TF32 on by default, precision.tf32). Efficiency factors are assumptions, not measurements: 0.55 of the
 # dense peak for a whole step's matmuls (public Llama runs on H100/A100 report 40-60% MFU), 0.8 of
 # a link's rate as nccl-tests bus bandwidth, 0.8 of HBM for AdamW.
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     "h100": AcceleratorSpec(
-        "H100", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 3.35,
+        "h100-sxm", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 3.35,
         "NVIDIA H100 SXM5 datasheet (dense bf16 989 TFLOPS, NVLink 4 900 GB/s bidirectional, HBM3 3.35 TB/s, "
         "PCIe Gen5 128 GB/s bidirectional); DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU",
     ),
     "h200": AcceleratorSpec(
-        "H200", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 4.8,
+        "h200", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 4.8,
         "NVIDIA H200 SXM datasheet (the H100's compute and NVLink 4, HBM3e 4.8 TB/s); DGX H200: 400 Gb/s NIC per GPU",
     ),
     "a100-80gb": AcceleratorSpec(
-        "A100", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 2.04,
+        "a100-80gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 2.04,
         "NVIDIA A100 SXM4 80GB datasheet (dense bf16 312 TFLOPS, NVLink 3 600 GB/s bidirectional, HBM2e 2.04 TB/s, "
         "PCIe Gen4 64 GB/s bidirectional); DGX A100: one 200 Gb/s HDR NIC per GPU",
     ),
     "a100-40gb": AcceleratorSpec(
-        "A100", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 1.56,
+        "a100-40gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 1.56,
         "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: one 200 Gb/s HDR NIC per GPU",
     ),
 }
@@ -111,8 +111,17 @@ HBM_EFFICIENCY = 0.8
 HOST_ADAM_PARAMS_PER_S = 5e8  # assumption: torch's CPU AdamW on a GPU server's host, for offload=cpu
 
 
+def advisor_accelerator(name: str) -> str:
+    """The ACCELERATORS key a `plan.accelerator` name means (`h100-sxm` is `h100`); ConfigError when the table lacks it."""
+    key = {"h100-sxm": "h100"}.get(name, name)
+    if key not in ACCELERATORS:
+        raise ConfigError(f"mode=advise knows the rates of plan.accelerator={', '.join(ACCELERATORS)}, not {name}")
+    return key
+
+
 def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates:
     """The table's rates for `world_size` GPUs: NVLink within a node, the network beyond one."""
+    name = advisor_accelerator(name)
     spec = ACCELERATORS[name]
     dense = dense_peak_flops(spec.datasheet, compute_dtype)
     inside = world_size <= spec.gpus_per_node  # a ring over several nodes runs at its slowest link
@@ -134,10 +143,11 @@ def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates
 
 
 def dense_peak_flops(datasheet: str, compute_dtype: DType) -> float:
-    from trainer.metrics import PEAK_TFLOPS
+    from trainer.devices import find_accelerator
 
-    column = {DType.bfloat16: 0, DType.float16: 1, DType.float32: 3}[compute_dtype]
-    peak = dict(PEAK_TFLOPS)[datasheet][column]
+    spec = find_accelerator(datasheet)
+    assert spec is not None, f"{datasheet} is not in trainer/devices.py"
+    peak = {DType.bfloat16: spec.bf16, DType.float16: spec.fp16, DType.float32: spec.fp32}[compute_dtype]
     assert peak is not None, f"{datasheet} has no dense {compute_dtype.value} peak"
     return peak * 1e12
 
