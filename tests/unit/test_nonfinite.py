@@ -90,3 +90,20 @@ def test_deferred_and_immediate_reads_train_the_same_weights(process_group: None
     for step in range(1, 4):
         train_step(trainee, batches, config, WORLD, step, guard)
     assert guard.skipped == 1 and same(weights(trainee), deferred[3])
+
+
+def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(tmp_path) -> None:
+    import signal
+
+    from trainer.nonfinite import stop_request
+    from trainer.stop import RankStop
+
+    stop = RankStop(tmp_path, watches_request=False)
+    guard = NonFiniteGuard(tiny_config(optim__fused=True), WORLD, defer=True)
+    one = torch.tensor(1.0)
+    guard.record(1, agree(one, one, WORLD, extra=(stop_request(stop),)))
+    stop.requested = signal.SIGUSR1  # as its signal handler notes it
+    guard.record(2, agree(one, one, WORLD, extra=(stop_request(stop),)))
+    assert stop.agreed == 0  # nothing read on the host yet
+    guard.settle(stop)
+    assert stop.agreed == signal.SIGUSR1 and guard.skipped == 0

@@ -92,7 +92,7 @@ def test_offload_moves_shards_over_the_host_link_and_steps_adam_on_the_host() ->
 def test_accelerator_table_uses_nvlink_inside_a_node_and_the_network_beyond() -> None:
     spec = ACCELERATORS["h100"]
     inside, across = accelerator_rates("h100", DType.bfloat16, 8), accelerator_rates("h100", DType.bfloat16, 64)
-    assert inside.peak_flops == 989.4e12  # trainer.metrics.PEAK_TFLOPS, H100 SXM5 dense bf16
+    assert inside.peak_flops == 989.4e12  # trainer/devices.py, H100 SXM5 dense bf16
     assert inside.compute_flops == {0: pytest.approx(989.4e12 * spec.matmul_efficiency)}
     assert inside.bus_bytes_per_s["all_reduce"] == pytest.approx(360e9)
     assert across.bus_bytes_per_s["all_gather"] == pytest.approx(40e9)
