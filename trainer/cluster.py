@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,27 +158,56 @@ def register_resolvers() -> None:
 
 def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
     """A preempted point's overrides for its requeued run: resume from its own run directory's newest
-    save (and so continue that directory and W&B run); unchanged when it had saved nothing."""
+    save (`resume=<run dir>`, the exact form of resume=true: that directory and its W&B run go on);
+    unchanged when it had saved nothing."""
     from trainer.checkpoint import latest_save
+    from trainer.sweep import hydra_quote
 
     if run_dir is None or latest_save(run_dir) is None:
         return list(overrides)
     kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
-    return [*kept, f"resume={run_dir}"]
+    return [*kept, f"resume={hydra_quote(str(run_dir))}"]  # quoted: a point's directory name has `=` and `,`
 
 
 class Requeueing:
-    """The requeue half of preemption, mixed into hydra-submitit-launcher's launchers (module docstring)."""
+    """The requeue half of preemption, mixed into hydra-submitit-launcher's launchers (module docstring).
+
+    submitit runs `__call__` in the job, with its own signal handler set: it would checkpoint and
+    requeue on its signal at once. trainer/stop.py takes the signal over while the job runs, so the
+    ranks finish their step and save; once the job has ended `preempted`, `requeue_if_preempted`
+    hands over to submitit's handler, which calls `checkpoint`, writes the resubmission and
+    requeues (on SLURM only the allocation's first task does; the others just end).
+    """
 
     run_dir: Path | None = None
 
-    def __call__(self, sweep_overrides: list[str], *args: Any) -> Any:  # runs inside the submitit job
-        result = super().__call__(sweep_overrides, *args)  # type: ignore[misc]
-        self.run_dir = Path(result.working_dir) if getattr(result, "working_dir", None) else None
+    def __call__(self, sweep_overrides: list[str], *args: Any) -> Any:
+        try:
+            result = super().__call__(sweep_overrides, *args)  # type: ignore[misc]
+        except SystemExit:  # a point stopped by a signal ends its sweep (trainer/sweep.py): here, its job
+            self.requeue_if_preempted()
+            raise
+        self.requeue_if_preempted()
         return result
 
+    def requeue_if_preempted(self) -> None:
+        """Requeue through submitit when the job that just ran ended `preempted` (exits; else returns)."""
+        import submitit
+
+        from trainer import stop
+        from trainer.sweep import read_status
+
+        job = stop.LAST
+        if job is None or read_status(job.run_dir) != "preempted":
+            return
+        self.run_dir = job.run_dir
+        signum = submitit.JobEnvironment._usr_sig()
+        handler = signal.getsignal(signum)  # submitit's SignalHandler.checkpoint_and_try_requeue
+        if callable(handler):
+            handler(signum, None)
+
     def checkpoint(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> Any:
-        """submitit calls this on preemption: the same point again, resuming where it stopped."""
+        """submitit's checkpoint hook: the same point again, resuming where it stopped."""
         import submitit
 
         return submitit.helpers.DelayedSubmission(self, resumed_overrides(sweep_overrides, self.run_dir), *args, **kwargs)
