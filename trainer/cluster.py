@@ -8,8 +8,8 @@ allocation through submitit's own helpers: the first host of SLURM_JOB_NODELIST 
 derived from the job id (submitit.helpers.TorchDistributedEnvironment), the node's SLURM_NODEID.
 
 The launchers (hydra_plugins/zerolab_launchers: Hydra takes launchers only from the
-`hydra_plugins` package): hydra-submitit-launcher's, with `Requeueing` added. On preemption or time-out the
-cluster signals the job (submitit's signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise);
+`hydra_plugins` package) are hydra-submitit-launcher's, with `Requeueing` added. On preemption or
+time-out the cluster signals the job (submitit's signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise);
 submitit's own handler would checkpoint and requeue at once, while the ranks are mid-step. Here
 the job is first allowed to end as `preempted` (every rank saves), and only then submitit's
 handler runs: it calls `checkpoint` below, which resubmits the same sweep point with
@@ -41,8 +41,6 @@ LOCAL_ENDPOINT = "localhost:0"
 LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
 # How long a node whose ranks only lost a peer waits for the other nodes to say what happened.
 PEER_WAIT_S = 30.0
-# GPUs a SLURM node is asked for when nproc=auto: the typical 8-GPU node.
-AUTO_GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -51,12 +49,8 @@ class Placement:
 
     nodes: int
     node_rank: int
+    """Node 0 plans, writes summary.json and owns the W&B run (trainer/job.py)."""
     rdzv_endpoint: str
-
-    @property
-    def is_main(self) -> bool:
-        """The node that plans, writes summary.json and owns the W&B run (node 0 of the allocation)."""
-        return self.node_rank == 0
 
 
 def submitit_environment() -> Any | None:

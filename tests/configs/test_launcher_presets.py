@@ -22,6 +22,7 @@ from trainer.cluster import register_resolvers
 from trainer.config import register_configs
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+pytestmark = pytest.mark.timeout(60)
 
 
 class Captured(Exception):
