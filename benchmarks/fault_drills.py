@@ -66,10 +66,14 @@ class Job:
         return [json.loads(line)["loss/train"] for line in path.read_text().splitlines()] if path.exists() else []
 
     @property
+    def lines(self) -> list[str]:
+        """The job's own stderr lines (torch profiler's kineto lines, `USDT: ...`, from profiled steps left out)."""
+        return [line for line in self.stderr.splitlines() if line.strip() and not line.startswith("USDT:")]
+
+    @property
     def line(self) -> str:
         """The job's last stderr line: its one-line account of a fault."""
-        lines = [line for line in self.stderr.strip().splitlines() if line.strip()]
-        return lines[-1] if lines else ""
+        return self.lines[-1] if self.lines else ""
 
 
 @dataclass
@@ -78,6 +82,12 @@ class Row:
     reported: str
     nothing_lost: bool
     how: str
+
+
+def code(text: str, limit: int) -> str:
+    """A Markdown code span of at most `limit` characters of `text` (backticks inside dropped)."""
+    text = text.replace("`", "")
+    return f"`{text[:limit]}{'...' if len(text) > limit else ''}`"
 
 
 def trainer_args(out_dir: Path, *overrides: str) -> list[str]:
@@ -196,15 +206,15 @@ class Drills:
     def host_too_small(self) -> Row:
         job = run(self.root / "n64" / "run", "nproc=64", "logger=none")
         started = (job.out_dir / "metrics.jsonl").exists()
-        return Row("nproc=64 device=cpu on this host", f"exit {job.returncode} in {job.seconds:.1f} s: `{job.line[:110]}...`", job.returncode == 2 and not started, "no rank started")
+        return Row("nproc=64 device=cpu on this host", f"exit {job.returncode} in {job.seconds:.1f} s: {code(job.line, 160)}", job.returncode == 2 and not started, "no rank started")
 
     def token_file(self) -> Row:
         text = self.root / "corpus.txt"
         text.write_text("plain text, not token ids\n" * 50)
         job = run(self.root / "tokens" / "run", "nproc=2", "logger=none", "data=tokens", f"data.path={text}")
-        one_line = len(job.stderr.strip().splitlines()) == 1
+        one_line = len(job.lines) == 1
         line = job.line.replace(str(text), "corpus.txt")
-        return Row("a text file as data.path", f"exit {job.returncode}: `{line[:90]}...`", job.returncode == 2 and one_line, "refused before any rank started")
+        return Row("a text file as data.path", f"exit {job.returncode}: {code(line, 90)}", job.returncode == 2 and one_line, "refused before any rank started")
 
     def broken_save(self) -> Row:
         day = self.day("broken")
@@ -216,7 +226,7 @@ class Drills:
         resumed = run(day / "t2", *SAVING, "resume=true")
         skipped = next((line for line in resumed.stdout.splitlines() if line.startswith("resume: skipping")), "")
         equal = job.losses == self.reference and all_whole(job.out_dir)
-        reported = f"`{skipped.replace(str(newest.parent), '...')}`, then resumed from step {save_step(list_saves(job.out_dir)[-2])}"
+        reported = f"{code(skipped.replace(str(newest.parent), '...'), 120)}, then resumed from step {save_step(list_saves(job.out_dir)[-2])}"
         return Row("a truncated shard in the newest save", reported, equal and bool(skipped), "losses after the resume bitwise equal; every save whole")
 
     def unwritable_save(self) -> Row:
@@ -234,7 +244,7 @@ class Drills:
             job = run(out_dir, *SAVING)
             kept = saves(out_dir)
             ok = job.summary.get("status") == "crashed" and kept == [4] and all_whole(out_dir) and "SaveError" in job.line
-            return Row(f"a save that cannot be written: {what}", f"exit {job.returncode}, crashed: `{job.line.split('SaveError: ')[-1][:100]}...`", ok, f"saves left {kept}, whole")
+            return Row(f"a save that cannot be written: {what}", f"exit {job.returncode}, crashed: {code(job.line.split('SaveError: ')[-1], 140)}", ok, f"saves left {kept}, whole")
         finally:
             if full is not None:
                 subprocess.run(["umount", str(full)], check=False)
@@ -247,13 +257,13 @@ class Drills:
 
         job = run_and_do(self.root / "wandb" / "run", *NO_SAVE[:-1], "logger=wandb", at_step=3, action=kill_service)
         steps = len(job.losses)
-        ok = job.returncode == 0 and job.summary.get("status") == "ok" and steps == STEPS and len(job.stderr.strip().splitlines()) == 1
-        return Row("W&B's service killed mid-run", f"exit {job.returncode}, ok, one line: `{job.line[:60]}...`", ok, f"metrics.jsonl has all {steps} steps, summary.json ok")
+        ok = job.returncode == 0 and job.summary.get("status") == "ok" and steps == STEPS and len(job.lines) == 1
+        return Row("W&B's service killed mid-run", f"exit {job.returncode}, ok, one line: {code(job.line, 100)}", ok, f"metrics.jsonl has all {steps} steps, summary.json ok")
 
     def rank_killed(self) -> Row:
         day = self.day("kill")
         job = run(day / "t1", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1")
-        reported = f"exit {job.returncode}, {job.summary.get('status')}: `{job.line[:70]}`"
+        reported = f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line, 90)}"
         equal, how = self.resumed_equal(job, day)
         return Row("rank 1 SIGKILLed at step 7", reported, equal and job.summary.get("status") == "crashed", how)
 
@@ -281,7 +291,7 @@ class Drills:
         job = run(self.root / "nan" / "run", *SAVING, "fault.kind=nan_loss", "fault.step=6", "fault.rank=1")
         kept = saves(job.out_dir)
         ok = job.summary.get("status") == "diverged" and kept == [4, 5] and job.losses == self.reference[:5]
-        return Row("NaN loss on rank 1 at step 6", f"exit {job.returncode}, {job.summary.get('status')}: `{job.line[7:60]}...`", ok, f"the last good step saved: saves {kept}")
+        return Row("NaN loss on rank 1 at step 6", f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line.removeprefix('error: '), 90)}", ok, f"the last good step saved: saves {kept}")
 
 
 def mount_small_tmpfs(path: Path, megabytes: int) -> Path | None:
