@@ -263,16 +263,17 @@ class Drills:
     def rank_killed(self) -> Row:
         day = self.day("kill")
         job = run(day / "t1", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1")
-        reported = f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line, 90)}"
+        status = job.summary.get("status")  # before the resume rewrites summary.json
         equal, how = self.resumed_equal(job, day)
-        return Row("rank 1 SIGKILLed at step 7", reported, equal and job.summary.get("status") == "crashed", how)
+        return Row("rank 1 SIGKILLed at step 7", f"exit {job.returncode}, {status}: {code(job.line, 90)}", equal and status == "crashed", how)
 
     def kill_during_save(self) -> Row:
         day = self.day("killsave")
         job = run(day / "t1", *SAVING, "fault.kind=kill_during_save", "fault.step=8", "fault.rank=0")
-        kept = saves(job.out_dir)
+        kept, status = saves(job.out_dir), job.summary.get("status")  # before the resume
         equal, how = self.resumed_equal(job, day)
-        return Row("rank 0 SIGKILLed inside the step-8 save", f"exit {job.returncode}, {job.summary.get('status')}, saves left {kept}", equal and kept == [4], how)
+        ok = equal and kept == [4] and status == "crashed"
+        return Row("rank 0 SIGKILLed inside the step-8 save", f"exit {job.returncode}, {status}, saves left {kept}", ok, how)
 
     def elastic_restart(self) -> Row:
         job = run(self.root / "restart" / "run", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1", "max_restarts=1")
