@@ -67,8 +67,8 @@ class Job:
 
     @property
     def lines(self) -> list[str]:
-        """The job's own stderr lines (torch profiler's kineto lines, `USDT: ...`, from profiled steps left out)."""
-        return [line for line in self.stderr.splitlines() if line.strip() and not line.startswith("USDT:")]
+        """Every non-blank stderr line."""
+        return [line for line in self.stderr.splitlines() if line.strip()]
 
     @property
     def line(self) -> str:

@@ -210,6 +210,9 @@ class CommProbe:
     def _profile(self) -> Iterator[None]:
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto prints `USDT: ... profiler_start/stop` on stderr for every profiled step; level 6
+        # (above its highest, USDT = 5) keeps a job's console to its own lines. A user's setting wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()

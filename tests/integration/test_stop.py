@@ -81,9 +81,8 @@ def signal_job(out_dir: Path, *overrides: str, sig: signal.Signals, group: bool,
 
 
 def error_lines(stderr: str) -> list[str]:
-    """The job's own stderr lines: the profiled steps' kineto lines (`USDT: ... profiler_start`), which
-    torch's profiler prints from the ranks, are left out."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("USDT:")]
+    """Every non-blank stderr line (the profiler's kineto lines are silenced at the source, trainer/comm.py)."""
+    return [line for line in stderr.splitlines() if line.strip()]
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
