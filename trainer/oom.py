@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import resource
+import math
 import signal
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -114,6 +116,7 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
             "rank": rank,
             "oom": is_out_of_memory(err),
             "message": one_line(err),
+            "time": time.time(),  # torch's failure timestamps are whole seconds; see explain()
             "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
         }
         path.parent.mkdir(exist_ok=True)
@@ -134,7 +137,7 @@ def read_failures(out_dir: Path) -> dict[int, dict[str, Any]]:
 
 def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: bool) -> dict[str, Any] | None:
     """The record that explains a failed job: any rank's out-of-memory record first (its peers then
-    fail on a broken connection, sometimes earlier), else the first failed rank's own record.
+    fail on a broken connection, sometimes earlier), else the earliest record of a rank that raised.
 
     A rank killed by SIGKILL while a memory cap is set was the kernel's OOM killer's: out of
     memory, at an unknown step and phase.
@@ -145,4 +148,8 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
         return oom[0]
     if capped and exitcodes.get(first_rank) == -signal.SIGKILL:
         return {"rank": first_rank, "step": None, "phase": None, "oom": True, "message": "killed by SIGKILL (the kernel's OOM killer)"}
-    return records.get(first_rank)
+    if first_rank not in records:  # killed by a signal: the launcher's own account names it
+        return None
+    # torch orders failures by whole-second timestamps, so a peer that failed on the broken
+    # connection in the same second can be named first; the records' own clock says who began it.
+    return min(records.values(), key=lambda record: record.get("time", math.inf))

@@ -279,6 +279,20 @@ def test_an_oom_record_explains_the_job_before_the_first_failed_rank(tmp_path: P
     assert record is not None and (record["rank"], record["step"], record["phase"], record["oom"]) == (1, 2, "forward", True)
 
 
+def test_the_rank_that_raised_first_explains_the_job_when_torch_names_its_peer(tmp_path: Path) -> None:
+    """Rank 1 raised; rank 0 then failed on the closed connection in the same second, and torch's
+    whole-second timestamps name rank 0 first: the records' own clock names rank 1."""
+    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
+        mark_phase(2, "forward")
+        raise RuntimeError("injected fault at step 2")
+    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=0):
+        mark_phase(2, "backward")
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:53149")
+    record = explain(first_rank=0, exitcodes={0: 1, 1: 1}, out_dir=tmp_path, capped=False)
+    assert record is not None and (record["rank"], record["step"], record["phase"]) == (1, 2, "forward")
+    assert record["message"] == "RuntimeError: injected fault at step 2"
+
+
 def test_a_sigkill_is_oom_only_under_a_memory_cap(tmp_path: Path) -> None:
     exitcodes = {1: -signal.SIGKILL}
     record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
