@@ -26,7 +26,6 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dry_run_produces_every_row_and_passes(tmp_path: Path) -> None:
     start, cpu_before = time.perf_counter(), children_cpu_s()
