@@ -158,7 +158,7 @@ def register_resolvers() -> None:
 def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
     """A preempted point's overrides for its requeued run: resume from its own run directory's newest
     save (and so continue that directory and W&B run); unchanged when it had saved nothing."""
-    from trainer.checkpoint import latest_save
+    from trainer.save import latest_save
 
     if run_dir is None or latest_save(run_dir) is None:
         return list(overrides)

@@ -81,7 +81,7 @@ class DeviceKind(str, Enum):
 # `raise` is a keyword, so this Enum is built from a mapping rather than a class body.
 NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
 
-# Accelerators whose memory the plan knows (trainer/plan.py ACCELERATOR_MIB); names carry a
+# Accelerators whose memory the plan knows (trainer/plan/build.py ACCELERATOR_MIB); names carry a
 # dash, so this Enum too is built from a mapping.
 Accelerator = Enum("Accelerator", {name: name for name in ("a100-40gb", "a100-80gb", "h100", "h200")}, type=str)
 
@@ -349,7 +349,7 @@ class TelemetryConfig:
 
 @dataclass
 class PlanConfig:
-    """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan.py)."""
+    """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan)."""
 
     enforce: bool = True
     """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""
@@ -403,7 +403,7 @@ class TrainConfig:
     """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
     fail_fast: bool = False
     """Multirun: stop the sweep (exit 1) at the first point that does not end `ok`; false records it and goes on."""
-    log_every: int = 1
+    log_every: int = 10
     """Optimizer steps between log lines (each one gathers every rank's figures)."""
     nodes: int = 1
     """Hosts the job spans, `nproc` ranks on each (trainer/cluster.py); the world size is nodes * nproc."""

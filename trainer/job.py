@@ -12,21 +12,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
 from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
 from trainer.oom import failure_path
-from trainer.plan import build_plan, planned_device_kind, planned_world_size, write_plan
+from trainer.plan import RANK_FIGURES, build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.plan_table import format_plan
+from trainer.resume import count_restarts, prepare_resume, resolve_resume
 from trainer.sharding import check_device_support
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
+
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -38,12 +38,12 @@ def run_job(cfg: DictConfig) -> None:
     try:
         config = validate(cfg)
         if config.mode == Mode.plan:  # plans for any device and world size: nothing checked against this host
-            device_kind = planned_device_kind(config)
-            nproc = planned_world_size(config, device_kind)
+            device_kind = planned_device_kind(config.plan, config.device)
+            nproc = planned_world_size(config.nproc, device_kind)
         else:
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
-            check_device_support(config, device_kind)
+            check_device_support(config.zero, device_kind)
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
         if config.mode == Mode.train and not is_under_torchrun():
@@ -54,42 +54,35 @@ def run_job(cfg: DictConfig) -> None:
     if is_under_torchrun():
         run_under_torchrun(config, device_kind)
         return
-    # Plan before launching (trainer/plan.py): the table and plan.json for every job, and a
+    # Plan before launching (trainer/plan): the table and plan.json for every job, and a
     # refusal of what cannot fit, recorded as status `refused` without starting a rank.
     refusal, meta = plan_job(config, out_dir, device_kind, world_size)
     if config.mode == Mode.plan:
         return
     if refusal is not None:  # every node plans and refuses alike: none waits at the rendezvous for another
-        if config.node_rank == 0:
-            write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
-        fail(f"error: {refusal}", code=2)
+        end_job(config, out_dir, "refused", {"reason": refusal}, meta, record=config.node_rank == 0)
         return
     if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
-        status, extra = train_ranks(config, out_dir, device_kind, nproc)
-        if status != "ok":
-            fail(f"error: {extra['error']}", code=1)
+        status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta))
+        end_job(config, out_dir, status, extra, meta, record=False)
         return
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died.
-    with open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
+    with open_logger(config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume) as logger:
         with logger.follow(out_dir / "metrics.jsonl"):
-            status, extra = train_ranks(config, out_dir, device_kind, nproc)
-        records = read_metrics(out_dir)
-        summary = build_summary(
-            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
-        )
-        write_summary(out_dir, summary)
+            status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta))
+        summary = end_summary(config, out_dir, status, extra, meta)
         logger.finish(summary)
-    report_end(summary, out_dir)
-    if status != "ok":
-        fail(f"error: {extra['error']}", code=1)
+    end_job(config, out_dir, status, extra, meta, summary)
 
 
-def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int) -> tuple[str, dict[str, Any]]:
+def train_ranks(
+    config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, predicted: dict[str, float]
+) -> tuple[str, dict[str, Any]]:
     """Run this node's ranks; a rank's death is a status to record, not an exception to propagate."""
     restarts_before = count_restarts(out_dir)
     try:
-        result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts)
+        result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts, predicted)
     except RankFailure as own:
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
@@ -97,23 +90,21 @@ def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return "oom" if failure.oom else "crashed", {"error": error, **where}
-    restarts = {"restarts": count_restarts(out_dir) - restarts_before}
-    if result is not None and result.get("status") == "diverged":  # the non-finite policy stopped it
-        return "diverged", {"error": result["error"], **restarts}
-    return "ok", restarts
+    status, extra = ranks_outcome(result)
+    return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
 
 
-def prepare_resume(config: TrainConfig, out_dir: Path, world_size: int) -> tuple[TrainConfig, Path]:
-    """Resolve `resume` to a save and the directory to write to (checkpoint.resolve_resume); refuse,
-    before any rank starts, a save whose global batch differs from this run's."""
-    resume, run_dir = resolve_resume(config, out_dir)
-    if resume != "false":
-        saved = read_progress(Path(resume))
-        check_global_batch(saved["global_batch"], config, world_size, Path(resume))
-        rewind_metrics(run_dir, saved["step"])  # before the W&B feeder starts reading it
-        where = f"; continuing in {run_dir}" if run_dir != out_dir else ""
-        print(f"resume: from step {saved['step']} of {resume}{where}", flush=True)
-    return dataclasses.replace(config, resume=resume), run_dir
+def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
+    """The plan's figures the ranks write beside their measurements (plan.RANK_FIGURES): handed
+    to them, so that no rank plans again."""
+    return {key: meta[key] for key in RANK_FIGURES if key in meta}
+
+
+def ranks_outcome(result: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """ok, or diverged with its line when the non-finite policy stopped the ranks (trainer/launch.py rank_main)."""
+    if result is not None and result.get("status") == "diverged":
+        return "diverged", {"error": result["error"]}
+    return "ok", {}
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
@@ -121,7 +112,9 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
 
     `${now:}` and sweep order can differ between ranks, so rank 0's choices are broadcast:
     the config, the directory, and the plan's verdict (free host memory differs between hosts,
-    so only rank 0 plans and every rank follows it).
+    so only rank 0 plans and every rank follows it). The job then ends as a launched one does
+    (end_job), written by rank 0; there is no W&B here: every process is a rank, and ranks
+    never import wandb.
     """
     import torch.distributed as dist
 
@@ -137,26 +130,21 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     plain, out_dir, refusal, meta = shared
     Path(out_dir).mkdir(parents=True, exist_ok=True)  # other hosts may not share rank 0's file system
     if refusal is not None:
-        if world.is_main:
-            write_summary(Path(out_dir), build_summary("refused", [], config.steps, reason=refusal, **meta))
-        fail(f"error: {refusal}" if world.is_main else "", code=2)
+        end_job(config, Path(out_dir), "refused", {"reason": refusal}, meta, record=world.is_main, speak=world.is_main)
         return
+    predicted = rank_predictions(meta)
     if not world.is_main:  # only global rank 0's process owns the W&B run: the other ranks never import wandb
-        rank_main(plain, out_dir, device_kind)
+        status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted))
+        end_job(config, Path(out_dir), status, extra, meta, record=False, speak=False)
         return
     # Rank 0's process plays the job process's part: it feeds the W&B run from metrics.jsonl (a
     # thread beside its training) and ends it with the job's status.
-    with open_logger(config, Path(out_dir), meta, name=run_name(), group=run_group()) as logger:
+    with open_logger(config.logger, Path(out_dir), meta, run_name(), run_group(), config.zero.stage.value, config.resume) as logger:
         with logger.follow(Path(out_dir) / "metrics.jsonl"):
-            result = rank_main(plain, out_dir, device_kind)
-        status = "diverged" if result is not None and result.get("status") == "diverged" else "ok"
-        records = read_metrics(Path(out_dir))
-        summary = build_summary(
-            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **nonfinite_summary(records), **meta
-        )
-        write_summary(Path(out_dir), summary)
+            status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted))
+        summary = end_summary(config, Path(out_dir), status, extra, meta)
         logger.finish(summary)
-    report_end(summary, Path(out_dir))
+    end_job(config, Path(out_dir), status, extra, meta, summary)
 
 
 def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:
@@ -176,6 +164,45 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
         print("warning: plan.enforce=false, trying anyway", flush=True)
         return None, meta
     return refusal, meta
+
+
+# ----------------------------------------------------------------------------- how a job ends
+
+
+def end_summary(config: TrainConfig, out_dir: Path, status: str, extra: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write summary.json: the status, the figures of metrics.jsonl (none when refused), `extra`
+    (the error or the refusal, where a rank failed, restarts) and the provenance and plan."""
+    records = [] if status == "refused" else read_metrics(out_dir)
+    summary = build_summary(
+        status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
+    )
+    write_summary(out_dir, summary)
+    return summary
+
+
+def end_job(
+    config: TrainConfig,
+    out_dir: Path,
+    status: str,
+    extra: dict[str, Any],
+    meta: dict[str, Any],
+    summary: dict[str, Any] | None = None,
+    record: bool = True,
+    speak: bool = True,
+) -> None:
+    """How every job ends, launched here, on another node of a multi-node job, or joined under
+    torchrun: summary.json (unless the logger's end wrote it already) and the end-of-run account
+    where the job is recorded (`record`: node 0, torchrun's rank 0), one error line where someone
+    reads it (`speak`: every node; under torchrun rank 0 only, its ranks share one console), and
+    the exit status everywhere (0 ok, 2 refused before any rank started, 1 any other ending)."""
+    if record:
+        summary = summary or end_summary(config, out_dir, status, extra, meta)
+        if status != "refused":
+            report_end(summary, out_dir)
+    if status == "refused":
+        fail(f"error: {extra['reason']}" if speak else "", code=2)
+    elif status != "ok":
+        fail(f"error: {extra['error']}" if speak else "", code=1)
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.comm import enable_recording
 from trainer.config import from_plain
+from trainer.errors import first_line
 from trainer.oom import apply_memory_cap, explain, recording_failures
 from trainer.world import init_world, shutdown_world
 
@@ -42,8 +43,8 @@ class RankFailure(Exception):
 
 
 @record
-def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str, Any] | None:
-    """The entry point of every rank: plain config in, rank 0's final figures out."""
+def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]) -> dict[str, Any] | None:
+    """The entry point of every rank: plain config and the job's plan figures in, rank 0's final figures out."""
     from trainer.loop import train  # imported in the rank: the job process never builds a model
     from trainer.nonfinite import NonFiniteError
 
@@ -53,7 +54,7 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
         try:
-            result = train(config, world, Path(out_dir))
+            result = train(config, world, Path(out_dir), predicted)
         except NonFiniteError as err:
             # Every rank stops here together (they agreed), so this is an ending, not a crash: no
             # traceback, no elastic restart; the job records status `diverged` with this line.
@@ -64,7 +65,9 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     return result
 
 
-def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int) -> dict[str, Any] | None:
+def launch_local(
+    plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int, predicted: dict[str, float]
+) -> dict[str, Any] | None:
     """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
     returns the lowest local rank's result or raises RankFailure."""
     nodes = plain["nodes"]
@@ -94,7 +97,7 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
     # store instead. Without restarts the shared store (no port race) stays.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
     try:
-        results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind)
+        results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:
         failure = with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None)
         raise dataclasses.replace(failure, node=plain["node_rank"]) if nodes > 1 else failure from None
@@ -126,10 +129,3 @@ def first_failure(err: ChildFailedError) -> RankFailure:
         cause = first_line(failure.message) or f"exit code {failure.exitcode}"
     return RankFailure(rank=rank, exitcode=failure.exitcode, cause=cause)
 
-
-def first_line(message: Any) -> str:
-    """The exception line of a recorded error (`message` is a dict or a string by torch version)."""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""

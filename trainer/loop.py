@@ -5,18 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.amp import GradScaler
 
 from trainer.activation_checkpointing import apply_activation_checkpointing
-from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
-from trainer.config import FaultKind, TrainConfig
+from trainer.config import FaultConfig, FaultKind, TrainConfig
 from trainer.data import build_batches
 from trainer.memory import next_micro_batch
 from trainer.metrics import Meter, StepStats
@@ -25,53 +22,51 @@ from trainer.nonfinite import NonFiniteError, NonFiniteGuard, find_nonfinite
 from trainer.oom import mark_phase
 from trainer.optim import build_optimizer, build_scheduler, clip_gradients
 from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.resume import resume_training
+from trainer.save import Progress, SaveSpec, first_attempt, save_last_good, save_training_state, should_save
 from trainer.sharding import apply_zero, gradient_sync
+from trainer.trainee import Trainee
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class Trainee:
-    """What one rank trains with, built once."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: GradScaler
-
-
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
-    model = apply_zero(model, config, world)  # shard, then materialise only this rank's part
+    model = apply_zero(model, config.zero, config.precision, config.offload, world, config.seed)  # shard, then materialise only this rank's part
     optimizer = build_optimizer(model, config.optim, config.zero)
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     return Trainee(model, optimizer, scheduler, scaler)
 
 
-def train(config: TrainConfig, world: World, out_dir: Path) -> dict[str, Any] | None:
-    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures."""
+def train(config: TrainConfig, world: World, out_dir: Path, predicted: dict[str, float]) -> dict[str, Any] | None:
+    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures.
+
+    `predicted` holds the job's plan figures (trainer/job.py rank_predictions), written beside
+    what the ranks measure.
+    """
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
-    start = resume_training(trainee, config, world, out_dir)  # step 0 unless resuming or restarted
+    spec = SaveSpec.of(config)
+    start = resume_training(trainee, spec, config.resume, world, out_dir)  # step 0 unless resuming or restarted
     batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
-    meter = Meter(config, world, out_dir, flops_per_token=flops_per_token(config.model, config.seq_len))
+    meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
-    guard = NonFiniteGuard(config, world, skipped=start.nonfinite_skipped)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, skipped=start.nonfinite_skipped)
     for step in range(start.step + 1, config.steps + 1):
         try:
             with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard)
         except NonFiniteError:  # every rank raises together: they agreed in train_step
-            save_last_good(trainee, config, world, out_dir, progress(step - 1, guard, meter))
+            save_last_good(trainee, spec, world, out_dir, progress(step - 1, guard, meter))
             raise
         meter.update(step, stats)  # device tensors, no sync
         if meter.should_log(step):
             meter.log(step, trainee.model, trainee.optimizer)  # the one sync point: gathers every rank
-        if should_save(config, step):
-            save_training_state(trainee, config, world, out_dir, progress(step, guard, meter))
+        if should_save(config.save, config.steps, step):
+            save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
     return meter.finish()
 
 
@@ -96,7 +91,7 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
         is_last = micro == config.grad_accum - 1
         with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
-            loss = inject_fault(cross_entropy(model(inputs), targets), config, world, step, is_last)
+            loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
             loss_sum += loss.detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
@@ -137,9 +132,8 @@ def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool
     return sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) > 0
 
 
-def inject_fault(loss: torch.Tensor, config: TrainConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
+def inject_fault(loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
-    fault = config.fault
     if fault.kind in (FaultKind.none, FaultKind.kill_during_save) or fault.step != step or fault.rank != world.rank:
         return loss
     if not is_last or not first_attempt():  # a fault rehearses one failure, not one per restart

@@ -18,13 +18,13 @@ from torch.distributed.tensor import DTensor
 from trainer.comm import CommProbe, comm_fields
 from trainer.comm import FIELDS as COMM_FIELDS
 from trainer.config import DType, PrecisionConfig, TrainConfig
-from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_optimizer
+from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.nonfinite import SKIPPED_KEY
-from trainer.plan import predicted_peak_bytes
-from trainer.plan_comm import plan_comm
+from trainer.optim import local_optimizer
+from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
+from trainer.units import GIB
 from trainer.world import World
 
-GIB = 2**30
 BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
 
 # Dense (no sparsity) peak TFLOPS of one device, from the vendors' datasheets, per matmul input
@@ -65,7 +65,9 @@ class Meter:
     process turns it into W&B history and summary.json.
     """
 
-    def __init__(self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float) -> None:
+    def __init__(
+        self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float, predicted: dict[str, float]
+    ) -> None:
         self.config, self.world = config, world
         self.tokens_per_step = config.global_batch(world.world_size) * config.seq_len
         self.flops_per_token = flops_per_token
@@ -77,9 +79,9 @@ class Meter:
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
         self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
-        # The plan's worst-rank peak, next to the measured one in every record (rank 0 writes them).
-        self.predicted_peak_gib = predicted_peak_bytes(config, world.world_size) / GIB if telemetry.enabled and world.is_main else None
-        self.predicted_comm = plan_comm(config, world.world_size).total if telemetry.enabled and world.is_main else None
+        # The job's plan (trainer/job.py rank_predictions), next to what is measured in every record (rank 0 writes them).
+        self.predicted_peak_gib = predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
+        self.predicted_comm = predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
         self._open_window()
 
     def _open_window(self) -> None:

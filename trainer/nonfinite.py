@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainConfig
+from trainer.config import NonFinitePolicy
 from trainer.world import World
 
 SKIPPED_KEY = "train/nonfinite_skipped"
@@ -72,10 +72,10 @@ def find_nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor, step: int, world
 class NonFiniteGuard:
     """Applies the policy: counts skipped steps, decides when to stop."""
 
-    def __init__(self, config: TrainConfig, world: World, skipped: int = 0) -> None:
+    def __init__(self, policy: NonFinitePolicy, max_in_a_row: int, world: World, skipped: int = 0) -> None:  # type: ignore[valid-type]
         self.is_main = world.is_main
-        self.skip = config.nonfinite.value == "skip"
-        self.max_in_a_row = config.max_nonfinite_skips
+        self.skip = policy.value == "skip"
+        self.max_in_a_row = max_in_a_row
         self.skipped = skipped
         """Cumulative skipped steps (carried across resumes by the save)."""
         self.in_a_row = 0

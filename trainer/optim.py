@@ -21,6 +21,16 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig) -> t
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
+
+    `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
+    the model: what tensor tracking (trainer/memory.py), the state-bytes figures
+    (trainer/metrics.py) and DCP's state-dict helpers (trainer/save.py) can name and measure.
+    """
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
 def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
     """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step (step is 0-based)."""
     if step < optim.warmup_steps:

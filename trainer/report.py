@@ -37,6 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from trainer.jsonl import read_jsonl  # noqa: E402
 from trainer.loggers import sweep_group  # noqa: E402
 
 COLUMNS = [
@@ -141,17 +142,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSONL file: a rank killed while writing can leave half a line."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
 def swept_keys(points: list[Point]) -> list[str]:
     """The override keys whose value differs between points, in the order they were given."""
     keys = list(dict.fromkeys(key for point in points for key in point.settings))
@@ -197,7 +187,7 @@ def predicted_peak_gib(point: Point) -> float | None:
 
 
 def predicted_comm_bytes(point: Point) -> int | None:
-    """The plan's bytes per rank per step (trainer/plan_comm.py): in the summary, else in plan.json."""
+    """The plan's bytes per rank per step (trainer/plan/comm.py): in the summary, else in plan.json."""
     if "comm/predicted_bytes_per_step" in point.summary:
         return point.summary["comm/predicted_bytes_per_step"]
     return (point.plan.get("comm") or {}).get("bytes_per_step") if point.plan is not None else None
@@ -624,6 +614,17 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.compare import main as compare_main
 
     compare_main(argv)
+
+
+def write_sweep_report(sweep_dir: Path) -> Report:
+    """The end-of-sweep report: the memory plan's fit table of every point (plan_table.md, printed
+    here) and the report of how each point ran (report.md, results.csv, charts; the caller prints
+    its summary_line)."""
+    from trainer.plan.table import write_fit_table
+
+    if (fit_table := write_fit_table(sweep_dir)) is not None:
+        print(fit_table, flush=True)
+    return write_report(sweep_dir)
 
 
 def summary_line(report: Report) -> str:

@@ -8,9 +8,10 @@ the process that runs `python -m trainer` (the ranks never see it):
   the same second would share it. The callback creates the directory atomically and, when it
   exists already, takes `<dir>_1`, `<dir>_2`, ... instead.
 - on_job_end: with `fail_fast=true`, the first point that does not end `ok` stops the sweep
-  (exit status 1) after writing the report of the points so far.
-- on_multirun_end: the sweep report (trainer/report.py) with its W&B Report, and with logger=wandb
-  its W&B run (online: the W&B Report saved, its URL in report.md).
+  (exit status 1) after writing the end-of-sweep report of the points so far.
+- on_multirun_end: the end-of-sweep report (trainer/report.py write_sweep_report: the memory
+  plan's fit table and how each point ran) with its W&B Report, and with logger=wandb its W&B
+  run (online: the W&B Report saved, its URL in report.md).
 
 `finished_ok` is the job's check (trainer/job.py) that lets a re-run of a sweep into the same
 directory (`hydra.sweep.dir=<dir>`) skip the points that already ended `ok`.
@@ -104,17 +105,16 @@ class SweepCallback(Callback):
         # No summary.json and no exception: a mode=plan point, which ends without one.
         if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
             return
-        from trainer.report import summary_line, write_report
+        from trainer.report import summary_line, write_sweep_report
 
-        sweep_dir = Path(config.hydra.sweep.dir)
-        report = write_report(sweep_dir)
+        report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
         print(f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here", file=sys.stderr, flush=True)
         raise SystemExit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer.report import mirror_to_wandb, summary_line, write_report
+        from trainer.report import mirror_to_wandb, summary_line, write_sweep_report
 
-        report = write_report(Path(config.hydra.sweep.dir))
+        report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
         mirror_to_wandb(report)  # with logger=wandb; failures are warnings, the local report is complete

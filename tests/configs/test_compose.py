@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
-from trainer.config import TrainConfig, register_configs, validate
+from trainer.config import TrainConfig, register_configs, to_plain, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["model", "precision", "zero", "checkpointing", "offload", "dataloader", "data", "optim", "save", "logger"]
@@ -68,3 +69,11 @@ def test_defaults_are_the_documented_ones() -> None:
     config = compose_config([])
     assert (config.model.name, config.zero.stage.value, config.precision.name) == ("tiny", "stage0", "fp32")
     assert config.nproc == "auto" and config.device.value == "auto" and config.mode.value == "train"
+
+
+def test_composed_defaults_are_the_schemas() -> None:
+    """Each default lives in one place, the schema: conf/train.yaml only picks the groups' options
+    (and Hydra's settings), and each group's default option leaves the schema's values alone."""
+    train_yaml = OmegaConf.load(CONF / "train.yaml")
+    assert set(train_yaml.keys()) == {"defaults", "hydra"}
+    assert to_plain(compose_config([])) == to_plain(TrainConfig())

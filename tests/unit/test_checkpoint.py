@@ -1,4 +1,4 @@
-"""trainer/checkpoint.py (and the non-finite policy of trainer/nonfinite.py) in one process, on CPU.
+"""trainer/save.py and trainer/resume.py (and the non-finite policy of trainer/nonfinite.py) in one process, on CPU.
 
 The DCP round trips run a real single-rank gloo process group; multi-rank saves, kills and
 resharding are in tests/integration/test_resume.py.
@@ -18,25 +18,26 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from trainer.checkpoint import (
+from trainer.config import ConfigError, TrainConfig, from_plain, to_plain
+from trainer.data import build_batches
+from trainer.loop import build_trainee, train_step
+from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, find_nonfinite
+from trainer.optim import local_optimizer
+from trainer.resume import resolve_resume, rewind_metrics
+from trainer.save import (
     Progress,
+    SaveSpec,
     check_global_batch,
-    inner_optimizer,
     latest_save,
     list_saves,
     load_training_state,
     prune,
     read_progress,
-    resolve_resume,
-    rewind_metrics,
     save_training_state,
     saved_keys,
     should_save,
 )
-from trainer.config import ConfigError, TrainConfig, from_plain, to_plain
-from trainer.data import build_batches
-from trainer.loop import Trainee, build_trainee, train_step
-from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, find_nonfinite
+from trainer.trainee import Trainee
 from trainer.world import World
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -61,8 +62,9 @@ def tiny_config(**overrides: object) -> TrainConfig:
 
 
 def test_saves_every_n_steps_and_at_the_last() -> None:
-    assert [s for s in range(1, 11) if should_save(tiny_config(steps=10, save__every=4), s)] == [4, 8, 10]
-    assert [s for s in range(1, 11) if should_save(tiny_config(steps=10, save__every=0), s)] == []
+    every_4, never = tiny_config(steps=10, save__every=4), tiny_config(steps=10, save__every=0)
+    assert [s for s in range(1, 11) if should_save(every_4.save, every_4.steps, s)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if should_save(never.save, never.steps, s)] == []
 
 
 def fake_save(run_dir: Path, step: int, complete: bool = True, tmp: bool = False) -> Path:
@@ -143,7 +145,7 @@ def test_resume_a_path_to_a_run_or_to_a_save(tmp_path: Path) -> None:
 
 def test_a_different_global_batch_is_refused_naming_the_keys() -> None:
     with pytest.raises(ConfigError, match=r"global batch of 8 sequences; this run has 4 \(micro_batch=2 x grad_accum=1 x 2 ranks\)"):
-        check_global_batch(8, tiny_config(), 2, Path("save"))
+        check_global_batch(8, SaveSpec.of(tiny_config()), 2, Path("save"))
 
 
 # ----------------------------------------------------------------------------- real DCP round trips, one rank
@@ -162,14 +164,14 @@ def process_group() -> Iterator[None]:
 
 def run_steps(trainee: Trainee, config: TrainConfig, first: int, last: int) -> list[float]:
     batches = build_batches(config, 0, 1, start_step=first - 1)
-    guard = NonFiniteGuard(config, WORLD)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD)
     return [train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(first, last + 1)]
 
 
 def full_state(trainee: Trainee) -> dict[str, torch.Tensor]:
     """Model and optimizer tensors by canonical name, as plain local tensors."""
     model = get_model_state_dict(trainee.model)
-    optim = get_optimizer_state_dict(trainee.model, inner_optimizer(trainee.optimizer))
+    optim = get_optimizer_state_dict(trainee.model, local_optimizer(trainee.optimizer))
     tensors = {f"model.{k}": v for k, v in model.items()}
     tensors |= {f"optim.{fqn}.{k}": v for fqn, state in optim["state"].items() for k, v in state.items()}
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in tensors.items()}
@@ -181,18 +183,18 @@ def test_a_save_restores_every_tensor_and_the_next_loss_bitwise(process_group: N
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
     run_steps(trainee, config, 1, 2)
-    save_training_state(trainee, config, WORLD, tmp_path, Progress(step=2, nonfinite_skipped=1))
+    save_training_state(trainee, SaveSpec.of(config), WORLD, tmp_path, Progress(step=2, nonfinite_skipped=1))
     saved, lr = full_state(trainee), trainee.scheduler.get_last_lr()
     expected = run_steps(trainee, config, 3, 4)
 
     torch.manual_seed(config.seed + 1)  # a different init: everything must come from the save
     fresh = build_trainee(config, WORLD)
-    progress = load_training_state(fresh, config, WORLD, tmp_path / "checkpoints" / "step_00000002")
+    progress = load_training_state(fresh, SaveSpec.of(config), WORLD, tmp_path / "checkpoints" / "step_00000002")
     assert (progress.step, progress.nonfinite_skipped) == (2, 1)
     restored = full_state(fresh)
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
-    assert fresh.scheduler.get_last_lr() == lr and inner_optimizer(fresh.optimizer).param_groups[0]["lr"] == lr[0]
+    assert fresh.scheduler.get_last_lr() == lr and local_optimizer(fresh.optimizer).param_groups[0]["lr"] == lr[0]
     assert run_steps(fresh, config, 3, 4) == expected
 
 
@@ -202,7 +204,7 @@ def test_names_in_a_save_do_not_depend_on_the_stage(process_group: None, tmp_pat
         config = tiny_config(zero__stage=stage)
         trainee = build_trainee(config, WORLD)
         run_steps(trainee, config, 1, 1)
-        save_training_state(trainee, config, WORLD, tmp_path / stage, Progress(step=1))
+        save_training_state(trainee, SaveSpec.of(config), WORLD, tmp_path / stage, Progress(step=1))
         keys[stage] = {k for k in saved_keys(tmp_path / stage / "checkpoints" / "step_00000001") if k.startswith(("model.", "optim."))}
         assert read_progress(tmp_path / stage / "checkpoints" / "step_00000001")["stage"] == stage
     assert keys["stage0"] == keys["stage1"] == keys["stage3"]
@@ -214,10 +216,10 @@ def test_fp16_scale_round_trips_and_the_configured_factors_stay(process_group: N
     config = tiny_config(**fp16, fault__kind="inf_grad", fault__step=2)
     trainee = build_trainee(config, WORLD)
     run_steps(trainee, config, 1, 2)  # step 2 overflows: the scale backs off to 512
-    save_training_state(trainee, config, WORLD, tmp_path, Progress(step=2))
+    save_training_state(trainee, SaveSpec.of(config), WORLD, tmp_path, Progress(step=2))
     other = tiny_config(**fp16, precision__backoff_factor=0.25)
     fresh = build_trainee(other, WORLD)
-    load_training_state(fresh, other, WORLD, tmp_path / "checkpoints" / "step_00000002")
+    load_training_state(fresh, SaveSpec.of(other), WORLD, tmp_path / "checkpoints" / "step_00000002")
     assert fresh.scaler.state_dict() == {**trainee.scaler.state_dict(), "backoff_factor": 0.25}
     assert fresh.scaler.get_scale() == 512.0
 
@@ -226,13 +228,15 @@ def test_fp16_scale_round_trips_and_the_configured_factors_stay(process_group: N
 
 
 def test_raise_names_step_rank_and_loss() -> None:
-    guard = NonFiniteGuard(tiny_config(), WORLD)
+    config = tiny_config()
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD)
     with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 3 on rank 1 \(nonfinite=raise"):
         guard.check(NonFinite(step=3, loss_ranks=(1,), gradient=True))
 
 
 def test_skip_counts_and_stops_after_max_in_a_row() -> None:
-    guard = NonFiniteGuard(tiny_config(nonfinite="skip", max_nonfinite_skips=3), WORLD)
+    config = tiny_config(nonfinite="skip", max_nonfinite_skips=3)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD)
     bad = NonFinite(step=5, loss_ranks=(), gradient=True)
     assert [guard.check(bad), guard.check(None), guard.check(bad), guard.check(bad)] == [False, True, False, False]
     assert guard.skipped == 3

@@ -13,8 +13,9 @@ from trainer.config import DType, PrecisionConfig
 from trainer.config import TrainConfig
 from trainer.loggers import MetricsTail, NullLogger, WandbLogger, open_logger
 from trainer.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.metrics import GIB, PEAK_TFLOPS, device_peak_flops, memory_fields, mfu_pct
+from trainer.metrics import PEAK_TFLOPS, device_peak_flops, memory_fields, mfu_pct
 from trainer.summary import build_summary, redact_secrets, steady_tokens_per_s
+from trainer.units import GIB
 
 NAN = float("nan")
 
@@ -139,7 +140,8 @@ def test_tail_hands_over_complete_lines_only_and_starts_at_the_end(tmp_path: Pat
 def test_wandb_that_cannot_start_warns_once_and_leaves_the_job_a_null_logger(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("WANDB_MODE", "not-a-mode")  # wandb.init rejects its settings
     meta = {"config": {}, "overrides": [], "world_size": 1}
-    with open_logger(TrainConfig(), tmp_path, meta, name="defaults", group="today") as logger:
+    config = TrainConfig()
+    with open_logger(config.logger, tmp_path, meta, "defaults", "today", config.zero.stage.value, config.resume) as logger:
         assert isinstance(logger, NullLogger)
     assert capsys.readouterr().err.count("warning: W&B could not start") == 1
 

@@ -27,7 +27,7 @@ CPU_OOM = (
 
 
 def records_for(rng: random.Random, steps: int, ranks: int = 2, fp16: bool = False) -> list[dict[str, Any]]:
-    """metrics.jsonl lines with the keys the ranks write (DESIGN.md section 4)."""
+    """metrics.jsonl lines with the keys the ranks write (docs/design.md section 4)."""
     records = []
     for step in range(1, steps + 1):
         record: dict[str, Any] = {"step": step, "loss/train": 6.3 - 0.1 * step + rng.random() * 0.01}

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import DType, ReduceDType, Stage, TrainConfig
-from trainer.plan_states import ModelShape, model_shape, padded_numel
+from trainer.plan.states import ModelShape, model_shape, padded_numel
+from trainer.plan.target import planned_device_kind
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 """The kinds of collective the plan and the measurement name (metric keys use these names)."""
@@ -75,9 +76,7 @@ class CommPlan:
 def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) -> CommPlan:
     """Bytes per rank per optimizer step; backend None: nccl when the job plans for a GPU, else gloo."""
     if backend is None:
-        from trainer.plan import planned_device_kind  # trainer/plan.py imports this module
-
-        backend = "nccl" if planned_device_kind(config) == "cuda" else "gloo"
+        backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
     shape = model_shape(config.model)
     moves = fsdp_moves(config, shape, world_size) if config.zero.uses_fsdp else ddp_moves(config, shape)
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
