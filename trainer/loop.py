@@ -62,9 +62,12 @@ def train(config: TrainConfig, world: World, out_dir: Path, predicted: dict[str,
         except NonFiniteError:  # every rank raises together: they agreed in train_step
             save_last_good(trainee, spec, world, out_dir, progress(step - 1, guard, meter))
             raise
-        meter.update(step, stats)  # device tensors, no sync
+        meter.update(stats)  # device tensors, no sync
         if meter.should_log(step):
-            meter.log(step, trainee.model, trainee.optimizer)  # the one sync point: gathers every rank
+            # Gathers every rank's figures: the host syncs of a log step. train_step has one more on
+            # every step, the non-finite check's all-reduce (trainer/nonfinite.py), and under fp16
+            # GradScaler.step reads its overflow flag on the host.
+            meter.log(step, trainee.model, trainee.optimizer)
         if should_save(config.save, config.steps, step):
             save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
     return meter.finish()

@@ -18,7 +18,6 @@ CPU: there is no allocator counter, so two figures stand in:
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import sys
 from pathlib import Path
@@ -164,6 +163,3 @@ def peak_rss_bytes() -> int:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, kB elsewhere
 
-
-def is_measured(value: float) -> bool:
-    return not math.isnan(value)

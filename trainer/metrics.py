@@ -102,7 +102,7 @@ class Meter:
         stack.enter_context(self.comm.measure(step))
         return stack
 
-    def update(self, step: int, stats: StepStats) -> None:
+    def update(self, stats: StepStats) -> None:
         self.window_steps += 1
         self.window_data_s += stats.data_s
         self.window_overflows += int(stats.overflow)

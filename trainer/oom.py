@@ -23,7 +23,6 @@ from trainer.errors import one_line
 from trainer.units import GIB
 
 FAILURES_DIR = "failures"
-PHASES = ("setup", "forward", "backward", "optimizer")
 
 # What torch's allocators say when an allocation fails: the CPU allocator raises a RuntimeError
 # ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that

@@ -90,8 +90,3 @@ def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The Transformer inside DDP (FSDP2 modifies the module in place)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
