@@ -1,0 +1,41 @@
+"""trainer/sharding.py's gradient-sync control: only the last micro-batch of a window reduces gradients.
+
+One-rank gloo group: DDP's and FSDP2's own flags and gradients show whether a backward reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.sharding import gradient_sync
+
+
+def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(process_group: None) -> None:
+    model = DistributedDataParallel(nn.Linear(2, 1))
+    with gradient_sync(model, enabled=False):
+        assert model.require_backward_grad_sync is False  # DDP.no_sync: gradients accumulate locally
+    assert model.require_backward_grad_sync is True
+    with gradient_sync(model, enabled=True):
+        assert model.require_backward_grad_sync is True
+
+
+def test_fsdp_reduces_once_and_the_window_sums_every_micro_batch(process_group: None) -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(2, 1)
+    model = nn.Linear(2, 1)
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    batches = [torch.randn(3, 2) for _ in range(2)]
+    with gradient_sync(model, enabled=False):
+        model(batches[0]).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # held unsharded, not reduced yet
+    with gradient_sync(model, enabled=True):
+        model(batches[1]).sum().backward()
+    for batch in batches:
+        reference(batch).sum().backward()
+    got = [p.grad.full_tensor() for p in model.parameters()]
+    assert all(torch.allclose(g, r.grad) for g, r in zip(got, reference.parameters()))
