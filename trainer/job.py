@@ -12,21 +12,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain, validate
-from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
-from trainer.oom import failure_path
 from trainer.plan import RANK_FIGURES, build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.resume import count_restarts, prepare_resume, resolve_resume
-from trainer.sharding import check_device_support
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
+# A job that trains imports more: the elastic launcher (trainer/launch.py, trainer/cluster.py),
+# the save format (trainer/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are imported
+# where a job starts training, so that mode=plan, which plans for any cluster and starts no rank,
+# does not pay for them.
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -41,6 +40,10 @@ def run_job(cfg: DictConfig) -> None:
             device_kind = planned_device_kind(config.plan, config.device)
             nproc = planned_world_size(config.nproc, device_kind)
         else:
+            from trainer.cluster import place_node
+            from trainer.resume import prepare_resume
+            from trainer.sharding import check_device_support
+
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
             check_device_support(config.zero, device_kind)
@@ -80,6 +83,11 @@ def train_ranks(
     config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, predicted: dict[str, float]
 ) -> tuple[str, dict[str, Any]]:
     """Run this node's ranks; a rank's death is a status to record, not an exception to propagate."""
+    from trainer.cluster import job_failure
+    from trainer.launch import RankFailure, launch_local
+    from trainer.oom import failure_path
+    from trainer.resume import count_restarts
+
     restarts_before = count_restarts(out_dir)
     try:
         result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts, predicted)
@@ -119,6 +127,8 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     import torch.distributed as dist
 
     from trainer.comm import enable_recording
+    from trainer.launch import rank_main
+    from trainer.resume import resolve_resume
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind)

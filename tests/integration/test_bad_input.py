@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,14 +41,58 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,key,allowed", CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_bad_input_is_one_line_naming_the_key(tmp_path: Path, overrides: list[str], key: str, allowed: str) -> None:
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", "device=cpu", "logger=none", *overrides, f"hydra.run.dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2
-    assert len(lines) == 1, proc.stderr
+# Every case through `python -m trainer`'s own entry point (trainer/__main__.py, run as __main__),
+# all in one process: a fresh interpreter per case would pay torch's and Hydra's import each time.
+DRIVER = """
+import contextlib, io, json, runpy, sys
+from hydra.core.global_hydra import GlobalHydra
+
+cases, results_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv in cases:
+    GlobalHydra.instance().clear()
+    sys.argv = ["trainer", *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+with open(results_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Each case's exit status, stdout and stderr, by case id, with its output directory."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    argvs = [["device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp / str(n)}"] for n, (overrides, _, _) in enumerate(CASES)]
+    results = tmp / "results.json"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs), str(results)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {case_id(case): {**result, "out": tmp / str(n)} for n, (case, result) in enumerate(zip(CASES, json.loads(results.read_text())))}
+
+
+def case_id(case: tuple[list[str], str, str]) -> str:
+    return " ".join(case[0])
+
+
+@pytest.mark.parametrize("overrides,key,allowed", CASES, ids=[case_id(c) for c in CASES])
+def test_bad_input_is_one_line_naming_the_key(outcomes: dict[str, dict[str, Any]], overrides: list[str], key: str, allowed: str) -> None:
+    run = outcomes[" ".join(overrides)]
+    lines = [line for line in run["stderr"].splitlines() if line.strip()]
+    assert run["returncode"] == 2
+    assert len(lines) == 1, run["stderr"]
     assert lines[0].startswith("error: ") and key in lines[0] and allowed in lines[0]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert not (out / "metrics.jsonl").exists()  # no rank ever started
+    assert "Traceback" not in run["stdout"] + run["stderr"]
+    assert not (run["out"] / "metrics.jsonl").exists()  # no rank ever started
+
+
+def test_the_same_mistake_in_a_fresh_process_is_the_same_line(tmp_path: Path, outcomes: dict[str, dict[str, Any]]) -> None:
+    """The in-process driver is faithful: a real `python -m trainer` says exactly what it recorded."""
+    for overrides in (["micro_batch=abc"], ["offload=cpu", "zero=stage1"]):  # Hydra's error; the schema's
+        cmd = [sys.executable, "-m", "trainer", "device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == outcomes[" ".join(overrides)]["stderr"].strip()
