@@ -92,6 +92,16 @@ def train_step(trainee: Trainee, batches: Batches, config: TrainConfig, world: W
         inputs, targets = (t.to(world.device, non_blocking=True) for t in next(batches))
         data_s += time.perf_counter() - start
         is_last = micro == config.grad_accum - 1
+        # Backward runs inside autocast, against PyTorch's AMP guidance (and nanoGPT's habit) of
+        # leaving the region before it. The numbers are the same either way: backward ops run in the
+        # dtype autocast chose for their forward ops, and a checkpointed block's recompute restores
+        # the autocast state itself. What differs is memory, and the memory plan is fitted to this
+        # placement (trainer/plan/step.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
+        # autocast's cache keeps the 2-byte cast of every matmul weight until the region exits, here
+        # through backward. Outside, the casts of checkpointed blocks would be freed after forward
+        # and made again during their recompute, and every cast freed once its block's backward has
+        # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
+        # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
         with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
             loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
