@@ -20,7 +20,6 @@ Report's panel ids aside).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
