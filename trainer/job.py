@@ -121,8 +121,8 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     `${now:}` and sweep order can differ between ranks, so rank 0's choices are broadcast:
     the config, the directory, and the plan's verdict (free host memory differs between hosts,
     so only rank 0 plans and every rank follows it). The job then ends as a launched one does
-    (end_job), written by rank 0; there is no W&B here: every process is a rank, and ranks
-    never import wandb.
+    (end_job): rank 0's process writes summary.json and owns the W&B run, every rank exits with
+    the job's status.
     """
     import torch.distributed as dist
 
