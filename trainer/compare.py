@@ -20,17 +20,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from trainer.report import (
-    Point,
-    Report,
-    load_point,
-    load_points,
-    mirror_to_wandb,
-    publish_and_link,
-    summary_line,
-    write_report,
-    write_sweep_report,
-)
+from trainer.points import Point, Report, load_point, load_points
+from trainer.report import mirror_to_wandb, publish_and_link, summary_line, write_report, write_sweep_report
 
 REPORTS_DIR = Path("outputs/reports")
 

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.comm import window_figures, WindowReader
 from trainer.config import DeviceKind, DType, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
-from trainer.plan.comm import COLLECTIVES, plan_comm
+from trainer.plan.comm import plan_comm
 from trainer.plan.states import model_shape
 
 STAGES = ("stage0", "stage1", "stage2", "stage3")

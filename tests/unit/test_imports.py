@@ -1,5 +1,6 @@
 """The package's modules import one another without a cycle, counting every import: at the top,
-inside functions and under `if TYPE_CHECKING:`."""
+inside functions and under `if TYPE_CHECKING:`. Only a module's `if __name__ == "__main__":` block
+is left out: it runs when the module is the program (`__main__`), never when it is imported."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
     """The trainer modules `path` imports anywhere in its body (a name imported from a package
     that is a module of it counts as that module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not is_main_guard(node)]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name in known}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module in known:
             found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
     return found - {module_name(path)}
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("__name__ == '__main__'", '__name__ == "__main__"')
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -60,4 +67,6 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_a_cycle_is_found_where_there_is_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    guarded = ast.parse('if __name__ == "__main__":\n    import x\nif DEBUG:\n    import y\n').body
+    assert [is_main_guard(node) for node in guarded] == [True, False]
 

@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.unit.fakes import CPU_OOM
+from trainer import compare
 from trainer import report as rpt
 
 
@@ -224,7 +225,7 @@ def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
 def test_the_command_refuses_a_directory_that_is_neither_a_run_nor_a_sweep_in_one_line(grid: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
     stray = tmp_path_factory.mktemp("stray")
     with pytest.raises(SystemExit) as exit_info:
-        rpt.main([str(grid), str(stray), "--out", str(stray / "out")])
+        compare.main([str(grid), str(stray), "--out", str(stray / "out")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"]
     assert not (stray / "out").exists() and not (grid / "report.md").exists()
