@@ -10,7 +10,7 @@ a run cut short still reports what it reached. Rows:
   environment      device, torch, CUDA, NCCL, cuDNN
   gpu tests        pytest -m gpu tests/gpu
   throughput       125m and 1b in bf16 at stage0 and stage3: tokens/s, MFU, peak allocated and
-                   reserved against the plan's predicted allocated and reserved (trainer/plan.py)
+                   reserved against the plan's predicted allocated and reserved (trainer/plan)
   fp32 vs bf16     the 125m stage0 losses of both precisions, step by step
   fp16 overflow    an injected inf gradient at step 3: the scale halves, one step skipped
   oom              a run over `device_memory_gib` ends `oom`, recorded, not a crash of the check
@@ -305,7 +305,7 @@ def run_headroom_probe() -> subprocess.CompletedProcess:
 
 
 def check_headroom(setup: Setup, jobs: Jobs) -> Row:
-    from trainer.plan_headroom import HEADROOM
+    from trainer.plan.headroom import HEADROOM
 
     assumed = {f"assumed_{k}": v for k, v in asdict(HEADROOM).items()}
     if setup.dry_run:
@@ -314,7 +314,7 @@ def check_headroom(setup: Setup, jobs: Jobs) -> Row:
     if proc.returncode != 0:
         return Row("headroom", "error", assumed, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "probe failed")
     measured = {f"measured_{k}": round(v, 3) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-    return Row("headroom", "info", {**assumed, **measured}, "fragmentation: see peak reserved / allocated above; update trainer/plan_headroom.py")
+    return Row("headroom", "info", {**assumed, **measured}, "fragmentation: see peak reserved / allocated above; update trainer/plan/headroom.py")
 
 
 def submit_all(setup: Setup, jobs: Jobs) -> None:

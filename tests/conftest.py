@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from trainer.jsonl import read_jsonl
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Tests never reach W&B's servers: an offline run is written and read back locally.
@@ -29,8 +31,7 @@ class Run:
 
     @property
     def records(self) -> list[dict[str, Any]]:
-        path = self.out_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return read_jsonl(self.out_dir / "metrics.jsonl")
 
     @property
     def losses(self) -> list[float]:

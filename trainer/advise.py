@@ -4,9 +4,9 @@
 
 Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
 `advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
-makes up the rest) is planned (trainer/plan.py: the worst rank's peak, which must leave
+makes up the rest) is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/predict.py, with trainer/calibrate.py's
-rates and trainer/plan_comm.py's bytes). The table ranks what fits by predicted tokens/s and
+rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
 the K best on this host as real jobs (trainer/advise_verify.py). No model is allocated: the plan
 and the FLOPs come from shapes on the meta device.
@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from trainer.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
+from trainer.advise_verify import Proposal, override_key, verify
 from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.metrics import mfu_pct
 from trainer.model import flops_per_token
-from trainer.plan import GIB, build_plan, device_memory
-from trainer.plan_comm import plan_comm
+from trainer.plan import build_plan, device_memory, plan_comm
 from trainer.predict import StepTime, predict_step
 from trainer.sharding import check_device_support
+from trainer.units import GIB
 
 CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
@@ -119,7 +120,7 @@ def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, worl
     """Plan and time one choice; None where the schema or the device refuses the combination."""
     try:
         candidate = configure(config, choice)
-        check_device_support(candidate, device_kind)  # e.g. DDP's bf16 reduction needs NCCL
+        check_device_support(candidate.zero, device_kind)  # e.g. DDP's bf16 reduction needs NCCL
     except ConfigError:
         return None
     plan = build_plan(candidate, device_kind, world_size)
@@ -168,10 +169,6 @@ def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
 
 def command_line(base_overrides: list[str], candidate: Candidate) -> str:
     return shlex.join(["python", "-m", "trainer", *command_args(base_overrides, candidate)])
-
-
-def override_key(override: str) -> str:
-    return override.partition("=")[0].lstrip("+~")
 
 
 def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates, base: list[str], world_size: int, memory: str) -> str:
@@ -231,7 +228,7 @@ def advice_json(config: TrainConfig, candidates: list[Candidate], rates: Rates, 
 def run_advice(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]) -> list[Candidate]:
     """mode=advise: print the ranked table, write advice.json, verify the best if asked."""
     candidates, rates = advise(config, device_kind, world_size)
-    memory = device_memory(config, device_kind, world_size).source
+    memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes).source
     print(format_advice(config, candidates, rates, base_overrides, world_size, memory), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
@@ -239,10 +236,9 @@ def run_advice(config: TrainConfig, out_dir: Path, device_kind: str, world_size:
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"advice.json: {path}", flush=True)
     if config.advise.verify:
-        from trainer.advise_verify import verify
-
-        fitting = [c for c in candidates if c.fits is not False]
-        record["verify"] = verify(fitting[: config.advise.verify], config, base_overrides, out_dir)
+        fitting = [c for c in candidates if c.fits is not False][: config.advise.verify]
+        proposals = [Proposal(c.label(), command_args(base_overrides, c), c.tokens_per_s, c.peak_bytes) for c in fitting]
+        record["verify"] = verify(proposals, config.advise.verify_steps, out_dir)
         path.write_text(json.dumps(record, indent=2) + "\n")
     return candidates
 

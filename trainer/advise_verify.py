@@ -13,50 +13,62 @@ import json
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trainer.config import TrainConfig
-
-if TYPE_CHECKING:
-    from trainer.advise import Candidate
+from trainer.units import GIB
 
 VERIFY_KEYS = ("steps", "log_every", "save", "hydra.run.dir")
 
 
-def verify_overrides(candidate: Candidate, config: TrainConfig, base: list[str], run_dir: Path) -> list[str]:
-    """The candidate's command line plus a short run: steps, a log window of 2 steps (the first is
+@dataclass(frozen=True)
+class Proposal:
+    """A ranked configuration to run: what trainer/advise.py predicted for it and its command line."""
+
+    label: str
+    args: list[str]
+    """The overrides that run it (advise.command_args)."""
+    tokens_per_s: float
+    peak_bytes: int
+
+
+def override_key(override: str) -> str:
+    """The key of a command-line override (`+a.b=1` -> `a.b`)."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def verify_overrides(proposal: Proposal, steps: int, run_dir: Path) -> list[str]:
+    """The proposal's command line plus a short run: steps, a log window of 2 steps (the first is
     warm-up), nothing saved, its own directory."""
-    from trainer.advise import command_args, override_key
-
-    kept = [o for o in base if override_key(o) not in VERIFY_KEYS]
-    return [*command_args(kept, candidate), f"steps={config.advise.verify_steps}", "log_every=2", "save=off", f"hydra.run.dir={run_dir}"]
+    kept = [o for o in proposal.args if override_key(o) not in VERIFY_KEYS]
+    return [*kept, f"steps={steps}", "log_every=2", "save=off", f"hydra.run.dir={run_dir}"]
 
 
-def verify(candidates: list[Candidate], config: TrainConfig, base: list[str], out_dir: Path) -> list[dict[str, Any]]:
-    """Run each candidate as a job; print and return predicted against measured."""
+def verify(proposals: list[Proposal], steps: int, out_dir: Path) -> list[dict[str, Any]]:
+    """Run each proposal as a job of `steps` steps (advise.verify_steps); print and return predicted against measured."""
     rows = []
-    for number, candidate in enumerate(candidates, 1):
+    for number, proposal in enumerate(proposals, 1):
         run_dir = out_dir / "verify" / str(number)
-        args = verify_overrides(candidate, config, base, run_dir)
-        print(f"verify {number}/{len(candidates)}: {shlex.join(['python', '-m', 'trainer', *args])}", flush=True)
+        args = verify_overrides(proposal, steps, run_dir)
+        print(f"verify {number}/{len(proposals)}: {shlex.join(['python', '-m', 'trainer', *args])}", flush=True)
         done = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True)
-        rows.append(measured_row(candidate, run_dir, done.returncode, done.stderr))
+        rows.append(measured_row(proposal, run_dir, done.returncode, done.stderr))
     print(format_verify(rows), flush=True)
     return rows
 
 
-def measured_row(candidate: Candidate, run_dir: Path, returncode: int, stderr: str) -> dict[str, Any]:
+def measured_row(proposal: Proposal, run_dir: Path, returncode: int, stderr: str) -> dict[str, Any]:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     return {
-        "configuration": candidate.label(),
+        "configuration": proposal.label,
         "status": summary.get("status", f"exit {returncode}"),
         "error": errors[-1] if errors else None,
-        "predicted_tokens_per_s": candidate.tokens_per_s,
+        "predicted_tokens_per_s": proposal.tokens_per_s,
         "measured_tokens_per_s": summary.get("throughput/tokens_per_s"),
-        "predicted_peak_gib": candidate.peak_bytes / 2**30,
+        "predicted_peak_gib": proposal.peak_bytes / GIB,
         "measured_peak_gib": summary.get("memory/max_rank_peak_gib"),
         "run_dir": str(run_dir),
     }

@@ -18,17 +18,16 @@ impossible combination fails loudly instead of falling back:
 | math | math: saves the scores | math: saves the scores | math: saves the scores |
 
 Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
-H·T scores of math. trainer/plan_step.py counts what each choice saves.
+H·T scores of math. trainer/plan/step.py counts what each choice saves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.nn.attention import SDPBackend
 
-from trainer.config import AttentionKernel, ConfigError, DType, TrainConfig
+from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -62,16 +61,6 @@ def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped
     return SdpaChoice(SDPBackend.FLASH_ATTENTION)
 
 
-def run_choice(config: TrainConfig, device_kind: str) -> SdpaChoice:
+def run_choice(kernel: AttentionKernel, model: ModelConfig, dtype: DType, device_kind: str) -> SdpaChoice:
     """The choice of a run (raises ConfigError before any rank starts, when called from the job)."""
-    grouped = config.model.n_kv_heads != config.model.n_heads
-    return choose_sdpa(config.attention, device_kind, config.precision.compute_dtype, grouped)
-
-
-def apply_sdpa_choice(model: torch.nn.Module, choice: SdpaChoice) -> None:
-    """Give every attention layer the run's kernel choice (before compile: it is traced with it)."""
-    from trainer.model import Attention  # the model module imports this one
-
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.sdpa = choice
+    return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
+from trainer.units import MIB
 
 GB = 1e9
 
@@ -173,7 +174,7 @@ class HostProbe:
         return cache_dir / f"calibration-{self.host}-{digest}.json"
 
 
-PAYLOAD_BYTES = 32 * 2**20  # collective payload of the benchmark: large enough to be bandwidth-bound
+PAYLOAD_BYTES = 32 * MIB  # collective payload of the benchmark: large enough to be bandwidth-bound
 MIN_SECONDS = 0.3  # each timed figure repeats its operation at least this long
 
 

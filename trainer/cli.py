@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from trainer.errors import first_line
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -80,7 +82,7 @@ def config_error_line(err: Exception) -> str:
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
         return f"{key} is not a config key; `python -m trainer --cfg job` shows them all"
     if key:
-        override = str(err).splitlines()[0].removeprefix("Error merging override ")
-        return f"{override if '=' in override else key}: {str(getattr(cause, 'msg', cause)).splitlines()[0]}"
+        override = first_line(err).removeprefix("Error merging override ")
+        return f"{override if '=' in override else key}: {first_line(getattr(cause, 'msg', cause))}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https://")]
     return "; ".join(lines)

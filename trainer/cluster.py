@@ -154,7 +154,7 @@ def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
     """A preempted point's overrides for its requeued run: resume from its own run directory's newest
     save (`resume=<run dir>`, the exact form of resume=true: that directory and its W&B run go on);
     unchanged when it had saved nothing."""
-    from trainer.checkpoint import latest_save
+    from trainer.save import latest_save
     from trainer.sweep import hydra_quote
 
     if run_dir is None or latest_save(run_dir) is None:

@@ -3,7 +3,7 @@
 Bytes: c10d's flight recorder keeps an entry for every collective a process group runs (gloo
 and NCCL alike): its kind, and the sizes and dtypes of its inputs and outputs. Each log step a
 rank reads the entries recorded since the last one and adds up their payloads by kind of
-collective (the payload as trainer/plan_comm.py defines it: the larger of the input and output
+collective (the payload as trainer/plan/comm.py defines it: the larger of the input and output
 bytes, i.e. the full tensor). Nothing is re-implemented or patched; the recorder's dump is a
 private torch API (`torch._C._distributed_c10d._dump_fr_trace_json`), so every use of it is
 guarded and the figures are absent, not guessed, where it is missing or its buffer overflowed.
@@ -34,7 +34,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.memory import should_track_tensors
-from trainer.plan_comm import COLLECTIVES, plan_comm
+from trainer.plan.comm import COLLECTIVES, plan_comm
 
 KINDS = (*COLLECTIVES, "other")
 """Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""

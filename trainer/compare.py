@@ -20,7 +20,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from trainer.report import Point, Report, load_point, load_points, mirror_to_wandb, publish_and_link, summary_line, write_report
+from trainer.points import Point, Report, load_point, load_points
+from trainer.report import mirror_to_wandb, publish_and_link, summary_line, write_report, write_sweep_report
 
 REPORTS_DIR = Path("outputs/reports")
 
@@ -60,7 +61,7 @@ def write_comparison(dirs: list[Path], out: Path | None) -> Report:
     """One sweep directory alone is that sweep's report, written into it (unless --out); anything
     else is a comparison written into `out`."""
     if len(dirs) == 1 and out is None and not is_run_dir(dirs[0]):
-        return write_report(dirs[0])
+        return write_sweep_report(dirs[0])
     out = out if out is not None else claim_reports_dir(datetime.datetime.now())
     out.mkdir(parents=True, exist_ok=True)
     return write_report(out, load_compared(dirs))

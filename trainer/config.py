@@ -357,7 +357,7 @@ class TelemetryConfig:
 
 @dataclass
 class PlanConfig:
-    """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan.py)."""
+    """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan)."""
 
     enforce: bool = True
     """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""

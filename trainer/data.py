@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.config import ConfigError, DataKind, DeviceKind, TrainConfig
+from trainer.config import ConfigError, DataConfig, DataKind, DataloaderConfig, DeviceKind, TrainConfig
 
 BYTE_VOCAB = 256
 """Vocabulary of `make_tokens`: one token per byte value."""
@@ -255,26 +255,24 @@ def split_inputs_targets(samples: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     return tokens_BT1[:, :-1].contiguous(), tokens_BT1[:, 1:].contiguous()
 
 
-def build_dataset(config: TrainConfig) -> Dataset[Tensor]:
+def build_dataset(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> Dataset[Tensor]:
     """SyntheticTokens over the model's vocabulary, or the TokenFile at data.path."""
-    if config.data.kind == DataKind.tokens:
-        assert config.data.path is not None  # DataConfig.__post_init__ requires it
-        return TokenFile(config.data.path, config.seq_len, config.model.vocab_size)
-    return SyntheticTokens(
-        config.model.vocab_size, config.seq_len, config.data.branching, config.data.data_seed, config.seed
-    )
+    if data.kind == DataKind.tokens:
+        assert data.path is not None  # DataConfig.__post_init__ requires it
+        return TokenFile(data.path, seq_len, vocab_size)
+    return SyntheticTokens(vocab_size, seq_len, data.branching, data.data_seed, seed)
 
 
-def check_data(config: TrainConfig) -> None:
+def check_data(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> None:
     """In the job process, before any rank starts: the token file is a 1-D integer .npy whose ids fit
     the model's vocabulary (the checks TokenFile makes when a rank opens it); ConfigError otherwise."""
-    if config.data.kind == DataKind.tokens:
-        build_dataset(config)
+    if data.kind == DataKind.tokens:
+        build_dataset(data, vocab_size, seq_len, seed)
 
 
-def should_pin_memory(config: TrainConfig) -> bool:
+def should_pin_memory(dataloader: DataloaderConfig, device: DeviceKind) -> bool:
     """dataloader.pin_memory, only where batches go to a GPU (DataLoader warns and ignores it otherwise)."""
-    return config.dataloader.pin_memory and config.device != DeviceKind.cpu and torch.cuda.is_available()
+    return dataloader.pin_memory and device != DeviceKind.cpu and torch.cuda.is_available()
 
 
 def build_loader(config: TrainConfig, rank: int, world_size: int, start_step: int = 0) -> DataLoader[Tensor]:
@@ -282,13 +280,13 @@ def build_loader(config: TrainConfig, rank: int, world_size: int, start_step: in
     options = config.dataloader
     sampler = StepSampler(config.micro_batch, config.grad_accum, world_size, rank, start_step, config.steps)
     return DataLoader(
-        build_dataset(config),
+        build_dataset(config.data, config.model.vocab_size, config.seq_len, config.seed),
         batch_size=config.micro_batch,
         sampler=sampler,
         collate_fn=split_inputs_targets,
         num_workers=options.num_workers,
         prefetch_factor=options.prefetch_factor,
-        pin_memory=should_pin_memory(config),
+        pin_memory=should_pin_memory(options, config.device),
         persistent_workers=options.persistent_workers,
         # Each iterator draws a worker base seed from its generator; without one it would
         # consume the global torch RNG and shift every later random draw of the rank.

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import psutil
 
-from trainer.config import TrainConfig
+from trainer.config import PlanConfig
+from trainer.units import GIB
 
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,14 @@ class HostBudget:
         )
 
 
-def host_budget(config: TrainConfig, device_kind: str, world_size: int, tensor_bytes: int) -> HostBudget | None:
+def host_budget(plan: PlanConfig, nodes: int, device_kind: str, world_size: int, tensor_bytes: int) -> HostBudget | None:
     """The budget of CPU ranks this job would start on this host (None: GPU ranks, or ranks torchrun started)."""
     if device_kind != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return HostBudget(
-        ranks=world_size // config.nodes,  # this node's ranks; the other nodes are other hosts
-        runtime_bytes=int(config.plan.cpu_rank_runtime_gib * GIB),
+        ranks=world_size // nodes,  # this node's ranks; the other nodes are other hosts
+        runtime_bytes=int(plan.cpu_rank_runtime_gib * GIB),
         tensor_bytes=tensor_bytes,
         available_bytes=psutil.virtual_memory().available,
         cores=cores,

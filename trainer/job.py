@@ -11,29 +11,26 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from trainer.advise import check_advice_inputs, run_advice
-from trainer.checkpoint import check_global_batch, count_restarts, read_progress, resolve_resume, rewind_metrics
 from trainer.attention import run_choice
-from trainer.cluster import job_failure, place_node
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
 from trainer.host import cores_warning, host_budget, host_refusal
-from trainer.launch import RankFailure, launch_local, rank_main
 from trainer.loggers import open_logger, run_group, run_name
 from trainer.nonfinite import summarize as nonfinite_summary
-from trainer.oom import failure_path
-from trainer.plan import build_plan, planned_device_kind, planned_world_size, write_plan
+from trainer.plan import RANK_FIGURES, build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.plan_table import format_plan
-from trainer.sharding import check_device_support
 from trainer.stop import STOP_STATUSES, JobStop, exit_code_for, handling_stops, stopped, stopped_at_once
 from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
+
+# A job that trains imports more: the elastic launcher (trainer/launch.py, trainer/cluster.py),
+# the save format (trainer/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are imported
+# where a job starts training, so that mode=plan, which plans for any cluster and starts no rank,
+# does not pay for them.
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -45,72 +42,82 @@ def run_job(cfg: DictConfig) -> None:
     try:
         config = validate(cfg)
         if config.mode in (Mode.plan, Mode.advise):  # any device and world size: nothing checked against this host
-            device_kind = planned_device_kind(config)
-            nproc = planned_world_size(config, device_kind)
+            device_kind = planned_device_kind(config.plan, config.device)
+            nproc = planned_world_size(config.nproc, device_kind)
         else:
+            from trainer.cluster import place_node
+            from trainer.resume import prepare_resume
+            from trainer.sharding import check_device_support
+
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
-            check_device_support(config, device_kind)
-            check_data(config)  # a bad token file is a config error, found before any rank starts
+            check_device_support(config.zero, device_kind)
+            check_data(config.data, config.model.vocab_size, config.seq_len, config.seed)  # a bad token file: before any rank starts
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
         if config.mode == Mode.advise:
+            from trainer.advise import check_advice_inputs
+
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
-        run_choice(config, device_kind)  # an attention kernel this device cannot run: one line, exit 2
+        run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)  # an attention kernel this device cannot run: one line, exit 2
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(int(os.environ["LOCAL_WORLD_SIZE"]))  # one line, not CUDA's invalid device ordinal
     except ConfigError as err:
         fail(f"error: {err}", code=2)
         return
     if config.mode == Mode.advise:  # trainer/advise.py: rank configurations, run none unless advise.verify
+        from trainer.advise import run_advice
+
         run_advice(config, out_dir, device_kind, world_size, list(HydraConfig.get().overrides.task))
         return
     if is_under_torchrun():
         run_under_torchrun(config, device_kind)
         return
-    # Plan before launching (trainer/plan.py): the table and plan.json for every job, and a
+    # Plan before launching (trainer/plan): the table and plan.json for every job, and a
     # refusal of what cannot fit, recorded as status `refused` without starting a rank.
     refusal, meta = plan_job(config, out_dir, device_kind, world_size)
     if config.mode == Mode.plan:
         return
     if refusal is not None:  # every node plans and refuses alike: none waits at the rendezvous for another
-        if config.node_rank == 0:
-            write_summary(out_dir, build_summary("refused", [], config.steps, reason=refusal, **meta))
-        fail(f"error: {refusal}", code=2)
+        end_job(config, out_dir, "refused", {"reason": refusal}, meta, record=config.node_rank == 0)
         return
     if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
         with handling_stops(out_dir, owner=False) as job_stop:
-            status, extra = train_ranks(config, out_dir, device_kind, nproc, job_stop)
-        if status != "ok":
-            fail(f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}", code=exit_code_for(status))
+            status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta), job_stop)
+        end_job(config, out_dir, status, extra, meta, record=False)
         return
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died. From here a signal stops the job at a step
     # boundary (trainer/stop.py).
-    with handling_stops(out_dir) as job_stop, open_logger(config, out_dir, meta, name=run_name(), group=run_group()) as logger:
+    with handling_stops(out_dir) as job_stop, open_logger(
+        config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
+    ) as logger:
         with logger.follow(out_dir / "metrics.jsonl"):
-            status, extra = train_ranks(config, out_dir, device_kind, nproc, job_stop)
-        records = read_metrics(out_dir)
-        summary = build_summary(
-            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
-        )
-        write_summary(out_dir, summary)
+            status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta), job_stop)
+        summary = end_summary(config, out_dir, status, extra, meta)
         logger.finish(summary)
-    report_end(summary, out_dir)
-    if status != "ok":
-        fail(f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}", code=exit_code_for(status))
+    end_job(config, out_dir, status, extra, meta, summary)
 
 
-def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, job_stop: JobStop) -> tuple[str, dict[str, Any]]:
+def train_ranks(
+    config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, predicted: dict[str, float], job_stop: JobStop
+) -> tuple[str, dict[str, Any]]:
     """Run this node's ranks; a rank's death or a stop is a status to record, not an exception to propagate."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from trainer.cluster import job_failure
+    from trainer.launch import RankFailure, launch_local
+    from trainer.oom import failure_path
+    from trainer.resume import count_restarts
+
     restarts_before = count_restarts(out_dir)
     if job_stop.stop is not None:  # a signal came before the ranks started: start none
         return job_stop.stop.status, {"error": f"{job_stop.signal_name} before any rank started", "stop_signal": job_stop.signal_name}
     try:
         with job_stop.ranks_running():
-            result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts)
+            result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts, predicted)
     except RankFailure as own:
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
@@ -120,30 +127,25 @@ def train_ranks(config: TrainConfig, out_dir: Path, device_kind: str, nproc: int
         return "oom" if failure.oom else "crashed", {"error": error, **where}
     except SignalException:  # a second signal: the agent killed the ranks (trainer/stop.py)
         return stopped_at_once(job_stop)
-    status, extra = ranks_ending(result, config)
+    status, extra = ranks_outcome(result, config.save.every > 0)
     return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
 
 
-def ranks_ending(result: dict[str, Any] | None, config: TrainConfig) -> tuple[str, dict[str, Any]]:
-    """The status the ranks ended with, from rank 0's result: ok, or they stopped together on purpose."""
-    if result is not None and result.get("status") == "diverged":  # the non-finite policy stopped it
+def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
+    """The plan's figures the ranks write beside their measurements (plan.RANK_FIGURES): handed
+    to them, so that no rank plans again."""
+    return {key: meta[key] for key in RANK_FIGURES if key in meta}
+
+
+def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[str, dict[str, Any]]:
+    """The status the ranks ended with, from rank 0's result (trainer/launch.py rank_main): ok,
+    diverged with its line when the non-finite policy stopped them, or the stop they agreed on
+    after a signal (trainer/stop.py)."""
+    if result is not None and result.get("status") == "diverged":
         return "diverged", {"error": result["error"]}
-    if result is not None and result.get("status") in STOP_STATUSES:  # a signal: every rank stopped after one step
-        return result["status"], stopped(result, saving=config.save.every > 0)
+    if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
+        return result["status"], stopped(result, saving)
     return "ok", {}
-
-
-def prepare_resume(config: TrainConfig, out_dir: Path, world_size: int) -> tuple[TrainConfig, Path]:
-    """Resolve `resume` to a save and the directory to write to (checkpoint.resolve_resume); refuse,
-    before any rank starts, a save whose global batch differs from this run's."""
-    resume, run_dir = resolve_resume(config, out_dir)
-    if resume != "false":
-        saved = read_progress(Path(resume))
-        check_global_batch(saved["global_batch"], config, world_size, Path(resume))
-        rewind_metrics(run_dir, saved["step"])  # before the W&B feeder starts reading it
-        where = f"; continuing in {run_dir}" if run_dir != out_dir else ""
-        print(f"resume: from step {saved['step']} of {resume}{where}", flush=True)
-    return dataclasses.replace(config, resume=resume), run_dir
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
@@ -151,11 +153,15 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
 
     `${now:}` and sweep order can differ between ranks, so rank 0's choices are broadcast:
     the config, the directory, and the plan's verdict (free host memory differs between hosts,
-    so only rank 0 plans and every rank follows it).
+    so only rank 0 plans and every rank follows it). The job then ends as a launched one does
+    (end_job): rank 0's process writes summary.json and owns the W&B run, every rank exits with
+    the job's status.
     """
     import torch.distributed as dist
 
     from trainer.comm import enable_recording
+    from trainer.launch import rank_main
+    from trainer.resume import resolve_resume
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu)
@@ -167,28 +173,21 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     plain, out_dir, refusal, meta = shared
     Path(out_dir).mkdir(parents=True, exist_ok=True)  # other hosts may not share rank 0's file system
     if refusal is not None:
-        if world.is_main:
-            write_summary(Path(out_dir), build_summary("refused", [], config.steps, reason=refusal, **meta))
-        fail(f"error: {refusal}" if world.is_main else "", code=2)
+        end_job(config, Path(out_dir), "refused", {"reason": refusal}, meta, record=world.is_main, speak=world.is_main)
         return
+    predicted = rank_predictions(meta)
     if not world.is_main:  # only global rank 0's process owns the W&B run: the other ranks never import wandb
-        rank_main(plain, out_dir, device_kind)
+        status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0)
+        end_job(config, Path(out_dir), status, extra, meta, record=False, speak=False)
         return
     # Rank 0's process plays the job process's part: it feeds the W&B run from metrics.jsonl (a
     # thread beside its training) and ends it with the job's status.
-    with open_logger(config, Path(out_dir), meta, name=run_name(), group=run_group()) as logger:
+    with open_logger(config.logger, Path(out_dir), meta, run_name(), run_group(), config.zero.stage.value, config.resume) as logger:
         with logger.follow(Path(out_dir) / "metrics.jsonl"):
-            result = rank_main(plain, out_dir, device_kind)
-        status, extra = ranks_ending(result, config)
-        records = read_metrics(Path(out_dir))
-        summary = build_summary(
-            status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
-        )
-        write_summary(Path(out_dir), summary)
+            status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0)
+        summary = end_summary(config, Path(out_dir), status, extra, meta)
         logger.finish(summary)
-    report_end(summary, Path(out_dir))
-    if status in STOP_STATUSES:  # torchrun itself was signalled and ends the job
-        print(f"{status}: {extra['error']}", file=sys.stderr, flush=True)
+    end_job(config, Path(out_dir), status, extra, meta, summary)
 
 
 def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:
@@ -200,7 +199,7 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
     # CPU ranks are processes sharing this host: their runtime and the cores (trainer/host.py).
-    budget = host_budget(config, device_kind, world_size, plan.peak_bytes) if device_kind == "cpu" else None
+    budget = host_budget(config.plan, config.nodes, device_kind, world_size, plan.peak_bytes) if device_kind == "cpu" else None
     for line in (budget and budget.describe(), cores_warning(budget)):
         if line:
             print(line, flush=True)
@@ -213,6 +212,47 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
         print("warning: plan.enforce=false, trying anyway", flush=True)
         return None, meta
     return refusal, meta
+
+
+# ----------------------------------------------------------------------------- how a job ends
+
+
+def end_summary(config: TrainConfig, out_dir: Path, status: str, extra: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write summary.json: the status, the figures of metrics.jsonl (none when refused), `extra`
+    (the error or the refusal, where a rank failed, restarts) and the provenance and plan."""
+    records = [] if status == "refused" else read_metrics(out_dir)
+    summary = build_summary(
+        status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
+    )
+    write_summary(out_dir, summary)
+    return summary
+
+
+def end_job(
+    config: TrainConfig,
+    out_dir: Path,
+    status: str,
+    extra: dict[str, Any],
+    meta: dict[str, Any],
+    summary: dict[str, Any] | None = None,
+    record: bool = True,
+    speak: bool = True,
+) -> None:
+    """How every job ends, launched here, on another node of a multi-node job, or joined under
+    torchrun: summary.json (unless the logger's end wrote it already) and the end-of-run account
+    where the job is recorded (`record`: node 0, torchrun's rank 0), one error line where someone
+    reads it (`speak`: every node; under torchrun rank 0 only, its ranks share one console), and
+    the exit status everywhere (0 ok, 2 refused before any rank started, a stop its signal's,
+    1 any other ending)."""
+    if record:
+        summary = summary or end_summary(config, out_dir, status, extra, meta)
+        if status != "refused":
+            report_end(summary, out_dir)
+    if status == "refused":
+        fail(f"error: {extra['reason']}" if speak else "", code=2)
+    elif status != "ok":
+        line = f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}"
+        fail(line if speak else "", code=exit_code_for(status))
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:

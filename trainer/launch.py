@@ -19,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.comm import enable_recording
 from trainer.config import OffloadTarget, from_plain
 from trainer.cuda import apply_tf32
+from trainer.errors import first_line, one_line
 from trainer.oom import apply_memory_cap, explain, recording_failures
 from trainer.stop import AGENT_SIGNALS, RankStop
 from trainer.world import init_world, shutdown_world
@@ -44,8 +45,8 @@ class RankFailure(Exception):
 
 
 @record
-def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str, Any] | None:
-    """The entry point of every rank: plain config in, rank 0's final figures out."""
+def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]) -> dict[str, Any] | None:
+    """The entry point of every rank: plain config and the job's plan figures in, rank 0's final figures out."""
     from trainer.loop import train  # imported in the rank: the job process never builds a model
     from trainer.nonfinite import NonFiniteError
 
@@ -59,7 +60,7 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
         try:
-            result = train(config, world, Path(out_dir), stop)
+            result = train(config, world, Path(out_dir), stop, predicted)
         except NonFiniteError as err:
             # Every rank stops here together (they agreed), so this is an ending, not a crash: no
             # traceback, no elastic restart; the job records status `diverged` with this line.
@@ -70,7 +71,9 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str) -> dict[str
     return result
 
 
-def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int) -> dict[str, Any] | None:
+def launch_local(
+    plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int, predicted: dict[str, float]
+) -> dict[str, Any] | None:
     """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
     returns the lowest local rank's result or raises RankFailure."""
     nodes = plain["nodes"]
@@ -103,14 +106,14 @@ def launch_local(plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: 
     # store instead. Without restarts the shared store (no port race) stays.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
     try:
-        results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind)
+        results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:
         failure = with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None)
         raise dataclasses.replace(failure, node=plain["node_rank"]) if nodes > 1 else failure from None
     except RendezvousConnectionError as err:
         # Another node ended and took the rendezvous store it hosted with it, while this node's
         # ranks were still running (they are stopped now): which rank failed is that node's to say.
-        cause = f"{type(err).__name__}: {first_line(str(err))}"
+        cause = one_line(err)
         raise RankFailure(rank=-1, exitcode=1, cause=cause, node=plain["node_rank"]) from None
     return results[min(results)]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
 
@@ -135,10 +138,3 @@ def first_failure(err: ChildFailedError) -> RankFailure:
         cause = first_line(failure.message) or f"exit code {failure.exitcode}"
     return RankFailure(rank=rank, exitcode=failure.exitcode, cause=cause)
 
-
-def first_line(message: Any) -> str:
-    """The exception line of a recorded error (`message` is a dict or a string by torch version)."""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""

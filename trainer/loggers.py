@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
-from trainer.config import LoggerBackend, TrainConfig
+from trainer.config import LoggerBackend, LoggerConfig
+from trainer.jsonl import parse_line
 from trainer.stop import exit_code_for
 from trainer.summary import redact_secrets
 from trainer.wandb_run import define_metrics, describe_job, steady_figures
@@ -115,7 +115,7 @@ class MetricsTail(threading.Thread):
         if not self.path.exists():
             return
         if (inode := self.path.stat().st_ino) != self.inode:
-            # A new file: rewound after an elastic restart (checkpoint.rewind_metrics replaces it).
+            # A new file: rewound after an elastic restart (resume.rewind_metrics replaces it).
             # Read it from the start; the logger skips the steps it has logged already.
             self.inode, self.offset = inode, 0
         with self.path.open("rb") as f:
@@ -124,17 +124,23 @@ class MetricsTail(threading.Thread):
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self.offset += len(complete)
         for line in complete.decode().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a torn line (a rank killed mid-write) is not a record
-                self.on_record(json.loads(line))
+            if (record := parse_line(line)) is not None:  # a torn line (a rank killed mid-write) is not a record
+                self.on_record(record)
 
 
 @contextlib.contextmanager
-def open_logger(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str) -> Iterator[Logger]:
-    """The job's logger: a W&B run (`with wandb.init(...)`, one per job) or a NullLogger."""
-    if config.logger.backend != LoggerBackend.wandb:
+def open_logger(
+    logger: LoggerConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str, job_type: str, resume: str
+) -> Iterator[Logger]:
+    """The job's logger: a W&B run (`with wandb.init(...)`, one per job) or a NullLogger.
+
+    `job_type` is the run's W&B job type (the ZeRO stage); `resume` is the job's resolved
+    `resume` (false or a save), which decides whether the directory's W&B run goes on.
+    """
+    if logger.backend != LoggerBackend.wandb:
         yield NullLogger()
         return
-    run = start_wandb(config, out_dir, meta, name, group)
+    run = start_wandb(logger, out_dir, meta, name, group, job_type, resume)
     if run is None:
         yield NullLogger()
         return
@@ -154,21 +160,21 @@ def open_logger(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: 
         print(f"W&B run saved offline; upload it with: wandb sync {run.settings.sync_dir}", flush=True)
 
 
-def start_wandb(config: TrainConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str) -> Any:
+def start_wandb(logger: LoggerConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str, job_type: str, resume: str) -> Any:
     """wandb.init for this job, or None (after one warning) when W&B cannot start."""
     try:
         import wandb
 
         labels = describe_job(meta["config"])
         run = wandb.init(
-            project=config.logger.project,
-            entity=config.logger.entity,
+            project=logger.project,
+            entity=logger.entity,
             dir=str(out_dir),  # the run lives inside the job's output directory
             mode=wandb_mode(),
             name=name,
             group=group,
-            job_type=config.zero.stage.value,
-            id=wandb_run_id(config, out_dir),
+            job_type=job_type,
+            id=wandb_run_id(resume, out_dir),
             resume="allow",  # a resumed job continues its directory's run; a new id starts a new one
             tags=labels.tags,
             config=redact_secrets({**wandb_config(meta), "swept": labels.swept}),
@@ -197,14 +203,14 @@ def yield_cpu_to_ranks() -> None:
                 child.nice(19)
 
 
-def wandb_run_id(config: TrainConfig, out_dir: Path) -> str:
+def wandb_run_id(resume: str, out_dir: Path) -> str:
     """The W&B run id, kept in the output directory: a resumed job (which continues the directory of
-    the run it resumes, see checkpoint.resolve_resume) logs into the same W&B run; any other job
+    the run it resumes, see resume.resolve_resume) logs into the same W&B run; any other job
     gets a new id, even in a reused directory."""
     from wandb.sdk.lib.runid import generate_id  # wandb.util.generate_id is gone in wandb 0.31
 
     path = out_dir / "wandb_run_id"
-    if config.resume != "false" and path.exists():
+    if resume != "false" and path.exists():
         return path.read_text().strip()
     run_id = generate_id()
     path.write_text(run_id + "\n")

@@ -6,88 +6,90 @@ import dataclasses
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.amp import GradScaler
 
 from trainer.activation_checkpointing import apply_activation_checkpointing
-from trainer.attention import apply_sdpa_choice, run_choice
+from trainer.attention import run_choice
 from trainer.compile import apply_compile
-from trainer.checkpoint import Progress, first_attempt, resume_training, save_last_good, save_training_state, should_save
-from trainer.config import FaultKind, TrainConfig
+from trainer.config import FaultConfig, FaultKind, TrainConfig
 from trainer.data import build_batches
 from trainer.memory import next_micro_batch
 from trainer.metrics import Meter, StepStats
-from trainer.model import build_model, flops_per_token
+from trainer.model import apply_sdpa_choice, build_model, flops_per_token
 from trainer.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.oom import mark_phase
 from trainer.optim import build_optimizer, build_scheduler, clip_gradients, rewind_scheduler, step_unless, uses_fused
 from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.resume import resume_training
+from trainer.save import Progress, SaveSpec, first_attempt, save_last_good, save_training_state, should_save
 from trainer.sharding import apply_zero, gradient_sync
 from trainer.stop import RankStop
+from trainer.trainee import Trainee
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class Trainee:
-    """What one rank trains with, built once."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: GradScaler
-
-
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
-    apply_sdpa_choice(model, run_choice(config, world.device.type))  # the attention kernel, explicit
+    apply_sdpa_choice(model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type))  # the attention kernel, explicit
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
     apply_compile(model, config.compile, config.compile_backend)  # after checkpointing, before sharding: in place
-    model = apply_zero(model, config, world)  # shard, then materialise only this rank's part
+    model = apply_zero(model, config.zero, config.precision, config.offload, world, config.seed)  # shard, then materialise only this rank's part
     optimizer = build_optimizer(model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     return Trainee(model, optimizer, scheduler, scaler)
 
 
-def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop) -> dict[str, Any] | None:
+def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop, predicted: dict[str, float]) -> dict[str, Any] | None:
     """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures
-    (or, when the ranks agreed to stop on a signal, how they stopped: trainer/stop.py)."""
+    (or, when the ranks agreed to stop on a signal, how they stopped: trainer/stop.py).
+
+    `predicted` holds the job's plan figures (trainer/job.py rank_predictions), written beside
+    what the ranks measure.
+    """
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
-    start = resume_training(trainee, config, world, out_dir)  # step 0 unless resuming or restarted
+    spec = SaveSpec.of(config)
+    start = resume_training(trainee, spec, config.resume, world, out_dir)  # step 0 unless resuming or restarted
     batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
-    meter = Meter(config, world, out_dir, flops_per_token=flops_per_token(config.model, config.seq_len))
+    meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
-    guard = NonFiniteGuard(config, world, skipped=start.nonfinite_skipped, defer=uses_fused(config.optim, world.device.type))
+    guard = NonFiniteGuard(
+        config.nonfinite,
+        config.max_nonfinite_skips,
+        world,
+        fp16=config.precision.is_fp16,
+        skipped=start.nonfinite_skipped,
+        defer=uses_fused(config.optim, world.device.type),
+    )
     for step in range(start.step + 1, config.steps + 1):
         try:
             with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
-            if meter.should_log(step) or should_save(config, step):
+            if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
         except NonFiniteError as err:  # every rank raises together: they agreed on the flags
             rewind_scheduler(trainee.scheduler, err.step - 1)  # weights were held since err.step
-            save_last_good(trainee, config, world, out_dir, progress(err.step - 1, guard, meter))
+            save_last_good(trainee, spec, world, out_dir, progress(err.step - 1, guard, meter))
             raise
         stopping = bool(stop.agreed) and step < config.steps  # agreed with the non-finite flags
-        meter.update(step, dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
+        meter.update(dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
         if meter.should_log(step) or stopping:
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,
             # trainer/nonfinite.py) on every step as well; with the fused one it does not.
             meter.log(step, trainee.model, trainee.optimizer)
         save = None
-        if should_save(config, step) or (stopping and config.save.every > 0):
-            save = save_training_state(trainee, config, world, out_dir, progress(step, guard, meter))
+        if should_save(config.save, config.steps, step) or (stopping and config.save.every > 0):
+            save = save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
         if stopping:
             return stop.ending(step, save)
     return meter.finish()
@@ -118,7 +120,7 @@ def train_step(
         # leaving the region before it. The numbers are the same either way: backward ops run in the
         # dtype autocast chose for their forward ops, and a checkpointed block's recompute restores
         # the autocast state itself. What differs is memory, and the memory plan is fitted to this
-        # placement (trainer/plan_step.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
+        # placement (trainer/plan/step.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
         # autocast's cache keeps the 2-byte cast of every matmul weight until the region exits, here
         # through backward. Outside, the casts of checkpointed blocks would be freed after forward
         # and made again during their recompute, and every cast freed once its block's backward has
@@ -126,7 +128,7 @@ def train_step(
         # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
         with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
-            loss = inject_fault(cross_entropy(model(inputs), targets), config, world, step, is_last)
+            loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
             loss_sum += loss.detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
@@ -177,9 +179,8 @@ def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
     return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
 
 
-def inject_fault(loss: torch.Tensor, config: TrainConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
+def inject_fault(loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
-    fault = config.fault
     if fault.kind in (FaultKind.none, FaultKind.kill_during_save) or fault.step != step or fault.rank != world.rank:
         return loss
     if not is_last or not first_attempt():  # a fault rehearses one failure, not one per restart

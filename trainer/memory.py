@@ -25,7 +25,8 @@ from typing import ContextManager, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from trainer.optim import local_optimizer
 
 # Our names for MemTracker's categories (the values of its _MemRefType enum).
 TENSOR_CATEGORIES = {
@@ -40,11 +41,6 @@ CPU_FIELDS = ("peak_allocated", "peak_rss", *(f"peak_{name}" for name in TENSOR_
 CUDA_FIELDS = ("peak_allocated", "peak_reserved", "peak_active", "alloc_retries", "num_ooms", "peak_rss")
 COUNT_FIELDS = ("alloc_retries", "num_ooms")  # counts, not bytes
 NAN = float("nan")
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state (ZeroRedundancyOptimizer wraps a local one)."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:

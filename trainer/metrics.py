@@ -19,15 +19,15 @@ from trainer.comm import CommProbe, comm_fields
 from trainer.comm import FIELDS as COMM_FIELDS
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
-from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe, local_optimizer
+from trainer.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.nonfinite import SKIPPED_KEY
-from trainer.plan import predicted_peak_bytes
-from trainer.plan_comm import plan_comm
-from trainer.plan_headroom import HEADROOM
+from trainer.optim import local_optimizer
+from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
+from trainer.plan.headroom import HEADROOM
 from trainer.precision import compute_dtype
+from trainer.units import GIB
 from trainer.world import World
 
-GIB = 2**30
 BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
 
 @dataclass
@@ -53,7 +53,9 @@ class Meter:
     process turns it into W&B history and summary.json.
     """
 
-    def __init__(self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float) -> None:
+    def __init__(
+        self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float, predicted: dict[str, float]
+    ) -> None:
         self.config, self.world = config, world
         self.tokens_per_step = config.sequences_per_step(world.world_size) * config.seq_len
         self.flops_per_token = flops_per_token
@@ -65,10 +67,10 @@ class Meter:
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
         self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
-        # The plan's worst-rank peak, next to the measured one in every record (rank 0 writes them).
-        self.predicted_peak_gib = predicted_peak_bytes(config, world.world_size) / GIB if telemetry.enabled and world.is_main else None
-        self.predicted_comm = plan_comm(config, world.world_size).total if telemetry.enabled and world.is_main else None
-        # On a GPU, also what the allocator will reserve for it (trainer/plan_headroom.py).
+        # The job's plan (trainer/job.py rank_predictions), next to what is measured in every record (rank 0 writes them).
+        self.predicted_peak_gib = predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
+        self.predicted_comm = predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
+        # On a GPU, also what the allocator will reserve for it (trainer/plan/headroom.py).
         self.predicted_reserved_gib = (
             HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB if self.predicted_peak_gib is not None and world.device.type == "cuda" else None
         )
@@ -92,7 +94,7 @@ class Meter:
         stack.enter_context(self.comm.measure(step))
         return stack
 
-    def update(self, step: int, stats: StepStats) -> None:
+    def update(self, stats: StepStats) -> None:
         self.window_steps += 1
         self.window_data_s += stats.data_s
         self.window_overflows += stats.overflow  # a device tensor under fp16: summed without a sync

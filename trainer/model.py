@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        self.sdpa = SdpaChoice()  # the run's kernel (trainer/attention.py apply_sdpa_choice)
+        self.sdpa = SdpaChoice()  # the run's kernel (set_attention_kernel below)
 
     def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -167,6 +167,14 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- build and initialise
+
+
+def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
+    """Give every attention layer the run's kernel choice (trainer/attention.py; before compile:
+    it is traced with it)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa = choice
 
 
 def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Transformer:

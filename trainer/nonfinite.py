@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainConfig
+from trainer.config import NonFinitePolicy
 from trainer.world import World
 
 if TYPE_CHECKING:
@@ -121,12 +121,14 @@ class NonFiniteGuard:
     the window's flags in `settle`; otherwise each step's flags are read in `check_now`.
     """
 
-    def __init__(self, config: TrainConfig, world: World, skipped: int = 0, defer: bool = False) -> None:
+    def __init__(
+        self, policy: NonFinitePolicy, max_in_a_row: int, world: World, fp16: bool, skipped: int = 0, defer: bool = False  # type: ignore[valid-type]
+    ) -> None:
         self.is_main = world.is_main
         self.world_size = world.world_size
-        self.skip = config.nonfinite.value == "skip"
-        self.max_in_a_row = config.max_nonfinite_skips
-        self.scaler_enabled = config.precision.is_fp16
+        self.skip = policy.value == "skip"
+        self.max_in_a_row = max_in_a_row
+        self.scaler_enabled = fp16  # a gradient overflow alone is then the GradScaler's to skip
         self.defer = defer
         self.skipped = skipped
         """Cumulative skipped steps (carried across resumes by the save)."""

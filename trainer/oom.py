@@ -21,7 +21,9 @@ from typing import Any, Iterator
 
 import torch
 
-GIB = 2**30
+from trainer.errors import one_line
+from trainer.units import GIB
+
 FAILURES_DIR = "failures"
 
 # What torch's allocators say when an allocation fails: the CPU allocator raises a RuntimeError
@@ -122,11 +124,6 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
         raise
-
-
-def one_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def read_failures(out_dir: Path) -> dict[int, dict[str, Any]]:

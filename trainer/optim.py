@@ -29,6 +29,16 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fuse
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
+
+    `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
+    the model: what tensor tracking (trainer/memory.py), the state-bytes figures
+    (trainer/metrics.py) and DCP's state-dict helpers (trainer/save.py) can name and measure.
+    """
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:
     """Step a fused AdamW unless `skip` (a device scalar, 1.0: skip), without a host sync.
 
@@ -38,7 +48,7 @@ def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torc
     unscale_ already divided the gradients, hence grad_scale None) or the non-finite policy's skip.
     ZeroRedundancyOptimizer steps its wrapped AdamW, which is the one that reads the flags.
     """
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = local_optimizer(optimizer)
     found_inf = skip
     if scaler.is_enabled():
         overflow = sum(scaler._found_inf_per_device(optimizer).values())  # filled by unscale_

@@ -8,7 +8,7 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
         R = k · (2·(N_block − D·M) + 4·H·Q·T), recompute per token for k checkpointed blocks: the
             block's forward again, less its last matmul (w2), which non-reentrant checkpointing's
             early stop never reruns (its output is not saved for backward)
-    wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer.plan_comm predicts)
+    wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
         the plan books gloo's reduce-scatter under all-reduce (gloo runs it as one), so on CPU
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from trainer.activation_checkpointing import should_checkpoint
 from trainer.calibrate import Rates
-from trainer.config import DType, OffloadTarget, ReduceDType, Stage, TrainConfig
-from trainer.plan_states import model_shape
+from trainer.config import CheckpointingConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
+from trainer.plan.states import model_shape
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -60,14 +60,13 @@ class StepTime:
         return max(parts, key=parts.__getitem__)
 
 
-def recompute_flops_per_token(config: TrainConfig) -> float:
+def recompute_flops_per_token(m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int) -> float:
     """FLOPs per token that activation checkpointing adds: checkpointed blocks' forward, less w2."""
-    m = config.model
     shape = model_shape(m)
     block_params = sum(_numel(s) for s in shape.block)
     head_dim = m.dim // m.n_heads
-    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * head_dim * config.seq_len
-    checkpointed = sum(should_checkpoint(i, config.checkpointing) for i in range(m.n_layers))
+    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * head_dim * seq_len
+    checkpointed = sum(should_checkpoint(i, checkpointing) for i in range(m.n_layers))
     return checkpointed * block_forward
 
 
@@ -86,13 +85,13 @@ def wire_factor(collective: str, world_size: int) -> tuple[float, str]:
     return (n - 1) / n, "all_gather"
 
 
-def bandwidth(rates: Rates, kind: str, collective: str, config: TrainConfig) -> float:
+def bandwidth(rates: Rates, kind: str, collective: str, zero: ZeroConfig, precision: PrecisionConfig) -> float:
     """The bus bandwidth in the dtype the collective runs in, where the rates have it: gradients
     reduce in zero.reduce_dtype, FSDP2 gathers in the compute dtype, the broadcast is fp32."""
     if collective in ("all_reduce", "reduce_scatter"):
-        half = config.zero.reduce_dtype == ReduceDType.bf16
+        half = zero.reduce_dtype == ReduceDType.bf16
     else:
-        half = collective == "all_gather" and config.precision.compute_dtype != DType.float32
+        half = collective == "all_gather" and precision.compute_dtype != DType.float32
     return rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind]) if half else rates.bus_bytes_per_s[kind]
 
 
@@ -111,7 +110,7 @@ def predict_step(
     """The step time of `config` on `world_size` ranks (module docstring: the formulas)."""
     tokens = config.micro_batch * config.grad_accum * config.seq_len
     rate = rates.flops_at(config.micro_batch * config.seq_len)
-    recompute = recompute_flops_per_token(config)
+    recompute = recompute_flops_per_token(config.model, config.checkpointing, config.seq_len)
     compute_s = tokens * (flops_per_token + recompute) / rate
     forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
     backward_s = compute_s - forward_s
@@ -121,7 +120,7 @@ def predict_step(
         if not payload:
             continue
         factor, kind = wire_factor(collective, world_size)
-        wire_s[collective] = payload * factor / bandwidth(rates, kind, collective, config)
+        wire_s[collective] = payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
         if rates.overlap:
             window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)

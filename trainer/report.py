@@ -20,13 +20,10 @@ Report's panel ids aside).
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import re
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer.loggers import sweep_group  # noqa: E402
+from trainer.points import Point, Report, count_statuses, load_points, per_rank_peaks, plural  # noqa: E402
+from trainer.units import MIB
 
 COLUMNS = [
     "point", "overrides", "status", "tokens_per_s", "mfu_pct", "max_rank_peak_gib", "argmax_rank",
@@ -54,102 +53,9 @@ SUMMARY_KEYS = {
     "failed_step": "failed_step",
     "failed_phase": "failed_phase",
 }
-PEAK_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
 COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 FAILED_COLOR = "#d62728"
 LINE_STYLES = ["-", (0, (6, 3)), (0, (2, 2)), (0, (8, 3, 2, 3))]  # solid, dashed, dotted, dash-dot
-
-
-@dataclass
-class Point:
-    """One sweep point as its output directory tells it."""
-
-    num: int
-    path: Path
-    settings: dict[str, str]  # its command-line overrides, key -> value
-    summary: dict[str, Any]
-    records: list[dict[str, Any]]
-    plan: dict[str, Any] | None
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def status(self) -> str:
-        """summary.json's status; for a mode=plan point the plan's verdict; `missing` when the job left neither."""
-        if "status" in self.summary:
-            return self.summary["status"]
-        if self.plan is not None:
-            return "fits (plan)" if self.plan.get("fits") else "does not fit (plan)"
-        return "missing"
-
-
-@dataclass
-class Report:
-    """What write_report wrote: the points, the keys that differ between them, the rows, the charts."""
-
-    sweep_dir: Path  # where the report is written: the sweep directory, or a comparison's --out
-    points: list[Point]
-    swept: list[str]
-    rows: list[dict[str, Any]]
-    charts: dict[str, Path]
-    is_sweep: bool = True  # False: a comparison of run and sweep directories (trainer/compare.py)
-
-    @property
-    def title(self) -> str:
-        return f"{'Sweep report' if self.is_sweep else 'Comparison'}: {sweep_group(self.sweep_dir)}"
-
-    @property
-    def description(self) -> str:
-        tally = ", ".join(f"{n} {status}" for status, n in count_statuses(self.rows).items())
-        return f"{plural(len(self.rows), 'point')} ({tally}); swept: {', '.join(self.swept) or 'nothing'}."
-
-    @property
-    def fastest(self) -> dict[str, Any] | None:
-        return next((row for row in self.rows if row["fastest"]), None)
-
-
-def load_points(sweep_dir: Path) -> list[Point]:
-    """Every point directory (one with Hydra's .hydra/ record) of the sweep, in job order."""
-    points = [load_point(d) for d in sweep_dir.iterdir() if (d / ".hydra" / "hydra.yaml").is_file()]
-    return sorted(points, key=lambda p: p.num)
-
-
-def load_point(path: Path) -> Point:
-    hydra = OmegaConf.load(path / ".hydra" / "hydra.yaml").hydra
-    overrides = OmegaConf.to_container(OmegaConf.load(path / ".hydra" / "overrides.yaml"))
-    assert isinstance(overrides, list)
-    summary = read_json(path / "summary.json") or {}
-    return Point(
-        num=int(hydra.job.num) if hydra.job.get("num") is not None else 0,
-        path=path,
-        settings=dict(split_override(o) for o in overrides),
-        summary=summary,
-        records=read_jsonl(path / "metrics.jsonl"),
-        plan=(plan := read_json(path / "plan.json")),
-        config=summary.get("config") or plan or {},  # plan.json names device_memory_gib too (mode=plan points)
-    )
-
-
-def split_override(override: str) -> tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSONL file: a rank killed while writing can leave half a line."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
 
 
 def swept_keys(points: list[Point]) -> list[str]:
@@ -197,7 +103,7 @@ def predicted_peak_gib(point: Point) -> float | None:
 
 
 def predicted_comm_bytes(point: Point) -> int | None:
-    """The plan's bytes per rank per step (trainer/plan_comm.py): in the summary, else in plan.json."""
+    """The plan's bytes per rank per step (trainer/plan/comm.py): in the summary, else in plan.json."""
     if "comm/predicted_bytes_per_step" in point.summary:
         return point.summary["comm/predicted_bytes_per_step"]
     return (point.plan.get("comm") or {}).get("bytes_per_step") if point.plan is not None else None
@@ -207,17 +113,6 @@ def skipped_steps(summary: dict[str, Any]) -> int | None:
     """Optimizer steps skipped: fp16 overflows plus non-finite steps skipped by nonfinite=skip."""
     counts = [summary[k] for k in ("precision/skipped_steps", "train/nonfinite_skipped") if k in summary]
     return int(sum(counts)) if counts else None
-
-
-def per_rank_peaks(point: Point) -> dict[int, float]:
-    """Each rank's highest peak tensor memory over the run (GiB)."""
-    peaks: dict[int, float] = {}
-    for record in point.records:
-        for key, value in record.items():
-            if (match := PEAK_KEY.fullmatch(key)) and value is not None:
-                rank = int(match.group(1))
-                peaks[rank] = max(peaks.get(rank, 0.0), value)
-    return dict(sorted(peaks.items()))
 
 
 def write_report(sweep_dir: Path, points: list[Point] | None = None) -> Report:
@@ -333,7 +228,7 @@ def markdown_charts(charts: dict[str, Path]) -> list[str]:
 
 
 def mib(value: float | None) -> str:
-    return "–" if value is None else f"{value / 2**20:,.2f}"
+    return "–" if value is None else f"{value / MIB:,.2f}"
 
 
 def number(value: Any, pattern: str) -> str:
@@ -482,7 +377,7 @@ def plot_comm(ax: plt.Axes, report: Report) -> bool:
             row, base = rows[point.num], reference.get(same(point))
             if stage_of(point) != stage or None in (row["comm_bytes_per_step"], row["max_rank_peak_gib"], base):
                 continue
-            xs.append(row["comm_bytes_per_step"] / 2**20)
+            xs.append(row["comm_bytes_per_step"] / MIB)
             ys.append((base - row["max_rank_peak_gib"]) * 1024)
             names.append(label(point, others) if others else "")
         if xs:
@@ -620,10 +515,15 @@ def sweep_logger(sweep_dir: Path) -> dict[str, Any] | None:
     return OmegaConf.to_container(logger) if logger is not None else None  # type: ignore[return-value]
 
 
-def main(argv: list[str] | None = None) -> None:
-    from trainer.compare import main as compare_main
+def write_sweep_report(sweep_dir: Path) -> Report:
+    """The end-of-sweep report: the memory plan's fit table of every point (plan_table.md, printed
+    here) and the report of how each point ran (report.md, results.csv, charts; the caller prints
+    its summary_line)."""
+    from trainer.plan.table import write_fit_table
 
-    compare_main(argv)
+    if (fit_table := write_fit_table(sweep_dir)) is not None:
+        print(fit_table, flush=True)
+    return write_report(sweep_dir)
 
 
 def summary_line(report: Report) -> str:
@@ -631,16 +531,7 @@ def summary_line(report: Report) -> str:
     return f"report: {report.sweep_dir / 'report.md'} ({plural(len(report.rows), 'point')}: {statuses})"
 
 
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+if __name__ == "__main__":  # `python -m trainer.report`: the command line is trainer/compare.py's
+    from trainer.compare import main
 
-
-def count_statuses(rows: list[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = defaultdict(int)
-    for row in rows:
-        counts[row["status"]] += 1
-    return dict(counts)
-
-
-if __name__ == "__main__":
     main(sys.argv[1:])

@@ -2,7 +2,7 @@
 
 Writing: DCP raises what the file system said, wrapped per rank in a CheckpointException;
 `SaveError` says in one line which save could not be written where, and why (the OS's words and
-path). The half-written `.tmp_step_*` directory is never a save (trainer/checkpoint.py), so the
+path). The half-written `.tmp_step_*` directory is never a save (trainer/save.py), so the
 saves before it stay the ones a resume finds.
 
 Resuming: whether a save is whole, its files against what DCP's `.metadata` says. A save is renamed into place only once every rank's data and the metadata are written, so a
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 
+from trainer.errors import one_line
+
 DATA_SUFFIX = ".distcp"
 
 
@@ -33,7 +35,7 @@ def save_error(err: BaseException, root: Path, step: int) -> SaveError:
     if isinstance(cause, OSError) and cause.strerror:
         reason = f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror
     else:
-        reason = f"{type(cause).__name__}: {cause}"
+        reason = one_line(cause)
     return SaveError(f"could not write the save of step {step} under {root} ({reason}); the earlier saves are intact")
 
 

@@ -19,37 +19,38 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.config import ConfigError, OffloadConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, ZeroConfig
 from trainer.model import materialize
 from trainer.precision import build_mp_policy
 from trainer.world import World
 
 
-def apply_zero(model: nn.Module, config: TrainConfig, world: World) -> nn.Module:
+def apply_zero(
+    model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World, seed: int
+) -> nn.Module:
     """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds.
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
     DDP wraps real parameters, so it comes after.
     """
-    if config.zero.uses_fsdp:
-        apply_fsdp(model, config, world)
-        materialize(model, state_device(config, world), seed=config.seed)
+    if zero.uses_fsdp:
+        apply_fsdp(model, zero, precision, offload, world)
+        materialize(model, state_device(offload, world), seed=seed)
         return model
-    materialize(model, world.device, seed=config.seed)
+    materialize(model, world.device, seed=seed)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
-    buckets = {} if config.zero.bucket_cap_mb is None else {"bucket_cap_mb": config.zero.bucket_cap_mb}
+    buckets = {} if zero.bucket_cap_mb is None else {"bucket_cap_mb": zero.bucket_cap_mb}
     # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
     ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-    if config.zero.reduce_dtype == ReduceDType.bf16:
+    if zero.reduce_dtype == ReduceDType.bf16:
         # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
         ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
     return ddp
 
 
-def check_device_support(config: TrainConfig, device_kind: str) -> None:
+def check_device_support(zero: ZeroConfig, device_kind: str) -> None:
     """Refuse before any rank starts what DDP would refuse in every rank: torch's bf16_compress_hook
     is allowed only on CUDA with NCCL (DistributedDataParallel.register_comm_hook checks it by name)."""
-    zero = config.zero
     if zero.reduce_dtype == ReduceDType.bf16 and not zero.uses_fsdp and device_kind != "cuda":
         raise ConfigError(
             f"zero.reduce_dtype=bf16 with zero={zero.stage.value} needs CUDA and NCCL (torch's bf16_compress_hook for DDP); "
@@ -57,16 +58,16 @@ def check_device_support(config: TrainConfig, device_kind: str) -> None:
         )
 
 
-def state_device(config: TrainConfig, world: World) -> torch.device:
+def state_device(offload: OffloadConfig, world: World) -> torch.device:
     """Where sharded model states live: host memory under offload=cpu, else the training device."""
-    return torch.device("cpu") if config.offload.target == OffloadTarget.cpu else world.device
+    return torch.device("cpu") if offload.target == OffloadTarget.cpu else world.device
 
 
-def apply_fsdp(model: nn.Module, config: TrainConfig, world: World) -> None:
+def apply_fsdp(model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
     mesh = init_device_mesh(world.device.type, (world.world_size,))
-    reshard = config.zero.stage == Stage.stage3
-    common = dict(mesh=mesh, mp_policy=build_mp_policy(config.precision, config.zero), offload_policy=build_offload_policy(config, world))
+    reshard = zero.stage == Stage.stage3
+    common = dict(mesh=mesh, mp_policy=build_mp_policy(precision, zero), offload_policy=build_offload_policy(offload, world))
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)
     # The root's parameters are used again at the very start of backward (the output head), so
@@ -74,11 +75,11 @@ def apply_fsdp(model: nn.Module, config: TrainConfig, world: World) -> None:
     fully_shard(model, reshard_after_forward=False, **common)
 
 
-def build_offload_policy(config: TrainConfig, world: World) -> OffloadPolicy:
-    if config.offload.target == OffloadTarget.none:
+def build_offload_policy(offload: OffloadConfig, world: World) -> OffloadPolicy:
+    if offload.target == OffloadTarget.none:
         return OffloadPolicy()
     # Pinning needs a CUDA runtime; on a CPU-only host the offloaded states are plain host memory.
-    return CPUOffloadPolicy(pin_memory=config.offload.pin_memory and world.device.type == "cuda")
+    return CPUOffloadPolicy(pin_memory=offload.pin_memory and world.device.type == "cuda")
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:

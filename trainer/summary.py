@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
+from trainer.jsonl import read_jsonl
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
-    path = out_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a job's metrics.jsonl."""
+    return read_jsonl(out_dir / "metrics.jsonl")
 
 
 def warmup_end(records: list[dict[str, Any]], total_steps: int, warmup_steps: int | None = None) -> int:

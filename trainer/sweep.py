@@ -11,8 +11,9 @@ the process that runs `python -m trainer` (the ranks never see it):
   trainer/stop.py) stops the sweep with that signal's exit status, and with `fail_fast=true` the
   first point that does not end `ok` stops it (exit status 1), each after writing the report of
   the points so far.
-- on_multirun_end: the sweep report (trainer/report.py) with its W&B Report, and with logger=wandb
-  its W&B run (online: the W&B Report saved, its URL in report.md).
+- on_multirun_end: the end-of-sweep report (trainer/report.py write_sweep_report: the memory
+  plan's fit table and how each point ran) with its W&B Report, and with logger=wandb its W&B
+  run (online: the W&B Report saved, its URL in report.md).
 
 `finished_ok` is the job's check (trainer/job.py) that lets a re-run of a sweep into the same
 directory (`hydra.sweep.dir=<dir>`) skip the points that already ended `ok`.
@@ -116,16 +117,16 @@ class SweepCallback(Callback):
 
     def end_early(self, config: DictConfig, line: str, code: int) -> None:
         """Stop the sweep after this point: the report of the points that ran, one line, `code`."""
-        from trainer.report import summary_line, write_report
+        from trainer.report import summary_line, write_sweep_report
 
-        report = write_report(Path(config.hydra.sweep.dir))
+        report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
         print(line, file=sys.stderr, flush=True)
         raise SystemExit(code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer.report import mirror_to_wandb, summary_line, write_report
+        from trainer.report import mirror_to_wandb, summary_line, write_sweep_report
 
-        report = write_report(Path(config.hydra.sweep.dir))
+        report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
         mirror_to_wandb(report)  # with logger=wandb; failures are warnings, the local report is complete

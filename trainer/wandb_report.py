@@ -26,12 +26,10 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from trainer.points import Report, per_rank_peaks
 from trainer.wandb_run import STEADY_KEYS, STEP_KEY, config_path
-
-if TYPE_CHECKING:
-    from trainer.report import Report
 
 REPORT_FILE = "wandb_report.json"
 STEADY_TOKENS = STEADY_KEYS["throughput/tokens_per_s"]
@@ -118,8 +116,6 @@ def throughput_panel(wr: Any, report: Report, others: list[str]) -> Any:
 
 
 def memory_panels(wr: Any, report: Report) -> list[Any]:
-    from trainer.report import per_rank_peaks
-
     ranks = sorted({rank for point in report.points for rank in per_rank_peaks(point)})
     return [
         wr.LinePlot(

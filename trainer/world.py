@@ -27,11 +27,12 @@ class World:
         return self.rank == 0
 
 
-def resolve_device_kind(device: DeviceKind) -> str:
-    """`auto` is CUDA when a GPU is visible, else CPU; asking for CUDA without one is an error."""
+def resolve_device_kind(device: DeviceKind, must_be_visible: bool = True) -> str:
+    """`auto` is CUDA when a GPU is visible, else CPU. Asking for CUDA without one is an error
+    for a job that trains here; a plan (`must_be_visible=False`) may be for a GPU elsewhere."""
     if device == DeviceKind.auto:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == DeviceKind.cuda and not torch.cuda.is_available():
+    if device == DeviceKind.cuda and must_be_visible and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is visible; allowed here: auto, cpu")
     return device.value
 

@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.comm import window_figures, WindowReader
 from trainer.config import DeviceKind, DType, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
-from trainer.plan_comm import COLLECTIVES, plan_comm
-from trainer.plan_states import model_shape
+from trainer.plan.comm import plan_comm
+from trainer.plan.states import model_shape
 
 STAGES = ("stage0", "stage1", "stage2", "stage3")
 WORLD = 2
@@ -61,7 +60,7 @@ def run_case(config: TrainConfig, world: Any, measure_steps: int, count_collecti
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
     batches = build_batches(config, world.rank, world.world_size, start_step=0)
-    guard = NonFiniteGuard(config, world)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16)
     first = 1 if config.zero.uses_fsdp else 3
     for step in range(1, first):
         train_step(trainee, batches, config, world, step, guard)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, TINY, Run, run_trainer
-from trainer.checkpoint import list_saves, save_step
+from trainer.save import list_saves, save_step
 
 pytestmark = pytest.mark.timeout(240)
 

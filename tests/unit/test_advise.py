@@ -53,7 +53,7 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> N
 
 
 # 70b: one sequence per rank. With grad_accum > 1 zerolab's loop accumulates unsharded fp32
-# gradients (no reduce-scatter before the last micro-batch; trainer/plan_step.py), 280 GB for 70b,
+# gradients (no reduce-scatter before the last micro-batch; trainer/plan/step.py), 280 GB for 70b,
 # so at global_batch=512 nothing fits on 8 or 64 H100s, and the advisor says so.
 CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("70b", 8, 8), ("70b", 64, 64)]
 

@@ -8,12 +8,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.unit.test_plan import compose_config
-from trainer.attention import SdpaChoice, apply_sdpa_choice, choose_sdpa, run_choice
+from trainer.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
-from trainer.model import build_model, init_weights
-from trainer.plan_step import activations, attention_extra_per_token
+from trainer.model import apply_sdpa_choice, build_model, init_weights
+from trainer.plan.step import activations, attention_extra_per_token
 
 FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
+
+
+def choice_of(config) -> tuple:
+    """run_choice's config arguments, as the job and the loop pass them."""
+    return config.attention, config.model, config.precision.compute_dtype
 
 
 @pytest.mark.parametrize(
@@ -40,9 +45,9 @@ def test_ungrouped_heads_are_never_repeated() -> None:
 
 def test_kernels_a_device_cannot_run_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^attention=flash needs precision=bf16 or fp16 on CUDA"):
-        run_choice(compose_config("attention=flash", "precision=fp32"), "cuda")
+        run_choice(*choice_of(compose_config("attention=flash", "precision=fp32")), "cuda")
     with pytest.raises(ConfigError, match=r"^attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math"):
-        run_choice(compose_config("attention=efficient"), "cpu")
+        run_choice(*choice_of(compose_config("attention=efficient")), "cpu")
 
 
 def test_a_kernel_that_cannot_take_the_inputs_fails_instead_of_falling_back() -> None:
@@ -78,7 +83,7 @@ def saved_bytes(choice: SdpaChoice, dtype: torch.dtype, micro_batch: int = 3, se
 @pytest.mark.parametrize("kernel", ["flash", "math"])
 def test_planned_activations_are_what_the_chosen_kernel_saves(precision: str, dtype: torch.dtype, kernel: str) -> None:
     config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", f"precision={precision}", "zero=stage3", f"attention={kernel}")
-    choice = run_choice(config, "cpu")
+    choice = run_choice(*choice_of(config), "cpu")
     assert saved_bytes(choice, dtype) == activations(config, "cpu").total
 
 

@@ -7,19 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import WORLD, process_group, tiny_config  # noqa: F401 (fixture)
-from trainer.checkpoint import Progress, load_training_state, save_training_state, saved_keys
+from tests.unit.fakes import WORLD, tiny_config
 from trainer.data import build_batches
 from trainer.loop import build_trainee, train_step
 from trainer.model import build_model, init_weights
 from trainer.nonfinite import NonFiniteGuard
 from trainer.plan import COMPILE_NOTE, build_plan
+from trainer.save import Progress, SaveSpec, load_training_state, save_training_state, saved_keys
 
 
 def losses(config, steps: int) -> tuple[list[float], object]:
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
-    guard = NonFiniteGuard(config, WORLD)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
     batches = build_batches(config, 0, 1, start_step=0)
     return [train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(1, steps + 1)], trainee
 
@@ -38,14 +38,14 @@ def test_compiled_blocks_train_like_eager_over_8_steps(process_group: None, over
 def test_compiled_and_eager_saves_are_interchangeable(process_group: None, tmp_path: Path) -> None:
     compiled_config = tiny_config(compile=True, compile_backend="aot_eager")
     _, compiled = losses(compiled_config, 1)
-    save_training_state(compiled, compiled_config, WORLD, tmp_path / "compiled", Progress(step=1))
+    save_training_state(compiled, SaveSpec.of(compiled_config), WORLD, tmp_path / "compiled", Progress(step=1))
     eager_config = tiny_config()
     _, eager = losses(eager_config, 1)
-    save_training_state(eager, eager_config, WORLD, tmp_path / "eager", Progress(step=1))
+    save_training_state(eager, SaveSpec.of(eager_config), WORLD, tmp_path / "eager", Progress(step=1))
     keys = [saved_keys(tmp_path / run / "checkpoints" / "step_00000001") for run in ("compiled", "eager")]
     assert keys[0] == keys[1]
     fresh = build_trainee(eager_config, WORLD)
-    load_training_state(fresh, eager_config, WORLD, tmp_path / "compiled" / "checkpoints" / "step_00000001")
+    load_training_state(fresh, SaveSpec.of(eager_config), WORLD, tmp_path / "compiled" / "checkpoints" / "step_00000001")
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), compiled.model.state_dict().values()))
 
 

@@ -59,9 +59,13 @@ def test_bad_group_values_name_the_key(build, key: str) -> None:
         build()
 
 
-def test_offload_is_allowed_with_fsdp_stages() -> None:
+def test_offload_is_allowed_with_fsdp_stages_only() -> None:
     for stage in (Stage.stage2, Stage.stage3):
-        TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
+        config = TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
+        assert (config.zero.stage, config.offload.target) == (stage, OffloadTarget.cpu)
+    for stage in (Stage.stage0, Stage.stage1):
+        with pytest.raises(ConfigError, match=rf"^offload=cpu needs zero=stage2 or zero=stage3 .*got zero={stage.value}$"):
+            TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
 
 
 def test_global_batch_is_micro_batch_times_accum_times_world() -> None:

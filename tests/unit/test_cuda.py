@@ -15,8 +15,9 @@ from tests.unit.test_plan import compose_config
 from trainer.config import ConfigError
 from trainer.cuda import ALLOC_CONF, apply_tf32, local_ranks_error, process_group_backend, set_rank_environment
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
-from trainer.plan import GIB, device_memory
-from trainer.plan_headroom import HEADROOM
+from trainer.plan import device_memory
+from trainer.plan.headroom import HEADROOM
+from trainer.units import GIB
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl() -> None:
@@ -84,7 +85,7 @@ def test_device_names_are_exact_and_variants_differ() -> None:
 @pytest.mark.parametrize(("name", "short"), [("H100", "h100-sxm"), ("h100", "h100-sxm"), ("H200", "h200"), ("A100-80GB", "a100-80gb"), ("L40S", "l40s")])
 def test_plan_accelerator_is_accepted_in_any_case(name: str, short: str) -> None:
     config = compose_config(f"plan.accelerator={name}")
-    memory = device_memory(config, "cuda", 8)
+    memory = device_memory(config.plan, config.device_memory_gib, "cuda", 8, config.nodes)
     assert memory.per_rank_bytes == find_accelerator(short).memory_mib * 2**20 - HEADROOM.outside_allocator(8)
     assert memory.source.startswith(short)
     assert compose_config("plan.accelerator=H200").plan.accelerator == "h200"

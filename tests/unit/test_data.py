@@ -197,7 +197,7 @@ def test_large_token_file_checks_each_window(tmp_path: Path, monkeypatch: pytest
 def test_missing_token_file_names_data_path(tmp_path: Path) -> None:
     config = make_config(data=DataConfig(kind=DataKind.tokens, path=str(tmp_path / "absent.npy")))
     with pytest.raises(ConfigError, match="data.path") as error:
-        build_dataset(config)
+        build_dataset(config.data, config.model.vocab_size, config.seq_len, config.seed)
     assert "\n" not in str(error.value) and "absent.npy" in str(error.value)
 
 

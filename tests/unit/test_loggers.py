@@ -1,7 +1,9 @@
-"""The job process's W&B side: the service yields the CPU to the ranks (the tail is tested in test_metrics.py)."""
+"""The job process's W&B side (trainer/loggers.py): the metrics.jsonl tail, W&B failing to start or midway,
+and the service yielding the CPU to the ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -10,7 +12,8 @@ import psutil
 import pytest
 import wandb
 
-from trainer.loggers import yield_cpu_to_ranks
+from trainer.config import TrainConfig
+from trainer.loggers import MetricsTail, NullLogger, WandbLogger, open_logger, yield_cpu_to_ranks
 
 
 @pytest.fixture
@@ -29,3 +32,52 @@ def test_wandb_service_processes_run_at_the_lowest_priority_and_the_job_process_
         assert {p.name(): p.nice() for p in service} == {p.name(): 19 for p in service}
     assert os.nice(0) == own_priority  # this process, and so the ranks it would start, keep their priority
 
+
+def test_tail_hands_over_complete_lines_only_and_starts_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1}) + "\n")  # an earlier job's record: not this run's
+    seen: list[dict] = []
+    tail = MetricsTail(path, seen.append)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2}) + "\n" + '{"step": ')
+    tail.poll()
+    assert seen == [{"step": 2}]
+    with path.open("a") as f:
+        f.write("3}\n")
+    tail.poll()
+    assert seen == [{"step": 2}, {"step": 3}]
+
+
+
+def test_wandb_that_cannot_start_warns_once_and_leaves_the_job_a_null_logger(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WANDB_MODE", "not-a-mode")  # wandb.init rejects its settings
+    meta = {"config": {}, "overrides": [], "world_size": 1}
+    config = TrainConfig()
+    with open_logger(config.logger, tmp_path, meta, "defaults", "today", config.zero.stage.value, config.resume) as logger:
+        assert isinstance(logger, NullLogger)
+    assert capsys.readouterr().err.count("warning: W&B could not start") == 1
+
+
+
+class BrokenRun:
+    """A W&B run whose every call fails, as when the server goes away midway."""
+
+    calls = 0
+
+    def log(self, *args, **kwargs) -> None:
+        BrokenRun.calls += 1
+        raise ConnectionError("gone")
+
+    def finish(self, *args, **kwargs) -> None:
+        BrokenRun.calls += 1
+        raise ConnectionError("gone")
+
+
+
+def test_wandb_failing_midway_warns_once_and_stops_calling_it(capsys) -> None:
+    logger = WandbLogger(BrokenRun())
+    for step in (1, 2, 3):
+        logger.log_record({"step": step, "loss/train": 1.0})
+    logger.finish({"status": "ok"})
+    assert BrokenRun.calls == 1
+    assert capsys.readouterr().err.count("warning: W&B stopped working") == 1

@@ -1,20 +1,16 @@
-"""The Meter's arithmetic (worst rank, MFU, steady throughput) and the job process's W&B feed, without ranks."""
+"""The Meter's arithmetic (trainer/metrics.py: worst rank, prediction error, MFU, device peaks), without ranks."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.config import DType, PrecisionConfig
-from trainer.config import TrainConfig
-from trainer.loggers import MetricsTail, NullLogger, WandbLogger, open_logger
 from trainer.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.metrics import GIB, device_peak_flops, memory_fields, mfu_pct
-from trainer.summary import build_summary, redact_secrets, steady_tokens_per_s
+from trainer.metrics import device_peak_flops, memory_fields, mfu_pct
+from trainer.units import GIB
 
 NAN = float("nan")
 
@@ -97,80 +93,3 @@ def test_fp32_uses_the_tf32_peak_once_tf32_is_on(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr("trainer.metrics.tf32_enabled", lambda: True)
     assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(), None) == 156.0e12
-
-
-def window(step: int, tokens_per_s: float, step_s: float, **extra: float) -> dict[str, float]:
-    return {"step": step, "loss/train": 1.0, "throughput/tokens_per_s": tokens_per_s, "time/step_s": step_s, **extra}
-
-
-def test_steady_throughput_is_total_tokens_over_total_time_after_warmup() -> None:
-    # Windows of 10 steps; the first (warm-up) is slow and must not count.
-    records = [window(10, 100.0, 1.0), window(20, 1000.0, 0.1), window(30, 500.0, 0.2)]
-    tokens = 1000.0 * 0.1 * 10 + 500.0 * 0.2 * 10
-    seconds = 0.1 * 10 + 0.2 * 10
-    assert steady_tokens_per_s(records, total_steps=30) == pytest.approx(tokens / seconds)
-    assert steady_tokens_per_s(records, total_steps=30, warmup_steps=0) == pytest.approx((tokens + 100.0 * 10) / (seconds + 10))
-
-
-def test_summary_keeps_the_worst_window_of_the_worst_rank() -> None:
-    records = [
-        window(10, 100.0, 1.0, **{"memory/max_rank_peak_gib": 2.0, "memory/argmax_rank": 1, "memory/predicted_peak_gib": 2.5}),
-        window(20, 100.0, 1.0, **{"memory/predicted_peak_gib": 2.5}),
-        window(30, 100.0, 1.0, **{"memory/max_rank_peak_gib": 3.0, "memory/argmax_rank": 0, "memory/predicted_peak_gib": 2.5}),
-    ]
-    summary = build_summary("ok", records, total_steps=30)
-    assert (summary["memory/max_rank_peak_gib"], summary["memory/argmax_rank"], summary["memory/peak_step"]) == (3.0, 0, 30)
-    assert summary["memory/predicted_peak_gib"] == 2.5
-
-
-def test_secrets_from_the_environment_are_redacted_everywhere(monkeypatch) -> None:
-    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
-    nested = {"overrides": ["+x=0123456789abcdef0123456789abcdef01234567"], "a": {"b": "key 0123456789abcdef0123456789abcdef01234567"}}
-    assert "0123456789abcdef" not in json.dumps(redact_secrets(nested))
-    assert redact_secrets({"lr": 0.1, "name": "zero=stage3"}) == {"lr": 0.1, "name": "zero=stage3"}
-
-
-def test_tail_hands_over_complete_lines_only_and_starts_at_the_end(tmp_path: Path) -> None:
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 1}) + "\n")  # an earlier job's record: not this run's
-    seen: list[dict] = []
-    tail = MetricsTail(path, seen.append)
-    with path.open("a") as f:
-        f.write(json.dumps({"step": 2}) + "\n" + '{"step": ')
-    tail.poll()
-    assert seen == [{"step": 2}]
-    with path.open("a") as f:
-        f.write("3}\n")
-    tail.poll()
-    assert seen == [{"step": 2}, {"step": 3}]
-
-
-def test_wandb_that_cannot_start_warns_once_and_leaves_the_job_a_null_logger(tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("WANDB_MODE", "not-a-mode")  # wandb.init rejects its settings
-    meta = {"config": {}, "overrides": [], "world_size": 1}
-    with open_logger(TrainConfig(), tmp_path, meta, name="defaults", group="today") as logger:
-        assert isinstance(logger, NullLogger)
-    assert capsys.readouterr().err.count("warning: W&B could not start") == 1
-
-
-class BrokenRun:
-    """A W&B run whose every call fails, as when the server goes away midway."""
-
-    calls = 0
-
-    def log(self, *args, **kwargs) -> None:
-        BrokenRun.calls += 1
-        raise ConnectionError("gone")
-
-    def finish(self, *args, **kwargs) -> None:
-        BrokenRun.calls += 1
-        raise ConnectionError("gone")
-
-
-def test_wandb_failing_midway_warns_once_and_stops_calling_it(capsys) -> None:
-    logger = WandbLogger(BrokenRun())
-    for step in (1, 2, 3):
-        logger.log_record({"step": step, "loss/train": 1.0})
-    logger.finish({"status": "ok"})
-    assert BrokenRun.calls == 1
-    assert capsys.readouterr().err.count("warning: W&B stopped working") == 1

@@ -1,21 +1,29 @@
-"""trainer/nonfinite.py's deferred agreement on CPU: a fused AdamW skips on the device, the host reads later.
+"""trainer/nonfinite.py: every rank agrees whether a step is finite; raise or skip, and when to stop.
 
-One process, a one-rank gloo group (tests/unit/test_checkpoint.py's fixture); the 2-rank policy
-runs are in tests/integration/test_resume.py.
+The deferred agreement (a fused AdamW skips on the device, the host reads later) runs in one
+process on a one-rank gloo group (tests/unit/conftest.py); the 2-rank policy runs are in
+tests/integration/test_resume.py.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import WORLD, process_group, tiny_config  # noqa: F401 (fixture)
+from tests.unit.fakes import WORLD, tiny_config
+from trainer.config import TrainConfig
 from trainer.data import build_batches
 from trainer.loop import build_trainee, train_step
-from trainer.nonfinite import NonFiniteError, NonFiniteGuard, agree, decode
+from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode, find_nonfinite
 from trainer.optim import rewind_scheduler
 
 NAN_AT_2 = dict(fault__kind="nan_loss", fault__step=2)
+
+
+def guard_of(config: TrainConfig, defer: bool = False) -> NonFiniteGuard:
+    return NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16, defer=defer)
 
 
 def weights(trainee) -> dict[str, torch.Tensor]:
@@ -26,7 +34,7 @@ def weights(trainee) -> dict[str, torch.Tensor]:
 def run_deferred(config, steps: int) -> tuple[NonFiniteGuard, list[dict[str, torch.Tensor]], object]:
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
-    guard = NonFiniteGuard(config, WORLD, defer=True)
+    guard = guard_of(config, defer=True)
     batches = build_batches(config, 0, 1, start_step=0)
     snapshots = [weights(trainee)]
     for step in range(1, steps + 1):
@@ -71,7 +79,7 @@ def test_raise_read_later_names_the_step_and_kept_the_last_good_weights(process_
 
 def test_skip_stops_at_max_in_a_row_read_later(process_group: None) -> None:
     config = tiny_config(optim__fused=True, nonfinite="skip", max_nonfinite_skips=2, fault__kind="nan_loss", fault__step=2)
-    guard = NonFiniteGuard(config, WORLD, defer=True)
+    guard = guard_of(config, defer=True)
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
     skips = [guard.record(step, agree(loss, one, WORLD)).item() for step, loss in ((1, one), (2, nan), (3, nan), (4, one))]
     assert skips == [0.0, 1.0, 1.0, 1.0]  # the 2nd bad step in a row halts: step 4 is held too
@@ -85,7 +93,7 @@ def test_deferred_and_immediate_reads_train_the_same_weights(process_group: None
     _, deferred, _ = run_deferred(config, 3)
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
-    guard = NonFiniteGuard(config, WORLD, defer=False)
+    guard = guard_of(config, defer=False)
     batches = build_batches(config, 0, 1, start_step=0)
     for step in range(1, 4):
         train_step(trainee, batches, config, WORLD, step, guard)
@@ -99,7 +107,7 @@ def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(t
     from trainer.stop import RankStop
 
     stop = RankStop(tmp_path, watches_request=False)
-    guard = NonFiniteGuard(tiny_config(optim__fused=True), WORLD, defer=True)
+    guard = guard_of(tiny_config(optim__fused=True), defer=True)
     one = torch.tensor(1.0)
     guard.record(1, agree(one, one, WORLD, extra=(stop_request(stop),)))
     stop.requested = signal.SIGUSR1  # as its signal handler notes it
@@ -107,3 +115,29 @@ def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(t
     assert stop.agreed == 0  # nothing read on the host yet
     guard.settle(stop)
     assert stop.agreed == signal.SIGUSR1 and guard.skipped == 0
+
+
+def test_raise_names_step_rank_and_loss() -> None:
+    config = tiny_config()
+    guard = guard_of(config)
+    with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 3 on rank 1 \(nonfinite=raise"):
+        guard.check(NonFinite(step=3, loss_ranks=(1,), gradient=True))
+
+
+def test_skip_counts_and_stops_after_max_in_a_row() -> None:
+    config = tiny_config(nonfinite="skip", max_nonfinite_skips=3)
+    guard = guard_of(config)
+    bad = NonFinite(step=5, loss_ranks=(), gradient=True)
+    assert [guard.check(bad), guard.check(None), guard.check(bad), guard.check(bad)] == [False, True, False, False]
+    assert guard.skipped == 3
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient at step 5 .*: 3 non-finite steps in a row"):
+        guard.check(bad)
+
+
+def test_find_nonfinite_tells_loss_from_gradient_and_leaves_fp16_overflow_to_the_scaler() -> None:
+    nan, inf, one = torch.tensor(math.nan), torch.tensor(math.inf), torch.tensor(1.0)
+    assert find_nonfinite(nan, inf, 3, WORLD, scaler_enabled=False) == NonFinite(3, (0,), True)
+    assert find_nonfinite(one, inf, 3, WORLD, scaler_enabled=False) == NonFinite(3, (), True)
+    assert find_nonfinite(one, inf, 3, WORLD, scaler_enabled=True) is None  # an overflow: GradScaler skips it
+    assert find_nonfinite(nan, inf, 3, WORLD, scaler_enabled=True) == NonFinite(3, (0,), True)
+    assert find_nonfinite(one, one, 3, WORLD, scaler_enabled=False) is None

@@ -1,4 +1,4 @@
-"""trainer/optim.py: the warmup + cosine schedule as the optimizer sees it, and clipping."""
+"""trainer/optim.py: the warmup + cosine schedule as the optimizer sees it, clipping, the local optimizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainer.config import OptimConfig, ZeroConfig
-from trainer.optim import build_optimizer, build_scheduler, clip_gradients, lr_multiplier
+from trainer.optim import build_optimizer, build_scheduler, clip_gradients, local_optimizer, lr_multiplier
 
 
 def test_warmup_is_linear_from_the_first_step_and_reaches_the_peak() -> None:
@@ -42,7 +42,7 @@ def test_the_scheduler_hands_the_optimizer_lr_times_the_multiplier() -> None:
         scheduler.step()
     expected = [0.01 * lr_multiplier(step, optim, 6) for step in range(6)]
     assert lrs == pytest.approx(expected) and lrs[1] == pytest.approx(0.01)
-    assert isinstance(optimizer, torch.optim.AdamW)  # stage0: no ZeroRedundancyOptimizer wrapper
+    assert isinstance(optimizer, torch.optim.AdamW) and local_optimizer(optimizer) is optimizer  # stage0: no wrapper
 
 
 def test_clipping_returns_the_norm_before_clipping_and_zero_disables_it() -> None:

@@ -20,9 +20,10 @@ from omegaconf import OmegaConf
 
 from trainer.config import ModelConfig, TrainConfig, register_configs, validate
 from trainer.model import build_model, init_weights
-from trainer.plan import GIB, build_plan, predicted_peak_bytes, refusal
-from trainer.plan_states import model_shape, model_states_per_rank, padded_numel, rank_states, shard_rows, zero1_partition
-from trainer.plan_step import activations
+from trainer.plan import build_plan, refusal, summary_fields
+from trainer.plan.states import model_shape, model_states_per_rank, padded_numel, rank_states, shard_rows, zero1_partition
+from trainer.plan.step import activations
+from trainer.units import GIB
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
@@ -288,4 +289,5 @@ def test_a_fitting_plan_is_not_refused_and_its_peak_is_the_jobs_prediction() -> 
     config = compose_config("model=tiny", "zero=stage2", "device=cpu")
     plan = build_plan(config, "cpu", 2)
     assert plan.fits and refusal(plan) is None
-    assert predicted_peak_bytes(config, 2) == plan.peak_bytes == max(r.peak.total for r in plan.ranks)
+    # The job hands this figure to the ranks (trainer/job.py), which write it beside the measured peak.
+    assert summary_fields(plan)["memory/predicted_peak_gib"] * GIB == plan.peak_bytes == max(r.peak.total for r in plan.ranks)

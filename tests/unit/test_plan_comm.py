@@ -7,9 +7,7 @@ import json
 import pytest
 
 from trainer.config import DType, ModelConfig, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
-from trainer.plan import build_plan
-from trainer.plan_comm import plan_comm
-from trainer.plan_table import format_plan
+from trainer.plan import build_plan, format_plan, plan_comm
 
 # Llama-2 70b (docs/communication.md, "70b at stage3 on 64 ranks"): every dim 0 divides by 64,
 # so FSDP2 pads nothing. P parameters, of which the root (embeddings, final norm, output) holds R.

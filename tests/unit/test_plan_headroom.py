@@ -1,4 +1,4 @@
-"""trainer/plan_headroom.py: a GPU plan compares reserved memory (tensors + headroom) with what the allocator may use."""
+"""trainer/plan/headroom.py: a GPU plan compares reserved memory (tensors + headroom) with what the allocator may use."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 from tests.unit.test_plan import compose_config
 from trainer.devices import find_accelerator
 from trainer.metrics import memory_fields
-from trainer.plan import GIB, build_plan
-from trainer.plan_headroom import HEADROOM
+from trainer.plan import build_plan
+from trainer.plan.headroom import HEADROOM
+from trainer.units import GIB
 
 
 def test_a_gpu_rank_may_reserve_the_device_less_context_and_nccl() -> None:

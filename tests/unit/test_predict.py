@@ -24,6 +24,10 @@ RATES = Rates(
 F = 1e6  # model FLOPs per token, fixed
 
 
+def recompute_of(c: TrainConfig) -> float:
+    return recompute_flops_per_token(c.model, c.checkpointing, c.seq_len)
+
+
 def config(stage: Stage = Stage.stage0, checkpointing: CheckpointMode = CheckpointMode.none, **top: int) -> TrainConfig:
     return TrainConfig(zero=ZeroConfig(stage=stage), checkpointing=CheckpointingConfig(mode=checkpointing), **top)
 
@@ -33,9 +37,9 @@ def test_recompute_is_the_checkpointed_blocks_forward_without_w2() -> None:
     block_params = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 2 * 128  # wq, wk+wv, wo, w1-3, 2 norms
     per_block = 2 * (block_params - 128 * 384) + 4 * 4 * 32 * 128
     assert per_block == 360_960
-    assert recompute_flops_per_token(config(checkpointing=CheckpointMode.full, seq_len=128)) == 4 * per_block
-    assert recompute_flops_per_token(config(checkpointing=CheckpointMode.selective, seq_len=128)) == 2 * per_block  # blocks 0, 2
-    assert recompute_flops_per_token(config(seq_len=128)) == 0
+    assert recompute_of(config(checkpointing=CheckpointMode.full, seq_len=128)) == 4 * per_block
+    assert recompute_of(config(checkpointing=CheckpointMode.selective, seq_len=128)) == 2 * per_block  # blocks 0, 2
+    assert recompute_of(config(seq_len=128)) == 0
 
 
 def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:

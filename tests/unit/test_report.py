@@ -1,29 +1,20 @@
-"""The sweep report (trainer/report.py) from point directories laid out as a sweep leaves them, and
-the failure records (trainer/oom.py) that make a point `oom` or `crashed`."""
+"""The sweep report (trainer/report.py) from point directories laid out as a sweep leaves them."""
 
 from __future__ import annotations
 
 import csv
 import json
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 import pytest
-import torch
 from omegaconf import OmegaConf
 
+from tests.unit.fakes import CPU_OOM
+from trainer import compare
 from trainer import report as rpt
-from trainer.oom import explain, is_out_of_memory, mark_phase, read_failures, recording_failures
-
-CPU_OOM = (
-    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
-    "you tried to allocate 8388608 bytes. Error code 12 (Cannot allocate memory)"
-)
 
 
 def records_for(rng: random.Random, steps: int, ranks: int = 2, fp16: bool = False) -> list[dict[str, Any]]:
@@ -234,92 +225,10 @@ def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
 def test_the_command_refuses_a_directory_that_is_neither_a_run_nor_a_sweep_in_one_line(grid: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
     stray = tmp_path_factory.mktemp("stray")
     with pytest.raises(SystemExit) as exit_info:
-        rpt.main([str(grid), str(stray), "--out", str(stray / "out")])
+        compare.main([str(grid), str(stray), "--out", str(stray / "out")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"]
     assert not (stray / "out").exists() and not (grid / "report.md").exists()
-
-
-# ---------------------------------------------------------------------------- trainer/oom.py
-
-
-@pytest.mark.parametrize(
-    "error,oom",
-    [
-        (RuntimeError(CPU_OOM), True),
-        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
-        (MemoryError(), True),
-        (RuntimeError("std::bad_alloc"), True),
-        (RuntimeError("injected fault at step 2"), False),
-        (ValueError("micro_batch must be >= 1"), False),
-    ],
-)
-def test_out_of_memory_is_told_from_other_errors(error: BaseException, oom: bool) -> None:
-    assert is_out_of_memory(error) is oom
-
-
-def test_a_failing_rank_records_its_step_and_phase(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
-        mark_phase(4, "backward")
-        raise RuntimeError(CPU_OOM)
-    record = read_failures(tmp_path)[1]
-    assert (record["rank"], record["step"], record["phase"], record["oom"]) == (1, 4, "backward", True)
-    assert record["message"] == f"RuntimeError: {CPU_OOM}"
-
-
-def test_an_oom_record_explains_the_job_before_the_first_failed_rank(tmp_path: Path) -> None:
-    """Rank 0 failed first (its peer's socket closed), but rank 1 ran out of memory: the job is oom on rank 1."""
-    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=0):
-        mark_phase(2, "backward")
-        raise RuntimeError("Connection closed by peer [127.0.0.1]:53149")
-    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
-        mark_phase(2, "forward")
-        raise RuntimeError(CPU_OOM)
-    record = explain(first_rank=0, exitcodes={0: 1, 1: 1}, out_dir=tmp_path, capped=True)
-    assert record is not None and (record["rank"], record["step"], record["phase"], record["oom"]) == (1, 2, "forward", True)
-
-
-def test_the_rank_that_raised_first_explains_the_job_when_torch_names_its_peer(tmp_path: Path) -> None:
-    """Rank 1 raised; rank 0 then failed on the closed connection in the same second, and torch's
-    whole-second timestamps name rank 0 first: the records' own clock names rank 1."""
-    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
-        mark_phase(2, "forward")
-        raise RuntimeError("injected fault at step 2")
-    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=0):
-        mark_phase(2, "backward")
-        raise RuntimeError("Connection closed by peer [127.0.0.1]:53149")
-    record = explain(first_rank=0, exitcodes={0: 1, 1: 1}, out_dir=tmp_path, capped=False)
-    assert record is not None and (record["rank"], record["step"], record["phase"]) == (1, 2, "forward")
-    assert record["message"] == "RuntimeError: injected fault at step 2"
-
-
-def test_a_sigkill_is_oom_only_under_a_memory_cap(tmp_path: Path) -> None:
-    exitcodes = {1: -signal.SIGKILL}
-    record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
-    assert record is not None and (record["rank"], record["oom"]) == (1, True)
-    assert explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=False) is None
-
-
-def test_the_cpu_cap_fails_an_allocation_past_it_inside_the_process() -> None:
-    """device_memory_gib on CPU: 64 MiB above the process's own use; 256 MiB fails as a catchable
-    out-of-memory error, 16 MiB does not, and lifting the cap allows the 256 MiB again."""
-    script = """
-import json, torch
-from trainer.oom import apply_memory_cap, is_out_of_memory, lift_memory_cap
-apply_memory_cap(64 / 1024, torch.device("cpu"))
-small = torch.ones(4 * 2**20)  # 16 MiB
-try:
-    torch.ones(64 * 2**20)  # 256 MiB
-    big = "fitted"
-except RuntimeError as err:
-    big = "oom" if is_out_of_memory(err) else repr(err)
-lift_memory_cap()
-after = torch.ones(64 * 2**20).numel()
-print(json.dumps({"small": small.numel(), "big": big, "after": after}))
-"""
-    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == {"small": 4 * 2**20, "big": "oom", "after": 64 * 2**20}
 
 
 def test_comm_chart_puts_each_point_at_its_bytes_and_the_memory_its_stage_saved(tmp_path: Path) -> None:

@@ -5,28 +5,13 @@ One-rank gloo group: DDP's and FSDP2's own flags and gradients show whether a ba
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.sharding import gradient_sync
-
-
-@pytest.fixture(scope="module")
-def process_group() -> Iterator[None]:
-    """A one-rank gloo group in this process (DDP and FSDP2 need one)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(process_group: None) -> None:

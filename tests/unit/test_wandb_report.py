@@ -15,6 +15,7 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.reports.v2.interface as wr_interface
 from omegaconf import OmegaConf
 
+from trainer import compare
 from trainer import report as rpt
 from trainer.loggers import sweep_group
 from trainer.wandb_report import REPORT_FILE, STEADY_MFU, STEADY_TOKENS, load_report_json, report_run_id
@@ -193,7 +194,7 @@ def test_publishing_points_the_run_sets_at_the_project_saves_and_links_the_url(t
     monkeypatch.setattr(wr_interface, "execute_graphql", lambda api, query, variables: {"project": {"internalId": "P1"}})
     monkeypatch.setattr(wr_interface, "_get_api", lambda: None)
     with pytest.raises(SystemExit) as exit_info:
-        rpt.main(["--wandb", str(tmp_path)])
+        compare.main(["--wandb", str(tmp_path)])
     assert exit_info.value.code == 0
     assert saved == [[("team", "zerolab")] * 4]
     assert "W&B Report: https://wandb.test/team/zerolab/reports/R1" in (tmp_path / "report.md").read_text().splitlines()
@@ -205,7 +206,7 @@ def test_publishing_without_a_server_is_one_warning_and_leaves_report_md(tmp_pat
     rpt.write_report(tmp_path)
     before = (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit) as exit_info:
-        rpt.main(["--wandb", str(tmp_path)])
+        compare.main(["--wandb", str(tmp_path)])
     assert exit_info.value.code == 1
     assert [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()] == ["warning: the W&B Report could not be saved"]
     assert (tmp_path / "report.md").read_text() == before

@@ -1,4 +1,4 @@
-"""Full training state saved with torch.distributed.checkpoint (DCP): atomic saves, found again to resume.
+"""What a rank does to save and load the full training state with torch.distributed.checkpoint (DCP).
 
 A save is a DCP directory `<run>/checkpoints/step_XXXXXXXX` holding, under canonical,
 wrapper-free names (no `module.`, no activation-checkpoint or FSDP prefixes):
@@ -21,11 +21,12 @@ A kill at any moment leaves either the previous saves alone or a `.tmp_*` direct
 never read. Only a directory named `step_XXXXXXXX` that contains `.metadata` is a save. (DCP
 writes straight into the directory it is given and has no commit step of its own, hence the
 rename, written here.)
+
+Finding the save a run starts from (resume=..., a launcher restart) is trainer/resume.py's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -34,7 +35,7 @@ import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,15 +50,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from trainer.config import ConfigError, FaultKind, TrainConfig
+from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig
 from trainer.oom import mark_phase
-from trainer.save_faults import newest_whole_save, save_error, save_problem
+from trainer.save_faults import save_error
+from trainer.optim import local_optimizer
+from trainer.trainee import Trainee
 from trainer.world import World
-
-if TYPE_CHECKING:  # loop.py imports this module
-    from trainer.loop import Trainee
 
 SAVES_DIR = "checkpoints"
 SAVE_NAME = re.compile(r"^step_(\d{8})$")
@@ -113,25 +112,31 @@ def save_step(path: Path) -> int:
     return int(match.group(1))
 
 
-def should_save(config: TrainConfig, step: int) -> bool:
-    """Every save.every steps and at the last step; never when save.every is 0."""
-    every = config.save.every
-    return every > 0 and (step % every == 0 or step == config.steps)
+def should_save(save: SaveConfig, steps: int, step: int) -> bool:
+    """Every save.every steps and at the last of `steps`; never when save.every is 0."""
+    return save.every > 0 and (step % save.every == 0 or step == steps)
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """What a save records and how, besides the trainee: built once per rank from the config."""
+
+    save: SaveConfig
+    fault: FaultConfig
+    stage: Stage
+    """The ZeRO stage, recorded in `progress` (a save loads into any stage)."""
+    micro_batch: int
+    grad_accum: int
+
+    def global_batch(self, world_size: int) -> int:
+        return self.micro_batch * self.grad_accum * world_size
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> SaveSpec:
+        return cls(config.save, config.fault, config.zero.stage, config.micro_batch, config.grad_accum)
 
 
 # ----------------------------------------------------------------------------- state
-
-
-def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state DCP can name.
-
-    ZeroRedundancyOptimizer.state_dict() only works after consolidate_state_dict() gathers every
-    partition onto one rank (the memory ZeRO-1 exists to avoid), and the DCP state-dict helpers
-    do not know the wrapper. Its `.optim` is a plain AdamW over this rank's partition, holding
-    the same Parameter objects as the model, so the helpers map it to parameter names: each rank
-    contributes its partition's state, and the union is exactly a stage0 AdamW's state.
-    """
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def copy_hyperparameters(src_groups: list[dict[str, Any]], dst_groups: list[dict[str, Any]]) -> None:
@@ -171,9 +176,14 @@ def drop_unsaved_rng(state: dict[str, Any], keys: set[str], rank: int) -> None:
         state["rng"][f"rank{rank}"].pop("cuda", None)
 
 
-def training_state(trainee: Trainee, config: TrainConfig, world: World, progress: Progress) -> dict[str, Any]:
-    """The state dict DCP writes (and, as a template, fills in place when loading)."""
-    optimizer = inner_optimizer(trainee.optimizer)
+def training_state(trainee: Trainee, spec: SaveSpec, world: World, progress: Progress) -> dict[str, Any]:
+    """The state dict DCP writes (and, as a template, fills in place when loading).
+
+    ZeroRedundancyOptimizer's own state_dict() would gather every partition onto one rank (the
+    memory ZeRO-1 exists to avoid) and DCP's helpers do not know the wrapper, so they get its
+    local AdamW: each rank contributes its partition's state, the union is a stage0 AdamW's.
+    """
+    optimizer = local_optimizer(trainee.optimizer)
     if optimizer is not trainee.optimizer:
         copy_hyperparameters(trainee.optimizer.param_groups, optimizer.param_groups)
     return {
@@ -185,9 +195,9 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, progress
         "rng": {f"rank{world.rank}": rng_state(world.device)},
         "progress": {
             "step": progress.step,
-            "global_batch": config.sequences_per_step(world.world_size),
+            "global_batch": spec.global_batch(world.world_size),
             "world_size": world.world_size,
-            "stage": config.zero.stage.value,
+            "stage": spec.stage.value,
             "nonfinite_skipped": progress.nonfinite_skipped,
             "overflow_skipped": progress.overflow_skipped,
         },
@@ -197,7 +207,7 @@ def training_state(trainee: Trainee, config: TrainConfig, world: World, progress
 # ----------------------------------------------------------------------------- save
 
 
-def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, progress: Progress) -> Path:
+def save_training_state(trainee: Trainee, spec: SaveSpec, world: World, run_dir: Path, progress: Progress) -> Path:
     """Write the state after `progress.step` steps atomically (a collective: every rank calls it)."""
     root = saves_root(run_dir)
     final, tmp = root / save_name(progress.step), root / f".tmp_{save_name(progress.step)}"
@@ -207,16 +217,16 @@ def save_training_state(trainee: Trainee, config: TrainConfig, world: World, run
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save killed at this very step
             root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(training_state(trainee, config, world, progress), checkpoint_id=tmp)
+        dcp.save(training_state(trainee, spec, world, progress), checkpoint_id=tmp)
     except OSError as err:  # no space, a path that cannot be created: one line naming the path
         raise unwritable(err, root, tmp, world, progress.step) from err
     except CheckpointException as err:  # DCP's wrapper of each rank's error
         raise unwritable(err, root, tmp, world, progress.step) from err
-    kill_if_rehearsing(config, world, progress.step)
+    kill_if_rehearsing(spec.fault, world, progress.step)
     dist.barrier()  # every rank has returned from DCP: its data and the metadata are on disk
     if world.is_main:
         publish(tmp, final)
-        prune(root, config.save.keep, progress.step)
+        prune(root, spec.save.keep, progress.step)
     return final
 
 
@@ -255,9 +265,8 @@ def prune(root: Path, keep: int, step: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def kill_if_rehearsing(config: TrainConfig, world: World, step: int) -> None:
+def kill_if_rehearsing(fault: FaultConfig, world: World, step: int) -> None:
     """fault.kind=kill_during_save: SIGKILL this rank after its data is written, before the rename."""
-    fault = config.fault
     if fault.kind == FaultKind.kill_during_save and fault.step == step and fault.rank == world.rank and first_attempt():
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -272,27 +281,6 @@ def first_attempt() -> bool:
     return restart_count() == 0
 
 
-def find_start(config: TrainConfig, run_dir: Path) -> Path | None:
-    """The save this rank starts from, or None for step 0.
-
-    After a launcher restart: the newest save of this run (the ranks died after it). Otherwise
-    the save the job process resolved `resume` to (job.py turns true / a run directory into one).
-    """
-    if not first_attempt() and (newest := newest_whole_save(list_saves(run_dir), say=False)) is not None:
-        return newest
-    return None if config.resume in ("false", "true") else Path(config.resume)
-
-
-def log_restart(run_dir: Path, start: Path | None, world: World) -> None:
-    """Rank 0 records each launcher restart on the console and in restarts.jsonl."""
-    if first_attempt() or not world.is_main:
-        return
-    where = f"resuming from {start}" if start is not None else "no save yet: starting from step 0"
-    print(f"restart {restart_count()}: the launcher restarted all ranks; {where}", flush=True)
-    with (run_dir / "restarts.jsonl").open("a") as f:
-        f.write(json.dumps({"restart": restart_count(), "save": str(start) if start else None}) + "\n")
-
-
 # ----------------------------------------------------------------------------- load
 
 
@@ -305,24 +293,24 @@ def has_entry(keys: set[str], prefix: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for key in keys)
 
 
-def load_training_state(trainee: Trainee, config: TrainConfig, world: World, path: Path) -> Progress:
+def load_training_state(trainee: Trainee, spec: SaveSpec, world: World, path: Path) -> Progress:
     """Fill the trainee from a save made with any world size and stage; returns where to go on."""
     keys = saved_keys(path)
-    state = training_state(trainee, config, world, Progress())
+    state = training_state(trainee, spec, world, Progress())
     # Optional entries: a rank the save did not have (more ranks now), a scaler only fp16 has.
     drop_unsaved_rng(state, keys, world.rank)
     if not state["scaler"] or not has_entry(keys, "scaler"):
         del state["scaler"]
     dcp.load(state, checkpoint_id=path)
     progress = state["progress"]
-    check_global_batch(progress["global_batch"], config, world.world_size, path)
+    check_global_batch(progress["global_batch"], spec, world.world_size, path)
     apply_training_state(trainee, state, world.device)
     return Progress(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"])
 
 
 def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.device) -> None:
     """Hand the loaded entries to their owners (tensors DCP already filled in place)."""
-    optimizer = inner_optimizer(trainee.optimizer)
+    optimizer = local_optimizer(trainee.optimizer)
     set_model_state_dict(trainee.model, state["model"], options=OPTIONS)
     set_optimizer_state_dict(trainee.model, optimizer, state["optim"], options=OPTIONS)
     if optimizer is not trainee.optimizer:
@@ -336,137 +324,15 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.
         set_rng_state(next(iter(state["rng"].values())), device)
 
 
-def check_global_batch(saved: int, config: TrainConfig, world_size: int, path: Path) -> None:
+def check_global_batch(saved: int, spec: SaveSpec, world_size: int, path: Path) -> None:
     """The data position is a step of `saved` sequences each; another global batch would skip or repeat samples."""
-    now = config.sequences_per_step(world_size)
+    now = spec.global_batch(world_size)
     if saved != now:
         raise ConfigError(
             f"resume: {path} was saved with a global batch of {saved} sequences; this run has {now} "
-            f"(micro_batch={config.micro_batch} x grad_accum={config.grad_accum} x {world_size} ranks): "
+            f"(micro_batch={spec.micro_batch} x grad_accum={spec.grad_accum} x {world_size} ranks): "
             f"set micro_batch and grad_accum so that micro_batch x grad_accum x ranks is {saved}"
         )
-
-
-def rewind_metrics(run_dir: Path, step: int) -> None:
-    """Drop the metrics.jsonl records after `step` (written by ranks that died), so the file is one history.
-
-    The shorter file replaces the old one with os.replace: atomic, and a new inode, by which the
-    job process's reader (loggers.MetricsTail) knows to read the file anew.
-    """
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    if len(kept) == len(lines):
-        return
-    tmp = path.with_name(".metrics.jsonl.rewind")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- the loop's entry points
-
-
-def resume_training(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path) -> Progress:
-    """Load the save this run starts from, if any; Progress() (step 0) for a fresh start."""
-    start = find_start(config, run_dir)
-    log_restart(run_dir, start, world)
-    progress = load_training_state(trainee, config, world, start) if start is not None else Progress()
-    if world.is_main and (start is not None or not first_attempt()):
-        rewind_metrics(run_dir, progress.step)
-        if start is not None:
-            print(f"resumed from {start} at step {progress.step}", flush=True)
-    return progress
-
-
-def save_last_good(trainee: Trainee, config: TrainConfig, world: World, run_dir: Path, progress: Progress) -> None:
-    """Before stopping on a non-finite step: save the state after the last good step, when saving is on.
-
-    The failed step changed neither weights, optimizer, scheduler nor scaler, so the trainee is
-    exactly the state after `progress.step` steps. Skipped when that save exists already.
-    """
-    if config.save.every == 0 or progress.step == 0 or (saves_root(run_dir) / save_name(progress.step)).exists():
-        return
-    path = save_training_state(trainee, config, world, run_dir, progress)
-    if world.is_main:
-        print(f"saved the last good state (step {progress.step}) to {path}", flush=True)
-
-
-# ----------------------------------------------------------------------------- resume, in the job process
-
-# Keys that say how a job runs rather than what it trains: a run that differs only in these is
-# the same run for `resume=true` (the resumed invocation itself differs in `resume`, and a killed
-# rehearsal in `fault`).
-NOT_IDENTITY = (
-    "resume", "fault", "max_restarts", "save", "logger", "nonfinite", "max_nonfinite_skips", "log_every",
-    "telemetry", "dataloader", "plan", "fail_fast", "device_memory_gib", "node_rank", "rdzv_endpoint",
-)  # fmt: skip
-
-
-def run_identity(plain: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in plain.items() if key not in NOT_IDENTITY}
-
-
-def saved_run_identity(run_dir: Path) -> dict[str, Any] | None:
-    """The identity of the run in `run_dir`, from the config Hydra stored there; None if unreadable."""
-    from omegaconf import OmegaConf
-
-    from trainer.config import from_plain, to_plain
-
-    try:
-        stored = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
-        return run_identity(to_plain(from_plain(stored)))  # type: ignore[arg-type]
-    except Exception:  # not a run directory, or one from an older schema: not this run
-        return None
-
-
-def candidate_runs(out_dir: Path) -> list[Path]:
-    """This job's directory and its siblings in Hydra's `<root>/<date>/<time>` layout (outputs/runs/*/*)."""
-    siblings = [p for p in out_dir.parent.parent.glob("*/*") if p.is_dir()]
-    return sorted(set(siblings) | {out_dir})
-
-
-def newest_matching_save(config: TrainConfig, out_dir: Path) -> Path | None:
-    """The most recently written valid save of a run with this config (NOT_IDENTITY aside)."""
-    from trainer.config import to_plain
-
-    identity = run_identity(to_plain(config))
-    runs = [run for run in candidate_runs(out_dir) if list_saves(run) and saved_run_identity(run) == identity]
-    saves = [save for run in runs if (save := newest_whole_save(list_saves(run))) is not None]
-    return max(saves, key=lambda save: (save / METADATA).stat().st_mtime, default=None)
-
-
-def resolve_resume(config: TrainConfig, out_dir: Path) -> tuple[str, Path]:
-    """`resume` as the ranks take it (false, or a save's path) and the directory the job writes to.
-
-    - false: start at step 0 in this job's directory.
-    - true: the newest save of this config; continue in *that* run's directory, so metrics.jsonl
-      and the W&B run go on. With no save yet, start at step 0 (a preemptible job can always
-      pass resume=true).
-    - a run directory: its newest save, continuing in that directory.
-    - a save directory (`.../checkpoints/step_XXXXXXXX`): start from it in this job's directory,
-      for example with another world size or stage.
-    """
-    if config.resume == "false":
-        return "false", out_dir
-    if config.resume == "true":
-        save = newest_matching_save(config, out_dir)
-        if save is None:
-            print(f"resume=true: no whole save of this config under {out_dir.parent.parent}; starting at step 0", flush=True)
-            return "false", out_dir
-        return str(save), save.parent.parent
-    path = Path(config.resume).expanduser().resolve()
-    if is_valid_save(path):
-        if (problem := save_problem(path)) is not None:
-            raise ConfigError(f"resume={config.resume}: that save is broken: {problem}")
-        return str(path), out_dir
-    if (save := newest_whole_save(list_saves(path))) is not None:
-        return str(save), path
-    raise ConfigError(
-        f"resume={config.resume}: no save there; allowed: false, true, a run directory with "
-        f"{SAVES_DIR}/step_XXXXXXXX saves, or one such save directory"
-    )
 
 
 def read_progress(path: Path) -> dict[str, Any]:
@@ -478,6 +344,17 @@ def read_progress(path: Path) -> dict[str, Any]:
     return state["progress"]
 
 
-def count_restarts(run_dir: Path) -> int:
-    path = run_dir / "restarts.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+# ----------------------------------------------------------------------------- the loop's last save
+
+
+def save_last_good(trainee: Trainee, spec: SaveSpec, world: World, run_dir: Path, progress: Progress) -> None:
+    """Before stopping on a non-finite step: save the state after the last good step, when saving is on.
+
+    The failed step changed neither weights, optimizer, scheduler nor scaler, so the trainee is
+    exactly the state after `progress.step` steps. Skipped when that save exists already.
+    """
+    if spec.save.every == 0 or progress.step == 0 or (saves_root(run_dir) / save_name(progress.step)).exists():
+        return
+    path = save_training_state(trainee, spec, world, run_dir, progress)
+    if world.is_main:
+        print(f"saved the last good state (step {progress.step}) to {path}", flush=True)

@@ -1,8 +1,8 @@
 """What the user reads of a plan: the console report and the fit table of a sweep.
 
 format_plan is what mode=plan prints (and every job before it launches, where a refusal comes
-as the job's error line); PlanTable, a Hydra callback that conf/train.yaml registers, prints
-the fit table of every point at the end of a multirun and keeps it as plan_table.md.
+as the job's error line); write_fit_table writes the fit table of every point of a sweep as
+plan_table.md, a part of the end-of-sweep report (trainer/report.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
 from trainer.devices import accelerator_names
-from trainer.plan import COMPILE_NOTE, GIB, Plan, describe, refusal
+from trainer.plan.build import COMPILE_NOTE, Plan, describe
+from trainer.plan.refusal import refusal
+from trainer.units import GIB, KIB, MIB
 
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -61,7 +60,7 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
 
 
 def comm_line(plan: Plan) -> str:
-    """What each rank's collectives move per optimizer step (trainer/plan_comm.py): total and by kind."""
+    """What each rank's collectives move per optimizer step (trainer/plan/comm.py): total and by kind."""
     comm = plan.comm
     parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in comm.bytes_by_collective.items() if n)
     return (
@@ -72,7 +71,7 @@ def comm_line(plan: Plan) -> str:
 
 def format_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
@@ -134,17 +133,15 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class PlanTable(Callback):
-    """Hydra callback: at the end of a multirun, print the fit table of every point and keep
-    it as plan_table.md in the sweep directory (conf/train.yaml registers it)."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.is_dir():
-            return
-        rows = sweep_rows(sweep_dir)
-        if not rows:
-            return
-        table = format_sweep(rows)
-        (sweep_dir / "plan_table.md").write_text(f"# Memory plan of {sweep_dir}\n\n{table}\n")
-        print(f"memory plan of the sweep ({len(rows)} points):\n{table}", flush=True)
+def write_fit_table(sweep_dir: Path) -> str | None:
+    """Write plan_table.md, the fit table of every point of a sweep, and return it as the console
+    shows it; None when no point wrote a plan.json. Part of the end-of-sweep report
+    (trainer/report.py write_sweep_report)."""
+    if not sweep_dir.is_dir():
+        return None
+    rows = sweep_rows(sweep_dir)
+    if not rows:
+        return None
+    table = format_sweep(rows)
+    (sweep_dir / "plan_table.md").write_text(f"# Memory plan of {sweep_dir}\n\n{table}\n")
+    return f"memory plan of the sweep ({len(rows)} points):\n{table}"

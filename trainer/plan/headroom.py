@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 2**30
+from trainer.units import GIB
 
 
 @dataclass(frozen=True)

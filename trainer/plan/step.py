@@ -3,8 +3,8 @@
 A step is a list of moments: the last block's forward, the loss, the output head's backward,
 the start, end and reduce-scatter of each block's backward (the worst of each over every
 block), the optimizer step. Each moment is the rank's model states at rest (from
-trainer/plan_states.py; its gradients replaced where the step holds others) plus the
-activations saved so far, the temporaries alive then, and `other`; trainer/plan.py calls the
+trainer/plan/states.py; its gradients replaced where the step holds others) plus the
+activations saved so far, the temporaries alive then, and `other`; trainer/plan/build.py calls the
 largest the peak.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -54,9 +54,9 @@ from dataclasses import dataclass
 
 from trainer.activation_checkpointing import should_checkpoint
 from trainer.attention import run_choice
-from trainer.config import DType, ModelConfig, OffloadTarget, Stage, TrainConfig
+from trainer.config import DataConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, Stage, TrainConfig, ZeroConfig
 from trainer.optim import uses_fused
-from trainer.plan_states import ModelShape, RankStates, padded_numel
+from trainer.plan.states import ModelShape, RankStates, padded_numel
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 
@@ -74,10 +74,10 @@ class Precisions:
     param: int  # the weights matmuls read (FSDP2's unsharded copy; autocast's cached cast)
 
 
-def precisions(config: TrainConfig) -> Precisions:
-    if config.precision.compute_dtype == DType.float32:
+def precisions(precision: PrecisionConfig, zero: ZeroConfig) -> Precisions:
+    if precision.compute_dtype == DType.float32:
         return Precisions("fp32", 4, 4, 4)
-    if config.zero.uses_fsdp:
+    if zero.uses_fsdp:
         return Precisions("fsdp_mp", 2, 2, 2)
     return Precisions("autocast", 2, 4, 2)  # embedding output and residual adds stay fp32
 
@@ -129,8 +129,8 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     half dtypes in fp32 (torch upcasts them there), on CUDA in the compute dtype. (Math's
     transient pre-softmax scores, alive for one op in forward, are not modelled.)
     """
-    m, prec = config.model, precisions(config)
-    choice = run_choice(config, device_kind)
+    m, prec = config.model, precisions(config.precision, config.zero)
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
     D, H, KQ, T = m.dim, m.n_heads, m.n_kv_heads * (m.dim // m.n_heads), config.seq_len
     flash = prec.compute * (D + 2 * KQ) + 4 * H
     if choice.saves_scores:
@@ -140,7 +140,7 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
 
 
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
-    m, prec = config.model, precisions(config)
+    m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     full = (block_bytes_per_token(m, prec.regime) + attention_extra_per_token(config, device_kind)) * tokens
     checkpointed = prec.residual * m.dim * tokens  # non-reentrant checkpoint keeps the block's input
@@ -378,10 +378,9 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
 # ----------------------------------------------------------------------------- other tensors
 
 
-def other_bytes(config: TrainConfig, states: RankStates) -> int:
+def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
     """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
     (int64 successors, float64 probabilities, float64 stationary distribution) and Adam's steps."""
-    m = config.model
     rope = 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * 4
-    data = 16 * m.vocab_size * config.data.branching + 8 * m.vocab_size if config.data.kind.value == "synthetic" else 0
-    return rope + data + states.step_counters
+    tables = 16 * m.vocab_size * data.branching + 8 * m.vocab_size if data.kind.value == "synthetic" else 0
+    return rope + tables + states.step_counters

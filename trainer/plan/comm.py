@@ -37,7 +37,9 @@ from typing import Any
 from torch.nn.parallel import distributed as ddp_module
 
 from trainer.config import DType, ReduceDType, Stage, TrainConfig
-from trainer.plan_states import ModelShape, model_shape, padded_numel
+from trainer.plan.states import ModelShape, model_shape, padded_numel
+from trainer.plan.target import planned_device_kind
+from trainer.units import MIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 """The kinds of collective the plan and the measurement name (metric keys use these names)."""
@@ -78,9 +80,7 @@ class CommPlan:
 def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) -> CommPlan:
     """Bytes per rank per optimizer step; backend None: nccl when the job plans for a GPU, else gloo."""
     if backend is None:
-        from trainer.plan import planned_device_kind  # trainer/plan.py imports this module
-
-        backend = "nccl" if planned_device_kind(config) == "cuda" else "gloo"
+        backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
     shape = model_shape(config.model)
     moves = fsdp_moves(config, shape, world_size) if config.zero.uses_fsdp else ddp_moves(config, shape)
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
@@ -102,7 +102,7 @@ def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     # buckets of at least bucket_cap_mb (fp32 gradients); torch's default cap where none is set
     # (a private constant: 25 MiB in torch 2.13 where it is missing).
     cap_mb = config.zero.bucket_cap_mb or getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
-    buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * 2**20)))
+    buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
     moves = [("all_reduce", numel * REDUCE_BYTES[config.zero.reduce_dtype], buckets)]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))

@@ -1,0 +1,68 @@
+"""The memory plan: what each rank will hold, and when, known before any rank starts.
+
+The plan walks one optimizer step as a list of moments (the last block's forward, the loss,
+the output head's backward, the start, end and reduce-scatter of each block's backward, the
+optimizer step), adds up the tensors alive at each, and calls the largest the peak. Every
+figure is exact arithmetic on the parameter shapes of the model built on the meta device;
+nothing is allocated. benchmarks/plan_accuracy.py checks it against real runs.
+
+The planner is this package; each module's docstring is its part of the design note:
+
+- states.py: model states per rank, the ZeRO arithmetic as PyTorch keeps it (FSDP2's padded
+  shards, ZeroRedundancyOptimizer's greedy split), from the model's shapes;
+- step.py: the walk of one step, activations and temporaries moment by moment (DDP and
+  FSDP2, every precision, checkpointing, accumulation, CPU offload);
+- build.py: the plan of a job, every rank's moments and its peak, the memory a rank may use,
+  what plan.json and summary.json carry;
+- headroom.py: a CUDA rank's memory beyond its tensors (context, NCCL, allocator), assumed
+  until the GPU check measures it;
+- comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
+- target.py: the device kind and world size a plan is for;
+- refusal.py: the refusal of a plan that does not fit, and its way out;
+- table.py: what the user reads, the console report and a sweep's fit table.
+
+The names other modules use are imported from `trainer.plan` itself.
+"""
+
+
+from trainer.plan.build import (
+    COMPILE_NOTE,
+    PREDICTED_COMM_KEY,
+    PREDICTED_PEAK_KEY,
+    RANK_FIGURES,
+    DeviceMemory,
+    Plan,
+    RankPlan,
+    build_plan,
+    describe,
+    device_memory,
+    summary_fields,
+    write_plan,
+)
+from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.refusal import refusal, way_out
+from trainer.plan.target import planned_device_kind, planned_world_size
+from trainer.plan.table import format_plan, verdict
+
+__all__ = [
+    "COMPILE_NOTE",
+    "PREDICTED_COMM_KEY",
+    "PREDICTED_PEAK_KEY",
+    "RANK_FIGURES",
+    "CommPlan",
+    "DeviceMemory",
+    "Plan",
+    "RankPlan",
+    "build_plan",
+    "describe",
+    "device_memory",
+    "format_plan",
+    "plan_comm",
+    "planned_device_kind",
+    "planned_world_size",
+    "refusal",
+    "summary_fields",
+    "verdict",
+    "way_out",
+    "write_plan",
+]

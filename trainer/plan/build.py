@@ -1,0 +1,229 @@
+"""The plan of a job: every rank's moments and its peak, the memory a rank may use, what
+plan.json and summary.json carry (the design note is trainer/plan/__init__.py's docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from trainer.config import OffloadTarget, PlanConfig, TrainConfig
+from trainer.devices import find_accelerator
+from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.headroom import HEADROOM
+from trainer.plan.states import RankStates, model_shape, rank_states
+from trainer.plan.step import Moment, StepContext, activations, ddp_moments, fsdp_moments, other_bytes, precisions
+from trainer.units import GIB, MIB
+
+COMPILE_NOTE = (
+    "compile=true: the plan is of the eager step; inductor fuses pointwise ops and chooses what to save "
+    "for backward itself, which changes activations and temporaries in ways the plan does not model"
+)
+
+
+# ----------------------------------------------------------------------------- the plan of a job
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    states: RankStates
+    activations: int
+    moments: tuple[Moment, ...]
+    offloaded: int  # model states kept in host memory instead (offload=cpu on a GPU)
+
+    @property
+    def peak(self) -> Moment:
+        return max(self.moments, key=lambda moment: moment.total)
+
+    def figures(self) -> dict[str, float]:
+        """GiB figures of the plan.json row: model states at rest, activations at the end of
+        forward, and the temporaries and other tensors at the peak."""
+        peak = self.peak
+        return {
+            "params_gib": self.states.params / GIB,
+            "grads_gib": self.states.grads / GIB,
+            "optimizer_gib": self.states.optimizer / GIB,
+            "activations_gib": self.activations / GIB,
+            "temporary_gib": peak.parts["temporary"] / GIB,
+            "other_gib": peak.parts["other"] / GIB,
+            "peak_gib": peak.total / GIB,
+            "offloaded_gib": self.offloaded / GIB,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What each rank may use, and where the figure comes from (None: unknown)."""
+
+    per_rank_bytes: int | None
+    source: str
+
+
+def device_memory(plan: PlanConfig, device_memory_gib: float | None, device_kind: str, world_size: int, nodes: int) -> DeviceMemory:
+    """The cap (device_memory_gib), else a named accelerator, else this host's GPU or memory."""
+    if device_memory_gib is not None:
+        return DeviceMemory(int(device_memory_gib * GIB), f"device_memory_gib={device_memory_gib:g}")
+    accelerator = plan.accelerator
+    if accelerator is not None:
+        spec = find_accelerator(accelerator)
+        assert spec is not None  # PlanConfig checked the name
+        return allocator_share(spec.memory_mib * MIB, spec.short, world_size)
+    if device_kind == "cuda":
+        if not torch.cuda.is_available():
+            return DeviceMemory(None, "no GPU visible here")
+        return allocator_share(torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), world_size)
+    # CPU ranks share this host's memory, so each gets an equal part of what is free now;
+    # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
+    available = psutil.virtual_memory().available
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size // nodes)))  # this host's share
+    return DeviceMemory(available // ranks_here, f"this host, {available / GIB:.1f} GiB available / {ranks_here} ranks")
+
+
+def allocator_share(total: int, name: str, world_size: int) -> DeviceMemory:
+    """What the caching allocator of a GPU rank may reserve: the device less the CUDA context and
+    NCCL's buffers (trainer/plan/headroom.py). A `device_memory_gib` cap needs no such deduction:
+    it caps the allocator's reserved memory itself."""
+    outside = HEADROOM.outside_allocator(world_size)
+    return DeviceMemory(total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and NCCL")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The memory plan of one job: every rank's moments and whether the worst one fits."""
+
+    config: TrainConfig
+    device_kind: str
+    world_size: int
+    num_params: int
+    ranks: tuple[RankPlan, ...]
+    memory: DeviceMemory
+    comm: CommPlan  # bytes each rank's collectives move per optimizer step (trainer/plan/comm.py)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda rank: rank.peak.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.peak.total
+
+    def required_bytes(self, rank: RankPlan) -> int:
+        """What must fit: on a GPU the allocator's reserved memory (tensor peak, fragmentation,
+        cuBLAS workspace; trainer/plan/headroom.py), on CPU the tensor peak."""
+        return HEADROOM.reserved(rank.peak.total) if self.device_kind == "cuda" else rank.peak.total
+
+    def rank_fits(self, rank: RankPlan) -> bool | None:
+        if self.memory.per_rank_bytes is None:
+            return None
+        return self.required_bytes(rank) <= self.memory.per_rank_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return self.rank_fits(self.worst)
+
+    def reserved_fields(self) -> dict[str, Any]:
+        """GPU plans: the predicted reserved peak and the headroom assumptions behind it."""
+        if self.device_kind != "cuda":
+            return {}
+        return {"predicted_reserved_gib": self.required_bytes(self.worst) / GIB, "headroom": dataclasses.asdict(HEADROOM)}
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model": c.model.name,
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "device": self.device_kind,
+            "zero": c.zero.stage.value,
+            "precision": c.precision.name,
+            "checkpointing": c.checkpointing.mode.value,
+            "offload": c.offload.target.value,
+            "micro_batch": c.micro_batch,
+            "seq_len": c.seq_len,
+            "grad_accum": c.grad_accum,
+            "device_memory_gib": None if self.memory.per_rank_bytes is None else self.memory.per_rank_bytes / GIB,
+            "device_memory_source": self.memory.source,
+            "peak_gib": self.peak_bytes / GIB,
+            **self.reserved_fields(),
+            **({"compile": COMPILE_NOTE} if c.compile else {}),
+            "peak_rank": self.worst.rank,
+            "peak_moment": self.worst.peak.name,
+            "fits": self.fits,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    **r.figures(),
+                    "fits": self.rank_fits(r),
+                    "peak_moment": r.peak.name,
+                    "moments_gib": {m.name: m.total / GIB for m in r.moments},
+                }
+                for r in self.ranks
+            ],
+            "comm": self.comm.to_json(),
+        }
+
+
+def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
+    """Plan every rank of a job; shapes come from the model built on meta, nothing is allocated."""
+    shape = model_shape(config.model)
+    acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
+    offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
+    ranks, planned = [], {}
+    for rank, states in enumerate(rank_states(shape, config.zero.stage, world_size)):
+        if states not in planned:  # most ranks hold equal shards: plan each distinct one once
+            ctx = StepContext(config, shape, states, acts, prec, world_size, device_kind, other_bytes(config.model, config.data, states))
+            planned[states] = tuple(fsdp_moments(ctx) if config.zero.uses_fsdp else ddp_moments(ctx))
+        offloaded = states.params + states.grads + states.optimizer if offload else 0
+        ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
+    memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes)
+    comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm)
+
+
+def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:
+    c = config
+    return (
+        f"model={c.model.name} zero={c.zero.stage.value} precision={c.precision.name} "
+        f"checkpointing={c.checkpointing.mode.value} offload={c.offload.target.value} micro_batch={c.micro_batch} "
+        f"seq_len={c.seq_len} grad_accum={c.grad_accum} on {world_size} {device_kind} ranks"
+    )
+
+
+# ----------------------------------------------------------------------------- what plan.json and summary.json carry
+
+
+def write_plan(out_dir: Path, plan: Plan) -> Path:
+    path = out_dir / "plan.json"
+    path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    return path
+
+
+PREDICTED_PEAK_KEY = "memory/predicted_peak_gib"
+PREDICTED_COMM_KEY = "comm/predicted_bytes_per_step"
+RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY)
+"""The plan's figures the job hands its ranks, which write them beside what they measure."""
+
+
+def summary_fields(plan: Plan) -> dict[str, Any]:
+    """What summary.json (and the W&B summary) carry of the plan."""
+    worst = plan.worst
+    return {
+        PREDICTED_PEAK_KEY: plan.peak_bytes / GIB,
+        PREDICTED_COMM_KEY: plan.comm.total,
+        "plan": {
+            "fits": plan.fits,
+            "peak_rank": worst.rank,
+            "peak_moment": worst.peak.name,
+            "device_memory_gib": None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes / GIB,
+            "device_memory_source": plan.memory.source,
+            **{key: value for key, value in worst.figures().items()},
+            **plan.reserved_fields(),
+        },
+    }
