@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from trainer.points import Point, Report, load_point, load_points
 from trainer.report import mirror_to_wandb, publish_and_link, summary_line, write_report, write_sweep_report
+from trainer.sweep import claim_directory
 
 REPORTS_DIR = Path("outputs/reports")
 
@@ -45,16 +45,7 @@ def load_compared(dirs: list[Path]) -> list[Point]:
 
 def claim_reports_dir(now: datetime.datetime) -> Path:
     """A new outputs/reports/<date>/<time>/ (`_1`, `_2`, ... when one was made in the same second)."""
-    base = REPORTS_DIR / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count():
-        candidate = base if n == 0 else base.with_name(f"{base.name}_{n}")
-        try:
-            candidate.mkdir()  # atomic: of two reports asking for one name, one gets it
-        except FileExistsError:
-            continue
-        return candidate
-    raise AssertionError("unreachable")
+    return claim_directory(REPORTS_DIR / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S"))
 
 
 def write_comparison(dirs: list[Path], out: Path | None) -> Report:

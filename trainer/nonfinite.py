@@ -104,16 +104,6 @@ def stop_request(stop: RankStop | None) -> float:
     return float(stop.local_request()) if stop is not None else 0.0
 
 
-def find_nonfinite(
-    loss: torch.Tensor, grad_norm: torch.Tensor, step: int, world: World, scaler_enabled: bool, stop: RankStop | None = None
-) -> NonFinite | None:
-    """Agree and read at once (a host sync): the path for optimizers without found_inf."""
-    flags = agree(loss, grad_norm, world, extra=(stop_request(stop),)).tolist()
-    if stop is not None:
-        stop.agree(flags[world.world_size + 1])
-    return decode(flags, step, world.world_size, scaler_enabled)
-
-
 class NonFiniteGuard:
     """Applies the policy: counts skipped steps, decides when to stop.
 

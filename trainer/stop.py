@@ -64,10 +64,6 @@ STOPS: dict[signal.Signals, Stop] = {
 STOP_STATUSES = frozenset(stop.status for stop in STOPS.values())
 
 
-def stop_for(signal_name: str) -> Stop:
-    return STOPS[signal.Signals[signal_name]]
-
-
 def exit_code_for(status: str) -> int:
     """The exit status of a job that ended with `status` (ok 0, a stop its signal's, anything else 1)."""
     if status == "ok":
@@ -118,14 +114,6 @@ def read_request(path: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- the job process
-
-
-class StopNow(Exception):
-    """A second signal while the ranks run: they were killed; the job ends at once with this status."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 class JobStop:

@@ -59,7 +59,15 @@ def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
     node = config.hydra[kind]
     if "${now:" not in str(OmegaConf.to_container(node, resolve=False).get("dir")):  # type: ignore[union-attr]
         return None
-    base = Path(str(node.dir))
+    claimed = claim_directory(Path(str(node.dir)))
+    with read_write(config.hydra), open_dict(config.hydra):
+        node.dir = str(claimed)
+    return claimed
+
+
+def claim_directory(base: Path) -> Path:
+    """Create `base`, or the first free `base_1`, `base_2`, ...: mkdir is atomic, so of two jobs
+    (or reports) asking for one name, one gets it and the other the next."""
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count():
         candidate = base if n == 0 else base.with_name(f"{base.name}_{n}")
@@ -67,8 +75,6 @@ def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
             candidate.mkdir()
         except FileExistsError:
             continue
-        with read_write(config.hydra), open_dict(config.hydra):
-            node.dir = str(candidate)
         return candidate
     raise AssertionError("unreachable")
 

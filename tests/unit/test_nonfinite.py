@@ -16,7 +16,7 @@ from tests.unit.fakes import WORLD, tiny_config
 from trainer.config import TrainConfig
 from trainer.data import build_batches
 from trainer.loop import build_trainee, train_step
-from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode, find_nonfinite
+from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode
 from trainer.optim import rewind_scheduler
 
 NAN_AT_2 = dict(fault__kind="nan_loss", fault__step=2)
@@ -134,10 +134,14 @@ def test_skip_counts_and_stops_after_max_in_a_row() -> None:
         guard.check(bad)
 
 
-def test_find_nonfinite_tells_loss_from_gradient_and_leaves_fp16_overflow_to_the_scaler() -> None:
+def test_the_agreement_tells_loss_from_gradient_and_leaves_fp16_overflow_to_the_scaler() -> None:
     nan, inf, one = torch.tensor(math.nan), torch.tensor(math.inf), torch.tensor(1.0)
-    assert find_nonfinite(nan, inf, 3, WORLD, scaler_enabled=False) == NonFinite(3, (0,), True)
-    assert find_nonfinite(one, inf, 3, WORLD, scaler_enabled=False) == NonFinite(3, (), True)
-    assert find_nonfinite(one, inf, 3, WORLD, scaler_enabled=True) is None  # an overflow: GradScaler skips it
-    assert find_nonfinite(nan, inf, 3, WORLD, scaler_enabled=True) == NonFinite(3, (0,), True)
-    assert find_nonfinite(one, one, 3, WORLD, scaler_enabled=False) is None
+
+    def read(loss: torch.Tensor, grad_norm: torch.Tensor, fp16: bool) -> NonFinite | None:
+        return decode(agree(loss, grad_norm, WORLD).tolist(), 3, WORLD.world_size, scaler_enabled=fp16)
+
+    assert read(nan, inf, fp16=False) == NonFinite(3, (0,), True)
+    assert read(one, inf, fp16=False) == NonFinite(3, (), True)
+    assert read(one, inf, fp16=True) is None  # an overflow: GradScaler skips it
+    assert read(nan, inf, fp16=True) == NonFinite(3, (0,), True)
+    assert read(one, one, fp16=False) is None

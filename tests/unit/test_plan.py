@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from trainer.config import ModelConfig, TrainConfig, register_configs, validate
 from trainer.model import build_model, init_weights
 from trainer.plan import build_plan, refusal, summary_fields
-from trainer.plan.states import model_shape, model_states_per_rank, padded_numel, rank_states, shard_rows, zero1_partition
+from trainer.plan.states import model_shape, padded_numel, rank_states, shard_rows, zero1_partition
 from trainer.plan.step import activations
 from trainer.units import GIB
 
@@ -65,7 +65,6 @@ def test_stage3_on_8_ranks_holds_the_zero_arithmetic(name: str) -> None:
     for rank in plan.ranks:
         assert (rank.states.params, rank.states.grads, rank.states.optimizer) == (4 * P // 8, 4 * P // 8, 8 * P // 8)
         assert rank.states.params + rank.states.grads + rank.states.optimizer == 16 * P // 8
-    assert model_states_per_rank(P, config.zero.stage, 8).total == 16 * P // 8
 
 
 @pytest.fixture

@@ -12,11 +12,10 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 import trainer.stop
-from trainer.nonfinite import find_nonfinite
+from tests.unit.fakes import WORLD
+from trainer.config import NonFinitePolicy
+from trainer.nonfinite import NonFiniteGuard, agree, stop_request
 from trainer.stop import STOP_REQUEST, STOPS, RankStop, exit_code_for, handling_stops, stopped, sweep_stop
-from trainer.world import World
-
-WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 @pytest.fixture(autouse=True)
@@ -42,11 +41,16 @@ def test_the_table_maps_each_signal_to_a_status_and_the_shells_exit_code() -> No
 def test_a_rank_notes_a_signal_and_the_step_agreement_carries_it(tmp_path: Path) -> None:
     stop = RankStop(tmp_path, watches_request=False)
     one = torch.ones(())
-    assert find_nonfinite(one, one, 1, WORLD, False, stop) is None and stop.agreed == 0
+    guard = NonFiniteGuard(NonFinitePolicy("raise"), 1, WORLD, fp16=False)
+
+    def step_may_go(step: int) -> bool:  # the loop's read of one step's agreement
+        return guard.check_now(step, agree(one, one, WORLD, extra=(stop_request(stop),)), stop)
+
+    assert step_may_go(1) and stop.agreed == 0
     os.kill(os.getpid(), signal.SIGUSR1)  # noted, not fatal
     os.kill(os.getpid(), signal.SIGINT)  # preemption outranks an interrupt: the larger number stays
     assert stop.requested == signal.SIGUSR1
-    assert find_nonfinite(one, one, 2, WORLD, False, stop) is None and stop.agreed == signal.SIGUSR1
+    assert step_may_go(2) and stop.agreed == signal.SIGUSR1
     assert stop.ending(2, tmp_path / "s") == {"status": "preempted", "signal": "SIGUSR1", "stopped_step": 2, "save": str(tmp_path / "s")}
 
 

@@ -41,37 +41,6 @@ import torch
 from trainer.config import ModelConfig, Stage
 from trainer.model import build_model
 
-BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights, grads, Adam moments
-SHARDED_FROM = {"params": Stage.stage2, "grads": Stage.stage2, "optimizer": Stage.stage1}
-STAGE_ORDER = [Stage.stage0, Stage.stage1, Stage.stage2, Stage.stage3]
-
-
-# ----------------------------------------------------------------------------- ZeRO arithmetic
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes of model states one rank holds at rest."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-
-def model_states_per_rank(num_parameters: int, stage: Stage, world_size: int) -> ModelStates:
-    """Per-rank model-state bytes for a stage, the ZeRO arithmetic (exact when every shard is even)."""
-
-    def part(kind: str) -> int:
-        full = BYTES_PER_PARAM[kind] * num_parameters
-        sharded = STAGE_ORDER.index(stage) >= STAGE_ORDER.index(SHARDED_FROM[kind])
-        return -(-full // world_size) if sharded else full  # ceil: the largest shard
-
-    return ModelStates(params=part("params"), grads=part("grads"), optimizer=part("optimizer"))
-
 
 # ----------------------------------------------------------------------------- the model's shapes
 
