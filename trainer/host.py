@@ -22,7 +22,6 @@ from trainer.config import PlanConfig
 from trainer.units import GIB
 
 
-
 @dataclass(frozen=True)
 class HostBudget:
     """This host's CPU ranks against its memory and cores."""
