@@ -216,9 +216,11 @@ def measure(probe: HostProbe) -> dict[str, Any]:
     """Run the micro-benchmark on `probe.world_size` real ranks (elastic launch, gloo); rank 0's figures."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from trainer.launch import fork_server
+
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=probe.world_size, run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method=fork_server(),
     )  # port 0: the OS picks a free one, as trainer/launch.py does for jobs
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     return elastic_launch(launch, calibration_rank)(asdict(probe))[0]

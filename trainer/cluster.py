@@ -32,13 +32,10 @@ from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.launch import RankFailure
-from trainer.oom import FAILURES_DIR
+from trainer.oom import FAILURES_DIR, lost_peer
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
-# What gloo and NCCL say when the process at the other end of a connection is gone.
-# (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
-LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
 # How long a node whose ranks only lost a peer waits for the other nodes to say what happened.
 PEER_WAIT_S = 30.0
 
@@ -113,21 +110,16 @@ def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
     path = node_failure_path(out_dir, own.node)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**dataclasses.asdict(own), "time": time.time()}) + "\n")
-    if not lost_peer(own):
+    if not lost_peer(own.cause):
         return own
     deadline = time.monotonic() + PEER_WAIT_S
     while True:
         records = [json.loads(p.read_text()) for p in sorted((out_dir / FAILURES_DIR).glob("node*.json"))]
-        causes = [r for r in records if not lost_peer(RankFailure(**{k: v for k, v in r.items() if k != "time"}))]
+        causes = [r for r in records if not lost_peer(r["cause"])]
         if causes or len(records) == nodes or time.monotonic() > deadline:
             first = min(causes or records, key=lambda r: r["time"])
             return RankFailure(**{k: v for k, v in first.items() if k != "time"})
         time.sleep(0.2)
-
-
-def lost_peer(failure: RankFailure) -> bool:
-    """Whether a rank failed only because another rank's process went away (its connection broke)."""
-    return any(marker in failure.cause for marker in LOST_PEER_MARKERS)
 
 
 def gpus_per_node(nproc: str, device: Any, auto: int | None = None) -> int:

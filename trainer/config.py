@@ -132,7 +132,7 @@ class ModelConfig:
             self.n_heads % self.n_kv_heads == 0,
             f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})",
         )
-        _require((self.dim // self.n_heads) % 2 == 0, f"model.dim / model.n_heads must be even for rotary embeddings")
+        _require((self.dim // self.n_heads) % 2 == 0, f"model.dim / model.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import multiprocessing
 import os
-import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +20,19 @@ from trainer.comm import enable_recording
 from trainer.config import OffloadTarget, from_plain
 from trainer.cuda import apply_tf32
 from trainer.errors import first_line, one_line
-from trainer.oom import apply_memory_cap, explain, recording_failures
+from trainer.oom import apply_memory_cap, explain, killed_by, recording_failures
 from trainer.stop import AGENT_SIGNALS, RankStop
 from trainer.world import init_world, shutdown_world
+
+
+def fork_server() -> str:
+    """The ranks' start method: each rank forks from multiprocessing's fork server, which has
+    imported the ranks' modules once (trainer/rank_preload.py). Under spawn every rank imported
+    torch and the trainer afresh, which cost more than a short job's training. The server is a
+    fresh, single-threaded process that never touches a device, so CUDA is as safe as under
+    spawn; it lives as long as this process, so the later jobs of a sweep fork from it at once."""
+    multiprocessing.set_forkserver_preload(["trainer.rank_preload"])
+    return "forkserver"
 
 
 @dataclass
@@ -90,7 +100,7 @@ def launch_local(
         rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=fork_server(),
         # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/stop.py): the agent would turn them
         # into a SignalException and SIGTERM the ranks mid-step.
         signals_to_handle=",".join(AGENT_SIGNALS),
@@ -131,10 +141,6 @@ def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capp
 def first_failure(err: ChildFailedError) -> RankFailure:
     """The failed rank with the earliest timestamp, with its exception message or its signal."""
     rank, failure = err.get_first_failure()
-    if failure.exitcode < 0:
-        name = signal.Signals(-failure.exitcode).name
-        cause = f"killed by {name} (exit code {failure.exitcode})"
-    else:
-        cause = first_line(failure.message) or f"exit code {failure.exitcode}"
+    cause = killed_by(failure.exitcode) if failure.exitcode < 0 else first_line(failure.message) or f"exit code {failure.exitcode}"
     return RankFailure(rank=rank, exitcode=failure.exitcode, cause=cause)
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from trainer.attention import SdpaChoice
 from trainer.config import ModelConfig
@@ -183,8 +184,23 @@ def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Tra
     Weights are not initialised here: call `materialize` (or `init_weights`) once the model
     is wrapped and sharded, so that each rank fills only its own shard.
     """
-    with torch.device(device):
+    with torch.device(device), (NoInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext()):
         return Transformer(config)
+
+
+class NoInitOnMeta(TorchFunctionMode):
+    """Skips torch.nn.init on meta tensors: nn.Linear and nn.Embedding initialise in their
+    constructors, which on meta fills nothing, yet the first meta normal_/uniform_ (Python
+    decompositions) imports torch._dynamo, about a second per process. `init_weights` draws
+    every weight anyway."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = kwargs.get("tensor", args[0] if args else None)  # nn.init passes it by keyword
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def canonical_name(name: str) -> str:

@@ -30,6 +30,10 @@ FAILURES_DIR = "failures"
 # ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that
 # allocates with new raises std::bad_alloc, CUDA raises torch.OutOfMemoryError.
 OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "bad_alloc")
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+# (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
+LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
+LOST_PEER_LINGER_S = 1.0  # ten of the launcher's monitor intervals (trainer/launch.py)
 
 
 @dataclass
@@ -123,6 +127,11 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
         }
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
+        if lost_peer(record["message"]):
+            # The launcher reports the first rank it sees end, and only that one. A rank that merely
+            # lost its peer lingers, so that a peer killed by a signal (it leaves no record, and its
+            # exit code is all there is to say) is seen to end first: see explain().
+            time.sleep(LOST_PEER_LINGER_S)
         raise
 
 
@@ -133,8 +142,10 @@ def read_failures(out_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: bool) -> dict[str, Any] | None:
-    """The record that explains a failed job: any rank's out-of-memory record first (its peers then
-    fail on a broken connection, sometimes earlier), else the earliest record of a rank that raised.
+    """The record that explains a failed job, whatever order the launcher saw the ranks end in:
+    any rank's out-of-memory record first (its peers then fail on a broken connection, sometimes
+    earlier), else the earliest record of a rank that raised something other than a lost peer,
+    else a rank killed by a signal (it leaves no record; its peers only lost it).
 
     A rank killed by SIGKILL while a memory cap is set was the kernel's OOM killer's: out of
     memory, at an unknown step and phase.
@@ -143,10 +154,26 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
     oom = [records[rank] for rank in sorted(records) if records[rank]["oom"]]
     if oom:
         return oom[0]
-    if capped and exitcodes.get(first_rank) == -signal.SIGKILL:
-        return {"rank": first_rank, "step": None, "phase": None, "oom": True, "message": "killed by SIGKILL (the kernel's OOM killer)"}
-    if first_rank not in records:  # killed by a signal: the launcher's own account names it
-        return None
+    # Ranks a signal ended leave no record: the launcher's first failure first, if it is one.
+    killed = sorted((rank for rank, code in exitcodes.items() if code < 0 and rank not in records), key=lambda rank: rank != first_rank)
+    if capped and killed and exitcodes[killed[0]] == -signal.SIGKILL:
+        return {"rank": killed[0], "step": None, "phase": None, "oom": True, "message": "killed by SIGKILL (the kernel's OOM killer)"}
     # torch orders failures by whole-second timestamps, so a peer that failed on the broken
     # connection in the same second can be named first; the records' own clock says who began it.
-    return min(records.values(), key=lambda record: record.get("time", math.inf))
+    raised = [record for record in records.values() if not lost_peer(record["message"])]
+    if raised:
+        return min(raised, key=lambda record: record.get("time", math.inf))
+    if killed:
+        rank = killed[0]
+        return {"rank": rank, "step": None, "phase": None, "oom": False, "message": killed_by(exitcodes[rank])}
+    return min(records.values(), key=lambda record: record.get("time", math.inf)) if records else None
+
+
+def lost_peer(cause: str) -> bool:
+    """Whether a rank failed only because another rank's process went away (its connection broke)."""
+    return any(marker in cause for marker in LOST_PEER_MARKERS)
+
+
+def killed_by(exitcode: int) -> str:
+    """A rank's cause of death when a signal ended it (a negative exit code)."""
+    return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"

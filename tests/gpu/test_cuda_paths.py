@@ -6,6 +6,8 @@ benchmarks/gpu_check.py runs these first (`pytest -m gpu tests/gpu`).
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import REPO
 from tests.unit.fakes import tiny_config
 from trainer.cuda import apply_tf32, process_group_backend
 from trainer.data import build_batches
@@ -52,6 +55,14 @@ def test_the_offload_group_reduces_host_and_device_tensors(world: World) -> None
     dist.all_reduce(host)
     dist.all_reduce(device)
     assert host.tolist() == device.tolist() == [1.0] * 4
+
+
+def test_the_fork_server_leaves_cuda_uninitialised() -> None:
+    """The ranks fork from a server that imported trainer/rank_preload.py: had the imports
+    initialised CUDA, no forked rank could use the GPU."""
+    code = "import torch, trainer.rank_preload; print(torch.cuda.is_available(), torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-2:] == ["True", "False"]
 
 
 def test_this_gpu_is_in_the_device_table() -> None:

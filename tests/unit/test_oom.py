@@ -59,7 +59,21 @@ def test_a_sigkill_is_oom_only_under_a_memory_cap(tmp_path: Path) -> None:
     exitcodes = {1: -signal.SIGKILL}
     record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
     assert record is not None and (record["rank"], record["oom"]) == (1, True)
-    assert explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=False) is None
+    record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=False)
+    assert record is not None and (record["rank"], record["oom"], record["message"]) == (1, False, "killed by SIGKILL (exit code -9)")
+
+
+def test_a_killed_rank_explains_the_job_when_the_launcher_names_its_peer_first(tmp_path: Path) -> None:
+    """Rank 1 was killed (no record); rank 0 then failed on the closed connection and the launcher
+    saw rank 0 end first: rank 1 explains the job, out of memory only under a cap."""
+    with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=0):
+        mark_phase(4, "forward")
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:53149")
+    exitcodes = {0: 1, 1: -signal.SIGKILL}
+    record = explain(first_rank=0, exitcodes=exitcodes, out_dir=tmp_path, capped=False)
+    assert record is not None and (record["rank"], record["oom"], record["message"]) == (1, False, "killed by SIGKILL (exit code -9)")
+    record = explain(first_rank=0, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
+    assert record is not None and (record["rank"], record["oom"]) == (1, True)
 
 
 
