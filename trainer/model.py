@@ -20,7 +20,6 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -235,6 +234,8 @@ def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy `full` into `param`, or only this rank's slice of it when `param` is sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor  # ranks only: the plan builds no storage
+
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank slices its own identical copy, so no communication.
         # (distribute_tensor moves `full` to the mesh's device first: transient, one parameter.)

@@ -6,7 +6,6 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -24,6 +23,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fuse
     """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only."""
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)
     if zero.stage == Stage.stage1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # see local_optimizer
+
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
     return torch.optim.AdamW(model.parameters(), **kwargs)
@@ -36,6 +37,10 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     the model: what tensor tracking (trainer/memory.py), the state-bytes figures
     (trainer/metrics.py) and DCP's state-dict helpers (trainer/save.py) can name and measure.
     """
+    # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
+    # second), and the job process, which plans but never steps, imports this module (uses_fused).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
