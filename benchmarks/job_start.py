@@ -59,7 +59,8 @@ def main() -> None:
                 order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
                 for job, overrides in JOBS.items():
                     for name, tree in order:
-                        figures[job, name].append(run(tree, overrides, Path(tmp) / "runs" / f"{job}-{n}-{len(name)}"))
+                        out = Path(tmp) / "runs" / f"{job}-{n}-{list(trees).index(name)}"  # one directory per run
+                        figures[job, name].append(run(tree, overrides, out))
             report(figures, list(trees))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=True, capture_output=True)
