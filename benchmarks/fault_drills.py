@@ -36,8 +36,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer.save import list_saves, save_step  # noqa: E402
-from trainer.save_faults import save_problem  # noqa: E402
+from trainer.saves.dcp import list_saves, save_step  # noqa: E402
+from trainer.saves.integrity import save_problem  # noqa: E402
 
 TINY = ("model=tiny", "device=cpu", "seq_len=64", "micro_batch=2", "log_every=1", "precision=fp32", "optim.warmup_steps=2")
 STEPS = 16

@@ -16,7 +16,7 @@ a run cut short still reports what it reached. Rows:
   oom              a run over `device_memory_gib` ends `oom`, recorded, not a crash of the check
   resume           a save made on CPU resumed on the GPU
   sync-free step   the fused AdamW whose non-finite skip stays on the device against the
-                   per-tensor AdamW read on the host every step (trainer/nonfinite.py)
+                   per-tensor AdamW read on the host every step (trainer/rank/nonfinite.py)
   compile          compile=true against eager: tokens/s and losses
   headroom         the CUDA context, NCCL and cuBLAS figures the plan assumes, measured
 

@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ModelConfig
-from trainer.model import build_model, materialize
+from trainer.model.decoder import build_model, materialize
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 

@@ -1,4 +1,4 @@
-"""Steps/s before and after the non-finite agreement left the host (trainer/nonfinite.py), side by side.
+"""Steps/s before and after the non-finite agreement left the host (trainer/rank/nonfinite.py), side by side.
 
     python benchmarks/step_sync.py [--before /path/to/older/checkout] [--rounds 3] [--steps 60] [extra overrides]
 

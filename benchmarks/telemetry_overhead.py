@@ -180,7 +180,7 @@ def probe_cost_s() -> float:
     """Seconds one log window spends resetting and reading a rank's memory probe (CPU)."""
     import torch
 
-    from trainer.memory import MemoryProbe
+    from trainer.telemetry.memory import MemoryProbe
 
     probe = MemoryProbe(torch.device("cpu"), memory_every=500, last_step=200)
     start = time.perf_counter()
@@ -191,7 +191,7 @@ def probe_cost_s() -> float:
 
 
 def comm_read_cost_s() -> float:
-    """Seconds one log window spends reading the flight recorder (trainer/comm.py) in the default job:
+    """Seconds one log window spends reading the flight recorder (trainer/telemetry/comm.py) in the default job:
     a 1-rank gloo group in this process, the recorder sized as a rank sizes it, a window's collectives
     (the default job's DDP buckets and the loop's agreement, 10 steps) before each read."""
     import socket
@@ -199,7 +199,7 @@ def comm_read_cost_s() -> float:
     import torch
     import torch.distributed as dist
 
-    from trainer.comm import CommProbe, enable_recording
+    from trainer.telemetry.comm import CommProbe, enable_recording
     from trainer.config import TrainConfig
 
     config = TrainConfig(log_every=10)  # the schema's job with conf/train.yaml's log_every

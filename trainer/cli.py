@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from trainer.errors import first_line
+from trainer.console import first_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

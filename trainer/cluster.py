@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.launch import RankFailure
-from trainer.oom import FAILURES_DIR, lost_peer
+from trainer.faults.failures import FAILURES_DIR, lost_peer
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
@@ -146,7 +146,7 @@ def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
     """A preempted point's overrides for its requeued run: resume from its own run directory's newest
     save (`resume=<run dir>`, the exact form of resume=true: that directory and its W&B run go on);
     unchanged when it had saved nothing."""
-    from trainer.save import latest_save
+    from trainer.saves.dcp import latest_save
     from trainer.sweep import hydra_quote
 
     if run_dir is None or latest_save(run_dir) is None:
@@ -159,7 +159,7 @@ class Requeueing:
     """The requeue half of preemption, mixed into hydra-submitit-launcher's launchers (module docstring).
 
     submitit runs `__call__` in the job, with its own signal handler set: it would checkpoint and
-    requeue on its signal at once. trainer/stop.py takes the signal over while the job runs, so the
+    requeue on its signal at once. trainer/faults/stop.py takes the signal over while the job runs, so the
     ranks finish their step and save; once the job has ended `preempted`, `requeue_if_preempted`
     hands over to submitit's handler, which calls `checkpoint`, writes the resubmission and
     requeues (on SLURM only the allocation's first task does; the others just end).
@@ -180,7 +180,7 @@ class Requeueing:
         """Requeue through submitit when the job that just ran ended `preempted` (exits; else returns)."""
         import submitit
 
-        from trainer import stop
+        from trainer.faults import stop
         from trainer.sweep import read_status
 
         job = stop.LAST

@@ -279,7 +279,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     fused: Optional[bool] = None
-    """AdamW's fused kernel (and the non-finite skip decided on the device, trainer/nonfinite.py); null: fused on CUDA only."""
+    """AdamW's fused kernel (and the non-finite skip decided on the device, trainer/rank/nonfinite.py); null: fused on CUDA only."""
 
     def __post_init__(self) -> None:
         _require(self.name == "adamw", f"optim.name must be adamw, got {self.name}")
@@ -330,7 +330,7 @@ class FaultConfig:
 
 @dataclass
 class TelemetryConfig:
-    """conf/train.yaml `telemetry:`: what ranks measure besides loss and time (trainer/metrics.py, memory.py)."""
+    """conf/train.yaml `telemetry:`: what ranks measure besides loss and time (trainer/telemetry/metrics.py, memory.py)."""
 
     enabled: bool = True
     """false: no memory figures and no MFU, only loss, lr, grad norm, throughput and the loss scale."""
@@ -365,7 +365,7 @@ class PlanConfig:
     """Plan for this accelerator's memory (a name of trainer/devices.py, any case: h100, H200, l40s) instead of this host's."""
     cpu_rank_runtime_gib: float = 0.4
     """Host memory each CPU rank's process holds before its first tensor (Python, torch, gloo, threads;
-    0.32-0.44 GiB measured with torch 2.13 on CPU), counted per rank against the host (trainer/host.py)."""
+    0.32-0.44 GiB measured with torch 2.13 on CPU), counted per rank against the host (trainer/plan/host.py)."""
 
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
@@ -381,7 +381,7 @@ class PlanConfig:
 
 @dataclass
 class AdviseConfig:
-    """conf/train.yaml `advise:`: mode=advise, which configuration to run (trainer/advise.py, docs/advisor.md)."""
+    """conf/train.yaml `advise:`: mode=advise, which configuration to run (trainer/advise/advisor.py, docs/advisor.md)."""
 
     stages: list[Stage] = field(default_factory=lambda: list(Stage))
     """ZeRO stages to consider."""
@@ -482,7 +482,7 @@ class TrainConfig:
     compile_backend: str = "inductor"
     """compile=true only: the torch.compile backend (inductor; aot_eager checks composition without generating code)."""
     attention: AttentionKernel = AttentionKernel.auto
-    """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/attention.py says; math materialises the scores."""
+    """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/model/attention.py says; math materialises the scores."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):

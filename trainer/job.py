@@ -12,23 +12,23 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.attention import run_choice
+from trainer.model.attention import run_choice
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
-from trainer.cuda import check_local_ranks
+from trainer.rank.cuda import check_local_ranks
 from trainer.data import check_data
-from trainer.host import cores_warning, host_budget, host_refusal
-from trainer.loggers import open_logger, run_group, run_name
-from trainer.nonfinite import summarize as nonfinite_summary
+from trainer.plan.host import cores_warning, host_budget, host_refusal
+from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
+from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.plan import RANK_FIGURES, build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.stop import STOP_STATUSES, JobStop, exit_code_for, handling_stops, stopped, stopped_at_once
-from trainer.summary import build_summary, provenance, read_metrics, summary_table, write_summary
+from trainer.faults.stop import STOP_STATUSES, JobStop, exit_code_for, handling_stops, stopped, stopped_at_once
+from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.sweep import finished_ok
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
 # A job that trains imports more: the elastic launcher (trainer/launch.py, trainer/cluster.py),
-# the save format (trainer/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are imported
+# the save format (trainer/saves/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are imported
 # where a job starts training, so that mode=plan, which plans for any cluster and starts no rank,
 # does not pay for them.
 
@@ -46,8 +46,8 @@ def run_job(cfg: DictConfig) -> None:
             nproc = planned_world_size(config.nproc, device_kind)
         else:
             from trainer.cluster import place_node
-            from trainer.resume import prepare_resume
-            from trainer.sharding import check_device_support
+            from trainer.saves.resume import prepare_resume
+            from trainer.rank.sharding import check_device_support
 
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
@@ -56,7 +56,7 @@ def run_job(cfg: DictConfig) -> None:
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
         if config.mode == Mode.advise:
-            from trainer.advise import check_advice_inputs
+            from trainer.advise.advisor import check_advice_inputs
 
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
@@ -67,8 +67,8 @@ def run_job(cfg: DictConfig) -> None:
     except ConfigError as err:
         fail(f"error: {err}", code=2)
         return
-    if config.mode == Mode.advise:  # trainer/advise.py: rank configurations, run none unless advise.verify
-        from trainer.advise import run_advice
+    if config.mode == Mode.advise:  # trainer/advise/advisor.py: rank configurations, run none unless advise.verify
+        from trainer.advise.advisor import run_advice
 
         run_advice(config, out_dir, device_kind, world_size, list(HydraConfig.get().overrides.task))
         return
@@ -90,7 +90,7 @@ def run_job(cfg: DictConfig) -> None:
         return
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died. From here a signal stops the job at a step
-    # boundary (trainer/stop.py).
+    # boundary (trainer/faults/stop.py).
     with handling_stops(out_dir) as job_stop, open_logger(
         config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
     ) as logger:
@@ -109,8 +109,8 @@ def train_ranks(
 
     from trainer.cluster import job_failure
     from trainer.launch import RankFailure, launch_local
-    from trainer.oom import failure_path
-    from trainer.resume import count_restarts
+    from trainer.faults.failures import failure_path
+    from trainer.saves.resume import count_restarts
 
     restarts_before = count_restarts(out_dir)
     if job_stop.stop is not None:  # a signal came before the ranks started: start none
@@ -125,7 +125,7 @@ def train_ranks(
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return "oom" if failure.oom else "crashed", {"error": error, **where}
-    except SignalException:  # a second signal: the agent killed the ranks (trainer/stop.py)
+    except SignalException:  # a second signal: the agent killed the ranks (trainer/faults/stop.py)
         return stopped_at_once(job_stop)
     status, extra = ranks_outcome(result, config.save.every > 0)
     return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
@@ -140,7 +140,7 @@ def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
 def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[str, dict[str, Any]]:
     """The status the ranks ended with, from rank 0's result (trainer/launch.py rank_main): ok,
     diverged with its line when the non-finite policy stopped them, or the stop they agreed on
-    after a signal (trainer/stop.py)."""
+    after a signal (trainer/faults/stop.py)."""
     if result is not None and result.get("status") == "diverged":
         return "diverged", {"error": result["error"]}
     if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
@@ -159,9 +159,9 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     """
     import torch.distributed as dist
 
-    from trainer.comm import enable_recording
+    from trainer.telemetry.comm import enable_recording
     from trainer.launch import rank_main
-    from trainer.resume import resolve_resume
+    from trainer.saves.resume import resolve_resume
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu)
@@ -198,7 +198,7 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
     if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
-    # CPU ranks are processes sharing this host: their runtime and the cores (trainer/host.py).
+    # CPU ranks are processes sharing this host: their runtime and the cores (trainer/plan/host.py).
     budget = host_budget(config.plan, config.nodes, device_kind, world_size, plan.peak_bytes) if device_kind == "cpu" else None
     for line in (budget and budget.describe(), cores_warning(budget)):
         if line:

@@ -16,22 +16,22 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.comm import enable_recording
+from trainer.telemetry.comm import enable_recording
 from trainer.config import OffloadTarget, from_plain
-from trainer.cuda import apply_tf32
-from trainer.errors import first_line, one_line
-from trainer.oom import apply_memory_cap, explain, killed_by, recording_failures
-from trainer.stop import AGENT_SIGNALS, RankStop
+from trainer.rank.cuda import apply_tf32
+from trainer.console import first_line, one_line
+from trainer.faults.failures import apply_memory_cap, explain, killed_by, recording_failures
+from trainer.faults.stop import AGENT_SIGNALS, RankStop
 from trainer.world import init_world, shutdown_world
 
 
 def fork_server() -> str:
     """The ranks' start method: each rank forks from multiprocessing's fork server, which has
-    imported the ranks' modules once (trainer/rank_preload.py). Under spawn every rank imported
+    imported the ranks' modules once (trainer/rank/preload.py). Under spawn every rank imported
     torch and the trainer afresh, which cost more than a short job's training. The server is a
     fresh, single-threaded process that never touches a device, so CUDA is as safe as under
     spawn; it lives as long as this process, so the later jobs of a sweep fork from it at once."""
-    multiprocessing.set_forkserver_preload(["trainer.rank_preload"])
+    multiprocessing.set_forkserver_preload(["trainer.rank.preload"])
     return "forkserver"
 
 
@@ -57,10 +57,10 @@ class RankFailure(Exception):
 @record
 def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]) -> dict[str, Any] | None:
     """The entry point of every rank: plain config and the job's plan figures in, rank 0's final figures out."""
-    from trainer.loop import train  # imported in the rank: the job process never builds a model
-    from trainer.nonfinite import NonFiniteError
+    from trainer.rank.loop import train  # imported in the rank: the job process never builds a model
+    from trainer.rank.nonfinite import NonFiniteError
 
-    # Before anything slow: from here a signal is a request to stop at a step boundary (trainer/stop.py).
+    # Before anything slow: from here a signal is a request to stop at a step boundary (trainer/faults/stop.py).
     stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
@@ -101,7 +101,7 @@ def launch_local(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=fork_server(),
-        # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/stop.py): the agent would turn them
+        # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
         # into a SignalException and SIGTERM the ranks mid-step.
         signals_to_handle=",".join(AGENT_SIGNALS),
     )
@@ -129,7 +129,7 @@ def launch_local(
 
 
 def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capped: bool) -> RankFailure:
-    """The failure as the ranks' own records tell it (trainer/oom.py): out of memory or not, step, phase."""
+    """The failure as the ranks' own records tell it (trainer/faults/failures.py): out of memory or not, step, phase."""
     exitcodes = {rank: f.exitcode for rank, f in err.failures.items()}
     record = explain(failure.rank, exitcodes, out_dir, capped)
     if record is None:

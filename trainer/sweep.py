@@ -8,10 +8,10 @@ the process that runs `python -m trainer` (the ranks never see it):
   the same second would share it. The callback creates the directory atomically and, when it
   exists already, takes `<dir>_1`, `<dir>_2`, ... instead.
 - on_job_end: a point stopped by a signal (Ctrl-C: `interrupted`; SIGTERM/SIGUSR1: `preempted`,
-  trainer/stop.py) stops the sweep with that signal's exit status, and with `fail_fast=true` the
+  trainer/faults/stop.py) stops the sweep with that signal's exit status, and with `fail_fast=true` the
   first point that does not end `ok` stops it (exit status 1), each after writing the report of
   the points so far.
-- on_multirun_end: the end-of-sweep report (trainer/report.py write_sweep_report: the memory
+- on_multirun_end: the end-of-sweep report (trainer/report/sweep_report.py write_sweep_report: the memory
   plan's fit table and how each point ran) with its W&B Report, and with logger=wandb its W&B
   run (online: the W&B Report saved, its URL in report.md).
 
@@ -33,7 +33,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from trainer.stop import sweep_stop
+from trainer.faults.stop import sweep_stop
 
 
 def read_status(out_dir: Path) -> str | None:
@@ -123,7 +123,7 @@ class SweepCallback(Callback):
 
     def end_early(self, config: DictConfig, line: str, code: int) -> None:
         """Stop the sweep after this point: the report of the points that ran, one line, `code`."""
-        from trainer.report import summary_line, write_sweep_report
+        from trainer.report.sweep_report import summary_line, write_sweep_report
 
         report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
@@ -131,7 +131,7 @@ class SweepCallback(Callback):
         raise SystemExit(code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer.report import mirror_to_wandb, summary_line, write_sweep_report
+        from trainer.report.sweep_report import mirror_to_wandb, summary_line, write_sweep_report
 
         report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from tests.conftest import REPO
 from tests.unit.fakes import tiny_config
-from trainer.cuda import apply_tf32, process_group_backend
+from trainer.rank.cuda import apply_tf32, process_group_backend
 from trainer.data import build_batches
 from trainer.devices import find_device
-from trainer.loop import build_trainee, train_step
-from trainer.nonfinite import NonFiniteGuard
-from trainer.save import Progress, SaveSpec, load_training_state, rng_state, save_training_state, saved_keys
+from trainer.rank.loop import build_trainee, train_step
+from trainer.rank.nonfinite import NonFiniteGuard
+from trainer.saves.dcp import Progress, SaveSpec, load_training_state, rng_state, save_training_state, saved_keys
 from trainer.world import World
 
 pytestmark = pytest.mark.gpu
@@ -58,9 +58,9 @@ def test_the_offload_group_reduces_host_and_device_tensors(world: World) -> None
 
 
 def test_the_fork_server_leaves_cuda_uninitialised() -> None:
-    """The ranks fork from a server that imported trainer/rank_preload.py: had the imports
+    """The ranks fork from a server that imported trainer/rank/preload.py: had the imports
     initialised CUDA, no forked rank could use the GPU."""
-    code = "import torch, trainer.rank_preload; print(torch.cuda.is_available(), torch.cuda.is_initialized())"
+    code = "import torch, trainer.rank.preload; print(torch.cuda.is_available(), torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split()[-2:] == ["True", "False"]
 

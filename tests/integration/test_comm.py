@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.comm import window_figures, WindowReader
+from trainer.telemetry.comm import window_figures, WindowReader
 from trainer.config import DeviceKind, DType, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
 from trainer.plan.comm import plan_comm
 from trainer.plan.states import model_shape
@@ -36,7 +36,7 @@ def make_config(stage: str, precision: str, grad_accum: int, reduce_dtype: str =
         precision=PrecisionConfig(name=precision, compute_dtype=dtype),
         zero=ZeroConfig(stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype)),
         micro_batch=2, seq_len=16, grad_accum=grad_accum, steps=steps, device=DeviceKind.cpu, nproc=str(WORLD),
-        log_every=1,  # the flight recorder is sized for one log window of this many steps (trainer/comm.py)
+        log_every=1,  # the flight recorder is sized for one log window of this many steps (trainer/telemetry/comm.py)
     )
 
 
@@ -54,8 +54,8 @@ def run_case(config: TrainConfig, world: Any, measure_steps: int, count_collecti
     from torch.distributed.tensor.debug import CommDebugMode
 
     from trainer.data import build_batches
-    from trainer.loop import build_trainee, train_step
-    from trainer.nonfinite import NonFiniteGuard
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
 
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
@@ -82,7 +82,7 @@ def run_case(config: TrainConfig, world: Any, measure_steps: int, count_collecti
 
 def worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    from trainer.comm import enable_recording
+    from trainer.telemetry.comm import enable_recording
     from trainer.world import init_world, shutdown_world
 
     enable_recording(make_config("stage1", "fp32", 2), WORLD, "cpu")  # the most collectives per step

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import REPO, TINY, Run, run_trainer
 from tests.integration.test_stop import error_lines
-from trainer.save import list_saves, save_step
-from trainer.save_faults import save_problem
+from trainer.saves.dcp import list_saves, save_step
+from trainer.saves.integrity import save_problem
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO, TINY, run_trainer
 from tests.integration.test_sweeps import point_dirs, read_csv, run_sweep, settings, summary, table_rows, wandb_run
-from trainer.loggers import sweep_group
+from trainer.telemetry.wandb_logger import sweep_group
 
 # Two points whose processes submitit starts together: tiny and short (steps=3).
 POINT = ("nproc=2", "device=cpu", "model=tiny", "steps=3", "seq_len=64", "log_every=1", "save=off", "logger=wandb")

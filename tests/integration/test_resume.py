@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import TINY, Run, run_trainer
-from trainer.save import list_saves, read_progress
+from trainer.saves.dcp import list_saves, read_progress
 
 # 12 steps saving every 4 (keep 2); warmup 2 so that the schedule turns within the run.
 RUN = ("nproc=2", "precision=fp32", "steps=12", "optim.warmup_steps=2", "save.every=4", "save.keep=2")

@@ -1,4 +1,4 @@
-"""Stopping on a signal (trainer/stop.py): Ctrl-C and preemption end a job with a status, a save and
+"""Stopping on a signal (trainer/faults/stop.py): Ctrl-C and preemption end a job with a status, a save and
 nothing left running; `resume=true` then continues bitwise. Real 2-rank jobs on CPU (gloo).
 
 A terminal's Ctrl-C signals the whole foreground process group: the tests start each job in a
@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, TINY, Run, run_trainer
-from trainer.save import list_saves, save_step
+from trainer.saves.dcp import list_saves, save_step
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -81,7 +81,7 @@ def signal_job(out_dir: Path, *overrides: str, sig: signal.Signals, group: bool,
 
 
 def error_lines(stderr: str) -> list[str]:
-    """Every non-blank stderr line (the profiler's kineto lines are silenced at the source, trainer/comm.py)."""
+    """Every non-blank stderr line (the profiler's kineto lines are silenced at the source, trainer/telemetry/comm.py)."""
     return [line for line in stderr.splitlines() if line.strip()]
 
 

@@ -25,10 +25,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from trainer.config import register_configs
-from trainer.loggers import sweep_group
-from trainer.report import COLUMNS
+from trainer.telemetry.wandb_logger import sweep_group
+from trainer.report.sweep_report import COLUMNS
 from trainer.sweep import SweepCallback
-from trainer.wandb_report import load_report_json
+from trainer.report.wandb_report import load_report_json
 
 REPO = Path(__file__).resolve().parents[2]
 WANDB = Path(sys.executable).parent / "wandb"

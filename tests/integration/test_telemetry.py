@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO, Run, run_trainer
 from trainer.config import ModelConfig, PrecisionConfig
-from trainer.model import build_model, num_params
+from trainer.model.decoder import build_model, num_params
 
 WANDB = str(Path(sys.executable).parent / "wandb")
 FAKE_KEY = "f00dfacecafe" * 3 + "beef"  # 40 characters, the shape of a W&B API key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.model import build_model, num_params
+from trainer.model.decoder import build_model, num_params
 
 GIB = 2**30
 TINY = ModelConfig()  # conf/model/tiny.yaml has the dataclass defaults

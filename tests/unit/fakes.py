@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from trainer.config import TrainConfig, from_plain, to_plain
 from trainer.world import World
 
-# What torch's CPU allocator says when an allocation fails (trainer/oom.py OOM_MARKERS).
+# What torch's CPU allocator says when an allocation fails (trainer/faults/failures.py OOM_MARKERS).
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
     "you tried to allocate 8388608 bytes. Error code 12 (Cannot allocate memory)"

@@ -1,4 +1,4 @@
-"""mode=advise (trainer/advise.py): what it enumerates, what it keeps, and that its command lines fit."""
+"""mode=advise (trainer/advise/advisor.py): what it enumerates, what it keeps, and that its command lines fit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 from hydra import compose, initialize_config_dir
 
-from trainer.advise import advise, check_advice_inputs, choices, micro_batches, run_advice
-from trainer.calibrate import HostProbe, host_rates
+from trainer.advise.advisor import advise, check_advice_inputs, choices, micro_batches, run_advice
+from trainer.advise.calibrate import HostProbe, host_rates
 from trainer.config import ConfigError, TrainConfig, register_configs, validate
 from trainer.plan import build_plan
 
@@ -86,7 +86,7 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
 
     import torch
 
-    from trainer.calibrate import host_threads
+    from trainer.advise.calibrate import host_threads
 
     probe = HostProbe(
         socket.gethostname(), torch.__version__, 2, host_threads(2), "float32",

@@ -1,4 +1,4 @@
-"""trainer/attention.py: the SDPA kernel is a choice, and the plan counts what the chosen kernel saves."""
+"""trainer/model/attention.py: the SDPA kernel is a choice, and the plan counts what the chosen kernel saves."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.unit.test_plan import compose_config
-from trainer.attention import SdpaChoice, choose_sdpa, run_choice
+from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
-from trainer.model import apply_sdpa_choice, build_model, init_weights
+from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.step import activations, attention_extra_per_token
 
 FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH

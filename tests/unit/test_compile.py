@@ -1,4 +1,4 @@
-"""trainer/compile.py on CPU: compile=true trains like eager, keeps parameter names, composes with checkpointing and FSDP2."""
+"""trainer/model/compile.py on CPU: compile=true trains like eager, keeps parameter names, composes with checkpointing and FSDP2."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 from tests.unit.fakes import WORLD, tiny_config
 from trainer.data import build_batches
-from trainer.loop import build_trainee, train_step
-from trainer.model import build_model, init_weights
-from trainer.nonfinite import NonFiniteGuard
+from trainer.rank.loop import build_trainee, train_step
+from trainer.model.decoder import build_model, init_weights
+from trainer.rank.nonfinite import NonFiniteGuard
 from trainer.plan import COMPILE_NOTE, build_plan
-from trainer.save import Progress, SaveSpec, load_training_state, save_training_state, saved_keys
+from trainer.saves.dcp import Progress, SaveSpec, load_training_state, save_training_state, saved_keys
 
 
 def losses(config, steps: int) -> tuple[list[float], object]:

@@ -1,4 +1,4 @@
-"""trainer/cuda.py and trainer/devices.py on CPU: what a CUDA rank would be given, decided by pure functions."""
+"""trainer/rank/cuda.py and trainer/devices.py on CPU: what a CUDA rank would be given, decided by pure functions."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from tests.conftest import REPO
 from tests.unit.test_plan import compose_config
 from trainer.config import ConfigError
-from trainer.cuda import ALLOC_CONF, apply_tf32, local_ranks_error, process_group_backend, set_rank_environment
+from trainer.rank.cuda import ALLOC_CONF, apply_tf32, local_ranks_error, process_group_backend, set_rank_environment
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
 from trainer.plan import device_memory
 from trainer.plan.headroom import HEADROOM

@@ -1,8 +1,8 @@
-"""trainer/errors.py: the one line of an error that zerolab prints."""
+"""trainer/console.py: the one line of an error that zerolab prints."""
 
 from __future__ import annotations
 
-from trainer.errors import first_line, one_line
+from trainer.console import first_line, one_line
 
 
 def test_first_line_is_the_first_non_blank_line_stripped() -> None:

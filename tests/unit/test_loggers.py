@@ -1,4 +1,4 @@
-"""The job process's W&B side (trainer/loggers.py): the metrics.jsonl tail, W&B failing to start or midway,
+"""The job process's W&B side (trainer/telemetry/wandb_logger.py): the metrics.jsonl tail, W&B failing to start or midway,
 and the service yielding the CPU to the ranks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import wandb
 
 from trainer.config import TrainConfig
-from trainer.loggers import MetricsTail, NullLogger, WandbLogger, open_logger, yield_cpu_to_ranks
+from trainer.telemetry.wandb_logger import MetricsTail, NullLogger, WandbLogger, open_logger, yield_cpu_to_ranks
 
 
 @pytest.fixture

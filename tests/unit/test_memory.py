@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.memory import CPU_FIELDS, MemoryProbe, peak_rss_bytes, reset_peak_rss, should_track_tensors
+from trainer.telemetry.memory import CPU_FIELDS, MemoryProbe, peak_rss_bytes, reset_peak_rss, should_track_tensors
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The Meter's arithmetic (trainer/metrics.py: worst rank, prediction error, MFU, device peaks), without ranks."""
+"""The Meter's arithmetic (trainer/telemetry/metrics.py: worst rank, prediction error, MFU, device peaks), without ranks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainer.config import DType, PrecisionConfig
-from trainer.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.metrics import device_peak_flops, memory_fields, mfu_pct
+from trainer.telemetry.memory import CPU_FIELDS, CUDA_FIELDS
+from trainer.telemetry.metrics import device_peak_flops, memory_fields, mfu_pct
 from trainer.units import GIB
 
 NAN = float("nan")
@@ -79,7 +79,7 @@ def test_peak_tflops_override_wins_and_cpu_has_no_peak_without_it() -> None:
 )
 def test_gpu_peak_comes_from_the_exact_device_name(monkeypatch, device_name: str, dtype: DType, expected_tflops: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
-    monkeypatch.setattr("trainer.metrics.tf32_enabled", lambda: False)
+    monkeypatch.setattr("trainer.telemetry.metrics.tf32_enabled", lambda: False)
     assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=dtype), None) == expected_tflops * 1e12
 
 
@@ -91,5 +91,5 @@ def test_mig_slices_and_unlisted_devices_have_no_peak(monkeypatch, device_name: 
 
 def test_fp32_uses_the_tf32_peak_once_tf32_is_on(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
-    monkeypatch.setattr("trainer.metrics.tf32_enabled", lambda: True)
+    monkeypatch.setattr("trainer.telemetry.metrics.tf32_enabled", lambda: True)
     assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(), None) == 156.0e12

@@ -1,4 +1,4 @@
-"""trainer/model.py: shapes and counts of the presets, sharding-invariant init, and a decoder that learns."""
+"""trainer/model/decoder.py: shapes and counts of the presets, sharding-invariant init, and a decoder that learns."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from trainer.config import ModelConfig
-from trainer.model import (
+from trainer.model.decoder import (
     Transformer,
     apply_rope,
     build_rope_tables,

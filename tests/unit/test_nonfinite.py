@@ -1,4 +1,4 @@
-"""trainer/nonfinite.py: every rank agrees whether a step is finite; raise or skip, and when to stop.
+"""trainer/rank/nonfinite.py: every rank agrees whether a step is finite; raise or skip, and when to stop.
 
 The deferred agreement (a fused AdamW skips on the device, the host reads later) runs in one
 process on a one-rank gloo group (tests/unit/conftest.py); the 2-rank policy runs are in
@@ -15,9 +15,9 @@ import torch
 from tests.unit.fakes import WORLD, tiny_config
 from trainer.config import TrainConfig
 from trainer.data import build_batches
-from trainer.loop import build_trainee, train_step
-from trainer.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode
-from trainer.optim import rewind_scheduler
+from trainer.rank.loop import build_trainee, train_step
+from trainer.rank.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode
+from trainer.rank.optim import rewind_scheduler
 
 NAN_AT_2 = dict(fault__kind="nan_loss", fault__step=2)
 
@@ -103,8 +103,8 @@ def test_deferred_and_immediate_reads_train_the_same_weights(process_group: None
 def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(tmp_path) -> None:
     import signal
 
-    from trainer.nonfinite import stop_request
-    from trainer.stop import RankStop
+    from trainer.rank.nonfinite import stop_request
+    from trainer.faults.stop import RankStop
 
     stop = RankStop(tmp_path, watches_request=False)
     guard = guard_of(tiny_config(optim__fused=True), defer=True)

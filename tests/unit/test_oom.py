@@ -1,4 +1,4 @@
-"""Out of memory as a result (trainer/oom.py): telling it from other errors, the failure records that
+"""Out of memory as a result (trainer/faults/failures.py): telling it from other errors, the failure records that
 make a point `oom` or `crashed`, and the CPU memory cap."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.unit.fakes import CPU_OOM
-from trainer.oom import explain, is_out_of_memory, mark_phase, read_failures, recording_failures
+from trainer.faults.failures import explain, is_out_of_memory, mark_phase, read_failures, recording_failures
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_the_cpu_cap_fails_an_allocation_past_it_inside_the_process() -> None:
     out-of-memory error, 16 MiB does not, and lifting the cap allows the 256 MiB again."""
     script = """
 import json, torch
-from trainer.oom import apply_memory_cap, is_out_of_memory, lift_memory_cap
+from trainer.faults.failures import apply_memory_cap, is_out_of_memory, lift_memory_cap
 apply_memory_cap(64 / 1024, torch.device("cpu"))
 small = torch.ones(4 * 2**20)  # 16 MiB
 try:

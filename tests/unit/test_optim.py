@@ -1,4 +1,4 @@
-"""trainer/optim.py: the warmup + cosine schedule as the optimizer sees it, clipping, the local optimizer."""
+"""trainer/rank/optim.py: the warmup + cosine schedule as the optimizer sees it, clipping, the local optimizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainer.config import OptimConfig, ZeroConfig
-from trainer.optim import build_optimizer, build_scheduler, clip_gradients, local_optimizer, lr_multiplier
+from trainer.rank.optim import build_optimizer, build_scheduler, clip_gradients, local_optimizer, lr_multiplier
 
 
 def test_warmup_is_linear_from_the_first_step_and_reaches_the_peak() -> None:

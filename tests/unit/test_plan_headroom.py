@@ -7,7 +7,7 @@ import torch
 
 from tests.unit.test_plan import compose_config
 from trainer.devices import find_accelerator
-from trainer.metrics import memory_fields
+from trainer.telemetry.metrics import memory_fields
 from trainer.plan import build_plan
 from trainer.plan.headroom import HEADROOM
 from trainer.units import GIB

@@ -1,4 +1,4 @@
-"""trainer/precision.py: the loss-scale floor GradScaler lacks, and where autocast applies."""
+"""trainer/rank/precision.py: the loss-scale floor GradScaler lacks, and where autocast applies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainer.config import DType, PrecisionConfig, Stage, ZeroConfig
-from trainer.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
 
 FP16 = PrecisionConfig(name="fp16", compute_dtype=DType.float16, loss_scale_init=8.0, backoff_factor=0.5)
 

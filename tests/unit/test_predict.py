@@ -1,4 +1,4 @@
-"""The advisor's arithmetic (trainer/predict.py, docs/advisor.md) on fixed calibration figures."""
+"""The advisor's arithmetic (trainer/advise/predict.py, docs/advisor.md) on fixed calibration figures."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from trainer.calibrate import ACCELERATORS, Rates, accelerator_rates
+from trainer.advise.calibrate import ACCELERATORS, Rates, accelerator_rates
 from trainer.config import (
     CheckpointingConfig, CheckpointMode, DType, OffloadConfig, OffloadTarget, ReduceDType, Stage, TrainConfig, ZeroConfig,
 )
-from trainer.predict import predict_step, recompute_flops_per_token
+from trainer.advise.predict import predict_step, recompute_flops_per_token
 
 # Fixed figures: 1 TFLOP/s, all-reduce 100 GB/s, all-gather 50 GB/s bus bandwidth, 1e9 Adam params/s.
 RATES = Rates(

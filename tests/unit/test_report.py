@@ -1,4 +1,4 @@
-"""The sweep report (trainer/report.py) from point directories laid out as a sweep leaves them."""
+"""The sweep report (trainer/report/sweep_report.py) from point directories laid out as a sweep leaves them."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.unit.fakes import CPU_OOM
-from trainer import compare
-from trainer import report as rpt
+from trainer.report import command as compare
+from trainer.report import sweep_report as rpt
 
 
 def records_for(rng: random.Random, steps: int, ranks: int = 2, fp16: bool = False) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""trainer/resume.py: resolving resume= to a save and a directory, and rewinding metrics.jsonl."""
+"""trainer/saves/resume.py: resolving resume= to a save and a directory, and rewinding metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.unit.fakes import fake_save, tiny_config
 from trainer.config import ConfigError, TrainConfig, to_plain
-from trainer.resume import resolve_resume, rewind_metrics
+from trainer.saves.resume import resolve_resume, rewind_metrics
 
 
 def test_rewinding_metrics_keeps_records_up_to_the_save_in_a_new_file(tmp_path: Path) -> None:

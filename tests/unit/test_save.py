@@ -1,4 +1,4 @@
-"""trainer/save.py in one process, on CPU: the save schedule, what counts as a save, and real DCP
+"""trainer/saves/dcp.py in one process, on CPU: the save schedule, what counts as a save, and real DCP
 round trips on a single-rank gloo group. Multi-rank saves, kills and resharding are in
 tests/integration/test_resume.py."""
 
@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from tests.unit.fakes import WORLD, fake_save, tiny_config
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import build_batches
-from trainer.loop import build_trainee, train_step
-from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import local_optimizer
-from trainer.save import (
+from trainer.rank.loop import build_trainee, train_step
+from trainer.rank.nonfinite import NonFiniteGuard
+from trainer.rank.optim import local_optimizer
+from trainer.saves.dcp import (
     Progress,
     SaveSpec,
     check_global_batch,
@@ -29,7 +29,7 @@ from trainer.save import (
     saved_keys,
     should_save,
 )
-from trainer.trainee import Trainee
+from trainer.rank.trainee import Trainee
 
 
 def test_saves_every_n_steps_and_at_the_last() -> None:
@@ -125,7 +125,7 @@ def test_fp16_scale_round_trips_and_the_configured_factors_stay(process_group: N
 
 
 def test_a_cpu_save_loads_with_cuda_state_absent_and_present(process_group: None, tmp_path: Path, monkeypatch) -> None:
-    import trainer.save as save
+    import trainer.saves.dcp as save
 
     config = tiny_config()
     spec = SaveSpec.of(config)

@@ -1,4 +1,4 @@
-"""trainer.save_faults.py: a save's files against its DCP metadata; the newest whole save of a run."""
+"""trainer.saves.integrity.py: a save's files against its DCP metadata; the newest whole save of a run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.save_faults import newest_whole_save, save_problem
+from trainer.saves.integrity import newest_whole_save, save_problem
 
 
 def make_save(path: Path) -> Path:

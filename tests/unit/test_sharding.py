@@ -1,4 +1,4 @@
-"""trainer/sharding.py's gradient-sync control: only the last micro-batch of a window reduces gradients.
+"""trainer/rank/sharding.py's gradient-sync control: only the last micro-batch of a window reduces gradients.
 
 One-rank gloo group: DDP's and FSDP2's own flags and gradients show whether a backward reduced.
 """
@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.sharding import gradient_sync
+from trainer.rank.sharding import gradient_sync
 
 
 def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(process_group: None) -> None:

@@ -1,4 +1,4 @@
-"""trainer/stop.py: the signal -> status table, a rank's note of a signal and its agreement, the job's handler."""
+"""trainer/faults/stop.py: the signal -> status table, a rank's note of a signal and its agreement, the job's handler."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-import trainer.stop
+import trainer.faults.stop
 from tests.unit.fakes import WORLD
 from trainer.config import NonFinitePolicy
-from trainer.nonfinite import NonFiniteGuard, agree, stop_request
-from trainer.stop import STOP_REQUEST, STOPS, RankStop, exit_code_for, handling_stops, stopped, sweep_stop
+from trainer.rank.nonfinite import NonFiniteGuard, agree, stop_request
+from trainer.faults.stop import STOP_REQUEST, STOPS, RankStop, exit_code_for, handling_stops, stopped, sweep_stop
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +25,7 @@ def own_handlers() -> Iterator[None]:
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)
-    trainer.stop.LAST = None  # a later test's sweep must not see this test's signal
+    trainer.faults.stop.LAST = None  # a later test's sweep must not see this test's signal
 
 
 def test_the_table_maps_each_signal_to_a_status_and_the_shells_exit_code() -> None:

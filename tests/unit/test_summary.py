@@ -1,4 +1,4 @@
-"""summary.json's figures (trainer/summary.py): steady-state throughput, the worst window, secrets redacted."""
+"""summary.json's figures (trainer/telemetry/summary.py): steady-state throughput, the worst window, secrets redacted."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.summary import build_summary, redact_secrets, steady_tokens_per_s
+from trainer.telemetry.summary import build_summary, redact_secrets, steady_tokens_per_s
 
 
 def window(step: int, tokens_per_s: float, step_s: float, **extra: float) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The W&B Report of a sweep (trainer/wandb_report.py), built offline from point directories laid
+"""The W&B Report of a sweep (trainer/report/wandb_report.py), built offline from point directories laid
 out as a 2-rank sweep leaves them, with every way to W&B's server made to raise."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.reports.v2.interface as wr_interface
 from omegaconf import OmegaConf
 
-from trainer import compare
-from trainer import report as rpt
-from trainer.loggers import sweep_group
-from trainer.wandb_report import REPORT_FILE, STEADY_MFU, STEADY_TOKENS, load_report_json, report_run_id
+from trainer.report import command as compare
+from trainer.report import sweep_report as rpt
+from trainer.telemetry.wandb_logger import sweep_group
+from trainer.report.wandb_report import REPORT_FILE, STEADY_MFU, STEADY_TOKENS, load_report_json, report_run_id
 
 GRID = [(micro_batch, stage) for micro_batch in (1, 2) for stage in ("stage2", "stage3")]
 FIXED = ["nproc=2", "device=cpu", "model=tiny", "steps=3", "logger=wandb"]
@@ -156,7 +156,7 @@ def test_a_comparison_filters_the_runs_by_their_ids(tmp_path: Path, no_server: N
     points = make_sweep(tmp_path / "sweep")
     out = tmp_path / "out"
     out.mkdir()
-    from trainer.compare import load_compared
+    from trainer.report.command import load_compared
 
     rpt.write_report(out, load_compared([points[0], points[3]]))
     panels = panels_of(load_report_json(out / REPORT_FILE))

@@ -1,9 +1,9 @@
-"""What a job's W&B run says about itself (trainer/wandb_run.py): tags, typed swept values, steady keys."""
+"""What a job's W&B run says about itself (trainer/telemetry/wandb_run.py): tags, typed swept values, steady keys."""
 
 from __future__ import annotations
 
 from trainer.config import TrainConfig, to_plain
-from trainer.wandb_run import build_labels, config_path, steady_figures, sweep_keys
+from trainer.telemetry.wandb_run import build_labels, config_path, steady_figures, sweep_keys
 
 CHOICES = {"model": "tiny", "precision": "bf16", "zero": "stage3", "checkpointing": "full", "offload": "none", "data": "synthetic", "logger": "wandb"}
 
@@ -50,6 +50,6 @@ def test_a_rank_importing_the_job_and_its_logger_does_not_import_wandb() -> None
     import subprocess
     import sys
 
-    code = "import sys, trainer.job, trainer.loggers, trainer.wandb_run, trainer.launch; print('wandb' in sys.modules)"
+    code = "import sys, trainer.job, trainer.telemetry.wandb_logger, trainer.telemetry.wandb_run, trainer.launch; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"

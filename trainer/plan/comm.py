@@ -2,7 +2,7 @@
 
 ZeRO buys memory with communication. This module predicts the payload of every collective one
 rank takes part in during one optimizer step, as torch's own implementations issue them and as
-c10d's flight recorder records them (trainer/comm.py measures the same quantity):
+c10d's flight recorder records them (trainer/telemetry/comm.py measures the same quantity):
 
 - payload = the bytes of the full (unsharded) tensor a collective reads or writes: an all-reduce's
   buffer, an all-gather's output, a reduce-scatter's input, a broadcast's tensor. What crosses the
@@ -16,14 +16,14 @@ c10d's flight recorder records them (trainer/comm.py measures the same quantity)
 - stage2/3 (FSDP2): per micro-batch, one all-gather of the root (embeddings, final norm, output
   head) and of each block in forward, in the compute dtype (param_dtype), each parameter's dim 0
   padded to a multiple of N; stage3 gathers every block again in backward (the root is not
-  re-sharded after forward, trainer/sharding.py). FSDP2 re-shards after every backward, so each
+  re-sharded after forward, trainer/rank/sharding.py). FSDP2 re-shards after every backward, so each
   micro-batch gathers afresh. Once per step (the last micro-batch), one reduce-scatter of the
   root and of each block in zero.reduce_dtype, on the same padded sizes.
 - gloo has no reduce-scatter of its own: ProcessGroupGloo runs `reduce_scatter_tensor` as an
   all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
   is planned, and measured, under `all_reduce`.
 
-Left out, by design: the scalar collectives the training loop issues itself (trainer/comm.py
+Left out, by design: the scalar collectives the training loop issues itself (trainer/telemetry/comm.py
 LOOP_COLLECTIVES names them) and one-time ones (DDP's parameter broadcast at construction, its
 bucket rebuild after the first step).
 """

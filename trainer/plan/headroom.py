@@ -12,7 +12,7 @@ holds, per rank:
 The figures below are assumptions, not measurements: the CUDA context of torch 2.x with lazy
 module loading on Hopper is about 0.5 GiB; NCCL with its default buffer size (4 MiB per
 channel and peer) about 0.5 GiB on one 8-GPU node; torch's cuBLAS workspace on Hopper 32 MiB;
-with expandable segments (trainer/cuda.py sets them) reserved stays within about 5% of
+with expandable segments (trainer/rank/cuda.py sets them) reserved stays within about 5% of
 allocated. benchmarks/gpu_check.py measures the first three on the GPU (its `headroom` row) and
 the last in its throughput rows (peak reserved against peak allocated): replace the assumptions
 with those figures once it has run.

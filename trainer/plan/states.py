@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from trainer.config import ModelConfig, Stage
-from trainer.model import build_model
+from trainer.model.decoder import build_model
 
 
 # ----------------------------------------------------------------------------- the model's shapes

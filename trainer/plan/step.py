@@ -52,10 +52,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.activation_checkpointing import should_checkpoint
-from trainer.attention import run_choice
+from trainer.model.checkpointing import should_checkpoint
+from trainer.model.attention import run_choice
 from trainer.config import DataConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, Stage, TrainConfig, ZeroConfig
-from trainer.optim import uses_fused
+from trainer.rank.optim import uses_fused
 from trainer.plan.states import ModelShape, RankStates, padded_numel
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
@@ -121,7 +121,7 @@ class Activations:
 
 
 def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
-    """What the run's SDPA kernel (trainer/attention.py) saves per token beyond the flash kernel's
+    """What the run's SDPA kernel (trainer/model/attention.py) saves per token beyond the flash kernel's
     q, k, v, output and logsumexp, which block_bytes_per_token counts.
 
     K/V repeated for a kernel that cannot group heads: 2·(H - K)·Q more values. Math: its scaled
@@ -225,7 +225,7 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
 
 
 def optimizer_temporary(ctx: StepContext) -> int:
-    """Adam's temporaries: the fused kernel (trainer/optim.py's default on CUDA) updates in place
+    """Adam's temporaries: the fused kernel (trainer/rank/optim.py's default on CUDA) updates in place
     and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`. Offloaded states
     are updated on the host."""
     if ctx.offloaded or uses_fused(ctx.config.optim, ctx.device_kind):

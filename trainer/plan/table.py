@@ -2,7 +2,7 @@
 
 format_plan is what mode=plan prints (and every job before it launches, where a refusal comes
 as the job's error line); write_fit_table writes the fit table of every point of a sweep as
-plan_table.md, a part of the end-of-sweep report (trainer/report.py).
+plan_table.md, a part of the end-of-sweep report (trainer/report/sweep_report.py).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
 def write_fit_table(sweep_dir: Path) -> str | None:
     """Write plan_table.md, the fit table of every point of a sweep, and return it as the console
     shows it; None when no point wrote a plan.json. Part of the end-of-sweep report
-    (trainer/report.py write_sweep_report)."""
+    (trainer/report/sweep_report.py write_sweep_report)."""
     if not sweep_dir.is_dir():
         return None
     rows = sweep_rows(sweep_dir)

@@ -1,0 +1,7 @@
+"""mode=advise: which configuration to run for a global batch, ranked by predicted step time.
+
+- advisor.py: the candidates, the ranked table, advice.json and the command lines;
+- predict.py: the predicted step time of one configuration (compute, exposed communication, optimizer);
+- calibrate.py: the rates that turn FLOPs and bytes into seconds (this host measured, or a table);
+- verify.py: `advise.verify=K`: run the K best as jobs and set measured beside predicted.
+"""

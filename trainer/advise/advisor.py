@@ -1,0 +1,244 @@
+"""mode=advise: which configuration to run for a global batch, ranked by predicted speed, then verified.
+
+    python -m trainer mode=advise model=13b nproc=8 plan.accelerator=h100 seq_len=4096 precision=bf16 global_batch=512
+
+Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
+`advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
+makes up the rest) is planned (trainer/plan: the worst rank's peak, which must leave
+`advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
+rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
+gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
+the K best on this host as real jobs (trainer/advise/verify.py). No model is allocated: the plan
+and the FLOPs come from shapes on the meta device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
+from trainer.advise.verify import Proposal, override_key, verify
+from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.telemetry.metrics import mfu_pct
+from trainer.model.decoder import flops_per_token
+from trainer.plan import build_plan, device_memory, plan_comm
+from trainer.advise.predict import StepTime, predict_step
+from trainer.rank.sharding import check_device_support
+from trainer.units import GIB
+
+CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
+ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: its overrides, its plan's verdict and, where it fits, its predicted speed."""
+
+    choice: dict[str, Any]  # the CHOSEN_KEYS' values
+    peak_bytes: int
+    fits: bool | None  # with headroom; None: this device's memory is unknown
+    step: StepTime
+    tokens_per_s: float
+    mfu_pct: float | None
+    limiter: str
+
+    def label(self) -> str:
+        c = self.choice
+        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
+
+    def overrides(self) -> list[str]:
+        return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS]
+
+
+def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
+    """mode=advise, before anything is planned: the ranks split the global batch evenly, and
+    verification runs on this host only."""
+    assert config.global_batch is not None  # TrainConfig requires it in mode=advise
+    if config.global_batch % world_size:
+        raise ConfigError(
+            f"global_batch ({config.global_batch}) must be divisible by the {world_size} ranks (nodes={config.nodes} x nproc={config.nproc}); "
+            f"nearest: {max(world_size, config.global_batch // world_size * world_size)} or {-(-config.global_batch // world_size) * world_size}"
+        )
+    if config.advise.verify and config.plan.accelerator is not None:
+        raise ConfigError(
+            f"advise.verify runs jobs on this host, which is not plan.accelerator={config.plan.accelerator}; "
+            "drop plan.accelerator or set advise.verify=0"
+        )
+    if config.plan.accelerator is not None:
+        advisor_accelerator(config.plan.accelerator)  # a device the plan knows but the advisor has no rates for
+
+
+def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
+    """advise.micro_batches, else every power of two dividing the sequences per rank."""
+    per_rank = config.global_batch // world_size  # type: ignore[operator]
+    if config.advise.micro_batches is not None:
+        return sorted(mb for mb in set(config.advise.micro_batches) if per_rank % mb == 0)
+    return [2**k for k in range(per_rank.bit_length()) if per_rank % 2**k == 0]
+
+
+def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict[str, Any]]:
+    """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
+    parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
+    a, per_rank, out = config.advise, config.global_batch // world_size, []  # type: ignore[operator]
+    for stage in dict.fromkeys(a.stages):
+        for checkpointing in dict.fromkeys(a.checkpointing):
+            for offload in dict.fromkeys(a.offload):
+                if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
+                    continue
+                for reduce_dtype in dict.fromkeys(a.reduce_dtypes):
+                    for mb in micro_batches(config, world_size):
+                        values = (stage.value, checkpointing.value, offload.value, reduce_dtype.value, mb, per_rank // mb)
+                        out.append(dict(zip(CHOSEN_KEYS, values)))
+    return out
+
+
+def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
+    """The config with a choice applied; dataclasses.replace runs every __post_init__ check again."""
+    replace = dataclasses.replace
+    return replace(
+        config,
+        zero=replace(config.zero, stage=Stage(choice["zero"]), reduce_dtype=ReduceDType(choice["zero.reduce_dtype"])),
+        checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
+        offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
+        micro_batch=choice["micro_batch"],
+        grad_accum=choice["grad_accum"],
+    )
+
+
+def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:
+    if config.plan.accelerator is not None:
+        return accelerator_rates(config.plan.accelerator, config.precision.compute_dtype, world_size)
+    return host_rates(config, world_size, micro_batches)
+
+
+def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int, rates: Rates, flops: float) -> Candidate | None:
+    """Plan and time one choice; None where the schema or the device refuses the combination."""
+    try:
+        candidate = configure(config, choice)
+        check_device_support(candidate.zero, device_kind)  # e.g. DDP's bf16 reduction needs NCCL
+    except ConfigError:
+        return None
+    plan = build_plan(candidate, device_kind, world_size)
+    peak = plan.peak_bytes  # a max over every rank's moments: once
+    budget = None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
+    local_numel = max(rank.states.local_numel for rank in plan.ranks)
+    comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
+    tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
+    return Candidate(
+        choice, peak, None if budget is None else peak <= budget, step, tokens_per_s,
+        mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size), step.limiter,
+    )
+
+
+def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
+    """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
+    refused = {(tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"]) for c in candidates if c.fits is False}
+    out = []
+    for c in candidates:
+        key = tuple(c.choice[k] for k in CHOSEN_KEYS[:4])
+        if c.fits is not False and (key, 2 * c.choice["micro_batch"]) in refused:
+            c = dataclasses.replace(c, limiter=f"{c.limiter}; memory stops mb={2 * c.choice['micro_batch']}")
+        out.append(c)
+    return out
+
+
+def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list[Candidate], Rates]:
+    """Every candidate, the fitting ones first by predicted tokens/s (ties: the smaller peak)."""
+    options = choices(config, world_size, device_kind)
+    rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options}))
+    flops = flops_per_token(config.model, config.seq_len)
+    evaluated = [c for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options) if c is not None]
+    ranked = sorted(with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes))
+    return ranked, rates
+
+
+# ----------------------------------------------------------------------------- what the user reads
+
+
+def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
+    """The overrides that run a candidate: the user's, less the advisor's own, plus the choice."""
+    kept = [o for o in base_overrides if override_key(o) not in CHOSEN_KEYS and override_key(o).split(".")[0] not in ADVISE_ONLY_KEYS]
+    return [*kept, *candidate.overrides()]
+
+
+def command_line(base_overrides: list[str], candidate: Candidate) -> str:
+    return shlex.join(["python", "-m", "trainer", *command_args(base_overrides, candidate)])
+
+
+def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates, base: list[str], world_size: int, memory: str) -> str:
+    fitting = [c for c in candidates if c.fits is not False]
+    lines = [
+        f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
+        f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
+        f"with {config.advise.headroom:.0%} headroom ({memory})",
+        f"rates: {rates.source}",
+        f"{'#':>3} {'configuration':<52} {'peak GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
+    ]
+    for i, c in enumerate(fitting[: config.advise.top], 1):
+        mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
+        lines.append(f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}")
+    if not fitting and candidates:
+        smallest = min(candidates, key=lambda c: c.peak_bytes)
+        lines.append(
+            f"    nothing fits: the smallest peak is {smallest.peak_bytes / GIB:.1f} GiB ({smallest.label()}); "
+            "try a smaller model, more ranks, a global batch with fewer sequences per rank, or advise.headroom"
+        )
+    lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
+    return "\n".join(lines)
+
+
+def advice_json(config: TrainConfig, candidates: list[Candidate], rates: Rates, base: list[str], world_size: int, memory: str) -> dict[str, Any]:
+    return {
+        "model": config.model.name,
+        "global_batch": config.global_batch,
+        "seq_len": config.seq_len,
+        "precision": config.precision.name,
+        "world_size": world_size,
+        "headroom": config.advise.headroom,
+        "device_memory": memory,
+        "rates": {**dataclasses.asdict(rates), "compute_flops": {str(k): v for k, v in rates.compute_flops.items()}},
+        "candidates": [
+            {
+                **c.choice,
+                "fits": c.fits,
+                "predicted_peak_gib": c.peak_bytes / GIB,
+                "predicted_tokens_per_s": c.tokens_per_s,
+                "predicted_mfu_pct": c.mfu_pct,
+                "predicted_step_s": c.step.step_s,
+                "compute_s": c.step.compute_s,
+                "recompute_s": c.step.recompute_s,
+                "exposed_comm_s": c.step.exposed_comm_s,
+                "wire_s": c.step.wire_s,
+                "optimizer_s": c.step.optimizer_s,
+                "offload_s": c.step.offload_s,
+                "limited_by": c.limiter,
+                "command": command_line(base, c),
+            }
+            for c in candidates
+        ],
+    }
+
+
+def run_advice(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]) -> list[Candidate]:
+    """mode=advise: print the ranked table, write advice.json, verify the best if asked."""
+    candidates, rates = advise(config, device_kind, world_size)
+    memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes).source
+    print(format_advice(config, candidates, rates, base_overrides, world_size, memory), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
+    path = out_dir / "advice.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"advice.json: {path}", flush=True)
+    if config.advise.verify:
+        fitting = [c for c in candidates if c.fits is not False][: config.advise.verify]
+        proposals = [Proposal(c.label(), command_args(base_overrides, c), c.tokens_per_s, c.peak_bytes) for c in fitting]
+        record["verify"] = verify(proposals, config.advise.verify_steps, out_dir)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    return candidates
+

@@ -1,0 +1,308 @@
+"""The rates the advisor turns FLOPs and bytes into seconds with: measured on this host, or from a table.
+
+Two sources, and the advisor's table says which one it used:
+
+- **This host** (no `plan.accelerator`): a micro-benchmark run once by `world_size` real ranks
+  started with torch's elastic launcher, each with the threads a training rank would get
+  (trainer/world.py splits the cores): the matmul rate in the compute dtype at the MLP's shape
+  for each candidate micro-batch, AdamW's update rate (torch.optim.AdamW itself), and the bus
+  bandwidth of gloo's all-reduce and all-gather between those ranks. The figures are cached as
+  JSON under `advise.cache_dir` (default ~/.cache/zerolab/) with the date, the host name and
+  everything they depend on; `advise.recalibrate=true` measures again.
+- **A named accelerator** (`plan.accelerator=h100` ...): the `ACCELERATORS` table below, a
+  datasheet figure and an efficiency factor for each rate; every row names its sources, and the
+  efficiency factors are assumptions (no such device here to measure), stated as such.
+
+Bus bandwidth is nccl-tests' convention: the bytes one rank moves on the wire per second, so a
+collective of P payload bytes takes P·f/busbw with f = 2(n-1)/n for a ring all-reduce and
+(n-1)/n for all-gather, reduce-scatter and a broadcast of shards (trainer/advise/predict.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
+from trainer.units import MIB
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-rank rates of one device kind; `source` is printed with every advice."""
+
+    source: str
+    peak_flops: float
+    """The MFU denominator: the datasheet's dense peak, or on this host the best measured matmul rate."""
+    compute_flops: dict[int, float]
+    """Achieved FLOP/s of one rank's forward and backward by tokens per micro-batch; key 0: any."""
+    bus_bytes_per_s: dict[str, float]
+    """Bus bandwidth per collective (all_reduce, all_gather; reduce_scatter and broadcast use all_gather's),
+    and where measured in bf16 as well (`all_reduce_bf16`, `all_gather_bf16`); else bf16 runs at fp32's."""
+    adam_params_per_s: float
+    """Parameters AdamW updates per second on one rank."""
+    overlap: bool
+    """Collectives run beside compute (NCCL's own streams); False on CPU, where gloo's threads share the cores."""
+    offload_bytes_per_s: float | None = None
+    """Host-device link (PCIe) for offload=cpu; None where there is no device memory to offload from."""
+    host_adam_params_per_s: float | None = None
+    """AdamW on the host CPU (offload=cpu steps the optimizer there)."""
+
+    def flops_at(self, rows: int) -> float:
+        """The rate measured at these tokens per micro-batch, else at the nearest measured."""
+        if rows in self.compute_flops:
+            return self.compute_flops[rows]
+        return self.compute_flops[min(self.compute_flops, key=lambda measured: abs(measured - rows))]
+
+
+# ----------------------------------------------------------------------------- named accelerators
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    datasheet: str  # the device of trainer/devices.py whose dense peaks these are
+    matmul_efficiency: float  # assumption: achieved/dense over a whole training step's matmuls
+    nvlink_bus_gbps: float  # GB/s per GPU per direction inside a node, times an assumed 0.8 bus efficiency
+    network_bus_gbps: float  # GB/s per GPU per direction between nodes, times 0.8
+    gpus_per_node: int
+    pcie_gbps: float  # host link per direction (offload)
+    hbm_tbps: float  # memory bandwidth (AdamW is memory-bound)
+    sources: str
+
+
+# Dense peaks are trainer/devices.py's datasheet figures (the MFU denominator of every run; fp32
+# without TF32: a conservative figure, since zerolab turns TF32 on by default, precision.tf32). Efficiency factors are assumptions, not measurements: 0.55 of the
+# dense peak for a whole step's matmuls (public Llama runs on H100/A100 report 40-60% MFU), 0.8 of
+# a link's rate as nccl-tests bus bandwidth, 0.8 of HBM for AdamW.
+ACCELERATORS: dict[str, AcceleratorSpec] = {
+    "h100": AcceleratorSpec(
+        "h100-sxm", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 3.35,
+        "NVIDIA H100 SXM5 datasheet (dense bf16 989 TFLOPS, NVLink 4 900 GB/s bidirectional, HBM3 3.35 TB/s, "
+        "PCIe Gen5 128 GB/s bidirectional); DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU",
+    ),
+    "h200": AcceleratorSpec(
+        "h200", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 4.8,
+        "NVIDIA H200 SXM datasheet (the H100's compute and NVLink 4, HBM3e 4.8 TB/s); DGX H200: 400 Gb/s NIC per GPU",
+    ),
+    "a100-80gb": AcceleratorSpec(
+        "a100-80gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 2.04,
+        "NVIDIA A100 SXM4 80GB datasheet (dense bf16 312 TFLOPS, NVLink 3 600 GB/s bidirectional, HBM2e 2.04 TB/s, "
+        "PCIe Gen4 64 GB/s bidirectional); DGX A100: one 200 Gb/s HDR NIC per GPU",
+    ),
+    "a100-40gb": AcceleratorSpec(
+        "a100-40gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 1.56,
+        "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: one 200 Gb/s HDR NIC per GPU",
+    ),
+}
+ADAM_BYTES_PER_PARAM = 28  # fused/foreach AdamW reads fp32 param, grad, m, v and writes param, m, v
+HBM_EFFICIENCY = 0.8
+HOST_ADAM_PARAMS_PER_S = 5e8  # assumption: torch's CPU AdamW on a GPU server's host, for offload=cpu
+
+
+def advisor_accelerator(name: str) -> str:
+    """The ACCELERATORS key a `plan.accelerator` name means (`h100-sxm` is `h100`); ConfigError when the table lacks it."""
+    key = {"h100-sxm": "h100"}.get(name, name)
+    if key not in ACCELERATORS:
+        raise ConfigError(f"mode=advise knows the rates of plan.accelerator={', '.join(ACCELERATORS)}, not {name}")
+    return key
+
+
+def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates:
+    """The table's rates for `world_size` GPUs: NVLink within a node, the network beyond one."""
+    name = advisor_accelerator(name)
+    spec = ACCELERATORS[name]
+    dense = dense_peak_flops(spec.datasheet, compute_dtype)
+    inside = world_size <= spec.gpus_per_node  # a ring over several nodes runs at its slowest link
+    bus = (spec.nvlink_bus_gbps if inside else spec.network_bus_gbps) * GB
+    link = f"NVLink {spec.nvlink_bus_gbps:.0f} GB/s" if inside else f"network {spec.network_bus_gbps:.0f} GB/s ({world_size} GPUs > {spec.gpus_per_node} per node)"
+    return Rates(
+        source=(
+            f"table: {name}, dense {compute_dtype.value} {dense / 1e12:.1f} TFLOPS x {spec.matmul_efficiency} efficiency, "
+            f"{link} bus bandwidth; sources: {spec.sources}; efficiency factors assumed (docs/advisor.md)"
+        ),
+        peak_flops=dense,
+        compute_flops={0: dense * spec.matmul_efficiency},
+        bus_bytes_per_s={"all_reduce": bus, "all_gather": bus},
+        adam_params_per_s=spec.hbm_tbps * 1e12 * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
+        overlap=True,
+        offload_bytes_per_s=spec.pcie_gbps * GB,
+        host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+    )
+
+
+def dense_peak_flops(datasheet: str, compute_dtype: DType) -> float:
+    from trainer.devices import find_accelerator
+
+    spec = find_accelerator(datasheet)
+    assert spec is not None, f"{datasheet} is not in trainer/devices.py"
+    peak = {DType.bfloat16: spec.bf16, DType.float16: spec.fp16, DType.float32: spec.fp32}[compute_dtype]
+    assert peak is not None, f"{datasheet} has no dense {compute_dtype.value} peak"
+    return peak * 1e12
+
+
+# ----------------------------------------------------------------------------- this host, measured once
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    """What the host's rates depend on: the cache key."""
+
+    host: str
+    torch_version: str
+    world_size: int
+    threads: int
+    dtype: str
+    model: tuple[tuple[str, Any], ...]  # the ModelConfig's fields (one block is timed)
+    seq_len: int
+    micro_batches: tuple[int, ...]
+
+    def cache_path(self, cache_dir: Path) -> Path:
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return cache_dir / f"calibration-{self.host}-{digest}.json"
+
+
+PAYLOAD_BYTES = 32 * MIB  # collective payload of the benchmark: large enough to be bandwidth-bound
+MIN_SECONDS = 0.3  # each timed figure repeats its operation at least this long
+
+
+def host_threads(world_size: int) -> int:
+    """The threads each training rank takes (trainer/world.py): the usable cores split between ranks."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // world_size)
+
+
+def host_rates(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:
+    """This host's rates from the cache, else measured now by `world_size` real ranks and cached."""
+    probe = HostProbe(
+        socket.gethostname(), torch.__version__, world_size, host_threads(world_size), config.precision.compute_dtype.value,
+        tuple(sorted(asdict(config.model).items())), config.seq_len, tuple(sorted(set(micro_batches))),
+    )
+    path = probe.cache_path(Path(config.advise.cache_dir).expanduser())
+    if path.is_file() and not config.advise.recalibrate:
+        cached = json.loads(path.read_text())
+        return rates_from_record(cached, f"measured on {probe.host} {cached['date']} (cached: {path})")
+    print(f"calibrating this host: {world_size} gloo ranks x {probe.threads} threads, {probe.dtype} (once; cached in {path})", flush=True)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **asdict(probe), **measure(probe)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return rates_from_record(record, f"measured on {probe.host} {record['date']} (now; cached: {path})")
+
+
+def rates_from_record(record: dict[str, Any], source: str) -> Rates:
+    return Rates(
+        source=f"{source}: {record['world_size']} gloo ranks x {record['threads']} threads",
+        peak_flops=max(record["matmul_flops"].values()),
+        compute_flops={int(rows): flops for rows, flops in record["block_flops"].items()},
+        bus_bytes_per_s=record["bus_bytes_per_s"],
+        adam_params_per_s=record["adam_params_per_s"],
+        overlap=False,
+    )
+
+
+def measure(probe: HostProbe) -> dict[str, Any]:
+    """Run the micro-benchmark on `probe.world_size` real ranks (elastic launch, gloo); rank 0's figures."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainer.launch import fork_server
+
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=probe.world_size, run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method=fork_server(),
+    )  # port 0: the OS picks a free one, as trainer/launch.py does for jobs
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    return elastic_launch(launch, calibration_rank)(asdict(probe))[0]
+
+
+def calibration_rank(probe: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the benchmark: every rank computes at once, as in training, then they communicate."""
+    import torch.distributed as dist
+
+    from trainer.world import init_world, shutdown_world
+
+    init_world("cpu")  # sets the threads a training rank gets
+    dtype, model, seq_len = getattr(torch, probe["dtype"]), ModelConfig(**dict(probe["model"])), probe["seq_len"]
+    figures = {
+        "matmul_flops": {str(mb * seq_len): matmul_rate(mb * seq_len, model.dim, model.ffn_dim, dtype) for mb in probe["micro_batches"]},
+        "block_flops": {str(mb * seq_len): block_rate(model, mb, seq_len, dtype) for mb in probe["micro_batches"]},
+        "adam_params_per_s": adam_rate(),
+        "bus_bytes_per_s": collective_rates(dist.get_world_size()),
+    }
+    shutdown_world()
+    return figures
+
+
+def timed(run: Any, repeats: int | None = None) -> float:
+    """Fastest seconds of one call of `run` after a warm-up call, over `repeats` calls (collectives:
+    every rank must issue the same number), else as many as MIN_SECONDS takes, at least 3. The
+    fastest, as timeit advises: slower calls measure whatever else ran on the cores, not `run`."""
+    run()
+    times: list[float] = []
+    while (len(times) < repeats) if repeats else (sum(times) < MIN_SECONDS or len(times) < 3):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_rate(rows: int, dim: int, ffn_dim: int, dtype: torch.dtype) -> float:
+    """FLOP/s of the MLP's up-projection at `rows` tokens, the shape most of a step's FLOPs run at."""
+    x, w = torch.randn(rows, dim, dtype=dtype), torch.randn(dim, ffn_dim, dtype=dtype)
+    return 2.0 * rows * dim * ffn_dim / timed(lambda: torch.matmul(x, w))
+
+
+def block_rate(model: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype) -> float:
+    """FLOP/s of the model's own TransformerBlock, forward and backward, at this micro-batch: the
+    matmuls and everything between them (norms, rotary, attention, elementwise, dispatch)."""
+    from trainer.model.decoder import TransformerBlock, build_rope_tables
+
+    block = TransformerBlock(model)
+    x = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
+    cos, sin = build_rope_tables(model.dim // model.n_heads, seq_len, model.rope_theta, torch.device("cpu"))
+
+    def step() -> None:
+        # bf16/fp16 as stages 0-1 run them (autocast); FSDP2's bf16 parameters behave alike here
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = block(x, cos, sin)
+        out.float().sum().backward()
+
+    block_params = sum(p.numel() for p in block.parameters())
+    flops = micro_batch * seq_len * (6.0 * block_params + 12.0 * model.dim * seq_len)  # 12·H·Q·T, H·Q = dim
+    return flops / timed(step)
+
+
+def adam_rate(numel: int = 2**22) -> float:
+    """Parameters per second torch.optim.AdamW updates (the optimizer the training loop builds)."""
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    optimizer = torch.optim.AdamW([param])
+    return numel / timed(optimizer.step)
+
+
+def collective_rates(world_size: int) -> dict[str, float]:
+    """Bus bandwidth of all-reduce and all-gather of PAYLOAD_BYTES between the ranks, in fp32 and in
+    bf16 (`<collective>_bf16`): gloo reduces bf16 on the CPU much more slowly than fp32."""
+    import torch.distributed as dist
+
+    n, rates = world_size, {}
+    dist.barrier()  # the ranks left their matmuls at different times
+    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        numel = PAYLOAD_BYTES // dtype.itemsize
+        full, shard = torch.ones(numel, dtype=dtype), torch.ones(numel // n, dtype=dtype)
+        reduce_s = timed(lambda: dist.all_reduce(full), repeats=5)
+        gather_s = timed(lambda: dist.all_gather_into_tensor(full, shard), repeats=5)
+        rates[f"all_reduce{suffix}"] = PAYLOAD_BYTES * 2 * (n - 1) / n / reduce_s
+        rates[f"all_gather{suffix}"] = PAYLOAD_BYTES * (n - 1) / n / gather_s
+    return rates

@@ -1,0 +1,132 @@
+"""Predicted step time of one configuration: compute, communication and the optimizer, in seconds.
+
+The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_predict.py pins it):
+
+    tokens per rank per step   t = micro_batch · grad_accum · seq_len
+    compute                    C = t · (F + R) / rate(micro_batch · seq_len)
+        F = 6N + 12·L·H·Q·T, the model's training FLOPs per token (trainer.model.decoder.flops_per_token)
+        R = k · (2·(N_block − D·M) + 4·H·Q·T), recompute per token for k checkpointed blocks: the
+            block's forward again, less its last matmul (w2), which non-reentrant checkpointing's
+            early stop never reruns (its output is not saved for backward)
+    wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
+        f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
+        (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
+        the plan books gloo's reduce-scatter under all-reduce (gloo runs it as one), so on CPU
+        FSDP2's gradient reduction is timed as a ring all-reduce; busbw in the dtype the collective
+        runs in where calibrated (this host: fp32 and bf16; gloo's bf16 reduction is slow)
+    exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
+        compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
+        all-gather overlaps forward (stage2) or forward and backward (stage3) of every micro-batch;
+        all-reduce (DDP) and reduce-scatter (FSDP2) the backward of the last micro-batch, the only
+        one that synchronises; the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
+        at least one block's share (W_c / L) is always exposed (the first gather, the last bucket)
+    optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
+    offload transfers          X = (B_all_gather + B_reduce_scatter) / n / pcie   (each rank's shards, once per collective)
+    step                       S = C + E + O + X;  tokens/s = global_batch · seq_len / S
+    MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.model.checkpointing import should_checkpoint
+from trainer.advise.calibrate import Rates
+from trainer.config import CheckpointingConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
+from trainer.plan.states import model_shape
+
+FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on one rank, by what spends them."""
+
+    compute_s: float
+    recompute_s: float  # included in compute_s
+    wire_s: dict[str, float]  # each collective's time on the wire
+    exposed_comm_s: float
+    optimizer_s: float
+    offload_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.offload_s
+
+    @property
+    def limiter(self) -> str:
+        """What the step spends most of its time on."""
+        parts = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s, "offload transfers": self.offload_s}
+        return max(parts, key=parts.__getitem__)
+
+
+def recompute_flops_per_token(m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int) -> float:
+    """FLOPs per token that activation checkpointing adds: checkpointed blocks' forward, less w2."""
+    shape = model_shape(m)
+    block_params = sum(_numel(s) for s in shape.block)
+    head_dim = m.dim // m.n_heads
+    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * head_dim * seq_len
+    checkpointed = sum(should_checkpoint(i, checkpointing) for i in range(m.n_layers))
+    return checkpointed * block_forward
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for size in shape:
+        out *= size
+    return out
+
+
+def wire_factor(collective: str, world_size: int) -> tuple[float, str]:
+    """(bytes on the wire per payload byte, the bandwidth it runs at) for a ring implementation."""
+    n = world_size
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n, "all_reduce"
+    return (n - 1) / n, "all_gather"
+
+
+def bandwidth(rates: Rates, kind: str, collective: str, zero: ZeroConfig, precision: PrecisionConfig) -> float:
+    """The bus bandwidth in the dtype the collective runs in, where the rates have it: gradients
+    reduce in zero.reduce_dtype, FSDP2 gathers in the compute dtype, the broadcast is fp32."""
+    if collective in ("all_reduce", "reduce_scatter"):
+        half = zero.reduce_dtype == ReduceDType.bf16
+    else:
+        half = collective == "all_gather" and precision.compute_dtype != DType.float32
+    return rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind]) if half else rates.bus_bytes_per_s[kind]
+
+
+def overlap_window(collective: str, stage: Stage, forward_s: float, backward_s: float, last_backward_s: float) -> float:
+    """Compute that a collective of this kind can hide behind (see the module docstring)."""
+    if collective == "all_gather":
+        return forward_s + backward_s if stage == Stage.stage3 else forward_s
+    if collective in ("all_reduce", "reduce_scatter"):
+        return last_backward_s
+    return 0.0  # broadcast: after the optimizer step, nothing left to overlap
+
+
+def predict_step(
+    config: TrainConfig, world_size: int, comm_bytes: dict[str, int], local_numel: int, flops_per_token: float, rates: Rates
+) -> StepTime:
+    """The step time of `config` on `world_size` ranks (module docstring: the formulas)."""
+    tokens = config.micro_batch * config.grad_accum * config.seq_len
+    rate = rates.flops_at(config.micro_batch * config.seq_len)
+    recompute = recompute_flops_per_token(config.model, config.checkpointing, config.seq_len)
+    compute_s = tokens * (flops_per_token + recompute) / rate
+    forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
+    backward_s = compute_s - forward_s
+    last_backward_s = backward_s / config.grad_accum
+    wire_s, exposed = {}, 0.0
+    for collective, payload in comm_bytes.items():
+        if not payload:
+            continue
+        factor, kind = wire_factor(collective, world_size)
+        wire_s[collective] = payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
+        if rates.overlap:
+            window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)
+            exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)
+        else:
+            exposed += wire_s[collective]
+    offload = config.offload.target == OffloadTarget.cpu and rates.offload_bytes_per_s is not None
+    adam_rate = rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
+    offload_s = (comm_bytes.get("all_gather", 0) + comm_bytes.get("reduce_scatter", 0)) / world_size / rates.offload_bytes_per_s if offload else 0.0  # type: ignore[operator]
+    return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)

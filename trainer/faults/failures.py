@@ -1,0 +1,179 @@
+"""Out of memory as a result: cap a rank's memory, note where the rank is, record how it failed.
+
+A rank that fails writes `failures/rank{r}.json` in the job's output directory (rank, step,
+phase, whether it ran out of memory, the error's line) before it exits non-zero; the job process
+(trainer/launch.py) reads these records to end the job as `oom` or `crashed`. The elastic
+launcher's own error carries only exit codes and tracebacks, not the step or the phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import math
+import signal
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from trainer.console import one_line
+from trainer.units import GIB
+
+FAILURES_DIR = "failures"
+
+# What torch's allocators say when an allocation fails: the CPU allocator raises a RuntimeError
+# ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that
+# allocates with new raises std::bad_alloc, CUDA raises torch.OutOfMemoryError.
+OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "bad_alloc")
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+# (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
+LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
+LOST_PEER_LINGER_S = 1.0  # ten of the launcher's monitor intervals (trainer/launch.py)
+
+
+@dataclass
+class Position:
+    """Where this rank's training is: the optimizer step (1-based, 0 before the first) and its phase."""
+
+    step: int = 0
+    phase: str = "setup"
+
+
+POSITION = Position()  # one per rank process; the loop moves it, a failure reads it
+_capped_rlimit: tuple[int, int] | None = None  # the RLIMIT_DATA this process had before the cap
+
+
+def mark_phase(step: int, phase: str) -> None:
+    """Note the step and phase the loop enters (two assignments: free on every step)."""
+    POSITION.step, POSITION.phase = step, phase
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether an exception is an allocation failure (CPU or GPU), by type or by the allocator's words."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in OOM_MARKERS)
+
+
+def apply_memory_cap(cap_gib: float | None, device: torch.device) -> None:
+    """Let this rank allocate at most `cap_gib` GiB beyond what its runtime holds now.
+
+    GPU: the caching allocator's per-process fraction of the device (the CUDA context is outside
+    it, as it is here). CPU: RLIMIT_DATA, raised above what the process already uses (torch,
+    gloo and Python hold ~0.25 GiB of data before any tensor). RLIMIT_DATA rather than RLIMIT_AS:
+    the address-space limit also counts the ~0.4 GiB of mapped library code and every thread's
+    reserved (PROT_NONE) malloc arena, which are not memory the rank uses; RLIMIT_DATA counts
+    the private writable mappings (malloc'd tensors, heap, thread stacks), and an allocation
+    past it fails inside the process (a RuntimeError from torch's CPU allocator) instead of
+    bringing in the kernel's OOM killer. Linux only (it reads /proc/self/status).
+    """
+    global _capped_rlimit
+    if cap_gib is None:
+        return
+    cap = int(cap_gib * GIB)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = data_bytes() + cap
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    _capped_rlimit = (soft, hard)
+
+
+def lift_memory_cap() -> None:
+    """Undo the CPU cap, so that a rank that ran out can still write its record and exit."""
+    global _capped_rlimit
+    if _capped_rlimit is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, _capped_rlimit)
+        _capped_rlimit = None
+
+
+def data_bytes() -> int:
+    """This process's data segment (VmData): the figure the kernel checks against RLIMIT_DATA."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("device_memory_gib on CPU needs Linux (/proc/self/status has no VmData)")
+
+
+def failure_path(out_dir: Path, rank: int) -> Path:
+    return out_dir / FAILURES_DIR / f"rank{rank}.json"
+
+
+@contextlib.contextmanager
+def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
+    """Around a rank's training: on an exception, write the rank's failure record, then re-raise."""
+    path = failure_path(out_dir, rank)
+    path.unlink(missing_ok=True)  # left by an earlier attempt of an elastic restart: not this one
+    try:
+        yield
+    except Exception as err:
+        lift_memory_cap()
+        record = {
+            **asdict(POSITION),
+            "rank": rank,
+            "oom": is_out_of_memory(err),
+            "message": one_line(err),
+            "time": time.time(),  # torch's failure timestamps are whole seconds; see explain()
+            "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
+        }
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(record) + "\n")
+        if lost_peer(record["message"]):
+            # The launcher reports the first rank it sees end, and only that one. A rank that merely
+            # lost its peer lingers, so that a peer killed by a signal (it leaves no record, and its
+            # exit code is all there is to say) is seen to end first: see explain().
+            time.sleep(LOST_PEER_LINGER_S)
+        raise
+
+
+def read_failures(out_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's failure record of this job, by rank."""
+    records = [json.loads(p.read_text()) for p in sorted((out_dir / FAILURES_DIR).glob("rank*.json"))]
+    return {record["rank"]: record for record in records}
+
+
+def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: bool) -> dict[str, Any] | None:
+    """The record that explains a failed job, whatever order the launcher saw the ranks end in:
+    any rank's out-of-memory record first (its peers then fail on a broken connection, sometimes
+    earlier), else the earliest record of a rank that raised something other than a lost peer,
+    else a rank killed by a signal (it leaves no record; its peers only lost it).
+
+    A rank killed by SIGKILL while a memory cap is set was the kernel's OOM killer's: out of
+    memory, at an unknown step and phase.
+    """
+    records = read_failures(out_dir)
+    oom = [records[rank] for rank in sorted(records) if records[rank]["oom"]]
+    if oom:
+        return oom[0]
+    # Ranks a signal ended leave no record: the launcher's first failure first, if it is one.
+    killed = sorted((rank for rank, code in exitcodes.items() if code < 0 and rank not in records), key=lambda rank: rank != first_rank)
+    if capped and killed and exitcodes[killed[0]] == -signal.SIGKILL:
+        return {"rank": killed[0], "step": None, "phase": None, "oom": True, "message": "killed by SIGKILL (the kernel's OOM killer)"}
+    # torch orders failures by whole-second timestamps, so a peer that failed on the broken
+    # connection in the same second can be named first; the records' own clock says who began it.
+    raised = [record for record in records.values() if not lost_peer(record["message"])]
+    if raised:
+        return min(raised, key=lambda record: record.get("time", math.inf))
+    if killed:
+        rank = killed[0]
+        return {"rank": rank, "step": None, "phase": None, "oom": False, "message": killed_by(exitcodes[rank])}
+    return min(records.values(), key=lambda record: record.get("time", math.inf)) if records else None
+
+
+def lost_peer(cause: str) -> bool:
+    """Whether a rank failed only because another rank's process went away (its connection broke)."""
+    return any(marker in cause for marker in LOST_PEER_MARKERS)
+
+
+def killed_by(exitcode: int) -> str:
+    """A rank's cause of death when a signal ended it (a negative exit code)."""
+    return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"

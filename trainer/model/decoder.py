@@ -1,0 +1,286 @@
+"""A Llama-style decoder in one file: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Shapes are suffixed on names: B batch, T time (sequence), D model width, H query heads,
+K key/value heads, Q head width, F rotary frequencies (Q / 2), V vocabulary, M MLP hidden width.
+
+The model is meant to be built on the meta device (no memory), wrapped (activation
+checkpointing) and sharded (FSDP2), and only then materialised: `materialize` allocates the
+storage where each parameter now lives and `init_weights` fills it. Initialisation is drawn
+per parameter from a seed derived from the parameter's canonical name, so every rank, whatever
+slice it holds, sees the same full weights as a single unsharded process would. The model
+holds no buffers: the rotary tables are computed in forward (see `Transformer.__init__`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from trainer.model.attention import SdpaChoice
+from trainer.config import ModelConfig
+
+INIT_STD = 0.02
+"""Standard deviation of every linear and embedding weight (GPT-2 / Llama)."""
+
+# Name segments that wrappers insert into parameter names: checkpoint_wrapper, torch.compile,
+# and DDP / other `.module` wrappers. They never name a parameter of the model itself.
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "module"})
+
+# Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) so the
+# residual's variance does not grow with depth (GPT-2, section 2.3).
+_RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def build_rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angle of every (position, frequency) pair, in fp32."""
+    inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles_TF = torch.outer(pos_T, inv_freq_F)
+    return angles_TF.cos(), angles_TF.sin()
+
+
+def apply_rope(x_BTHQ: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle."""
+    # In fp32 whatever the compute dtype: bf16 angles at position ~4000 lose whole radians.
+    x0_BTHF, x1_BTHF = x_BTHQ.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos_1T1F, sin_1T1F = cos_TF[None, :, None, :], sin_TF[None, :, None, :]
+    y0_BTHF = x0_BTHF * cos_1T1F - x1_BTHF * sin_1T1F
+    y1_BTHF = x0_BTHF * sin_1T1F + x1_BTHF * cos_1T1F
+    return torch.stack((y0_BTHF, y1_BTHF), dim=-1).flatten(-2).type_as(x_BTHQ)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: n_kv_heads key/value heads shared by n_heads queries."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.sdpa = SdpaChoice()  # the run's kernel (set_attention_kernel below)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHQ = apply_rope(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TF, sin_TF)
+        k_BTKQ = apply_rope(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TF, sin_TF)
+        v_BTKQ = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        q_BHTQ, k_BKTQ, v_BKTQ = q_BTHQ.transpose(1, 2), k_BTKQ.transpose(1, 2), v_BTKQ.transpose(1, 2)
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and self.sdpa.repeat_kv:  # the chosen kernel cannot group heads: give it H of them
+            k_BKTQ = k_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v_BKTQ = v_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            grouped = False
+        # SDPA wants heads before time. enable_gqa shares each K/V head among n_heads/n_kv_heads
+        # queries without materialising repeated K/V; asked for only when grouped, because some
+        # fused CUDA kernels do not take the flag at all.
+        with sdpa_kernel(self.sdpa.backend) if self.sdpa.backend is not None else contextlib.nullcontext():
+            o_BHTQ = F.scaled_dot_product_attention(q_BHTQ, k_BKTQ, v_BKTQ, is_causal=True, enable_gqa=grouped)
+        return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x), hidden width exactly `ffn_dim`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTM = F.silu(self.w1(x_BTD)) * self.w3(x_BTD)
+        return self.w2(h_BTM)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TF, sin_TF)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class Transformer(nn.Module):
+    """Token embedding, `n_layers` blocks, a final RMSNorm and an untied output head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Rotary tables are derived from the config, never trained or saved, so they are neither
+        # parameters nor buffers: computed on first use on the device of the tokens and cached per
+        # device. As buffers they would be garbage after `to_empty`, be stranded on the CPU when
+        # FSDP2 offloads states to host memory but computes on the GPU, be rounded by
+        # `model.to(bfloat16)`, and be broadcast by DDP (broadcast_buffers) on every forward.
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
+        if device not in self._rope_cache:
+            head_dim = self.config.dim // self.config.n_heads
+            # Built outside inference mode even when first asked for inside it (an eval before
+            # training): an inference tensor could never be saved for a later backward.
+            with torch.inference_mode(False):
+                tables = build_rope_tables(head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+            self._rope_cache[device] = tables
+        return self._rope_cache[device]
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Next-token logits in the compute dtype; the caller takes the loss in fp32."""
+        T = tokens_BT.shape[1]
+        if T > self.config.max_seq_len:
+            max_len = self.config.max_seq_len
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({max_len}); lower seq_len")
+        cos_TF, sin_TF = (table[:T] for table in self.rope_tables(tokens_BT.device))
+        x_BTD = self.tok_embeddings(tokens_BT)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, cos_TF, sin_TF)
+        return self.output(self.norm(x_BTD))
+
+
+# ----------------------------------------------------------------------------- build and initialise
+
+
+def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
+    """Give every attention layer the run's kernel choice (trainer/model/attention.py; before compile:
+    it is traced with it)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa = choice
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """The decoder with storage on `device`; on meta (the default) it allocates nothing.
+
+    Weights are not initialised here: call `materialize` (or `init_weights`) once the model
+    is wrapped and sharded, so that each rank fills only its own shard.
+    """
+    with torch.device(device), (NoInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext()):
+        return Transformer(config)
+
+
+class NoInitOnMeta(TorchFunctionMode):
+    """Skips torch.nn.init on meta tensors: nn.Linear and nn.Embedding initialise in their
+    constructors, which on meta fills nothing, yet the first meta normal_/uniform_ (Python
+    decompositions) imports torch._dynamo, about a second per process. `init_weights` draws
+    every weight anyway."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = kwargs.get("tensor", args[0] if args else None)  # nn.init passes it by keyword
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper segments removed: the same before and after wrapping."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _find_transformer(model: nn.Module) -> Transformer:
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            return module
+    raise TypeError(f"init_weights needs a model containing a trainer.model.decoder.Transformer, got {type(model).__name__}")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name` (canonical) under run seed `seed`: 32 bits."""
+    # crc32, not hash(): Python salts str hashes per process, and every rank must agree.
+    # Seed and name go into one 32-bit value because the CPU generator (mt19937) silently
+    # keeps only the low 32 bits of its seed: `seed * 2**32 + crc` would ignore the seed.
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.Tensor:
+    """The full fp32 value of parameter `name`, on CPU, from a generator seeded by (seed, name)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_PROJECTIONS) else INIT_STD
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` into `param`, or only this rank's slice of it when `param` is sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor  # ranks only: the plan builds no storage
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank slices its own identical copy, so no communication.
+        # (distribute_tensor moves `full` to the mesh's device first: transient, one parameter.)
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter deterministically (the model has no buffers to fill).
+
+    Each parameter is drawn whole, on CPU in fp32, from its own generator seeded by `seed` and
+    its canonical name, then only the local shard is kept. So the weights do not depend on
+    wrapping (checkpoint_wrapper, torch.compile), on sharding (FSDP2 DTensors on any number
+    of ranks) or on parameter order, and the transient memory is one parameter, never the model.
+    Linear and embedding weights ~ N(0, 0.02), wo and w2 scaled by 1/sqrt(2 * n_layers); norms 1.
+    """
+    n_layers = _find_transformer(model).config.n_layers
+    for name, param in model.named_parameters():
+        _copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
+
+
+def materialize(model: nn.Module, device: str | torch.device, seed: int) -> None:
+    """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it."""
+    model.to_empty(device=device)
+    init_weights(model, seed)
+
+
+# ----------------------------------------------------------------------------- size and cost
+
+
+def num_params(config: ModelConfig) -> int:
+    """Exact parameter count, counted on a meta-device build (allocates nothing)."""
+    return sum(p.numel() for p in build_model(config, device="meta").parameters())
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12 L H Q T (PaLM, appendix B; torchtitan).
+
+    6N is forward (2N) plus backward (4N) through the weights; 12 L H Q T is the attention
+    scores and the weighted sum of values, which have no parameters. N excludes the token
+    embedding: it is a table lookup, not a matmul (the untied output head is a matmul and counts).
+    """
+    n_matmul = num_params(config) - config.vocab_size * config.dim
+    head_dim = config.dim // config.n_heads
+    return 6.0 * n_matmul + 12.0 * config.n_layers * config.n_heads * head_dim * seq_len

@@ -1,0 +1,86 @@
+"""What a rank sets up on a CUDA device, besides what every rank does (trainer/world.py).
+
+- The process group: NCCL for device tensors, plus gloo for host tensors when FSDP2 offloads
+  states to host memory: offloaded gradients are CPU tensors, and clipping's all-reduce of
+  their norm would find no CPU backend in an NCCL-only group (torchtitan builds the same
+  `cuda:nccl,cpu:gloo` group for CPU offload).
+- NCCL's failure handling: a collective that errors or times out aborts the communicator
+  (async error handling) instead of hanging, and the flight recorder (also what trainer/telemetry/comm.py
+  measures communication with) keeps the last collectives of each rank and dumps them on a
+  timeout, so a hang can be read afterwards.
+- The caching allocator: expandable segments, which PyTorch recommends against fragmentation
+  when shapes vary (each block's all-gathered parameters, activations); set before the
+  allocator first runs.
+- TF32 for fp32 matmuls and convolutions (`precision.tf32`), through torch's fp32_precision.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from trainer.config import ConfigError
+
+ALLOC_CONF = "expandable_segments:True"
+# NCCL environment a rank gets unless set already (by the user, or by trainer/telemetry/comm.py, which
+# sizes the flight recorder for its measurements): abort the communicator on an error or a
+# timeout (3: abort, and tear the process down), keep the last 2000 collectives per rank in
+# the flight recorder and dump them when a collective times out.
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+FLIGHT_RECORDER_DIR = "nccl_traces"
+
+
+def process_group_backend(device_kind: str, offload_to_cpu: bool) -> str:
+    """The backend string for init_process_group: gloo on CPU; NCCL on CUDA, with gloo beside it
+    for the host tensors of CPU offload."""
+    if device_kind != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload_to_cpu else "nccl"
+
+
+def local_ranks_error(local_world_size: int, visible_devices: int) -> str | None:
+    """One line when this host starts more ranks than it has GPUs (CUDA's own error is an opaque
+    `invalid device ordinal` from the first rank past the end); None when they fit."""
+    if local_world_size <= visible_devices:
+        return None
+    return (
+        f"{local_world_size} ranks on this host but only {visible_devices} CUDA devices are visible "
+        f"(one rank per GPU); start at most {visible_devices} per node (nproc=, torchrun --nproc_per_node) or use device=cpu"
+    )
+
+
+def check_local_ranks(local_world_size: int) -> None:
+    """Raise ConfigError (exit 2, before training) when the ranks of this host outnumber its GPUs."""
+    error = local_ranks_error(local_world_size, torch.cuda.device_count())
+    if error is not None:
+        raise ConfigError(error)
+
+
+def set_rank_environment(out_dir: Path | None) -> None:
+    """Before the process group and the allocator start: NCCL failure handling, the flight
+    recorder's dump files (under the run's directory), expandable segments. A user's own
+    setting of any of these wins."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    if out_dir is not None:
+        dump_dir = out_dir / FLIGHT_RECORDER_DIR
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(dump_dir / "rank_"))  # rank_<r> per rank
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
+
+
+def apply_tf32(enabled: bool) -> None:
+    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores, or in full IEEE fp32."""
+    setting = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the current API
+        torch.backends.cuda.matmul.fp32_precision = setting
+        torch.backends.cudnn.conv.fp32_precision = setting
+    else:  # older torch: the flags fp32_precision replaced
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled

@@ -1,0 +1,198 @@
+"""The training loop of one rank, top to bottom."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.amp import GradScaler
+
+from trainer.model.checkpointing import apply_activation_checkpointing
+from trainer.model.attention import run_choice
+from trainer.model.compile import apply_compile
+from trainer.config import FaultConfig, FaultKind, TrainConfig
+from trainer.data import build_batches
+from trainer.telemetry.memory import next_micro_batch
+from trainer.telemetry.metrics import Meter, StepStats
+from trainer.model.decoder import apply_sdpa_choice, build_model, flops_per_token
+from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
+from trainer.faults.failures import mark_phase
+from trainer.rank.optim import build_optimizer, build_scheduler, clip_gradients, rewind_scheduler, step_unless, uses_fused
+from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.saves.resume import resume_training
+from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, save_training_state, should_save
+from trainer.rank.sharding import apply_zero, gradient_sync
+from trainer.faults.stop import RankStop
+from trainer.rank.trainee import Trainee
+from trainer.world import World
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_trainee(config: TrainConfig, world: World) -> Trainee:
+    model = build_model(config.model, device="meta")
+    apply_sdpa_choice(model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type))  # the attention kernel, explicit
+    apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
+    apply_compile(model, config.compile, config.compile_backend)  # after checkpointing, before sharding: in place
+    model = apply_zero(model, config.zero, config.precision, config.offload, world, config.seed)  # shard, then materialise only this rank's part
+    optimizer = build_optimizer(model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type))
+    scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
+    return Trainee(model, optimizer, scheduler, scaler)
+
+
+def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop, predicted: dict[str, float]) -> dict[str, Any] | None:
+    """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures
+    (or, when the ranks agreed to stop on a signal, how they stopped: trainer/faults/stop.py).
+
+    `predicted` holds the job's plan figures (trainer/job.py rank_predictions), written beside
+    what the ranks measure.
+    """
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    spec = SaveSpec.of(config)
+    start = resume_training(trainee, spec, config.resume, world, out_dir)  # step 0 unless resuming or restarted
+    batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
+    meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
+    meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
+    # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
+    guard = NonFiniteGuard(
+        config.nonfinite,
+        config.max_nonfinite_skips,
+        world,
+        fp16=config.precision.is_fp16,
+        skipped=start.nonfinite_skipped,
+        defer=uses_fused(config.optim, world.device.type),
+    )
+    for step in range(start.step + 1, config.steps + 1):
+        try:
+            with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
+                stats = train_step(trainee, batches, config, world, step, guard, stop)
+            if meter.should_log(step) or should_save(config.save, config.steps, step):
+                guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
+        except NonFiniteError as err:  # every rank raises together: they agreed on the flags
+            rewind_scheduler(trainee.scheduler, err.step - 1)  # weights were held since err.step
+            save_last_good(trainee, spec, world, out_dir, progress(err.step - 1, guard, meter))
+            raise
+        stopping = bool(stop.agreed) and step < config.steps  # agreed with the non-finite flags
+        meter.update(dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
+        if meter.should_log(step) or stopping:
+            # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
+            # (CPU's default) train_step reads the agreement (non-finite check and stop,
+            # trainer/rank/nonfinite.py) on every step as well; with the fused one it does not.
+            meter.log(step, trainee.model, trainee.optimizer)
+        save = None
+        if should_save(config.save, config.steps, step) or (stopping and config.save.every > 0):
+            save = save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
+        if stopping:
+            return stop.ending(step, save)
+    return meter.finish()
+
+
+def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
+    """What a save records besides the trainee: the step (= data position) and the skip counters."""
+    return Progress(step=step, nonfinite_skipped=guard.skipped, overflow_skipped=int(meter.skipped_steps))
+
+
+def train_step(
+    trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int, guard: NonFiniteGuard, stop: RankStop | None = None
+) -> StepStats:
+    """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite)."""
+    model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
+    # Gradients are freed here rather than after the step, so they can be measured between steps.
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=world.device)
+    data_s = 0.0
+    for micro in range(config.grad_accum):
+        if micro > 0:
+            next_micro_batch()  # lets the tensor-level memory tracker see the next forward
+        start = time.perf_counter()
+        inputs, targets = (t.to(world.device, non_blocking=True) for t in next(batches))
+        data_s += time.perf_counter() - start
+        is_last = micro == config.grad_accum - 1
+        # Backward runs inside autocast, against PyTorch's AMP guidance (and nanoGPT's habit) of
+        # leaving the region before it. The numbers are the same either way: backward ops run in the
+        # dtype autocast chose for their forward ops, and a checkpointed block's recompute restores
+        # the autocast state itself. What differs is memory, and the memory plan is fitted to this
+        # placement (trainer/plan/step.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
+        # autocast's cache keeps the 2-byte cast of every matmul weight until the region exits, here
+        # through backward. Outside, the casts of checkpointed blocks would be freed after forward
+        # and made again during their recompute, and every cast freed once its block's backward has
+        # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
+        # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
+        with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
+            mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
+            loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
+            loss_sum += loss.detach()
+            mark_phase(step, "backward")
+            scaler.scale(loss / config.grad_accum).backward()
+    mark_phase(step, "optimizer")
+    scaler.unscale_(optimizer)  # clipping must see true gradients
+    grad_norm = clip_gradients(model, config.optim.grad_clip)
+    # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
+    # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
+    flags = agree(loss_sum, grad_norm, world, extra=(stop_request(stop),))
+    if guard.defer:
+        step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
+    elif guard.check_now(step, flags, stop):
+        scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
+    overflow = found_overflow(scaler, optimizer)
+    update_loss_scale(scaler, config.precision.min_loss_scale)
+    trainee.scheduler.step()
+    return StepStats(
+        loss=loss_sum / config.grad_accum,
+        grad_norm=grad_norm.detach(),
+        lr=trainee.scheduler.get_last_lr()[0],
+        loss_scale=loss_scale(scaler),
+        overflow=overflow,
+        data_s=data_s,
+        nonfinite_skipped=guard.skipped,
+    )
+
+
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+
+def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+    """Whether the scaler skipped the step (fp16): a device tensor (1.0 or 0.0), read at log steps.
+
+    GradScaler exposes no public flag; comparing scales misses an overflow at the scale floor.
+    Its per-optimizer found_inf record (filled by unscale_, cleared by update) is the truth.
+    """
+    if not scaler.is_enabled():
+        return False
+    return sum(scaler._found_inf_per_device(optimizer).values()).reshape(()).clamp(max=1.0)
+
+
+def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
+    """The scale after this step's update, left on the device (get_scale() would sync every step)."""
+    if not scaler.is_enabled():
+        return 1.0
+    return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
+
+
+def inject_fault(loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
+    """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
+    if fault.kind in (FaultKind.none, FaultKind.kill_during_save) or fault.step != step or fault.rank != world.rank:
+        return loss
+    if not is_last or not first_attempt():  # a fault rehearses one failure, not one per restart
+        return loss
+    if fault.kind == FaultKind.inf_grad:
+        # An overflow in backward: the loss value stays finite, every gradient of this rank
+        # becomes inf/nan before reduction.
+        loss.register_hook(lambda grad: grad * float("inf"))
+        return loss
+    if fault.kind == FaultKind.nan_loss:
+        return loss * float("nan")
+    if fault.kind == FaultKind.raise_error:
+        raise RuntimeError(f"injected fault at step {step}")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return loss

@@ -1,0 +1,102 @@
+"""AdamW (fp32 state), its ZeRO-1 sharding, the warmup + cosine schedule, gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.amp import GradScaler
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import OptimConfig, Stage, ZeroConfig
+
+
+def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
+    """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
+    small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
+    memory plan and its CPU measurements are of that loop."""
+    return optim.fused if optim.fused is not None else device_kind == "cuda"
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only."""
+    kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)
+    if zero.stage == Stage.stage1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # see local_optimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
+
+    `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
+    the model: what tensor tracking (trainer/telemetry/memory.py), the state-bytes figures
+    (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure.
+    """
+    # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
+    # second), and the job process, which plans but never steps, imports this module (uses_fused).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:
+    """Step a fused AdamW unless `skip` (a device scalar, 1.0: skip), without a host sync.
+
+    This is GradScaler.step's own path for optimizers that take `found_inf` (torch.amp's
+    `_step_supports_amp_scaling` protocol): the fused kernel leaves parameters, moments and the
+    step count untouched where found_inf is set. Here found_inf is the scaler's overflow (fp16;
+    unscale_ already divided the gradients, hence grad_scale None) or the non-finite policy's skip.
+    ZeroRedundancyOptimizer steps its wrapped AdamW, which is the one that reads the flags.
+    """
+    inner = local_optimizer(optimizer)
+    found_inf = skip
+    if scaler.is_enabled():
+        overflow = sum(scaler._found_inf_per_device(optimizer).values())  # filled by unscale_
+        found_inf = torch.maximum(found_inf, overflow.to(skip.device).reshape(()))  # ShardedGradScaler keeps shape [1]
+    inner.grad_scale, inner.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del inner.grad_scale, inner.found_inf
+
+
+def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step (step is 0-based)."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, optim, total_steps))
+
+
+def rewind_scheduler(scheduler: LambdaLR, steps: int) -> None:
+    """Set the schedule back to where it was after `steps` steps (the learning rate included).
+
+    A stop that the host learns of after the fact (trainer/rank/nonfinite.py's deferred read) leaves
+    the weights of the last good step, but the scheduler went on stepping: its save must match.
+    """
+    scheduler.last_epoch = steps
+    lrs = [base * fn(steps) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() returns; LambdaLR has no public setter
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (before clipping), clipping when max_norm > 0.
+
+    For FSDP2's DTensor gradients torch computes the norm over all shards (one all-reduce);
+    under DDP every rank already holds the reduced gradients.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

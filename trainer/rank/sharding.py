@@ -1,0 +1,92 @@
+"""ZeRO stages on PyTorch's own data parallelism.
+
+stage0: DistributedDataParallel (every rank holds everything).
+stage1: DDP + ZeroRedundancyOptimizer (optimizer state sharded; see trainer/rank/optim.py).
+stage2: FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded;
+        parameters are sharded at rest but stay unsharded from forward to backward.
+stage3: FSDP2 fully_shard: parameters re-sharded after each block's forward as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import ConfigError, OffloadConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, ZeroConfig
+from trainer.model.decoder import materialize
+from trainer.rank.precision import build_mp_policy
+from trainer.world import World
+
+
+def apply_zero(
+    model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World, seed: int
+) -> nn.Module:
+    """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds.
+
+    FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
+    DDP wraps real parameters, so it comes after.
+    """
+    if zero.uses_fsdp:
+        apply_fsdp(model, zero, precision, offload, world)
+        materialize(model, state_device(offload, world), seed=seed)
+        return model
+    materialize(model, world.device, seed=seed)
+    device_ids = [world.device.index] if world.device.type == "cuda" else None
+    buckets = {} if zero.bucket_cap_mb is None else {"bucket_cap_mb": zero.bucket_cap_mb}
+    # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
+    if zero.reduce_dtype == ReduceDType.bf16:
+        # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
+        ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    return ddp
+
+
+def check_device_support(zero: ZeroConfig, device_kind: str) -> None:
+    """Refuse before any rank starts what DDP would refuse in every rank: torch's bf16_compress_hook
+    is allowed only on CUDA with NCCL (DistributedDataParallel.register_comm_hook checks it by name)."""
+    if zero.reduce_dtype == ReduceDType.bf16 and not zero.uses_fsdp and device_kind != "cuda":
+        raise ConfigError(
+            f"zero.reduce_dtype=bf16 with zero={zero.stage.value} needs CUDA and NCCL (torch's bf16_compress_hook for DDP); "
+            f"on {device_kind} use zero.reduce_dtype=fp32, or zero=stage2 or stage3 (FSDP2 reduces in bf16 on gloo too)"
+        )
+
+
+def state_device(offload: OffloadConfig, world: World) -> torch.device:
+    """Where sharded model states live: host memory under offload=cpu, else the training device."""
+    return torch.device("cpu") if offload.target == OffloadTarget.cpu else world.device
+
+
+def apply_fsdp(model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World) -> None:
+    """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    reshard = zero.stage == Stage.stage3
+    common = dict(mesh=mesh, mp_policy=build_mp_policy(precision, zero), offload_policy=build_offload_policy(offload, world))
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    # The root's parameters are used again at the very start of backward (the output head), so
+    # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
+    fully_shard(model, reshard_after_forward=False, **common)
+
+
+def build_offload_policy(offload: OffloadConfig, world: World) -> OffloadPolicy:
+    if offload.target == OffloadTarget.none:
+        return OffloadPolicy()
+    # Pinning needs a CUDA runtime; on a CPU-only host the offloaded states are plain host memory.
+    return CPUOffloadPolicy(pin_memory=offload.pin_memory and world.device.type == "cuda")
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:
+    """Reduce gradients only on the last micro-batch of an accumulation window."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()

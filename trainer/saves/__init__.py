@@ -1,0 +1,6 @@
+"""Saving and resuming the full training state with torch.distributed.checkpoint.
+
+- dcp.py: what a rank does to save and load (DCP, atomic rename, resharding) (rank);
+- resume.py: where a run starts: the save to resume from, the directory, the history to rewind;
+- integrity.py: a save that cannot be written, and one that is not whole when a run resumes.
+"""

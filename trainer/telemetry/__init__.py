@@ -1,0 +1,9 @@
+"""What is measured and where it is written. Rank halves measure; the job-process halves record.
+
+- metrics.py: a rank's figures over a log window, gathered to rank 0 into metrics.jsonl (rank);
+- memory.py: one rank's peak memory (MemTracker / RSS on CPU, allocator counters on GPU) (rank);
+- comm.py: the communication a rank measured from c10d's flight recorder (rank);
+- summary.py: summary.json, how a job ended and its steady-state figures (job process);
+- wandb_logger.py: the job's W&B run, fed from metrics.jsonl (job process; ranks never import wandb);
+- wandb_run.py: what that run says about itself: tags, swept values, metric definitions.
+"""

@@ -1,0 +1,257 @@
+"""Communication one rank measured, from what torch.distributed itself recorded.
+
+Bytes: c10d's flight recorder keeps an entry for every collective a process group runs (gloo
+and NCCL alike): its kind, and the sizes and dtypes of its inputs and outputs. Each log step a
+rank reads the entries recorded since the last one and adds up their payloads by kind of
+collective (the payload as trainer/plan/comm.py defines it: the larger of the input and output
+bytes, i.e. the full tensor). Nothing is re-implemented or patched; the recorder's dump is a
+private torch API (`torch._C._distributed_c10d._dump_fr_trace_json`), so every use of it is
+guarded and the figures are absent, not guessed, where it is missing or its buffer overflowed.
+
+Time per collective: NCCL entries carry a duration when `TORCH_NCCL_ENABLE_TIMING=1` (set here
+on GPU); gloo's carry none, so on gloo that figure is absent.
+
+Exposed communication: on the step after each step the memory tracker measures (MemTracker's
+dispatch mode slows compute several times, which would hide more communication than a real
+step does), torch.profiler records the step; the time some collective was running while this
+rank computed nothing (CPU: no aten op on a computing thread; GPU: no non-NCCL kernel) over the
+step's wall time is the exposed share.
+
+The loop's own collectives (LOOP_COLLECTIVES) are recorded too: they are part of what a rank
+moves, and the plan leaves them out (docs/communication.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.telemetry.memory import should_track_tensors
+from trainer.plan.comm import COLLECTIVES, plan_comm
+
+KINDS = (*COLLECTIVES, "other")
+"""Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""
+FIELDS = (*KINDS, "time_s", "exposed_pct", "profiled_step_s")
+
+LOOP_COLLECTIVES = {
+    "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/rank/nonfinite.py)",
+    "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
+    "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
+    "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
+}
+"""The collectives the training loop issues besides ZeRO's, which the plan leaves out."""
+
+# c10d ScalarType names as the flight recorder writes them -> bytes per element.
+ELEMENT_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Int": 4, "Long": 8, "Short": 2, "Char": 1, "Byte": 1,
+    "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+}
+# Substrings of the recorder's `profiling_name` (`gloo:all_reduce`, `nccl:_allgather_base`, ...) -> kind.
+NAME_KINDS = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("allgather", "all_gather"),
+    ("all_gather", "all_gather"),
+    ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
+    ("broadcast", "broadcast"),
+)
+NAN = float("nan")
+
+
+LOOP_CALLS_PER_STEP = 3  # the non-finite agreement, clipping's norms, the fp16 scaler's flag
+WINDOW_SLACK = 64  # the metric gather, a save's DCP collectives, DDP's first-steps broadcasts
+
+
+def enable_recording(config: TrainConfig, world_size: int, device_kind: str) -> None:
+    """Before init_process_group: size the flight recorder to one log window, time NCCL collectives.
+
+    Each read dumps the whole ring buffer (about 0.05-0.3 ms per entry here), so it holds one
+    window's collectives and some slack, no more; a window it cannot hold is reported absent.
+    A user's own setting of either variable wins. Telemetry off: nothing is recorded.
+    """
+    if not config.telemetry.enabled:
+        return
+    per_step = plan_comm(config, world_size).calls + LOOP_CALLS_PER_STEP
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(per_step * config.log_every + WINDOW_SLACK))
+    if device_kind == "cuda":
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+
+
+def collective_kind(profiling_name: str) -> str:
+    name = profiling_name.lower()
+    return next((kind for pattern, kind in NAME_KINDS if pattern in name), "other")
+
+
+def tensor_bytes(sizes: list[list[int]], dtypes: list[str]) -> int | None:
+    """Bytes of a list of tensors as the recorder lists them; None for a dtype it names unknown here."""
+    total = 0
+    for shape, dtype in zip(sizes, dtypes):
+        if dtype not in ELEMENT_BYTES:
+            return None
+        total += math.prod(shape) * ELEMENT_BYTES[dtype]
+    return total
+
+
+def payload_bytes(entry: dict[str, Any]) -> int | None:
+    """The full tensor a collective reads or writes: all-gather output, reduce-scatter input, ..."""
+    sizes = [tensor_bytes(entry.get(f"{side}_sizes") or [], entry.get(f"{side}_dtypes") or []) for side in ("input", "output")]
+    return None if None in sizes else max(sizes)  # type: ignore[type-var]
+
+
+def dump_entries() -> list[dict[str, Any]] | None:
+    """Every entry the flight recorder holds, or None where this torch has no (working) dump."""
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace_json", None)
+    if dump is None:
+        return None
+    try:
+        return json.loads(dump(True, False)).get("entries", [])
+    except (RuntimeError, ValueError):
+        return None
+
+
+class WindowReader:
+    """The flight-recorder entries of this process since the last read (ids increase by one)."""
+
+    def __init__(self) -> None:
+        self.last_id = -1
+        self.skip_past()
+
+    def skip_past(self) -> None:
+        """Leave out what was recorded so far (process-group setup, the model's first broadcast, a resume)."""
+        entries = dump_entries() or []
+        self.last_id = max((e["record_id"] for e in entries), default=self.last_id)
+
+    def take(self) -> list[dict[str, Any]] | None:
+        """New entries, or None when they cannot be known whole (no dump; the ring buffer overwrote some)."""
+        entries = dump_entries()
+        if entries is None:
+            return None
+        new = sorted((e for e in entries if e["record_id"] > self.last_id), key=lambda e: e["record_id"])
+        complete = not new or new[0]["record_id"] == self.last_id + 1
+        if new:
+            self.last_id = new[-1]["record_id"]
+        return new if complete else None
+
+
+def window_figures(entries: list[dict[str, Any]] | None) -> dict[str, float]:
+    """Payload bytes by kind and time in collectives over a window's entries (NaN: not measured)."""
+    figures = dict.fromkeys(KINDS, NAN) | {"time_s": NAN}
+    if entries is None:
+        return figures
+    totals = dict.fromkeys(KINDS, 0.0)
+    for entry in entries:
+        payload = payload_bytes(entry)
+        if payload is None:
+            return figures
+        totals[collective_kind(entry.get("profiling_name", ""))] += payload
+    figures.update(totals)
+    durations = [entry.get("duration_ms") for entry in entries]
+    if entries and all(d is not None for d in durations):  # NCCL with timing; gloo records none
+        figures["time_s"] = sum(durations) / 1000.0  # type: ignore[arg-type]
+    return figures
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def exposed_seconds(events: list[Any], device_kind: str) -> float:
+    """Time some collective ran while no computation did, from a profiled step's events.
+
+    CPU: gloo runs collectives on its own threads (events `gloo:*`); computation is every
+    `aten::` op on the other threads. GPU: NCCL kernels against every other kernel.
+    """
+    if device_kind == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        comm = [e for e in kernels if "nccl" in e.name.lower()]
+        compute = [e for e in kernels if "nccl" not in e.name.lower()]
+    else:
+        comm = [e for e in events if e.name.startswith(("gloo:", "nccl:"))]
+        comm_threads = {e.thread for e in comm}
+        compute = [e for e in events if e.name.startswith("aten::") and e.thread not in comm_threads]
+    spans = [(e.time_range.start, e.time_range.end) for e in comm]
+    busy = [(e.time_range.start, e.time_range.end) for e in compute]
+    # |comm \ compute| = |comm ∪ compute| − |compute|
+    return (union_length(spans + busy) - union_length(busy)) / 1e6  # profiler times are in µs
+
+
+class CommProbe:
+    """This rank's communication over a log window, as a fixed-order row of floats (FIELDS)."""
+
+    def __init__(self, device: torch.device, memory_every: int, last_step: int) -> None:
+        self.device = device
+        self.memory_every = memory_every
+        self.last_step = last_step
+        self.reader = WindowReader()
+        self._anchor: int | None = None
+        self._exposed_pct = self._profiled_step_s = NAN
+
+    def measure(self, step: int) -> ContextManager:
+        """Wrap a training step: torch.profiler on the step after each memory-tracked step."""
+        if self._anchor is None:
+            self._anchor = min(step + 1, self.last_step)  # the memory tracker's anchor (trainer/telemetry/memory.py)
+        if step - 1 < self._anchor or not should_track_tensors(step - 1, self._anchor, self.memory_every):
+            return contextlib.nullcontext()
+        return self._profile()
+
+    @contextlib.contextmanager
+    def _profile(self) -> Iterator[None]:
+        from torch.profiler import ProfilerActivity, profile
+
+        # Kineto prints `USDT: ... profiler_start/stop` on stderr for every profiled step; level 6
+        # (above its highest, USDT = 5) keeps a job's console to its own lines. A user's setting wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_s = time.perf_counter() - start
+        self._profiled_step_s = step_s
+        self._exposed_pct = 100.0 * exposed_seconds(list(prof.events()), self.device.type) / step_s
+
+    def read(self) -> list[float]:
+        """This window's figures in FIELDS order (bytes and seconds in total, not yet per step)."""
+        figures = window_figures(self.reader.take())
+        figures.update(exposed_pct=self._exposed_pct, profiled_step_s=self._profiled_step_s)
+        self._exposed_pct = self._profiled_step_s = NAN
+        return [figures[name] for name in FIELDS]
+
+
+def comm_fields(per_rank: torch.Tensor, steps: int, predicted_bytes: int | None) -> dict[str, float]:
+    """Every rank's bytes per optimizer step (total and by kind), time where timed, the plan next to the
+    worst rank, and the exposed share of the profiled step (worst rank). Unmeasured figures are left out."""
+    record: dict[str, float] = {}
+    totals = []
+    for rank, row in enumerate(per_rank.tolist()):
+        figures = dict(zip(FIELDS, row))
+        if not math.isnan(figures["all_reduce"]):
+            total = sum(figures[kind] for kind in KINDS)
+            totals.append(total / steps)
+            record[f"comm/rank{rank}/bytes_per_step"] = total / steps
+            for kind in COLLECTIVES:
+                record[f"comm/rank{rank}/{kind}_bytes_per_step"] = figures[kind] / steps
+        if not math.isnan(figures["time_s"]):
+            record[f"comm/rank{rank}/time_s_per_step"] = figures["time_s"] / steps
+    exposed = per_rank[:, FIELDS.index("exposed_pct")]
+    if not torch.isnan(exposed).all():
+        record["comm/exposed_pct"] = float(exposed[~torch.isnan(exposed)].max())
+    if predicted_bytes is not None:
+        record["comm/predicted_bytes_per_step"] = predicted_bytes
+        if totals and len(totals) == per_rank.shape[0] and max(totals) > 0:
+            # Positive: the plan over-predicts; relative to the worst rank's measurement.
+            record["comm/prediction_error_pct"] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
+    return record

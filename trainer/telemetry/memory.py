@@ -1,0 +1,165 @@
+"""One rank's peak memory over a log window, measured with what PyTorch and the OS already keep.
+
+GPU: the CUDA caching allocator's own counters (peak allocated, reserved and active bytes,
+allocation retries, OOMs), reset at the start of every window; reading them costs nothing.
+
+CPU: there is no allocator counter, so two figures stand in:
+- peak tensor memory from torch's MemTracker (torch.distributed._tools.mem_tracker), a
+  TorchDispatchMode that sees every tensor storage an op creates and attributes it to
+  parameters, buffers, gradients, activations, temporaries (backward) or optimizer state.
+  It counts tensor bytes only: not the allocator's slack, the Python runtime, gloo's buffers
+  or anything outside torch tensors. It intercepts every op in Python, which makes a step
+  several times slower, so it runs only on chosen steps (`telemetry.memory_every`);
+- the process's peak resident set (host memory, VmHWM), reset per window through
+  /proc/self/clear_refs. It shows what the process really held, but at small scale the
+  runtime dominates it and ZeRO's savings do not show (docs/design.md, pitfalls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from pathlib import Path
+from typing import ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from trainer.rank.optim import local_optimizer
+
+# Our names for MemTracker's categories (the values of its _MemRefType enum).
+TENSOR_CATEGORIES = {
+    "params": "Parameter",
+    "buffers": "Buffer",
+    "grads": "Gradient",
+    "activations": "Activation",
+    "temp": "Temp",
+    "optimizer": "Optstate",
+}
+CPU_FIELDS = ("peak_allocated", "peak_rss", *(f"peak_{name}" for name in TENSOR_CATEGORIES))
+CUDA_FIELDS = ("peak_allocated", "peak_reserved", "peak_active", "alloc_retries", "num_ooms", "peak_rss")
+COUNT_FIELDS = ("alloc_retries", "num_ooms")  # counts, not bytes
+NAN = float("nan")
+
+
+def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:
+    """Tensor tracking on `anchor` and every `memory_every` steps from it (0: the anchor only).
+
+    The anchor is the run's second step: the first one that starts with Adam's state (step 1
+    creates it, so its peak is lower than every later step's), and one that the warm-up, left
+    out of steady throughput, still covers in a run that logs less often than every step.
+    """
+    if memory_every == 0:
+        return step == anchor
+    return (step - anchor) % memory_every == 0
+
+
+_ACTIVE_TRACKER: list = []  # the MemTracker of the step being tracked, if any (one per rank process)
+
+
+def next_micro_batch() -> None:
+    """Tell an active MemTracker that another forward of the same modules begins (grad_accum > 1).
+
+    MemTracker refuses a second forward of a module within one tracking context unless its
+    per-module stats are cleared first; clearing them keeps the step's global peak.
+    """
+    for tracker in _ACTIVE_TRACKER:
+        tracker.reset_mod_stats()
+
+
+class MemoryProbe:
+    """Peak memory of this rank since the last `reset`, as a fixed-order row of floats.
+
+    Every rank builds the same fields for a device type, so rank 0 can gather the rows into
+    one tensor; a figure not measured in the window is NaN.
+    """
+
+    def __init__(self, device: torch.device, memory_every: int, last_step: int) -> None:
+        self.device = device
+        self.memory_every = memory_every
+        self.last_step = last_step
+        self.fields = CUDA_FIELDS if device.type == "cuda" else CPU_FIELDS
+        self._ooms_before = self._retries_before = 0
+        self._anchor: int | None = None  # the second step of this run (of this attempt, after a resume)
+        self.reset()
+
+    def reset(self) -> None:
+        """Open a new window: peak counters start again from what is held now."""
+        self._tensor_peak: dict[str, float] = {}
+        reset_peak_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            # Cumulative counters: the window's figure is the difference.
+            self._retries_before, self._ooms_before = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+
+    def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
+        """Wrap one training step: tensor-level tracking on chosen CPU steps, nothing otherwise."""
+        if self._anchor is None:
+            self._anchor = min(step + 1, self.last_step)
+        if self.device.type != "cpu" or not should_track_tensors(step, self._anchor, self.memory_every):
+            return contextlib.nullcontext()
+        return self._track_tensors(model, optimizer)
+
+    @contextlib.contextmanager
+    def _track_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        # A fresh tracker per step: its peak starts at what exists when it is entered, and a
+        # module seen in an earlier step would otherwise need reset_mod_stats().
+        tracker = MemTracker()
+        # What exists before the step (parameters, their gradients, optimizer moments) is
+        # invisible to a dispatch mode until an op touches it; register it up front.
+        tracker.track_external(model, local_optimizer(optimizer))
+        with tracker:
+            _ACTIVE_TRACKER.append(tracker)
+            try:
+                yield
+            finally:
+                _ACTIVE_TRACKER.clear()
+        peak = {"peak_allocated": 0.0, **{f"peak_{name}": 0.0 for name in TENSOR_CATEGORIES}}
+        for per_kind in tracker.get_tracker_snapshot("peak").values():
+            by_name = {getattr(kind, "value", kind): nbytes for kind, nbytes in per_kind.items()}
+            peak["peak_allocated"] += by_name.get("Total", 0)
+            for name, kind in TENSOR_CATEGORIES.items():
+                peak[f"peak_{name}"] += by_name.get(kind, 0)
+        if peak["peak_allocated"] > self._tensor_peak.get("peak_allocated", -1.0):
+            self._tensor_peak = peak  # several tracked steps in a window: keep the worst one
+
+    def read(self) -> list[float]:
+        """This window's figures in `self.fields` order (bytes, or counts for COUNT_FIELDS)."""
+        values = {"peak_rss": float(peak_rss_bytes())}
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            values.update(
+                peak_allocated=float(stats.get("allocated_bytes.all.peak", 0)),
+                peak_reserved=float(stats.get("reserved_bytes.all.peak", 0)),
+                peak_active=float(stats.get("active_bytes.all.peak", 0)),
+                alloc_retries=float(stats.get("num_alloc_retries", 0) - self._retries_before),
+                num_ooms=float(stats.get("num_ooms", 0) - self._ooms_before),
+            )
+        else:
+            values.update(self._tensor_peak)
+        return [values.get(field, NAN) for field in self.fields]
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0).
+
+    Where /proc/self/clear_refs is missing or not writable the peak stays the process's
+    lifetime peak; peak_rss_bytes still answers, just not per window.
+    """
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process since the last reset (VmHWM), else its lifetime peak."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, kB elsewhere
+

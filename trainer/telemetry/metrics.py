@@ -1,0 +1,297 @@
+"""Measuring a rank's training and gathering every rank's figures on log steps."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.telemetry.comm import CommProbe, comm_fields
+from trainer.telemetry.comm import FIELDS as COMM_FIELDS
+from trainer.config import PrecisionConfig, TrainConfig
+from trainer.devices import find_device, peak_tflops, tf32_enabled
+from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
+from trainer.rank.nonfinite import SKIPPED_KEY
+from trainer.rank.optim import local_optimizer
+from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
+from trainer.plan.headroom import HEADROOM
+from trainer.rank.precision import compute_dtype
+from trainer.units import GIB
+from trainer.world import World
+
+BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
+
+@dataclass
+class StepStats:
+    """One optimizer step as the loop saw it; tensors stay on the device until a log step."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    loss_scale: float | torch.Tensor
+    """fp16: the scale after the step (a device scalar, read at log steps); else 1.0."""
+    overflow: bool | torch.Tensor
+    """fp16: the scaler skipped this step (a device scalar, read at log steps)."""
+    data_s: float
+    nonfinite_skipped: int = 0
+    """Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py), the same on every rank."""
+
+
+class Meter:
+    """Accumulates a log window on each rank; on log steps gathers the ranks and rank 0 writes.
+
+    metrics.jsonl (in the job's output directory) gets one JSON object per log step; the job
+    process turns it into W&B history and summary.json.
+    """
+
+    def __init__(
+        self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float, predicted: dict[str, float]
+    ) -> None:
+        self.config, self.world = config, world
+        self.tokens_per_step = config.sequences_per_step(world.world_size) * config.seq_len
+        self.flops_per_token = flops_per_token
+        self.path = out_dir / "metrics.jsonl"
+        self.skipped_steps = 0
+        self.last_record: dict[str, Any] | None = None
+        telemetry = config.telemetry
+        self.memory = MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        # Collectives from here on: the model's construction and a resume's load are not steps.
+        self.comm = CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
+        # The job's plan (trainer/job.py rank_predictions), next to what is measured in every record (rank 0 writes them).
+        self.predicted_peak_gib = predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
+        self.predicted_comm = predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
+        # On a GPU, also what the allocator will reserve for it (trainer/plan/headroom.py).
+        self.predicted_reserved_gib = (
+            HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB if self.predicted_peak_gib is not None and world.device.type == "cuda" else None
+        )
+        self._open_window()
+
+    def _open_window(self) -> None:
+        if self.memory is not None:
+            self.memory.reset()
+        self.window_start = time.perf_counter()
+        self.window_steps = 0
+        self.window_data_s = 0.0
+        self.window_overflows = 0
+        self.last: StepStats | None = None
+
+    def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
+        """Wrap a training step: tensor-level memory tracking, or profiling of communication, on the steps chosen for them."""
+        if self.memory is None or self.comm is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.memory.measure(step, model, optimizer))
+        stack.enter_context(self.comm.measure(step))
+        return stack
+
+    def update(self, stats: StepStats) -> None:
+        self.window_steps += 1
+        self.window_data_s += stats.data_s
+        self.window_overflows += stats.overflow  # a device tensor under fp16: summed without a sync
+        self.skipped_steps += stats.overflow
+        self.last = stats
+
+    def should_log(self, step: int) -> bool:
+        return step % self.config.log_every == 0 or step == self.config.steps
+
+    def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Gather this window from every rank (a collective: every rank calls it) and write it."""
+        assert self.last is not None
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)  # the window's time must include its kernels
+        elapsed = time.perf_counter() - self.window_start
+        # The fp16 figures were summed on the device; read them here, where the host syncs anyway.
+        self.window_overflows, self.skipped_steps = int(self.window_overflows), int(self.skipped_steps)
+        self.last.loss_scale = float(self.last.loss_scale)
+        states = model_state_bytes(model, optimizer)
+        row = [self.last.loss.item(), elapsed, self.window_data_s, *states, self.last.loss_scale, self.skipped_steps]
+        if self.memory is not None and self.comm is not None:
+            row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
+        per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
+        if self.world.is_main:
+            self.last_record = self.build_record(step, per_rank)
+            self.write(self.last_record)
+        self._open_window()
+
+    def build_record(self, step: int, per_rank: torch.Tensor) -> dict[str, Any]:
+        assert self.last is not None
+        # Every rank must have taken (or skipped) the same steps with the same scale.
+        assert (per_rank[:, 6:8] == per_rank[0, 6:8]).all(), f"ranks disagree on loss scale: {per_rank[:, 6:8].tolist()}"
+        record: dict[str, Any] = {
+            "step": step,
+            "loss/train": per_rank[:, 0].mean().item(),
+            "optim/lr": self.last.lr,
+            "optim/grad_norm": float(self.last.grad_norm.item()),
+            SKIPPED_KEY: self.last.nonfinite_skipped,
+            **self.throughput_fields(per_rank),
+        }
+        for rank, (params, grads, optimizer) in enumerate(per_rank[:, 3:6].tolist()):
+            record[f"memory/rank{rank}/params_gib"] = params / GIB
+            record[f"memory/rank{rank}/grads_gib"] = grads / GIB
+            record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
+        if self.memory is not None:
+            record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib, self.predicted_reserved_gib))
+            record.update(comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm))
+        if self.config.precision.is_fp16:
+            record["precision/loss_scale"] = self.last.loss_scale
+            record["precision/overflow"] = self.window_overflows
+            record["precision/skipped_steps"] = self.skipped_steps
+        return record
+
+    def throughput_fields(self, per_rank: torch.Tensor) -> dict[str, float]:
+        # The slowest rank sets the pace: every rank waits for it at the collectives.
+        step_s = per_rank[:, 1].max().item() / self.window_steps
+        tokens_per_s = self.tokens_per_step / step_s
+        fields = {
+            "throughput/tokens_per_s": tokens_per_s,
+            "throughput/tokens_per_s_per_rank": tokens_per_s / self.world.world_size,
+            "time/step_s": step_s,
+            "time/data_s": per_rank[:, 2].max().item() / self.window_steps,
+        }
+        if self.peak_flops is not None:
+            fields["throughput/mfu_pct"] = mfu_pct(self.flops_per_token, tokens_per_s, self.peak_flops, self.world.world_size)
+        return fields
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+        print(progress_line(record, self.config.steps), flush=True)
+
+    def finish(self) -> dict[str, Any] | None:
+        return self.last_record
+
+
+def memory_fields(
+    fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib: float | None, predicted_reserved_gib: float | None = None
+) -> dict[str, float]:
+    """Every rank's memory figures, the worst rank and the plan's prediction next to it.
+
+    A figure a rank did not measure in this window (NaN) is left out rather than logged.
+    """
+    record: dict[str, float] = {}
+    for rank, row in enumerate(per_rank.tolist()):
+        for name, value in zip(fields, row):
+            if not math.isnan(value):
+                record[memory_key(rank, name)] = value if name in COUNT_FIELDS else value / GIB
+    peaks = per_rank[:, fields.index("peak_allocated")]
+    measured = not torch.isnan(peaks).any().item()
+    if measured:
+        worst = int(peaks.argmax().item())
+        record["memory/max_rank_peak_gib"] = peaks[worst].item() / GIB
+        record["memory/argmax_rank"] = worst
+        record["memory/imbalance"] = (peaks.max() / peaks.mean()).item()
+    if predicted_gib is not None:
+        record["memory/predicted_peak_gib"] = predicted_gib
+        if measured:
+            # Positive: the plan over-predicts; relative to what was measured.
+            record["memory/prediction_error_pct"] = 100.0 * (predicted_gib - record["memory/max_rank_peak_gib"]) / record["memory/max_rank_peak_gib"]
+    if predicted_reserved_gib is not None and "peak_reserved" in fields:
+        reserved = per_rank[:, fields.index("peak_reserved")].max().item() / GIB
+        record["memory/predicted_reserved_gib"] = predicted_reserved_gib
+        if reserved > 0:
+            record["memory/reserved_prediction_error_pct"] = 100.0 * (predicted_reserved_gib - reserved) / reserved
+    return record
+
+
+def memory_key(rank: int, name: str) -> str:
+    """JSONL / W&B key of one memory figure: `memory/rank{r}/peak_allocated_gib`, `.../at_peak/grads_gib`."""
+    if name in COUNT_FIELDS:
+        return f"memory/rank{rank}/{name}"
+    category = name.removeprefix("peak_")
+    if category in TENSOR_CATEGORIES:
+        return f"memory/rank{rank}/at_peak/{category}_gib"  # what the tensors at the peak moment were
+    return f"memory/rank{rank}/{name}_gib"
+
+
+def mfu_pct(flops_per_token: float, tokens_per_s: float, peak_flops: float, world_size: int) -> float:
+    """Model FLOPs utilisation: the model's training FLOPs per second over the ranks' summed peak."""
+    return 100.0 * flops_per_token * tokens_per_s / (peak_flops * world_size)
+
+
+def device_peak_flops(device: torch.device, precision: PrecisionConfig, override_tflops: float | None) -> float | None:
+    """Dense peak FLOP/s of one device for this precision; None where unknown (CPU without an
+    override, a device trainer/devices.py does not list by its exact name, a MIG slice)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    spec = find_device(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None
+    peak = peak_tflops(spec, compute_dtype(precision), tf32_enabled())
+    return peak * 1e12 if peak is not None else None
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for a tensor: its shard when the tensor is a DTensor."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds right now.
+
+    Optimizer state counts Adam's moment tensors; the per-parameter 0-dim `step` counters
+    (4 bytes each, never sharded) are left out so that the ZeRO arithmetic is exact.
+    """
+    params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    moments = sum(
+        local_bytes(value)
+        for state in local_optimizer(optimizer).state.values()  # ZeRO-1: this rank's partition only
+        for value in state.values()
+        if torch.is_tensor(value) and value.dim() > 0
+    )
+    return params, grads, moments
+
+
+def gather_rows(local: torch.Tensor, world: World) -> torch.Tensor:
+    """Stack one row per rank (rank order); the collective runs on the backend's device."""
+    device_row = local.to(world.device)
+    rows = [torch.empty_like(device_row) for _ in range(world.world_size)]
+    dist.all_gather(rows, device_row)
+    return torch.stack(rows).cpu()
+
+
+def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    """One console line per log step: step, loss, tokens/s, and the worst rank's memory."""
+    parts = [
+        f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
+        f"loss {record['loss/train']:.4f}",
+        f"lr {record['optim/lr']:.2e}",
+        f"{record['throughput/tokens_per_s']:,.0f} tok/s",
+    ]
+    if "throughput/mfu_pct" in record:
+        parts.append(f"mfu {record['throughput/mfu_pct']:.1f}%")
+    worst = worst_rank_memory(record)
+    if worst is not None:
+        parts.append(worst)
+    if "precision/loss_scale" in record:
+        parts.append(f"scale {record['precision/loss_scale']:g}")
+    return " | ".join(parts)
+
+
+def worst_rank_memory(record: dict[str, Any]) -> str | None:
+    """The worst rank's peak: tensor memory where measured this window, else host RSS (CPU)."""
+    if "memory/max_rank_peak_gib" in record:
+        return f"peak {format_gib(record['memory/max_rank_peak_gib'])} (rank {record['memory/argmax_rank']})"
+    rss = {key: value for key, value in record.items() if key.endswith("/peak_rss_gib")}
+    if not rss:
+        return None
+    key = max(rss, key=rss.__getitem__)
+    return f"rss {format_gib(rss[key])} ({key.split('/')[1].replace('rank', 'rank ')})"
+
+
+def format_gib(gib: float) -> str:
+    """A memory figure readable at every scale: MiB below 1 GiB."""
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
