@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_10M = ["model.name=m10", "model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.n_kv_heads=6", "model.ffn_dim=1024", "model.vocab_size=512"]
+MODEL_10M = [
+    "model.name=m10",
+    "model.dim=384",
+    "model.n_layers=6",
+    "model.n_heads=6",
+    "model.n_kv_heads=6",
+    "model.ffn_dim=1024",
+    "model.vocab_size=512",
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,18 +48,40 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each measured job")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmarks" / "advisor_accuracy")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="advise.cache_dir (this host's calibration); default: the schema's")
-    parser.add_argument("--keep", action="store_true", help="keep the jobs' directories (default: advice.json only)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="advise.cache_dir (this host's calibration); default: the schema's",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the jobs' directories (default: advice.json only)"
+    )
     return parser.parse_args()
 
 
 def advise_command(args: argparse.Namespace, points: int) -> list[str]:
     listed = lambda values: "[" + ",".join(str(v) for v in values) + "]"  # noqa: E731
     return [
-        sys.executable, "-m", "trainer", "mode=advise", *MODEL_10M, f"seq_len={args.seq_len}", f"global_batch={args.global_batch}",
-        "nproc=2", "device=cpu", "logger=none", f"advise.stages={listed(args.zero)}", f"advise.checkpointing={listed(args.checkpointing)}",
-        "advise.offload=[none]", "advise.reduce_dtypes=[fp32]", f"advise.micro_batches={listed(args.micro_batch)}",
-        f"advise.verify={points}", f"advise.verify_steps={args.steps}", f"advise.top={points}", f"hydra.run.dir={args.out}",
+        sys.executable,
+        "-m",
+        "trainer",
+        "mode=advise",
+        *MODEL_10M,
+        f"seq_len={args.seq_len}",
+        f"global_batch={args.global_batch}",
+        "nproc=2",
+        "device=cpu",
+        "logger=none",
+        f"advise.stages={listed(args.zero)}",
+        f"advise.checkpointing={listed(args.checkpointing)}",
+        "advise.offload=[none]",
+        "advise.reduce_dtypes=[fp32]",
+        f"advise.micro_batches={listed(args.micro_batch)}",
+        f"advise.verify={points}",
+        f"advise.verify_steps={args.steps}",
+        f"advise.top={points}",
+        f"hydra.run.dir={args.out}",
         *([f"advise.cache_dir={args.cache_dir.expanduser()}"] if args.cache_dir else []),
     ]
 
@@ -109,7 +139,9 @@ def main() -> int:
     top = rows[0]["measured_tokens_per_s"] / fastest
     print(f"\n{table(rows)}\n")
     print(f"rates: {advice['rates']['source']}")
-    print(f"{len(rows)} of {points} points measured in {minutes:.1f} min; Spearman {rho:.3f} (>= 0.8); top pick at {top:.1%} of the fastest (>= 90%)")
+    print(
+        f"{len(rows)} of {points} points measured in {minutes:.1f} min; Spearman {rho:.3f} (>= 0.8); top pick at {top:.1%} of the fastest (>= 90%)"
+    )
     return 0 if len(rows) >= 12 and rho >= 0.8 and top >= 0.9 else 1
 
 

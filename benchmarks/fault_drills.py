@@ -27,9 +27,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -39,7 +40,15 @@ sys.path.insert(0, str(REPO))
 from trainer.saves.dcp import list_saves, save_step  # noqa: E402
 from trainer.saves.integrity import save_problem  # noqa: E402
 
-TINY = ("model=tiny", "device=cpu", "seq_len=64", "micro_batch=2", "log_every=1", "precision=fp32", "optim.warmup_steps=2")
+TINY = (
+    "model=tiny",
+    "device=cpu",
+    "seq_len=64",
+    "micro_batch=2",
+    "log_every=1",
+    "precision=fp32",
+    "optim.warmup_steps=2",
+)
 STEPS = 16
 SAVING = ("nproc=2", f"steps={STEPS}", "save.every=4", "save.keep=3", "logger=none")
 NO_SAVE = ("nproc=2", f"steps={STEPS}", "save=off", "logger=none")
@@ -63,7 +72,11 @@ class Job:
     @property
     def losses(self) -> list[float]:
         path = self.out_dir / "metrics.jsonl"
-        return [json.loads(line)["loss/train"] for line in path.read_text().splitlines()] if path.exists() else []
+        return (
+            [json.loads(line)["loss/train"] for line in path.read_text().splitlines()]
+            if path.exists()
+            else []
+        )
 
     @property
     def lines(self) -> list[str]:
@@ -96,14 +109,26 @@ def trainer_args(out_dir: Path, *overrides: str) -> list[str]:
 
 def run(out_dir: Path, *overrides: str) -> Job:
     start = time.monotonic()
-    proc = subprocess.run(trainer_args(out_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        trainer_args(out_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     return Job(proc.returncode, proc.stdout, proc.stderr, out_dir, time.monotonic() - start)
 
 
-def run_and_do(out_dir: Path, *overrides: str, at_step: int, action: Callable[[subprocess.Popen[str], threading.Event], None]) -> Job:
+def run_and_do(
+    out_dir: Path,
+    *overrides: str,
+    at_step: int,
+    action: Callable[[subprocess.Popen[str], threading.Event], None],
+) -> Job:
     """Start a job in a session of its own, `action` once metrics.jsonl has `at_step` records."""
     proc = subprocess.Popen(
-        trainer_args(out_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        trainer_args(out_dir, *overrides),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     stdout: list[str] = []
     stopping = threading.Event()
@@ -174,7 +199,10 @@ class Drills:
     def resumed_equal(self, job: Job, day: Path) -> tuple[bool, str]:
         resumed = run(day / "t2", *SAVING, "resume=true")
         equal = resumed.returncode == 0 and job.losses == self.reference
-        return equal, f"resume=true: {len(job.losses)} steps, losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run"
+        return (
+            equal,
+            f"resume=true: {len(job.losses)} steps, losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run",
+        )
 
     def signal_drill(self, name: str, sig: signal.Signals, group: bool) -> Row:
         day = self.day(name)
@@ -184,7 +212,12 @@ class Drills:
         reported = f"exit {job.returncode}, {job.summary.get('status')} after step {step}, save at {saves(job.out_dir)}, {job.seconds:.1f} s"
         equal, how = self.resumed_equal(job, day)
         ok = equal and job.left_running == 0 and "Traceback" not in job.stderr
-        return Row(f"{sig.name} ({'Ctrl-C, process group' if group else 'job process only: a scheduler'})", reported, ok, f"{how}; {job.left_running} processes left")
+        return Row(
+            f"{sig.name} ({'Ctrl-C, process group' if group else 'job process only: a scheduler'})",
+            reported,
+            ok,
+            f"{how}; {job.left_running} processes left",
+        )
 
     def sigint(self) -> Row:
         return self.signal_drill("sigint", signal.SIGINT, group=True)
@@ -199,14 +232,26 @@ class Drills:
             os.killpg(proc.pid, signal.SIGINT)
 
         job = run_and_do(self.day("twice") / "t1", *SAVING, "save.every=1000", at_step=3, action=twice)
-        reported = f"exit {job.returncode}, {job.summary.get('status')}, {job.seconds:.1f} s after the second Ctrl-C"
+        reported = (
+            f"exit {job.returncode}, {job.summary.get('status')}, {job.seconds:.1f} s after the second Ctrl-C"
+        )
         ok = job.returncode == 130 and job.left_running == 0 and list_saves(job.out_dir) == []
-        return Row("Ctrl-C twice (during the stop's save)", reported, ok, f"{job.left_running} processes left, no partial save: {list_saves(job.out_dir) == []}")
+        return Row(
+            "Ctrl-C twice (during the stop's save)",
+            reported,
+            ok,
+            f"{job.left_running} processes left, no partial save: {list_saves(job.out_dir) == []}",
+        )
 
     def host_too_small(self) -> Row:
         job = run(self.root / "n64" / "run", "nproc=64", "logger=none")
         started = (job.out_dir / "metrics.jsonl").exists()
-        return Row("nproc=64 device=cpu on this host", f"exit {job.returncode} in {job.seconds:.1f} s: {code(job.line, 160)}", job.returncode == 2 and not started, "no rank started")
+        return Row(
+            "nproc=64 device=cpu on this host",
+            f"exit {job.returncode} in {job.seconds:.1f} s: {code(job.line, 160)}",
+            job.returncode == 2 and not started,
+            "no rank started",
+        )
 
     def token_file(self) -> Row:
         text = self.root / "corpus.txt"
@@ -214,7 +259,12 @@ class Drills:
         job = run(self.root / "tokens" / "run", "nproc=2", "logger=none", "data=tokens", f"data.path={text}")
         one_line = len(job.lines) == 1
         line = job.line.replace(str(text), "corpus.txt")
-        return Row("a text file as data.path", f"exit {job.returncode}: {code(line, 90)}", job.returncode == 2 and one_line, "refused before any rank started")
+        return Row(
+            "a text file as data.path",
+            f"exit {job.returncode}: {code(line, 90)}",
+            job.returncode == 2 and one_line,
+            "refused before any rank started",
+        )
 
     def broken_save(self) -> Row:
         day = self.day("broken")
@@ -224,10 +274,17 @@ class Drills:
         with shard.open("r+b") as f:
             f.truncate(shard.stat().st_size // 2)
         resumed = run(day / "t2", *SAVING, "resume=true")
-        skipped = next((line for line in resumed.stdout.splitlines() if line.startswith("resume: skipping")), "")
+        skipped = next(
+            (line for line in resumed.stdout.splitlines() if line.startswith("resume: skipping")), ""
+        )
         equal = job.losses == self.reference and all_whole(job.out_dir)
         reported = f"{code(skipped.replace(str(newest.parent), '...'), 120)}, then resumed from step {save_step(list_saves(job.out_dir)[-2])}"
-        return Row("a truncated shard in the newest save", reported, equal and bool(skipped), "losses after the resume bitwise equal; every save whole")
+        return Row(
+            "a truncated shard in the newest save",
+            reported,
+            equal and bool(skipped),
+            "losses after the resume bitwise equal; every save whole",
+        )
 
     def unwritable_save(self) -> Row:
         out_dir = self.root / "unwritable" / "run"
@@ -243,8 +300,18 @@ class Drills:
         try:
             job = run(out_dir, *SAVING)
             kept = saves(out_dir)
-            ok = job.summary.get("status") == "crashed" and kept == [4] and all_whole(out_dir) and "SaveError" in job.line
-            return Row(f"a save that cannot be written: {what}", f"exit {job.returncode}, crashed: {code(job.line.split('SaveError: ')[-1], 140)}", ok, f"saves left {kept}, whole")
+            ok = (
+                job.summary.get("status") == "crashed"
+                and kept == [4]
+                and all_whole(out_dir)
+                and "SaveError" in job.line
+            )
+            return Row(
+                f"a save that cannot be written: {what}",
+                f"exit {job.returncode}, crashed: {code(job.line.split('SaveError: ')[-1], 140)}",
+                ok,
+                f"saves left {kept}, whole",
+            )
         finally:
             if full is not None:
                 subprocess.run(["umount", str(full)], check=False)
@@ -255,17 +322,34 @@ class Drills:
                 if child.name().startswith("wandb"):
                     child.kill()
 
-        job = run_and_do(self.root / "wandb" / "run", *NO_SAVE[:-1], "logger=wandb", at_step=3, action=kill_service)
+        job = run_and_do(
+            self.root / "wandb" / "run", *NO_SAVE[:-1], "logger=wandb", at_step=3, action=kill_service
+        )
         steps = len(job.losses)
-        ok = job.returncode == 0 and job.summary.get("status") == "ok" and steps == STEPS and len(job.lines) == 1
-        return Row("W&B's service killed mid-run", f"exit {job.returncode}, ok, one line: {code(job.line, 100)}", ok, f"metrics.jsonl has all {steps} steps, summary.json ok")
+        ok = (
+            job.returncode == 0
+            and job.summary.get("status") == "ok"
+            and steps == STEPS
+            and len(job.lines) == 1
+        )
+        return Row(
+            "W&B's service killed mid-run",
+            f"exit {job.returncode}, ok, one line: {code(job.line, 100)}",
+            ok,
+            f"metrics.jsonl has all {steps} steps, summary.json ok",
+        )
 
     def rank_killed(self) -> Row:
         day = self.day("kill")
         job = run(day / "t1", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1")
         status = job.summary.get("status")  # before the resume rewrites summary.json
         equal, how = self.resumed_equal(job, day)
-        return Row("rank 1 SIGKILLed at step 7", f"exit {job.returncode}, {status}: {code(job.line, 90)}", equal and status == "crashed", how)
+        return Row(
+            "rank 1 SIGKILLed at step 7",
+            f"exit {job.returncode}, {status}: {code(job.line, 90)}",
+            equal and status == "crashed",
+            how,
+        )
 
     def kill_during_save(self) -> Row:
         day = self.day("killsave")
@@ -273,32 +357,72 @@ class Drills:
         kept, status = saves(job.out_dir), job.summary.get("status")  # before the resume
         equal, how = self.resumed_equal(job, day)
         ok = equal and kept == [4] and status == "crashed"
-        return Row("rank 0 SIGKILLed inside the step-8 save", f"exit {job.returncode}, {status}, saves left {kept}", ok, how)
+        return Row(
+            "rank 0 SIGKILLed inside the step-8 save",
+            f"exit {job.returncode}, {status}, saves left {kept}",
+            ok,
+            how,
+        )
 
     def elastic_restart(self) -> Row:
-        job = run(self.root / "restart" / "run", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1", "max_restarts=1")
+        job = run(
+            self.root / "restart" / "run",
+            *SAVING,
+            "fault.kind=kill",
+            "fault.step=7",
+            "fault.rank=1",
+            "max_restarts=1",
+        )
         equal = job.losses == self.reference
-        reported = f"exit {job.returncode}, {job.summary.get('status')}, restarts {job.summary.get('restarts')}"
-        return Row("rank 1 SIGKILLed, max_restarts=1", reported, equal and job.summary.get("status") == "ok", f"losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run")
+        reported = (
+            f"exit {job.returncode}, {job.summary.get('status')}, restarts {job.summary.get('restarts')}"
+        )
+        return Row(
+            "rank 1 SIGKILLed, max_restarts=1",
+            reported,
+            equal and job.summary.get("status") == "ok",
+            f"losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run",
+        )
 
     def oom(self) -> Row:
-        capped = ("device_memory_gib=0.25", "plan.enforce=false", "micro_batch=64", "seq_len=256", "steps=2", "nproc=2", "save=off", "logger=none")
+        capped = (
+            "device_memory_gib=0.25",
+            "plan.enforce=false",
+            "micro_batch=64",
+            "seq_len=256",
+            "steps=2",
+            "nproc=2",
+            "save=off",
+            "logger=none",
+        )
         job = run(self.root / "oom" / "run", *capped)
         s = job.summary
         reported = f"exit {job.returncode}, {s.get('status')} on rank {s.get('failed_rank')} at step {s.get('failed_step')} ({s.get('failed_phase')})"
-        return Row("out of memory under device_memory_gib=0.25", reported, s.get("status") == "oom", "a result, not a crash: the sweep goes on")
+        return Row(
+            "out of memory under device_memory_gib=0.25",
+            reported,
+            s.get("status") == "oom",
+            "a result, not a crash: the sweep goes on",
+        )
 
     def nonfinite(self) -> Row:
         job = run(self.root / "nan" / "run", *SAVING, "fault.kind=nan_loss", "fault.step=6", "fault.rank=1")
         kept = saves(job.out_dir)
         ok = job.summary.get("status") == "diverged" and kept == [4, 5] and job.losses == self.reference[:5]
-        return Row("NaN loss on rank 1 at step 6", f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line.removeprefix('error: '), 90)}", ok, f"the last good step saved: saves {kept}")
+        return Row(
+            "NaN loss on rank 1 at step 6",
+            f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line.removeprefix('error: '), 90)}",
+            ok,
+            f"the last good step saved: saves {kept}",
+        )
 
 
 def mount_small_tmpfs(path: Path, megabytes: int) -> Path | None:
     """A small file system to fill (needs the right to mount: root on Linux); None where not allowed."""
     path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)], capture_output=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)], capture_output=True
+    )
     return path if proc.returncode == 0 else None
 
 
@@ -321,7 +445,9 @@ DRILLS = {
 
 def table(rows: list[Row]) -> str:
     lines = ["| fault | what the job reported | nothing lost | checked |", "|---|---|---|---|"]
-    lines += [f"| {r.fault} | {r.reported} | {'yes' if r.nothing_lost else '**NO**'} | {r.how} |" for r in rows]
+    lines += [
+        f"| {r.fault} | {r.reported} | {'yes' if r.nothing_lost else '**NO**'} | {r.how} |" for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -337,14 +463,19 @@ def main() -> int:
     try:
         for name in args.only or list(DRILLS):
             row = DRILLS[name](drills)
-            print(f"{name}: {'nothing lost' if row.nothing_lost else 'LOST SOMETHING'} ({time.monotonic() - start:.0f} s so far)", flush=True)
+            print(
+                f"{name}: {'nothing lost' if row.nothing_lost else 'LOST SOMETHING'} ({time.monotonic() - start:.0f} s so far)",
+                flush=True,
+            )
             rows.append(row)
     finally:
         if args.keep:
             print(f"kept: {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{table(rows)}\n\n{len(rows)} drills in {time.monotonic() - start:.0f} s on {os.cpu_count()} cores")
+    print(
+        f"\n{table(rows)}\n\n{len(rows)} drills in {time.monotonic() - start:.0f} s on {os.cpu_count()} cores"
+    )
     return 0 if all(row.nothing_lost for row in rows) else 1
 
 

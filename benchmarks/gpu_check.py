@@ -34,10 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the environment and headroom rows read trainer's tables
@@ -103,11 +104,17 @@ def run_job(setup: Setup, name: str, *overrides: str, timeout: float = 240) -> J
     out = setup.work / name
     args = [sys.executable, "-m", "trainer", f"device={setup.device}", "nproc=1", "logger=none", "save=off",
             *setup.shape(), *overrides, f"hydra.run.dir={out}"]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     summary_path, metrics_path = out / "summary.json", out / "metrics.jsonl"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    records = (
+        [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    )
     status = summary.get("status", f"exit {proc.returncode}")
     return Job(status, summary, records, out, (proc.stdout + proc.stderr)[-2000:])
 
@@ -127,7 +134,9 @@ class Jobs:
         """A job; one the check already submitted with the same overrides is shared (a dry run
         gives 125m and 1b the same tiny model, so their rows read the same job)."""
         if overrides not in self.by_overrides:
-            self.by_overrides[overrides] = self.pool.submit(run_job, self.setup, name, *overrides, timeout=timeout)
+            self.by_overrides[overrides] = self.pool.submit(
+                run_job, self.setup, name, *overrides, timeout=timeout
+            )
         self.futures[name] = self.by_overrides[overrides]
 
     def submit_call(self, name: str, call: Callable[[], Any]) -> None:
@@ -170,7 +179,14 @@ def check_environment(setup: Setup) -> Row:
 
 def run_gpu_tests() -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"]
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
 
 
 def check_gpu_tests(setup: Setup, jobs: Jobs) -> Row:
@@ -179,7 +195,9 @@ def check_gpu_tests(setup: Setup, jobs: Jobs) -> Row:
     outcome = tail[-1].strip("= ") if tail else proc.stderr[-300:]
     if setup.dry_run:  # no CUDA: every test is skipped, which is the point of the marker
         ok = proc.returncode == 0 and "skipped" in outcome and "failed" not in outcome
-        return Row("gpu tests", "pass" if ok else "fail", {"pytest": outcome}, "dry run: skipped without CUDA")
+        return Row(
+            "gpu tests", "pass" if ok else "fail", {"pytest": outcome}, "dry run: skipped without CUDA"
+        )
     return Row("gpu tests", "pass" if proc.returncode == 0 else "fail", {"pytest": outcome})
 
 
@@ -205,7 +223,9 @@ def check_throughput(setup: Setup, jobs: Jobs, model: str, stage: str) -> Row:
         "predicted_reserved_gib": s.get("plan", {}).get("predicted_reserved_gib"),
     }
     within = abs(figures["allocated_error_pct"]) <= PLAN_TOLERANCE_PCT
-    return Row(name, "pass" if within else "fail", figures, f"plan within ±{PLAN_TOLERANCE_PCT:g}% of peak allocated")
+    return Row(
+        name, "pass" if within else "fail", figures, f"plan within ±{PLAN_TOLERANCE_PCT:g}% of peak allocated"
+    )
 
 
 def largest_relative_difference(a: list[float], b: list[float]) -> float:
@@ -217,8 +237,18 @@ def check_loss_agreement(setup: Setup, jobs: Jobs) -> Row:
     if bf16.status != "ok" or fp32.status != "ok":
         return Row("fp32 vs bf16 losses", "fail", {}, failed(fp32 if fp32.status != "ok" else bf16))
     diff = largest_relative_difference(bf16.losses, fp32.losses)
-    figures = {"steps": len(fp32.losses), "max_rel_diff": round(diff, 5), "fp32_final": round(fp32.losses[-1], 4), "bf16_final": round(bf16.losses[-1], 4)}
-    return Row("fp32 vs bf16 losses", "pass" if diff <= LOSS_TOLERANCE else "fail", figures, f"per logged step, within {LOSS_TOLERANCE:g} relative")
+    figures = {
+        "steps": len(fp32.losses),
+        "max_rel_diff": round(diff, 5),
+        "fp32_final": round(fp32.losses[-1], 4),
+        "bf16_final": round(bf16.losses[-1], 4),
+    }
+    return Row(
+        "fp32 vs bf16 losses",
+        "pass" if diff <= LOSS_TOLERANCE else "fail",
+        figures,
+        f"per logged step, within {LOSS_TOLERANCE:g} relative",
+    )
 
 
 def check_fp16_overflow(setup: Setup, jobs: Jobs) -> Row:
@@ -228,14 +258,30 @@ def check_fp16_overflow(setup: Setup, jobs: Jobs) -> Row:
     scales = [r["precision/loss_scale"] for r in job.records]
     figures = {"scales": scales, "skipped_steps": job.summary.get("precision/skipped_steps")}
     ok = scales[2] == scales[1] / 2 and figures["skipped_steps"] == 1
-    return Row("fp16 injected overflow", "pass" if ok else "fail", figures, "scale halves at step 3, one step skipped")
+    return Row(
+        "fp16 injected overflow",
+        "pass" if ok else "fail",
+        figures,
+        "scale halves at step 3, one step skipped",
+    )
 
 
 def oom_overrides(setup: Setup) -> tuple[str, ...]:
     """A cap the job cannot fit under, with the plan's refusal waived: GPU, 1b's 16 GiB of states
     in 2 GiB; dry run, the tiny model's activations at a long sequence in 0.1 GiB."""
-    shape = ("device_memory_gib=0.1", "micro_batch=32", "seq_len=256") if setup.dry_run else ("device_memory_gib=2",)
-    return (f"model={setup.model('1b')}", "precision=bf16", "zero=stage0", "plan.enforce=false", "steps=2", *shape)
+    shape = (
+        ("device_memory_gib=0.1", "micro_batch=32", "seq_len=256")
+        if setup.dry_run
+        else ("device_memory_gib=2",)
+    )
+    return (
+        f"model={setup.model('1b')}",
+        "precision=bf16",
+        "zero=stage0",
+        "plan.enforce=false",
+        "steps=2",
+        *shape,
+    )
 
 
 def check_oom(setup: Setup, jobs: Jobs) -> Row:
@@ -252,14 +298,38 @@ RESUME_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", 
 def run_resume(setup: Setup) -> Job:
     """Save on CPU at step 4, then resume on the check's device to step 6."""
     cpu = setup.work / "resume_cpu"
-    args = [sys.executable, "-m", "trainer", "device=cpu", "nproc=1", "logger=none", "steps=4", "save.every=2", *RESUME_SHAPE, f"hydra.run.dir={cpu}"]
-    subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "WANDB_MODE": "disabled"})
-    return run_job(setup, "resume_device", *RESUME_SHAPE, "steps=6", f"resume={cpu / 'checkpoints' / 'step_00000004'}")
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "device=cpu",
+        "nproc=1",
+        "logger=none",
+        "steps=4",
+        "save.every=2",
+        *RESUME_SHAPE,
+        f"hydra.run.dir={cpu}",
+    ]
+    subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    return run_job(
+        setup, "resume_device", *RESUME_SHAPE, "steps=6", f"resume={cpu / 'checkpoints' / 'step_00000004'}"
+    )
 
 
 def check_resume(setup: Setup, jobs: Jobs) -> Row:
     job: Job = jobs.get("resume")
-    figures = {"status": job.status, "first_step": job.records[0]["step"] if job.records else None, "steps_done": job.summary.get("steps_done")}
+    figures = {
+        "status": job.status,
+        "first_step": job.records[0]["step"] if job.records else None,
+        "steps_done": job.summary.get("steps_done"),
+    }
     ok = job.status == "ok" and figures["first_step"] == 5 and figures["steps_done"] == 6
     return Row("cpu save resumed on the device", "pass" if ok else "fail", figures, "" if ok else failed(job))
 
@@ -269,9 +339,18 @@ def check_sync_free(setup: Setup, jobs: Jobs) -> Row:
     if fused.status != "ok" or loop.status != "ok":
         return Row("sync-free step", "fail", {}, failed(loop if loop.status != "ok" else fused))
     a, b = fused.summary["throughput/tokens_per_s"], loop.summary["throughput/tokens_per_s"]
-    figures = {"fused_deferred_tokens_per_s": round(a, 1), "loop_host_read_tokens_per_s": round(b, 1), "ratio": round(a / b, 3)}
+    figures = {
+        "fused_deferred_tokens_per_s": round(a, 1),
+        "loop_host_read_tokens_per_s": round(b, 1),
+        "ratio": round(a / b, 3),
+    }
     note = "fused AdamW + device-side skip over per-tensor AdamW + a host read every step"
-    return Row("sync-free step", "info", figures, note + ("; dry run: jobs ran side by side, not a timing" if setup.dry_run else ""))
+    return Row(
+        "sync-free step",
+        "info",
+        figures,
+        note + ("; dry run: jobs ran side by side, not a timing" if setup.dry_run else ""),
+    )
 
 
 def check_compile(setup: Setup, jobs: Jobs) -> Row:
@@ -280,8 +359,18 @@ def check_compile(setup: Setup, jobs: Jobs) -> Row:
         return Row("compile", "fail", {}, failed(compiled if compiled.status != "ok" else eager))
     diff = largest_relative_difference(compiled.losses, eager.losses)
     a, b = compiled.summary["throughput/tokens_per_s"], eager.summary["throughput/tokens_per_s"]
-    figures = {"compiled_tokens_per_s": round(a, 1), "eager_tokens_per_s": round(b, 1), "ratio": round(a / b, 3), "max_rel_loss_diff": round(diff, 5)}
-    return Row("compile", "pass" if diff <= LOSS_TOLERANCE else "fail", figures, "steady tokens/s (compilation in warm-up)")
+    figures = {
+        "compiled_tokens_per_s": round(a, 1),
+        "eager_tokens_per_s": round(b, 1),
+        "ratio": round(a / b, 3),
+        "max_rel_loss_diff": round(diff, 5),
+    }
+    return Row(
+        "compile",
+        "pass" if diff <= LOSS_TOLERANCE else "fail",
+        figures,
+        "steady tokens/s (compilation in warm-up)",
+    )
 
 
 HEADROOM_PROBE = """
@@ -312,9 +401,21 @@ def check_headroom(setup: Setup, jobs: Jobs) -> Row:
         return Row("headroom", "skip", assumed, "dry run: CPU has no CUDA context")
     proc = jobs.get("headroom")
     if proc.returncode != 0:
-        return Row("headroom", "error", assumed, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "probe failed")
-    measured = {f"measured_{k}": round(v, 3) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-    return Row("headroom", "info", {**assumed, **measured}, "fragmentation: see peak reserved / allocated above; update trainer/plan/headroom.py")
+        return Row(
+            "headroom",
+            "error",
+            assumed,
+            proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "probe failed",
+        )
+    measured = {
+        f"measured_{k}": round(v, 3) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()
+    }
+    return Row(
+        "headroom",
+        "info",
+        {**assumed, **measured},
+        "fragmentation: see peak reserved / allocated above; update trainer/plan/headroom.py",
+    )
 
 
 def submit_all(setup: Setup, jobs: Jobs) -> None:
@@ -331,18 +432,31 @@ def submit_all(setup: Setup, jobs: Jobs) -> None:
     jobs.submit("125m_stage0_loop", *bf16_job(setup, "125m", "stage0", "optim.fused=false"))
     # The dry run compiles with aot_eager: the composition is checked, without inductor's C++ builds.
     backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
-    jobs.submit("125m_stage0_compile", *bf16_job(setup, "125m", "stage0", "compile=true", backend), timeout=420)
+    jobs.submit(
+        "125m_stage0_compile", *bf16_job(setup, "125m", "stage0", "compile=true", backend), timeout=420
+    )
     if not setup.dry_run:
         jobs.submit_call("headroom", run_headroom_probe)
 
 
 def rows(setup: Setup, jobs: Jobs) -> list[Callable[[], Row]]:
     """The table, in order; each row waits for its jobs."""
-    sequence: list[Callable[[], Row]] = [lambda: check_environment(setup), lambda: check_gpu_tests(setup, jobs)]
+    sequence: list[Callable[[], Row]] = [
+        lambda: check_environment(setup),
+        lambda: check_gpu_tests(setup, jobs),
+    ]
     for model in ("125m", "1b"):
         for stage in ("stage0", "stage3"):
             sequence.append(lambda model=model, stage=stage: check_throughput(setup, jobs, model, stage))
-    for check in (check_loss_agreement, check_fp16_overflow, check_oom, check_resume, check_sync_free, check_compile, check_headroom):
+    for check in (
+        check_loss_agreement,
+        check_fp16_overflow,
+        check_oom,
+        check_resume,
+        check_sync_free,
+        check_compile,
+        check_headroom,
+    ):
         sequence.append(lambda check=check: check(setup, jobs))
     return sequence
 
@@ -360,7 +474,9 @@ class Report:
     def add(self, row: Row) -> None:
         self.rows.append(row)
         print(f"{row.check:34s} {row.status:5s} {json.dumps(row.figures)} {row.note}", flush=True)
-        (self.out / "results.json").write_text(json.dumps({"dry_run": self.dry_run, "rows": [asdict(r) for r in self.rows]}, indent=2) + "\n")
+        (self.out / "results.json").write_text(
+            json.dumps({"dry_run": self.dry_run, "rows": [asdict(r) for r in self.rows]}, indent=2) + "\n"
+        )
         (self.out / "results.md").write_text(self.markdown())
 
     def markdown(self) -> str:
@@ -368,7 +484,9 @@ class Report:
                  "| check | status | figures | note | s |", "|---|---|---|---|---|"]  # fmt: skip
         for r in self.rows:
             figures = ", ".join(f"{k}={v}" for k, v in r.figures.items())
-            lines.append(f"| {r.check} | {r.status} | {figures} | {r.note.replace('|', '/')} | {r.seconds:.0f} |")
+            lines.append(
+                f"| {r.check} | {r.status} | {figures} | {r.note.replace('|', '/')} | {r.seconds:.0f} |"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -385,9 +503,13 @@ def timed(report: Report, make: Callable[[], Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    )
     parser.add_argument("--dry-run", action="store_true", help="the same sequence on CPU with the tiny model")
-    parser.add_argument("--jobs", type=int, default=None, help="jobs at once (default: 1 on the GPU, 2 in a dry run)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="jobs at once (default: 1 on the GPU, 2 in a dry run)"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run:
         import torch

@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-JOB = ["model=tiny", "device=cpu", "nproc=2", "logger=none", "seq_len=64", "micro_batch=2", "steps=1", "save=off"]
+JOB = [
+    "model=tiny",
+    "device=cpu",
+    "nproc=2",
+    "logger=none",
+    "seq_len=64",
+    "micro_batch=2",
+    "steps=1",
+    "save=off",
+]
 JOBS = {"train": JOB, "plan": [*JOB, "mode=plan"]}
 
 
@@ -51,29 +60,44 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base), args.base],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         try:
             trees = {"this tree": REPO, args.base: base}
-            figures: dict[tuple[str, str], list[tuple[float, float]]] = {(j, t): [] for j in JOBS for t in trees}
+            figures: dict[tuple[str, str], list[tuple[float, float]]] = {
+                (j, t): [] for j in JOBS for t in trees
+            }
             for n in range(args.rounds):
                 order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
                 for job, overrides in JOBS.items():
                     for name, tree in order:
-                        out = Path(tmp) / "runs" / f"{job}-{n}-{list(trees).index(name)}"  # one directory per run
+                        out = (
+                            Path(tmp) / "runs" / f"{job}-{n}-{list(trees).index(name)}"
+                        )  # one directory per run
                         figures[job, name].append(run(tree, overrides, out))
             report(figures, list(trees))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=True, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=True, capture_output=True
+            )
 
 
 def report(figures: dict[tuple[str, str], list[tuple[float, float]]], trees: list[str]) -> None:
-    print(f"| job | {trees[0]} wall s | {trees[1]} wall s | wall ratio | {trees[0]} CPU s | {trees[1]} CPU s | CPU ratio |")
+    print(
+        f"| job | {trees[0]} wall s | {trees[1]} wall s | wall ratio | {trees[0]} CPU s | {trees[1]} CPU s | CPU ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     for job in JOBS:
         mine, theirs = figures[job, trees[0]], figures[job, trees[1]]
         wall = [statistics.median(w for w, _ in runs) for runs in (mine, theirs)]
         cpu = [statistics.median(c for _, c in runs) for runs in (mine, theirs)]
-        print(f"| {job} | {wall[0]:.2f} | {wall[1]:.2f} | {wall[0] / wall[1]:.3f} | {cpu[0]:.1f} | {cpu[1]:.1f} | {cpu[0] / cpu[1]:.3f} |")
+        print(
+            f"| {job} | {wall[0]:.2f} | {wall[1]:.2f} | {wall[0] / wall[1]:.3f} | {cpu[0]:.1f} | {cpu[1]:.1f} | {cpu[0] / cpu[1]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

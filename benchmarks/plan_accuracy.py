@@ -47,7 +47,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def overrides(args: argparse.Namespace, zero: str, precision: str, checkpointing: str, micro_batch: int) -> list[str]:
+def overrides(
+    args: argparse.Namespace, zero: str, precision: str, checkpointing: str, micro_batch: int
+) -> list[str]:
     return [
         f"model={args.model}",
         f"zero={zero}",
@@ -69,17 +71,28 @@ def run_point(point: list[str], job_dir: Path) -> dict[str, Any]:
     """Run one job; return the plan it wrote and the ranks' measurements."""
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", *point, f"hydra.run.dir={job_dir}"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "trainer", *point, f"hydra.run.dir={job_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(point)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     plan = json.loads((job_dir / "plan.json").read_text())
-    records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [
+        json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     measured = []
     for rank in range(plan["world_size"]):
-        peaks = [r[f"memory/rank{rank}/peak_allocated_gib"] for r in records if f"memory/rank{rank}/peak_allocated_gib" in r]
+        peaks = [
+            r[f"memory/rank{rank}/peak_allocated_gib"]
+            for r in records
+            if f"memory/rank{rank}/peak_allocated_gib" in r
+        ]
         if not peaks:
-            raise RuntimeError(f"{' '.join(point)}: no memory/rank{rank}/peak_allocated_gib in {job_dir}/metrics.jsonl")
+            raise RuntimeError(
+                f"{' '.join(point)}: no memory/rank{rank}/peak_allocated_gib in {job_dir}/metrics.jsonl"
+            )
         last = records[-1]
         states = {kind: last[f"memory/rank{rank}/{kind}_gib"] for kind in STATES}
         measured.append({"peak_gib": max(peaks), **states})
@@ -136,7 +149,9 @@ def main() -> int:
         point = overrides(args, zero, precision, checkpointing, micro_batch)
         result = done.get(tuple(point))
         if result is None:
-            result = run_point(point, args.out / "jobs" / f"{zero}-{precision}-{checkpointing}-mb{micro_batch}")
+            result = run_point(
+                point, args.out / "jobs" / f"{zero}-{precision}-{checkpointing}-mb{micro_batch}"
+            )
             with results_path.open("a") as f:
                 f.write(json.dumps(result) + "\n")
         for row in rows(result):
@@ -149,7 +164,9 @@ def main() -> int:
     print("\n" + markdown(all_rows))
     worst_peak = max(abs(r["error_pct"]) for r in all_rows)
     worst_states = max(abs(r["states_error_pct"]) for r in all_rows)
-    print(f"\nworst peak error {worst_peak:.2f}% (tolerance {args.peak_tolerance_pct}%), worst model-state error {worst_states:.3f}% (tolerance {args.states_tolerance_pct}%)")
+    print(
+        f"\nworst peak error {worst_peak:.2f}% (tolerance {args.peak_tolerance_pct}%), worst model-state error {worst_states:.3f}% (tolerance {args.states_tolerance_pct}%)"
+    )
     return int(worst_peak > args.peak_tolerance_pct or worst_states > args.states_tolerance_pct)
 
 

@@ -62,15 +62,25 @@ def compare(stage: str, model: str, args: argparse.Namespace) -> dict[str, float
         "hand-written": lambda: run_handwritten(stage, model, args.steps, args.micro_batch, args.seq_len),
     }
     if args.compile:
-        arms["runner compile"] = lambda: run_runner(stage, model, args.steps, args.micro_batch, args.seq_len, True)
+        arms["runner compile"] = lambda: run_runner(
+            stage, model, args.steps, args.micro_batch, args.seq_len, True
+        )
     results: dict[str, list[float]] = {name: [] for name in arms}
     names = list(arms)
     for round_index in range(args.rounds):
-        for name in names[round_index % len(names):] + names[: round_index % len(names)]:  # rotate the order
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:  # rotate the order
             results[name].append(arms[name]())
-        print(f"  {stage} {model} round {round_index + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in results.items()), flush=True)
+        print(
+            f"  {stage} {model} round {round_index + 1}: "
+            + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in results.items()),
+            flush=True,
+        )
     medians = {name: statistics.median(values) for name, values in results.items()}
-    ratios = {f"{name} / hand-written": medians[name] / medians["hand-written"] for name in medians if name != "hand-written"}
+    ratios = {
+        f"{name} / hand-written": medians[name] / medians["hand-written"]
+        for name in medians
+        if name != "hand-written"
+    }
     return {**medians, **ratios}
 
 

@@ -54,9 +54,12 @@ def main() -> None:
     results: dict[str, list[float]] = {name: [] for name in arms}
     names = list(arms)
     for index in range(args.rounds):
-        for name in names[index % len(names):] + names[: index % len(names)]:
+        for name in names[index % len(names) :] + names[: index % len(names)]:
             results[name].append(arms[name]())
-        print(f"round {index + 1}: " + ", ".join(f"{n} {v[-1]:.2f} steps/s" for n, v in results.items()), flush=True)
+        print(
+            f"round {index + 1}: " + ", ".join(f"{n} {v[-1]:.2f} steps/s" for n, v in results.items()),
+            flush=True,
+        )
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(", ".join(f"median {n} {m:.2f} steps/s" for n, m in medians.items()))
     print(", ".join(f"{n} / before: {medians[n] / medians['before']:.3f}" for n in names[1:]))

@@ -73,7 +73,9 @@ def finish_job(proc: subprocess.Popen, out: Path) -> dict[str, float]:
     _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, even with another job running
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, proc.args))} exited {proc.returncode}:\n{(out / 'console.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(map(str, proc.args))} exited {proc.returncode}:\n{(out / 'console.log').read_text()[-3000:]}"
+        )
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out)
@@ -92,8 +94,13 @@ def run_round(arms: list[str], round_index: int, args: argparse.Namespace) -> di
         return {arm: finish_job(*start_job(arm, args.steps, args.extra, cores)) for arm in order}
     share = len(cores) // len(arms)
     if share == 0:
-        raise SystemExit(f"side by side, {len(arms)} arms need at least {len(arms)} cores; this process has {len(cores)}: use --alternate")
-    started = {arm: start_job(arm, args.steps, args.extra, cores[i * share : (i + 1) * share]) for i, arm in enumerate(order)}
+        raise SystemExit(
+            f"side by side, {len(arms)} arms need at least {len(arms)} cores; this process has {len(cores)}: use --alternate"
+        )
+    started = {
+        arm: start_job(arm, args.steps, args.extra, cores[i * share : (i + 1) * share])
+        for i, arm in enumerate(order)
+    }
     return {arm: finish_job(*job) for arm, job in started.items()}
 
 
@@ -113,9 +120,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--parts", action="store_true", help="also run each half of `on` alone (arms ranks and wandb)")
-    parser.add_argument("--alternate", action="store_true", help="arms one after another on every core, not side by side")
-    parser.add_argument("--budget-pct", type=float, default=2.0, help="the overhead the verdict compares against")
+    parser.add_argument(
+        "--parts", action="store_true", help="also run each half of `on` alone (arms ranks and wandb)"
+    )
+    parser.add_argument(
+        "--alternate", action="store_true", help="arms one after another on every core, not side by side"
+    )
+    parser.add_argument(
+        "--budget-pct", type=float, default=2.0, help="the overhead the verdict compares against"
+    )
     parser.add_argument("extra", nargs="*", help="overrides for every arm, e.g. model=125m")
     args = parser.parse_args()
     os.environ["WANDB_SILENT"] = "true"
@@ -130,7 +143,9 @@ def main() -> None:
     report_components(args.extra)
 
 
-def paired_overheads(on: list[dict[str, float]], off: list[dict[str, float]], figure: str, cycle: int) -> list[float]:
+def paired_overheads(
+    on: list[dict[str, float]], off: list[dict[str, float]], figure: str, cycle: int
+) -> list[float]:
     """Per cycle of rounds, the cost of `on` against `off` (fewer tokens/s, or more CPU seconds), as a fraction.
 
     A cycle is as many rounds as there are arms: in it every arm has had every core share (or
@@ -144,7 +159,9 @@ def paired_overheads(on: list[dict[str, float]], off: list[dict[str, float]], fi
     return [sign * (1 - math.prod(c) ** (1 / cycle)) for c in cycles]
 
 
-def bootstrap_interval(values: list[float], confidence: float = 0.95, draws: int = 10_000) -> tuple[float, float]:
+def bootstrap_interval(
+    values: list[float], confidence: float = 0.95, draws: int = 10_000
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the median: how far the rounds' noise lets the median move."""
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
@@ -154,7 +171,9 @@ def bootstrap_interval(values: list[float], confidence: float = 0.95, draws: int
 
 def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> None:
     cycle = len(results)
-    print("\n| arm vs off | figure | median of arm | median of off | median overhead per cycle | 95% interval | off-arm spread |")
+    print(
+        "\n| arm vs off | figure | median of arm | median of off | median overhead per cycle | 95% interval | off-arm spread |"
+    )
     print("|---|---|---|---|---|---|---|")
     off = results["off"]
     for arm in (a for a in results if a != "off"):
@@ -199,8 +218,8 @@ def comm_read_cost_s() -> float:
     import torch
     import torch.distributed as dist
 
-    from trainer.telemetry.comm import CommProbe, enable_recording
     from trainer.config import TrainConfig
+    from trainer.telemetry.comm import CommProbe, enable_recording
 
     config = TrainConfig(log_every=10)  # the schema's job with conf/train.yaml's log_every
     enable_recording(config, 2, "cpu")
@@ -229,7 +248,10 @@ def tracked_step_extra_s(extra: list[str]) -> tuple[float, float, float]:
         args = [sys.executable, "-m", "trainer", "device=cpu", "nproc=2", "steps=12", "log_every=1", "logger=none",
                 "telemetry.memory_every=0", *extra, f"hydra.run.dir={out}"]  # fmt: skip
         subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True)
-        step_s = {r["step"]: r["time/step_s"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())}
+        step_s = {
+            r["step"]: r["time/step_s"]
+            for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
+        }
     plain = statistics.median(t for step, t in step_s.items() if step > 3)
     return step_s[2] - plain, step_s[3] - plain, plain
 
@@ -239,7 +261,14 @@ def wandb_cpu_per_s(record_every_s: float, duration_s: float = 30.0) -> float:
     import psutil
     import wandb
 
-    record = {"loss/train": 1.0, **{f"memory/rank{r}/{k}_gib": 0.5 for r in range(2) for k in ("params", "grads", "optimizer", "peak_rss")}}
+    record = {
+        "loss/train": 1.0,
+        **{
+            f"memory/rank{r}/{k}_gib": 0.5
+            for r in range(2)
+            for k in ("params", "grads", "optimizer", "peak_rss")
+        },
+    }
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as out, wandb.init(project="overhead", dir=out, mode="offline") as run:
         helpers = me.children(recursive=True)  # wandb-core and its system monitor
@@ -263,7 +292,9 @@ def report_components(extra: list[str]) -> None:
     print("\n| part | measured | share of training time |\n|---|---|---|")
     print(f"| memory probe, per log window | {probe_s * 1e6:.0f} us | {100 * probe_s / window_s:.4f}% |")
     comm_s = comm_read_cost_s()
-    print(f"| flight-recorder read (communication bytes), per log window | {comm_s * 1e6:.0f} us | {100 * comm_s / window_s:.4f}% |")
+    print(
+        f"| flight-recorder read (communication bytes), per log window | {comm_s * 1e6:.0f} us | {100 * comm_s / window_s:.4f}% |"
+    )
     print(f"| communication-profiled step (step 3, then every 500) | +{profiled_s:.3f} s on a {plain_s:.3f} s step | "
           f"{100 * profiled_s / (500 * plain_s):.2f}% per 500 steps; in the warm-up of runs under 503 steps |")  # fmt: skip
     print(f"| tensor-tracked step (default: step 2, then every 500) | +{extra_s:.3f} s on a {plain_s:.3f} s step | "

@@ -48,7 +48,9 @@ def run_trainer(out_dir: Path, *overrides: str, check: bool = True, timeout: flo
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, out_dir)
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
     return run
 
 

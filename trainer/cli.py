@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from trainer.console import first_line
 
@@ -39,7 +39,12 @@ def check_group_overrides(args: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, _, value = arg.lstrip("+~").partition("=")
-        if "." in key or ("/" in key and key not in HYDRA_GROUPS) or not (CONF_DIR / key).is_dir() or "(" in value:
+        if (
+            "." in key
+            or ("/" in key and key not in HYDRA_GROUPS)
+            or not (CONF_DIR / key).is_dir()
+            or "(" in value
+        ):
             continue
         allowed = group_options(key)
         for option in value.split(","):
@@ -84,5 +89,7 @@ def config_error_line(err: Exception) -> str:
     if key:
         override = first_line(err).removeprefix("Error merging override ")
         return f"{override if '=' in override else key}: {first_line(getattr(cause, 'msg', cause))}"
-    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https://")]
+    lines = [
+        line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https://")
+    ]
     return "; ".join(lines)

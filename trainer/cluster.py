@@ -31,8 +31,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
-from trainer.launch import RankFailure
 from trainer.faults.failures import FAILURES_DIR, lost_peer
+from trainer.launch import RankFailure
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
@@ -74,13 +74,17 @@ def resolve_placement(config: TrainConfig) -> Placement:
             f"hydra.launcher.tasks_per_node must be 1 (got {job.num_tasks // job.num_nodes}): each node's one task starts its nproc ranks"
         )
     if job.num_nodes != config.nodes:
-        raise ConfigError(f"nodes={config.nodes} but the allocation has {job.num_nodes} node(s); set hydra.launcher.nodes=${{nodes}}")
+        raise ConfigError(
+            f"nodes={config.nodes} but the allocation has {job.num_nodes} node(s); set hydra.launcher.nodes=${{nodes}}"
+        )
     if config.nodes == 1:
         return Placement(1, 0, config.rdzv_endpoint or LOCAL_ENDPOINT)
     from submitit.helpers import TorchDistributedEnvironment
 
     derived = TorchDistributedEnvironment()  # first host of the allocation, a port seeded by the job id
-    return Placement(config.nodes, job.node, config.rdzv_endpoint or f"{derived.master_addr}:{derived.master_port}")
+    return Placement(
+        config.nodes, job.node, config.rdzv_endpoint or f"{derived.master_addr}:{derived.master_port}"
+    )
 
 
 def place_node(config: TrainConfig) -> TrainConfig:
@@ -196,4 +200,6 @@ class Requeueing:
         """submitit's checkpoint hook: the same point again, resuming where it stopped."""
         import submitit
 
-        return submitit.helpers.DelayedSubmission(self, resumed_overrides(sweep_overrides, self.run_dir), *args, **kwargs)
+        return submitit.helpers.DelayedSubmission(
+            self, resumed_overrides(sweep_overrides, self.run_dir), *args, **kwargs
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -127,12 +127,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             _require(getattr(self, key) >= 1, f"model.{key} must be >= 1, got {getattr(self, key)}")
-        _require(self.dim % self.n_heads == 0, f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        _require(
+            self.dim % self.n_heads == 0,
+            f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})",
+        )
         _require(
             self.n_heads % self.n_kv_heads == 0,
             f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})",
         )
-        _require((self.dim // self.n_heads) % 2 == 0, f"model.dim / model.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
+        _require(
+            (self.dim // self.n_heads) % 2 == 0,
+            f"model.dim / model.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings",
+        )
 
 
 @dataclass
@@ -157,10 +163,17 @@ class PrecisionConfig:
     """CUDA: fp32 matmuls and convolutions may use TF32 tensor cores (torch.backends fp32_precision "tf32"; false: "ieee")."""
 
     def __post_init__(self) -> None:
-        _require(self.loss_scale_init > 0, f"precision.loss_scale_init must be > 0, got {self.loss_scale_init}")
-        _require(self.growth_interval >= 1, f"precision.growth_interval must be >= 1, got {self.growth_interval}")
+        _require(
+            self.loss_scale_init > 0, f"precision.loss_scale_init must be > 0, got {self.loss_scale_init}"
+        )
+        _require(
+            self.growth_interval >= 1, f"precision.growth_interval must be >= 1, got {self.growth_interval}"
+        )
         _require(self.growth_factor > 1, f"precision.growth_factor must be > 1, got {self.growth_factor}")
-        _require(0 < self.backoff_factor < 1, f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        _require(
+            0 < self.backoff_factor < 1,
+            f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}",
+        )
         _require(self.min_loss_scale > 0, f"precision.min_loss_scale must be > 0, got {self.min_loss_scale}")
 
     @property
@@ -176,7 +189,7 @@ class ZeroConfig:
     """stage0 DDP; stage1 + ZeroRedundancyOptimizer; stage2/3 FSDP2 fully_shard."""
     reduce_dtype: ReduceDType = ReduceDType.fp32
     """Dtype gradients are reduced in: fp32, or bf16 (FSDP2: MixedPrecisionPolicy.reduce_dtype; DDP: torch's bf16_compress_hook)."""
-    bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb: float | None = None
     """DDP (stage0/1) only: gradient bucket size in MiB (DistributedDataParallel's bucket_cap_mb); None: torch's default."""
 
     def __post_init__(self) -> None:
@@ -203,7 +216,9 @@ class CheckpointingConfig:
     """selective only: checkpoint blocks 0, N, 2N, ..."""
 
     def __post_init__(self) -> None:
-        _require(self.every_n_layers >= 1, f"checkpointing.every_n_layers must be >= 1, got {self.every_n_layers}")
+        _require(
+            self.every_n_layers >= 1, f"checkpointing.every_n_layers must be >= 1, got {self.every_n_layers}"
+        )
 
 
 @dataclass
@@ -222,7 +237,7 @@ class DataloaderConfig:
 
     num_workers: int = 0
     """Worker processes per rank; 0 loads in the rank's own process."""
-    prefetch_factor: Optional[int] = None
+    prefetch_factor: int | None = None
     """Batches each worker loads ahead; needs num_workers > 0."""
     pin_memory: bool = False
     """Page-lock batches for faster host-to-GPU copies."""
@@ -232,8 +247,12 @@ class DataloaderConfig:
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, f"dataloader.num_workers must be >= 0, got {self.num_workers}")
         if self.num_workers == 0:
-            _require(self.prefetch_factor is None, "dataloader.prefetch_factor needs dataloader.num_workers > 0")
-            _require(not self.persistent_workers, "dataloader.persistent_workers needs dataloader.num_workers > 0")
+            _require(
+                self.prefetch_factor is None, "dataloader.prefetch_factor needs dataloader.num_workers > 0"
+            )
+            _require(
+                not self.persistent_workers, "dataloader.persistent_workers needs dataloader.num_workers > 0"
+            )
         _require(
             self.prefetch_factor is None or self.prefetch_factor >= 1,
             f"dataloader.prefetch_factor must be >= 1, got {self.prefetch_factor}",
@@ -246,7 +265,7 @@ class DataConfig:
 
     kind: DataKind = DataKind.synthetic
     """synthetic (a learnable Markov stream) or tokens (a memory-mapped .npy of token ids)."""
-    path: Optional[str] = None
+    path: str | None = None
     """tokens only: the .npy file made by `python -m trainer.data make-tokens`."""
     branching: int = 4
     """synthetic only: how many next tokens each token may be followed by."""
@@ -278,14 +297,16 @@ class OptimConfig:
     """The cosine decays to lr * min_lr_ratio at the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    fused: Optional[bool] = None
+    fused: bool | None = None
     """AdamW's fused kernel (and the non-finite skip decided on the device, trainer/rank/nonfinite.py); null: fused on CUDA only."""
 
     def __post_init__(self) -> None:
         _require(self.name == "adamw", f"optim.name must be adamw, got {self.name}")
         _require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(
+            0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+        )
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
@@ -311,7 +332,7 @@ class LoggerConfig:
     """wandb or none."""
     project: str = "zerolab"
     """W&B project."""
-    entity: Optional[str] = None
+    entity: str | None = None
     """W&B entity (team or user); None uses the account's default."""
 
 
@@ -338,9 +359,9 @@ class TelemetryConfig:
     """CPU: tensor-level memory tracking (torch's MemTracker, several times slower than a plain step)
     runs on the run's second step and then every this many steps; 0: that step only. GPU counters
     and host RSS are read on every log step at no cost."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Dense peak TFLOPS of one device, for MFU; None: looked up from the GPU's name (CPU: no MFU)."""
-    warmup_steps: Optional[int] = None
+    warmup_steps: int | None = None
     """Steps that steady-state throughput leaves out; None: 10% of steps, at least the first log window."""
 
     def __post_init__(self) -> None:
@@ -361,7 +382,7 @@ class PlanConfig:
 
     enforce: bool = True
     """Refuse to start a job whose predicted peak does not fit; false: warn and try anyway."""
-    accelerator: Optional[str] = None
+    accelerator: str | None = None
     """Plan for this accelerator's memory (a name of trainer/devices.py, any case: h100, H200, l40s) instead of this host's."""
     cpu_rank_runtime_gib: float = 0.4
     """Host memory each CPU rank's process holds before its first tensor (Python, torch, gloo, threads;
@@ -370,7 +391,10 @@ class PlanConfig:
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
 
-        _require(self.cpu_rank_runtime_gib >= 0, f"plan.cpu_rank_runtime_gib must be >= 0, got {self.cpu_rank_runtime_gib}")
+        _require(
+            self.cpu_rank_runtime_gib >= 0,
+            f"plan.cpu_rank_runtime_gib must be >= 0, got {self.cpu_rank_runtime_gib}",
+        )
         if self.accelerator is not None:
             _require(
                 find_accelerator(self.accelerator) is not None,
@@ -391,7 +415,7 @@ class AdviseConfig:
     """Offload targets to consider; cpu only with stage2/3 and only on a GPU (on a CPU host it moves nothing)."""
     reduce_dtypes: list[ReduceDType] = field(default_factory=lambda: list(ReduceDType))
     """Gradient-reduction dtypes (zero.reduce_dtype) to consider."""
-    micro_batches: Optional[list[int]] = None
+    micro_batches: list[int] | None = None
     """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
     headroom: float = 0.2
     """Fraction of each rank's memory the predicted peak must leave free."""
@@ -454,7 +478,7 @@ class TrainConfig:
     """auto (CUDA when present), cpu or cuda."""
     mode: Mode = Mode.train
     """train; plan: print the memory plan and train nothing; advise: rank configurations for global_batch."""
-    global_batch: Optional[int] = None
+    global_batch: int | None = None
     """mode=advise only: sequences per optimizer step, over all ranks (the advisor chooses micro_batch
     and grad_accum); train and plan take micro_batch and grad_accum instead and refuse it."""
     resume: str = "false"
@@ -465,7 +489,7 @@ class TrainConfig:
     """raise (stop, naming the step and ranks) or skip (skip the optimizer step)."""
     max_nonfinite_skips: int = 3
     """nonfinite=skip stops the run once this many steps in a row were non-finite."""
-    device_memory_gib: Optional[float] = None
+    device_memory_gib: float | None = None
     """Cap each rank's memory to rehearse a smaller device; None uses what the device has."""
     fail_fast: bool = False
     """Multirun: stop the sweep (exit 1) at the first point that does not end `ok`; false records it and goes on."""
@@ -475,7 +499,7 @@ class TrainConfig:
     """Hosts the job spans, `nproc` ranks on each (trainer/cluster.py); the world size is nodes * nproc."""
     node_rank: int = 0
     """This host's place among `nodes` (0 .. nodes-1); under SLURM it comes from the allocation."""
-    rdzv_endpoint: Optional[str] = None
+    rdzv_endpoint: str | None = None
     """host:port where every node's elastic launcher meets (c10d); under SLURM derived from the allocation."""
     compile: bool = False
     """torch.compile each transformer block in place (after activation checkpointing, before sharding)."""
@@ -489,8 +513,12 @@ class TrainConfig:
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.resume.lower() in ("true", "false"):
-            self.resume = self.resume.lower()  # `resume=true` on the command line arrives as the bool's str "True"
-        _require(self.max_nonfinite_skips >= 1, f"max_nonfinite_skips must be >= 1, got {self.max_nonfinite_skips}")
+            self.resume = (
+                self.resume.lower()
+            )  # `resume=true` on the command line arrives as the bool's str "True"
+        _require(
+            self.max_nonfinite_skips >= 1, f"max_nonfinite_skips must be >= 1, got {self.max_nonfinite_skips}"
+        )
         _require(
             self.nproc == "auto" or (self.nproc.isdigit() and int(self.nproc) >= 1),
             f"nproc must be auto or an integer >= 1, got {self.nproc}",
@@ -518,7 +546,10 @@ class TrainConfig:
             f"rdzv_endpoint must be host:port (port 0-65535; 0: any free port, one node only), got {self.rdzv_endpoint}",
         )
         backends = ("inductor", "aot_eager", "eager")
-        _require(self.compile_backend in backends, f"compile_backend must be one of {', '.join(backends)}, got {self.compile_backend}")
+        _require(
+            self.compile_backend in backends,
+            f"compile_backend must be one of {', '.join(backends)}, got {self.compile_backend}",
+        )
         self._check_global_batch()
 
     def _check_global_batch(self) -> None:
@@ -529,7 +560,10 @@ class TrainConfig:
                 "(global batch = micro_batch * grad_accum * ranks)",
             )
             return
-        _require(self.global_batch is not None, "mode=advise needs global_batch=N (sequences per optimizer step, over all ranks)")
+        _require(
+            self.global_batch is not None,
+            "mode=advise needs global_batch=N (sequences per optimizer step, over all ranks)",
+        )
         _require(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
 
     def sequences_per_step(self, world_size: int) -> int:
@@ -570,7 +604,9 @@ def _reject_unknown_keys(node: Any, prefix: str = "") -> None:
     a typo'd option would be silently ignored, so it is refused instead."""
     known = {f.name for f in dataclasses.fields(node)}
     for name in vars(node):
-        _require(name in known, f"{prefix}{name} is not a config key; `python -m trainer --cfg job` shows them all")
+        _require(
+            name in known, f"{prefix}{name} is not a config key; `python -m trainer --cfg job` shows them all"
+        )
     for name in known:
         value = getattr(node, name)
         if dataclasses.is_dataclass(value):

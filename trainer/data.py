@@ -26,7 +26,8 @@ import bisect
 import hashlib
 import os
 import sys
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +65,8 @@ def build_transitions(vocab_size: int, branching: int, data_seed: int) -> tuple[
     # b-1 distinct offsets in [1, V-1] per row: sorted draws from [0, V-b] plus 1, 2, ..., b-1.
     draws = torch.randint(vocab_size - branching + 1, (vocab_size, branching - 1), generator=g)
     offsets_VB = torch.cat(
-        [torch.zeros(vocab_size, 1, dtype=torch.long), draws.sort(dim=1).values + torch.arange(1, branching)], dim=1
+        [torch.zeros(vocab_size, 1, dtype=torch.long), draws.sort(dim=1).values + torch.arange(1, branching)],
+        dim=1,
     )
     successors_VB = order_V[(position_V[:, None] + 1 + offsets_VB) % vocab_size]
     weights_VB = torch.empty(vocab_size, branching, dtype=torch.float64).exponential_(generator=g)
@@ -76,7 +78,9 @@ def stationary_distribution(successors_VB: Tensor, probs_VB: Tensor, tol: float 
     vocab_size = successors_VB.shape[0]
     pi_V = torch.full((vocab_size,), 1.0 / vocab_size, dtype=torch.float64)
     for _ in range(100_000):
-        flow_V = torch.zeros_like(pi_V).index_add_(0, successors_VB.flatten(), (pi_V[:, None] * probs_VB).flatten())
+        flow_V = torch.zeros_like(pi_V).index_add_(
+            0, successors_VB.flatten(), (pi_V[:, None] * probs_VB).flatten()
+        )
         # The lazy chain (I + P) / 2 has the same fixed point and converges even if P is periodic.
         nxt_V = 0.5 * (pi_V + flow_V)
         if (nxt_V - pi_V).abs().sum().item() < tol:
@@ -102,7 +106,9 @@ class SyntheticTokens(Dataset[Tensor]):
     true table is exactly `entropy_rate`.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, branching: int = 4, data_seed: int = 1234, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int, seq_len: int, branching: int = 4, data_seed: int = 1234, seed: int = 0
+    ) -> None:
         self.vocab_size, self.seq_len, self.branching = vocab_size, seq_len, branching
         self.data_seed, self.seed = data_seed, seed
         self.successors_VB, self.probs_VB = build_transitions(vocab_size, branching, data_seed)
@@ -153,7 +159,7 @@ class TokenFile(Dataset[Tensor]):
         self.num_tokens = int(tokens.shape[0])
         self.fully_checked = self.num_tokens <= FULL_SCAN_TOKENS
         check_vocab(tokens[:FULL_SCAN_TOKENS], vocab_size, path)
-        self._tokens: Optional[np.ndarray] = tokens
+        self._tokens: np.ndarray | None = tokens
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling a memmap copies its data; spawned workers re-open the file instead.
@@ -191,9 +197,13 @@ def open_token_file(path: str, seq_len: int) -> np.ndarray:
     except (ValueError, OSError) as err:
         raise ConfigError(f"data.path: {path} is not a .npy file ({err})") from None
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ConfigError(f"data.path: {path} must hold a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+        raise ConfigError(
+            f"data.path: {path} must hold a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"
+        )
     if tokens.shape[0] < seq_len + 2:
-        raise ConfigError(f"data.path: {path} holds {tokens.shape[0]} tokens; seq_len={seq_len} needs >= {seq_len + 2}")
+        raise ConfigError(
+            f"data.path: {path} holds {tokens.shape[0]} tokens; seq_len={seq_len} needs >= {seq_len + 2}"
+        )
     return tokens
 
 
@@ -294,17 +304,21 @@ def build_loader(config: TrainConfig, rank: int, world_size: int, start_step: in
     )
 
 
-def build_batches(config: TrainConfig, rank: int, world_size: int, start_step: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+def build_batches(
+    config: TrainConfig, rank: int, world_size: int, start_step: int = 0
+) -> Iterator[tuple[Tensor, Tensor]]:
     """This rank's (inputs_BT, targets_BT) int64 CPU micro-batches, grad_accum per step, from
     step start_step (= optimizer steps already taken) to config.steps; the caller moves them."""
     yield from build_loader(config, rank, world_size, start_step)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`."""
     parser = argparse.ArgumentParser(prog="python -m trainer.data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    make = commands.add_parser("make-tokens", help="byte-level tokenize a text file into a uint16 .npy (vocab 256)")
+    make = commands.add_parser(
+        "make-tokens", help="byte-level tokenize a text file into a uint16 .npy (vocab 256)"
+    )
     make.add_argument("input", help="text file to read")
     make.add_argument("output", help=".npy file to write")
     args = parser.parse_args(argv)

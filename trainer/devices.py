@@ -45,7 +45,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "NVIDIA L40": DeviceSpec("l40", 46_068, 181.0, 181.0, 90.5, 90.5),
     "NVIDIA L40S": DeviceSpec("l40s", 46_068, 362.1, 362.1, 183.0, 91.6),
     "NVIDIA A10": DeviceSpec("a10", 23_028, 125.0, 125.0, 62.5, 31.2),
-    "Tesla V100-SXM2-16GB": DeviceSpec("v100-16gb", 16_160, None, 125.0, None, 15.7),  # fp16 tensor cores only
+    "Tesla V100-SXM2-16GB": DeviceSpec(
+        "v100-16gb", 16_160, None, 125.0, None, 15.7
+    ),  # fp16 tensor cores only
     "Tesla V100-SXM2-32GB": DeviceSpec("v100-32gb", 32_510, None, 125.0, None, 15.7),
 }
 

@@ -12,19 +12,33 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.model.attention import run_choice
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
-from trainer.rank.cuda import check_local_ranks
 from trainer.data import check_data
-from trainer.plan.host import cores_warning, host_budget, host_refusal
-from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
-from trainer.rank.nonfinite import summarize as nonfinite_summary
-from trainer.plan import RANK_FIGURES, build_plan, format_plan, planned_device_kind, planned_world_size, write_plan
+from trainer.faults.stop import (
+    STOP_STATUSES,
+    JobStop,
+    exit_code_for,
+    handling_stops,
+    stopped,
+    stopped_at_once,
+)
+from trainer.model.attention import run_choice
+from trainer.plan import (
+    RANK_FIGURES,
+    build_plan,
+    format_plan,
+    planned_device_kind,
+    planned_world_size,
+    write_plan,
+)
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.faults.stop import STOP_STATUSES, JobStop, exit_code_for, handling_stops, stopped, stopped_at_once
-from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
+from trainer.plan.host import cores_warning, host_budget, host_refusal
+from trainer.rank.cuda import check_local_ranks
+from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
+from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
+from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
 # A job that trains imports more: the elastic launcher (trainer/launch.py, trainer/cluster.py),
@@ -41,18 +55,23 @@ def run_job(cfg: DictConfig) -> None:
         return
     try:
         config = validate(cfg)
-        if config.mode in (Mode.plan, Mode.advise):  # any device and world size: nothing checked against this host
+        if config.mode in (
+            Mode.plan,
+            Mode.advise,
+        ):  # any device and world size: nothing checked against this host
             device_kind = planned_device_kind(config.plan, config.device)
             nproc = planned_world_size(config.nproc, device_kind)
         else:
             from trainer.cluster import place_node
-            from trainer.saves.resume import prepare_resume
             from trainer.rank.sharding import check_device_support
+            from trainer.saves.resume import prepare_resume
 
             device_kind = resolve_device_kind(config.device)
             nproc = resolve_nproc(config.nproc, device_kind)
             check_device_support(config.zero, device_kind)
-            check_data(config.data, config.model.vocab_size, config.seq_len, config.seed)  # a bad token file: before any rank starts
+            check_data(
+                config.data, config.model.vocab_size, config.seq_len, config.seed
+            )  # a bad token file: before any rank starts
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
         if config.mode == Mode.advise:
@@ -61,13 +80,19 @@ def run_job(cfg: DictConfig) -> None:
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
             config, out_dir = prepare_resume(config, out_dir, world_size)
-        run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)  # an attention kernel this device cannot run: one line, exit 2
+        run_choice(
+            config.attention, config.model, config.precision.compute_dtype, device_kind
+        )  # an attention kernel this device cannot run: one line, exit 2
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
-            check_local_ranks(int(os.environ["LOCAL_WORLD_SIZE"]))  # one line, not CUDA's invalid device ordinal
+            check_local_ranks(
+                int(os.environ["LOCAL_WORLD_SIZE"])
+            )  # one line, not CUDA's invalid device ordinal
     except ConfigError as err:
         fail(f"error: {err}", code=2)
         return
-    if config.mode == Mode.advise:  # trainer/advise/advisor.py: rank configurations, run none unless advise.verify
+    if (
+        config.mode == Mode.advise
+    ):  # trainer/advise/advisor.py: rank configurations, run none unless advise.verify
         from trainer.advise.advisor import run_advice
 
         run_advice(config, out_dir, device_kind, world_size, list(HydraConfig.get().overrides.task))
@@ -91,9 +116,12 @@ def run_job(cfg: DictConfig) -> None:
     # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
     # with the job's status, also when a rank died. From here a signal stops the job at a step
     # boundary (trainer/faults/stop.py).
-    with handling_stops(out_dir) as job_stop, open_logger(
-        config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
-    ) as logger:
+    with (
+        handling_stops(out_dir) as job_stop,
+        open_logger(
+            config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
+        ) as logger,
+    ):
         with logger.follow(out_dir / "metrics.jsonl"):
             status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta), job_stop)
         summary = end_summary(config, out_dir, status, extra, meta)
@@ -102,22 +130,32 @@ def run_job(cfg: DictConfig) -> None:
 
 
 def train_ranks(
-    config: TrainConfig, out_dir: Path, device_kind: str, nproc: int, predicted: dict[str, float], job_stop: JobStop
+    config: TrainConfig,
+    out_dir: Path,
+    device_kind: str,
+    nproc: int,
+    predicted: dict[str, float],
+    job_stop: JobStop,
 ) -> tuple[str, dict[str, Any]]:
     """Run this node's ranks; a rank's death or a stop is a status to record, not an exception to propagate."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from trainer.cluster import job_failure
-    from trainer.launch import RankFailure, launch_local
     from trainer.faults.failures import failure_path
+    from trainer.launch import RankFailure, launch_local
     from trainer.saves.resume import count_restarts
 
     restarts_before = count_restarts(out_dir)
     if job_stop.stop is not None:  # a signal came before the ranks started: start none
-        return job_stop.stop.status, {"error": f"{job_stop.signal_name} before any rank started", "stop_signal": job_stop.signal_name}
+        return job_stop.stop.status, {
+            "error": f"{job_stop.signal_name} before any rank started",
+            "stop_signal": job_stop.signal_name,
+        }
     try:
         with job_stop.ranks_running():
-            result = launch_local(to_plain(config), out_dir, device_kind, nproc, config.max_restarts, predicted)
+            result = launch_local(
+                to_plain(config), out_dir, device_kind, nproc, config.max_restarts, predicted
+            )
     except RankFailure as own:
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
@@ -159,9 +197,9 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     """
     import torch.distributed as dist
 
-    from trainer.telemetry.comm import enable_recording
     from trainer.launch import rank_main
     from trainer.saves.resume import resolve_resume
+    from trainer.telemetry.comm import enable_recording
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
     world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu)
@@ -173,24 +211,40 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     plain, out_dir, refusal, meta = shared
     Path(out_dir).mkdir(parents=True, exist_ok=True)  # other hosts may not share rank 0's file system
     if refusal is not None:
-        end_job(config, Path(out_dir), "refused", {"reason": refusal}, meta, record=world.is_main, speak=world.is_main)
+        end_job(
+            config,
+            Path(out_dir),
+            "refused",
+            {"reason": refusal},
+            meta,
+            record=world.is_main,
+            speak=world.is_main,
+        )
         return
     predicted = rank_predictions(meta)
     if not world.is_main:  # only global rank 0's process owns the W&B run: the other ranks never import wandb
-        status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0)
+        status, extra = ranks_outcome(
+            rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0
+        )
         end_job(config, Path(out_dir), status, extra, meta, record=False, speak=False)
         return
     # Rank 0's process plays the job process's part: it feeds the W&B run from metrics.jsonl (a
     # thread beside its training) and ends it with the job's status.
-    with open_logger(config.logger, Path(out_dir), meta, run_name(), run_group(), config.zero.stage.value, config.resume) as logger:
+    with open_logger(
+        config.logger, Path(out_dir), meta, run_name(), run_group(), config.zero.stage.value, config.resume
+    ) as logger:
         with logger.follow(Path(out_dir) / "metrics.jsonl"):
-            status, extra = ranks_outcome(rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0)
+            status, extra = ranks_outcome(
+                rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0
+            )
         summary = end_summary(config, Path(out_dir), status, extra, meta)
         logger.finish(summary)
     end_job(config, Path(out_dir), status, extra, meta, summary)
 
 
-def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int) -> tuple[str | None, dict[str, Any]]:
+def plan_job(
+    config: TrainConfig, out_dir: Path, device_kind: str, world_size: int
+) -> tuple[str | None, dict[str, Any]]:
     """Write plan.json and print the plan; return the refusal to enforce (None: go) and the
     provenance and plan figures for summary.json."""
     plan = build_plan(config, device_kind, world_size)
@@ -199,7 +253,11 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
     # CPU ranks are processes sharing this host: their runtime and the cores (trainer/plan/host.py).
-    budget = host_budget(config.plan, config.nodes, device_kind, world_size, plan.peak_bytes) if device_kind == "cpu" else None
+    budget = (
+        host_budget(config.plan, config.nodes, device_kind, world_size, plan.peak_bytes)
+        if device_kind == "cpu"
+        else None
+    )
     for line in (budget and budget.describe(), cores_warning(budget)):
         if line:
             print(line, flush=True)
@@ -217,12 +275,20 @@ def plan_job(config: TrainConfig, out_dir: Path, device_kind: str, world_size: i
 # ----------------------------------------------------------------------------- how a job ends
 
 
-def end_summary(config: TrainConfig, out_dir: Path, status: str, extra: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+def end_summary(
+    config: TrainConfig, out_dir: Path, status: str, extra: dict[str, Any], meta: dict[str, Any]
+) -> dict[str, Any]:
     """Write summary.json: the status, the figures of metrics.jsonl (none when refused), `extra`
     (the error or the refusal, where a rank failed, restarts) and the provenance and plan."""
     records = [] if status == "refused" else read_metrics(out_dir)
     summary = build_summary(
-        status, records, config.steps, warmup_steps=config.telemetry.warmup_steps, **extra, **nonfinite_summary(records), **meta
+        status,
+        records,
+        config.steps,
+        warmup_steps=config.telemetry.warmup_steps,
+        **extra,
+        **nonfinite_summary(records),
+        **meta,
     )
     write_summary(out_dir, summary)
     return summary

@@ -16,12 +16,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.telemetry.comm import enable_recording
 from trainer.config import OffloadTarget, from_plain
-from trainer.rank.cuda import apply_tf32
 from trainer.console import first_line, one_line
 from trainer.faults.failures import apply_memory_cap, explain, killed_by, recording_failures
 from trainer.faults.stop import AGENT_SIGNALS, RankStop
+from trainer.rank.cuda import apply_tf32
+from trainer.telemetry.comm import enable_recording
 from trainer.world import init_world, shutdown_world
 
 
@@ -55,7 +55,9 @@ class RankFailure(Exception):
 
 
 @record
-def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]) -> dict[str, Any] | None:
+def rank_main(
+    plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]
+) -> dict[str, Any] | None:
     """The entry point of every rank: plain config and the job's plan figures in, rank 0's final figures out."""
     from trainer.rank.loop import train  # imported in the rank: the job process never builds a model
     from trainer.rank.nonfinite import NonFiniteError
@@ -64,10 +66,14 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: 
     stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu, out_dir=Path(out_dir))
+    world = init_world(
+        device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu, out_dir=Path(out_dir)
+    )
     if world.device.type == "cuda":
         apply_tf32(config.precision.tf32)
-    apply_memory_cap(config.device_memory_gib, world.device)  # after init: the runtime is not the rank's budget
+    apply_memory_cap(
+        config.device_memory_gib, world.device
+    )  # after init: the runtime is not the rank's budget
     with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
         try:
             result = train(config, world, Path(out_dir), stop, predicted)
@@ -82,7 +88,12 @@ def rank_main(plain: dict[str, Any], out_dir: str, device_kind: str, predicted: 
 
 
 def launch_local(
-    plain: dict[str, Any], out_dir: Path, device_kind: str, nproc: int, max_restarts: int, predicted: dict[str, float]
+    plain: dict[str, Any],
+    out_dir: Path,
+    device_kind: str,
+    nproc: int,
+    max_restarts: int,
+    predicted: dict[str, float],
 ) -> dict[str, Any] | None:
     """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
     returns the lowest local rank's result or raises RankFailure."""
@@ -93,7 +104,9 @@ def launch_local(
         nproc_per_node=nproc,
         # Every node must name the same rendezvous: the shared output directory does; one node alone
         # gets a fresh id per job.
-        run_id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12] if nodes > 1 else uuid.uuid4().hex[:12],
+        run_id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
+        if nodes > 1
+        else uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
         # One node: localhost:0, the OS picks a free port, so concurrent jobs (sweeps) on one host
         # never collide. Several: the endpoint every node was given or derived from the allocation.
@@ -108,7 +121,9 @@ def launch_local(
     # The launcher logs every failed rank's whole traceback at ERROR level; the job reports the
     # failure in one line instead and keeps the traceback in failures/rank{r}.json.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ... via SIGTERM"
+    logging.getLogger("torch.multiprocessing").setLevel(
+        logging.ERROR
+    )  # "Terminating process ... via SIGTERM"
     # With restarts, each attempt's ranks need a store of their own: the c10d rendezvous shares one
     # TCPStore across attempts by default, and a restarted rank can then read the dead attempt's
     # gloo/NCCL addresses and hang or fail to connect (pytorch/pytorch#135712; seen here as
@@ -125,7 +140,9 @@ def launch_local(
         # ranks were still running (they are stopped now): which rank failed is that node's to say.
         cause = one_line(err)
         raise RankFailure(rank=-1, exitcode=1, cause=cause, node=plain["node_rank"]) from None
-    return results[min(results)]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
+    return results[
+        min(results)
+    ]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
 
 
 def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capped: bool) -> RankFailure:
@@ -135,12 +152,17 @@ def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capp
     if record is None:
         return failure
     exitcode = exitcodes.get(record["rank"], failure.exitcode)
-    return RankFailure(record["rank"], exitcode, record["message"], record["oom"], record["step"], record["phase"])
+    return RankFailure(
+        record["rank"], exitcode, record["message"], record["oom"], record["step"], record["phase"]
+    )
 
 
 def first_failure(err: ChildFailedError) -> RankFailure:
     """The failed rank with the earliest timestamp, with its exception message or its signal."""
     rank, failure = err.get_first_failure()
-    cause = killed_by(failure.exitcode) if failure.exitcode < 0 else first_line(failure.message) or f"exit code {failure.exitcode}"
+    cause = (
+        killed_by(failure.exitcode)
+        if failure.exitcode < 0
+        else first_line(failure.message) or f"exit code {failure.exitcode}"
+    )
     return RankFailure(rank=rank, exitcode=failure.exitcode, cause=cause)
-

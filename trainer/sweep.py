@@ -94,9 +94,15 @@ class SweepCallback(Callback):
         # claiming would leave one empty directory per rank.
         if not is_under_torchrun() and config.get("nodes", 1) == 1:
             claim_fresh_dir(config, "run")
-        elif not is_under_torchrun() and "${now:" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")):
+        elif not is_under_torchrun() and "${now:" in str(
+            OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+        ):
             # The nodes of one job share its directory; each node's own clock would name another.
-            print(f"error: nodes={config.nodes} needs hydra.run.dir=<a directory every node shares>", file=sys.stderr, flush=True)
+            print(
+                f"error: nodes={config.nodes} needs hydra.run.dir=<a directory every node shares>",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -112,14 +118,20 @@ class SweepCallback(Callback):
             return
         out_dir = Path(config.hydra.runtime.output_dir)
         status = read_status(out_dir)
-        if (stop := sweep_stop(status)) is not None:  # Ctrl-C (or a preemption) ends the sweep after this point
+        if (
+            stop := sweep_stop(status)
+        ) is not None:  # Ctrl-C (or a preemption) ends the sweep after this point
             self.end_early(config, f"{stop.status}: the sweep stops after {out_dir.name}", stop.exit_code)
         if not config.get("fail_fast", False):
             return
         # No summary.json and no exception: a mode=plan point, which ends without one.
         if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
             return
-        self.end_early(config, f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here", 1)
+        self.end_early(
+            config,
+            f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here",
+            1,
+        )
 
     def end_early(self, config: DictConfig, line: str, code: int) -> None:
         """Stop the sweep after this point: the report of the points that ran, one line, `code`."""

@@ -76,7 +76,9 @@ def init_world(device_kind: str, offload_to_cpu: bool = False, out_dir: Path | N
         torch.set_num_threads(max(1, usable // local_world))
     if not dist.is_initialized():
         backend = process_group_backend(device_kind, offload_to_cpu)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10), device_id=device_id)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10), device_id=device_id
+        )
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

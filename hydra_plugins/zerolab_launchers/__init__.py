@@ -3,7 +3,6 @@ requeued after preemption (trainer/cluster.py). Hydra instantiates launchers onl
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as SubmititLocalLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
-
 from trainer.cluster import Requeueing
 
 

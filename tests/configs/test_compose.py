@@ -12,7 +12,18 @@ from omegaconf import OmegaConf
 from trainer.config import TrainConfig, register_configs, to_plain, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ["model", "precision", "zero", "checkpointing", "offload", "dataloader", "data", "optim", "save", "logger"]
+GROUPS = [
+    "model",
+    "precision",
+    "zero",
+    "checkpointing",
+    "offload",
+    "dataloader",
+    "data",
+    "optim",
+    "save",
+    "logger",
+]
 REQUIRED_OPTIONS = {
     "model": {"tiny", "125m", "350m", "1b", "7b", "13b", "70b"},
     "precision": {"fp32", "bf16", "fp16"},

@@ -34,7 +34,9 @@ def compose_with_hydra(tmp_path: Path, *overrides: str) -> DictConfig:
     register_configs()
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=[*overrides, f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+        return compose(
+            "train", overrides=[*overrides, f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True
+        )
 
 
 def class_name(obj: Any) -> str:
@@ -56,7 +58,9 @@ def built_executor(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> Any:
     return captured.value.args[0]._executor
 
 
-def test_slurm_preset_asks_for_one_task_and_nproc_gpus_on_each_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_preset_asks_for_one_task_and_nproc_gpus_on_each_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = compose_with_hydra(tmp_path, "hydra/launcher=slurm", "nodes=2", "nproc=8")
     assert class_name(instantiate(cfg.hydra.launcher)) == "hydra_plugins.zerolab_launchers.SlurmLauncher"
     with mocked_slurm():
@@ -66,11 +70,15 @@ def test_slurm_preset_asks_for_one_task_and_nproc_gpus_on_each_node(tmp_path: Pa
         assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (2, 1, 8)
         assert (params["cpus_per_task"], params["time"], params["signal_delay_s"]) == (64, 240, 120)
         assert executor.max_num_timeout == 3
-        sbatch = executor._make_submission_file_text("python -u -m submitit.core._submit folder", "uid").splitlines()
+        sbatch = executor._make_submission_file_text(
+            "python -u -m submitit.core._submit folder", "uid"
+        ).splitlines()
     for line in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=64", "--time=240"):
         assert f"#SBATCH {line}" in sbatch
     assert f"#SBATCH --signal={submitit.JobEnvironment.USR_SIG}@120" in sbatch  # submitit's preemption signal
-    assert any(line.startswith("srun ") and line.endswith("submitit.core._submit folder") for line in sbatch)  # one task per node
+    assert any(
+        line.startswith("srun ") and line.endswith("submitit.core._submit folder") for line in sbatch
+    )  # one task per node
 
 
 @pytest.mark.parametrize(
@@ -78,7 +86,9 @@ def test_slurm_preset_asks_for_one_task_and_nproc_gpus_on_each_node(tmp_path: Pa
     [(["nproc=auto"], 8), (["nproc=4"], 4), (["nproc=2", "device=cpu"], 0)],
     ids=["auto-is-an-8-gpu-node", "nproc", "cpu"],
 )
-def test_slurm_preset_gpus_follow_nproc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], gpus: int) -> None:
+def test_slurm_preset_gpus_follow_nproc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], gpus: int
+) -> None:
     cfg = compose_with_hydra(tmp_path, "hydra/launcher=slurm", *overrides)
     with mocked_slurm():
         assert built_executor(cfg, monkeypatch).parameters["gpus_per_node"] == gpus

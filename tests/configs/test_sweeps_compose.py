@@ -25,7 +25,9 @@ def compose_sweep(name: str, overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=[f"+sweeps={name}", *overrides], return_hydra_config=True)
+        return compose(
+            config_name="train", overrides=[f"+sweeps={name}", *overrides], return_hydra_config=True
+        )
 
 
 def sweep_points(params: DictConfig) -> list[list[str]]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -17,12 +17,19 @@ import torch.distributed as dist
 
 from tests.conftest import REPO
 from tests.unit.fakes import tiny_config
-from trainer.rank.cuda import apply_tf32, process_group_backend
 from trainer.data import build_batches
 from trainer.devices import find_device
+from trainer.rank.cuda import apply_tf32, process_group_backend
 from trainer.rank.loop import build_trainee, train_step
 from trainer.rank.nonfinite import NonFiniteGuard
-from trainer.saves.dcp import Progress, SaveSpec, load_training_state, rng_state, save_training_state, saved_keys
+from trainer.saves.dcp import (
+    Progress,
+    SaveSpec,
+    load_training_state,
+    rng_state,
+    save_training_state,
+    saved_keys,
+)
 from trainer.world import World
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +68,9 @@ def test_the_fork_server_leaves_cuda_uninitialised() -> None:
     """The ranks fork from a server that imported trainer/rank/preload.py: had the imports
     initialised CUDA, no forked rank could use the GPU."""
     code = "import torch, trainer.rank.preload; print(torch.cuda.is_available(), torch.cuda.is_initialized())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.split()[-2:] == ["True", "False"]
 
 
@@ -85,7 +94,9 @@ def test_tf32_switches_the_matmul_precision() -> None:
 def test_a_deferred_step_never_syncs_with_the_host(world: World, stage: str) -> None:
     config = cuda_config(zero__stage=stage, nonfinite="skip", fault__kind="nan_loss", fault__step=3)
     trainee = build_trainee(config, world)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16, defer=True)
+    guard = NonFiniteGuard(
+        config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16, defer=True
+    )
     assert trainee.optimizer.defaults["fused"]  # fused on CUDA by default
     batches = build_batches(config, 0, 1, start_step=0)
     train_step(trainee, batches, config, world, 1, guard)  # warm-up: lazy state, rope tables
@@ -103,10 +114,15 @@ def test_rng_state_of_a_gpu_rank_has_cuda_and_a_cpu_save_loads_on_it(world: Worl
     assert "cuda" in rng_state(world.device)
     cpu_world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     config = tiny_config()
-    save_training_state(build_trainee(config, cpu_world), SaveSpec.of(config), cpu_world, tmp_path, Progress(step=1))
+    save_training_state(
+        build_trainee(config, cpu_world), SaveSpec.of(config), cpu_world, tmp_path, Progress(step=1)
+    )
     path = tmp_path / "checkpoints" / "step_00000001"
     assert not any(".cuda" in key for key in saved_keys(path))
-    assert load_training_state(build_trainee(cuda_config(), world), SaveSpec.of(cuda_config()), world, path).step == 1
+    assert (
+        load_training_state(build_trainee(cuda_config(), world), SaveSpec.of(cuda_config()), world, path).step
+        == 1
+    )
 
 
 def test_fused_and_loop_adamw_agree(world: World) -> None:
@@ -115,7 +131,11 @@ def test_fused_and_loop_adamw_agree(world: World) -> None:
         config = cuda_config(optim__fused=fused)
         torch.manual_seed(config.seed)
         trainee = build_trainee(config, world)
-        guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16, defer=fused)
+        guard = NonFiniteGuard(
+            config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16, defer=fused
+        )
         batches = build_batches(config, 0, 1, start_step=0)
-        losses[fused] = [train_step(trainee, batches, config, world, s, guard).loss.item() for s in range(1, 6)]
+        losses[fused] = [
+            train_step(trainee, batches, config, world, s, guard).loss.item() for s in range(1, 6)
+        ]
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)

@@ -16,7 +16,17 @@ pytestmark = pytest.mark.gpu
 
 
 def test_gpu_counters_cover_the_model_states_and_mfu_uses_the_device_peak(tmp_path: Path) -> None:
-    job = ("model=tiny", "device=cuda", "nproc=1", "seq_len=64", "micro_batch=2", "log_every=1", "steps=3", "precision=bf16", "logger=none")
+    job = (
+        "model=tiny",
+        "device=cuda",
+        "nproc=1",
+        "seq_len=64",
+        "micro_batch=2",
+        "log_every=1",
+        "steps=3",
+        "precision=bf16",
+        "logger=none",
+    )
     record = run_trainer(tmp_path, *job).records[-1]
     states = sum(record[f"memory/rank0/{k}_gib"] for k in ("params", "grads", "optimizer"))
     assert record["memory/rank0/peak_allocated_gib"] >= states

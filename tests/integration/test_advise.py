@@ -14,9 +14,23 @@ REPO = Path(__file__).resolve().parents[2]
 def test_verify_runs_the_best_and_reports_measured_beside_predicted(tmp_path: Path) -> None:
     out, cache = tmp_path / "advice", tmp_path / "cache"
     cmd = [
-        sys.executable, "-m", "trainer", "mode=advise", "global_batch=4", "nproc=2", "device=cpu", "logger=none", "seq_len=32",
-        "advise.stages=[stage0,stage2]", "advise.checkpointing=[none]", "advise.reduce_dtypes=[fp32]",
-        "advise.micro_batches=[2]", "advise.verify=2", "advise.verify_steps=4", f"advise.cache_dir={cache}", f"hydra.run.dir={out}",
+        sys.executable,
+        "-m",
+        "trainer",
+        "mode=advise",
+        "global_batch=4",
+        "nproc=2",
+        "device=cpu",
+        "logger=none",
+        "seq_len=32",
+        "advise.stages=[stage0,stage2]",
+        "advise.checkpointing=[none]",
+        "advise.reduce_dtypes=[fp32]",
+        "advise.micro_batches=[2]",
+        "advise.verify=2",
+        "advise.verify_steps=4",
+        f"advise.cache_dir={cache}",
+        f"hydra.run.dir={out}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

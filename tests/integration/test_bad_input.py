@@ -74,11 +74,23 @@ with open(results_path, "w") as f:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Each case's exit status, stdout and stderr, by case id, with its output directory."""
     tmp = tmp_path_factory.mktemp("bad_input")
-    argvs = [["device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp / str(n)}"] for n, (overrides, _, _) in enumerate(CASES)]
+    argvs = [
+        ["device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp / str(n)}"]
+        for n, (overrides, _, _) in enumerate(CASES)
+    ]
     results = tmp / "results.json"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs), str(results)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(argvs), str(results)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {case_id(case): {**result, "out": tmp / str(n)} for n, (case, result) in enumerate(zip(CASES, json.loads(results.read_text())))}
+    return {
+        case_id(case): {**result, "out": tmp / str(n)}
+        for n, (case, result) in enumerate(zip(CASES, json.loads(results.read_text())))
+    }
 
 
 def case_id(case: tuple[list[str], str, str]) -> str:
@@ -86,7 +98,9 @@ def case_id(case: tuple[list[str], str, str]) -> str:
 
 
 @pytest.mark.parametrize("overrides,key,allowed", CASES, ids=[case_id(c) for c in CASES])
-def test_bad_input_is_one_line_naming_the_key(outcomes: dict[str, dict[str, Any]], overrides: list[str], key: str, allowed: str) -> None:
+def test_bad_input_is_one_line_naming_the_key(
+    outcomes: dict[str, dict[str, Any]], overrides: list[str], key: str, allowed: str
+) -> None:
     run = outcomes[" ".join(overrides)]
     lines = [line for line in run["stderr"].splitlines() if line.strip()]
     assert run["returncode"] == 2
@@ -96,10 +110,20 @@ def test_bad_input_is_one_line_naming_the_key(outcomes: dict[str, dict[str, Any]
     assert not (run["out"] / "metrics.jsonl").exists()  # no rank ever started
 
 
-def test_the_same_mistake_in_a_fresh_process_is_the_same_line(tmp_path: Path, outcomes: dict[str, dict[str, Any]]) -> None:
+def test_the_same_mistake_in_a_fresh_process_is_the_same_line(
+    tmp_path: Path, outcomes: dict[str, dict[str, Any]]
+) -> None:
     """The in-process driver is faithful: a real `python -m trainer` says exactly what it recorded."""
     for overrides in (["micro_batch=abc"], ["offload=cpu", "zero=stage1"]):  # Hydra's error; the schema's
-        cmd = [sys.executable, "-m", "trainer", "device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "device=cpu",
+            "logger=none",
+            *overrides,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2
         assert proc.stderr.strip() == outcomes[" ".join(overrides)]["stderr"].strip()

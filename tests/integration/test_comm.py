@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.telemetry.comm import window_figures, WindowReader
 from trainer.config import DeviceKind, DType, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
 from trainer.plan.comm import plan_comm
 from trainer.plan.states import model_shape
+from trainer.telemetry.comm import WindowReader, window_figures
 
 STAGES = ("stage0", "stage1", "stage2", "stage3")
 WORLD = 2
@@ -30,12 +30,19 @@ LOSS_STEPS = 20
 DEBUG_CASE = ("stage1", "fp32", 1, "fp32")
 
 
-def make_config(stage: str, precision: str, grad_accum: int, reduce_dtype: str = "fp32", steps: int = 3) -> TrainConfig:
+def make_config(
+    stage: str, precision: str, grad_accum: int, reduce_dtype: str = "fp32", steps: int = 3
+) -> TrainConfig:
     dtype = {"fp32": DType.float32, "bf16": DType.bfloat16}[precision]
     return TrainConfig(
         precision=PrecisionConfig(name=precision, compute_dtype=dtype),
         zero=ZeroConfig(stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype)),
-        micro_batch=2, seq_len=16, grad_accum=grad_accum, steps=steps, device=DeviceKind.cpu, nproc=str(WORLD),
+        micro_batch=2,
+        seq_len=16,
+        grad_accum=grad_accum,
+        steps=steps,
+        device=DeviceKind.cpu,
+        nproc=str(WORLD),
         log_every=1,  # the flight recorder is sized for one log window of this many steps (trainer/telemetry/comm.py)
     )
 
@@ -48,7 +55,9 @@ def key(case: tuple[str, str, int, str]) -> str:
     return "{} precision={} grad_accum={} reduce_dtype={}".format(*case)
 
 
-def run_case(config: TrainConfig, world: Any, measure_steps: int, count_collectives: bool = False) -> dict[str, Any]:
+def run_case(
+    config: TrainConfig, world: Any, measure_steps: int, count_collectives: bool = False
+) -> dict[str, Any]:
     """`measure_steps` recorded steps; under DDP after two warm-up steps (the second rebuilds the
     buckets in the order gradients arrived, broadcasting their int32 indices once)."""
     from torch.distributed.tensor.debug import CommDebugMode
@@ -74,14 +83,26 @@ def run_case(config: TrainConfig, world: Any, measure_steps: int, count_collecti
         else:
             losses.append(train_step(trainee, batches, config, world, step, guard).loss.item())
     entries = reader.take()
-    result = {"figures": window_figures(entries), "calls": len(entries or []), "losses": losses, "debug_counts": counted}
+    result = {
+        "figures": window_figures(entries),
+        "calls": len(entries or []),
+        "losses": losses,
+        "debug_counts": counted,
+    }
     del trainee
     gc.collect()
     return result
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    os.environ.update(
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
     from trainer.telemetry.comm import enable_recording
     from trainer.world import init_world, shutdown_world
 
@@ -89,10 +110,14 @@ def worker(rank: int, port: int, out: str) -> None:
     world = init_world("cpu")
     results: dict[str, Any] = {}
     for case in CASES:
-        results[key(case)] = run_case(make_config(*case), world, measure_steps=1, count_collectives=case == DEBUG_CASE)
+        results[key(case)] = run_case(
+            make_config(*case), world, measure_steps=1, count_collectives=case == DEBUG_CASE
+        )
     for reduce_dtype in ("fp32", "bf16"):
         config = make_config("stage3", "bf16", 1, reduce_dtype, steps=LOSS_STEPS)
-        results[f"losses reduce_dtype={reduce_dtype}"] = run_case(config, world, measure_steps=LOSS_STEPS)["losses"]
+        results[f"losses reduce_dtype={reduce_dtype}"] = run_case(config, world, measure_steps=LOSS_STEPS)[
+            "losses"
+        ]
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     shutdown_world()
@@ -136,7 +161,10 @@ def test_bf16_reduction_halves_the_gradient_bytes(measured: dict[str, Any]) -> N
     for stage in ("stage2", "stage3"):
         for precision in ("fp32", "bf16"):
             scalars = loop_bytes(make_config(stage, precision, 1))
-            fp32, bf16 = (measured[key((stage, precision, 1, r))]["figures"]["all_reduce"] - scalars for r in ("fp32", "bf16"))
+            fp32, bf16 = (
+                measured[key((stage, precision, 1, r))]["figures"]["all_reduce"] - scalars
+                for r in ("fp32", "bf16")
+            )
             assert bf16 * 2 == fp32 > 0, (stage, precision)
 
 

@@ -21,7 +21,15 @@ pytestmark = pytest.mark.timeout(300)
 
 def refused(out_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "trainer", "device=cpu", "logger=none", *overrides, f"hydra.run.dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "device=cpu",
+        "logger=none",
+        *overrides,
+        f"hydra.run.dir={out_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
 
@@ -35,7 +43,9 @@ def test_more_cpu_ranks_than_the_host_holds_are_refused_in_one_line(tmp_path: Pa
     proc, seconds = refused(tmp_path / "run", "nproc=64")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: does not fit this host: 64 CPU ranks each hold 0.40 GiB of process runtime")
+    assert lines[0].startswith(
+        "error: does not fit this host: 64 CPU ranks each hold 0.40 GiB of process runtime"
+    )
     assert "GiB available" in lines[0] and "Try nproc=" in lines[0]
     assert "warning: 64 CPU ranks share" in proc.stdout and "0.40 GiB process runtime per rank" in proc.stdout
     assert started_no_rank(tmp_path / "run")
@@ -47,14 +57,18 @@ def test_a_text_file_as_token_file_is_refused_in_one_line(tmp_path: Path) -> Non
     text.write_text("not token ids\n" * 100)
     proc, _ = refused(tmp_path / "run", "nproc=2", "data=tokens", f"data.path={text}")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: data.path: {text} is not a .npy file of token ids; make one with `python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: data.path: {text} is not a .npy file of token ids; make one with `python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`"
+    ]
     assert not (tmp_path / "run" / "plan.json").exists() and started_no_rank(tmp_path / "run")
 
 
 SAVING = ("nproc=2", "precision=fp32", "steps=12", "optim.warmup_steps=2", "save.every=4", "save.keep=3")
 
 
-def test_a_truncated_shard_in_the_newest_save_is_skipped_and_the_previous_save_resumed(tmp_path: Path) -> None:
+def test_a_truncated_shard_in_the_newest_save_is_skipped_and_the_previous_save_resumed(
+    tmp_path: Path,
+) -> None:
     day = tmp_path / "runs" / "day"
     run = run_trainer(day / "t1", *TINY, *SAVING)
     uninterrupted = run.losses
@@ -66,29 +80,51 @@ def test_a_truncated_shard_in_the_newest_save_is_skipped_and_the_previous_save_r
         f.truncate(size // 2)
 
     resumed = run_trainer(day / "t2", *TINY, *SAVING, "resume=true")
-    assert f"resume: skipping {newest}: __1_0.distcp is {size // 2} bytes; .metadata says {size}" in resumed.stdout
+    assert (
+        f"resume: skipping {newest}: __1_0.distcp is {size // 2} bytes; .metadata says {size}"
+        in resumed.stdout
+    )
     assert f"resume: from step 8 of {run.out_dir / 'checkpoints' / 'step_00000008'}" in resumed.stdout
     assert [r["step"] for r in run.records] == list(range(1, 13))  # rewound to step 8, then 9-12 again
     assert run.losses == uninterrupted  # bitwise, steps 9-12 included
     assert save_problem(newest) is None  # the step-12 save written again, whole
 
 
-def test_a_save_that_cannot_be_written_ends_crashed_naming_the_path_with_earlier_saves_intact(tmp_path: Path) -> None:
+def test_a_save_that_cannot_be_written_ends_crashed_naming_the_path_with_earlier_saves_intact(
+    tmp_path: Path,
+) -> None:
     out_dir = tmp_path / "run"
-    blocked = out_dir / "checkpoints" / ".tmp_step_00000008"  # a file where the step-8 save must make its directory
+    blocked = (
+        out_dir / "checkpoints" / ".tmp_step_00000008"
+    )  # a file where the step-8 save must make its directory
     blocked.parent.mkdir(parents=True)
     blocked.write_text("")
     run = run_trainer(out_dir, *TINY, *SAVING, check=False)
     assert run.returncode == 1 and run.summary["status"] == "crashed"
     line = run.stderr.strip().splitlines()[-1]
-    assert f"at step 8 (save): SaveError: could not write the save of step 8 under {out_dir / 'checkpoints'}" in line
+    assert (
+        f"at step 8 (save): SaveError: could not write the save of step 8 under {out_dir / 'checkpoints'}"
+        in line
+    )
     assert str(blocked) in line and "Traceback" not in run.stderr
-    assert [save_step(p) for p in list_saves(out_dir)] == [4] and save_problem(out_dir / "checkpoints" / "step_00000004") is None
+    assert [save_step(p) for p in list_saves(out_dir)] == [4] and save_problem(
+        out_dir / "checkpoints" / "step_00000004"
+    ) is None
 
 
 def test_wandb_dying_mid_run_leaves_one_warning_and_an_ok_job(tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "trainer", *TINY, "nproc=2", "steps=20", "save=off", "logger=wandb", f"hydra.run.dir={out_dir}"]
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        *TINY,
+        "nproc=2",
+        "steps=20",
+        "save=off",
+        "logger=wandb",
+        f"hydra.run.dir={out_dir}",
+    ]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = out_dir / "metrics.jsonl", time.monotonic() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -101,5 +137,7 @@ def test_wandb_dying_mid_run_leaves_one_warning_and_an_ok_job(tmp_path: Path) ->
     stdout, stderr = proc.communicate(timeout=240)
     run = Run(proc.returncode, stdout, stderr, out_dir)
     assert run.returncode == 0 and run.summary["status"] == "ok", stderr
-    assert error_lines(stderr) == ["warning: W&B stopped working (ConnectionResetError: Connection lost); metrics.jsonl and summary.json are complete"]
+    assert error_lines(stderr) == [
+        "warning: W&B stopped working (ConnectionResetError: Connection lost); metrics.jsonl and summary.json are complete"
+    ]
     assert [r["step"] for r in run.records] == list(range(1, 21))

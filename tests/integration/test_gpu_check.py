@@ -10,8 +10,8 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
@@ -59,8 +59,15 @@ def test_dry_run_produces_every_row_and_passes(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["check"]: row for row in results["rows"]}
     assert results["dry_run"] and [row["check"] for row in results["rows"]] == ROWS
-    assert proc.returncode == 0, [(r["check"], r["status"], r["note"]) for r in results["rows"] if r["status"] not in ("pass", "info", "skip")]
-    assert rows["fp16 injected overflow"]["figures"]["scales"][2] == rows["fp16 injected overflow"]["figures"]["scales"][1] / 2
+    assert proc.returncode == 0, [
+        (r["check"], r["status"], r["note"])
+        for r in results["rows"]
+        if r["status"] not in ("pass", "info", "skip")
+    ]
+    assert (
+        rows["fp16 injected overflow"]["figures"]["scales"][2]
+        == rows["fp16 injected overflow"]["figures"]["scales"][1] / 2
+    )
     assert rows["oom under device_memory_gib"]["figures"]["status"] == "oom"
     assert rows["cpu save resumed on the device"]["figures"]["first_step"] == 5
     assert rows["throughput 125m bf16 stage3"]["figures"]["predicted_allocated_gib"] > 0

@@ -16,11 +16,28 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, TINY, run_trainer
-from tests.integration.test_sweeps import point_dirs, read_csv, run_sweep, settings, summary, table_rows, wandb_run
+from tests.integration.test_sweeps import (
+    point_dirs,
+    read_csv,
+    run_sweep,
+    settings,
+    summary,
+    table_rows,
+    wandb_run,
+)
 from trainer.telemetry.wandb_logger import sweep_group
 
 # Two points whose processes submitit starts together: tiny and short (steps=3).
-POINT = ("nproc=2", "device=cpu", "model=tiny", "steps=3", "seq_len=64", "log_every=1", "save=off", "logger=wandb")
+POINT = (
+    "nproc=2",
+    "device=cpu",
+    "model=tiny",
+    "steps=3",
+    "seq_len=64",
+    "log_every=1",
+    "save=off",
+    "logger=wandb",
+)
 
 
 @pytest.mark.timeout(480)
@@ -48,7 +65,9 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str], timeout
     """Until rank 0 has logged `step` (the sweep's process still running)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line.strip()):
+        if metrics.exists() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line.strip()
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(f"step {step} never logged in {metrics}")
@@ -69,7 +88,15 @@ def test_a_preempted_point_is_requeued_and_resumes_by_itself(tmp_path: Path) -> 
     requeued job goes on from the save to the last step, bitwise like a run never stopped."""
     point = (*TINY, "nproc=2", "steps=8", "save.every=100", "logger=wandb")
     sweep_dir = tmp_path / "sweep"
-    args = [sys.executable, "-m", "trainer", "-m", "hydra/launcher=local", *point, f"hydra.sweep.dir={sweep_dir}"]
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "-m",
+        "hydra/launcher=local",
+        *point,
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = None
@@ -89,10 +116,15 @@ def test_a_preempted_point_is_requeued_and_resumes_by_itself(tmp_path: Path) -> 
     assert point_dirs(sweep_dir) == [run_dir]  # requeued into its own directory, no second one
     logs = "".join(p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.*"))
     stopped = int(re.search(r"stopped the job after step (\d+)", logs).group(1))  # type: ignore[union-attr]
-    assert "Requeued job" in logs and f"resume: from step {stopped} of {run_dir}/checkpoints/step_{stopped:08d}" in logs
+    assert (
+        "Requeued job" in logs
+        and f"resume: from step {stopped} of {run_dir}/checkpoints/step_{stopped:08d}" in logs
+    )
     assert 2 <= stopped < 8 and summary(run_dir)["status"] == "ok"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))  # one history, the requeued job's steps after the save
+    assert [r["step"] for r in records] == list(
+        range(1, 9)
+    )  # one history, the requeued job's steps after the save
     straight = run_trainer(tmp_path / "straight", *TINY, "nproc=2", "steps=8", "save=off")
     assert [r["loss/train"] for r in records] == straight.losses  # bitwise: the save holds everything
     runs = {wandb_run(f)["run_id"] for f in run_dir.glob("wandb/offline-run-*/run-*.wandb")}

@@ -28,11 +28,22 @@ def free_port() -> int:
 
 def run_two_nodes(out: Path, *overrides: str, timeout: float = 240) -> list[Run]:
     """Both node processes of one job, started together; their Runs in node order."""
-    common = [*TINY, *STEPS, "nproc=1", "nodes=2", f"rdzv_endpoint=localhost:{free_port()}", *overrides, f"hydra.run.dir={out}"]
+    common = [
+        *TINY,
+        *STEPS,
+        "nproc=1",
+        "nodes=2",
+        f"rdzv_endpoint=localhost:{free_port()}",
+        *overrides,
+        f"hydra.run.dir={out}",
+    ]
     procs = [
         subprocess.Popen(
             ["taskset", "-c", str(node), sys.executable, "-m", "trainer", *common, f"node_rank={node}"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for node in (0, 1)
     ]
@@ -56,7 +67,9 @@ def test_a_killed_rank_ends_both_nodes_crashed_naming_rank_and_node(tmp_path: Pa
     node0, node1 = run_two_nodes(tmp_path / "killed", "fault.kind=kill", "fault.step=3", "fault.rank=1")
     # c10d's rendezvous decides which node holds global rank 1 (it orders the nodes by host name and
     # process id); the node that saw its rank killed said so in its record.
-    killed = [json.loads(p.read_text()) for p in sorted((tmp_path / "killed" / "failures").glob("node*.json"))]
+    killed = [
+        json.loads(p.read_text()) for p in sorted((tmp_path / "killed" / "failures").glob("node*.json"))
+    ]
     node = next(r["node"] for r in killed if r["exitcode"] == -9 and r["rank"] == 1)
     expected = f"error: rank 1 on node {node} failed: killed by SIGKILL (exit code -9)"
     for run in (node0, node1):

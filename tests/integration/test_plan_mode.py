@@ -15,7 +15,16 @@ from tests.conftest import REPO, run_trainer
 
 GIB = 2**30
 LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
-TINY_JOB = ("model=tiny", "nproc=2", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "steps=2", "log_every=1")
+TINY_JOB = (
+    "model=tiny",
+    "nproc=2",
+    "device=cpu",
+    "logger=none",
+    "seq_len=64",
+    "micro_batch=2",
+    "steps=2",
+    "log_every=1",
+)
 
 # Runs `python -m trainer ARGS` as the only child of a fresh interpreter and prints that child's
 # peak resident memory (bytes): RUSAGE_CHILDREN of a process with one child is that child's.
@@ -32,13 +41,24 @@ def multirun(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    return sorted((p for p in sweep_dir.iterdir() if (p / "plan.json").is_file()), key=lambda p: int(p.name.split("_")[0]))
+    return sorted(
+        (p for p in sweep_dir.iterdir() if (p / "plan.json").is_file()),
+        key=lambda p: int(p.name.split("_")[0]),
+    )
 
 
 def test_plan_mode_gives_llama2_counts_and_zero3_arithmetic_without_a_model(tmp_path: Path) -> None:
     """Acceptance 1: 7b, 13b, 70b at stage3 on 8 bf16 ranks, planned in one process whose peak
     memory stays far below even one rank's fp32 states of 7b (25 GiB): nothing is allocated."""
-    args = ["-m", "mode=plan", "model=7b,13b,70b", "zero=stage3", "nproc=8", "precision=bf16", "plan.accelerator=h100"]
+    args = [
+        "-m",
+        "mode=plan",
+        "model=7b,13b,70b",
+        "zero=stage3",
+        "nproc=8",
+        "precision=bf16",
+        "plan.accelerator=h100",
+    ]
     command = [sys.executable, "-c", PEAK_RSS, *args, f"hydra.sweep.dir={tmp_path}"]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     peak_rss, returncode = (int(x) for x in proc.stdout.split("PEAK_RSS")[1].split(" RC "))
@@ -63,8 +83,15 @@ def test_plan_mode_gives_llama2_counts_and_zero3_arithmetic_without_a_model(tmp_
 
 def test_plan_mode_plans_64_ranks_on_a_2_core_host(tmp_path: Path) -> None:
     run = run_trainer(
-        tmp_path, "mode=plan", "model=70b", "zero=stage3", "nproc=64", "precision=bf16",
-        "micro_batch=1", "seq_len=4096", "checkpointing=full",
+        tmp_path,
+        "mode=plan",
+        "model=70b",
+        "zero=stage3",
+        "nproc=64",
+        "precision=bf16",
+        "micro_batch=1",
+        "seq_len=4096",
+        "checkpointing=full",
     )
     plan = json.loads((tmp_path / "plan.json").read_text())
     P = LLAMA2["70b"]
@@ -99,14 +126,19 @@ def test_plan_enforce_false_starts_the_ranks_anyway(tmp_path: Path) -> None:
     """A cap below the planned peak is refused; with plan.enforce=false the ranks start and meet it."""
     refused = run_trainer(tmp_path / "enforced", *TINY_JOB, "device_memory_gib=0.001", check=False)
     assert refused.returncode == 2 and refused.summary["status"] == "refused"
-    tried = run_trainer(tmp_path / "tried", *TINY_JOB, "device_memory_gib=0.001", "plan.enforce=false", check=False)
+    tried = run_trainer(
+        tmp_path / "tried", *TINY_JOB, "device_memory_gib=0.001", "plan.enforce=false", check=False
+    )
     assert "trying anyway" in tried.stdout
     assert tried.summary["status"] != "refused"
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [("zero=stage1", "precision=bf16", "checkpointing=full"), ("zero=stage2", "precision=fp32", "checkpointing=none")],
+    [
+        ("zero=stage1", "precision=bf16", "checkpointing=full"),
+        ("zero=stage2", "precision=fp32", "checkpointing=none"),
+    ],
 )
 def test_each_rank_measures_what_the_plan_predicts(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     """The plan next to the ranks' own figures: model states to the byte, the peak within 5%."""
@@ -119,6 +151,8 @@ def test_each_rank_measures_what_the_plan_predicts(tmp_path: Path, overrides: tu
         peak = max(record[f"memory/rank{r}/peak_allocated_gib"] for record in measured)
         assert abs(rank["peak_gib"] - peak) / peak < 0.05
         for kind in ("params", "grads", "optimizer"):
-            assert round(run.records[-1][f"memory/rank{r}/{kind}_gib"] * GIB) == round(rank[f"{kind}_gib"] * GIB)
+            assert round(run.records[-1][f"memory/rank{r}/{kind}_gib"] * GIB) == round(
+                rank[f"{kind}_gib"] * GIB
+            )
     assert run.summary["memory/predicted_peak_gib"] == plan["peak_gib"]
     assert measured[-1]["memory/predicted_peak_gib"] == pytest.approx(plan["peak_gib"])

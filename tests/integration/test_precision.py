@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 INIT_SCALE = 1024.0
-FP16 = ("precision=fp16", f"precision.loss_scale_init={INIT_SCALE}", "precision.growth_interval=1000", "nproc=2")
+FP16 = (
+    "precision=fp16",
+    f"precision.loss_scale_init={INIT_SCALE}",
+    "precision.growth_interval=1000",
+    "nproc=2",
+)
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
@@ -13,7 +18,9 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_both(trainer, stage: str)
     run = trainer(*FP16, f"zero={stage}", "steps=5", "fault.kind=inf_grad", "fault.step=3", "fault.rank=1")
     by_step = {r["step"]: r for r in run.records}
     assert [by_step[s]["precision/overflow"] for s in range(1, 6)] == [0, 0, 1, 0, 0]
-    assert [by_step[s]["precision/loss_scale"] for s in range(1, 6)] == [INIT_SCALE] * 2 + [INIT_SCALE / 2] * 3
+    assert [by_step[s]["precision/loss_scale"] for s in range(1, 6)] == [INIT_SCALE] * 2 + [
+        INIT_SCALE / 2
+    ] * 3
     assert [by_step[s]["precision/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     # The meter checks that every rank reports the same scale and skip count on every log step.
     assert run.summary["status"] == "ok"
@@ -22,7 +29,9 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_both(trainer, stage: str)
 TOLERANCE = {"bf16": 0.02, "fp16": 0.005}  # relative, at every step
 
 
-@pytest.mark.parametrize("stage", ["stage0", "stage3"])  # autocast under DDP; MixedPrecisionPolicy under FSDP2
+@pytest.mark.parametrize(
+    "stage", ["stage0", "stage3"]
+)  # autocast under DDP; MixedPrecisionPolicy under FSDP2
 def test_low_precision_tracks_fp32(trainer, stage: str) -> None:
     """Each step's loss within TOLERANCE of the fp32 run; the curves fall together."""
     short = ("nproc=2", "steps=10", "optim.warmup_steps=2")

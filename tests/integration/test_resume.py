@@ -39,7 +39,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def test_a_killed_run_resumes_with_bitwise_equal_losses(tmp_path: Path, reference: Run) -> None:
     day = tmp_path / "runs" / "day"
     killed = job(day / "t1", *RUN, STAGE, *KILL_RANK1_AT_7, "logger=wandb", check=False)
-    assert killed.returncode == 1 and killed.summary["status"] == "crashed" and killed.summary["failed_rank"] == 1
+    assert (
+        killed.returncode == 1
+        and killed.summary["status"] == "crashed"
+        and killed.summary["failed_rank"] == 1
+    )
     assert killed.losses == reference.losses[:6]
     assert [save_step(p) for p in list_saves(killed.out_dir)] == [4]
 
@@ -60,7 +64,9 @@ def test_a_killed_run_resumes_with_bitwise_equal_losses(tmp_path: Path, referenc
 def test_a_kill_during_a_save_leaves_the_previous_save_to_resume_from(tmp_path: Path, reference: Run) -> None:
     """Rank 0 is SIGKILLed after writing the step-8 save, before renaming it into place."""
     run_dir = tmp_path / "runs" / "day" / "t1"
-    killed = job(run_dir, *RUN, STAGE, "fault.kind=kill_during_save", "fault.step=8", "fault.rank=0", check=False)
+    killed = job(
+        run_dir, *RUN, STAGE, "fault.kind=kill_during_save", "fault.step=8", "fault.rank=0", check=False
+    )
     assert killed.returncode == 1 and killed.summary["status"] == "crashed"
     half_written = run_dir / "checkpoints" / ".tmp_step_00000008"
     assert (half_written / ".metadata").is_file()  # every byte written, yet not a save
@@ -96,14 +102,20 @@ def stage3_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     [("nproc=1", "micro_batch=4", "zero=stage0"), ("nproc=2", "micro_batch=2", "zero=stage1")],
     ids=["1 rank stage0", "2 ranks stage1"],
 )
-def test_a_stage3_save_resumes_on_another_world_size_and_stage(tmp_path: Path, stage3_run: Run, target: tuple[str, ...]) -> None:
+def test_a_stage3_save_resumes_on_another_world_size_and_stage(
+    tmp_path: Path, stage3_run: Run, target: tuple[str, ...]
+) -> None:
     """Step 4 checks the weights, steps 5-6 the optimizer state and the schedule as well;
     the global batch (4 sequences) is the same, so the data stream goes on at sample 12."""
     save = stage3_run.out_dir / "checkpoints" / "step_00000003"
     resumed = job(tmp_path / "run", *RESHARD, *target, f"resume={save}")
     assert [r["step"] for r in resumed.records] == [4, 5, 6]
     for record, expected in zip(resumed.records, stage3_run.records[3:]):
-        assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record["step"], record["loss/train"], expected["loss/train"])
+        assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (
+            record["step"],
+            record["loss/train"],
+            expected["loss/train"],
+        )
 
 
 # ----------------------------------------------------------------------------- non-finite policy
@@ -120,11 +132,17 @@ def skipping_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def test_nonfinite_raise_stops_naming_the_step_rank_and_loss(tmp_path: Path, skipping_run: Run) -> None:
     run = job(tmp_path / "run", *SHORT, *NAN_ON_RANK1_AT_3, check=False)
     assert run.returncode == 1
-    assert one_error_line(run) == "error: non-finite loss at step 3 on rank 1 (nonfinite=raise; nonfinite=skip skips such steps)"
+    assert (
+        one_error_line(run)
+        == "error: non-finite loss at step 3 on rank 1 (nonfinite=raise; nonfinite=skip skips such steps)"
+    )
     assert run.summary["status"] == "diverged" and run.summary["steps_done"] == 2
     # The last good state is saved: bitwise the state after step 2 (the same as the skipping run's).
     assert [save_step(p) for p in list_saves(run.out_dir)] == [1, 2]
-    last_good, reference = saved_state(run.out_dir, 2, tmp_path), saved_state(skipping_run.out_dir, 2, tmp_path)
+    last_good, reference = (
+        saved_state(run.out_dir, 2, tmp_path),
+        saved_state(skipping_run.out_dir, 2, tmp_path),
+    )
     assert read_progress(run.out_dir / "checkpoints" / "step_00000002")["step"] == 2
     assert_states_equal(last_good, reference, prefixes=("model.", "optim."))
 
@@ -141,9 +159,14 @@ def test_nonfinite_skip_skips_one_step_and_finishes(tmp_path: Path, skipping_run
 
 
 def test_a_diverging_learning_rate_ends_in_one_line_not_a_traceback(tmp_path: Path) -> None:
-    run = job(tmp_path / "run", "nproc=2", "precision=fp32", "steps=4", "optim.lr=1e30", "save.every=0", check=False)
+    run = job(
+        tmp_path / "run", "nproc=2", "precision=fp32", "steps=4", "optim.lr=1e30", "save.every=0", check=False
+    )
     assert run.returncode == 1 and run.summary["status"] == "diverged"
-    assert one_error_line(run) == "error: non-finite loss at step 2 on ranks 0, 1 (nonfinite=raise; nonfinite=skip skips such steps)"
+    assert (
+        one_error_line(run)
+        == "error: non-finite loss at step 2 on ranks 0, 1 (nonfinite=raise; nonfinite=skip skips such steps)"
+    )
 
 
 # ----------------------------------------------------------------------------- helpers

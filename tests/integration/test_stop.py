@@ -40,12 +40,16 @@ class Signalled:
     """Processes of the job's session still alive 5 s after it exited."""
 
 
-def signal_job(out_dir: Path, *overrides: str, sig: signal.Signals, group: bool, at_step: int = 3, again: bool = False) -> Signalled:
+def signal_job(
+    out_dir: Path, *overrides: str, sig: signal.Signals, group: bool, at_step: int = 3, again: bool = False
+) -> Signalled:
     """Start `python -m trainer` in its own session, send `sig` once metrics.jsonl has `at_step`
     records (to the process group, as a terminal does, or to the job process, as SLURM does);
     with `again`, send it a second time as soon as the job says it is stopping."""
     args = [sys.executable, "-m", "trainer", *TINY, *overrides, f"hydra.run.dir={out_dir}"]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     send = (lambda s: os.killpg(proc.pid, s)) if group else (lambda s: os.kill(proc.pid, s))
     stdout: list[str] = []
     stopping = threading.Event()
@@ -100,7 +104,13 @@ def session_processes(sid: int) -> list[psutil.Process]:
 def wandb_end(out_dir: Path) -> dict:
     files = sorted(out_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    out = subprocess.run([str(WANDB), "leet", "inspect", "--json", str(files[0])], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [str(WANDB), "leet", "inspect", "--json", str(files[0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {r["type"]: r[r["type"]] for r in records if r["type"] in ("exit", "preempting")}
 
@@ -111,7 +121,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_trainer(tmp_path_factory.mktemp("ref") / "runs" / "day" / "t0", *TINY, *JOB)
 
 
-def test_ctrl_c_ends_interrupted_with_a_save_and_resume_is_bitwise_equal(tmp_path: Path, reference: Run) -> None:
+def test_ctrl_c_ends_interrupted_with_a_save_and_resume_is_bitwise_equal(
+    tmp_path: Path, reference: Run
+) -> None:
     day = tmp_path / "runs" / "day"
     stopped = signal_job(day / "t1", *JOB, "logger=wandb", sig=signal.SIGINT, group=True)
     run = stopped.run
@@ -124,7 +136,9 @@ def test_ctrl_c_ends_interrupted_with_a_save_and_resume_is_bitwise_equal(tmp_pat
     assert stopped.signalled_after <= k < 30
     assert [save_step(p) for p in list_saves(run.out_dir)] == [k]
     assert run.losses == reference.losses[:k]
-    assert wandb_end(run.out_dir) == {"exit": {"exit_code": 130, "runtime": wandb_end(run.out_dir)["exit"]["runtime"]}}
+    assert wandb_end(run.out_dir) == {
+        "exit": {"exit_code": 130, "runtime": wandb_end(run.out_dir)["exit"]["runtime"]}
+    }
     assert stopped.left_running == []
 
     resumed = run_trainer(day / "t2", *TINY, *JOB, "resume=true")
@@ -133,14 +147,22 @@ def test_ctrl_c_ends_interrupted_with_a_save_and_resume_is_bitwise_equal(tmp_pat
     assert run.losses == reference.losses  # bitwise, every step after the stop included
 
 
-def test_sigterm_to_the_job_process_ends_preempted_with_a_save_and_resume_is_bitwise_equal(tmp_path: Path, reference: Run) -> None:
+def test_sigterm_to_the_job_process_ends_preempted_with_a_save_and_resume_is_bitwise_equal(
+    tmp_path: Path, reference: Run
+) -> None:
     """SLURM's preemption: SIGTERM to the job process only; the ranks hear of it from the job."""
     day = tmp_path / "runs" / "day"
     stopped = signal_job(day / "t1", *JOB, "logger=wandb", sig=signal.SIGTERM, group=False)
     run = stopped.run
-    assert run.returncode == 143 and error_lines(run.stderr) == [f"preempted: SIGTERM stopped the job after step {run.summary['stopped_step']}; saved {run.summary['save']}: resume=true continues from it"], run.stderr
+    assert run.returncode == 143 and error_lines(run.stderr) == [
+        f"preempted: SIGTERM stopped the job after step {run.summary['stopped_step']}; saved {run.summary['save']}: resume=true continues from it"
+    ], run.stderr
     k = run.summary["stopped_step"]
-    assert (run.summary["status"], run.summary["stop_signal"], run.summary["steps_done"]) == ("preempted", "SIGTERM", k)
+    assert (run.summary["status"], run.summary["stop_signal"], run.summary["steps_done"]) == (
+        "preempted",
+        "SIGTERM",
+        k,
+    )
     assert stopped.signalled_after <= k < 30
     assert run.summary["save"] == str(run.out_dir / "checkpoints" / f"step_{k:08d}")
     assert [save_step(p) for p in list_saves(run.out_dir)] == [k]
@@ -165,8 +187,21 @@ def test_a_second_ctrl_c_stops_at_once_leaving_no_process_and_no_partial_save(tm
 
 def test_ctrl_c_stops_a_sweep_after_the_current_point_with_a_report(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = [sys.executable, "-m", "trainer", "-m", *TINY, "nproc=2", "steps=30", "save=off", "micro_batch=1,2", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "-m",
+        *TINY,
+        "nproc=2",
+        "steps=30",
+        "save=off",
+        "micro_batch=1,2",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 180
     while not any(len(m.read_text().splitlines()) >= 3 for m in sweep_dir.glob("0_*/metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline

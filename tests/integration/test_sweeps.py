@@ -25,10 +25,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from trainer.config import register_configs
-from trainer.telemetry.wandb_logger import sweep_group
 from trainer.report.sweep_report import COLUMNS
-from trainer.sweep import SweepCallback
 from trainer.report.wandb_report import load_report_json
+from trainer.sweep import SweepCallback
+from trainer.telemetry.wandb_logger import sweep_group
 
 REPO = Path(__file__).resolve().parents[2]
 WANDB = Path(sys.executable).parent / "wandb"
@@ -36,17 +36,29 @@ POINT = ("nproc=2", "device=cpu", "model=tiny", "steps=5", "seq_len=64", "log_ev
 REPORT_FILES = ("results.csv", "report.md", "throughput.png", "memory.png", "losses.png")
 # A cap that micro_batch=1 stays far below and that micro_batch=64 at seq_len 256 (~0.8 GiB of
 # activations per rank, the plan says) cannot fit; plan.enforce=false so that it runs and fails.
-CAPPED = ("device_memory_gib=0.25", "nproc=2", "device=cpu", "model=tiny", "steps=2", "seq_len=256", "log_every=1")
+CAPPED = (
+    "device_memory_gib=0.25",
+    "nproc=2",
+    "device=cpu",
+    "model=tiny",
+    "steps=2",
+    "seq_len=256",
+    "log_every=1",
+)
 
 
-def run_sweep(sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_sweep(
+    sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "trainer", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
     """The sweep's point directories in point order."""
-    return sorted((d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0]))
+    return sorted(
+        (d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0])
+    )
 
 
 def settings(point: Path) -> dict[str, str]:
@@ -64,17 +76,31 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def table_rows(report_md: Path) -> list[str]:
-    return [line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    return [
+        line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()
+    ]
 
 
 def wandb_records(run_file: Path) -> list[dict[str, Any]]:
     """Every record of an offline run, read back with W&B's own reader."""
-    out = subprocess.run([str(WANDB), "leet", "inspect", "--json", str(run_file)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [str(WANDB), "leet", "inspect", "--json", str(run_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
 def wandb_summary(run_file: Path) -> dict[str, Any]:
-    out = subprocess.run([str(WANDB), "leet", "inspect", "--summary", "--json", str(run_file)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [str(WANDB), "leet", "inspect", "--summary", "--json", str(run_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -94,7 +120,14 @@ def named_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
     """Acceptance 1 and 3: the named sweep micro_batch_x_stage, its grid narrowed on the command
     line to micro_batch=1,2 x zero=stage2,stage3 (its 16 points take too long for the suite)."""
     sweep_dir = tmp_path_factory.mktemp("named") / "sweep"
-    proc = run_sweep(sweep_dir, "+sweeps=micro_batch_x_stage", "micro_batch=1,2", "zero=stage2,stage3", *POINT, "logger=wandb")
+    proc = run_sweep(
+        sweep_dir,
+        "+sweeps=micro_batch_x_stage",
+        "micro_batch=1,2",
+        "zero=stage2,stage3",
+        *POINT,
+        "logger=wandb",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Sweep(sweep_dir, proc, {name: (sweep_dir / name).read_bytes() for name in REPORT_FILES})
 
@@ -110,11 +143,15 @@ def test_every_point_runs_in_its_own_directory_and_the_report_has_a_row_each(nam
         assert row["status"] == "ok"
         assert float(row["tokens_per_s"]) == summary(point)["throughput/tokens_per_s"]
         assert float(row["final_loss"]) == summary(point)["loss/final"]
-        assert row["overrides"] == f"micro_batch={settings(point)['micro_batch']} zero={settings(point)['zero']}"
+        assert (
+            row["overrides"] == f"micro_batch={settings(point)['micro_batch']} zero={settings(point)['zero']}"
+        )
     fastest = max(rows, key=lambda row: float(row["tokens_per_s"]))
     assert [row["fastest"] for row in rows] == [str(row is fastest) for row in rows]
     table = table_rows(named_sweep.dir / "report.md")
-    assert [line.split(" | ")[2] for line in table] == ["**ok, fastest**" if row is fastest else "ok" for row in rows]
+    assert [line.split(" | ")[2] for line in table] == [
+        "**ok, fastest**" if row is fastest else "ok" for row in rows
+    ]
     for name in ("throughput.png", "memory.png", "losses.png"):
         assert matplotlib.image.imread(named_sweep.dir / name).shape[:2] == (550, 900)
 
@@ -130,26 +167,50 @@ def test_points_and_the_report_are_wandb_runs_in_one_group(named_sweep: Sweep) -
     history = next(r["history"]["item"] for r in wandb_records(report_file) if r["type"] == "history")
     assert history["sweep/results._type"] == "table-file"
     assert {history[f"sweep/{chart}._type"] for chart in ("throughput", "memory", "losses")} == {"image-file"}
-    table = json.loads(next(report_file.parent.glob("files/media/table/sweep/results_*.table.json")).read_text())
+    table = json.loads(
+        next(report_file.parent.glob("files/media/table/sweep/results_*.table.json")).read_text()
+    )
     assert table["columns"] == COLUMNS
     csv_rows = read_csv(named_sweep.dir / "results.csv")
     index = COLUMNS.index("tokens_per_s")
     assert [row[index] for row in table["data"]] == [float(row["tokens_per_s"]) for row in csv_rows]
 
 
-def test_every_run_has_its_tags_typed_swept_values_and_summary_json_as_its_summary(named_sweep: Sweep) -> None:
+def test_every_run_has_its_tags_typed_swept_values_and_summary_json_as_its_summary(
+    named_sweep: Sweep,
+) -> None:
     """Issue 9, acceptance 2: read back with `wandb leet inspect --json`."""
     for point in point_dirs(named_sweep.dir):
         run_file = next(point.glob("wandb/offline-run-*/run-*.wandb"))
         run, end, local = wandb_run(run_file), wandb_summary(run_file), summary(point)
         chosen = settings(point)
-        assert sorted(end["tags"]) == sorted([f"zero={chosen['zero']}", "model=tiny", "precision=fp32", "checkpointing=none", "offload=none", "sweep"])
-        assert run["config"]["update"]["swept"] == {"micro_batch": int(chosen["micro_batch"]), "zero": chosen["zero"]}
+        assert sorted(end["tags"]) == sorted(
+            [
+                f"zero={chosen['zero']}",
+                "model=tiny",
+                "precision=fp32",
+                "checkpointing=none",
+                "offload=none",
+                "sweep",
+            ]
+        )
+        assert run["config"]["update"]["swept"] == {
+            "micro_batch": int(chosen["micro_batch"]),
+            "zero": chosen["zero"],
+        }
         figures = {k: v for k, v in local.items() if k not in ("config", "overrides")}
         assert {k: end["summary"][k] for k in figures} == figures
-        steady = ("throughput/steady_tokens_per_s", "throughput/steady_mfu_pct")  # MFU only where the device's peak is known
-        assert [end["summary"].get(k) for k in steady] == [local["throughput/tokens_per_s"], local.get("throughput/mfu_pct")]
-        losses = [json.loads(line)["loss/train"] for line in (point / "metrics.jsonl").read_text().splitlines()]
+        steady = (
+            "throughput/steady_tokens_per_s",
+            "throughput/steady_mfu_pct",
+        )  # MFU only where the device's peak is known
+        assert [end["summary"].get(k) for k in steady] == [
+            local["throughput/tokens_per_s"],
+            local.get("throughput/mfu_pct"),
+        ]
+        losses = [
+            json.loads(line)["loss/train"] for line in (point / "metrics.jsonl").read_text().splitlines()
+        ]
         assert end["summary"]["loss/train"] == {"min": min(losses), "last": losses[-1]}
 
 
@@ -163,42 +224,81 @@ def test_a_report_over_run_and_sweep_directories_together(named_sweep: Sweep, tm
     (out,) = (tmp_path / "outputs" / "reports").glob("*/*")
     rows = read_csv(out / "results.csv")
     compared = [points[0], points[3], *points]
-    assert [row["dir"] for row in rows] == [p.name for p in compared] and [int(row["point"]) for row in rows] == list(range(6))
-    assert [float(row["tokens_per_s"]) for row in rows] == [summary(p)["throughput/tokens_per_s"] for p in compared]
+    assert [row["dir"] for row in rows] == [p.name for p in compared] and [
+        int(row["point"]) for row in rows
+    ] == list(range(6))
+    assert [float(row["tokens_per_s"]) for row in rows] == [
+        summary(p)["throughput/tokens_per_s"] for p in compared
+    ]
     assert len(table_rows(out / "report.md")) == 6 and (out / "throughput.png").exists()
-    runs = load_report_json(out / "wandb_report.json").blocks[2].runsets[0]  # the W&B Report's run set: the compared runs
-    assert runs.filters == f"Metric(\"ID\") in {sorted({(p / 'wandb_run_id').read_text().strip() for p in points})!r}"
+    runs = (
+        load_report_json(out / "wandb_report.json").blocks[2].runsets[0]
+    )  # the W&B Report's run set: the compared runs
+    assert (
+        runs.filters
+        == f'Metric("ID") in {sorted({(p / "wandb_run_id").read_text().strip() for p in points})!r}'
+    )
     stray = tmp_path / "stray"
     stray.mkdir()
-    proc = subprocess.run([*args, str(stray)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert (proc.returncode, proc.stderr.splitlines()) == (2, [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"])
+    proc = subprocess.run(
+        [*args, str(stray)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert (proc.returncode, proc.stderr.splitlines()) == (
+        2,
+        [
+            f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"
+        ],
+    )
 
 
 def test_wandb_unreachable_costs_one_warning_per_job_and_the_local_report_is_complete(tmp_path: Path) -> None:
     """Issue 9, acceptance 5: online with a key of the right shape and no server to reach."""
-    env = {**os.environ, "WANDB_MODE": "online", "WANDB_API_KEY": "f00dfacecafe" * 3 + "beef", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "5"}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "online",
+        "WANDB_API_KEY": "f00dfacecafe" * 3 + "beef",
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_INIT_TIMEOUT": "5",
+    }
     proc = run_sweep(tmp_path, "micro_batch=1,2", *POINT, "steps=2", "logger=wandb", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [summary(p)["status"] for p in point_dirs(tmp_path)] == ["ok", "ok"]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
-    assert [w.startswith("warning: W&B could not start") for w in warnings] == [True, True, False], warnings  # one per job, then the report's
+    assert [w.startswith("warning: W&B could not start") for w in warnings] == [True, True, False], (
+        warnings
+    )  # one per job, then the report's
     assert "the report could not go to W&B" in warnings[2]
     assert [row["status"] for row in read_csv(tmp_path / "results.csv")] == ["ok", "ok"]
     assert all((tmp_path / name).exists() for name in (*REPORT_FILES, "wandb_report.json"))
 
 
-def test_rerunning_into_the_same_directory_runs_no_job_and_rewrites_the_same_report(named_sweep: Sweep) -> None:
+def test_rerunning_into_the_same_directory_runs_no_job_and_rewrites_the_same_report(
+    named_sweep: Sweep,
+) -> None:
     """Acceptance 4."""
     points = point_dirs(named_sweep.dir)
-    before = {p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points}
+    before = {
+        p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points
+    }
     for name in REPORT_FILES:
         (named_sweep.dir / name).unlink()
-    proc = run_sweep(named_sweep.dir, "+sweeps=micro_batch_x_stage", "micro_batch=1,2", "zero=stage2,stage3", *POINT, "logger=wandb")
+    proc = run_sweep(
+        named_sweep.dir,
+        "+sweeps=micro_batch_x_stage",
+        "micro_batch=1,2",
+        "zero=stage2,stage3",
+        *POINT,
+        "logger=wandb",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("skipped: ") == 4
-    assert {p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points} == before
+    assert {
+        p: ((p / "metrics.jsonl").read_bytes(), len(list(p.glob("wandb/offline-run-*")))) for p in points
+    } == before
     assert {name: (named_sweep.dir / name).read_bytes() for name in REPORT_FILES} == named_sweep.report_bytes
-    report_runs = {wandb_run(f)["run_id"] for f in named_sweep.dir.glob("wandb/offline-run-*/run-report-*.wandb")}
+    report_runs = {
+        wandb_run(f)["run_id"] for f in named_sweep.dir.glob("wandb/offline-run-*/run-report-*.wandb")
+    }
     assert len(report_runs) == 1  # the same W&B report run, continued
 
 
@@ -207,19 +307,33 @@ def test_a_point_that_runs_out_of_memory_is_a_result(tmp_path: Path) -> None:
     proc = run_sweep(tmp_path, "micro_batch=1,64", "plan.enforce=false", *CAPPED, "logger=wandb")
     assert proc.returncode == 0, proc.stderr[-3000:]
     fits, too_big = (summary(p) for p in point_dirs(tmp_path))
-    assert fits["status"] == "ok" and fits["memory/max_rank_peak_gib"] < 0.25 < too_big["memory/predicted_peak_gib"]
+    assert (
+        fits["status"] == "ok"
+        and fits["memory/max_rank_peak_gib"] < 0.25 < too_big["memory/predicted_peak_gib"]
+    )
     assert too_big["status"] == "oom"
-    records = [json.loads(f.read_text()) for f in sorted((point_dirs(tmp_path)[1] / "failures").glob("rank*.json"))]
+    records = [
+        json.loads(f.read_text()) for f in sorted((point_dirs(tmp_path)[1] / "failures").glob("rank*.json"))
+    ]
     first_oom = next(r for r in records if r["oom"])
     # Activations fill up during the first forward: that is where and when it runs out.
-    assert (too_big["failed_rank"], too_big["failed_step"], too_big["failed_phase"]) == (first_oom["rank"], 1, "forward")
+    assert (too_big["failed_rank"], too_big["failed_step"], too_big["failed_phase"]) == (
+        first_oom["rank"],
+        1,
+        "forward",
+    )
     assert "can't allocate memory" in too_big["error"]
     wandb_end = wandb_summary(next(point_dirs(tmp_path)[1].glob("wandb/offline-run-*/run-*.wandb")))
     assert {k: wandb_end["summary"][k] for k in ("status", "failed_rank", "failed_step", "failed_phase")} == {
         k: too_big[k] for k in ("status", "failed_rank", "failed_step", "failed_phase")
     }
     row = read_csv(tmp_path / "results.csv")[1]
-    assert (row["status"], row["failed_rank"], row["failed_step"], row["failed_phase"]) == ("oom", str(first_oom["rank"]), "1", "forward")
+    assert (row["status"], row["failed_rank"], row["failed_step"], row["failed_phase"]) == (
+        "oom",
+        str(first_oom["rank"]),
+        "1",
+        "forward",
+    )
     assert f"**oom** (rank {first_oom['rank']}, step 1, forward)" in table_rows(tmp_path / "report.md")[1]
     assert "**ok, fastest**" in table_rows(tmp_path / "report.md")[0]
 
@@ -230,7 +344,9 @@ def test_fail_fast_stops_the_sweep_at_the_first_point_that_does_not_end_ok(tmp_p
     assert proc.returncode == 1
     assert "fail_fast" in proc.stderr
     points = point_dirs(tmp_path)
-    assert [(settings(p)["micro_batch"], summary(p)["status"]) for p in points] == [("64", "refused")]  # micro_batch=1 never ran
+    assert [(settings(p)["micro_batch"], summary(p)["status"]) for p in points] == [
+        ("64", "refused")
+    ]  # micro_batch=1 never ran
     assert [row["status"] for row in read_csv(tmp_path / "results.csv")] == ["refused"]
 
 

@@ -49,7 +49,9 @@ def wandb_file(out_dir: Path) -> Path:
 
 def inspect_records(path: Path) -> list[dict[str, Any]]:
     """Every record of a .wandb transaction log, as wandb's own reader prints it."""
-    out = subprocess.run([WANDB, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [WANDB, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True
+    )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -81,15 +83,23 @@ def test_wandb_history_holds_every_record_of_metrics_jsonl_value_for_value(fp16_
     assert sorted(history) == [r["step"] for r in records] == list(range(1, 21))
     for record in records:
         item = history[record["step"]]
-        differing = {k: (item.get(k), v) for k, v in record.items() if k != "step" and not same_value(item.get(k), v)}
+        differing = {
+            k: (item.get(k), v) for k, v in record.items() if k != "step" and not same_value(item.get(k), v)
+        }
         assert not differing, f"step {record['step']}: W&B vs metrics.jsonl {differing}"
         for key in ("precision/loss_scale", "precision/overflow", "throughput/tokens_per_s"):
             assert key in item
         for rank in (0, 1):
-            assert {f"memory/rank{rank}/params_gib", f"memory/rank{rank}/peak_rss_gib", f"comm/rank{rank}/bytes_per_step"} <= item.keys()
+            assert {
+                f"memory/rank{rank}/params_gib",
+                f"memory/rank{rank}/peak_rss_gib",
+                f"comm/rank{rank}/bytes_per_step",
+            } <= item.keys()
 
 
-def test_communication_is_measured_every_window_and_its_exposed_share_on_profiled_steps(fp16_run: Run) -> None:
+def test_communication_is_measured_every_window_and_its_exposed_share_on_profiled_steps(
+    fp16_run: Run,
+) -> None:
     """Each window's bytes exceed the plan's by the loop's own small collectives only (the
     non-finite agreement, clipping's norms, the fp16 scaler's flag, the previous log's gather:
     well under 1 KiB here); gloo times no collective; the step after each memory-tracked step
@@ -102,7 +112,12 @@ def test_communication_is_measured_every_window_and_its_exposed_share_on_profile
         assert ("comm/exposed_pct" in record) == (record["step"] in (3, 8, 13, 18))
         assert 0 <= record.get("comm/exposed_pct", 0) <= 100
     summary, logged = fp16_run.summary, wandb_summary(fp16_run.out_dir)["summary"]
-    for key in ("comm/predicted_bytes_per_step", "comm/prediction_error_pct", "comm/rank1/all_gather_bytes_per_step", "comm/exposed_pct"):
+    for key in (
+        "comm/predicted_bytes_per_step",
+        "comm/prediction_error_pct",
+        "comm/rank1/all_gather_bytes_per_step",
+        "comm/exposed_pct",
+    ):
         assert key in summary and key in logged, key
     assert summary["comm/predicted_bytes_per_step"] == predicted
 
@@ -116,7 +131,9 @@ def test_each_rank_reports_its_peak_on_the_tracked_steps_with_the_worst_rank(fp1
         assert record["memory/argmax_rank"] == peaks.index(max(peaks))
         assert record["memory/imbalance"] == pytest.approx(max(peaks) / (sum(peaks) / 2))
         predicted = record["memory/predicted_peak_gib"]
-        assert record["memory/prediction_error_pct"] == pytest.approx(100 * (predicted - max(peaks)) / max(peaks))
+        assert record["memory/prediction_error_pct"] == pytest.approx(
+            100 * (predicted - max(peaks)) / max(peaks)
+        )
 
 
 def expected_scales(steps: int, precision: PrecisionConfig, overflow_step: int) -> list[float]:
@@ -140,7 +157,9 @@ def test_injected_overflow_halves_the_scale_and_growth_resumes_after_the_interva
         scales = [r["precision/loss_scale"] for r in source]
         assert scales == expected_scales(20, precision, OVERFLOW_STEP)
         assert [r["precision/overflow"] for r in source] == [int(r["step"] == OVERFLOW_STEP) for r in source]
-        assert [r["precision/skipped_steps"] for r in source] == [int(r["step"] >= OVERFLOW_STEP) for r in source]
+        assert [r["precision/skipped_steps"] for r in source] == [
+            int(r["step"] >= OVERFLOW_STEP) for r in source
+        ]
         k, g = OVERFLOW_STEP - 1, GROWTH_INTERVAL  # list index of the overflow step
         assert scales[k] == scales[k - 1] * precision.backoff_factor
         assert scales[k : k + g] == [scales[k]] * g  # held for growth_interval - 1 clean steps ...
@@ -156,7 +175,11 @@ def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -
     assert "zero=stage3" in run["display_name"] and "precision=fp16" in run["display_name"]
     assert run["job_type"] == "stage3"
     assert len(run["run_group"]) == len("YYYY-MM-DD")  # a single run is grouped by its date
-    config = {k: v for k, v in run["config"]["update"].items() if k not in ("_wandb", "overrides", "provenance", "swept")}
+    config = {
+        k: v
+        for k, v in run["config"]["update"].items()
+        if k not in ("_wandb", "overrides", "provenance", "swept")
+    }
     assert config == summary["config"]
     # A single run's `swept`: the keys its command line set, typed as the config has them.
     swept = run["config"]["update"]["swept"]
@@ -164,14 +187,26 @@ def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -
         "micro_batch": 2, "precision": "fp16", "zero": "stage3", "steps": 20, "precision/loss_scale_init": INIT_SCALE,
     }  # fmt: skip
     assert "logger" not in swept  # keys that do not change what a run measures stay out, as from its name
-    assert sorted(run["tags"]) == ["checkpointing=none", "model=tiny", "offload=none", "precision=fp16", "zero=stage3"]
+    assert sorted(run["tags"]) == [
+        "checkpointing=none",
+        "model=tiny",
+        "offload=none",
+        "precision=fp16",
+        "zero=stage3",
+    ]
     assert run["config"]["update"]["overrides"] == summary["overrides"]
     provenance = run["config"]["update"]["provenance"]
     assert provenance == {k: summary[k] for k in ("world_size", "device", "torch_version", "git_revision")}
     assert provenance["world_size"] == 2
     wandb_end = wandb_summary(fp16_run.out_dir)
     assert wandb_end["state"] == "finished"
-    for key in ("status", "throughput/tokens_per_s", "memory/max_rank_peak_gib", "precision/skipped_steps", "loss/final"):
+    for key in (
+        "status",
+        "throughput/tokens_per_s",
+        "memory/max_rank_peak_gib",
+        "precision/skipped_steps",
+        "loss/final",
+    ):
         assert wandb_end["summary"][key] == summary[key]
 
 
@@ -199,9 +234,31 @@ def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_
 
 def test_sweep_jobs_in_one_process_get_one_wandb_run_each_in_one_group(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = [sys.executable, "-m", "trainer", "-m", *SMALL, "nproc=1", "steps=1", "logger=wandb", "zero=stage0,stage1", f"hydra.sweep.dir={sweep_dir}"]
-    subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "WANDB_MODE": "offline"})
-    runs = [next(r["run"] for r in inspect_records(wandb_file(job)) if r["type"] == "run") for job in sorted(sweep_dir.glob("[0-9]_*"))]
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "-m",
+        *SMALL,
+        "nproc=1",
+        "steps=1",
+        "logger=wandb",
+        "zero=stage0,stage1",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    runs = [
+        next(r["run"] for r in inspect_records(wandb_file(job)) if r["type"] == "run")
+        for job in sorted(sweep_dir.glob("[0-9]_*"))
+    ]
     assert [r["job_type"] for r in runs] == ["stage0", "stage1"]
     assert len({r["run_id"] for r in runs}) == 2
     assert {r["run_group"] for r in runs} == {f"{sweep_dir.parent.name}/{sweep_dir.name}"}
@@ -216,8 +273,13 @@ STAGE_JOB = (*SMALL, "precision=fp32", "steps=2", "logger=none", "telemetry.memo
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """stage0, stage1 and stage3 with tensor tracking on every step, and stage0 with telemetry off."""
-    runs = {stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}") for stage in ("stage0", "stage1", "stage3")}
-    runs["stage0_off"] = run_trainer(tmp_path_factory.mktemp("off"), *STAGE_JOB, "zero=stage0", "telemetry.enabled=false")
+    runs = {
+        stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}")
+        for stage in ("stage0", "stage1", "stage3")
+    }
+    runs["stage0_off"] = run_trainer(
+        tmp_path_factory.mktemp("off"), *STAGE_JOB, "zero=stage0", "telemetry.enabled=false"
+    )
     return runs
 
 
@@ -232,7 +294,9 @@ def test_tracking_memory_leaves_training_bitwise_unchanged(stage_runs: dict[str,
     assert all("memory/max_rank_peak_gib" in r for r in tracked.records)
     assert not any("memory/max_rank_peak_gib" in r for r in untracked.records)
     assert tracked.losses == untracked.losses
-    assert [r["optim/grad_norm"] for r in tracked.records] == [r["optim/grad_norm"] for r in untracked.records]
+    assert [r["optim/grad_norm"] for r in tracked.records] == [
+        r["optim/grad_norm"] for r in untracked.records
+    ]
 
 
 def peak_bytes(record: dict[str, Any], rank: int, key: str = "peak_allocated_gib") -> float:

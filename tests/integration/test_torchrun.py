@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import REPO, TINY, Run, run_trainer
 from tests.integration.test_telemetry import inspect_records, wandb_file, wandb_summary
 
-
 SETTINGS = [*TINY, "steps=4", "zero=stage3"]
 
 
@@ -29,7 +28,9 @@ def test_torchrun_ranks_train_like_the_runners_own(joined: Run, tmp_path: Path) 
     launched = run_trainer(tmp_path / "launched", *SETTINGS, "nproc=2")
     assert joined.summary["status"] == "ok"
     assert joined.losses == launched.losses  # same ranks, same data, same numbers
-    assert joined.summary["memory/predicted_peak_gib"] == launched.summary["memory/predicted_peak_gib"]  # planned alike
+    assert (
+        joined.summary["memory/predicted_peak_gib"] == launched.summary["memory/predicted_peak_gib"]
+    )  # planned alike
 
 
 def test_torchrun_job_has_one_wandb_run_owned_by_rank0_with_metrics_jsonl_as_history(joined: Run) -> None:
@@ -39,9 +40,15 @@ def test_torchrun_job_has_one_wandb_run_owned_by_rank0_with_metrics_jsonl_as_his
     history = [r["history"]["item"] for r in inspect_records(path) if r["type"] == "history"]
     records = joined.records
     assert len(records) == 4
-    assert [{k: v for k, v in item.items() if not k.startswith("_")} for item in history] == records  # W&B's own keys aside
+    assert [
+        {k: v for k, v in item.items() if not k.startswith("_")} for item in history
+    ] == records  # W&B's own keys aside
     end = wandb_summary(joined.out_dir)
-    assert (end["state"], end["exit_code"], end["summary"]["status"]) == ("finished", 0, joined.summary["status"])
+    assert (end["state"], end["exit_code"], end["summary"]["status"]) == (
+        "finished",
+        0,
+        joined.summary["status"],
+    )
     assert "zero=stage3" in end["tags"] and "sweep" not in end["tags"]
 
 

@@ -13,12 +13,16 @@ TINY = ModelConfig()  # conf/model/tiny.yaml has the dataclass defaults
 
 def held_bytes(record: dict, rank: int) -> dict[str, int]:
     """Exact byte counts (the GiB figures are bytes / 2**30 in float64, so this is lossless)."""
-    return {kind: round(record[f"memory/rank{rank}/{kind}_gib"] * GIB) for kind in ("params", "grads", "optimizer")}
+    return {
+        kind: round(record[f"memory/rank{rank}/{kind}_gib"] * GIB)
+        for kind in ("params", "grads", "optimizer")
+    }
 
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, int]]]:
-    from tests.conftest import TINY as SETTINGS, run_trainer
+    from tests.conftest import TINY as SETTINGS
+    from tests.conftest import run_trainer
 
     measured = {}
     for stage in ("stage0", "stage1", "stage2", "stage3"):

@@ -23,7 +23,9 @@ WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 def tiny_config(**overrides: object) -> TrainConfig:
     plain = to_plain(TrainConfig())
     plain.update(seq_len=32, micro_batch=2, steps=6, nproc="1", device="cpu", log_every=1)
-    plain["model"].update(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64, max_seq_len=64)
+    plain["model"].update(
+        dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64, max_seq_len=64
+    )
     plain["optim"].update(warmup_steps=2)
     plain["logger"]["backend"] = "none"
     for dotted, value in overrides.items():

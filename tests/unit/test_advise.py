@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -33,7 +33,9 @@ def composed(overrides: list[str]) -> TrainConfig:
 def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hydra_conf: None) -> None:
     config = composed(["mode=advise", "global_batch=96", "nproc=2"])
     assert micro_batches(config, 2) == [1, 2, 4, 8, 16]  # 48 per rank
-    assert micro_batches(composed(["mode=advise", "global_batch=96", "advise.micro_batches=[2,3,32]"]), 2) == [2, 3]
+    assert micro_batches(
+        composed(["mode=advise", "global_batch=96", "advise.micro_batches=[2,3,32]"]), 2
+    ) == [2, 3]
 
 
 def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
@@ -49,7 +51,9 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> N
     with pytest.raises(ConfigError, match=r"global_batch \(15\) must be divisible by the 2 ranks"):
         check_advice_inputs(composed(["mode=advise", "global_batch=15", "nproc=2"]), 2)
     with pytest.raises(ConfigError, match="advise.verify runs jobs on this host"):
-        check_advice_inputs(composed(["mode=advise", "global_batch=16", "advise.verify=1", "plan.accelerator=h100"]), 8)
+        check_advice_inputs(
+            composed(["mode=advise", "global_batch=16", "advise.verify=1", "plan.accelerator=h100"]), 8
+        )
 
 
 # 70b: one sequence per rank. With grad_accum > 1 zerolab's loop accumulates unsharded fp32
@@ -62,16 +66,28 @@ CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("7
 def test_named_accelerator_advice_is_quick_and_every_listed_command_fits(
     hydra_conf: None, tmp_path: Path, model: str, nproc: int, global_batch: int
 ) -> None:
-    overrides = [f"model={model}", f"nproc={nproc}", "plan.accelerator=h100", "seq_len=4096", "precision=bf16"]
+    overrides = [
+        f"model={model}",
+        f"nproc={nproc}",
+        "plan.accelerator=h100",
+        "seq_len=4096",
+        "precision=bf16",
+    ]
     config = composed(["mode=advise", f"global_batch={global_batch}", *overrides])
     start = time.monotonic()
-    listed = run_advice(config, tmp_path, "cuda", nproc, ["mode=advise", f"global_batch={global_batch}", *overrides])
+    listed = run_advice(
+        config, tmp_path, "cuda", nproc, ["mode=advise", f"global_batch={global_batch}", *overrides]
+    )
     assert time.monotonic() - start < 30
     advice = json.loads((tmp_path / "advice.json").read_text())
     fitting = [row for row in advice["candidates"] if row["fits"]]
     assert len(fitting) >= 1
-    assert [row["predicted_tokens_per_s"] for row in fitting] == sorted((row["predicted_tokens_per_s"] for row in fitting), reverse=True)
-    for row in fitting[: config.advise.top]:  # the printed rows: their command lines, as mode=plan composes them
+    assert [row["predicted_tokens_per_s"] for row in fitting] == sorted(
+        (row["predicted_tokens_per_s"] for row in fitting), reverse=True
+    )
+    for row in fitting[
+        : config.advise.top
+    ]:  # the printed rows: their command lines, as mode=plan composes them
         args = shlex.split(row["command"])[3:]
         assert "mode=advise" not in args and not any(a.startswith("global_batch") for a in args)
         plan = build_plan(composed([*args, "mode=plan"]), "cuda", nproc)
@@ -89,13 +105,22 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     from trainer.advise.calibrate import host_threads
 
     probe = HostProbe(
-        socket.gethostname(), torch.__version__, 2, host_threads(2), "float32",
-        tuple(sorted(dataclasses.asdict(config.model).items())), config.seq_len, (1, 2),
+        socket.gethostname(),
+        torch.__version__,
+        2,
+        host_threads(2),
+        "float32",
+        tuple(sorted(dataclasses.asdict(config.model).items())),
+        config.seq_len,
+        (1, 2),
     )
     record = {
-        "date": "2026-01-01T00:00:00+00:00", **dataclasses.asdict(probe),
-        "matmul_flops": {"128": 3e10, "256": 4e10}, "block_flops": {"128": 1e10, "256": 2e10},
-        "adam_params_per_s": 5e7, "bus_bytes_per_s": {"all_reduce": 1e9, "all_gather": 2e8},
+        "date": "2026-01-01T00:00:00+00:00",
+        **dataclasses.asdict(probe),
+        "matmul_flops": {"128": 3e10, "256": 4e10},
+        "block_flops": {"128": 1e10, "256": 2e10},
+        "adam_params_per_s": 5e7,
+        "bus_bytes_per_s": {"all_reduce": 1e9, "all_gather": 2e8},
     }
     probe.cache_path(tmp_path).write_text(json.dumps(record))
     rates = host_rates(config, 2, [2, 1])
@@ -104,7 +129,9 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     assert rates.flops_at(200) == 2e10 and not rates.overlap
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
-    assert len(ranked) == 4 * 3 * 2 + 2 * 3 * 2 and ranked[0].tokens_per_s == max(c.tokens_per_s for c in ranked)
+    assert len(ranked) == 4 * 3 * 2 + 2 * 3 * 2 and ranked[0].tokens_per_s == max(
+        c.tokens_per_s for c in ranked
+    )
 
 
 def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -> None:
@@ -121,11 +148,24 @@ def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -
         AdviseConfig(stages=[])
 
 
-def test_when_nothing_fits_the_advice_names_the_smallest_peak(hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_when_nothing_fits_the_advice_names_the_smallest_peak(
+    hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # 70b, 8 sequences per rank at 4096: grad_accum > 1 keeps unsharded fp32 gradients, grad_accum 1
     # needs 8 sequences of activations; the best is just over 80% of an H100.
-    overrides = ["mode=advise", "global_batch=512", "model=70b", "nproc=64", "plan.accelerator=h100", "seq_len=4096", "precision=bf16"]
+    overrides = [
+        "mode=advise",
+        "global_batch=512",
+        "model=70b",
+        "nproc=64",
+        "plan.accelerator=h100",
+        "seq_len=4096",
+        "precision=bf16",
+    ]
     candidates = run_advice(composed(overrides), tmp_path, "cuda", 64, overrides)
     assert candidates and not any(c.fits for c in candidates)
     smallest = min(candidates, key=lambda c: c.peak_bytes)
-    assert f"nothing fits: the smallest peak is {smallest.peak_bytes / 2**30:.1f} GiB ({smallest.label()})" in capsys.readouterr().out
+    assert (
+        f"nothing fits: the smallest peak is {smallest.peak_bytes / 2**30:.1f} GiB ({smallest.label()})"
+        in capsys.readouterr().out
+    )

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.unit.test_plan import compose_config
-from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
+from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.step import activations, attention_extra_per_token
 
@@ -35,18 +35,24 @@ def choice_of(config) -> tuple:
         ("math", "cpu", "bfloat16", SdpaChoice(MATH)),
     ],
 )
-def test_the_kernel_is_chosen_from_device_and_dtype(kernel: str, device: str, dtype: str, expected: SdpaChoice) -> None:
+def test_the_kernel_is_chosen_from_device_and_dtype(
+    kernel: str, device: str, dtype: str, expected: SdpaChoice
+) -> None:
     assert choose_sdpa(AttentionKernel(kernel), device, DType(dtype), grouped=True) == expected
 
 
 def test_ungrouped_heads_are_never_repeated() -> None:
-    assert choose_sdpa(AttentionKernel.auto, "cuda", DType.float32, grouped=False) == SdpaChoice(EFFICIENT, repeat_kv=False)
+    assert choose_sdpa(AttentionKernel.auto, "cuda", DType.float32, grouped=False) == SdpaChoice(
+        EFFICIENT, repeat_kv=False
+    )
 
 
 def test_kernels_a_device_cannot_run_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^attention=flash needs precision=bf16 or fp16 on CUDA"):
         run_choice(*choice_of(compose_config("attention=flash", "precision=fp32")), "cuda")
-    with pytest.raises(ConfigError, match=r"^attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math"):
+    with pytest.raises(
+        ConfigError, match=r"^attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math"
+    ):
         run_choice(*choice_of(compose_config("attention=efficient")), "cpu")
 
 
@@ -81,8 +87,17 @@ def saved_bytes(choice: SdpaChoice, dtype: torch.dtype, micro_batch: int = 3, se
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("kernel", ["flash", "math"])
-def test_planned_activations_are_what_the_chosen_kernel_saves(precision: str, dtype: torch.dtype, kernel: str) -> None:
-    config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", f"precision={precision}", "zero=stage3", f"attention={kernel}")
+def test_planned_activations_are_what_the_chosen_kernel_saves(
+    precision: str, dtype: torch.dtype, kernel: str
+) -> None:
+    config = compose_config(
+        "model=tiny",
+        "micro_batch=3",
+        "seq_len=40",
+        f"precision={precision}",
+        "zero=stage3",
+        f"attention={kernel}",
+    )
     choice = run_choice(*choice_of(config), "cpu")
     assert saved_bytes(choice, dtype) == activations(config, "cpu").total
 
@@ -92,7 +107,9 @@ def test_math_scores_grow_with_the_square_of_the_sequence() -> None:
     long = compose_config("model=tiny", "seq_len=128", "attention=math")
     flash = compose_config("model=tiny", "seq_len=128")
     # Per token, the scores are H·T fp32 values: B·H·T·T in all.
-    assert attention_extra_per_token(long, "cpu") - attention_extra_per_token(short, "cpu") == 4 * short.model.n_heads * (128 - 64)
+    assert attention_extra_per_token(long, "cpu") - attention_extra_per_token(
+        short, "cpu"
+    ) == 4 * short.model.n_heads * (128 - 64)
     assert attention_extra_per_token(flash, "cpu") == 0
 
 
@@ -102,5 +119,7 @@ def test_repeated_kv_is_what_the_plan_adds_for_cuda_fp32() -> None:
     m = config.model
     extra = attention_extra_per_token(config, "cuda")
     assert extra == 2 * (m.n_heads - m.n_kv_heads) * (m.dim // m.n_heads) * 4
-    measured = saved_bytes(SdpaChoice(FLASH, repeat_kv=True), torch.float32) - saved_bytes(SdpaChoice(FLASH), torch.float32)
+    measured = saved_bytes(SdpaChoice(FLASH, repeat_kv=True), torch.float32) - saved_bytes(
+        SdpaChoice(FLASH), torch.float32
+    )
     assert measured == extra * m.n_layers * config.micro_batch * config.seq_len

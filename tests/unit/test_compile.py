@@ -9,10 +9,10 @@ import torch
 
 from tests.unit.fakes import WORLD, tiny_config
 from trainer.data import build_batches
-from trainer.rank.loop import build_trainee, train_step
 from trainer.model.decoder import build_model, init_weights
-from trainer.rank.nonfinite import NonFiniteGuard
 from trainer.plan import COMPILE_NOTE, build_plan
+from trainer.rank.loop import build_trainee, train_step
+from trainer.rank.nonfinite import NonFiniteGuard
 from trainer.saves.dcp import Progress, SaveSpec, load_training_state, save_training_state, saved_keys
 
 
@@ -21,32 +21,47 @@ def losses(config, steps: int) -> tuple[list[float], object]:
     trainee = build_trainee(config, WORLD)
     guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
     batches = build_batches(config, 0, 1, start_step=0)
-    return [train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(1, steps + 1)], trainee
+    return [
+        train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(1, steps + 1)
+    ], trainee
 
 
-@pytest.mark.parametrize("overrides", [dict(zero__stage="stage0"), dict(zero__stage="stage3", checkpointing__mode="full")])
+@pytest.mark.parametrize(
+    "overrides", [dict(zero__stage="stage0"), dict(zero__stage="stage3", checkpointing__mode="full")]
+)
 def test_compiled_blocks_train_like_eager_over_8_steps(process_group: None, overrides: dict) -> None:
     eager, _ = losses(tiny_config(steps=8, **overrides), 8)
-    compiled, trainee = losses(tiny_config(steps=8, compile=True, compile_backend="aot_eager", **overrides), 8)
+    compiled, trainee = losses(
+        tiny_config(steps=8, compile=True, compile_backend="aot_eager", **overrides), 8
+    )
     assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-5
     model = getattr(trainee.model, "module", trainee.model)  # DDP keeps the model as .module
     block = model.layers[0]
-    assert block._compiled_call_impl is not None  # compiled in place, under FSDP2's hooks and the checkpoint wrapper
+    assert (
+        block._compiled_call_impl is not None
+    )  # compiled in place, under FSDP2's hooks and the checkpoint wrapper
     assert not any("_orig_mod" in name for name, _ in trainee.model.named_parameters())
 
 
 def test_compiled_and_eager_saves_are_interchangeable(process_group: None, tmp_path: Path) -> None:
     compiled_config = tiny_config(compile=True, compile_backend="aot_eager")
     _, compiled = losses(compiled_config, 1)
-    save_training_state(compiled, SaveSpec.of(compiled_config), WORLD, tmp_path / "compiled", Progress(step=1))
+    save_training_state(
+        compiled, SaveSpec.of(compiled_config), WORLD, tmp_path / "compiled", Progress(step=1)
+    )
     eager_config = tiny_config()
     _, eager = losses(eager_config, 1)
     save_training_state(eager, SaveSpec.of(eager_config), WORLD, tmp_path / "eager", Progress(step=1))
     keys = [saved_keys(tmp_path / run / "checkpoints" / "step_00000001") for run in ("compiled", "eager")]
     assert keys[0] == keys[1]
     fresh = build_trainee(eager_config, WORLD)
-    load_training_state(fresh, SaveSpec.of(eager_config), WORLD, tmp_path / "compiled" / "checkpoints" / "step_00000001")
-    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), compiled.model.state_dict().values()))
+    load_training_state(
+        fresh, SaveSpec.of(eager_config), WORLD, tmp_path / "compiled" / "checkpoints" / "step_00000001"
+    )
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.model.state_dict().values(), compiled.model.state_dict().values())
+    )
 
 
 def test_the_plan_says_it_does_not_model_compile() -> None:

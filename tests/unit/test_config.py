@@ -64,7 +64,9 @@ def test_offload_is_allowed_with_fsdp_stages_only() -> None:
         config = TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
         assert (config.zero.stage, config.offload.target) == (stage, OffloadTarget.cpu)
     for stage in (Stage.stage0, Stage.stage1):
-        with pytest.raises(ConfigError, match=rf"^offload=cpu needs zero=stage2 or zero=stage3 .*got zero={stage.value}$"):
+        with pytest.raises(
+            ConfigError, match=rf"^offload=cpu needs zero=stage2 or zero=stage3 .*got zero={stage.value}$"
+        ):
             TrainConfig(zero=ZeroConfig(stage=stage), offload=OffloadConfig(target=OffloadTarget.cpu))
 
 

@@ -13,10 +13,16 @@ import torch
 from tests.conftest import REPO
 from tests.unit.test_plan import compose_config
 from trainer.config import ConfigError
-from trainer.rank.cuda import ALLOC_CONF, apply_tf32, local_ranks_error, process_group_backend, set_rank_environment
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
 from trainer.plan import device_memory
 from trainer.plan.headroom import HEADROOM
+from trainer.rank.cuda import (
+    ALLOC_CONF,
+    apply_tf32,
+    local_ranks_error,
+    process_group_backend,
+    set_rank_environment,
+)
 from trainer.units import GIB
 
 
@@ -31,9 +37,18 @@ def test_a_cpu_rank_joins_a_gloo_group() -> None:
     with socket.socket() as s:  # a free port for this one-rank group
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+    }
     code = "import torch.distributed as d; from trainer.world import init_world; init_world('cpu', offload_to_cpu=True); print(d.get_backend())"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.stdout.strip().splitlines()[-1] == "gloo", proc.stderr[-2000:]
 
 
@@ -45,8 +60,15 @@ def test_more_local_ranks_than_gpus_is_one_line_naming_the_counts() -> None:
     assert "--nproc_per_node" in error
 
 
-def test_rank_environment_turns_on_nccl_error_handling_flight_recorder_and_expandable_segments(monkeypatch, tmp_path) -> None:
-    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+def test_rank_environment_turns_on_nccl_error_handling_flight_recorder_and_expandable_segments(
+    monkeypatch, tmp_path
+) -> None:
+    for key in (
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_DUMP_TEMP_FILE",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # a user's own setting wins
     set_rank_environment(tmp_path)
@@ -63,10 +85,16 @@ def test_precision_tf32_sets_torch_fp32_precision() -> None:
     before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
     try:
         apply_tf32(True)
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32", "tf32")
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == (
+            "tf32",
+            "tf32",
+        )
         assert tf32_enabled()
         apply_tf32(False)
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("ieee", "ieee")
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == (
+            "ieee",
+            "ieee",
+        )
         assert not tf32_enabled()
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
@@ -77,12 +105,26 @@ def test_device_names_are_exact_and_variants_differ() -> None:
     assert find_device("NVIDIA L40").short == "l40" and find_device("NVIDIA L40S").short == "l40s"
     shorts = {find_device(n).short for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL")}
     assert shorts == {"h100-sxm", "h100-pcie", "h100-nvl"}
-    assert {find_device(n).short for n in DEVICES if "A100" in n} == {"a100-40gb", "a100-80gb", "a100-40gb-pcie", "a100-80gb-pcie"}
+    assert {find_device(n).short for n in DEVICES if "A100" in n} == {
+        "a100-40gb",
+        "a100-80gb",
+        "a100-40gb-pcie",
+        "a100-80gb-pcie",
+    }
     assert find_device("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None  # a slice: unknown, not the whole GPU
     assert find_device("NVIDIA L4 ") is not None and find_device("L4") is None
 
 
-@pytest.mark.parametrize(("name", "short"), [("H100", "h100-sxm"), ("h100", "h100-sxm"), ("H200", "h200"), ("A100-80GB", "a100-80gb"), ("L40S", "l40s")])
+@pytest.mark.parametrize(
+    ("name", "short"),
+    [
+        ("H100", "h100-sxm"),
+        ("h100", "h100-sxm"),
+        ("H200", "h200"),
+        ("A100-80GB", "a100-80gb"),
+        ("L40S", "l40s"),
+    ],
+)
 def test_plan_accelerator_is_accepted_in_any_case(name: str, short: str) -> None:
     config = compose_config(f"plan.accelerator={name}")
     memory = device_memory(config.plan, config.device_memory_gib, "cuda", 8, config.nodes)
@@ -93,5 +135,7 @@ def test_plan_accelerator_is_accepted_in_any_case(name: str, short: str) -> None
 
 
 def test_an_unknown_accelerator_is_refused_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"^plan\.accelerator=H300 is unknown; allowed \(any case\): .*h100-pcie.*l40s"):
+    with pytest.raises(
+        ConfigError, match=r"^plan\.accelerator=H300 is unknown; allowed \(any case\): .*h100-pcie.*l40s"
+    ):
         compose_config("plan.accelerator=H300")

@@ -61,7 +61,9 @@ def test_resumed_sampler_yields_the_tail_of_the_uninterrupted_one() -> None:
     full = list(StepSampler(micro_batch=3, grad_accum=2, world_size=4, rank=2, start_step=0, num_steps=7))
     per_step = 3 * 2
     for k in (0, 1, 4, 7):
-        resumed = list(StepSampler(micro_batch=3, grad_accum=2, world_size=4, rank=2, start_step=k, num_steps=7))
+        resumed = list(
+            StepSampler(micro_batch=3, grad_accum=2, world_size=4, rank=2, start_step=k, num_steps=7)
+        )
         assert resumed == full[k * per_step :]
 
 
@@ -120,7 +122,9 @@ def test_synthetic_stream_follows_the_chain_at_its_entropy_rate() -> None:
     current, following = samples[:, :-1].flatten(), samples[:, 1:].flatten()
     assert bool(allowed_VV[current, following].all())
 
-    counts_VV = torch.bincount(current * vocab + following, minlength=vocab * vocab).view(vocab, vocab).double()
+    counts_VV = (
+        torch.bincount(current * vocab + following, minlength=vocab * vocab).view(vocab, vocab).double()
+    )
     joint = counts_VV / counts_VV.sum()
     conditional = counts_VV / counts_VV.sum(dim=1, keepdim=True).clamp(min=1)
     empirical = float(-torch.special.xlogy(joint, conditional).sum())  # 0 log 0 = 0
@@ -157,7 +161,9 @@ def test_make_tokens_round_trips_bytes(text_file: Path, tmp_path: Path) -> None:
     assert bytes(tokens.astype(np.uint8)) == text_file.read_bytes()
 
 
-def test_make_tokens_cli_prints_count_and_path(text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_make_tokens_cli_prints_count_and_path(
+    text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "tokens.npy"
     assert data.main(["make-tokens", str(text_file), str(out)]) == 0
     line = capsys.readouterr().out.strip()
@@ -204,8 +210,15 @@ def test_missing_token_file_names_data_path(tmp_path: Path) -> None:
 def test_loader_receives_the_dataloader_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     options = DataloaderConfig(num_workers=2, prefetch_factor=4, pin_memory=True, persistent_workers=True)
-    loader = build_loader(make_config(dataloader=options, device=DeviceKind.cuda), rank=1, world_size=2, start_step=1)
-    assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory, loader.persistent_workers) == (2, 4, True, True)
+    loader = build_loader(
+        make_config(dataloader=options, device=DeviceKind.cuda), rank=1, world_size=2, start_step=1
+    )
+    assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory, loader.persistent_workers) == (
+        2,
+        4,
+        True,
+        True,
+    )
     assert loader.batch_size == 2 and isinstance(loader.sampler, StepSampler)
     assert (loader.sampler.rank, loader.sampler.world_size, loader.sampler.start_step) == (1, 2, 1)
     # Batches bound for the CPU are not pinned (DataLoader would warn and ignore it).

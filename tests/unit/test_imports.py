@@ -25,12 +25,18 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name in known}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module in known:
-            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                for a in node.names
+            }
     return found - {module_name(path)}
 
 
 def is_main_guard(node: ast.stmt) -> bool:
-    return isinstance(node, ast.If) and ast.unparse(node.test) in ("__name__ == '__main__'", '__name__ == "__main__"')
+    return isinstance(node, ast.If) and ast.unparse(node.test) in (
+        "__name__ == '__main__'",
+        '__name__ == "__main__"',
+    )
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -46,7 +52,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
             if nxt not in state and (cycle := visit(nxt, path + [nxt])):
                 return cycle
         state[node] = "done"
@@ -69,4 +75,3 @@ def test_a_cycle_is_found_where_there_is_one() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     guarded = ast.parse('if __name__ == "__main__":\n    import x\nif DEBUG:\n    import y\n').body
     assert [is_main_guard(node) for node in guarded] == [True, False]
-

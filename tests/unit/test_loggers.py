@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
 import wandb
 
 from trainer.config import TrainConfig
-from trainer.telemetry.wandb_logger import MetricsTail, NullLogger, WandbLogger, open_logger, yield_cpu_to_ranks
+from trainer.telemetry.wandb_logger import (
+    MetricsTail,
+    NullLogger,
+    WandbLogger,
+    open_logger,
+    yield_cpu_to_ranks,
+)
 
 
 @pytest.fixture
@@ -23,7 +29,9 @@ def isolated_wandb() -> Iterator[None]:
     wandb.teardown()
 
 
-def test_wandb_service_processes_run_at_the_lowest_priority_and_the_job_process_does_not(tmp_path: Path, isolated_wandb) -> None:
+def test_wandb_service_processes_run_at_the_lowest_priority_and_the_job_process_does_not(
+    tmp_path: Path, isolated_wandb
+) -> None:
     own_priority = os.nice(0)
     with wandb.init(project="zerolab-test", dir=str(tmp_path), mode="offline"):
         yield_cpu_to_ranks()
@@ -48,15 +56,17 @@ def test_tail_hands_over_complete_lines_only_and_starts_at_the_end(tmp_path: Pat
     assert seen == [{"step": 2}, {"step": 3}]
 
 
-
-def test_wandb_that_cannot_start_warns_once_and_leaves_the_job_a_null_logger(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_wandb_that_cannot_start_warns_once_and_leaves_the_job_a_null_logger(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
     monkeypatch.setenv("WANDB_MODE", "not-a-mode")  # wandb.init rejects its settings
     meta = {"config": {}, "overrides": [], "world_size": 1}
     config = TrainConfig()
-    with open_logger(config.logger, tmp_path, meta, "defaults", "today", config.zero.stage.value, config.resume) as logger:
+    with open_logger(
+        config.logger, tmp_path, meta, "defaults", "today", config.zero.stage.value, config.resume
+    ) as logger:
         assert isinstance(logger, NullLogger)
     assert capsys.readouterr().err.count("warning: W&B could not start") == 1
-
 
 
 class BrokenRun:
@@ -71,7 +81,6 @@ class BrokenRun:
     def finish(self, *args, **kwargs) -> None:
         BrokenRun.calls += 1
         raise ConnectionError("gone")
-
 
 
 def test_wandb_failing_midway_warns_once_and_stops_calling_it(capsys) -> None:

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.telemetry.memory import CPU_FIELDS, MemoryProbe, peak_rss_bytes, reset_peak_rss, should_track_tensors
+from trainer.telemetry.memory import (
+    CPU_FIELDS,
+    MemoryProbe,
+    peak_rss_bytes,
+    reset_peak_rss,
+    should_track_tensors,
+)
 
 CPU = torch.device("cpu")
 
@@ -62,7 +68,9 @@ def adam_step_small(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-window peak RSS needs /proc/self/clear_refs")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-window peak RSS needs /proc/self/clear_refs"
+)
 def test_peak_rss_resets_each_window() -> None:
     reset_peak_rss()
     before = peak_rss_bytes()

@@ -45,8 +45,17 @@ def test_prediction_error_is_relative_to_the_measured_worst_rank() -> None:
 
 
 def test_gpu_counts_are_counts_and_bytes_are_gib() -> None:
-    row = {"peak_allocated": 2 * GIB, "peak_reserved": 3 * GIB, "peak_active": 2 * GIB, "alloc_retries": 2, "num_ooms": 1, "peak_rss": GIB}
-    record = memory_fields(CUDA_FIELDS, torch.tensor([[row[f] for f in CUDA_FIELDS]], dtype=torch.float64), None)
+    row = {
+        "peak_allocated": 2 * GIB,
+        "peak_reserved": 3 * GIB,
+        "peak_active": 2 * GIB,
+        "alloc_retries": 2,
+        "num_ooms": 1,
+        "peak_rss": GIB,
+    }
+    record = memory_fields(
+        CUDA_FIELDS, torch.tensor([[row[f] for f in CUDA_FIELDS]], dtype=torch.float64), None
+    )
     assert record["memory/rank0/peak_reserved_gib"] == 3.0
     assert record["memory/rank0/alloc_retries"] == 2 and record["memory/rank0/num_ooms"] == 1
 
@@ -77,16 +86,32 @@ def test_peak_tflops_override_wins_and_cpu_has_no_peak_without_it() -> None:
         ("NVIDIA L40S", DType.float32, 91.6),
     ],
 )
-def test_gpu_peak_comes_from_the_exact_device_name(monkeypatch, device_name: str, dtype: DType, expected_tflops: float) -> None:
+def test_gpu_peak_comes_from_the_exact_device_name(
+    monkeypatch, device_name: str, dtype: DType, expected_tflops: float
+) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
     monkeypatch.setattr("trainer.telemetry.metrics.tf32_enabled", lambda: False)
-    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=dtype), None) == expected_tflops * 1e12
+    assert (
+        device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=dtype), None)
+        == expected_tflops * 1e12
+    )
 
 
-@pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "NVIDIA L4X", "NVIDIA GeForce RTX 4090"])
+@pytest.mark.parametrize(
+    "device_name",
+    [
+        "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+        "NVIDIA A100-SXM4-40GB MIG 3g.20gb",
+        "NVIDIA L4X",
+        "NVIDIA GeForce RTX 4090",
+    ],
+)
 def test_mig_slices_and_unlisted_devices_have_no_peak(monkeypatch, device_name: str) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
-    assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=DType.bfloat16), None) is None
+    assert (
+        device_peak_flops(torch.device("cuda", 0), PrecisionConfig(compute_dtype=DType.bfloat16), None)
+        is None
+    )
 
 
 def test_fp32_uses_the_tf32_peak_once_tf32_is_on(monkeypatch) -> None:

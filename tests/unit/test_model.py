@@ -17,8 +17,8 @@ from trainer.config import ModelConfig
 from trainer.model.decoder import (
     Transformer,
     apply_rope,
-    build_rope_tables,
     build_model,
+    build_rope_tables,
     canonical_name,
     flops_per_token,
     init_weights,
@@ -136,7 +136,11 @@ def test_init_is_invariant_to_checkpoint_wrapping(tiny: ModelConfig) -> None:
 
 def test_init_is_reproducible_and_depends_on_the_seed(tiny: ModelConfig) -> None:
     a, b, c = materialized(tiny, seed=0), materialized(tiny, seed=0), materialized(tiny, seed=1)
-    w_a, w_b, w_c = a.layers[0].attention.wq.weight, b.layers[0].attention.wq.weight, c.layers[0].attention.wq.weight
+    w_a, w_b, w_c = (
+        a.layers[0].attention.wq.weight,
+        b.layers[0].attention.wq.weight,
+        c.layers[0].attention.wq.weight,
+    )
     assert torch.equal(w_a, w_b)
     assert not torch.equal(w_a, w_c)
     # Each parameter has its own stream: two same-shaped weights of one model differ.
@@ -222,15 +226,23 @@ def test_forward_rejects_sequences_longer_than_max_seq_len(tiny: ModelConfig) ->
 
 
 def test_grouped_query_attention_equals_attention_with_repeated_kv_heads() -> None:
-    gqa_config = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, ffn_dim=96, max_seq_len=32)
-    mha_config = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=97, ffn_dim=96, max_seq_len=32)
+    gqa_config = ModelConfig(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, ffn_dim=96, max_seq_len=32
+    )
+    mha_config = ModelConfig(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=97, ffn_dim=96, max_seq_len=32
+    )
     gqa, mha = materialized(gqa_config, seed=5), materialized(mha_config, seed=5)
     assert gqa.layers[0].attention.wk.weight.shape == (2 * 8, 64)
     group, head_dim = 8 // 2, 64 // 8
     state = gqa.state_dict()
     for name, weight in list(state.items()):
-        if name.endswith(("attention.wk.weight", "attention.wv.weight")):  # each kv head serves `group` queries
-            state[name] = weight.view(2, head_dim, 64).repeat_interleave(group, dim=0).reshape(8 * head_dim, 64)
+        if name.endswith(
+            ("attention.wk.weight", "attention.wv.weight")
+        ):  # each kv head serves `group` queries
+            state[name] = (
+                weight.view(2, head_dim, 64).repeat_interleave(group, dim=0).reshape(8 * head_dim, 64)
+            )
     mha.load_state_dict(state)
     tokens_BT = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(gqa(tokens_BT), mha(tokens_BT), rtol=1e-5, atol=1e-6)

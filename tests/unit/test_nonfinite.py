@@ -23,12 +23,16 @@ NAN_AT_2 = dict(fault__kind="nan_loss", fault__step=2)
 
 
 def guard_of(config: TrainConfig, defer: bool = False) -> NonFiniteGuard:
-    return NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16, defer=defer)
+    return NonFiniteGuard(
+        config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16, defer=defer
+    )
 
 
 def weights(trainee) -> dict[str, torch.Tensor]:
     state = trainee.model.state_dict()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()
+    }
 
 
 def run_deferred(config, steps: int) -> tuple[NonFiniteGuard, list[dict[str, torch.Tensor]], object]:
@@ -54,7 +58,9 @@ def test_flags_carry_extra_decisions_after_the_loss_and_gradient_flags() -> None
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage3"])
-def test_skip_on_the_device_holds_the_weights_and_is_counted_at_the_read(process_group: None, stage: str) -> None:
+def test_skip_on_the_device_holds_the_weights_and_is_counted_at_the_read(
+    process_group: None, stage: str
+) -> None:
     config = tiny_config(zero__stage=stage, optim__fused=True, nonfinite="skip", **NAN_AT_2)
     guard, snapshots, _ = run_deferred(config, 3)
     assert guard.skipped == 0 and len(guard.window) == 3  # nothing read on the host yet
@@ -67,7 +73,9 @@ def test_skip_on_the_device_holds_the_weights_and_is_counted_at_the_read(process
 def test_raise_read_later_names_the_step_and_kept_the_last_good_weights(process_group: None) -> None:
     config = tiny_config(optim__fused=True, **NAN_AT_2)
     guard, snapshots, trainee = run_deferred(config, 4)  # the host learns of step 2 only now
-    with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 2 on rank 0 \(nonfinite=raise") as err:
+    with pytest.raises(
+        NonFiniteError, match=r"^non-finite loss at step 2 on rank 0 \(nonfinite=raise"
+    ) as err:
         guard.settle()
     assert err.value.step == 2
     assert same(snapshots[1], snapshots[4])  # steps 2-4 all held: halted on the device at step 2
@@ -78,12 +86,19 @@ def test_raise_read_later_names_the_step_and_kept_the_last_good_weights(process_
 
 
 def test_skip_stops_at_max_in_a_row_read_later(process_group: None) -> None:
-    config = tiny_config(optim__fused=True, nonfinite="skip", max_nonfinite_skips=2, fault__kind="nan_loss", fault__step=2)
+    config = tiny_config(
+        optim__fused=True, nonfinite="skip", max_nonfinite_skips=2, fault__kind="nan_loss", fault__step=2
+    )
     guard = guard_of(config, defer=True)
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
-    skips = [guard.record(step, agree(loss, one, WORLD)).item() for step, loss in ((1, one), (2, nan), (3, nan), (4, one))]
+    skips = [
+        guard.record(step, agree(loss, one, WORLD)).item()
+        for step, loss in ((1, one), (2, nan), (3, nan), (4, one))
+    ]
     assert skips == [0.0, 1.0, 1.0, 1.0]  # the 2nd bad step in a row halts: step 4 is held too
-    with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 3 on rank 0: 2 non-finite steps in a row"):
+    with pytest.raises(
+        NonFiniteError, match=r"^non-finite loss at step 3 on rank 0: 2 non-finite steps in a row"
+    ):
         guard.settle()
     assert guard.skipped == 1
 
@@ -103,8 +118,8 @@ def test_deferred_and_immediate_reads_train_the_same_weights(process_group: None
 def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(tmp_path) -> None:
     import signal
 
-    from trainer.rank.nonfinite import stop_request
     from trainer.faults.stop import RankStop
+    from trainer.rank.nonfinite import stop_request
 
     stop = RankStop(tmp_path, watches_request=False)
     guard = guard_of(tiny_config(optim__fused=True), defer=True)
@@ -128,9 +143,16 @@ def test_skip_counts_and_stops_after_max_in_a_row() -> None:
     config = tiny_config(nonfinite="skip", max_nonfinite_skips=3)
     guard = guard_of(config)
     bad = NonFinite(step=5, loss_ranks=(), gradient=True)
-    assert [guard.check(bad), guard.check(None), guard.check(bad), guard.check(bad)] == [False, True, False, False]
+    assert [guard.check(bad), guard.check(None), guard.check(bad), guard.check(bad)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
     assert guard.skipped == 3
-    with pytest.raises(NonFiniteError, match=r"non-finite gradient at step 5 .*: 3 non-finite steps in a row"):
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite gradient at step 5 .*: 3 non-finite steps in a row"
+    ):
         guard.check(bad)
 
 

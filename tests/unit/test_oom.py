@@ -31,7 +31,6 @@ def test_out_of_memory_is_told_from_other_errors(error: BaseException, oom: bool
     assert is_out_of_memory(error) is oom
 
 
-
 def test_a_failing_rank_records_its_step_and_phase(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
         mark_phase(4, "backward")
@@ -39,7 +38,6 @@ def test_a_failing_rank_records_its_step_and_phase(tmp_path: Path) -> None:
     record = read_failures(tmp_path)[1]
     assert (record["rank"], record["step"], record["phase"], record["oom"]) == (1, 4, "backward", True)
     assert record["message"] == f"RuntimeError: {CPU_OOM}"
-
 
 
 def test_an_oom_record_explains_the_job_before_the_first_failed_rank(tmp_path: Path) -> None:
@@ -51,8 +49,12 @@ def test_an_oom_record_explains_the_job_before_the_first_failed_rank(tmp_path: P
         mark_phase(2, "forward")
         raise RuntimeError(CPU_OOM)
     record = explain(first_rank=0, exitcodes={0: 1, 1: 1}, out_dir=tmp_path, capped=True)
-    assert record is not None and (record["rank"], record["step"], record["phase"], record["oom"]) == (1, 2, "forward", True)
-
+    assert record is not None and (record["rank"], record["step"], record["phase"], record["oom"]) == (
+        1,
+        2,
+        "forward",
+        True,
+    )
 
 
 def test_a_sigkill_is_oom_only_under_a_memory_cap(tmp_path: Path) -> None:
@@ -60,7 +62,11 @@ def test_a_sigkill_is_oom_only_under_a_memory_cap(tmp_path: Path) -> None:
     record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
     assert record is not None and (record["rank"], record["oom"]) == (1, True)
     record = explain(first_rank=1, exitcodes=exitcodes, out_dir=tmp_path, capped=False)
-    assert record is not None and (record["rank"], record["oom"], record["message"]) == (1, False, "killed by SIGKILL (exit code -9)")
+    assert record is not None and (record["rank"], record["oom"], record["message"]) == (
+        1,
+        False,
+        "killed by SIGKILL (exit code -9)",
+    )
 
 
 def test_a_killed_rank_explains_the_job_when_the_launcher_names_its_peer_first(tmp_path: Path) -> None:
@@ -71,10 +77,13 @@ def test_a_killed_rank_explains_the_job_when_the_launcher_names_its_peer_first(t
         raise RuntimeError("Connection closed by peer [127.0.0.1]:53149")
     exitcodes = {0: 1, 1: -signal.SIGKILL}
     record = explain(first_rank=0, exitcodes=exitcodes, out_dir=tmp_path, capped=False)
-    assert record is not None and (record["rank"], record["oom"], record["message"]) == (1, False, "killed by SIGKILL (exit code -9)")
+    assert record is not None and (record["rank"], record["oom"], record["message"]) == (
+        1,
+        False,
+        "killed by SIGKILL (exit code -9)",
+    )
     record = explain(first_rank=0, exitcodes=exitcodes, out_dir=tmp_path, capped=True)
     assert record is not None and (record["rank"], record["oom"]) == (1, True)
-
 
 
 def test_the_cpu_cap_fails_an_allocation_past_it_inside_the_process() -> None:
@@ -94,7 +103,13 @@ lift_memory_cap()
 after = torch.ones(64 * 2**20).numel()
 print(json.dumps({"small": small.numel(), "big": big, "after": after}))
 """
-    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == {"small": 4 * 2**20, "big": "oom", "after": 64 * 2**20}
 

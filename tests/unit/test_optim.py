@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from trainer.config import OptimConfig, ZeroConfig
-from trainer.rank.optim import build_optimizer, build_scheduler, clip_gradients, local_optimizer, lr_multiplier
+from trainer.rank.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    local_optimizer,
+    lr_multiplier,
+)
 
 
 def test_warmup_is_linear_from_the_first_step_and_reaches_the_peak() -> None:
@@ -22,7 +28,9 @@ def test_cosine_decays_from_the_peak_to_min_lr_ratio_at_the_last_step() -> None:
     assert lr_multiplier(4, optim, total_steps=12) == 1.0  # decay starts at the peak
     assert lr_multiplier(8, optim, total_steps=12) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cos = 0
     assert lr_multiplier(12, optim, total_steps=12) == pytest.approx(0.1)
-    assert lr_multiplier(50, optim, total_steps=12) == pytest.approx(0.1)  # past the end it stays at the floor
+    assert lr_multiplier(50, optim, total_steps=12) == pytest.approx(
+        0.1
+    )  # past the end it stays at the floor
 
 
 def test_no_warmup_starts_at_the_peak() -> None:
@@ -42,7 +50,9 @@ def test_the_scheduler_hands_the_optimizer_lr_times_the_multiplier() -> None:
         scheduler.step()
     expected = [0.01 * lr_multiplier(step, optim, 6) for step in range(6)]
     assert lrs == pytest.approx(expected) and lrs[1] == pytest.approx(0.01)
-    assert isinstance(optimizer, torch.optim.AdamW) and local_optimizer(optimizer) is optimizer  # stage0: no wrapper
+    assert (
+        isinstance(optimizer, torch.optim.AdamW) and local_optimizer(optimizer) is optimizer
+    )  # stage0: no wrapper
 
 
 def test_clipping_returns_the_norm_before_clipping_and_zero_disables_it() -> None:

@@ -63,7 +63,11 @@ def test_stage3_on_8_ranks_holds_the_zero_arithmetic(name: str) -> None:
     plan = build_plan(config, "cuda", 8)
     P = LLAMA2[name]
     for rank in plan.ranks:
-        assert (rank.states.params, rank.states.grads, rank.states.optimizer) == (4 * P // 8, 4 * P // 8, 8 * P // 8)
+        assert (rank.states.params, rank.states.grads, rank.states.optimizer) == (
+            4 * P // 8,
+            4 * P // 8,
+            8 * P // 8,
+        )
         assert rank.states.params + rank.states.grads + rank.states.optimizer == 16 * P // 8
 
 
@@ -110,7 +114,9 @@ def test_fsdp2_shards_are_the_plans(fake_group) -> None:
     for fp in fsdp_params:
         shape = tuple(fp._orig_size)
         assert fp._sharded_param_data.numel() == padded_numel(shape, world_size) // world_size
-        assert fp.sharded_param.to_local().numel() == shard_rows(shape[0], world_size, rank) * math.prod(shape[1:])
+        assert fp.sharded_param.to_local().numel() == shard_rows(shape[0], world_size, rank) * math.prod(
+            shape[1:]
+        )
     states = rank_states(model_shape(config), compose_config("zero=stage3").zero.stage, world_size)[rank]
     assert states.params == 4 * sum(fp._sharded_param_data.numel() for fp in fsdp_params)
     assert states.optimizer == 8 * sum(fp.sharded_param.to_local().numel() for fp in fsdp_params)
@@ -139,21 +145,33 @@ def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
         F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
     excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     # The rotary tables, cached on the model per device (counted under `other`).
-    excluded |= {t.untyped_storage().data_ptr() for tables in getattr(model, "_rope_cache", {}).values() for t in tables}
+    excluded |= {
+        t.untyped_storage().data_ptr()
+        for tables in getattr(model, "_rope_cache", {}).values()
+        for t in tables
+    }
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
 
 
 @pytest.mark.parametrize(
     ("regime", "overrides"),
-    [("fp32", ["precision=fp32"]), ("autocast", ["precision=bf16", "zero=stage1"]), ("fsdp_mp", ["precision=bf16", "zero=stage3"])],
+    [
+        ("fp32", ["precision=fp32"]),
+        ("autocast", ["precision=bf16", "zero=stage1"]),
+        ("fsdp_mp", ["precision=bf16", "zero=stage3"]),
+    ],
 )
 def test_planned_activations_are_what_autograd_saves(regime: str, overrides: list[str]) -> None:
     config = compose_config("model=tiny", "micro_batch=3", "seq_len=40", *overrides)
     acts = activations(config)
     expected = acts.total
-    if regime == "autocast":  # autocast's cached bf16 weights are saved too; the plan counts them as temporary
+    if (
+        regime == "autocast"
+    ):  # autocast's cached bf16 weights are saved too; the plan counts them as temporary
         shape = model_shape(config.model)
-        expected += 2 * (shape.block_linear_numel * config.model.n_layers + config.model.vocab_size * config.model.dim)
+        expected += 2 * (
+            shape.block_linear_numel * config.model.n_layers + config.model.vocab_size * config.model.dim
+        )
     assert saved_bytes(regime, micro_batch=3, seq_len=40) == expected
 
 
@@ -164,9 +182,13 @@ def test_full_checkpointing_keeps_each_blocks_input_only() -> None:
     tokens = config.micro_batch * config.seq_len
     assert ckpt.blocks == (2 * config.model.dim * tokens,) * config.model.n_layers  # bf16 residual stream
     assert ckpt.full_block == plain.full_block and ckpt.head == plain.head
-    selective = activations(compose_config("model=tiny", "checkpointing=selective", "checkpointing.every_n_layers=2"))
+    selective = activations(
+        compose_config("model=tiny", "checkpointing=selective", "checkpointing.every_n_layers=2")
+    )
     fp32_plain = activations(compose_config("model=tiny"))
-    assert selective.blocks[1] == fp32_plain.full_block and selective.blocks[0] == 4 * config.model.dim * tokens
+    assert (
+        selective.blocks[1] == fp32_plain.full_block and selective.blocks[0] == 4 * config.model.dim * tokens
+    )
 
 
 # ----------------------------------------------------------------------------- whole moments, by ledger
@@ -178,14 +200,18 @@ def tiny_ledger(stage: str, precision: str) -> dict[str, int]:
     N = 2 * 64
     block_params = 2 * D * D + 2 * KQ * D + 3 * M * D + 2 * D
     P = 2 * V * D + D + L * block_params
-    other = 2 * 512 * (D // H // 2) * 4 + (16 * V * 4 + 8 * V) + 4 * (3 + 9 * L)  # rope, data tables, Adam steps
+    other = (
+        2 * 512 * (D // H // 2) * 4 + (16 * V * 4 + 8 * V) + 4 * (3 + 9 * L)
+    )  # rope, data tables, Adam steps
     half = precision != "fp32"
     fsdp = stage in ("stage2", "stage3")
     if not half:
         block = N * 4 * (5 * D + 2 * KQ + 3 * D + 4 * M) + N * (4 * H + 8)
         head = N * (4 * D * 3 + 4)
     elif not fsdp:  # autocast: residual, norms fp32; norm output cast per projection
-        block = N * (4 * D * 2 + 2 * D * 3 + 2 * D * 2 + 2 * 2 * KQ + 4 * D * 2 + 2 * D * 2 + 2 * 4 * M) + N * (4 * H + 8)
+        block = N * (
+            4 * D * 2 + 2 * D * 3 + 2 * D * 2 + 2 * 2 * KQ + 4 * D * 2 + 2 * D * 2 + 2 * 4 * M
+        ) + N * (4 * H + 8)
         head = N * (4 * D * 2 + 2 * D + 4)
     else:  # FSDP2 bf16: RMSNorm saves its fp32 upcast input
         block = N * (4 * D * 2 + 2 * D * 3 + 2 * 2 * KQ + 4 * D * 2 + 2 * D + 2 * 4 * M) + N * (4 * H + 8)
@@ -194,23 +220,35 @@ def tiny_ledger(stage: str, precision: str) -> dict[str, int]:
     # At the loss's backward FSDP2 holds no gradients yet (zero_grad freed them); DDP its buckets.
     states = {"stage0": 16 * P, "stage2": 12 * P // S, "stage3": 12 * P // S}
     if stage == "stage1":  # ZeRO-1 splits whole tensors: rank 0's part by the partition rule (tested above)
-        numels = [V * D] + [n for _ in range(L) for n in (D * D, KQ * D, KQ * D, D * D, M * D, M * D, M * D, D, D)] + [D, V * D]
+        numels = (
+            [V * D]
+            + [n for _ in range(L) for n in (D * D, KQ * D, KQ * D, D * D, M * D, M * D, M * D, D, D)]
+            + [D, V * D]
+        )
         mine = zero1_partition(numels, S)[0]
         states["stage1"] = 8 * P + 8 * sum(numels[i] for i in mine)
         other += 4 * (len(mine) - len(numels))  # Adam's step counters of rank 0's tensors only
-    unsharded = {"stage2": (2 if half else 4) * P, "stage3": (2 if half else 4) * (2 * V * D + D)}.get(stage, 0)
+    unsharded = {"stage2": (2 if half else 4) * P, "stage3": (2 if half else 4) * (2 * V * D + D)}.get(
+        stage, 0
+    )
     cache = 2 * (L * (block_params - 2 * D) + V * D) if half and not fsdp else 0
     loss_backward = states[stage] + other + acts + unsharded + cache + 8 * N * V
     ledger = {"backward: loss": loss_backward}
-    if fsdp:  # gradients: every shard, the root's reduce-scatter input twice (gloo), the kept output-head gradient
-        ledger["backward: root reduce-scatter"] = 16 * P // S + other + 16 * N + 2 * 4 * (2 * V * D + D) + (2 if half else 4) * (V * D + D)
+    if (
+        fsdp
+    ):  # gradients: every shard, the root's reduce-scatter input twice (gloo), the kept output-head gradient
+        ledger["backward: root reduce-scatter"] = (
+            16 * P // S + other + 16 * N + 2 * 4 * (2 * V * D + D) + (2 if half else 4) * (V * D + D)
+        )
     return ledger
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_tiny_moments_match_the_ledger(stage: str, precision: str) -> None:
-    config = compose_config("model=tiny", f"zero={stage}", f"precision={precision}", "micro_batch=2", "seq_len=64")
+    config = compose_config(
+        "model=tiny", f"zero={stage}", f"precision={precision}", "micro_batch=2", "seq_len=64"
+    )
     plan = build_plan(config, "cpu", 2)
     for name, expected in tiny_ledger(stage, precision).items():
         assert moment(plan, name) == expected, name
@@ -233,11 +271,14 @@ def test_offload_moves_model_states_off_the_gpu() -> None:
     states = off.ranks[0].states
     held = states.params + states.grads + states.optimizer
     assert on.ranks[0].offloaded == held
-    assert moment(off, "forward: loss") - moment(on, "forward: loss") == states.params + states.optimizer  # no grads yet
+    assert (
+        moment(off, "forward: loss") - moment(on, "forward: loss") == states.params + states.optimizer
+    )  # no grads yet
     # On a CPU device offload moves nothing.
-    assert build_plan(compose_config("model=tiny", "zero=stage3", "offload=cpu"), "cpu", 2).peak_bytes == build_plan(
-        compose_config("model=tiny", "zero=stage3"), "cpu", 2
-    ).peak_bytes
+    assert (
+        build_plan(compose_config("model=tiny", "zero=stage3", "offload=cpu"), "cpu", 2).peak_bytes
+        == build_plan(compose_config("model=tiny", "zero=stage3"), "cpu", 2).peak_bytes
+    )
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
@@ -252,8 +293,12 @@ def test_adam_temporaries_follow_the_optimizer_implementation() -> None:
     states = build_plan(config, "cpu", 2).ranks[0].states
     cpu = moment(build_plan(config, "cpu", 2), "optimizer step")
     cuda = moment(build_plan(config, "cuda", 2), "optimizer step")
-    fused_cpu = moment(build_plan(compose_config("model=tiny", "optim.fused=true"), "cpu", 2), "optimizer step")
-    loop_cuda = moment(build_plan(compose_config("model=tiny", "optim.fused=false"), "cuda", 2), "optimizer step")
+    fused_cpu = moment(
+        build_plan(compose_config("model=tiny", "optim.fused=true"), "cpu", 2), "optimizer step"
+    )
+    loop_cuda = moment(
+        build_plan(compose_config("model=tiny", "optim.fused=false"), "cuda", 2), "optimizer step"
+    )
     # the fused kernel (CUDA's default) updates in place; the loop (CPU's default): 2 of a tensor and 1 of the one before it
     assert cpu - cuda == cpu - fused_cpu == 4 * states.loop_temporary
     assert loop_cuda == cpu
@@ -266,11 +311,16 @@ def test_adam_temporaries_follow_the_optimizer_implementation() -> None:
 
 
 def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
-    config = compose_config("model=7b", "zero=stage0", "precision=bf16", "micro_batch=4", "seq_len=4096", "plan.accelerator=h100")
+    config = compose_config(
+        "model=7b", "zero=stage0", "precision=bf16", "micro_batch=4", "seq_len=4096", "plan.accelerator=h100"
+    )
     plan = build_plan(config, "cuda", 8)
     message = refusal(plan)
     assert message is not None and "\n" not in message
-    assert f"{plan.peak_bytes / GIB:.2f} GiB" in message and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and NCCL)" in message
+    assert (
+        f"{plan.peak_bytes / GIB:.2f} GiB" in message
+        and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and NCCL)" in message
+    )
     assert "plan.enforce=false" in message
     suggestion = message.split("Try ", 1)[1].split(" (peak ")[0]  # e.g. "checkpointing=full zero=stage3"
     fixed = compose_config(*[o for o in config_overrides(config)], *suggestion.split())
@@ -279,8 +329,12 @@ def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
 
 def config_overrides(config: TrainConfig) -> list[str]:
     return [
-        f"model={config.model.name}", f"zero={config.zero.stage.value}", f"precision={config.precision.name}",
-        f"micro_batch={config.micro_batch}", f"seq_len={config.seq_len}", "plan.accelerator=h100",
+        f"model={config.model.name}",
+        f"zero={config.zero.stage.value}",
+        f"precision={config.precision.name}",
+        f"micro_batch={config.micro_batch}",
+        f"seq_len={config.seq_len}",
+        "plan.accelerator=h100",
     ]
 
 
@@ -289,4 +343,8 @@ def test_a_fitting_plan_is_not_refused_and_its_peak_is_the_jobs_prediction() -> 
     plan = build_plan(config, "cpu", 2)
     assert plan.fits and refusal(plan) is None
     # The job hands this figure to the ranks (trainer/job.py), which write it beside the measured peak.
-    assert summary_fields(plan)["memory/predicted_peak_gib"] * GIB == plan.peak_bytes == max(r.peak.total for r in plan.ranks)
+    assert (
+        summary_fields(plan)["memory/predicted_peak_gib"] * GIB
+        == plan.peak_bytes
+        == max(r.peak.total for r in plan.ranks)
+    )

@@ -15,7 +15,13 @@ P_70B = 68_976_648_192
 ROOT_70B = 2 * 32_000 * 8_192 + 8_192
 
 
-def config(stage: str, precision: str = "fp32", reduce_dtype: str = "fp32", grad_accum: int = 1, model: ModelConfig | None = None) -> TrainConfig:
+def config(
+    stage: str,
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
+    grad_accum: int = 1,
+    model: ModelConfig | None = None,
+) -> TrainConfig:
     dtype = {"fp32": DType.float32, "bf16": DType.bfloat16}[precision]
     return TrainConfig(
         model=model or ModelConfig(),
@@ -26,7 +32,16 @@ def config(stage: str, precision: str = "fp32", reduce_dtype: str = "fp32", grad
 
 
 def llama70b() -> ModelConfig:
-    return ModelConfig(name="70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_dim=28672, max_seq_len=4096)
+    return ModelConfig(
+        name="70b",
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_dim=28672,
+        max_seq_len=4096,
+    )
 
 
 def test_70b_stage3_bf16_on_64_ranks_is_the_documented_arithmetic() -> None:
@@ -34,9 +49,17 @@ def test_70b_stage3_bf16_on_64_ranks_is_the_documented_arithmetic() -> None:
     the fp32 reduce-scatter of everything once: 4P. On gloo the reduce-scatter is an all-reduce."""
     cfg = config("stage3", "bf16", model=llama70b())
     nccl, gloo = plan_comm(cfg, 64, backend="nccl"), plan_comm(cfg, 64, backend="gloo")
-    assert nccl.bytes_by_collective == {"all_reduce": 0, "all_gather": 2 * (2 * P_70B - ROOT_70B), "reduce_scatter": 4 * P_70B, "broadcast": 0}
+    assert nccl.bytes_by_collective == {
+        "all_reduce": 0,
+        "all_gather": 2 * (2 * P_70B - ROOT_70B),
+        "reduce_scatter": 4 * P_70B,
+        "broadcast": 0,
+    }
     assert nccl.total == gloo.total == 550_764_593_152
-    assert gloo.bytes_by_collective["all_reduce"] == 4 * P_70B and gloo.bytes_by_collective["reduce_scatter"] == 0
+    assert (
+        gloo.bytes_by_collective["all_reduce"] == 4 * P_70B
+        and gloo.bytes_by_collective["reduce_scatter"] == 0
+    )
     # zero.reduce_dtype=bf16 halves the gradient reduction: 2P instead of 4P.
     halved = plan_comm(config("stage3", "bf16", "bf16", model=llama70b()), 64, backend="nccl")
     assert halved.bytes_by_collective["reduce_scatter"] == 2 * P_70B
@@ -52,16 +75,34 @@ def test_every_stage_moves_what_torch_issues(precision: str, grad_accum: int) ->
     P = build_plan(config("stage0"), "cpu", 2).num_params
     root = 2 * model.vocab_size * model.dim + model.dim
     width = 4 if precision == "fp32" else 2
-    got = {stage: plan_comm(config(stage, precision, grad_accum=grad_accum), 2, backend="nccl").bytes_by_collective for stage in ("stage0", "stage1", "stage2", "stage3")}
+    got = {
+        stage: plan_comm(
+            config(stage, precision, grad_accum=grad_accum), 2, backend="nccl"
+        ).bytes_by_collective
+        for stage in ("stage0", "stage1", "stage2", "stage3")
+    }
     assert got["stage0"] == {"all_reduce": 4 * P, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
     assert got["stage1"] == {"all_reduce": 4 * P, "all_gather": 0, "reduce_scatter": 0, "broadcast": 4 * P}
-    assert got["stage2"] == {"all_reduce": 0, "all_gather": grad_accum * width * P, "reduce_scatter": 4 * P, "broadcast": 0}
-    assert got["stage3"] == {"all_reduce": 0, "all_gather": grad_accum * width * (2 * P - root), "reduce_scatter": 4 * P, "broadcast": 0}
+    assert got["stage2"] == {
+        "all_reduce": 0,
+        "all_gather": grad_accum * width * P,
+        "reduce_scatter": 4 * P,
+        "broadcast": 0,
+    }
+    assert got["stage3"] == {
+        "all_reduce": 0,
+        "all_gather": grad_accum * width * (2 * P - root),
+        "reduce_scatter": 4 * P,
+        "broadcast": 0,
+    }
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
 def test_bf16_reduction_halves_the_gradient_bytes(stage: str) -> None:
-    fp32, bf16 = (plan_comm(config(stage, reduce_dtype=r), 2, backend="gloo").bytes_by_collective for r in ("fp32", "bf16"))
+    fp32, bf16 = (
+        plan_comm(config(stage, reduce_dtype=r), 2, backend="gloo").bytes_by_collective
+        for r in ("fp32", "bf16")
+    )
     assert bf16["all_reduce"] * 2 == fp32["all_reduce"] > 0  # gloo: the reduce-scatter is an all-reduce
     assert bf16["all_gather"] == fp32["all_gather"] and bf16["broadcast"] == fp32["broadcast"]
 
@@ -84,4 +125,7 @@ def test_the_plan_carries_the_comm_section_and_prints_it() -> None:
     comm = json.loads(json.dumps(plan.to_json()))["comm"]
     assert comm["backend"] == "gloo" and comm["bytes_per_step"] == 8 * plan.num_params
     assert comm["bytes_by_collective"]["broadcast"] == 4 * plan.num_params
-    assert f"communication: 7.01 MiB ({8 * plan.num_params:,} bytes) per rank per optimizer step" in format_plan(plan)
+    assert (
+        f"communication: 7.01 MiB ({8 * plan.num_params:,} bytes) per rank per optimizer step"
+        in format_plan(plan)
+    )

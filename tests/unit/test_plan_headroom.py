@@ -7,9 +7,9 @@ import torch
 
 from tests.unit.test_plan import compose_config
 from trainer.devices import find_accelerator
-from trainer.telemetry.metrics import memory_fields
 from trainer.plan import build_plan
 from trainer.plan.headroom import HEADROOM
+from trainer.telemetry.metrics import memory_fields
 from trainer.units import GIB
 
 
@@ -36,14 +36,24 @@ def test_a_plan_whose_tensors_fit_but_reserved_does_not_is_refused() -> None:
     base = compose_config("model=125m", "precision=bf16")
     peak = build_plan(base, "cuda", 1).peak_bytes
     between = (peak + HEADROOM.reserved(peak)) / 2 / GIB  # above the tensor peak, below the reserved peak
-    plan = build_plan(compose_config("model=125m", "precision=bf16", f"device_memory_gib={between}"), "cuda", 1)
+    plan = build_plan(
+        compose_config("model=125m", "precision=bf16", f"device_memory_gib={between}"), "cuda", 1
+    )
     assert plan.peak_bytes < plan.memory.per_rank_bytes and plan.fits is False
 
 
 def test_reserved_is_reported_against_its_prediction() -> None:
     fields = ("peak_allocated", "peak_reserved", "peak_active", "alloc_retries", "num_ooms", "peak_rss")
-    per_rank = torch.tensor([[1.0 * GIB, 1.25 * GIB, 1.0 * GIB, 0, 0, 2.0 * GIB], [1.0 * GIB, 1.0 * GIB, 1.0 * GIB, 0, 0, 2.0 * GIB]], dtype=torch.float64)
+    per_rank = torch.tensor(
+        [
+            [1.0 * GIB, 1.25 * GIB, 1.0 * GIB, 0, 0, 2.0 * GIB],
+            [1.0 * GIB, 1.0 * GIB, 1.0 * GIB, 0, 0, 2.0 * GIB],
+        ],
+        dtype=torch.float64,
+    )
     record = memory_fields(fields, per_rank, predicted_gib=1.1, predicted_reserved_gib=1.5)
     assert record["memory/prediction_error_pct"] == pytest.approx(10.0)
     assert record["memory/predicted_reserved_gib"] == 1.5
-    assert record["memory/reserved_prediction_error_pct"] == pytest.approx(20.0)  # against the worst rank's 1.25 GiB
+    assert record["memory/reserved_prediction_error_pct"] == pytest.approx(
+        20.0
+    )  # against the worst rank's 1.25 GiB

@@ -43,5 +43,7 @@ def test_autocast_wraps_ddp_stages_in_low_precision_only() -> None:
     cpu = torch.device("cpu")
     with build_autocast(bf16, ZeroConfig(stage=Stage.stage1), cpu):
         assert (torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu")) == (torch.bfloat16, True)
-    assert isinstance(build_autocast(bf16, ZeroConfig(stage=Stage.stage3), cpu), contextlib.nullcontext)  # FSDP2 casts itself
+    assert isinstance(
+        build_autocast(bf16, ZeroConfig(stage=Stage.stage3), cpu), contextlib.nullcontext
+    )  # FSDP2 casts itself
     assert isinstance(build_autocast(PrecisionConfig(), ZeroConfig(), cpu), contextlib.nullcontext)  # fp32

@@ -7,10 +7,18 @@ import dataclasses
 import pytest
 
 from trainer.advise.calibrate import ACCELERATORS, Rates, accelerator_rates
-from trainer.config import (
-    CheckpointingConfig, CheckpointMode, DType, OffloadConfig, OffloadTarget, ReduceDType, Stage, TrainConfig, ZeroConfig,
-)
 from trainer.advise.predict import predict_step, recompute_flops_per_token
+from trainer.config import (
+    CheckpointingConfig,
+    CheckpointMode,
+    DType,
+    OffloadConfig,
+    OffloadTarget,
+    ReduceDType,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
 
 # Fixed figures: 1 TFLOP/s, all-reduce 100 GB/s, all-gather 50 GB/s bus bandwidth, 1e9 Adam params/s.
 RATES = Rates(
@@ -28,17 +36,25 @@ def recompute_of(c: TrainConfig) -> float:
     return recompute_flops_per_token(c.model, c.checkpointing, c.seq_len)
 
 
-def config(stage: Stage = Stage.stage0, checkpointing: CheckpointMode = CheckpointMode.none, **top: int) -> TrainConfig:
-    return TrainConfig(zero=ZeroConfig(stage=stage), checkpointing=CheckpointingConfig(mode=checkpointing), **top)
+def config(
+    stage: Stage = Stage.stage0, checkpointing: CheckpointMode = CheckpointMode.none, **top: int
+) -> TrainConfig:
+    return TrainConfig(
+        zero=ZeroConfig(stage=stage), checkpointing=CheckpointingConfig(mode=checkpointing), **top
+    )
 
 
 def test_recompute_is_the_checkpointed_blocks_forward_without_w2() -> None:
     # tiny: D=128, 4 layers, 4 heads (Q=32), 2 KV heads, M=384, T=128
-    block_params = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 2 * 128  # wq, wk+wv, wo, w1-3, 2 norms
+    block_params = (
+        128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 2 * 128
+    )  # wq, wk+wv, wo, w1-3, 2 norms
     per_block = 2 * (block_params - 128 * 384) + 4 * 4 * 32 * 128
     assert per_block == 360_960
     assert recompute_of(config(checkpointing=CheckpointMode.full, seq_len=128)) == 4 * per_block
-    assert recompute_of(config(checkpointing=CheckpointMode.selective, seq_len=128)) == 2 * per_block  # blocks 0, 2
+    assert (
+        recompute_of(config(checkpointing=CheckpointMode.selective, seq_len=128)) == 2 * per_block
+    )  # blocks 0, 2
     assert recompute_of(config(seq_len=128)) == 0
 
 
@@ -47,7 +63,9 @@ def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
     step = predict_step(c, 4, {"all_reduce": 4_000_000, "broadcast": 0}, 1_000_000, F, RATES)
     tokens = 2 * 2 * 128
     assert step.compute_s == pytest.approx(tokens * F / 1e12)
-    assert step.wire_s == {"all_reduce": pytest.approx(4e6 * 2 * 3 / 4 / 1e11)}  # ring: 2(n-1)/n of the payload
+    assert step.wire_s == {
+        "all_reduce": pytest.approx(4e6 * 2 * 3 / 4 / 1e11)
+    }  # ring: 2(n-1)/n of the payload
     assert step.exposed_comm_s == pytest.approx(4e6 * 1.5 / 1e11)  # CPU: nothing hides it
     assert step.optimizer_s == pytest.approx(1e6 / 1e9)
     assert step.step_s == pytest.approx(tokens * F / 1e12 + 6e-5 + 1e-3)
@@ -55,17 +73,28 @@ def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
 
 
 def test_all_gather_and_reduce_scatter_move_n_minus_1_over_n_of_their_payload() -> None:
-    wire = predict_step(config(Stage.stage2, seq_len=128), 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES).wire_s
-    assert wire == {"reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10), "all_gather": pytest.approx(1e8 * 0.5 / 5e10)}
+    wire = predict_step(
+        config(Stage.stage2, seq_len=128), 2, {"reduce_scatter": 10**8, "all_gather": 10**8}, 0, F, RATES
+    ).wire_s
+    assert wire == {
+        "reduce_scatter": pytest.approx(1e8 * 0.5 / 5e10),
+        "all_gather": pytest.approx(1e8 * 0.5 / 5e10),
+    }
 
 
 def test_bf16_reduction_runs_at_the_bandwidth_measured_in_bf16() -> None:
     rates = dataclasses.replace(RATES, bus_bytes_per_s={**RATES.bus_bytes_per_s, "all_reduce_bf16": 1e10})
     fp32 = config(Stage.stage2, seq_len=128)
     bf16 = dataclasses.replace(fp32, zero=ZeroConfig(stage=Stage.stage2, reduce_dtype=ReduceDType.bf16))
-    assert predict_step(fp32, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(1e8 / 1e11)
-    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(1e8 / 1e10)
-    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, RATES).wire_s["all_reduce"] == pytest.approx(1e8 / 1e11)  # not measured: fp32's
+    assert predict_step(fp32, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(
+        1e8 / 1e11
+    )
+    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, rates).wire_s["all_reduce"] == pytest.approx(
+        1e8 / 1e10
+    )
+    assert predict_step(bf16, 2, {"all_reduce": 10**8}, 0, F, RATES).wire_s["all_reduce"] == pytest.approx(
+        1e8 / 1e11
+    )  # not measured: fp32's
 
 
 def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
@@ -79,7 +108,9 @@ def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
     gather_s, scatter_s = gather * 7 / 8 / 5e10, scatter * 7 / 8 / 5e10
     # all-gather (stage3) hides behind forward + backward: only one block's share shows;
     # reduce-scatter behind the last micro-batch's backward only.
-    expected = max(gather_s / 4, gather_s - (forward + backward)) + max(scatter_s / 4, scatter_s - backward / 2)
+    expected = max(gather_s / 4, gather_s - (forward + backward)) + max(
+        scatter_s / 4, scatter_s - backward / 2
+    )
     assert gather_s < forward + backward and scatter_s > backward / 2  # one of each case
     assert step.exposed_comm_s == pytest.approx(expected)
     assert step.limiter == "communication"
@@ -87,7 +118,9 @@ def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
 
 def test_offload_moves_shards_over_the_host_link_and_steps_adam_on_the_host() -> None:
     gpu = dataclasses.replace(RATES, offload_bytes_per_s=5e10, host_adam_params_per_s=1e8)
-    c = dataclasses.replace(config(Stage.stage3, seq_len=128), offload=OffloadConfig(target=OffloadTarget.cpu))
+    c = dataclasses.replace(
+        config(Stage.stage3, seq_len=128), offload=OffloadConfig(target=OffloadTarget.cpu)
+    )
     step = predict_step(c, 4, {"all_gather": 8 * 10**8, "reduce_scatter": 4 * 10**8}, 10**7, F, gpu)
     assert step.offload_s == pytest.approx(12e8 / 4 / 5e10)
     assert step.optimizer_s == pytest.approx(1e7 / 1e8)
@@ -95,7 +128,10 @@ def test_offload_moves_shards_over_the_host_link_and_steps_adam_on_the_host() ->
 
 def test_accelerator_table_uses_nvlink_inside_a_node_and_the_network_beyond() -> None:
     spec = ACCELERATORS["h100"]
-    inside, across = accelerator_rates("h100", DType.bfloat16, 8), accelerator_rates("h100", DType.bfloat16, 64)
+    inside, across = (
+        accelerator_rates("h100", DType.bfloat16, 8),
+        accelerator_rates("h100", DType.bfloat16, 64),
+    )
     assert inside.peak_flops == 989.4e12  # trainer/devices.py, H100 SXM5 dense bf16
     assert inside.compute_flops == {0: pytest.approx(989.4e12 * spec.matmul_efficiency)}
     assert inside.bus_bytes_per_s["all_reduce"] == pytest.approx(360e9)

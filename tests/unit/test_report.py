@@ -31,8 +31,12 @@ def records_for(rng: random.Random, steps: int, ranks: int = 2, fp16: bool = Fal
 
 
 def make_point(
-    sweep: Path, num: int, overrides: list[str], summary: dict[str, Any] | None,
-    records: list[dict[str, Any]] | None = None, plan: dict[str, Any] | None = None,
+    sweep: Path,
+    num: int,
+    overrides: list[str],
+    summary: dict[str, Any] | None,
+    records: list[dict[str, Any]] | None = None,
+    plan: dict[str, Any] | None = None,
 ) -> Path:
     """A point directory as Hydra and the job leave it: .hydra/, summary.json, metrics.jsonl, plan.json."""
     path = sweep / f"{num}_{','.join(overrides)}"
@@ -70,7 +74,13 @@ def grid(tmp_path: Path) -> Path:
         for stage in ("stage2", "stage3"):
             overrides = ["device=cpu", f"micro_batch={micro_batch}", "steps=5", f"zero={stage}"]
             if (micro_batch, stage) == (4, "stage3"):
-                oom = {"status": "oom", "failed_rank": 1, "failed_step": 1, "failed_phase": "forward", "error": f"rank 1 ran out of memory: {CPU_OOM}"}
+                oom = {
+                    "status": "oom",
+                    "failed_rank": 1,
+                    "failed_step": 1,
+                    "failed_phase": "forward",
+                    "error": f"rank 1 ran out of memory: {CPU_OOM}",
+                }
                 make_point(tmp_path, num, overrides, oom)
             else:
                 records = records_for(rng, 5)
@@ -87,7 +97,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_results_csv_has_one_row_per_point_in_job_order_with_the_summary_figures(tmp_path: Path) -> None:
     rng = random.Random(1)
     summaries = {}
-    for num in range(12):  # 12 points: directory names sort 0, 1, 10, 11, 2, ... but rows follow the job number
+    for num in range(
+        12
+    ):  # 12 points: directory names sort 0, 1, 10, 11, 2, ... but rows follow the job number
         records = records_for(rng, 3)
         summaries[num] = ok_summary(rng, records)
         make_point(tmp_path, num, [f"seed={num}"], summaries[num], records)
@@ -96,7 +108,9 @@ def test_results_csv_has_one_row_per_point_in_job_order_with_the_summary_figures
     assert [int(r["point"]) for r in rows] == list(range(12))
     for row in rows:
         summary = summaries[int(row["point"])]
-        assert float(row["tokens_per_s"]) == summary["throughput/tokens_per_s"]  # exact: floats written as repr
+        assert (
+            float(row["tokens_per_s"]) == summary["throughput/tokens_per_s"]
+        )  # exact: floats written as repr
         assert float(row["max_rank_peak_gib"]) == summary["memory/max_rank_peak_gib"]
         assert float(row["predicted_peak_gib"]) == summary["memory/predicted_peak_gib"]
         assert float(row["final_loss"]) == summary["loss/final"]
@@ -106,7 +120,10 @@ def test_results_csv_has_one_row_per_point_in_job_order_with_the_summary_figures
 def test_only_the_swept_keys_name_a_point(grid: Path) -> None:
     report = rpt.write_report(grid)
     assert report.swept == ["micro_batch", "zero"]
-    assert [row["overrides"] for row in report.rows][:2] == ["micro_batch=1 zero=stage2", "micro_batch=1 zero=stage3"]
+    assert [row["overrides"] for row in report.rows][:2] == [
+        "micro_batch=1 zero=stage2",
+        "micro_batch=1 zero=stage3",
+    ]
 
 
 def test_the_fastest_point_that_fits_is_marked_and_failed_points_never_are(tmp_path: Path) -> None:
@@ -114,9 +131,19 @@ def test_the_fastest_point_that_fits_is_marked_and_failed_points_never_are(tmp_p
     speeds = [1000.0, 3000.0, 2000.0]
     for num, speed in enumerate(speeds):
         records = records_for(rng, 3)
-        make_point(tmp_path, num, [f"micro_batch={num + 1}"], {**ok_summary(rng, records), "throughput/tokens_per_s": speed}, records)
+        make_point(
+            tmp_path,
+            num,
+            [f"micro_batch={num + 1}"],
+            {**ok_summary(rng, records), "throughput/tokens_per_s": speed},
+            records,
+        )
     # A crashed point measured a higher rate before it died: it does not fit, so it is not the fastest.
-    crashed = {"status": "crashed", "throughput/tokens_per_s": 2 * max(speeds), "error": "rank 0 failed: RuntimeError: boom"}
+    crashed = {
+        "status": "crashed",
+        "throughput/tokens_per_s": 2 * max(speeds),
+        "error": "rank 0 failed: RuntimeError: boom",
+    }
     make_point(tmp_path, 3, ["micro_batch=8"], crashed, records_for(rng, 1))
     report = rpt.write_report(tmp_path)
     assert [row["fastest"] for row in report.rows] == [False, True, False, False]
@@ -130,14 +157,31 @@ def test_oom_and_refused_points_show_where_and_why(tmp_path: Path) -> None:
     rng = random.Random(3)
     records = records_for(rng, 3)
     make_point(tmp_path, 0, ["micro_batch=1"], ok_summary(rng, records), records)
-    oom = {"status": "oom", "failed_rank": 1, "failed_step": 3, "failed_phase": "backward", "error": f"rank 1 ran out of memory at step 3 (backward): {CPU_OOM}"}
+    oom = {
+        "status": "oom",
+        "failed_rank": 1,
+        "failed_step": 3,
+        "failed_phase": "backward",
+        "error": f"rank 1 ran out of memory at step 3 (backward): {CPU_OOM}",
+    }
     make_point(tmp_path, 1, ["micro_batch=64"], oom)
-    plan = {"num_params": 918656, "peak_gib": 0.79, "peak_rank": 1, "fits": False, "ranks": [{"rank": 0, "peak_gib": 0.71}, {"rank": 1, "peak_gib": 0.79}]}
+    plan = {
+        "num_params": 918656,
+        "peak_gib": 0.79,
+        "peak_rank": 1,
+        "fits": False,
+        "ranks": [{"rank": 0, "peak_gib": 0.71}, {"rank": 1, "peak_gib": 0.79}],
+    }
     reason = "does not fit: needs 0.79 GiB on rank 1, but each rank has 0.25 GiB (device_memory_gib=0.25)"
     make_point(tmp_path, 2, ["micro_batch=256"], {"status": "refused", "reason": reason}, plan=plan)
     report = rpt.write_report(tmp_path)
     oom_row, refused_row = report.rows[1], report.rows[2]
-    assert (oom_row["status"], oom_row["failed_rank"], oom_row["failed_step"], oom_row["failed_phase"]) == ("oom", 1, 3, "backward")
+    assert (oom_row["status"], oom_row["failed_rank"], oom_row["failed_step"], oom_row["failed_phase"]) == (
+        "oom",
+        1,
+        3,
+        "backward",
+    )
     assert refused_row["status"] == "refused" and refused_row["predicted_peak_gib"] == plan["peak_gib"]
     text = (tmp_path / "report.md").read_text()
     assert "| 1 | `micro_batch=64` | **oom** (rank 1, step 3, backward) |" in text
@@ -146,7 +190,12 @@ def test_oom_and_refused_points_show_where_and_why(tmp_path: Path) -> None:
 
 
 def test_skipped_steps_count_fp16_overflows_and_nonfinite_skips(tmp_path: Path) -> None:
-    make_point(tmp_path, 0, ["nonfinite=skip"], {"status": "ok", "precision/skipped_steps": 2, "train/nonfinite_skipped": 1})
+    make_point(
+        tmp_path,
+        0,
+        ["nonfinite=skip"],
+        {"status": "ok", "precision/skipped_steps": 2, "train/nonfinite_skipped": 1},
+    )
     assert rpt.write_report(tmp_path).rows[0]["skipped_steps"] == 2 + 1
 
 
@@ -162,7 +211,9 @@ def test_throughput_chart_draws_each_stage_against_micro_batch_and_marks_failure
             if p.settings["zero"] == stage and row["status"] == "ok"
         ]
         assert lines[f"zero={stage}"] == expected
-    failed = [int(p.settings["micro_batch"]) for p, row in zip(report.points, report.rows) if row["status"] != "ok"]
+    failed = [
+        int(p.settings["micro_batch"]) for p, row in zip(report.points, report.rows) if row["status"] != "ok"
+    ]
     markers = [offset.tolist() for collection in ax.collections for offset in collection.get_offsets()]
     assert markers == [[x, 0] for x in failed] == [[4, 0]]
     assert [t.get_text() for t in ax.texts] == ["oom: rank 1, step 1, forward"]
@@ -211,7 +262,13 @@ def test_the_throughput_charts_title_speaks_of_failed_points_only_when_there_are
 def ok_only(report: rpt.Report) -> rpt.Report:
     """The same report without its failed points."""
     keep = [i for i, row in enumerate(report.rows) if row["status"] == "ok"]
-    return rpt.Report(report.sweep_dir, [report.points[i] for i in keep], report.swept, [report.rows[i] for i in keep], report.charts)
+    return rpt.Report(
+        report.sweep_dir,
+        [report.points[i] for i in keep],
+        report.swept,
+        [report.rows[i] for i in keep],
+        report.charts,
+    )
 
 
 def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
@@ -222,12 +279,16 @@ def test_writing_the_report_again_gives_the_same_bytes(grid: Path) -> None:
     assert {name: (grid / name).read_bytes() for name in names} == first
 
 
-def test_the_command_refuses_a_directory_that_is_neither_a_run_nor_a_sweep_in_one_line(grid: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_refuses_a_directory_that_is_neither_a_run_nor_a_sweep_in_one_line(
+    grid: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     stray = tmp_path_factory.mktemp("stray")
     with pytest.raises(SystemExit) as exit_info:
         compare.main([str(grid), str(stray), "--out", str(stray / "out")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {stray} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"
+    ]
     assert not (stray / "out").exists() and not (grid / "report.md").exists()
 
 
@@ -237,8 +298,11 @@ def test_comm_chart_puts_each_point_at_its_bytes_and_the_memory_its_stage_saved(
     mib, gib = 2**20, 2**30
     for num, (stage, peak_mib, sent_mib) in enumerate([("stage0", 30, 3.5), ("stage3", 20, 10.0)]):
         summary = {
-            "status": "ok", "memory/max_rank_peak_gib": peak_mib * mib / gib, "comm/predicted_bytes_per_step": int(sent_mib * mib),
-            "comm/rank0/bytes_per_step": sent_mib * mib, "comm/rank1/bytes_per_step": sent_mib * mib - 8,
+            "status": "ok",
+            "memory/max_rank_peak_gib": peak_mib * mib / gib,
+            "comm/predicted_bytes_per_step": int(sent_mib * mib),
+            "comm/rank0/bytes_per_step": sent_mib * mib,
+            "comm/rank1/bytes_per_step": sent_mib * mib - 8,
             "config": {"zero": {"stage": stage}},
         }
         make_point(tmp_path, num, ["micro_batch=2", f"zero={stage}"], summary)

@@ -37,7 +37,9 @@ def test_resume_true_continues_the_newest_save_of_the_same_config(tmp_path: Path
     config = tiny_config()
     fake_run(day / "10-00-00", config, (4,))
     fake_run(day / "11-00-00", tiny_config(seed=1), (8,))  # another config: never resumed
-    fake_run(day / "12-00-00", tiny_config(fault__kind="kill", fault__step=7), (4, 8))  # fault.* aside, the same run
+    fake_run(
+        day / "12-00-00", tiny_config(fault__kind="kill", fault__step=7), (4, 8)
+    )  # fault.* aside, the same run
     os.utime(day / "10-00-00" / "checkpoints" / "step_00000004" / ".metadata", (1, 1))  # older
     new_dir = day / "13-00-00"
     new_dir.mkdir()
@@ -55,8 +57,14 @@ def test_resume_a_path_to_a_run_or_to_a_save(tmp_path: Path) -> None:
     run = tmp_path / "old"
     fake_run(run, tiny_config(), (4, 8))
     here = tmp_path / "new"
-    assert resolve_resume(tiny_config(resume=str(run)), here) == (str(run / "checkpoints" / "step_00000008"), run)
+    assert resolve_resume(tiny_config(resume=str(run)), here) == (
+        str(run / "checkpoints" / "step_00000008"),
+        run,
+    )
     save = run / "checkpoints" / "step_00000004"
-    assert resolve_resume(tiny_config(resume=str(save)), here) == (str(save), here)  # e.g. other ranks or stage
+    assert resolve_resume(tiny_config(resume=str(save)), here) == (
+        str(save),
+        here,
+    )  # e.g. other ranks or stage
     with pytest.raises(ConfigError, match=r"^resume=.*allowed: false, true, a run directory"):
         resolve_resume(tiny_config(resume=str(tmp_path / "nothing")), here)

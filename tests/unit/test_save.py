@@ -16,6 +16,7 @@ from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step
 from trainer.rank.nonfinite import NonFiniteGuard
 from trainer.rank.optim import local_optimizer
+from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     Progress,
     SaveSpec,
@@ -29,7 +30,6 @@ from trainer.saves.dcp import (
     saved_keys,
     should_save,
 )
-from trainer.rank.trainee import Trainee
 
 
 def test_saves_every_n_steps_and_at_the_last() -> None:
@@ -55,14 +55,20 @@ def test_prune_keeps_the_newest_saves_and_clears_leftovers(tmp_path: Path) -> No
 
 
 def test_a_different_global_batch_is_refused_naming_the_keys() -> None:
-    with pytest.raises(ConfigError, match=r"global batch of 8 sequences; this run has 4 \(micro_batch=2 x grad_accum=1 x 2 ranks\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global batch of 8 sequences; this run has 4 \(micro_batch=2 x grad_accum=1 x 2 ranks\)",
+    ):
         check_global_batch(8, SaveSpec.of(tiny_config()), 2, Path("save"))
 
 
 def run_steps(trainee: Trainee, config: TrainConfig, first: int, last: int) -> list[float]:
     batches = build_batches(config, 0, 1, start_step=first - 1)
     guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
-    return [train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(first, last + 1)]
+    return [
+        train_step(trainee, batches, config, WORLD, step, guard).loss.item()
+        for step in range(first, last + 1)
+    ]
 
 
 def full_state(trainee: Trainee) -> dict[str, torch.Tensor]:
@@ -71,11 +77,15 @@ def full_state(trainee: Trainee) -> dict[str, torch.Tensor]:
     optim = get_optimizer_state_dict(trainee.model, local_optimizer(trainee.optimizer))
     tensors = {f"model.{k}": v for k, v in model.items()}
     tensors |= {f"optim.{fqn}.{k}": v for fqn, state in optim["state"].items() for k, v in state.items()}
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in tensors.items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in tensors.items()
+    }
 
 
 @pytest.mark.parametrize("stage", ["stage1", "stage3"])
-def test_a_save_restores_every_tensor_and_the_next_loss_bitwise(process_group: None, tmp_path: Path, stage: str) -> None:
+def test_a_save_restores_every_tensor_and_the_next_loss_bitwise(
+    process_group: None, tmp_path: Path, stage: str
+) -> None:
     config = tiny_config(zero__stage=stage, save__every=2)
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
@@ -86,12 +96,17 @@ def test_a_save_restores_every_tensor_and_the_next_loss_bitwise(process_group: N
 
     torch.manual_seed(config.seed + 1)  # a different init: everything must come from the save
     fresh = build_trainee(config, WORLD)
-    progress = load_training_state(fresh, SaveSpec.of(config), WORLD, tmp_path / "checkpoints" / "step_00000002")
+    progress = load_training_state(
+        fresh, SaveSpec.of(config), WORLD, tmp_path / "checkpoints" / "step_00000002"
+    )
     assert (progress.step, progress.nonfinite_skipped) == (2, 1)
     restored = full_state(fresh)
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
-    assert fresh.scheduler.get_last_lr() == lr and local_optimizer(fresh.optimizer).param_groups[0]["lr"] == lr[0]
+    assert (
+        fresh.scheduler.get_last_lr() == lr
+        and local_optimizer(fresh.optimizer).param_groups[0]["lr"] == lr[0]
+    )
     assert run_steps(fresh, config, 3, 4) == expected
 
 
@@ -102,7 +117,11 @@ def test_names_in_a_save_do_not_depend_on_the_stage(process_group: None, tmp_pat
         trainee = build_trainee(config, WORLD)
         run_steps(trainee, config, 1, 1)
         save_training_state(trainee, SaveSpec.of(config), WORLD, tmp_path / stage, Progress(step=1))
-        keys[stage] = {k for k in saved_keys(tmp_path / stage / "checkpoints" / "step_00000001") if k.startswith(("model.", "optim."))}
+        keys[stage] = {
+            k
+            for k in saved_keys(tmp_path / stage / "checkpoints" / "step_00000001")
+            if k.startswith(("model.", "optim."))
+        }
         assert read_progress(tmp_path / stage / "checkpoints" / "step_00000001")["stage"] == stage
     assert keys["stage0"] == keys["stage1"] == keys["stage3"]
     assert "model.layers.0.attention.wq.weight" in keys["stage0"]  # no module., no wrapper prefixes
@@ -124,7 +143,9 @@ def test_fp16_scale_round_trips_and_the_configured_factors_stay(process_group: N
 # ----------------------------------------------------------------------------- RNG state follows the rank's device
 
 
-def test_a_cpu_save_loads_with_cuda_state_absent_and_present(process_group: None, tmp_path: Path, monkeypatch) -> None:
+def test_a_cpu_save_loads_with_cuda_state_absent_and_present(
+    process_group: None, tmp_path: Path, monkeypatch
+) -> None:
     import trainer.saves.dcp as save
 
     config = tiny_config()
@@ -133,7 +154,11 @@ def test_a_cpu_save_loads_with_cuda_state_absent_and_present(process_group: None
     run_steps(trainee, config, 1, 1)
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host running CPU ranks
-        assert sorted(save.rng_state(WORLD.device)) == ["numpy", "python", "torch"]  # keyed on the rank's device
+        assert sorted(save.rng_state(WORLD.device)) == [
+            "numpy",
+            "python",
+            "torch",
+        ]  # keyed on the rank's device
     save_training_state(trainee, spec, WORLD, tmp_path / "cpu", Progress(step=1))
     cpu_save = tmp_path / "cpu" / "checkpoints" / "step_00000001"
     assert not any(k.startswith("rng.rank0.cuda") for k in saved_keys(cpu_save))
@@ -141,11 +166,17 @@ def test_a_cpu_save_loads_with_cuda_state_absent_and_present(process_group: None
 
     applied: list[dict] = []
     real_rng_state, real_set = save.rng_state, save.set_rng_state
-    monkeypatch.setattr(save, "set_rng_state", lambda state, device: (applied.append(state), real_set(state, device)))
-    load_training_state(build_trainee(config, WORLD), spec, WORLD, cpu_save)  # a CPU rank: no CUDA state asked for
+    monkeypatch.setattr(
+        save, "set_rng_state", lambda state, device: (applied.append(state), real_set(state, device))
+    )
+    load_training_state(
+        build_trainee(config, WORLD), spec, WORLD, cpu_save
+    )  # a CPU rank: no CUDA state asked for
     # A GPU rank asks for CUDA state the CPU save does not have: the load leaves it out.
     fake_cuda = torch.arange(16, dtype=torch.uint8)
-    monkeypatch.setattr(save, "rng_state", lambda device: {**real_rng_state(device), "cuda": fake_cuda.clone()})
+    monkeypatch.setattr(
+        save, "rng_state", lambda device: {**real_rng_state(device), "cuda": fake_cuda.clone()}
+    )
     load_training_state(build_trainee(config, WORLD), spec, WORLD, cpu_save)
     assert [sorted(state) for state in applied] == [["numpy", "python", "torch"]] * 2
     assert all(torch.equal(state["torch"], saved_torch) for state in applied)

@@ -53,7 +53,9 @@ def test_a_missing_shard_an_unlisted_shard_and_unreadable_metadata(save: Path) -
     assert save_problem(save).startswith(".metadata cannot be read")
 
 
-def test_the_newest_whole_save_skips_broken_ones_and_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_newest_whole_save_skips_broken_ones_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     older, newer = make_save(tmp_path / "step_00000004"), make_save(tmp_path / "step_00000008")
     data_file(newer).unlink()
     assert newest_whole_save([older, newer]) == older

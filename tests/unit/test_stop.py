@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -14,8 +14,16 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 import trainer.faults.stop
 from tests.unit.fakes import WORLD
 from trainer.config import NonFinitePolicy
+from trainer.faults.stop import (
+    STOP_REQUEST,
+    STOPS,
+    RankStop,
+    exit_code_for,
+    handling_stops,
+    stopped,
+    sweep_stop,
+)
 from trainer.rank.nonfinite import NonFiniteGuard, agree, stop_request
-from trainer.faults.stop import STOP_REQUEST, STOPS, RankStop, exit_code_for, handling_stops, stopped, sweep_stop
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +43,13 @@ def test_the_table_maps_each_signal_to_a_status_and_the_shells_exit_code() -> No
         "SIGUSR1": ("preempted", 138),
         "SIGUSR2": ("preempted", 140),
     }
-    assert [exit_code_for(status) for status in ("ok", "interrupted", "preempted", "crashed", "oom")] == [0, 130, 143, 1, 1]
+    assert [exit_code_for(status) for status in ("ok", "interrupted", "preempted", "crashed", "oom")] == [
+        0,
+        130,
+        143,
+        1,
+        1,
+    ]
 
 
 def test_a_rank_notes_a_signal_and_the_step_agreement_carries_it(tmp_path: Path) -> None:
@@ -51,7 +65,12 @@ def test_a_rank_notes_a_signal_and_the_step_agreement_carries_it(tmp_path: Path)
     os.kill(os.getpid(), signal.SIGINT)  # preemption outranks an interrupt: the larger number stays
     assert stop.requested == signal.SIGUSR1
     assert step_may_go(2) and stop.agreed == signal.SIGUSR1
-    assert stop.ending(2, tmp_path / "s") == {"status": "preempted", "signal": "SIGUSR1", "stopped_step": 2, "save": str(tmp_path / "s")}
+    assert stop.ending(2, tmp_path / "s") == {
+        "status": "preempted",
+        "signal": "SIGUSR1",
+        "stopped_step": 2,
+        "save": str(tmp_path / "s"),
+    }
 
 
 def test_the_first_local_rank_reads_the_job_processs_request(tmp_path: Path) -> None:
@@ -75,7 +94,12 @@ def test_the_job_handler_asks_once_then_stops_at_once_and_puts_the_handlers_back
 
 
 def test_the_stopped_account_names_the_signal_the_step_and_the_save() -> None:
-    result = {"status": "preempted", "signal": "SIGTERM", "stopped_step": 7, "save": "/r/checkpoints/step_00000007"}
+    result = {
+        "status": "preempted",
+        "signal": "SIGTERM",
+        "stopped_step": 7,
+        "save": "/r/checkpoints/step_00000007",
+    }
     assert stopped(result, saving=True) == {
         "error": "SIGTERM stopped the job after step 7; saved /r/checkpoints/step_00000007: resume=true continues from it",
         "stop_signal": "SIGTERM",

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
+from trainer.advise.predict import StepTime, predict_step
 from trainer.advise.verify import Proposal, override_key, verify
 from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
-from trainer.telemetry.metrics import mfu_pct
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, device_memory, plan_comm
-from trainer.advise.predict import StepTime, predict_step
 from trainer.rank.sharding import check_device_support
+from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
 
 CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
@@ -70,7 +70,9 @@ def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
             "drop plan.accelerator or set advise.verify=0"
         )
     if config.plan.accelerator is not None:
-        advisor_accelerator(config.plan.accelerator)  # a device the plan knows but the advisor has no rates for
+        advisor_accelerator(
+            config.plan.accelerator
+        )  # a device the plan knows but the advisor has no rates for
 
 
 def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
@@ -88,11 +90,20 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     for stage in dict.fromkeys(a.stages):
         for checkpointing in dict.fromkeys(a.checkpointing):
             for offload in dict.fromkeys(a.offload):
-                if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
+                if offload == OffloadTarget.cpu and (
+                    stage.value in ("stage0", "stage1") or device_kind != "cuda"
+                ):
                     continue
                 for reduce_dtype in dict.fromkeys(a.reduce_dtypes):
                     for mb in micro_batches(config, world_size):
-                        values = (stage.value, checkpointing.value, offload.value, reduce_dtype.value, mb, per_rank // mb)
+                        values = (
+                            stage.value,
+                            checkpointing.value,
+                            offload.value,
+                            reduce_dtype.value,
+                            mb,
+                            per_rank // mb,
+                        )
                         out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
 
@@ -102,7 +113,9 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
     replace = dataclasses.replace
     return replace(
         config,
-        zero=replace(config.zero, stage=Stage(choice["zero"]), reduce_dtype=ReduceDType(choice["zero.reduce_dtype"])),
+        zero=replace(
+            config.zero, stage=Stage(choice["zero"]), reduce_dtype=ReduceDType(choice["zero.reduce_dtype"])
+        ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
         micro_batch=choice["micro_batch"],
@@ -116,7 +129,9 @@ def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) ->
     return host_rates(config, world_size, micro_batches)
 
 
-def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int, rates: Rates, flops: float) -> Candidate | None:
+def evaluate(
+    config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int, rates: Rates, flops: float
+) -> Candidate | None:
     """Plan and time one choice; None where the schema or the device refuses the combination."""
     try:
         candidate = configure(config, choice)
@@ -125,20 +140,33 @@ def evaluate(config: TrainConfig, choice: dict[str, Any], device_kind: str, worl
         return None
     plan = build_plan(candidate, device_kind, world_size)
     peak = plan.peak_bytes  # a max over every rank's moments: once
-    budget = None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
+    budget = (
+        None
+        if plan.memory.per_rank_bytes is None
+        else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
+    )
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     return Candidate(
-        choice, peak, None if budget is None else peak <= budget, step, tokens_per_s,
-        mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size), step.limiter,
+        choice,
+        peak,
+        None if budget is None else peak <= budget,
+        step,
+        tokens_per_s,
+        mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size),
+        step.limiter,
     )
 
 
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
-    refused = {(tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"]) for c in candidates if c.fits is False}
+    refused = {
+        (tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"])
+        for c in candidates
+        if c.fits is False
+    }
     out = []
     for c in candidates:
         key = tuple(c.choice[k] for k in CHOSEN_KEYS[:4])
@@ -153,8 +181,14 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
     options = choices(config, world_size, device_kind)
     rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options}))
     flops = flops_per_token(config.model, config.seq_len)
-    evaluated = [c for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options) if c is not None]
-    ranked = sorted(with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes))
+    evaluated = [
+        c
+        for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options)
+        if c is not None
+    ]
+    ranked = sorted(
+        with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes)
+    )
     return ranked, rates
 
 
@@ -163,7 +197,11 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
 
 def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
     """The overrides that run a candidate: the user's, less the advisor's own, plus the choice."""
-    kept = [o for o in base_overrides if override_key(o) not in CHOSEN_KEYS and override_key(o).split(".")[0] not in ADVISE_ONLY_KEYS]
+    kept = [
+        o
+        for o in base_overrides
+        if override_key(o) not in CHOSEN_KEYS and override_key(o).split(".")[0] not in ADVISE_ONLY_KEYS
+    ]
     return [*kept, *candidate.overrides()]
 
 
@@ -171,7 +209,14 @@ def command_line(base_overrides: list[str], candidate: Candidate) -> str:
     return shlex.join(["python", "-m", "trainer", *command_args(base_overrides, candidate)])
 
 
-def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates, base: list[str], world_size: int, memory: str) -> str:
+def format_advice(
+    config: TrainConfig,
+    candidates: list[Candidate],
+    rates: Rates,
+    base: list[str],
+    world_size: int,
+    memory: str,
+) -> str:
     fitting = [c for c in candidates if c.fits is not False]
     lines = [
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
@@ -182,7 +227,9 @@ def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
-        lines.append(f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}")
+        lines.append(
+            f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
+        )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)
         lines.append(
@@ -193,7 +240,14 @@ def format_advice(config: TrainConfig, candidates: list[Candidate], rates: Rates
     return "\n".join(lines)
 
 
-def advice_json(config: TrainConfig, candidates: list[Candidate], rates: Rates, base: list[str], world_size: int, memory: str) -> dict[str, Any]:
+def advice_json(
+    config: TrainConfig,
+    candidates: list[Candidate],
+    rates: Rates,
+    base: list[str],
+    world_size: int,
+    memory: str,
+) -> dict[str, Any]:
     return {
         "model": config.model.name,
         "global_batch": config.global_batch,
@@ -202,7 +256,10 @@ def advice_json(config: TrainConfig, candidates: list[Candidate], rates: Rates, 
         "world_size": world_size,
         "headroom": config.advise.headroom,
         "device_memory": memory,
-        "rates": {**dataclasses.asdict(rates), "compute_flops": {str(k): v for k, v in rates.compute_flops.items()}},
+        "rates": {
+            **dataclasses.asdict(rates),
+            "compute_flops": {str(k): v for k, v in rates.compute_flops.items()},
+        },
         "candidates": [
             {
                 **c.choice,
@@ -225,10 +282,14 @@ def advice_json(config: TrainConfig, candidates: list[Candidate], rates: Rates, 
     }
 
 
-def run_advice(config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]) -> list[Candidate]:
+def run_advice(
+    config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]
+) -> list[Candidate]:
     """mode=advise: print the ranked table, write advice.json, verify the best if asked."""
     candidates, rates = advise(config, device_kind, world_size)
-    memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes).source
+    memory = device_memory(
+        config.plan, config.device_memory_gib, device_kind, world_size, config.nodes
+    ).source
     print(format_advice(config, candidates, rates, base_overrides, world_size, memory), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
@@ -237,8 +298,10 @@ def run_advice(config: TrainConfig, out_dir: Path, device_kind: str, world_size:
     print(f"advice.json: {path}", flush=True)
     if config.advise.verify:
         fitting = [c for c in candidates if c.fits is not False][: config.advise.verify]
-        proposals = [Proposal(c.label(), command_args(base_overrides, c), c.tokens_per_s, c.peak_bytes) for c in fitting]
+        proposals = [
+            Proposal(c.label(), command_args(base_overrides, c), c.tokens_per_s, c.peak_bytes)
+            for c in fitting
+        ]
         record["verify"] = verify(proposals, config.advise.verify_steps, out_dir)
         path.write_text(json.dumps(record, indent=2) + "\n")
     return candidates
-

@@ -89,21 +89,45 @@ class AcceleratorSpec:
 # a link's rate as nccl-tests bus bandwidth, 0.8 of HBM for AdamW.
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     "h100": AcceleratorSpec(
-        "h100-sxm", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 3.35,
+        "h100-sxm",
+        0.55,
+        0.8 * 450,
+        0.8 * 50,
+        8,
+        64,
+        3.35,
         "NVIDIA H100 SXM5 datasheet (dense bf16 989 TFLOPS, NVLink 4 900 GB/s bidirectional, HBM3 3.35 TB/s, "
         "PCIe Gen5 128 GB/s bidirectional); DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU",
     ),
     "h200": AcceleratorSpec(
-        "h200", 0.55, 0.8 * 450, 0.8 * 50, 8, 64, 4.8,
+        "h200",
+        0.55,
+        0.8 * 450,
+        0.8 * 50,
+        8,
+        64,
+        4.8,
         "NVIDIA H200 SXM datasheet (the H100's compute and NVLink 4, HBM3e 4.8 TB/s); DGX H200: 400 Gb/s NIC per GPU",
     ),
     "a100-80gb": AcceleratorSpec(
-        "a100-80gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 2.04,
+        "a100-80gb",
+        0.55,
+        0.8 * 300,
+        0.8 * 25,
+        8,
+        32,
+        2.04,
         "NVIDIA A100 SXM4 80GB datasheet (dense bf16 312 TFLOPS, NVLink 3 600 GB/s bidirectional, HBM2e 2.04 TB/s, "
         "PCIe Gen4 64 GB/s bidirectional); DGX A100: one 200 Gb/s HDR NIC per GPU",
     ),
     "a100-40gb": AcceleratorSpec(
-        "a100-40gb", 0.55, 0.8 * 300, 0.8 * 25, 8, 32, 1.56,
+        "a100-40gb",
+        0.55,
+        0.8 * 300,
+        0.8 * 25,
+        8,
+        32,
+        1.56,
         "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: one 200 Gb/s HDR NIC per GPU",
     ),
 }
@@ -116,7 +140,9 @@ def advisor_accelerator(name: str) -> str:
     """The ACCELERATORS key a `plan.accelerator` name means (`h100-sxm` is `h100`); ConfigError when the table lacks it."""
     key = {"h100-sxm": "h100"}.get(name, name)
     if key not in ACCELERATORS:
-        raise ConfigError(f"mode=advise knows the rates of plan.accelerator={', '.join(ACCELERATORS)}, not {name}")
+        raise ConfigError(
+            f"mode=advise knows the rates of plan.accelerator={', '.join(ACCELERATORS)}, not {name}"
+        )
     return key
 
 
@@ -127,7 +153,11 @@ def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates
     dense = dense_peak_flops(spec.datasheet, compute_dtype)
     inside = world_size <= spec.gpus_per_node  # a ring over several nodes runs at its slowest link
     bus = (spec.nvlink_bus_gbps if inside else spec.network_bus_gbps) * GB
-    link = f"NVLink {spec.nvlink_bus_gbps:.0f} GB/s" if inside else f"network {spec.network_bus_gbps:.0f} GB/s ({world_size} GPUs > {spec.gpus_per_node} per node)"
+    link = (
+        f"NVLink {spec.nvlink_bus_gbps:.0f} GB/s"
+        if inside
+        else f"network {spec.network_bus_gbps:.0f} GB/s ({world_size} GPUs > {spec.gpus_per_node} per node)"
+    )
     return Rates(
         source=(
             f"table: {name}, dense {compute_dtype.value} {dense / 1e12:.1f} TFLOPS x {spec.matmul_efficiency} efficiency, "
@@ -187,15 +217,28 @@ def host_threads(world_size: int) -> int:
 def host_rates(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:
     """This host's rates from the cache, else measured now by `world_size` real ranks and cached."""
     probe = HostProbe(
-        socket.gethostname(), torch.__version__, world_size, host_threads(world_size), config.precision.compute_dtype.value,
-        tuple(sorted(asdict(config.model).items())), config.seq_len, tuple(sorted(set(micro_batches))),
+        socket.gethostname(),
+        torch.__version__,
+        world_size,
+        host_threads(world_size),
+        config.precision.compute_dtype.value,
+        tuple(sorted(asdict(config.model).items())),
+        config.seq_len,
+        tuple(sorted(set(micro_batches))),
     )
     path = probe.cache_path(Path(config.advise.cache_dir).expanduser())
     if path.is_file() and not config.advise.recalibrate:
         cached = json.loads(path.read_text())
         return rates_from_record(cached, f"measured on {probe.host} {cached['date']} (cached: {path})")
-    print(f"calibrating this host: {world_size} gloo ranks x {probe.threads} threads, {probe.dtype} (once; cached in {path})", flush=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **asdict(probe), **measure(probe)}
+    print(
+        f"calibrating this host: {world_size} gloo ranks x {probe.threads} threads, {probe.dtype} (once; cached in {path})",
+        flush=True,
+    )
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **asdict(probe),
+        **measure(probe),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return rates_from_record(record, f"measured on {probe.host} {record['date']} (now; cached: {path})")
@@ -219,8 +262,15 @@ def measure(probe: HostProbe) -> dict[str, Any]:
     from trainer.launch import fork_server
 
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=probe.world_size, run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method=fork_server(),
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=probe.world_size,
+        run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=fork_server(),
     )  # port 0: the OS picks a free one, as trainer/launch.py does for jobs
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     return elastic_launch(launch, calibration_rank)(asdict(probe))[0]
@@ -233,10 +283,19 @@ def calibration_rank(probe: dict[str, Any]) -> dict[str, Any]:
     from trainer.world import init_world, shutdown_world
 
     init_world("cpu")  # sets the threads a training rank gets
-    dtype, model, seq_len = getattr(torch, probe["dtype"]), ModelConfig(**dict(probe["model"])), probe["seq_len"]
+    dtype, model, seq_len = (
+        getattr(torch, probe["dtype"]),
+        ModelConfig(**dict(probe["model"])),
+        probe["seq_len"],
+    )
     figures = {
-        "matmul_flops": {str(mb * seq_len): matmul_rate(mb * seq_len, model.dim, model.ffn_dim, dtype) for mb in probe["micro_batches"]},
-        "block_flops": {str(mb * seq_len): block_rate(model, mb, seq_len, dtype) for mb in probe["micro_batches"]},
+        "matmul_flops": {
+            str(mb * seq_len): matmul_rate(mb * seq_len, model.dim, model.ffn_dim, dtype)
+            for mb in probe["micro_batches"]
+        },
+        "block_flops": {
+            str(mb * seq_len): block_rate(model, mb, seq_len, dtype) for mb in probe["micro_batches"]
+        },
         "adam_params_per_s": adam_rate(),
         "bus_bytes_per_s": collective_rates(dist.get_world_size()),
     }
@@ -301,8 +360,8 @@ def collective_rates(world_size: int) -> dict[str, float]:
     for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
         numel = PAYLOAD_BYTES // dtype.itemsize
         full, shard = torch.ones(numel, dtype=dtype), torch.ones(numel // n, dtype=dtype)
-        reduce_s = timed(lambda: dist.all_reduce(full), repeats=5)
-        gather_s = timed(lambda: dist.all_gather_into_tensor(full, shard), repeats=5)
+        reduce_s = timed(lambda full=full: dist.all_reduce(full), repeats=5)
+        gather_s = timed(lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), repeats=5)
         rates[f"all_reduce{suffix}"] = PAYLOAD_BYTES * 2 * (n - 1) / n / reduce_s
         rates[f"all_gather{suffix}"] = PAYLOAD_BYTES * (n - 1) / n / gather_s
     return rates

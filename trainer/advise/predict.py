@@ -30,9 +30,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.model.checkpointing import should_checkpoint
 from trainer.advise.calibrate import Rates
-from trainer.config import CheckpointingConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
+from trainer.config import (
+    CheckpointingConfig,
+    DType,
+    ModelConfig,
+    OffloadTarget,
+    PrecisionConfig,
+    ReduceDType,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
+from trainer.model.checkpointing import should_checkpoint
 from trainer.plan.states import model_shape
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
@@ -56,7 +66,12 @@ class StepTime:
     @property
     def limiter(self) -> str:
         """What the step spends most of its time on."""
-        parts = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s, "offload transfers": self.offload_s}
+        parts = {
+            "compute": self.compute_s,
+            "communication": self.exposed_comm_s,
+            "optimizer": self.optimizer_s,
+            "offload transfers": self.offload_s,
+        }
         return max(parts, key=parts.__getitem__)
 
 
@@ -85,17 +100,25 @@ def wire_factor(collective: str, world_size: int) -> tuple[float, str]:
     return (n - 1) / n, "all_gather"
 
 
-def bandwidth(rates: Rates, kind: str, collective: str, zero: ZeroConfig, precision: PrecisionConfig) -> float:
+def bandwidth(
+    rates: Rates, kind: str, collective: str, zero: ZeroConfig, precision: PrecisionConfig
+) -> float:
     """The bus bandwidth in the dtype the collective runs in, where the rates have it: gradients
     reduce in zero.reduce_dtype, FSDP2 gathers in the compute dtype, the broadcast is fp32."""
     if collective in ("all_reduce", "reduce_scatter"):
         half = zero.reduce_dtype == ReduceDType.bf16
     else:
         half = collective == "all_gather" and precision.compute_dtype != DType.float32
-    return rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind]) if half else rates.bus_bytes_per_s[kind]
+    return (
+        rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind])
+        if half
+        else rates.bus_bytes_per_s[kind]
+    )
 
 
-def overlap_window(collective: str, stage: Stage, forward_s: float, backward_s: float, last_backward_s: float) -> float:
+def overlap_window(
+    collective: str, stage: Stage, forward_s: float, backward_s: float, last_backward_s: float
+) -> float:
     """Compute that a collective of this kind can hide behind (see the module docstring)."""
     if collective == "all_gather":
         return forward_s + backward_s if stage == Stage.stage3 else forward_s
@@ -105,7 +128,12 @@ def overlap_window(collective: str, stage: Stage, forward_s: float, backward_s: 
 
 
 def predict_step(
-    config: TrainConfig, world_size: int, comm_bytes: dict[str, int], local_numel: int, flops_per_token: float, rates: Rates
+    config: TrainConfig,
+    world_size: int,
+    comm_bytes: dict[str, int],
+    local_numel: int,
+    flops_per_token: float,
+    rates: Rates,
 ) -> StepTime:
     """The step time of `config` on `world_size` ranks (module docstring: the formulas)."""
     tokens = config.micro_batch * config.grad_accum * config.seq_len
@@ -120,13 +148,23 @@ def predict_step(
         if not payload:
             continue
         factor, kind = wire_factor(collective, world_size)
-        wire_s[collective] = payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
+        wire_s[collective] = (
+            payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
+        )
         if rates.overlap:
             window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)
         else:
             exposed += wire_s[collective]
     offload = config.offload.target == OffloadTarget.cpu and rates.offload_bytes_per_s is not None
-    adam_rate = rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
-    offload_s = (comm_bytes.get("all_gather", 0) + comm_bytes.get("reduce_scatter", 0)) / world_size / rates.offload_bytes_per_s if offload else 0.0  # type: ignore[operator]
+    adam_rate = (
+        rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
+    )
+    offload_s = (
+        (comm_bytes.get("all_gather", 0) + comm_bytes.get("reduce_scatter", 0))
+        / world_size
+        / rates.offload_bytes_per_s
+        if offload
+        else 0.0
+    )  # type: ignore[operator]
     return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)

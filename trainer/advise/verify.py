@@ -51,7 +51,9 @@ def verify(proposals: list[Proposal], steps: int, out_dir: Path) -> list[dict[st
     for number, proposal in enumerate(proposals, 1):
         run_dir = out_dir / "verify" / str(number)
         args = verify_overrides(proposal, steps, run_dir)
-        print(f"verify {number}/{len(proposals)}: {shlex.join(['python', '-m', 'trainer', *args])}", flush=True)
+        print(
+            f"verify {number}/{len(proposals)}: {shlex.join(['python', '-m', 'trainer', *args])}", flush=True
+        )
         done = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True)
         rows.append(measured_row(proposal, run_dir, done.returncode, done.stderr))
     print(format_verify(rows), flush=True)

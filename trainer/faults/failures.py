@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import resource
 import math
+import resource
 import signal
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -32,7 +33,13 @@ FAILURES_DIR = "failures"
 OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "bad_alloc")
 # What gloo and NCCL say when the process at the other end of a connection is gone.
 # (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
-LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "RendezvousConnectionError")
+LOST_PEER_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+    "RendezvousConnectionError",
+)
 LOST_PEER_LINGER_S = 1.0  # ten of the launcher's monitor intervals (trainer/launch.py)
 
 
@@ -155,9 +162,18 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
     if oom:
         return oom[0]
     # Ranks a signal ended leave no record: the launcher's first failure first, if it is one.
-    killed = sorted((rank for rank, code in exitcodes.items() if code < 0 and rank not in records), key=lambda rank: rank != first_rank)
+    killed = sorted(
+        (rank for rank, code in exitcodes.items() if code < 0 and rank not in records),
+        key=lambda rank: rank != first_rank,
+    )
     if capped and killed and exitcodes[killed[0]] == -signal.SIGKILL:
-        return {"rank": killed[0], "step": None, "phase": None, "oom": True, "message": "killed by SIGKILL (the kernel's OOM killer)"}
+        return {
+            "rank": killed[0],
+            "step": None,
+            "phase": None,
+            "oom": True,
+            "message": "killed by SIGKILL (the kernel's OOM killer)",
+        }
     # torch orders failures by whole-second timestamps, so a peer that failed on the broken
     # connection in the same second can be named first; the records' own clock says who began it.
     raised = [record for record in records.values() if not lost_peer(record["message"])]
@@ -165,7 +181,13 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
         return min(raised, key=lambda record: record.get("time", math.inf))
     if killed:
         rank = killed[0]
-        return {"rank": rank, "step": None, "phase": None, "oom": False, "message": killed_by(exitcodes[rank])}
+        return {
+            "rank": rank,
+            "step": None,
+            "phase": None,
+            "oom": False,
+            "message": killed_by(exitcodes[rank]),
+        }
     return min(records.values(), key=lambda record: record.get("time", math.inf)) if records else None
 
 

@@ -36,10 +36,11 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any
 
 STOP_REQUEST = "stop_request"  # in the run directory: the job process's word to its ranks
 
@@ -102,7 +103,12 @@ class RankStop:
     def ending(self, step: int, save: Path | None) -> dict[str, Any]:
         """What rank 0 returns to the job process when the ranks stopped after `step`."""
         name = signal.Signals(self.agreed).name
-        return {"status": STOPS[signal.Signals(self.agreed)].status, "signal": name, "stopped_step": step, "save": str(save) if save else None}
+        return {
+            "status": STOPS[signal.Signals(self.agreed)].status,
+            "signal": name,
+            "stopped_step": step,
+            "save": str(save) if save else None,
+        }
 
 
 def read_request(path: Path) -> int:
@@ -133,7 +139,10 @@ class JobStop:
         self.first = signum
         (self.run_dir / STOP_REQUEST).write_text(self.signal_name + "\n")
         again = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
-        print(f"{self.signal_name}: the ranks stop after their current step ({again} again stops at once)", flush=True)
+        print(
+            f"{self.signal_name}: the ranks stop after their current step ({again} again stops at once)",
+            flush=True,
+        )
 
     def stop_now(self, signum: int) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException

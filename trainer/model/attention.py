@@ -55,7 +55,9 @@ def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped
             raise ConfigError("attention=efficient is a CUDA kernel; allowed on CPU: auto, flash, math")
         return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)
     if kernel == AttentionKernel.flash and device_kind == "cuda" and not half:
-        raise ConfigError("attention=flash needs precision=bf16 or fp16 on CUDA; allowed in fp32: auto, efficient, math")
+        raise ConfigError(
+            "attention=flash needs precision=bf16 or fp16 on CUDA; allowed in fp32: auto, efficient, math"
+        )
     if device_kind == "cuda" and not half:  # auto in fp32 on CUDA
         return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)
     return SdpaChoice(SDPBackend.FLASH_ATTENTION)

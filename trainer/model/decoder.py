@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from trainer.model.attention import SdpaChoice
 from trainer.config import ModelConfig
+from trainer.model.attention import SdpaChoice
 
 INIT_STD = 0.02
 """Standard deviation of every linear and embedding weight (GPT-2 / Llama)."""
@@ -92,7 +92,9 @@ class Attention(nn.Module):
         # queries without materialising repeated K/V; asked for only when grouped, because some
         # fused CUDA kernels do not take the flag at all.
         with sdpa_kernel(self.sdpa.backend) if self.sdpa.backend is not None else contextlib.nullcontext():
-            o_BHTQ = F.scaled_dot_product_attention(q_BHTQ, k_BKTQ, v_BKTQ, is_causal=True, enable_gqa=grouped)
+            o_BHTQ = F.scaled_dot_product_attention(
+                q_BHTQ, k_BKTQ, v_BKTQ, is_causal=True, enable_gqa=grouped
+            )
         return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -183,7 +185,10 @@ def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Tra
     Weights are not initialised here: call `materialize` (or `init_weights`) once the model
     is wrapped and sharded, so that each rank fills only its own shard.
     """
-    with torch.device(device), (NoInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext()):
+    with (
+        torch.device(device),
+        NoInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext(),
+    ):
         return Transformer(config)
 
 
@@ -211,7 +216,9 @@ def _find_transformer(model: nn.Module) -> Transformer:
     for module in model.modules():
         if isinstance(module, Transformer):
             return module
-    raise TypeError(f"init_weights needs a model containing a trainer.model.decoder.Transformer, got {type(model).__name__}")
+    raise TypeError(
+        f"init_weights needs a model containing a trainer.model.decoder.Transformer, got {type(model).__name__}"
+    )
 
 
 def param_seed(seed: int, name: str) -> int:

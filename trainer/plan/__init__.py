@@ -24,7 +24,6 @@ The planner is this package; each module's docstring is its part of the design n
 The names other modules use are imported from `trainer.plan` itself.
 """
 
-
 from trainer.plan.build import (
     COMPILE_NOTE,
     PREDICTED_COMM_KEY,
@@ -41,8 +40,8 @@ from trainer.plan.build import (
 )
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.refusal import refusal, way_out
-from trainer.plan.target import planned_device_kind, planned_world_size
 from trainer.plan.table import format_plan, verdict
+from trainer.plan.target import planned_device_kind, planned_world_size
 
 __all__ = [
     "COMPILE_NOTE",

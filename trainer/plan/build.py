@@ -18,7 +18,15 @@ from trainer.devices import find_accelerator
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.states import RankStates, model_shape, rank_states
-from trainer.plan.step import Moment, StepContext, activations, ddp_moments, fsdp_moments, other_bytes, precisions
+from trainer.plan.step import (
+    Moment,
+    StepContext,
+    activations,
+    ddp_moments,
+    fsdp_moments,
+    other_bytes,
+    precisions,
+)
 from trainer.units import GIB, MIB
 
 COMPILE_NOTE = (
@@ -66,7 +74,9 @@ class DeviceMemory:
     source: str
 
 
-def device_memory(plan: PlanConfig, device_memory_gib: float | None, device_kind: str, world_size: int, nodes: int) -> DeviceMemory:
+def device_memory(
+    plan: PlanConfig, device_memory_gib: float | None, device_kind: str, world_size: int, nodes: int
+) -> DeviceMemory:
     """The cap (device_memory_gib), else a named accelerator, else this host's GPU or memory."""
     if device_memory_gib is not None:
         return DeviceMemory(int(device_memory_gib * GIB), f"device_memory_gib={device_memory_gib:g}")
@@ -78,12 +88,16 @@ def device_memory(plan: PlanConfig, device_memory_gib: float | None, device_kind
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             return DeviceMemory(None, "no GPU visible here")
-        return allocator_share(torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), world_size)
+        return allocator_share(
+            torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), world_size
+        )
     # CPU ranks share this host's memory, so each gets an equal part of what is free now;
     # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
     available = psutil.virtual_memory().available
     ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size // nodes)))  # this host's share
-    return DeviceMemory(available // ranks_here, f"this host, {available / GIB:.1f} GiB available / {ranks_here} ranks")
+    return DeviceMemory(
+        available // ranks_here, f"this host, {available / GIB:.1f} GiB available / {ranks_here} ranks"
+    )
 
 
 def allocator_share(total: int, name: str, world_size: int) -> DeviceMemory:
@@ -91,7 +105,9 @@ def allocator_share(total: int, name: str, world_size: int) -> DeviceMemory:
     NCCL's buffers (trainer/plan/headroom.py). A `device_memory_gib` cap needs no such deduction:
     it caps the allocator's reserved memory itself."""
     outside = HEADROOM.outside_allocator(world_size)
-    return DeviceMemory(total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and NCCL")
+    return DeviceMemory(
+        total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and NCCL"
+    )
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,10 @@ class Plan:
         """GPU plans: the predicted reserved peak and the headroom assumptions behind it."""
         if self.device_kind != "cuda":
             return {}
-        return {"predicted_reserved_gib": self.required_bytes(self.worst) / GIB, "headroom": dataclasses.asdict(HEADROOM)}
+        return {
+            "predicted_reserved_gib": self.required_bytes(self.worst) / GIB,
+            "headroom": dataclasses.asdict(HEADROOM),
+        }
 
     def to_json(self) -> dict[str, Any]:
         c = self.config
@@ -148,7 +167,9 @@ class Plan:
             "micro_batch": c.micro_batch,
             "seq_len": c.seq_len,
             "grad_accum": c.grad_accum,
-            "device_memory_gib": None if self.memory.per_rank_bytes is None else self.memory.per_rank_bytes / GIB,
+            "device_memory_gib": None
+            if self.memory.per_rank_bytes is None
+            else self.memory.per_rank_bytes / GIB,
             "device_memory_source": self.memory.source,
             "peak_gib": self.peak_bytes / GIB,
             **self.reserved_fields(),
@@ -178,7 +199,16 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     ranks, planned = [], {}
     for rank, states in enumerate(rank_states(shape, config.zero.stage, world_size)):
         if states not in planned:  # most ranks hold equal shards: plan each distinct one once
-            ctx = StepContext(config, shape, states, acts, prec, world_size, device_kind, other_bytes(config.model, config.data, states))
+            ctx = StepContext(
+                config,
+                shape,
+                states,
+                acts,
+                prec,
+                world_size,
+                device_kind,
+                other_bytes(config.model, config.data, states),
+            )
             planned[states] = tuple(fsdp_moments(ctx) if config.zero.uses_fsdp else ddp_moments(ctx))
         offloaded = states.params + states.grads + states.optimizer if offload else 0
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
@@ -221,7 +251,9 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
             "fits": plan.fits,
             "peak_rank": worst.rank,
             "peak_moment": worst.peak.name,
-            "device_memory_gib": None if plan.memory.per_rank_bytes is None else plan.memory.per_rank_bytes / GIB,
+            "device_memory_gib": None
+            if plan.memory.per_rank_bytes is None
+            else plan.memory.per_rank_bytes / GIB,
             "device_memory_source": plan.memory.source,
             **{key: value for key, value in worst.figures().items()},
             **plan.reserved_fields(),

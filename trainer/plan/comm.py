@@ -118,6 +118,10 @@ def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[
     param_bytes = PARAM_BYTES[config.precision.compute_dtype]
     reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]
     return [
-        ("all_gather", accum * param_bytes * (root + gathers_per_block * layers * block), accum * (1 + gathers_per_block * layers)),
+        (
+            "all_gather",
+            accum * param_bytes * (root + gathers_per_block * layers * block),
+            accum * (1 + gathers_per_block * layers),
+        ),
         ("reduce_scatter", reduce_bytes * (root + layers * block), 1 + layers),
     ]

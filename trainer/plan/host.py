@@ -55,7 +55,9 @@ class HostBudget:
         )
 
 
-def host_budget(plan: PlanConfig, nodes: int, device_kind: str, world_size: int, tensor_bytes: int) -> HostBudget | None:
+def host_budget(
+    plan: PlanConfig, nodes: int, device_kind: str, world_size: int, tensor_bytes: int
+) -> HostBudget | None:
     """The budget of CPU ranks this job would start on this host (None: GPU ranks, or ranks torchrun started)."""
     if device_kind != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ:
         return None

@@ -18,7 +18,11 @@ def refusal(plan: Plan) -> str | None:
         return None
     worst, c = plan.worst, plan.config
     parts = " + ".join(f"{name} {value / GIB:.2f}" for name, value in worst.peak.parts.items() if value)
-    reserved = f", {plan.required_bytes(worst) / GIB:.2f} GiB reserved with headroom" if plan.device_kind == "cuda" else ""
+    reserved = (
+        f", {plan.required_bytes(worst) / GIB:.2f} GiB reserved with headroom"
+        if plan.device_kind == "cuda"
+        else ""
+    )
     need = (
         f"{describe(c, plan.world_size, plan.device_kind)} ({plan.num_params / 1e9:.2f}B params) needs "
         f"{plan.peak_bytes / GIB:.2f} GiB on rank {worst.rank} at {worst.peak.name} ({parts}{reserved})"
@@ -38,7 +42,9 @@ def _changed(config: TrainConfig, **changes: Any) -> TrainConfig:
     return new
 
 
-def single_changes(c: TrainConfig, world_size: int, device_kind: str) -> list[tuple[str, dict[str, Any], int]]:
+def single_changes(
+    c: TrainConfig, world_size: int, device_kind: str
+) -> list[tuple[str, dict[str, Any], int]]:
     """Changes a user could make one at a time: (override text, changes, world size)."""
     options: list[tuple[str, dict[str, Any], int]] = []
     if c.checkpointing.mode != CheckpointMode.full:
@@ -48,7 +54,9 @@ def single_changes(c: TrainConfig, world_size: int, device_kind: str) -> list[tu
     factor = 2
     while c.micro_batch // factor >= 1:  # the same global batch in more, smaller micro-batches
         mb, accum = c.micro_batch // factor, c.grad_accum * factor
-        options.append((f"micro_batch={mb} grad_accum={accum}", {"micro_batch": mb, "grad_accum": accum}, world_size))
+        options.append(
+            (f"micro_batch={mb} grad_accum={accum}", {"micro_batch": mb, "grad_accum": accum}, world_size)
+        )
         factor *= 2
     if device_kind == "cuda":
         # GPUs each bring their own memory (CPU ranks share one host, so more of them never helps).
@@ -56,7 +64,11 @@ def single_changes(c: TrainConfig, world_size: int, device_kind: str) -> list[tu
             stage = c.zero.stage if c.zero.uses_fsdp else Stage.stage2
             text = "offload=cpu" if c.zero.uses_fsdp else "zero=stage2 offload=cpu"
             options.append((text, {"offload__target": OffloadTarget.cpu, "zero__stage": stage}, world_size))
-        options += [(f"zero=stage3 nproc={n}", {"zero__stage": Stage.stage3}, n) for n in (2**k for k in range(13)) if n > world_size]
+        options += [
+            (f"zero=stage3 nproc={n}", {"zero__stage": Stage.stage3}, n)
+            for n in (2**k for k in range(13))
+            if n > world_size
+        ]
     return options
 
 
@@ -67,7 +79,9 @@ def way_out(plan: Plan) -> str:
     if c.checkpointing.mode != CheckpointMode.full:
         bases.append(("checkpointing=full ", {"checkpointing__mode": CheckpointMode.full}))
     for base_text, base in bases:
-        for text, changes, world_size in single_changes(_changed(c, **base), plan.world_size, plan.device_kind):
+        for text, changes, world_size in single_changes(
+            _changed(c, **base), plan.world_size, plan.device_kind
+        ):
             kind = text.split("=")[0]  # the smallest micro-batch / world size that fits is enough
             if kind in seen:
                 continue
@@ -79,5 +93,9 @@ def way_out(plan: Plan) -> str:
                 break
         if fitting:
             break
-    tried = "Try " + ", or ".join(fitting) + ", or" if fitting else "Nothing simple fits: a smaller model or more memory per rank, or"
+    tried = (
+        "Try " + ", or ".join(fitting) + ", or"
+        if fitting
+        else "Nothing simple fits: a smaller model or more memory per rank, or"
+    )
     return f"{tried} plan.enforce=false to try anyway."

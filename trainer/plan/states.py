@@ -41,7 +41,6 @@ import torch
 from trainer.config import ModelConfig, Stage
 from trainer.model.decoder import build_model
 
-
 # ----------------------------------------------------------------------------- the model's shapes
 
 
@@ -70,7 +69,11 @@ def _model_shape(key: tuple[Any, ...]) -> ModelShape:
     block = tuple(shape for name, shape in named if name.startswith("layers.0."))
     first = next(i for i, (name, _) in enumerate(named) if name.startswith("layers.0."))
     root = tuple(shape for name, shape in named if not name.startswith("layers."))
-    order = tuple(shape for _, shape in named[:first]) + block * config.n_layers + tuple(shape for _, shape in named[first + len(block) :])
+    order = (
+        tuple(shape for _, shape in named[:first])
+        + block * config.n_layers
+        + tuple(shape for _, shape in named[first + len(block) :])
+    )
     linear = sum(m.weight.numel() for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
     return ModelShape(config, root, block, order, linear)
 
@@ -143,13 +146,23 @@ def rank_states(shape: ModelShape, stage: Stage, world_size: int) -> list[RankSt
             local = {s: shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in counts}
             local_numel = sum(counts[s] * local[s] for s in counts)
             temporary = max(2 * local[s] + (local[before] if before else 0) for before, s in pairs)
-            states.append(RankStates(4 * padded, 4 * padded, 8 * local_numel, 4 * count, local_numel, temporary))
+            states.append(
+                RankStates(4 * padded, 4 * padded, 8 * local_numel, 4 * count, local_numel, temporary)
+            )
         return states
     total = sum(numels)
     if stage == Stage.stage0:
-        return [RankStates(4 * total, 4 * total, 8 * total, 4 * count, total, loop_temporary(numels))] * world_size
+        return [
+            RankStates(4 * total, 4 * total, 8 * total, 4 * count, total, loop_temporary(numels))
+        ] * world_size
     states = []
-    for mine in zero1_partition(numels, world_size):  # each rank's local AdamW steps its tensors in this order
+    for mine in zero1_partition(
+        numels, world_size
+    ):  # each rank's local AdamW steps its tensors in this order
         local = [numels[i] for i in mine]
-        states.append(RankStates(4 * total, 4 * total, 8 * sum(local), 4 * len(local), sum(local), loop_temporary(local)))
+        states.append(
+            RankStates(
+                4 * total, 4 * total, 8 * sum(local), 4 * len(local), sum(local), loop_temporary(local)
+            )
+        )
     return states

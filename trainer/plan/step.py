@@ -52,11 +52,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.model.checkpointing import should_checkpoint
+from trainer.config import (
+    DataConfig,
+    DType,
+    ModelConfig,
+    OffloadTarget,
+    PrecisionConfig,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
 from trainer.model.attention import run_choice
-from trainer.config import DataConfig, DType, ModelConfig, OffloadTarget, PrecisionConfig, Stage, TrainConfig, ZeroConfig
-from trainer.rank.optim import uses_fused
+from trainer.model.checkpointing import should_checkpoint
 from trainer.plan.states import ModelShape, RankStates, padded_numel
+from trainer.rank.optim import uses_fused
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 
@@ -144,7 +153,9 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     tokens = config.micro_batch * config.seq_len
     full = (block_bytes_per_token(m, prec.regime) + attention_extra_per_token(config, device_kind)) * tokens
     checkpointed = prec.residual * m.dim * tokens  # non-reentrant checkpoint keeps the block's input
-    blocks = tuple(checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers))
+    blocks = tuple(
+        checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
+    )
     head = head_bytes_per_token(m, prec.regime) * tokens + 4  # + nll_loss's fp32 total weight
     return Activations(blocks, full, head, 4 * m.vocab_size * tokens, BATCH_BYTES_PER_TOKEN * tokens)
 
@@ -193,7 +204,9 @@ class StepContext:
         else:
             params, optimizer = self.states.params, self.states.optimizer
             grads = self.states.grads if grads is None else grads
-        parts = dict(params=params, grads=grads, optimizer=optimizer, activations=activations, temporary=temporary)
+        parts = dict(
+            params=params, grads=grads, optimizer=optimizer, activations=activations, temporary=temporary
+        )
         return Moment(name, {**parts, "other": self.other})
 
 
@@ -252,16 +265,24 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
         head = 4 * n * m.vocab_size + 4 * n * m.dim + 4 * vd
     weight_grad = 6 if prec.regime == "autocast" else 4
     return [
-        ctx.moment("forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed),
+        ctx.moment(
+            "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
+        ),
         ctx.moment("forward: loss", activations=acts.total, temporary=fixed + loss_forward_temporary(ctx)),
         ctx.moment("backward: loss", activations=acts.total, temporary=fixed + loss_backward_temporary(ctx)),
-        ctx.moment("backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head),
+        ctx.moment(
+            "backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head
+        ),
         ctx.moment(
             "backward: last block",
             activations=acts.before_last_block + acts.full_block,
             temporary=fixed + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
         ),
-        ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + 4 * vd + prec.residual * n * m.dim),
+        ctx.moment(
+            "backward: embedding",
+            activations=acts.batch,
+            temporary=fixed + 4 * vd + prec.residual * n * m.dim,
+        ),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
 
@@ -315,7 +336,9 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
     # block 0's retained reduce-scatter input, the root unsharded with its gradients.
-    embedding = f.root + f.output_grad + prec.param * m.vocab_size * m.dim + prec.residual * n * m.dim + f.block_rs
+    embedding = (
+        f.root + f.output_grad + prec.param * m.vocab_size * m.dim + prec.residual * n * m.dim + f.block_rs
+    )
     # The root's reduce-scatter (its output is the root's gradient shard); FSDP2 still holds the
     # last gradient it reduced (a loop variable in foreach_reduce): the output head's.
     root_reduce = f.root_rs * (2 if f.gloo_copy else 1) + f.output_grad
@@ -355,7 +378,13 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
         retained = f.block_rs if i < L - 1 else 0
         prefetched = f.block if i > 0 else 0  # stage3 gathers the block below while this one runs
         # stage3: this block re-gathered; stage2: blocks 0..i never resharded after forward.
-        params = f.root + (f.block + prefetched if stage3 else (i + 1) * f.block) + f.output_grad + retained + accum
+        params = (
+            f.root
+            + (f.block + prefetched if stage3 else (i + 1) * f.block)
+            + f.output_grad
+            + retained
+            + accum
+        )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
             ctx.moment(f"backward: block {i}", grads, below + acts.full_block, params + compute),
@@ -366,7 +395,12 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
                 f"backward: block {i} reduce-scatter",
                 grads,
                 below,
-                f.root + (prefetched if stage3 else i * f.block) + f.output_grad + incoming + rs_block + accum,
+                f.root
+                + (prefetched if stage3 else i * f.block)
+                + f.output_grad
+                + incoming
+                + rs_block
+                + accum,
             ),
         ]
         for kind, moment in zip(("start", "end", "reduce"), moments):

@@ -16,7 +16,6 @@ from trainer.plan.build import COMPILE_NOTE, Plan, describe
 from trainer.plan.refusal import refusal
 from trainer.units import GIB, KIB, MIB
 
-
 # ----------------------------------------------------------------------------- what the user reads
 
 
@@ -45,7 +44,11 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
     """The console report of mode=plan (and of every job before it launches: there a refusal
     comes as the job's error line, so the table ends with the short verdict)."""
     worst = plan.worst
-    offloaded = f"; {worst.offloaded / GIB:.2f} GiB of model states per rank in host memory" if worst.offloaded else ""
+    offloaded = (
+        f"; {worst.offloaded / GIB:.2f} GiB of model states per rank in host memory"
+        if worst.offloaded
+        else ""
+    )
     lines = [
         f"memory plan: {describe(plan.config, plan.world_size, plan.device_kind)}, {plan.num_params:,} parameters",
         format_table(plan),
@@ -83,7 +86,11 @@ def verdict(plan: Plan, way_out: bool = True) -> str:
             f"fits: unknown ({plan.memory.source}); set plan.accelerator="
             f"{'|'.join(accelerator_names())} or device_memory_gib=N to compare"
         )
-    reserved = f" ({plan.required_bytes(plan.worst) / GIB:.3g} GiB reserved with headroom)" if plan.device_kind == "cuda" else ""
+    reserved = (
+        f" ({plan.required_bytes(plan.worst) / GIB:.3g} GiB reserved with headroom)"
+        if plan.device_kind == "cuda"
+        else ""
+    )
     figures = f"peak {plan.peak_bytes / GIB:.3g} GiB{reserved} of {plan.memory.per_rank_bytes / GIB:.3g} GiB per rank ({plan.memory.source})"
     if plan.fits:
         return f"fits: {figures}"
@@ -114,9 +121,19 @@ def _job_order(path: Path) -> tuple[int, str]:
 
 def varying_overrides(names: list[str]) -> list[str]:
     """Each point's `N_key=value,...` directory name cut to the overrides that differ between points."""
-    items = [dict(pair.partition("=")[::2] for pair in name.split("_", 1)[-1].split(",") if "=" in pair) for name in names]
-    varying = [key for key in dict.fromkeys(k for point in items for k in point) if len({p.get(key) for p in items}) > 1]
-    return [" ".join(f"{key}={point[key]}" for key in varying if key in point) or name for name, point in zip(names, items)]
+    items = [
+        dict(pair.partition("=")[::2] for pair in name.split("_", 1)[-1].split(",") if "=" in pair)
+        for name in names
+    ]
+    varying = [
+        key
+        for key in dict.fromkeys(k for point in items for k in point)
+        if len({p.get(key) for p in items}) > 1
+    ]
+    return [
+        " ".join(f"{key}={point[key]}" for key in varying if key in point) or name
+        for name, point in zip(names, items)
+    ]
 
 
 def format_sweep(rows: list[dict[str, Any]]) -> str:
@@ -129,7 +146,9 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
         memory = "?" if row["device_memory_gib"] is None else f"{row['device_memory_gib']:.2f}"
         fits = {True: "yes", False: "no", None: "?"}[row["fits"]]
         peak = f"{row['peak_gib']:.2f} (rank {row['peak_rank']})"
-        lines.append(f"| {row['point'].split('_')[0]}: {label} | {peak} | {row['peak_moment']} | {memory} | {fits} | {row['status']} |")
+        lines.append(
+            f"| {row['point'].split('_')[0]}: {label} | {peak} | {row['peak_moment']} | {memory} | {fits} | {row['status']} |"
+        )
     return "\n".join(lines)
 
 

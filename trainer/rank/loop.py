@@ -6,30 +6,45 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
 
-from trainer.model.checkpointing import apply_activation_checkpointing
-from trainer.model.attention import run_choice
-from trainer.model.compile import apply_compile
 from trainer.config import FaultConfig, FaultKind, TrainConfig
 from trainer.data import build_batches
-from trainer.telemetry.memory import next_micro_batch
-from trainer.telemetry.metrics import Meter, StepStats
+from trainer.faults.failures import mark_phase
+from trainer.faults.stop import RankStop
+from trainer.model.attention import run_choice
+from trainer.model.checkpointing import apply_activation_checkpointing
+from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_sdpa_choice, build_model, flops_per_token
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
-from trainer.faults.failures import mark_phase
-from trainer.rank.optim import build_optimizer, build_scheduler, clip_gradients, rewind_scheduler, step_unless, uses_fused
+from trainer.rank.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    rewind_scheduler,
+    step_unless,
+    uses_fused,
+)
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
-from trainer.saves.resume import resume_training
-from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, save_training_state, should_save
 from trainer.rank.sharding import apply_zero, gradient_sync
-from trainer.faults.stop import RankStop
 from trainer.rank.trainee import Trainee
+from trainer.saves.dcp import (
+    Progress,
+    SaveSpec,
+    first_attempt,
+    save_last_good,
+    save_training_state,
+    should_save,
+)
+from trainer.saves.resume import resume_training
+from trainer.telemetry.memory import next_micro_batch
+from trainer.telemetry.metrics import Meter, StepStats
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -37,17 +52,27 @@ Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
-    apply_sdpa_choice(model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type))  # the attention kernel, explicit
+    apply_sdpa_choice(
+        model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
+    )  # the attention kernel, explicit
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
-    apply_compile(model, config.compile, config.compile_backend)  # after checkpointing, before sharding: in place
-    model = apply_zero(model, config.zero, config.precision, config.offload, world, config.seed)  # shard, then materialise only this rank's part
-    optimizer = build_optimizer(model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type))
+    apply_compile(
+        model, config.compile, config.compile_backend
+    )  # after checkpointing, before sharding: in place
+    model = apply_zero(
+        model, config.zero, config.precision, config.offload, world, config.seed
+    )  # shard, then materialise only this rank's part
+    optimizer = build_optimizer(
+        model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
+    )
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     return Trainee(model, optimizer, scheduler, scaler)
 
 
-def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop, predicted: dict[str, float]) -> dict[str, Any] | None:
+def train(
+    config: TrainConfig, world: World, out_dir: Path, stop: RankStop, predicted: dict[str, float]
+) -> dict[str, Any] | None:
     """Train up to config.steps optimizer steps, from a save when resuming; rank 0 returns the run's figures
     (or, when the ranks agreed to stop on a signal, how they stopped: trainer/faults/stop.py).
 
@@ -57,7 +82,9 @@ def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop, pred
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
     spec = SaveSpec.of(config)
-    start = resume_training(trainee, spec, config.resume, world, out_dir)  # step 0 unless resuming or restarted
+    start = resume_training(
+        trainee, spec, config.resume, world, out_dir
+    )  # step 0 unless resuming or restarted
     batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
@@ -72,7 +99,9 @@ def train(config: TrainConfig, world: World, out_dir: Path, stop: RankStop, pred
     )
     for step in range(start.step + 1, config.steps + 1):
         try:
-            with meter.measure(step, trainee.model, trainee.optimizer):  # tensor-level memory, on chosen steps
+            with meter.measure(
+                step, trainee.model, trainee.optimizer
+            ):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
@@ -101,7 +130,13 @@ def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
 
 
 def train_step(
-    trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int, guard: NonFiniteGuard, stop: RankStop | None = None
+    trainee: Trainee,
+    batches: Batches,
+    config: TrainConfig,
+    world: World,
+    step: int,
+    guard: NonFiniteGuard,
+    stop: RankStop | None = None,
 ) -> StepStats:
     """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite)."""
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
@@ -126,7 +161,10 @@ def train_step(
         # and made again during their recompute, and every cast freed once its block's backward has
         # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
         # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
-        with gradient_sync(model, enabled=is_last), build_autocast(config.precision, config.zero, world.device):
+        with (
+            gradient_sync(model, enabled=is_last),
+            build_autocast(config.precision, config.zero, world.device),
+        ):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
             loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
             loss_sum += loss.detach()
@@ -179,9 +217,15 @@ def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
     return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
 
 
-def inject_fault(loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool) -> torch.Tensor:
+def inject_fault(
+    loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool
+) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
-    if fault.kind in (FaultKind.none, FaultKind.kill_during_save) or fault.step != step or fault.rank != world.rank:
+    if (
+        fault.kind in (FaultKind.none, FaultKind.kill_during_save)
+        or fault.step != step
+        or fault.rank != world.rank
+    ):
         return loss
     if not is_last or not first_attempt():  # a fault rehearses one failure, not one per restart
         return loss

@@ -31,8 +31,9 @@ hence this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,9 @@ class NonFinite:
         return f"non-finite gradient at step {self.step} (global gradient norm; the loss was finite on every rank)"
 
 
-def agree(loss: torch.Tensor, grad_norm: torch.Tensor, world: World, extra: Sequence[torch.Tensor | float] = ()) -> torch.Tensor:
+def agree(
+    loss: torch.Tensor, grad_norm: torch.Tensor, world: World, extra: Sequence[torch.Tensor | float] = ()
+) -> torch.Tensor:
     """The flags every rank agrees on for this step, after one all-reduce (MAX), left on the device.
 
     Layout: `world_size` loss flags (one per rank), the gradient flag, then `extra` (flags of
@@ -112,7 +115,13 @@ class NonFiniteGuard:
     """
 
     def __init__(
-        self, policy: NonFinitePolicy, max_in_a_row: int, world: World, fp16: bool, skipped: int = 0, defer: bool = False  # type: ignore[valid-type]
+        self,
+        policy: NonFinitePolicy,
+        max_in_a_row: int,
+        world: World,
+        fp16: bool,
+        skipped: int = 0,
+        defer: bool = False,  # type: ignore[valid-type]
     ) -> None:
         self.is_main = world.is_main
         self.world_size = world.world_size
@@ -172,7 +181,9 @@ class NonFiniteGuard:
             self.in_a_row = 0
             return True
         if not self.skip:
-            raise NonFiniteError(f"{found.describe()} (nonfinite=raise; nonfinite=skip skips such steps)", found.step)
+            raise NonFiniteError(
+                f"{found.describe()} (nonfinite=raise; nonfinite=skip skips such steps)", found.step
+            )
         if self.in_a_row + 1 >= self.max_in_a_row:
             raise NonFiniteError(
                 f"{found.describe()}: {self.in_a_row + 1} non-finite steps in a row "

@@ -19,9 +19,17 @@ def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
     return optim.fused if optim.fused is not None else device_kind == "cuda"
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fused: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only."""
-    kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused)
+    kwargs = dict(
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=fused,
+    )
     if zero.stage == Stage.stage1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # see local_optimizer
 
@@ -57,7 +65,9 @@ def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torc
     found_inf = skip
     if scaler.is_enabled():
         overflow = sum(scaler._found_inf_per_device(optimizer).values())  # filled by unscale_
-        found_inf = torch.maximum(found_inf, overflow.to(skip.device).reshape(()))  # ShardedGradScaler keeps shape [1]
+        found_inf = torch.maximum(
+            found_inf, overflow.to(skip.device).reshape(())
+        )  # ShardedGradScaler keeps shape [1]
     inner.grad_scale, inner.found_inf = None, found_inf
     try:
         optimizer.step()

@@ -7,7 +7,7 @@ casts the unsharded copy, while the sharded parameters the optimizer updates sta
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 from torch.amp import GradScaler
@@ -24,7 +24,9 @@ def compute_dtype(precision: PrecisionConfig) -> torch.dtype:
     return TORCH_DTYPES[precision.compute_dtype]
 
 
-def build_autocast(precision: PrecisionConfig, zero: ZeroConfig, device: torch.device) -> ContextManager:
+def build_autocast(
+    precision: PrecisionConfig, zero: ZeroConfig, device: torch.device
+) -> AbstractContextManager:
     """torch.autocast for DDP stages in bf16/fp16; FSDP2 casts through its policy instead."""
     if precision.compute_dtype == DType.float32 or zero.uses_fsdp:
         return contextlib.nullcontext()

@@ -10,7 +10,7 @@ stage3: FSDP2 fully_shard: parameters re-sharded after each block's forward as w
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -19,14 +19,27 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import ConfigError, OffloadConfig, OffloadTarget, PrecisionConfig, ReduceDType, Stage, ZeroConfig
+from trainer.config import (
+    ConfigError,
+    OffloadConfig,
+    OffloadTarget,
+    PrecisionConfig,
+    ReduceDType,
+    Stage,
+    ZeroConfig,
+)
 from trainer.model.decoder import materialize
 from trainer.rank.precision import build_mp_policy
 from trainer.world import World
 
 
 def apply_zero(
-    model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World, seed: int
+    model: nn.Module,
+    zero: ZeroConfig,
+    precision: PrecisionConfig,
+    offload: OffloadConfig,
+    world: World,
+    seed: int,
 ) -> nn.Module:
     """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds.
 
@@ -63,11 +76,17 @@ def state_device(offload: OffloadConfig, world: World) -> torch.device:
     return torch.device("cpu") if offload.target == OffloadTarget.cpu else world.device
 
 
-def apply_fsdp(model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World) -> None:
+def apply_fsdp(
+    model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World
+) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = zero.stage == Stage.stage3
-    common = dict(mesh=mesh, mp_policy=build_mp_policy(precision, zero), offload_policy=build_offload_policy(offload, world))
+    common = dict(
+        mesh=mesh,
+        mp_policy=build_mp_policy(precision, zero),
+        offload_policy=build_offload_policy(offload, world),
+    )
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)
     # The root's parameters are used again at the very start of backward (the output head), so
@@ -82,7 +101,7 @@ def build_offload_policy(offload: OffloadConfig, world: World) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=offload.pin_memory and world.device.type == "cuda")
 
 
-def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:
+def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager:
     """Reduce gradients only on the last micro-batch of an accumulation window."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)

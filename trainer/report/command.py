@@ -20,7 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainer.report.run_dirs import Point, Report, load_point, load_points
-from trainer.report.sweep_report import mirror_to_wandb, publish_and_link, summary_line, write_report, write_sweep_report
+from trainer.report.sweep_report import (
+    mirror_to_wandb,
+    publish_and_link,
+    summary_line,
+    write_report,
+    write_sweep_report,
+)
 from trainer.sweep import claim_directory
 
 REPORTS_DIR = Path("outputs/reports")
@@ -28,7 +34,9 @@ REPORTS_DIR = Path("outputs/reports")
 
 def is_run_dir(path: Path) -> bool:
     """One job's directory: Hydra's record of it and what the job wrote."""
-    return (path / ".hydra" / "hydra.yaml").is_file() and any((path / name).is_file() for name in ("summary.json", "plan.json"))
+    return (path / ".hydra" / "hydra.yaml").is_file() and any(
+        (path / name).is_file() for name in ("summary.json", "plan.json")
+    )
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -64,21 +72,37 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer.report", description="Write the report over run and sweep directories.")
-    parser.add_argument("dirs", type=Path, nargs="*", metavar="DIR", help="run directories and sweep directories")
-    parser.add_argument("--out", type=Path, help="where to write a comparison (default: a new directory under outputs/reports/)")
-    parser.add_argument("--wandb", type=Path, metavar="DIR", help="publish DIR/wandb_report.json to W&B and link it from DIR/report.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.report", description="Write the report over run and sweep directories."
+    )
+    parser.add_argument(
+        "dirs", type=Path, nargs="*", metavar="DIR", help="run directories and sweep directories"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write a comparison (default: a new directory under outputs/reports/)",
+    )
+    parser.add_argument(
+        "--wandb",
+        type=Path,
+        metavar="DIR",
+        help="publish DIR/wandb_report.json to W&B and link it from DIR/report.md",
+    )
     args = parser.parse_args(argv)
     if args.wandb is not None:
         if not (args.wandb / "wandb_report.json").is_file():
-            fail(f"--wandb {args.wandb}: no wandb_report.json there; write the report first (python -m trainer.report DIR ...)")
+            fail(
+                f"--wandb {args.wandb}: no wandb_report.json there; write the report first (python -m trainer.report DIR ...)"
+            )
         raise SystemExit(0 if publish_and_link(args.wandb) else 1)
     if not args.dirs:
         fail("name at least one run or sweep directory (python -m trainer.report DIR [DIR ...])")
     for path in args.dirs:
         if not (is_run_dir(path) or is_sweep_dir(path)):
-            fail(f"{path} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)")
+            fail(
+                f"{path} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"
+            )
     report = write_comparison(args.dirs, args.out)
     print(summary_line(report), flush=True)
     mirror_to_wandb(report)
-

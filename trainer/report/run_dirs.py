@@ -21,7 +21,6 @@ from trainer.telemetry.wandb_logger import sweep_group
 PEAK_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
 
 
-
 @dataclass
 class Point:
     """One sweep point as its output directory tells it."""
@@ -42,7 +41,6 @@ class Point:
         if self.plan is not None:
             return "fits (plan)" if self.plan.get("fits") else "does not fit (plan)"
         return "missing"
-
 
 
 @dataclass
@@ -70,12 +68,10 @@ class Report:
         return next((row for row in self.rows if row["fastest"]), None)
 
 
-
 def load_points(sweep_dir: Path) -> list[Point]:
     """Every point directory (one with Hydra's .hydra/ record) of the sweep, in job order."""
     points = [load_point(d) for d in sweep_dir.iterdir() if (d / ".hydra" / "hydra.yaml").is_file()]
     return sorted(points, key=lambda p: p.num)
-
 
 
 def load_point(path: Path) -> Point:
@@ -90,9 +86,10 @@ def load_point(path: Path) -> Point:
         summary=summary,
         records=read_jsonl(path / "metrics.jsonl"),
         plan=(plan := read_json(path / "plan.json")),
-        config=summary.get("config") or plan or {},  # plan.json names device_memory_gib too (mode=plan points)
+        config=summary.get("config")
+        or plan
+        or {},  # plan.json names device_memory_gib too (mode=plan points)
     )
-
 
 
 def split_override(override: str) -> tuple[str, str]:
@@ -100,13 +97,11 @@ def split_override(override: str) -> tuple[str, str]:
     return key.lstrip("+~"), value
 
 
-
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
 
 
 def per_rank_peaks(point: Point) -> dict[int, float]:
@@ -120,10 +115,8 @@ def per_rank_peaks(point: Point) -> dict[int, float]:
     return dict(sorted(peaks.items()))
 
 
-
 def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
 
 
 def count_statuses(rows: list[dict[str, Any]]) -> dict[str, int]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer.telemetry.wandb_logger import sweep_group  # noqa: E402
 from trainer.report.run_dirs import Point, Report, count_statuses, load_points, per_rank_peaks, plural  # noqa: E402
+from trainer.telemetry.wandb_logger import sweep_group  # noqa: E402
 from trainer.units import MIB
 
 COLUMNS = [
-    "point", "overrides", "status", "tokens_per_s", "mfu_pct", "max_rank_peak_gib", "argmax_rank",
-    "predicted_peak_gib", "comm_bytes_per_step", "predicted_comm_bytes_per_step", "skipped_steps", "final_loss", "fastest", "failed_rank", "failed_step",
-    "failed_phase", "reason", "dir",
+    "point",
+    "overrides",
+    "status",
+    "tokens_per_s",
+    "mfu_pct",
+    "max_rank_peak_gib",
+    "argmax_rank",
+    "predicted_peak_gib",
+    "comm_bytes_per_step",
+    "predicted_comm_bytes_per_step",
+    "skipped_steps",
+    "final_loss",
+    "fastest",
+    "failed_rank",
+    "failed_step",
+    "failed_phase",
+    "reason",
+    "dir",
 ]
 SUMMARY_KEYS = {
     "tokens_per_s": "throughput/tokens_per_s",
@@ -66,7 +80,9 @@ def swept_keys(points: list[Point]) -> list[str]:
 
 def label(point: Point, swept: list[str]) -> str:
     """What tells this point apart: its swept overrides (`micro_batch=4 zero=stage3`)."""
-    return " ".join(f"{key}={point.settings[key]}" for key in swept if key in point.settings) or f"#{point.num}"
+    return (
+        " ".join(f"{key}={point.settings[key]}" for key in swept if key in point.settings) or f"#{point.num}"
+    )
 
 
 def build_rows(points: list[Point], swept: list[str]) -> list[dict[str, Any]]:
@@ -146,8 +162,15 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 def markdown(report: Report, wandb_json: Path | None) -> str:
     lines = [f"# {report.title}", "", report.description]
     if (best := report.fastest) is not None:
-        lines.append(f"Fastest point that fits: #{best['point']} `{best['overrides']}`, {best['tokens_per_s']:,.0f} tokens/s.")
-    lines += ["", *markdown_table(report.rows), *markdown_failures(report.rows), *markdown_charts(report.charts)]
+        lines.append(
+            f"Fastest point that fits: #{best['point']} `{best['overrides']}`, {best['tokens_per_s']:,.0f} tokens/s."
+        )
+    lines += [
+        "",
+        *markdown_table(report.rows),
+        *markdown_failures(report.rows),
+        *markdown_charts(report.charts),
+    ]
     if wandb_json is not None:
         lines += ["", "## W&B", "", wandb_line(None, report.sweep_dir)]
     return "\n".join(lines) + "\n"
@@ -169,14 +192,26 @@ def wandb_line(url: str | None, report_dir: Path) -> str:
 def set_wandb_url(report_dir: Path, url: str) -> None:
     """Put the published Report's URL into report.md, in place of how to publish it."""
     path = report_dir / "report.md"
-    lines = [wandb_line(url, report_dir) if line.startswith(WANDB_LINE) else line for line in path.read_text().splitlines()]
+    lines = [
+        wandb_line(url, report_dir) if line.startswith(WANDB_LINE) else line
+        for line in path.read_text().splitlines()
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     header = [
-        "#", "overrides", "status", "tokens/s (steady)", "MFU %", "worst-rank peak GiB (rank)",
-        "predicted peak GiB", "comm MiB/step (worst rank)", "plan MiB/step", "skipped steps", "final loss",
+        "#",
+        "overrides",
+        "status",
+        "tokens/s (steady)",
+        "MFU %",
+        "worst-rank peak GiB (rank)",
+        "predicted peak GiB",
+        "comm MiB/step (worst rank)",
+        "plan MiB/step",
+        "skipped steps",
+        "final loss",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -184,10 +219,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
         if row["argmax_rank"] is not None and row["max_rank_peak_gib"] is not None:
             peak += f" (rank {row['argmax_rank']})"
         cells = [
-            str(row["point"]), f"`{row['overrides']}`", status_cell(row), number(row["tokens_per_s"], "{:,.0f}"),
-            number(row["mfu_pct"], "{:.1f}"), peak, gib(row["predicted_peak_gib"]),
-            mib(row["comm_bytes_per_step"]), mib(row["predicted_comm_bytes_per_step"]),
-            number(row["skipped_steps"], "{}"), number(row["final_loss"], "{:.4f}"),
+            str(row["point"]),
+            f"`{row['overrides']}`",
+            status_cell(row),
+            number(row["tokens_per_s"], "{:,.0f}"),
+            number(row["mfu_pct"], "{:.1f}"),
+            peak,
+            gib(row["predicted_peak_gib"]),
+            mib(row["comm_bytes_per_step"]),
+            mib(row["predicted_comm_bytes_per_step"]),
+            number(row["skipped_steps"], "{}"),
+            number(row["final_loss"], "{:.4f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -247,7 +289,13 @@ def gib(value: float | None) -> str:
 def write_charts(report: Report) -> dict[str, Path]:
     """Draw every chart that has something to show; returns name -> file."""
     charts: dict[str, Path] = {}
-    drawers = {"throughput": plot_throughput, "memory": plot_memory, "comm": plot_comm, "losses": plot_losses, "loss_scale": plot_loss_scale}
+    drawers = {
+        "throughput": plot_throughput,
+        "memory": plot_memory,
+        "comm": plot_comm,
+        "losses": plot_losses,
+        "loss_scale": plot_loss_scale,
+    }
     for name, draw in drawers.items():
         path = report.sweep_dir / f"{name}.png"
         fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
@@ -266,7 +314,9 @@ def write_charts(report: Report) -> dict[str, Path]:
 def failure_note(row: dict[str, Any]) -> str:
     """A short label for a failed point on a chart: `oom: rank 1, step 1, forward`, `refused`."""
     if row["status"] == "oom" and row["failed_rank"] is not None:
-        where = f", step {row['failed_step']}, {row['failed_phase']}" if row["failed_step"] is not None else ""
+        where = (
+            f", step {row['failed_step']}, {row['failed_phase']}" if row["failed_step"] is not None else ""
+        )
         return f"oom: rank {row['failed_rank']}{where}"
     return row["status"]
 
@@ -284,7 +334,11 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
         series[label(point, others) if others else "all points"].append((point, row))
     for index, (name, members) in enumerate(series.items()):
         members.sort(key=lambda m: int(m[0].settings["micro_batch"]))
-        ok = [(int(p.settings["micro_batch"]), r["tokens_per_s"]) for p, r in members if r["status"] == "ok" and r["tokens_per_s"] is not None]
+        ok = [
+            (int(p.settings["micro_batch"]), r["tokens_per_s"])
+            for p, r in members
+            if r["status"] == "ok" and r["tokens_per_s"] is not None
+        ]
         line = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)[0]
         for point, row in members:
             if row["status"] != "ok":
@@ -312,8 +366,25 @@ def plot_throughput_bars(ax: plt.Axes, report: Report) -> bool:
 
 
 def mark_failure(ax: plt.Axes, x: float, row: dict[str, Any], color: str, index: int) -> None:
-    ax.scatter([x], [0], marker="X", s=140, color=color, edgecolors=FAILED_COLOR, linewidths=1.5, zorder=3, clip_on=False)
-    ax.annotate(failure_note(row), (x, 0), xytext=(6, 8 + 13 * index), textcoords="offset points", fontsize=8, color=FAILED_COLOR)
+    ax.scatter(
+        [x],
+        [0],
+        marker="X",
+        s=140,
+        color=color,
+        edgecolors=FAILED_COLOR,
+        linewidths=1.5,
+        zorder=3,
+        clip_on=False,
+    )
+    ax.annotate(
+        failure_note(row),
+        (x, 0),
+        xytext=(6, 8 + 13 * index),
+        textcoords="offset points",
+        fontsize=8,
+        color=FAILED_COLOR,
+    )
 
 
 def finish_throughput(ax: plt.Axes, rows: list[dict[str, Any]], legend_title: str | None) -> None:
@@ -336,13 +407,41 @@ def plot_memory(ax: plt.Axes, report: Report) -> bool:
         ax.bar(xs, [p[rank] for p in peaks if rank in p], width=width, label=f"rank {rank}")
     for x, (point, row) in enumerate(zip(report.points, report.rows)):
         if row["predicted_peak_gib"] is not None:
-            ax.hlines(row["predicted_peak_gib"], x - 0.45, x + 0.45, colors="black", linewidth=2, label="predicted peak (plan)" if x == 0 else None)
+            ax.hlines(
+                row["predicted_peak_gib"],
+                x - 0.45,
+                x + 0.45,
+                colors="black",
+                linewidth=2,
+                label="predicted peak (plan)" if x == 0 else None,
+            )
         cap = point.config.get("device_memory_gib")
         if cap is not None:
-            ax.hlines(cap, x - 0.45, x + 0.45, colors=FAILED_COLOR, linestyles="dashed", label="device_memory_gib cap" if x == 0 else None)
+            ax.hlines(
+                cap,
+                x - 0.45,
+                x + 0.45,
+                colors=FAILED_COLOR,
+                linestyles="dashed",
+                label="device_memory_gib cap" if x == 0 else None,
+            )
         if not peaks[x]:
-            ax.annotate(failure_note(row) if row["status"] != "ok" else "not measured", (x, 0), xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8, color=FAILED_COLOR)
-    ax.set_xticks(range(len(report.points)), [label(p, report.swept) for p in report.points], rotation=30, ha="right", fontsize=8)
+            ax.annotate(
+                failure_note(row) if row["status"] != "ok" else "not measured",
+                (x, 0),
+                xytext=(0, 4),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color=FAILED_COLOR,
+            )
+    ax.set_xticks(
+        range(len(report.points)),
+        [label(p, report.swept) for p in report.points],
+        rotation=30,
+        ha="right",
+        fontsize=8,
+    )
     ax.set_ylim(bottom=0)
     ax.set_ylabel("peak tensor memory per rank (GiB)")
     ax.set_title("Peak memory of every rank (tensor-level; worst window of the run)")
@@ -367,15 +466,17 @@ def plot_comm(ax: plt.Axes, report: Report) -> bool:
     def same(point: Point) -> tuple[str | None, ...]:  # the settings a stage0 reference must share
         return tuple(point.settings.get(key) for key in others)
 
-    reference = {
-        same(p): rows[p.num]["max_rank_peak_gib"] for p in report.points if stage_of(p) == "stage0"
-    }
+    reference = {same(p): rows[p.num]["max_rank_peak_gib"] for p in report.points if stage_of(p) == "stage0"}
     drawn = False
     for stage in ("stage0", "stage1", "stage2", "stage3"):
         xs, ys, names = [], [], []
         for point in report.points:
             row, base = rows[point.num], reference.get(same(point))
-            if stage_of(point) != stage or None in (row["comm_bytes_per_step"], row["max_rank_peak_gib"], base):
+            if stage_of(point) != stage or None in (
+                row["comm_bytes_per_step"],
+                row["max_rank_peak_gib"],
+                base,
+            ):
                 continue
             xs.append(row["comm_bytes_per_step"] / MIB)
             ys.append((base - row["max_rank_peak_gib"]) * 1024)
@@ -401,14 +502,22 @@ def plot_losses(ax: plt.Axes, report: Report) -> bool:
         records = [r for r in point.records if r.get("loss/train") is not None]
         if records:
             style = LINE_STYLES[index % len(LINE_STYLES)]
-            ax.plot([r["step"] for r in records], [r["loss/train"] for r in records], linestyle=style, marker=".", label=label(point, report.swept))
+            ax.plot(
+                [r["step"] for r in records],
+                [r["loss/train"] for r in records],
+                linestyle=style,
+                marker=".",
+                label=label(point, report.swept),
+            )
             drawn = True
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title("Training loss per point (identical runs overlap: dashes show each line)")
     if drawn:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=2 if len(report.points) > 12 else 1)
+        ax.legend(
+            fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=2 if len(report.points) > 12 else 1
+        )
     return drawn
 
 
@@ -420,7 +529,14 @@ def plot_loss_scale(ax: plt.Axes, report: Report) -> bool:
         if records:
             steps = [r["step"] for r in records]
             style = LINE_STYLES[len(ax.lines) % len(LINE_STYLES)]
-            ax.step(steps, [r["precision/loss_scale"] for r in records], where="post", linestyle=style, marker=".", label=label(point, report.swept))
+            ax.step(
+                steps,
+                [r["precision/loss_scale"] for r in records],
+                where="post",
+                linestyle=style,
+                marker=".",
+                label=label(point, report.swept),
+            )
             drawn = True
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_yscale("log", base=2)
@@ -444,20 +560,39 @@ def log_to_wandb(report: Report, project: str, entity: str | None) -> tuple[str,
     """
     import wandb
 
-    from trainer.telemetry.wandb_logger import wandb_mode
     from trainer.report.wandb_report import RESULTS_TABLE, report_run_id
+    from trainer.telemetry.wandb_logger import wandb_mode
 
     group = sweep_group(report.sweep_dir)
     with wandb.init(
-        project=project, entity=entity, group=group, name=f"{report.title.split(':')[0].lower()} {group}", job_type="report",
-        id=report_run_id(report.sweep_dir), resume="allow", dir=str(report.sweep_dir), mode=wandb_mode(),
+        project=project,
+        entity=entity,
+        group=group,
+        name=f"{report.title.split(':')[0].lower()} {group}",
+        job_type="report",
+        id=report_run_id(report.sweep_dir),
+        resume="allow",
+        dir=str(report.sweep_dir),
+        mode=wandb_mode(),
         config={"sweep_dir": str(report.sweep_dir), "swept": report.swept, "points": len(report.rows)},
     ) as run:
         table = wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS] for row in report.rows])
-        run.log({RESULTS_TABLE: table, **{f"sweep/{name}": wandb.Image(str(path)) for name, path in report.charts.items()}})
+        run.log(
+            {
+                RESULTS_TABLE: table,
+                **{f"sweep/{name}": wandb.Image(str(path)) for name, path in report.charts.items()},
+            }
+        )
         if (best := report.fastest) is not None:
-            run.summary.update({"fastest/overrides": best["overrides"], "fastest/tokens_per_s": best["tokens_per_s"]})
-        run.summary.update({f"points/{status}": sum(r["status"] == status for r in report.rows) for status in {r["status"] for r in report.rows}})
+            run.summary.update(
+                {"fastest/overrides": best["overrides"], "fastest/tokens_per_s": best["tokens_per_s"]}
+            )
+        run.summary.update(
+            {
+                f"points/{status}": sum(r["status"] == status for r in report.rows)
+                for status in {r["status"] for r in report.rows}
+            }
+        )
         online = run.settings.mode == "online"
     return run.id, online
 
@@ -467,8 +602,8 @@ def mirror_to_wandb(report: Report) -> None:
 
     W&B is a mirror: each failure is one warning line, and the local report stays complete.
     """
-    from trainer.telemetry.wandb_logger import warn
     from trainer.report.wandb_report import REPORT_FILE
+    from trainer.telemetry.wandb_logger import warn
 
     logger = report_logger(report)
     if logger.get("backend") != "wandb":
@@ -485,13 +620,15 @@ def mirror_to_wandb(report: Report) -> None:
 
 def publish_and_link(report_dir: Path) -> str | None:
     """Save the W&B Report in `report_dir` and write its URL into report.md; None (one warning) on failure."""
-    from trainer.telemetry.wandb_logger import warn
     from trainer.report.wandb_report import REPORT_FILE, publish
+    from trainer.telemetry.wandb_logger import warn
 
     try:
         url = publish(report_dir / REPORT_FILE)
     except Exception as err:  # the library, the server or the credentials: report.md keeps how to publish
-        warn(f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}")
+        warn(
+            f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}"
+        )
         return None
     set_wandb_url(report_dir, url)
     print(f"W&B Report: {url}", flush=True)

@@ -51,7 +51,11 @@ def run_filter(report: Report) -> list[Any]:
 
     if report.is_sweep:
         return [expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"]
-    return [expr.Metric("ID").isin(sorted({run_id for point in report.points if (run_id := read_run_id(point.path)) is not None}))]
+    return [
+        expr.Metric("ID").isin(
+            sorted({run_id for point in report.points if (run_id := read_run_id(point.path)) is not None})
+        )
+    ]
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -70,35 +74,81 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
     blocks = [
         wr.H1("The runs"),
         wr.P(report.description),
-        wr.PanelGrid(runsets=[runset(wr, "runs", filters, [], pinned(report))], panels=[parallel_coordinates(wr, swept)]),
+        wr.PanelGrid(
+            runsets=[runset(wr, "runs", filters, [], pinned(report))],
+            panels=[parallel_coordinates(wr, swept)],
+        ),
         wr.H1("Throughput"),
-        wr.PanelGrid(runsets=[runset(wr, "runs by " + (", ".join(others) or "run"), filters, others, [])], panels=[throughput_panel(wr, report, others)]),
+        wr.PanelGrid(
+            runsets=[runset(wr, "runs by " + (", ".join(others) or "run"), filters, others, [])],
+            panels=[throughput_panel(wr, report, others)],
+        ),
         wr.H1("Memory and training"),
-        wr.PanelGrid(runsets=[runset(wr, "runs", filters, [], [])], panels=memory_panels(wr, report) + training_panels(wr, report) + comm_panels(wr, report)),
+        wr.PanelGrid(
+            runsets=[runset(wr, "runs", filters, [], [])],
+            panels=memory_panels(wr, report) + training_panels(wr, report) + comm_panels(wr, report),
+        ),
         wr.H1("Results"),
         wr.PanelGrid(
-            runsets=[runset(wr, "report run", [expr.Metric("ID") == report_run_id(report.sweep_dir)], [], [])],
+            runsets=[
+                runset(wr, "report run", [expr.Metric("ID") == report_run_id(report.sweep_dir)], [], [])
+            ],
             panels=[wr.WeavePanelSummaryTable(table_name=RESULTS_TABLE)],
         ),
     ]
-    return wr.Report(project=project, entity=entity or "", title=report.title[:128], description=report.description, blocks=blocks)
+    return wr.Report(
+        project=project,
+        entity=entity or "",
+        title=report.title[:128],
+        description=report.description,
+        blocks=blocks,
+    )
 
 
 def runset(wr: Any, name: str, filters: list[Any], groupby: list[str], pinned_columns: list[str]) -> Any:
-    return wr.Runset(name=name, filters=filters, groupby=[f"config.{key}" for key in groupby], pinned_columns=pinned_columns)
+    return wr.Runset(
+        name=name,
+        filters=filters,
+        groupby=[f"config.{key}" for key in groupby],
+        pinned_columns=pinned_columns,
+    )
 
 
 def pinned(report: Report) -> list[str]:
     """The runs table's first columns: the swept keys, then the figures the parallel coordinates end in."""
-    keys = [f"config:{head}.value{'.' + rest if rest else ''}" for head, _, rest in (config_path(k).partition(".") for k in report.swept)]
-    return keys + [f"summary:{key}" for key in (STEADY_TOKENS, STEADY_MFU, "memory/max_rank_peak_gib", "memory/predicted_peak_gib", "status")]
+    keys = [
+        f"config:{head}.value{'.' + rest if rest else ''}"
+        for head, _, rest in (config_path(k).partition(".") for k in report.swept)
+    ]
+    return keys + [
+        f"summary:{key}"
+        for key in (
+            STEADY_TOKENS,
+            STEADY_MFU,
+            "memory/max_rank_peak_gib",
+            "memory/predicted_peak_gib",
+            "status",
+        )
+    ]
 
 
 def parallel_coordinates(wr: Any, swept: list[Any]) -> Any:
-    figures = [(STEADY_TOKENS, "steady tokens/s"), (STEADY_MFU, "MFU %"), ("memory/max_rank_peak_gib", "worst-rank peak GiB"), ("memory/predicted_peak_gib", "predicted peak GiB")]
+    figures = [
+        (STEADY_TOKENS, "steady tokens/s"),
+        (STEADY_MFU, "MFU %"),
+        ("memory/max_rank_peak_gib", "worst-rank peak GiB"),
+        ("memory/predicted_peak_gib", "predicted peak GiB"),
+    ]
     columns = [wr.ParallelCoordinatesPlotColumn(metric=key) for key in swept]
-    columns += [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(key), display_name=name) for key, name in figures]
-    return wr.ParallelCoordinatesPlot(title="swept keys -> steady throughput, MFU, worst-rank and predicted peak", columns=columns, layout=wr.Layout(w=24, h=9))
+    columns += [
+        wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(key), display_name=name)
+        for key, name in figures
+    ]
+    return wr.ParallelCoordinatesPlot(
+        title="swept keys -> steady throughput, MFU, worst-rank and predicted peak",
+        columns=columns,
+        layout=wr.Layout(w=24, h=9),
+    )
 
 
 def throughput_panel(wr: Any, report: Report, others: list[str]) -> Any:
@@ -106,12 +156,18 @@ def throughput_panel(wr: Any, report: Report, others: list[str]) -> Any:
     grouped = f" by {', '.join(others)}" if others else ""
     if "micro_batch" in report.swept:
         return wr.ScatterPlot(
-            title=f"steady tokens/s against micro_batch{grouped}", x=wr.Config("micro_batch"), y=wr.SummaryMetric(STEADY_TOKENS),
-            log_x=True, layout=wr.Layout(w=24, h=9),
+            title=f"steady tokens/s against micro_batch{grouped}",
+            x=wr.Config("micro_batch"),
+            y=wr.SummaryMetric(STEADY_TOKENS),
+            log_x=True,
+            layout=wr.Layout(w=24, h=9),
         )
     return wr.BarPlot(
-        title=f"steady tokens/s{grouped}", metrics=[wr.SummaryMetric(STEADY_TOKENS)], orientation="v",
-        groupby=wr.Config(others[0]) if others else None, layout=wr.Layout(w=24, h=9),
+        title=f"steady tokens/s{grouped}",
+        metrics=[wr.SummaryMetric(STEADY_TOKENS)],
+        orientation="v",
+        groupby=wr.Config(others[0]) if others else None,
+        layout=wr.Layout(w=24, h=9),
     )
 
 
@@ -119,12 +175,16 @@ def memory_panels(wr: Any, report: Report) -> list[Any]:
     ranks = sorted({rank for point in report.points for rank in per_rank_peaks(point)})
     return [
         wr.LinePlot(
-            title="worst-rank peak memory (GiB) and the plan's prediction", x=STEP_KEY,
-            y=["memory/max_rank_peak_gib", "memory/predicted_peak_gib"], layout=wr.Layout(w=12, h=8),
+            title="worst-rank peak memory (GiB) and the plan's prediction",
+            x=STEP_KEY,
+            y=["memory/max_rank_peak_gib", "memory/predicted_peak_gib"],
+            layout=wr.Layout(w=12, h=8),
         ),
         wr.LinePlot(
-            title="peak tensor memory of every rank (GiB)", x=STEP_KEY,
-            y=[f"memory/rank{rank}/peak_allocated_gib" for rank in ranks], layout=wr.Layout(w=12, h=8),
+            title="peak tensor memory of every rank (GiB)",
+            x=STEP_KEY,
+            y=[f"memory/rank{rank}/peak_allocated_gib" for rank in ranks],
+            layout=wr.Layout(w=12, h=8),
         ),
     ]
 
@@ -132,17 +192,40 @@ def memory_panels(wr: Any, report: Report) -> list[Any]:
 def training_panels(wr: Any, report: Report) -> list[Any]:
     panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=["loss/train"], layout=wr.Layout(w=12, h=8))]
     if any("precision/loss_scale" in record for point in report.points for record in point.records):
-        panels.append(wr.LinePlot(title="fp16 loss scale", x=STEP_KEY, y=["precision/loss_scale"], log_y=True, layout=wr.Layout(w=12, h=8)))
+        panels.append(
+            wr.LinePlot(
+                title="fp16 loss scale",
+                x=STEP_KEY,
+                y=["precision/loss_scale"],
+                log_y=True,
+                layout=wr.Layout(w=12, h=8),
+            )
+        )
     return panels
 
 
 def comm_panels(wr: Any, report: Report) -> list[Any]:
     """Bytes each rank moved per optimizer step next to the plan's, where the runs recorded them."""
-    keys = sorted({key for point in report.points for record in point.records for key in record if COMM_KEY.fullmatch(key)})
+    keys = sorted(
+        {
+            key
+            for point in report.points
+            for record in point.records
+            for key in record
+            if COMM_KEY.fullmatch(key)
+        }
+    )
     if not keys:
         return []
     keys.sort(key=lambda key: int(COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
-    return [wr.LinePlot(title="bytes moved per step, every rank, and the plan's", x=STEP_KEY, y=[*keys, "comm/predicted_bytes_per_step"], layout=wr.Layout(w=12, h=8))]
+    return [
+        wr.LinePlot(
+            title="bytes moved per step, every rank, and the plan's",
+            x=STEP_KEY,
+            y=[*keys, "comm/predicted_bytes_per_step"],
+            layout=wr.Layout(w=12, h=8),
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------- serialised form
@@ -156,14 +239,18 @@ def write_wandb_report(report: Report, project: str, entity: str | None) -> Path
     try:
         return write_report_json(build_report(report, project, entity), report.sweep_dir)
     except Exception as err:  # ImportError of a missing install, or any fault of a broken one
-        warn(f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete")
+        warn(
+            f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete"
+        )
         return None
 
 
 def write_report_json(wandb_report: Any, out_dir: Path) -> Path:
     """The Report's own serialised form (the ReportViewspec the library sends on save)."""
     path = out_dir / REPORT_FILE
-    path.write_text(wandb_report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=1) + "\n")
+    path.write_text(
+        wandb_report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=1) + "\n"
+    )
     return path
 
 

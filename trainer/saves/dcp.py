@@ -53,9 +53,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig
 from trainer.faults.failures import mark_phase
-from trainer.saves.integrity import save_error
 from trainer.rank.optim import local_optimizer
 from trainer.rank.trainee import Trainee
+from trainer.saves.integrity import save_error
 from trainer.world import World
 
 SAVES_DIR = "checkpoints"
@@ -150,7 +150,11 @@ def copy_hyperparameters(src_groups: list[dict[str, Any]], dst_groups: list[dict
 def rng_state(device: torch.device) -> dict[str, Any]:
     """The generators this rank draws from; the CUDA one only when the rank computes on a GPU
     (not whenever the host has one: a CPU run on a GPU host must save what a CPU host saves)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -207,7 +211,9 @@ def training_state(trainee: Trainee, spec: SaveSpec, world: World, progress: Pro
 # ----------------------------------------------------------------------------- save
 
 
-def save_training_state(trainee: Trainee, spec: SaveSpec, world: World, run_dir: Path, progress: Progress) -> Path:
+def save_training_state(
+    trainee: Trainee, spec: SaveSpec, world: World, run_dir: Path, progress: Progress
+) -> Path:
     """Write the state after `progress.step` steps atomically (a collective: every rank calls it)."""
     root = saves_root(run_dir)
     final, tmp = root / save_name(progress.step), root / f".tmp_{save_name(progress.step)}"
@@ -267,7 +273,12 @@ def prune(root: Path, keep: int, step: int) -> None:
 
 def kill_if_rehearsing(fault: FaultConfig, world: World, step: int) -> None:
     """fault.kind=kill_during_save: SIGKILL this rank after its data is written, before the rename."""
-    if fault.kind == FaultKind.kill_during_save and fault.step == step and fault.rank == world.rank and first_attempt():
+    if (
+        fault.kind == FaultKind.kill_during_save
+        and fault.step == step
+        and fault.rank == world.rank
+        and first_attempt()
+    ):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -319,7 +330,13 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.
     if "scaler" in state:
         # The scale and its growth tracker are state; factors and interval stay as configured now.
         current = trainee.scaler.state_dict()
-        trainee.scaler.load_state_dict({**current, "scale": state["scaler"]["scale"], "_growth_tracker": state["scaler"]["_growth_tracker"]})
+        trainee.scaler.load_state_dict(
+            {
+                **current,
+                "scale": state["scaler"]["scale"],
+                "_growth_tracker": state["scaler"]["_growth_tracker"],
+            }
+        )
     if "rng" in state:
         set_rng_state(next(iter(state["rng"].values())), device)
 
@@ -353,7 +370,11 @@ def save_last_good(trainee: Trainee, spec: SaveSpec, world: World, run_dir: Path
     The failed step changed neither weights, optimizer, scheduler nor scaler, so the trainee is
     exactly the state after `progress.step` steps. Skipped when that save exists already.
     """
-    if spec.save.every == 0 or progress.step == 0 or (saves_root(run_dir) / save_name(progress.step)).exists():
+    if (
+        spec.save.every == 0
+        or progress.step == 0
+        or (saves_root(run_dir) / save_name(progress.step)).exists()
+    ):
         return
     path = save_training_state(trainee, spec, world, run_dir, progress)
     if world.is_main:

@@ -36,7 +36,9 @@ def save_error(err: BaseException, root: Path, step: int) -> SaveError:
         reason = f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror
     else:
         reason = one_line(cause)
-    return SaveError(f"could not write the save of step {step} under {root} ({reason}); the earlier saves are intact")
+    return SaveError(
+        f"could not write the save of step {step} under {root} ({reason}); the earlier saves are intact"
+    )
 
 
 def os_error(err: BaseException) -> BaseException:

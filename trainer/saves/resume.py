@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.config import ConfigError, TrainConfig, from_plain, to_plain
 from trainer.jsonl import parse_line, read_jsonl
+from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     METADATA,
     SAVES_DIR,
@@ -31,9 +32,7 @@ from trainer.saves.dcp import (
     restart_count,
 )
 from trainer.saves.integrity import newest_whole_save, save_problem
-from trainer.rank.trainee import Trainee
 from trainer.world import World
-
 
 # ----------------------------------------------------------------------------- in the job process
 
@@ -92,7 +91,10 @@ def resolve_resume(config: TrainConfig, out_dir: Path) -> tuple[str, Path]:
     if config.resume == "true":
         save = newest_matching_save(config, out_dir)
         if save is None:
-            print(f"resume=true: no whole save of this config under {out_dir.parent.parent}; starting at step 0", flush=True)
+            print(
+                f"resume=true: no whole save of this config under {out_dir.parent.parent}; starting at step 0",
+                flush=True,
+            )
             return "false", out_dir
         return str(save), save.parent.parent
     path = Path(config.resume).expanduser().resolve()

@@ -28,13 +28,15 @@ import json
 import math
 import os
 import time
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
 from trainer.config import TrainConfig
-from trainer.telemetry.memory import should_track_tensors
 from trainer.plan.comm import COLLECTIVES, plan_comm
+from trainer.telemetry.memory import should_track_tensors
 
 KINDS = (*COLLECTIVES, "other")
 """Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""
@@ -50,8 +52,20 @@ LOOP_COLLECTIVES = {
 
 # c10d ScalarType names as the flight recorder writes them -> bytes per element.
 ELEMENT_BYTES = {
-    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Int": 4, "Long": 8, "Short": 2, "Char": 1, "Byte": 1,
-    "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+    "Float": 4,
+    "Double": 8,
+    "Half": 2,
+    "BFloat16": 2,
+    "Int": 4,
+    "Long": 8,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "ComplexFloat": 8,
+    "ComplexDouble": 16,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
 }
 # Substrings of the recorder's `profiling_name` (`gloo:all_reduce`, `nccl:_allgather_base`, ...) -> kind.
 NAME_KINDS = (
@@ -101,7 +115,10 @@ def tensor_bytes(sizes: list[list[int]], dtypes: list[str]) -> int | None:
 
 def payload_bytes(entry: dict[str, Any]) -> int | None:
     """The full tensor a collective reads or writes: all-gather output, reduce-scatter input, ..."""
-    sizes = [tensor_bytes(entry.get(f"{side}_sizes") or [], entry.get(f"{side}_dtypes") or []) for side in ("input", "output")]
+    sizes = [
+        tensor_bytes(entry.get(f"{side}_sizes") or [], entry.get(f"{side}_dtypes") or [])
+        for side in ("input", "output")
+    ]
     return None if None in sizes else max(sizes)  # type: ignore[type-var]
 
 
@@ -198,10 +215,12 @@ class CommProbe:
         self._anchor: int | None = None
         self._exposed_pct = self._profiled_step_s = NAN
 
-    def measure(self, step: int) -> ContextManager:
+    def measure(self, step: int) -> AbstractContextManager:
         """Wrap a training step: torch.profiler on the step after each memory-tracked step."""
         if self._anchor is None:
-            self._anchor = min(step + 1, self.last_step)  # the memory tracker's anchor (trainer/telemetry/memory.py)
+            self._anchor = min(
+                step + 1, self.last_step
+            )  # the memory tracker's anchor (trainer/telemetry/memory.py)
         if step - 1 < self._anchor or not should_track_tensors(step - 1, self._anchor, self.memory_every):
             return contextlib.nullcontext()
         return self._profile()

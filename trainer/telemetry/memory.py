@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -92,9 +93,14 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             stats = torch.cuda.memory_stats(self.device)
             # Cumulative counters: the window's figure is the difference.
-            self._retries_before, self._ooms_before = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+            self._retries_before, self._ooms_before = (
+                stats.get("num_alloc_retries", 0),
+                stats.get("num_ooms", 0),
+            )
 
-    def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
+    def measure(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> AbstractContextManager:
         """Wrap one training step: tensor-level tracking on chosen CPU steps, nothing otherwise."""
         if self._anchor is None:
             self._anchor = min(step + 1, self.last_step)
@@ -162,4 +168,3 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024  # reported in kB
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, kB elsewhere
-

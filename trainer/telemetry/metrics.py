@@ -6,29 +6,31 @@ import contextlib
 import json
 import math
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.telemetry.comm import CommProbe, comm_fields
-from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
-from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
-from trainer.rank.nonfinite import SKIPPED_KEY
-from trainer.rank.optim import local_optimizer
 from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
 from trainer.plan.headroom import HEADROOM
+from trainer.rank.nonfinite import SKIPPED_KEY
+from trainer.rank.optim import local_optimizer
 from trainer.rank.precision import compute_dtype
+from trainer.telemetry.comm import FIELDS as COMM_FIELDS
+from trainer.telemetry.comm import CommProbe, comm_fields
+from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.units import GIB
 from trainer.world import World
 
 BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
+
 
 @dataclass
 class StepStats:
@@ -54,7 +56,12 @@ class Meter:
     """
 
     def __init__(
-        self, config: TrainConfig, world: World, out_dir: Path, flops_per_token: float, predicted: dict[str, float]
+        self,
+        config: TrainConfig,
+        world: World,
+        out_dir: Path,
+        flops_per_token: float,
+        predicted: dict[str, float],
     ) -> None:
         self.config, self.world = config, world
         self.tokens_per_step = config.sequences_per_step(world.world_size) * config.seq_len
@@ -63,16 +70,30 @@ class Meter:
         self.skipped_steps = 0
         self.last_record: dict[str, Any] | None = None
         telemetry = config.telemetry
-        self.memory = MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        self.memory = (
+            MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        )
         # Collectives from here on: the model's construction and a resume's load are not steps.
-        self.comm = CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
-        self.peak_flops = device_peak_flops(world.device, config.precision, telemetry.peak_tflops) if telemetry.enabled else None
+        self.comm = (
+            CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+        )
+        self.peak_flops = (
+            device_peak_flops(world.device, config.precision, telemetry.peak_tflops)
+            if telemetry.enabled
+            else None
+        )
         # The job's plan (trainer/job.py rank_predictions), next to what is measured in every record (rank 0 writes them).
-        self.predicted_peak_gib = predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
-        self.predicted_comm = predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
+        self.predicted_peak_gib = (
+            predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
+        )
+        self.predicted_comm = (
+            predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
+        )
         # On a GPU, also what the allocator will reserve for it (trainer/plan/headroom.py).
         self.predicted_reserved_gib = (
-            HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB if self.predicted_peak_gib is not None and world.device.type == "cuda" else None
+            HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB
+            if self.predicted_peak_gib is not None and world.device.type == "cuda"
+            else None
         )
         self._open_window()
 
@@ -85,7 +106,9 @@ class Meter:
         self.window_overflows = 0
         self.last: StepStats | None = None
 
-    def measure(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> ContextManager:
+    def measure(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> AbstractContextManager:
         """Wrap a training step: tensor-level memory tracking, or profiling of communication, on the steps chosen for them."""
         if self.memory is None or self.comm is None:
             return contextlib.nullcontext()
@@ -114,7 +137,14 @@ class Meter:
         self.window_overflows, self.skipped_steps = int(self.window_overflows), int(self.skipped_steps)
         self.last.loss_scale = float(self.last.loss_scale)
         states = model_state_bytes(model, optimizer)
-        row = [self.last.loss.item(), elapsed, self.window_data_s, *states, self.last.loss_scale, self.skipped_steps]
+        row = [
+            self.last.loss.item(),
+            elapsed,
+            self.window_data_s,
+            *states,
+            self.last.loss_scale,
+            self.skipped_steps,
+        ]
         if self.memory is not None and self.comm is not None:
             row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
@@ -126,7 +156,9 @@ class Meter:
     def build_record(self, step: int, per_rank: torch.Tensor) -> dict[str, Any]:
         assert self.last is not None
         # Every rank must have taken (or skipped) the same steps with the same scale.
-        assert (per_rank[:, 6:8] == per_rank[0, 6:8]).all(), f"ranks disagree on loss scale: {per_rank[:, 6:8].tolist()}"
+        assert (per_rank[:, 6:8] == per_rank[0, 6:8]).all(), (
+            f"ranks disagree on loss scale: {per_rank[:, 6:8].tolist()}"
+        )
         record: dict[str, Any] = {
             "step": step,
             "loss/train": per_rank[:, 0].mean().item(),
@@ -140,8 +172,17 @@ class Meter:
             record[f"memory/rank{rank}/grads_gib"] = grads / GIB
             record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
         if self.memory is not None:
-            record.update(memory_fields(self.memory.fields, per_rank[:, BASE_COLUMNS:], self.predicted_peak_gib, self.predicted_reserved_gib))
-            record.update(comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm))
+            record.update(
+                memory_fields(
+                    self.memory.fields,
+                    per_rank[:, BASE_COLUMNS:],
+                    self.predicted_peak_gib,
+                    self.predicted_reserved_gib,
+                )
+            )
+            record.update(
+                comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm)
+            )
         if self.config.precision.is_fp16:
             record["precision/loss_scale"] = self.last.loss_scale
             record["precision/overflow"] = self.window_overflows
@@ -159,7 +200,9 @@ class Meter:
             "time/data_s": per_rank[:, 2].max().item() / self.window_steps,
         }
         if self.peak_flops is not None:
-            fields["throughput/mfu_pct"] = mfu_pct(self.flops_per_token, tokens_per_s, self.peak_flops, self.world.world_size)
+            fields["throughput/mfu_pct"] = mfu_pct(
+                self.flops_per_token, tokens_per_s, self.peak_flops, self.world.world_size
+            )
         return fields
 
     def write(self, record: dict[str, Any]) -> None:
@@ -172,7 +215,10 @@ class Meter:
 
 
 def memory_fields(
-    fields: tuple[str, ...], per_rank: torch.Tensor, predicted_gib: float | None, predicted_reserved_gib: float | None = None
+    fields: tuple[str, ...],
+    per_rank: torch.Tensor,
+    predicted_gib: float | None,
+    predicted_reserved_gib: float | None = None,
 ) -> dict[str, float]:
     """Every rank's memory figures, the worst rank and the plan's prediction next to it.
 
@@ -194,12 +240,18 @@ def memory_fields(
         record["memory/predicted_peak_gib"] = predicted_gib
         if measured:
             # Positive: the plan over-predicts; relative to what was measured.
-            record["memory/prediction_error_pct"] = 100.0 * (predicted_gib - record["memory/max_rank_peak_gib"]) / record["memory/max_rank_peak_gib"]
+            record["memory/prediction_error_pct"] = (
+                100.0
+                * (predicted_gib - record["memory/max_rank_peak_gib"])
+                / record["memory/max_rank_peak_gib"]
+            )
     if predicted_reserved_gib is not None and "peak_reserved" in fields:
         reserved = per_rank[:, fields.index("peak_reserved")].max().item() / GIB
         record["memory/predicted_reserved_gib"] = predicted_reserved_gib
         if reserved > 0:
-            record["memory/reserved_prediction_error_pct"] = 100.0 * (predicted_reserved_gib - reserved) / reserved
+            record["memory/reserved_prediction_error_pct"] = (
+                100.0 * (predicted_reserved_gib - reserved) / reserved
+            )
     return record
 
 
@@ -218,7 +270,9 @@ def mfu_pct(flops_per_token: float, tokens_per_s: float, peak_flops: float, worl
     return 100.0 * flops_per_token * tokens_per_s / (peak_flops * world_size)
 
 
-def device_peak_flops(device: torch.device, precision: PrecisionConfig, override_tflops: float | None) -> float | None:
+def device_peak_flops(
+    device: torch.device, precision: PrecisionConfig, override_tflops: float | None
+) -> float | None:
     """Dense peak FLOP/s of one device for this precision; None where unknown (CPU without an
     override, a device trainer/devices.py does not list by its exact name, a MIG slice)."""
     if override_tflops is not None:

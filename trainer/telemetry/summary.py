@@ -52,7 +52,9 @@ def steady_mean(records: list[dict[str, Any]], key: str, after_step: int) -> flo
     return weighted / seconds
 
 
-def steady_tokens_per_s(records: list[dict[str, Any]], total_steps: int, warmup_steps: int | None = None) -> float | None:
+def steady_tokens_per_s(
+    records: list[dict[str, Any]], total_steps: int, warmup_steps: int | None = None
+) -> float | None:
     """Tokens/s over the log windows after warm-up."""
     return steady_mean(records, "throughput/tokens_per_s", warmup_end(records, total_steps, warmup_steps))
 
@@ -63,7 +65,12 @@ def worst_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     if measured:
         worst = max(measured, key=lambda r: r["memory/max_rank_peak_gib"])
-        for key in ("memory/max_rank_peak_gib", "memory/argmax_rank", "memory/imbalance", "memory/prediction_error_pct"):
+        for key in (
+            "memory/max_rank_peak_gib",
+            "memory/argmax_rank",
+            "memory/imbalance",
+            "memory/prediction_error_pct",
+        ):
             if key in worst:
                 figures[key] = worst[key]
         figures["memory/peak_step"] = worst["step"]
@@ -100,7 +107,9 @@ def steady_comm(records: list[dict[str, Any]], after_step: int) -> dict[str, Any
 
 def git_revision() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -114,7 +123,9 @@ def device_name(device_kind: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def provenance(plain_config: dict[str, Any], overrides: list[str], world_size: int, device_kind: str) -> dict[str, Any]:
+def provenance(
+    plain_config: dict[str, Any], overrides: list[str], world_size: int, device_kind: str
+) -> dict[str, Any]:
     return {
         "config": plain_config,
         "overrides": overrides,
@@ -126,7 +137,11 @@ def provenance(plain_config: dict[str, Any], overrides: list[str], world_size: i
 
 
 def build_summary(
-    status: str, records: list[dict[str, Any]], total_steps: int, warmup_steps: int | None = None, **extra: Any
+    status: str,
+    records: list[dict[str, Any]],
+    total_steps: int,
+    warmup_steps: int | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """How the job ended and its steady-state figures (docs/design.md section 4), plus `extra` (provenance, error)."""
     summary: dict[str, Any] = {"status": status, "steps_done": records[-1]["step"] if records else 0}
@@ -154,21 +169,46 @@ def summary_table(summary: dict[str, Any]) -> str:
     if "failed_rank" in summary:
         rows.append(("failed rank", str(summary["failed_rank"])))
     if "loss/first" in summary:
-        rows.append(("loss", f"{summary['loss/first']:.4f} -> {summary['loss/final']:.4f} over {summary['steps_done']} steps"))
+        rows.append(
+            (
+                "loss",
+                f"{summary['loss/first']:.4f} -> {summary['loss/final']:.4f} over {summary['steps_done']} steps",
+            )
+        )
     if summary.get("throughput/tokens_per_s"):
-        rows.append(("tokens/s (steady)", f"{summary['throughput/tokens_per_s']:,.0f} (after step {summary['throughput/warmup_steps']})"))
+        rows.append(
+            (
+                "tokens/s (steady)",
+                f"{summary['throughput/tokens_per_s']:,.0f} (after step {summary['throughput/warmup_steps']})",
+            )
+        )
     if "throughput/mfu_pct" in summary:
         rows.append(("MFU (steady)", f"{summary['throughput/mfu_pct']:.1f}%"))
     if "time/step_s" in summary:
-        rows.append(("step time (steady)", f"{summary['time/step_s'] * 1e3:.1f} ms, waiting for data {summary['time/data_s'] * 1e3:.1f} ms"))
+        rows.append(
+            (
+                "step time (steady)",
+                f"{summary['time/step_s'] * 1e3:.1f} ms, waiting for data {summary['time/data_s'] * 1e3:.1f} ms",
+            )
+        )
     if "memory/max_rank_peak_gib" in summary:
-        rows.append(("worst-rank peak", f"{summary['memory/max_rank_peak_gib']:.4f} GiB on rank {summary['memory/argmax_rank']} (window ending at step {summary['memory/peak_step']})"))
+        rows.append(
+            (
+                "worst-rank peak",
+                f"{summary['memory/max_rank_peak_gib']:.4f} GiB on rank {summary['memory/argmax_rank']} (window ending at step {summary['memory/peak_step']})",
+            )
+        )
     if "memory/predicted_peak_gib" in summary:
         rows.append(("predicted peak", f"{summary['memory/predicted_peak_gib']:.4f} GiB"))
     if "memory/max_rank_peak_rss_gib" in summary:
         rows.append(("worst-rank host RSS", f"{summary['memory/max_rank_peak_rss_gib']:.2f} GiB"))
     if "precision/skipped_steps" in summary:
-        rows.append(("fp16 skipped steps", f"{summary['precision/skipped_steps']} (final scale {summary['precision/loss_scale']:g})"))
+        rows.append(
+            (
+                "fp16 skipped steps",
+                f"{summary['precision/skipped_steps']} (final scale {summary['precision/loss_scale']:g})",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
@@ -183,7 +223,11 @@ def redact_secrets(value: Any) -> Any:
     override must not travel with them. Secrets: WANDB_API_KEY and any variable whose name says
     key, token, secret or password (values shorter than 8 characters are too common to match).
     """
-    secrets = [v for k, v in os.environ.items() if any(part in k.upper() for part in SECRET_NAME_PARTS) and len(v) >= 8]
+    secrets = [
+        v
+        for k, v in os.environ.items()
+        if any(part in k.upper() for part in SECRET_NAME_PARTS) and len(v) >= 8
+    ]
     return _redact(value, secrets) if secrets else value
 
 

@@ -14,28 +14,34 @@ import datetime
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Any, Protocol
 
 from trainer.config import LoggerBackend, LoggerConfig
-from trainer.jsonl import parse_line
 from trainer.faults.stop import exit_code_for
+from trainer.jsonl import parse_line
 from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import define_metrics, describe_job, steady_figures
 
-
-PROVENANCE_KEYS = ("world_size", "device", "torch_version", "git_revision")  # summary.provenance's, besides config
+PROVENANCE_KEYS = (
+    "world_size",
+    "device",
+    "torch_version",
+    "git_revision",
+)  # summary.provenance's, besides config
 
 
 class Logger(Protocol):
-    def follow(self, path: Path) -> ContextManager[None]: ...
+    def follow(self, path: Path) -> AbstractContextManager[None]: ...
     def finish(self, summary: dict[str, Any]) -> None: ...
 
 
 class NullLogger:
     """logger=none, or W&B could not start: metrics.jsonl and summary.json only."""
 
-    def follow(self, path: Path) -> ContextManager[None]:
+    def follow(self, path: Path) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def finish(self, summary: dict[str, Any]) -> None:
@@ -71,7 +77,9 @@ class WandbLogger:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write the summary and end the run with the job's exit code (0 when ok: state `finished`, else `failed`)."""
-        figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(summary)
+        figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(
+            summary
+        )
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
         if summary["status"] == "preempted":
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
@@ -85,7 +93,9 @@ class WandbLogger:
             action()
         except Exception as err:  # any W&B failure must leave training and local files alone
             self.failed = True
-            warn(f"W&B stopped working ({type(err).__name__}: {err}); metrics.jsonl and summary.json are complete")
+            warn(
+                f"W&B stopped working ({type(err).__name__}: {err}); metrics.jsonl and summary.json are complete"
+            )
 
 
 class MetricsTail(threading.Thread):
@@ -124,13 +134,21 @@ class MetricsTail(threading.Thread):
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self.offset += len(complete)
         for line in complete.decode().splitlines():
-            if (record := parse_line(line)) is not None:  # a torn line (a rank killed mid-write) is not a record
+            if (
+                record := parse_line(line)
+            ) is not None:  # a torn line (a rank killed mid-write) is not a record
                 self.on_record(record)
 
 
 @contextlib.contextmanager
 def open_logger(
-    logger: LoggerConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str, job_type: str, resume: str
+    logger: LoggerConfig,
+    out_dir: Path,
+    meta: dict[str, Any],
+    name: str,
+    group: str,
+    job_type: str,
+    resume: str,
 ) -> Iterator[Logger]:
     """The job's logger: a W&B run (`with wandb.init(...)`, one per job) or a NullLogger.
 
@@ -151,7 +169,9 @@ def open_logger(
         yield logger
     finally:
         logger.guard(lambda: run.finish(exit_code=1))
-        if logger.failed:  # its service died: tear down now, quietly, not in an atexit hook that prints the broken pipe
+        if (
+            logger.failed
+        ):  # its service died: tear down now, quietly, not in an atexit hook that prints the broken pipe
             import wandb
 
             with contextlib.suppress(Exception):
@@ -160,7 +180,15 @@ def open_logger(
         print(f"W&B run saved offline; upload it with: wandb sync {run.settings.sync_dir}", flush=True)
 
 
-def start_wandb(logger: LoggerConfig, out_dir: Path, meta: dict[str, Any], name: str, group: str, job_type: str, resume: str) -> Any:
+def start_wandb(
+    logger: LoggerConfig,
+    out_dir: Path,
+    meta: dict[str, Any],
+    name: str,
+    group: str,
+    job_type: str,
+    resume: str,
+) -> Any:
     """wandb.init for this job, or None (after one warning) when W&B cannot start."""
     try:
         import wandb

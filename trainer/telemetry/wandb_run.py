@@ -70,7 +70,11 @@ def swept_name(key: str) -> str:
 
 
 def build_labels(
-    plain_config: dict[str, Any], choices: dict[str, str], swept_keys: list[str], overrides: list[str], multirun: bool
+    plain_config: dict[str, Any],
+    choices: dict[str, str],
+    swept_keys: list[str],
+    overrides: list[str],
+    multirun: bool,
 ) -> JobLabels:
     """Tags from the group choices; `swept` from the job's own overrides of the keys in `swept_keys`."""
     tags = [f"{group}={choices[group]}" for group in TAGGED_GROUPS if choices.get(group)]
@@ -110,14 +114,22 @@ def describe_job(plain_config: dict[str, Any]) -> JobLabels:
     from hydra.types import RunMode
 
     hydra_config = HydraConfig.get()
-    choices = {k: v for k, v in hydra_config.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
+    choices = {
+        k: v for k, v in hydra_config.runtime.choices.items() if v is not None and not k.startswith("hydra/")
+    }
     excluded = set(hydra_config.job.config.override_dirname.exclude_keys)
     overrides = [o for o in hydra_config.overrides.task if split_override(o)[0] not in excluded]
     multirun = hydra_config.mode == RunMode.MULTIRUN
     if multirun:
         recorded = Path(hydra_config.sweep.dir) / "multirun.yaml"  # written by the launcher before any job
-        sweep_overrides = list(OmegaConf.load(recorded).hydra.overrides.task) if recorded.exists() else overrides
-        keys = [k for k in sweep_keys(sweep_overrides, dict(hydra_config.sweeper.get("params") or {})) if k not in excluded]
+        sweep_overrides = (
+            list(OmegaConf.load(recorded).hydra.overrides.task) if recorded.exists() else overrides
+        )
+        keys = [
+            k
+            for k in sweep_keys(sweep_overrides, dict(hydra_config.sweeper.get("params") or {}))
+            if k not in excluded
+        ]
     else:
         keys = [split_override(o)[0] for o in overrides]
     return build_labels(plain_config, choices, keys, overrides, multirun)
