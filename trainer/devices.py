@@ -33,6 +33,13 @@ class DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     "NVIDIA H100 80GB HBM3": DeviceSpec("h100-sxm", 81_559, 989.4, 989.4, 494.7, 66.9),
     "NVIDIA H100 PCIe": DeviceSpec("h100-pcie", 81_559, 756.5, 756.5, 378.0, 51.2),
+    # The 96 GB HBM2e H100 at 500 W of Meta's Grand Teton hosts, where torchtitan's H100 figures were
+    # measured (torchtitan benchmarks/llama3_h100_202412_torchtitan.md lines 11-15). Its name and
+    # memory as torch reports them: "CUDA capacity: NVIDIA H100 with 94.99GiB memory" (torchtitan
+    # commit 32beb604e's log; metrics.py prints torch.cuda.get_device_name) and 95.0396 GiB (torchtitan
+    # PR #165). NVIDIA publishes no peaks for it ("between SXM and NVL", ibid. footnote 2): the SXM's
+    # are used, as torchtitan's MFU does, so its MFU reads low.
+    "NVIDIA H100": DeviceSpec("h100-hbm2e", 97_320, 989.4, 989.4, 494.7, 66.9),
     "NVIDIA H100 NVL": DeviceSpec("h100-nvl", 95_830, 835.5, 835.5, 417.5, 60.0),
     "NVIDIA H200": DeviceSpec("h200", 143_771, 989.4, 989.4, 494.7, 66.9),  # SXM5
     "NVIDIA H200 NVL": DeviceSpec("h200-nvl", 143_771, 835.5, 835.5, 417.5, 60.0),

@@ -30,6 +30,11 @@ CASES = [
     (["global_batch=16"], "global_batch is read by mode=advise only", "micro_batch and grad_accum"),
     (["attention=efficient"], "attention=efficient", "allowed on CPU: auto, flash, math"),
     (["plan.accelerator=H300"], "plan.accelerator=H300", "h100-pcie"),
+    (
+        ["mode=advise", "global_batch=16", "plan.accelerator=b200"],
+        "no rates for plan.accelerator=b200",
+        "missing its matmul efficiency",
+    ),
     (["compile=true", "compile_backend=tvm"], "compile_backend", "inductor, aot_eager, eager"),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)

@@ -152,9 +152,11 @@ def test_when_nothing_fits_the_advice_names_the_smallest_peak(
     hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 70b, 8 sequences per rank at 4096: grad_accum > 1 keeps unsharded fp32 gradients, grad_accum 1
-    # needs 8 sequences of activations; the best is just over 80% of an H100.
+    # needs 8 sequences of activations; the best (61.4 GiB, CUDA's fused RMSNorm saving less than
+    # CPU's) is over 70% of an H100.
     overrides = [
         "mode=advise",
+        "advise.headroom=0.3",
         "global_batch=512",
         "model=70b",
         "nproc=64",

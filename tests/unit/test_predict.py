@@ -8,10 +8,13 @@ import pytest
 
 from trainer.advise.calibrate import ACCELERATORS, Rates, accelerator_rates
 from trainer.advise.predict import predict_step, recompute_flops_per_token
+from trainer.advise.throughput import FAMILY_EFFICIENCY, shape_factor
 from trainer.config import (
     CheckpointingConfig,
     CheckpointMode,
+    ConfigError,
     DType,
+    ModelConfig,
     OffloadConfig,
     OffloadTarget,
     ReduceDType,
@@ -133,7 +136,27 @@ def test_accelerator_table_uses_nvlink_inside_a_node_and_the_network_beyond() ->
         accelerator_rates("h100", DType.bfloat16, 64),
     )
     assert inside.peak_flops == 989.4e12  # trainer/devices.py, H100 SXM5 dense bf16
-    assert inside.compute_flops == {0: pytest.approx(989.4e12 * spec.matmul_efficiency)}
+    assert inside.compute_flops == {0: pytest.approx(989.4e12 * FAMILY_EFFICIENCY[spec.family])}
     assert inside.bus_bytes_per_s["all_reduce"] == pytest.approx(360e9)
     assert across.bus_bytes_per_s["all_gather"] == pytest.approx(40e9)
-    assert accelerator_rates("a100-80gb", DType.float32, 8).peak_flops == 19.5e12
+    assert accelerator_rates("a100-80gb", DType.float32, 8, tf32=False).peak_flops == 19.5e12
+    assert accelerator_rates("a100-80gb", DType.float32, 8).peak_flops == 156e12  # precision.tf32 (default)
+    assert "published fit" in inside.source and "expected error" in inside.source
+
+
+def test_accelerator_rates_follow_the_model_gemm_shapes() -> None:
+    model = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336)
+    rates = accelerator_rates(
+        "h100-hbm2e", DType.bfloat16, 8, model=model, seq_len=8192, micro_batches=[1, 2]
+    )
+    expected = 989.4e12 * FAMILY_EFFICIENCY["h100-hbm2e"] * shape_factor(model, 8192, 8192)
+    assert rates.compute_flops[8192] == pytest.approx(expected)
+    assert rates.compute_flops[8192] < rates.compute_flops[16384] < 989.4e12 * FAMILY_EFFICIENCY["h100-hbm2e"]
+
+
+def test_advise_refuses_an_accelerator_without_rates_in_one_line_naming_them() -> None:
+    with pytest.raises(
+        ConfigError, match=r"no rates for plan.accelerator=b200: missing its matmul efficiency"
+    ) as info:
+        accelerator_rates("b200", DType.bfloat16, 8)
+    assert "\n" not in str(info.value)

@@ -125,7 +125,15 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
 
 def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:
     if config.plan.accelerator is not None:
-        return accelerator_rates(config.plan.accelerator, config.precision.compute_dtype, world_size)
+        return accelerator_rates(
+            config.plan.accelerator,
+            config.precision.compute_dtype,
+            world_size,
+            model=config.model,
+            seq_len=config.seq_len,
+            micro_batches=micro_batches,
+            tf32=config.precision.tf32,
+        )
     return host_rates(config, world_size, micro_batches)
 
 

@@ -74,7 +74,7 @@ class Rates:
 @dataclass(frozen=True)
 class AcceleratorSpec:
     datasheet: str  # the device of trainer/devices.py whose dense peaks these are
-    matmul_efficiency: float  # assumption: achieved/dense over a whole training step's matmuls
+    family: str  # the throughput.FAMILY_EFFICIENCY fit its matmuls follow
     nvlink_bus_gbps: float  # GB/s per GPU per direction inside a node, times an assumed 0.8 bus efficiency
     network_bus_gbps: float  # GB/s per GPU per direction between nodes, times 0.8
     gpus_per_node: int
@@ -84,13 +84,16 @@ class AcceleratorSpec:
 
 
 # Dense peaks are trainer/devices.py's datasheet figures (the MFU denominator of every run; fp32
-# without TF32: a conservative figure, since zerolab turns TF32 on by default, precision.tf32). Efficiency factors are assumptions, not measurements: 0.55 of the
-# dense peak for a whole step's matmuls (public Llama runs on H100/A100 report 40-60% MFU), 0.8 of
-# a link's rate as nccl-tests bus bandwidth, 0.8 of HBM for AdamW.
+# runs at the TF32 peak where precision.tf32 allows it). A step's matmul efficiency is fitted to
+# published runs (trainer/advise/throughput.py: one figure per family, times a GEMM-shape factor).
+# The SXM H100/H200 (700 W) take the fit of the 500 W HBM2e H100 torchtitan measured, the A100 40GB
+# the 80GB's: no published run zerolab can express exists for them (a lower bound for the 700 W
+# parts). Assumptions, not measurements: 0.8 of a link's rate as nccl-tests bus bandwidth, 0.8 of
+# HBM for AdamW.
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     "h100": AcceleratorSpec(
         "h100-sxm",
-        0.55,
+        "h100-hbm2e",
         0.8 * 450,
         0.8 * 50,
         8,
@@ -101,7 +104,7 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
     ),
     "h200": AcceleratorSpec(
         "h200",
-        0.55,
+        "h100-hbm2e",
         0.8 * 450,
         0.8 * 50,
         8,
@@ -111,7 +114,7 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
     ),
     "a100-80gb": AcceleratorSpec(
         "a100-80gb",
-        0.55,
+        "a100",
         0.8 * 300,
         0.8 * 25,
         8,
@@ -122,13 +125,24 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
     ),
     "a100-40gb": AcceleratorSpec(
         "a100-40gb",
-        0.55,
+        "a100",
         0.8 * 300,
         0.8 * 25,
         8,
         32,
         1.56,
         "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: one 200 Gb/s HDR NIC per GPU",
+    ),
+    "h100-hbm2e": AcceleratorSpec(
+        "h100-hbm2e",
+        "h100-hbm2e",
+        0.8 * 450,
+        0.8 * 50,
+        8,
+        64,
+        2.4,
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md lines 11-15 (Grand Teton: 8 H100 per host on "
+        "NVLink, 96GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU); dense peaks of the SXM part",
     ),
 }
 ADAM_BYTES_PER_PARAM = 28  # fused/foreach AdamW reads fp32 param, grad, m, v and writes param, m, v
@@ -137,20 +151,37 @@ HOST_ADAM_PARAMS_PER_S = 5e8  # assumption: torch's CPU AdamW on a GPU server's 
 
 
 def advisor_accelerator(name: str) -> str:
-    """The ACCELERATORS key a `plan.accelerator` name means (`h100-sxm` is `h100`); ConfigError when the table lacks it."""
-    key = {"h100-sxm": "h100"}.get(name, name)
+    """The ACCELERATORS key a `plan.accelerator` name means (`h100-sxm` is `h100`); ConfigError, in one
+    line naming the rates that are missing, when the table lacks it."""
+    key = {"h100-sxm": "h100"}.get(name.strip().lower(), name.strip().lower())
     if key not in ACCELERATORS:
         raise ConfigError(
-            f"mode=advise knows the rates of plan.accelerator={', '.join(ACCELERATORS)}, not {name}"
+            f"mode=advise has no rates for plan.accelerator={name}: missing its matmul efficiency (no published "
+            f"training run to fit, trainer/advise/throughput.py) and its NVLink, network, PCIe and HBM rates "
+            f"(trainer/advise/calibrate.py ACCELERATORS); it has them for {', '.join(ACCELERATORS)}"
         )
     return key
 
 
-def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates:
-    """The table's rates for `world_size` GPUs: NVLink within a node, the network beyond one."""
+def accelerator_rates(
+    name: str,
+    compute_dtype: DType,
+    world_size: int,
+    *,
+    model: ModelConfig | None = None,
+    seq_len: int = 0,
+    micro_batches: list[int] | None = None,
+    tf32: bool = True,
+) -> Rates:
+    """The table's rates for `world_size` GPUs: NVLink within a node, the network beyond one; the
+    matmul rate per micro-batch from the fitted efficiency and the model's GEMM shapes
+    (trainer/advise/throughput.py; without a model, the family's large-GEMM figure)."""
+    from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor
+
     name = advisor_accelerator(name)
     spec = ACCELERATORS[name]
-    dense = dense_peak_flops(spec.datasheet, compute_dtype)
+    dense = dense_peak_flops(spec.datasheet, compute_dtype, tf32)
+    efficiency = FAMILY_EFFICIENCY[spec.family]
     inside = world_size <= spec.gpus_per_node  # a ring over several nodes runs at its slowest link
     bus = (spec.nvlink_bus_gbps if inside else spec.network_bus_gbps) * GB
     link = (
@@ -158,13 +189,22 @@ def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates
         if inside
         else f"network {spec.network_bus_gbps:.0f} GB/s ({world_size} GPUs > {spec.gpus_per_node} per node)"
     )
+    if model is None:
+        compute = {0: dense * efficiency}
+    else:
+        compute = {
+            mb * seq_len: dense * efficiency * shape_factor(model, mb * seq_len, seq_len)
+            for mb in micro_batches or [1]
+        }
+    dtype = "tf32" if compute_dtype == DType.float32 and tf32 else compute_dtype.value
     return Rates(
         source=(
-            f"table: {name}, dense {compute_dtype.value} {dense / 1e12:.1f} TFLOPS x {spec.matmul_efficiency} efficiency, "
-            f"{link} bus bandwidth; sources: {spec.sources}; efficiency factors assumed (docs/advisor.md)"
+            f"published fit: {name}, dense {dtype} {dense / 1e12:.1f} TFLOPS x {efficiency} ({spec.family} fit, "
+            f"expected error: {FIT_ERROR[spec.family]}) x the GEMM-shape factor; {link} bus bandwidth; "
+            f"sources: {spec.sources}; link and HBM efficiencies assumed (docs/advisor.md)"
         ),
         peak_flops=dense,
-        compute_flops={0: dense * spec.matmul_efficiency},
+        compute_flops=compute,
         bus_bytes_per_s={"all_reduce": bus, "all_gather": bus},
         adam_params_per_s=spec.hbm_tbps * 1e12 * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
         overlap=True,
@@ -173,12 +213,14 @@ def accelerator_rates(name: str, compute_dtype: DType, world_size: int) -> Rates
     )
 
 
-def dense_peak_flops(datasheet: str, compute_dtype: DType) -> float:
-    from trainer.devices import find_accelerator
+def dense_peak_flops(datasheet: str, compute_dtype: DType, tf32: bool = False) -> float:
+    """The datasheet's dense peak in the dtype the matmuls run in: fp32 runs on TF32 tensor cores
+    where precision.tf32 allows it (trainer/devices.py's peak_tflops)."""
+    from trainer.devices import find_accelerator, peak_tflops
 
     spec = find_accelerator(datasheet)
     assert spec is not None, f"{datasheet} is not in trainer/devices.py"
-    peak = {DType.bfloat16: spec.bf16, DType.float16: spec.fp16, DType.float32: spec.fp32}[compute_dtype]
+    peak = peak_tflops(spec, getattr(torch, compute_dtype.value), tf32)
     assert peak is not None, f"{datasheet} has no dense {compute_dtype.value} peak"
     return peak * 1e12
 
@@ -229,7 +271,9 @@ def host_rates(config: TrainConfig, world_size: int, micro_batches: list[int]) -
     path = probe.cache_path(Path(config.advise.cache_dir).expanduser())
     if path.is_file() and not config.advise.recalibrate:
         cached = json.loads(path.read_text())
-        return rates_from_record(cached, f"measured on {probe.host} {cached['date']} (cached: {path})")
+        return rates_from_record(
+            cached, f"host calibration: measured on {probe.host} {cached['date']} (cached: {path})"
+        )
     print(
         f"calibrating this host: {world_size} gloo ranks x {probe.threads} threads, {probe.dtype} (once; cached in {path})",
         flush=True,
@@ -241,12 +285,17 @@ def host_rates(config: TrainConfig, world_size: int, micro_batches: list[int]) -
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
-    return rates_from_record(record, f"measured on {probe.host} {record['date']} (now; cached: {path})")
+    return rates_from_record(
+        record, f"host calibration: measured on {probe.host} {record['date']} (now; cached: {path})"
+    )
 
 
 def rates_from_record(record: dict[str, Any], source: str) -> Rates:
     return Rates(
-        source=f"{source}: {record['world_size']} gloo ranks x {record['threads']} threads",
+        source=(
+            f"{source}: {record['world_size']} gloo ranks x {record['threads']} threads; expected error: "
+            "absolute tokens/s not validated, rankings rho >= 0.8 (benchmarks/advisor_accuracy.py, docs/advisor.md)"
+        ),
         peak_flops=max(record["matmul_flops"].values()),
         compute_flops={int(rows): flops for rows, flops in record["block_flops"].items()},
         bus_bytes_per_s=record["bus_bytes_per_s"],

@@ -1,4 +1,4 @@
-"""What a CUDA rank needs beyond the tensors the plan walks: the headroom, by stated assumption.
+"""What a CUDA rank needs beyond the tensors the plan walks: the headroom, fitted to published figures.
 
 The plan's peak is tensor memory (what `torch.cuda.max_memory_allocated` reports). A GPU also
 holds, per rank:
@@ -9,13 +9,23 @@ holds, per rank:
 - inside it: cuBLAS's workspace (torch allocates it through the caching allocator, once per
   stream) and fragmentation, the gap between reserved and allocated.
 
-The figures below are assumptions, not measurements: the CUDA context of torch 2.x with lazy
-module loading on Hopper is about 0.5 GiB; NCCL with its default buffer size (4 MiB per
-channel and peer) about 0.5 GiB on one 8-GPU node; torch's cuBLAS workspace on Hopper 32 MiB;
-with expandable segments (trainer/rank/cuda.py sets them) reserved stays within about 5% of
-allocated. benchmarks/gpu_check.py measures the first three on the GPU (its `headroom` row) and
-the last in its throughput rows (peak reserved against peak allocated): replace the assumptions
-with those figures once it has run.
+Inside the allocator, the figures are fitted to published measurements (docs/memory_plan.md,
+"Held against published GPU measurements"; benchmarks/plan_vs_published.py refits them and fails
+when these constants drift from the fit). Reserved = (1 + f) x allocated + c, fitted on the two
+1D FSDP2 runs that publish both peak active and peak reserved memory on 8 H100s (95.04 GiB):
+
+- torchtitan PR #165 (commit 83c879f), Llama-2-7B shapes, local batch 8, seq 2048, per-op
+  selective AC: peak active 52.13%, peak reserved 62.51% of 95.0396 GiB;
+- torchtitan PR #699 (commit 6a6f755), Llama-3-8B, local batch 1, seq 8192, per-op selective AC,
+  expandable segments: memory/max_active 41.17145 GiB, memory/max_reserved 49.58594 GiB;
+
+which gives f = 0.1733 and c = 1.281 GiB (the 32 MiB cuBLAS workspace plus 1.25 GiB that the
+allocator keeps cached on the streams FSDP2 all-gathers and reduce-scatters on). Validated on
+the other published points (the table in docs/memory_plan.md). The CUDA context and NCCL
+figures remain assumptions (torch 2.x with lazy module loading on Hopper about 0.5 GiB; NCCL's
+default buffers about 0.5 GiB on one 8-GPU node); benchmarks/gpu_check.py measures them and the
+workspace (its `headroom` row) and peak reserved against peak allocated (its throughput rows):
+a `Headroom(...)` built from those figures replaces these.
 """
 
 from __future__ import annotations
@@ -27,16 +37,18 @@ from trainer.units import GIB
 
 @dataclass(frozen=True)
 class Headroom:
-    """A CUDA rank's memory beyond its tensors (assumptions; see the module docstring)."""
+    """A CUDA rank's memory beyond its tensors (fitted and assumed figures; see the module docstring)."""
 
     context_gib: float = 0.5
-    """CUDA context and kernel images, per process: outside the allocator."""
+    """CUDA context and kernel images, per process: outside the allocator (assumed)."""
     nccl_gib: float = 0.5
-    """NCCL communicator buffers when the job has more than one rank: outside the allocator."""
+    """NCCL communicator buffers when the job has more than one rank: outside the allocator (assumed)."""
     cublas_workspace_gib: float = 1 / 32
     """cuBLAS workspace (32 MiB): inside the allocator."""
-    fragmentation: float = 0.05
-    """Reserved over allocated, minus 1, with expandable segments: inside the allocator."""
+    stream_cache_gib: float = 1.25
+    """Fitted: reserved memory beyond (1 + fragmentation) x allocated, less the cuBLAS workspace."""
+    fragmentation: float = 0.1733
+    """Fitted: reserved grows by this fraction of allocated memory, beyond the fixed part."""
 
     def outside_allocator(self, world_size: int) -> int:
         """Bytes a rank's device holds that the caching allocator does not manage."""
@@ -44,7 +56,8 @@ class Headroom:
 
     def reserved(self, allocated: int) -> int:
         """The allocator's reserved memory predicted for a tensor peak of `allocated` bytes."""
-        return int(allocated * (1 + self.fragmentation) + self.cublas_workspace_gib * GIB)
+        fixed = self.cublas_workspace_gib + self.stream_cache_gib
+        return int(allocated * (1 + self.fragmentation) + fixed * GIB)
 
 
 HEADROOM = Headroom()

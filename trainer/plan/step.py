@@ -21,6 +21,10 @@ see docs/memory_plan.md), per token, in bytes:
     bf16/fp16, stages 2-3       24D + 4·KQ + 8M + 4H + 8   (FSDP2: everything in bf16 except
                                 RMSNorm, which upcasts its input to fp32 and saves that)
 
+On CUDA, RMSNorm runs torch's fused kernel, which saves its input and rstd only (no fp32 upcast,
+no x·rstd: `fused_norm_saving`): per block 8D less in fp32 and under autocast, 12D less under
+FSDP2 (12D + 4·KQ + 8M + 4H + 8).
+
 No dropout (Korthikanti's 2 masks), no attention matrix: by default SDPA runs the flash kernel
 (saves q, k, v, output and a logsumexp; grouped K/V are not repeated), hence no 5·a·s²·b
 term; other kernels (`attention=`, and fp32 on CUDA) add what `attention_extra_per_token` says; SwiGLU saves 4 M-wide tensors where GELU saves 2. After the blocks: the final norm and
@@ -91,22 +95,41 @@ def precisions(precision: PrecisionConfig, zero: ZeroConfig) -> Precisions:
     return Precisions("autocast", 2, 4, 2)  # embedding output and residual adds stay fp32
 
 
-def block_bytes_per_token(m: ModelConfig, regime: str) -> int:
+def block_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu") -> int:
     """Saved activations of one transformer block, per token (see the module docstring)."""
     D, M, H = m.dim, m.ffn_dim, m.n_heads
     KQ = m.n_kv_heads * (m.dim // m.n_heads)
     stats = 4 * H + 8  # SDPA logsumexp (fp32 per head) and the two RMSNorm rstd (fp32)
+    fused = 2 * fused_norm_saving(D, regime) if device_kind == "cuda" else 0
     if regime == "fp32":
-        return 4 * (8 * D + 2 * KQ + 4 * M) + stats
+        return 4 * (8 * D + 2 * KQ + 4 * M) + stats - fused
     if regime == "autocast":
-        return 30 * D + 4 * KQ + 8 * M + stats
-    return 24 * D + 4 * KQ + 8 * M + stats
+        return 30 * D + 4 * KQ + 8 * M + stats - fused
+    return 24 * D + 4 * KQ + 8 * M + stats - fused
 
 
-def head_bytes_per_token(m: ModelConfig, regime: str) -> int:
-    """Saved after the blocks, per token: final RMSNorm (input, x·rstd, output) and log_softmax (fp32)."""
+def fused_norm_saving(dim: int, regime: str) -> int:
+    """Bytes per token one RMSNorm saves less on CUDA than on CPU.
+
+    nn.RMSNorm calls torch.rms_norm, which dispatches to aten::_fused_rms_norm whenever the
+    weight's dtype matches the input's (aten/src/ATen/native/layer_norm.cpp, rms_norm_symint), as it
+    does in every regime here (autocast: fp32 residual and fp32 weight; FSDP2: both bf16). On CUDA
+    that op has its own kernel, and autograd saves its input (in the input's dtype), the fp32 rstd
+    and the weight (tools/autograd/derivatives.yaml, `_fused_rms_norm`: input, weight, result1). On
+    CPU builds it is CompositeImplicitAutograd (torch._C._dispatch_dump('aten::_fused_rms_norm')):
+    the decomposition upcasts the input to fp32 and saves that copy and x·rstd (both fp32).
+    CPU per norm: 4D + 4D; CUDA: the input itself, D in the residual dtype.
+    """
+    residual = 2 if regime == "fsdp_mp" else 4
+    return 8 * dim - residual * dim
+
+
+def head_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu") -> int:
+    """Saved after the blocks, per token: final RMSNorm (input, x·rstd, output; on CUDA the
+    fused kernel's input only, `fused_norm_saving`) and log_softmax (fp32)."""
     norm_output = 4 * m.dim if regime == "fp32" else 2 * m.dim
-    return 4 * m.dim + 4 * m.dim + norm_output + 4 + 4 * m.vocab_size
+    fused = fused_norm_saving(m.dim, regime) if device_kind == "cuda" else 0
+    return 4 * m.dim + 4 * m.dim + norm_output + 4 + 4 * m.vocab_size - fused
 
 
 @dataclass(frozen=True)
@@ -151,12 +174,14 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
-    full = (block_bytes_per_token(m, prec.regime) + attention_extra_per_token(config, device_kind)) * tokens
+    full = (
+        block_bytes_per_token(m, prec.regime, device_kind) + attention_extra_per_token(config, device_kind)
+    ) * tokens
     checkpointed = prec.residual * m.dim * tokens  # non-reentrant checkpoint keeps the block's input
     blocks = tuple(
         checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
     )
-    head = head_bytes_per_token(m, prec.regime) * tokens + 4  # + nll_loss's fp32 total weight
+    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + 4  # + nll_loss's fp32 total weight
     return Activations(blocks, full, head, 4 * m.vocab_size * tokens, BATCH_BYTES_PER_TOKEN * tokens)
 
 

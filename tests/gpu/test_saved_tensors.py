@@ -1,0 +1,79 @@
+"""A CUDA plan's activation bytes are what autograd saves on a GPU (marked gpu: skipped without CUDA).
+
+On CUDA, RMSNorm runs torch's fused kernel and SDPA the kernel trainer/model/attention.py chooses;
+trainer/plan/step.py counts what those save (`fused_norm_saving`, `attention_extra_per_token`).
+This lists every storage autograd saves in one forward + loss of the tiny model on the GPU and
+compares the sum with `activations(config, "cuda")`, as tests/unit/test_plan.py does on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.test_plan import compose_config
+from trainer.model.attention import run_choice
+from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
+from trainer.plan.states import model_shape
+from trainer.plan.step import activations
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# The flash kernel also saves its philox seed and offset (two int64 scalars) per layer; nothing else.
+SMALL_TENSORS_PER_LAYER = 64
+
+
+def saved_bytes_on_cuda(config, regime: str) -> int:
+    """Bytes of the distinct storages autograd saves, parameters and rotary tables excluded."""
+    model = build_model(config.model, device="cuda")
+    init_weights(model, seed=0)
+    apply_sdpa_choice(
+        model, run_choice(config.attention, config.model, config.precision.compute_dtype, "cuda")
+    )
+    if regime == "fsdp_mp":
+        model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
+    shape = (config.micro_batch, config.seq_len)
+    inputs, targets = (torch.randint(0, config.model.vocab_size, shape, device="cuda") for _ in range(2))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=regime == "autocast")
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    excluded |= {
+        t.untyped_storage().data_ptr()
+        for tables in getattr(model, "_rope_cache", {}).values()
+        for t in tables
+    }
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
+
+
+@pytest.mark.parametrize(
+    ("regime", "overrides"),
+    [
+        ("fp32", ["precision=fp32"]),
+        ("autocast", ["precision=bf16", "zero=stage1"]),
+        ("fsdp_mp", ["precision=bf16", "zero=stage3"]),
+    ],
+)
+def test_cuda_plan_activations_are_what_autograd_saves_on_a_gpu(regime: str, overrides: list[str]) -> None:
+    # seq_len a multiple of 32: the efficient kernel (fp32) pads its logsumexp to 32 positions.
+    config = compose_config("model=tiny", "micro_batch=3", "seq_len=64", "device=cuda", *overrides)
+    expected = activations(config, "cuda").total
+    if regime == "autocast":  # autocast's cached bf16 weights: the plan counts them as temporary
+        shape = model_shape(config.model)
+        expected += 2 * (
+            shape.block_linear_numel * config.model.n_layers + config.model.vocab_size * config.model.dim
+        )
+    saved = saved_bytes_on_cuda(config, regime)
+    assert abs(saved - expected) <= SMALL_TENSORS_PER_LAYER * config.model.n_layers, (saved, expected)
+    cpu = activations(config, "cpu").total
+    assert expected < cpu  # the fused RMSNorm saves less than the CPU decomposition
