@@ -26,12 +26,13 @@ from trainer.model.attention import run_choice
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
+    cores_warning,
     format_plan,
+    host_refusal,
     planned_device_kind,
     planned_world_size,
     write_plan,
 )
-from trainer.plan import cores_warning, host_refusal
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.rank.cuda import check_local_ranks

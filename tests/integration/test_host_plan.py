@@ -40,7 +40,9 @@ def host_lines(stdout: str) -> list[str]:
         (None, None),
     ],
 )
-def test_70b_offloaded_on_8_h100s_against_its_host(tmp_path: Path, host: str | None, verdict: str | None) -> None:
+def test_70b_offloaded_on_8_h100s_against_its_host(
+    tmp_path: Path, host: str | None, verdict: str | None
+) -> None:
     proc = trainer(tmp_path, *PLAN_70B, *([host] if host else []))
     assert proc.returncode == 0, proc.stderr
     lines = host_lines(proc.stdout)
@@ -71,4 +73,7 @@ def test_advise_lists_no_offload_candidate_on_a_host_too_small(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr
     summary = proc.stdout.splitlines()[0]
     assert "0 of 84 configurations fit" in summary
-    assert "84 need more host memory than a node has (84 with offload=cpu; the least 277.0 GiB per node" in summary
+    assert (
+        "84 need more host memory than a node has (84 with offload=cpu; the least 277.0 GiB per node"
+        in summary
+    )

@@ -151,7 +151,11 @@ def usable_cores() -> int:
 def host_memory(config: TrainConfig, device_kind: str) -> tuple[int | None, str, int | None]:
     """The host's memory, where the figure comes from, and its cores (None where it is not this host)."""
     if config.plan.host_memory_gib is not None:
-        return int(config.plan.host_memory_gib * GIB), f"plan.host_memory_gib={config.plan.host_memory_gib:g}", None
+        return (
+            int(config.plan.host_memory_gib * GIB),
+            f"plan.host_memory_gib={config.plan.host_memory_gib:g}",
+            None,
+        )
     runs_here = config.plan.accelerator is None and (device_kind == "cpu" or config.mode.value == "train")
     if "TORCHELASTIC_RUN_ID" in os.environ or not runs_here:
         return None, "this node's host memory is unknown: set plan.host_memory_gib to check it", None
@@ -213,7 +217,8 @@ def build_host_plan(
     """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory."""
     available, source, cores = host_memory(config, device_kind)
     per_node = [
-        host_rank(config, device_kind, world_size, shape, ranks[r]) for r in node_ranks(world_size, config.nodes)
+        host_rank(config, device_kind, world_size, shape, ranks[r])
+        for r in node_ranks(world_size, config.nodes)
     ]
     return HostPlan(tuple(per_node), available, source, cores)
 
