@@ -387,6 +387,13 @@ class PlanConfig:
     cpu_rank_runtime_gib: float = 0.4
     """Host memory each CPU rank's process holds before its first tensor (Python, torch, gloo, threads;
     0.32-0.44 GiB measured with torch 2.13 on CPU), counted per rank against the host (trainer/plan/host.py)."""
+    cuda_rank_runtime_gib: float = 2.0
+    """Host memory each CUDA rank's process holds besides offloaded tensors (torch's CUDA libraries, the
+    CUDA runtime, NCCL's host side): assumed (pytorch/pytorch#12873 measured 1.1 GiB of RSS at the first
+    CUDA tensor and 0.6 GiB more at the first cuDNN call) until the GPU check's host row measures it."""
+    host_memory_gib: float | None = None
+    """Host memory of each node, for a plan made for another machine (null: this host's available memory
+    when the job runs here, else unknown and only the need is printed)."""
 
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
@@ -394,6 +401,14 @@ class PlanConfig:
         _require(
             self.cpu_rank_runtime_gib >= 0,
             f"plan.cpu_rank_runtime_gib must be >= 0, got {self.cpu_rank_runtime_gib}",
+        )
+        _require(
+            self.cuda_rank_runtime_gib >= 0,
+            f"plan.cuda_rank_runtime_gib must be >= 0, got {self.cuda_rank_runtime_gib}",
+        )
+        _require(
+            self.host_memory_gib is None or self.host_memory_gib > 0,
+            f"plan.host_memory_gib must be > 0 (GiB per node) or null, got {self.host_memory_gib}",
         )
         if self.accelerator is not None:
             _require(

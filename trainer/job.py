@@ -26,14 +26,15 @@ from trainer.model.attention import run_choice
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
+    cores_warning,
     format_plan,
+    host_refusal,
     planned_device_kind,
     planned_world_size,
     write_plan,
 )
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.plan.host import cores_warning, host_budget, host_refusal
 from trainer.rank.cuda import check_local_ranks
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
@@ -252,20 +253,14 @@ def plan_job(
     if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
-    # CPU ranks are processes sharing this host: their runtime and the cores (trainer/plan/host.py).
-    budget = (
-        host_budget(config.plan, config.nodes, device_kind, world_size, plan.peak_bytes)
-        if device_kind == "cpu"
-        else None
-    )
-    for line in (budget and budget.describe(), cores_warning(budget)):
-        if line:
-            print(line, flush=True)
+    warning = cores_warning(plan.host)  # CPU ranks beyond this host's cores take turns
+    if warning:
+        print(warning, flush=True)
     if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance
         return None, {}
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
     meta.update(plan_summary_fields(plan))
-    refusal = plan_refusal(plan) or host_refusal(budget)
+    refusal = plan_refusal(plan) or host_refusal(plan)
     if refusal is not None and not config.plan.enforce:
         print("warning: plan.enforce=false, trying anyway", flush=True)
         return None, meta

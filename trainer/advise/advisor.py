@@ -41,11 +41,13 @@ class Candidate:
 
     choice: dict[str, Any]  # the CHOSEN_KEYS' values
     peak_bytes: int
-    fits: bool | None  # with headroom; None: this device's memory is unknown
+    fits: bool | None  # device with headroom, and the node's host; None: this device's memory is unknown
     step: StepTime
     tokens_per_s: float
     mfu_pct: float | None
     limiter: str
+    host_bytes: int = 0  # host memory of a node (trainer/plan/host.py)
+    host_fits: bool | None = None  # None: the host's memory is unknown
 
     def label(self) -> str:
         c = self.choice
@@ -157,14 +159,17 @@ def evaluate(
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
+    device_fits = None if budget is None else peak <= budget
     return Candidate(
         choice,
         peak,
-        None if budget is None else peak <= budget,
+        False if plan.host_fits is False else device_fits,  # a node whose host is too small runs nothing
         step,
         tokens_per_s,
         mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size),
         step.limiter,
+        plan.host.need_bytes,
+        plan.host_fits,
     )
 
 
@@ -229,14 +234,15 @@ def format_advice(
     lines = [
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
-        f"with {config.advise.headroom:.0%} headroom ({memory})",
+        f"with {config.advise.headroom:.0%} headroom ({memory}){host_note(candidates)}",
         f"rates: {rates.source}",
-        f"{'#':>3} {'configuration':<52} {'peak GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
+        f"{'#':>3} {'configuration':<52} {'peak GiB':>9} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(
-            f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
+            f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.host_bytes / GIB:>9.1f} "
+            f"{c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)
@@ -246,6 +252,19 @@ def format_advice(
         )
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines)
+
+
+def host_note(candidates: list[Candidate]) -> str:
+    """Why candidates that fit their devices are out: their node's host memory (trainer/plan/host.py)."""
+    over = [c for c in candidates if c.host_fits is False]
+    if not over:
+        return ""
+    least = min(over, key=lambda c: c.host_bytes)
+    offload = sum(c.choice["offload"] != "none" for c in over)
+    return (
+        f"; {len(over)} need more host memory than a node has ({offload} with offload=cpu; the least "
+        f"{least.host_bytes / GIB:.1f} GiB per node, {least.label()})"
+    )
 
 
 def advice_json(
@@ -273,6 +292,8 @@ def advice_json(
                 **c.choice,
                 "fits": c.fits,
                 "predicted_peak_gib": c.peak_bytes / GIB,
+                "host_gib_per_node": c.host_bytes / GIB,
+                "host_fits": c.host_fits,
                 "predicted_tokens_per_s": c.tokens_per_s,
                 "predicted_mfu_pct": c.mfu_pct,
                 "predicted_step_s": c.step.step_s,

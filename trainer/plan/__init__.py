@@ -18,7 +18,8 @@ The planner is this package; each module's docstring is its part of the design n
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
 - target.py: the device kind and world size a plan is for;
-- refusal.py: the refusal of a plan that does not fit, and its way out;
+- host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
+- refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;
 - table.py: what the user reads, the console report and a sweep's fit table.
 
 The names other modules use are imported from `trainer.plan` itself.
@@ -39,7 +40,8 @@ from trainer.plan.build import (
     write_plan,
 )
 from trainer.plan.comm import CommPlan, plan_comm
-from trainer.plan.refusal import refusal, way_out
+from trainer.plan.host import HostPlan, cores_warning
+from trainer.plan.refusal import host_refusal, refusal, way_out
 from trainer.plan.table import format_plan, verdict
 from trainer.plan.target import planned_device_kind, planned_world_size
 
@@ -60,6 +62,9 @@ __all__ = [
     "planned_device_kind",
     "planned_world_size",
     "refusal",
+    "host_refusal",
+    "HostPlan",
+    "cores_warning",
     "summary_fields",
     "verdict",
     "way_out",

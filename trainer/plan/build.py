@@ -17,6 +17,7 @@ from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.headroom import HEADROOM
+from trainer.plan.host import HostPlan, build_host_plan
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.step import (
     Moment,
@@ -49,6 +50,10 @@ class RankPlan:
     @property
     def peak(self) -> Moment:
         return max(self.moments, key=lambda moment: moment.total)
+
+    @property
+    def peak_total(self) -> int:
+        return self.peak.total
 
     def figures(self) -> dict[str, float]:
         """GiB figures of the plan.json row: model states at rest, activations at the end of
@@ -121,6 +126,7 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     memory: DeviceMemory
     comm: CommPlan  # bytes each rank's collectives move per optimizer step (trainer/plan/comm.py)
+    host: HostPlan  # the host memory of a node: its ranks' runtime, CPU tensors, offloaded states
 
     @property
     def worst(self) -> RankPlan:
@@ -143,6 +149,11 @@ class Plan:
     @property
     def fits(self) -> bool | None:
         return self.rank_fits(self.worst)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether a node's ranks fit its host's memory (None: the host's memory is unknown)."""
+        return self.host.fits
 
     def reserved_fields(self) -> dict[str, Any]:
         """GPU plans: the predicted reserved peak and the headroom assumptions behind it."""
@@ -188,6 +199,7 @@ class Plan:
                 for r in self.ranks
             ],
             "comm": self.comm.to_json(),
+            "host": self.host.to_json(),
         }
 
 
@@ -214,7 +226,8 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
     memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes)
     comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm)
+    host = build_host_plan(config, device_kind, world_size, shape, ranks)
+    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm, host)
 
 
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:

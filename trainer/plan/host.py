@@ -1,91 +1,233 @@
-"""What CPU ranks cost the host they share, beyond the tensors the memory plan counts.
+"""The host memory of a node: what every rank on it takes from the host it shares.
 
-Every CPU rank is a process that holds its Python interpreter, torch's libraries, gloo's buffers
-and thread pools before it allocates a tensor (about 0.3-0.45 GiB with torch 2.13 on CPU; the
-plan's figure is `plan.cpu_rank_runtime_gib`). The plan's per-rank tensor peak is small beside
-that at small scale, so a job of many CPU ranks can exhaust the host while every rank "fits".
-This module adds that runtime per rank against the host's available memory, refuses before any
-process starts what cannot fit, and flags more ranks than the cores they may run on.
+Every rank is a process that holds its runtime in host memory before it allocates a tensor:
+a CPU rank its Python interpreter, torch's libraries, gloo's buffers and thread pools (about
+0.3-0.45 GiB with torch 2.13, `plan.cpu_rank_runtime_gib`); a CUDA rank also the CUDA runtime
+and NCCL's host side (`plan.cuda_rank_runtime_gib`, an assumption until the GPU check's host
+row measures it). On top of that:
 
+- CPU ranks keep their tensors in host memory: the plan's tensor peak of each rank;
+- `offload=cpu` (FSDP2's CPUOffloadPolicy) keeps each rank's model states there: the sharded
+  fp32 parameters and gradients, pinned when `offload.pin_memory` is on, and Adam's moments
+  (`torch.zeros_like` of a pinned tensor is not pinned), plus Adam's per-tensor temporaries
+  when the optimizer is not fused.
+
+Pinned tensors cost more than their bytes: torch's caching host allocator rounds every pinned
+allocation up to the next power of two (torch 2.13, include/ATen/core/CachingHostAllocator.h:302-305,
+`c10::llvm::PowerOf2Ceil(size)` below `pinned_max_round_threshold`, which defaults to no limit,
+c10/core/AllocatorConfig.h:361). FSDP2 pins each parameter's padded shard
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:313-315) and each reduced gradient's
+shard, copied to the host with `non_blocking=True` (_fsdp_collectives.py:729-739), which
+`_to_copy` allocates pinned: so each tensor is rounded up on its own.
+
+The node's need is the sum over its ranks, held against the host's memory: measured here
+(available now) when the job runs on this host, `plan.host_memory_gib` when given (planning
+for another machine), else unknown, and then the plan prints what the node needs and says so.
 Under torchrun the ranks exist already when the plan is made (their memory is no longer
-available): nothing is checked there.
+available): nothing is measured there.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 
-from trainer.config import PlanConfig
+from trainer.config import OffloadTarget, TrainConfig
+from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
+from trainer.rank.optim import uses_fused
 from trainer.units import GIB
+
+# ----------------------------------------------------------------------------- one rank's host memory
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned tensor of `nbytes`: the next power of two."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 @dataclass(frozen=True)
-class HostBudget:
-    """This host's CPU ranks against its memory and cores."""
+class HostRank:
+    """What one rank holds in its host's memory, in bytes."""
 
-    ranks: int
-    runtime_bytes: int
-    """Each rank's process runtime (plan.cpu_rank_runtime_gib)."""
-    tensor_bytes: int
-    """The worst rank's planned tensor peak."""
-    available_bytes: int
-    cores: int
+    runtime: int
+    """The process itself (plan.cpu_rank_runtime_gib or plan.cuda_rank_runtime_gib)."""
+    tensors: int = 0
+    """CPU ranks: the plan's tensor peak (their device memory is the host's)."""
+    pinned: int = 0
+    """offload=cpu with pinning: parameter and gradient shards, each rounded up to a power of two."""
+    pageable: int = 0
+    """offload=cpu: the rest of the offloaded states (Adam's moments, unpinned shards, step temporaries)."""
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.tensors + self.pinned + self.pageable
+
+
+def offloaded_host_rank(
+    runtime: int, params: list[int], grads: list[int], optimizer: int, temporary: int, pin: bool
+) -> HostRank:
+    """An offloading rank: `params` and `grads` are the byte sizes of its shards, tensor by tensor."""
+    shards = [*params, *grads]
+    if pin:
+        return HostRank(runtime, pinned=sum(map(pinned_bytes, shards)), pageable=optimizer + temporary)
+    return HostRank(runtime, pageable=sum(shards) + optimizer + temporary)
+
+
+# ----------------------------------------------------------------------------- a node against its host
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The most loaded node's ranks against its host's memory (None: the host's memory is unknown)."""
+
+    ranks: tuple[HostRank, ...]
+    available_bytes: int | None
+    source: str
+    cores: int | None = None
+    """This host's usable cores, when the job would run its ranks here."""
 
     @property
     def need_bytes(self) -> int:
-        return self.ranks * (self.runtime_bytes + self.tensor_bytes)
+        return sum(rank.total for rank in self.ranks)
 
     @property
-    def fits(self) -> bool:
-        return self.need_bytes <= self.available_bytes
+    def fits(self) -> bool | None:
+        return None if self.available_bytes is None else self.need_bytes <= self.available_bytes
 
-    def most_ranks(self) -> int:
-        """The most ranks whose runtime and tensors fit (the tensors of a rank held at their planned size)."""
-        return self.available_bytes // (self.runtime_bytes + self.tensor_bytes)
+    @property
+    def worst(self) -> HostRank:
+        return max(self.ranks, key=lambda rank: rank.total)
+
+    def to_json(self) -> dict[str, object]:
+        worst = self.worst
+        return {
+            "ranks_per_node": len(self.ranks),
+            "need_gib": self.need_bytes / GIB,
+            "available_gib": None if self.available_bytes is None else self.available_bytes / GIB,
+            "source": self.source,
+            "fits": self.fits,
+            "per_rank_gib": {
+                "runtime": worst.runtime / GIB,
+                "tensors": worst.tensors / GIB,
+                "pinned": worst.pinned / GIB,
+                "pageable": worst.pageable / GIB,
+            },
+        }
 
     def describe(self) -> str:
-        """The plan's line for the host: the per-rank runtime as its own figure, the total, the cores."""
+        """The plan's line for the host: the largest rank by part, the node's total, against what it has."""
+        worst = self.worst
+        named = (
+            ("process runtime", worst.runtime),
+            ("tensors", worst.tensors),
+            ("pinned offloaded states", worst.pinned),
+            ("pageable offloaded states", worst.pageable),
+        )
+        parts = " + ".join(f"{n / GIB:.3g} GiB {name}" for name, n in named if n)
+        have = (
+            f"of {self.available_bytes / GIB:.1f} GiB ({self.source})"
+            if self.available_bytes is not None
+            else f"needed; {self.source}"
+        )
+        cores = f"; {self.cores} cores" if self.cores is not None else ""
         return (
-            f"host: {self.ranks} CPU ranks x ({self.runtime_bytes / GIB:.2f} GiB process runtime per rank "
-            f"(plan.cpu_rank_runtime_gib) + {self.tensor_bytes / GIB:.3f} GiB tensors) = {self.need_bytes / GIB:.2f} GiB "
-            f"of {self.available_bytes / GIB:.1f} GiB available; {self.cores} cores"
+            f"host: {len(self.ranks)} ranks per node, each up to {parts}: "
+            f"{self.need_bytes / GIB:.2f} GiB per node {have}{cores}"
         )
 
 
-def host_budget(
-    plan: PlanConfig, nodes: int, device_kind: str, world_size: int, tensor_bytes: int
-) -> HostBudget | None:
-    """The budget of CPU ranks this job would start on this host (None: GPU ranks, or ranks torchrun started)."""
-    if device_kind != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return HostBudget(
-        ranks=world_size // nodes,  # this node's ranks; the other nodes are other hosts
-        runtime_bytes=int(plan.cpu_rank_runtime_gib * GIB),
-        tensor_bytes=tensor_bytes,
-        available_bytes=psutil.virtual_memory().available,
-        cores=cores,
+# ----------------------------------------------------------------------------- which host, how much
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_memory(config: TrainConfig, device_kind: str) -> tuple[int | None, str, int | None]:
+    """The host's memory, where the figure comes from, and its cores (None where it is not this host)."""
+    if config.plan.host_memory_gib is not None:
+        return (
+            int(config.plan.host_memory_gib * GIB),
+            f"plan.host_memory_gib={config.plan.host_memory_gib:g}",
+            None,
+        )
+    runs_here = config.plan.accelerator is None and (device_kind == "cpu" or config.mode.value == "train")
+    if "TORCHELASTIC_RUN_ID" in os.environ or not runs_here:
+        return None, "this node's host memory is unknown: set plan.host_memory_gib to check it", None
+    return psutil.virtual_memory().available, "available on this host now", usable_cores()
+
+
+def node_ranks(world_size: int, nodes: int) -> range:
+    """The ranks of one node (node 0: the nodes are alike, each holds world_size / nodes ranks)."""
+    return range(world_size // nodes)
+
+
+def offload_applies(config: TrainConfig, device_kind: str) -> bool:
+    return config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
+
+
+def runtime_bytes(config: TrainConfig, device_kind: str) -> int:
+    gib = config.plan.cpu_rank_runtime_gib if device_kind == "cpu" else config.plan.cuda_rank_runtime_gib
+    return int(gib * GIB)
+
+
+class PlannedRank(Protocol):
+    """What the host plan reads of a rank's device plan (trainer/plan/build.py's RankPlan)."""
+
+    rank: int
+    states: RankStates
+
+    @property
+    def peak_total(self) -> int: ...
+
+
+def offload_shards(shape: ModelShape, world_size: int, rank: int) -> tuple[list[int], list[int]]:
+    """Bytes of each fp32 parameter shard (padded, as FSDP2 pins it) and gradient shard (unpadded)."""
+    params = [4 * padded_numel(s, world_size) // world_size for s in shape.order]
+    grads = [4 * shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shape.order]
+    return params, grads
+
+
+def host_rank(
+    config: TrainConfig, device_kind: str, world_size: int, shape: ModelShape, planned: PlannedRank
+) -> HostRank:
+    runtime = runtime_bytes(config, device_kind)
+    if device_kind == "cpu":
+        return HostRank(runtime, tensors=planned.peak_total)
+    if not offload_applies(config, device_kind):
+        return HostRank(runtime)
+    params, grads = offload_shards(shape, world_size, planned.rank)
+    states = planned.states
+    # The CPU AdamW runs on the offloaded shards: fused in place, else a per-tensor loop whose
+    # temporaries trainer/plan/states.py sizes (loop_temporary).
+    temporary = 0 if uses_fused(config.optim, device_kind) else 4 * states.loop_temporary
+    return offloaded_host_rank(
+        runtime, params, grads, states.optimizer + states.step_counters, temporary, config.offload.pin_memory
     )
 
 
-def host_refusal(budget: HostBudget | None) -> str | None:
-    """One line when the ranks' processes would not fit the host's available memory, with a way out."""
-    if budget is None or budget.fits:
-        return None
-    most = budget.most_ranks()
-    way_out = f"Try nproc={most} (the most that fit here), or" if most >= 1 else "Free host memory, or"
-    return (
-        f"does not fit this host: {budget.ranks} CPU ranks each hold {budget.runtime_bytes / GIB:.2f} GiB of process "
-        f"runtime (plan.cpu_rank_runtime_gib) + {budget.tensor_bytes / GIB:.3f} GiB of tensors = {budget.need_bytes / GIB:.1f} GiB, "
-        f"but the host has {budget.available_bytes / GIB:.1f} GiB available. {way_out} plan.enforce=false to try anyway."
-    )
+def build_host_plan(
+    config: TrainConfig, device_kind: str, world_size: int, shape: ModelShape, ranks: Sequence[PlannedRank]
+) -> HostPlan:
+    """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory."""
+    available, source, cores = host_memory(config, device_kind)
+    per_node = [
+        host_rank(config, device_kind, world_size, shape, ranks[r])
+        for r in node_ranks(world_size, config.nodes)
+    ]
+    return HostPlan(tuple(per_node), available, source, cores)
 
 
-def cores_warning(budget: HostBudget | None) -> str | None:
+def cores_warning(plan: HostPlan) -> str | None:
     """A warning when ranks outnumber the cores they may run on: they take turns, every step waits for the slowest."""
-    if budget is None or budget.ranks <= budget.cores:
+    if plan.cores is None or len(plan.ranks) <= plan.cores:
         return None
-    return f"warning: {budget.ranks} CPU ranks share {budget.cores} cores: they take turns; nproc={budget.cores} or fewer runs faster here"
+    return (
+        f"warning: {len(plan.ranks)} CPU ranks share {plan.cores} cores: they take turns; "
+        f"nproc={plan.cores} or fewer runs faster here"
+    )

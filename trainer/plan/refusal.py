@@ -99,3 +99,72 @@ def way_out(plan: Plan) -> str:
         else "Nothing simple fits: a smaller model or more memory per rank, or"
     )
     return f"{tried} plan.enforce=false to try anyway."
+
+
+# ----------------------------------------------------------------------------- the host
+
+
+def host_refusal(plan: Plan, way_out: bool = True) -> str | None:
+    """None when a node's ranks fit its host's memory (or it is unknown), else one line with the
+    figures and (`way_out`) the changes that fit."""
+    host = plan.host
+    if host.fits is not False:
+        return None
+    assert host.available_bytes is not None
+    worst, n = host.worst, len(host.ranks)
+    if plan.device_kind == "cpu":
+        held = (
+            f"{n} CPU ranks each hold {worst.runtime / GIB:.2f} GiB of process runtime (plan.cpu_rank_runtime_gib) "
+            f"+ {worst.tensors / GIB:.3f} GiB of tensors"
+        )
+    else:
+        held = (
+            f"{n} ranks per node each hold {worst.runtime / GIB:.2f} GiB of process runtime (plan.cuda_rank_runtime_gib) "
+            f"+ {(worst.pinned + worst.pageable) / GIB:.2f} GiB of offloaded states ({worst.pinned / GIB:.2f} GiB pinned, "
+            "rounded up to powers of two)"
+        )
+    line = (
+        f"does not fit this host: {held} = {host.need_bytes / GIB:.1f} GiB per node, but the host has "
+        f"{host.available_bytes / GIB:.1f} GiB ({host.source})."
+    )
+    return f"{line} {host_way_out(plan)}" if way_out else line
+
+
+def host_changes(plan: Plan) -> list[tuple[str, TrainConfig, int]]:
+    """Changes that lower a node's host memory: fewer CPU ranks; more nodes, no offload, no pinning."""
+    c, ranks = plan.config, len(plan.host.ranks)
+    if plan.device_kind == "cpu":  # every CPU rank holds about the same: the most that fit here
+        most = min(ranks - 1, plan.host.available_bytes // plan.host.worst.total)  # type: ignore[operator]
+        return [(f"nproc={most}", c, most * c.nodes)] if most >= 1 else []
+    options = []
+    if c.offload.target == OffloadTarget.cpu:
+        no_offload = {"offload__target": OffloadTarget.none}
+        options.append(("offload=none", _changed(c, **no_offload), plan.world_size))
+        full = {**no_offload, "checkpointing__mode": CheckpointMode.full}
+        options.append(("offload=none checkpointing=full", _changed(c, **full), plan.world_size))
+        if c.offload.pin_memory:
+            options.append(
+                ("offload.pin_memory=false", _changed(c, offload__pin_memory=False), plan.world_size)
+            )
+    if c.zero.stage != Stage.stage3:
+        options.append(("zero=stage3", _changed(c, zero__stage=Stage.stage3), plan.world_size))
+    for nodes in (c.nodes * 2**k for k in range(1, 8)):
+        options.append((f"nodes={nodes}", _changed(c, nodes=nodes), nodes * ranks))
+    return options
+
+
+def host_way_out(plan: Plan) -> str:
+    """The first few changes whose plans fit both each rank's device and the node's host."""
+    fitting, seen = [], set()
+    for text, config, world_size in host_changes(plan):
+        kind = text.split("=")[0]
+        if kind in seen:
+            continue
+        option = build_plan(config, plan.device_kind, world_size)
+        if option.host_fits and option.fits is not False:
+            fitting.append(f"{text} ({option.host.need_bytes / GIB:.1f} GiB per node)")
+            seen.add(kind)
+        if len(fitting) == 3:
+            break
+    tried = "Try " + ", or ".join(fitting) + ", or" if fitting else "Free host memory, or"
+    return f"{tried} plan.enforce=false to try anyway."

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer.devices import accelerator_names
 from trainer.plan.build import COMPILE_NOTE, Plan, describe
-from trainer.plan.refusal import refusal
+from trainer.plan.refusal import host_refusal, refusal
 from trainer.units import GIB, KIB, MIB
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -55,8 +55,12 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         f"peak on rank {worst.rank} at {worst.peak.name}; model states at rest, activations at the end "
         f"of forward, temporary and other at the peak{offloaded}",
         comm_line(plan),
+        plan.host.describe(),
         verdict(plan, way_out),
     ]
+    host_verdict = host_refusal(plan, way_out)
+    if host_verdict is not None:  # the device may fit while the node's host does not
+        lines.append(host_verdict)
     if plan.config.compile:
         lines.append(f"note: {COMPILE_NOTE}")
     return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""The host memory of a node as users meet it: `mode=plan` for 70b offloaded on 8 H100s against
+hosts of 1 and 2 TiB, and `mode=advise` whose offload candidates cannot fit a small host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PLAN_70B = [
+    "mode=plan",
+    "model=70b",
+    "nproc=8",
+    "zero=stage3",
+    "offload=cpu",
+    "precision=bf16",
+    "plan.accelerator=h100",
+    "seq_len=4096",
+    "checkpointing=full",
+    "micro_batch=1",
+]
+
+
+def trainer(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "trainer", *overrides, "logger=none", f"hydra.run.dir={tmp_path}"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def host_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(("host:", "does not fit this host"))]
+
+
+@pytest.mark.parametrize(
+    ("host", "verdict"),
+    [
+        ("plan.host_memory_gib=1024", "does not fit this host:"),
+        ("plan.host_memory_gib=2048", None),
+        (None, None),
+    ],
+)
+def test_70b_offloaded_on_8_h100s_against_its_host(
+    tmp_path: Path, host: str | None, verdict: str | None
+) -> None:
+    proc = trainer(tmp_path, *PLAN_70B, *([host] if host else []))
+    assert proc.returncode == 0, proc.stderr
+    lines = host_lines(proc.stdout)
+    # 8 ranks x (2 GiB runtime + 71.75 GiB pinned params and grads + 64.24 GiB Adam) = 1103.93 GiB
+    assert lines[0].startswith("host: 8 ranks per node") and "1103.93 GiB per node" in lines[0]
+    if host is None:
+        assert "host memory is unknown: set plan.host_memory_gib" in lines[0] and len(lines) == 1
+    elif verdict is None:
+        assert "of 2048.0 GiB (plan.host_memory_gib=2048)" in lines[0] and len(lines) == 1
+    else:
+        assert lines[1].startswith(verdict) and "1103.9 GiB per node, but the host has 1024.0 GiB" in lines[1]
+        assert "Try nodes=2" in lines[1]
+
+
+def test_advise_lists_no_offload_candidate_on_a_host_too_small(tmp_path: Path) -> None:
+    proc = trainer(
+        tmp_path,
+        "mode=advise",
+        "model=13b",
+        "nproc=8",
+        "plan.accelerator=h100",
+        "seq_len=4096",
+        "precision=bf16",
+        "global_batch=512",
+        "advise.offload=[cpu]",
+        "plan.host_memory_gib=256",
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stdout.splitlines()[0]
+    assert "0 of 84 configurations fit" in summary
+    assert (
+        "84 need more host memory than a node has (84 with offload=cpu; the least 277.0 GiB per node"
+        in summary
+    )

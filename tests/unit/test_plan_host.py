@@ -1,0 +1,103 @@
+"""trainer/plan/host.py: a node's host memory, pinned against hand calculations for the tiny model.
+
+The tiny model (conf/model/tiny.yaml) on 2 ranks: every dim 0 is even, so FSDP2's shards are
+unpadded halves. Its fp32 parameters, tensor by tensor (bytes of one rank's shard = 2 x numel):
+
+    tok_embeddings 512x128  131,072 B   (a power of two already)
+    per block      wq 128x128 32,768; wk, wv 64x128 16,384 each; wo 32,768;
+                   w1, w3 384x128 and w2 128x384 98,304 each -> pinned as 131,072;
+                   attention_norm, ffn_norm 128: 256 each
+    norm 128       256 B
+    output 128x512 131,072 B
+
+Pinned, a block's parameters take 32,768 + 2 x 16,384 + 32,768 + 3 x 131,072 + 2 x 256 = 492,032 B
+(unpinned 393,728 B); four blocks and the root (262,400 B) make 2,230,528 B pinned (1,837,312 B
+unpinned) for the parameters, and as much again for the gradients. Adam's moments: 8 B x 459,328
+elements = 3,674,624 B, and 39 step counters of 4 B.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from trainer.config import TrainConfig, register_configs, validate
+from trainer.plan import build_plan, host_refusal
+from trainer.plan.host import pinned_bytes
+from trainer.units import GIB
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+RUNTIME = 2 * GIB  # plan.cuda_rank_runtime_gib's default
+PARAMS_PINNED = GRADS_PINNED = 2_230_528
+PARAMS = GRADS = 1_837_312
+ADAM = 3_674_624 + 39 * 4
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return validate(compose("train", overrides=["logger=none", "plan.host_memory_gib=16", *overrides]))
+
+
+def test_pinned_tensors_take_the_next_power_of_two() -> None:
+    assert [pinned_bytes(n) for n in (0, 1, 256, 257, 98_304, 131_072)] == [0, 1, 256, 512, 131_072, 131_072]
+
+
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_an_offloading_node_holds_pinned_shards_adam_and_the_runtime(stage: str) -> None:
+    plan = build_plan(compose_config("model=tiny", f"zero={stage}", "offload=cpu"), "cuda", 2)
+    rank = RUNTIME + PARAMS_PINNED + GRADS_PINNED + ADAM
+    assert [r.total for r in plan.host.ranks] == [rank, rank]
+    assert plan.host.need_bytes == 2 * rank == 4_311_238_968
+    assert plan.host.available_bytes == 16 * GIB and plan.host_fits is True
+
+
+def test_unpinned_offload_holds_the_shards_as_they_are() -> None:
+    config = compose_config("model=tiny", "zero=stage3", "offload=cpu", "offload.pin_memory=false")
+    plan = build_plan(config, "cuda", 2)
+    assert plan.host.ranks[0].pinned == 0
+    assert plan.host.need_bytes == 2 * (RUNTIME + PARAMS + GRADS + ADAM)
+
+
+def test_an_unfused_cpu_adam_adds_its_loop_temporaries() -> None:
+    # The largest: w2's shard (24,576 elements) twice, plus w1's before it: 73,728 fp32 elements.
+    config = compose_config("model=tiny", "zero=stage3", "offload=cpu", "optim.fused=false")
+    plan = build_plan(config, "cuda", 2)
+    assert plan.host.ranks[0].total == RUNTIME + PARAMS_PINNED + GRADS_PINNED + ADAM + 4 * 73_728
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage1"])
+def test_gpu_ranks_without_offload_hold_only_their_runtime(stage: str) -> None:
+    plan = build_plan(compose_config("model=tiny", f"zero={stage}"), "cuda", 2)
+    assert plan.host.need_bytes == 2 * RUNTIME == 4_294_967_296
+
+
+def test_cpu_ranks_hold_their_tensors_and_their_runtime() -> None:
+    plan = build_plan(compose_config("model=tiny", "zero=stage0"), "cpu", 2)
+    runtime = int(0.4 * GIB)  # plan.cpu_rank_runtime_gib's default
+    assert plan.host.need_bytes == sum(runtime + r.peak.total for r in plan.ranks)
+
+
+def test_a_node_counts_only_its_own_ranks() -> None:
+    plan = build_plan(compose_config("model=tiny", "zero=stage3", "offload=cpu", "nodes=2"), "cuda", 4)
+    assert len(plan.host.ranks) == 2  # world 4 over 2 nodes
+
+
+def test_a_host_too_small_is_refused_with_the_figures_and_a_way_out() -> None:
+    config = compose_config("model=tiny", "zero=stage3", "offload=cpu", "plan.host_memory_gib=4.01")
+    plan = build_plan(config, "cuda", 2)
+    line = host_refusal(plan)
+    assert line is not None and "\n" not in line
+    assert line.startswith("does not fit this host: 2 ranks per node each hold 2.00 GiB of process runtime")
+    assert "= 4.0 GiB per node, but the host has 4.0 GiB (plan.host_memory_gib=4.01)" in line
+    assert "Try offload=none" in line  # the tiny model fits any GPU without offload
+
+
+def test_an_unknown_host_is_said_to_be_unknown() -> None:
+    config = compose_config("model=tiny", "zero=stage3", "offload=cpu", "plan.accelerator=h100", "mode=plan")
+    config.plan.host_memory_gib = None
+    plan = build_plan(config, "cuda", 8)
+    assert plan.host.available_bytes is None and plan.host_fits is None
+    assert "set plan.host_memory_gib" in plan.host.describe()
