@@ -16,6 +16,7 @@ import torch
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
 from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.groups import shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.step import (
@@ -197,7 +198,12 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
-    for rank, states in enumerate(rank_states(shape, config.zero.stage, world_size)):
+    # FSDP2 shards over the shard group (the world unless HSDP); rank r holds shard r mod its size.
+    groups = shard_groups(config.zero, world_size, world_size // config.nodes)
+    sharded_over = groups.shard if config.zero.uses_fsdp else world_size
+    shards = rank_states(shape, config.zero.stage, sharded_over)
+    for rank in range(world_size):
+        states = shards[rank % sharded_over]
         if states not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
                 config,
@@ -205,7 +211,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 states,
                 acts,
                 prec,
-                world_size,
+                sharded_over,
                 device_kind,
                 other_bytes(config.model, config.data, states),
             )
