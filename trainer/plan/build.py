@@ -16,7 +16,7 @@ import torch
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
 from trainer.plan.comm import CommPlan, plan_comm
-from trainer.plan.groups import shard_groups
+from trainer.plan.groups import GROUPS, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.step import (
@@ -243,7 +243,9 @@ def write_plan(out_dir: Path, plan: Plan) -> Path:
 
 PREDICTED_PEAK_KEY = "memory/predicted_peak_gib"
 PREDICTED_COMM_KEY = "comm/predicted_bytes_per_step"
-RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY)
+PREDICTED_GROUP_KEYS = {group: f"comm/{group}/predicted_bytes_per_step" for group in GROUPS}
+"""The plan's bytes per process group (trainer/plan/groups.py), beside comm/rank{r}/{group}/bytes_per_step."""
+RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY, *PREDICTED_GROUP_KEYS.values())
 """The plan's figures the job hands its ranks, which write them beside what they measure."""
 
 
@@ -253,6 +255,7 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
     return {
         PREDICTED_PEAK_KEY: plan.peak_bytes / GIB,
         PREDICTED_COMM_KEY: plan.comm.total,
+        **{PREDICTED_GROUP_KEYS[name]: group.total for name, group in plan.comm.groups.items()},
         "plan": {
             "fits": plan.fits,
             "peak_rank": worst.rank,

@@ -189,5 +189,7 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     else:
         shard[:0] = backward_gather
     if groups.hsdp:
-        moves["replicate"] = [("all_reduce", reduce_bytes * (root + layers * block) // groups.shard, 1 + layers)]
+        moves["replicate"] = [
+            ("all_reduce", reduce_bytes * (root + layers * block) // groups.shard, 1 + layers)
+        ]
     return moves

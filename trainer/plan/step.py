@@ -385,7 +385,9 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
         grads = (L - 1 - i) * f.block_grad_shard
         retained = f.block_rs if i < L - 1 else 0
         prefetched = f.block if i > 0 else 0  # stage3 gathers the block below while this one runs
-        held = secondaries(f, i - 1)  # hpZ: the blocks below the prefetched one still hold theirs
+        # hpZ: every block below holds its secondary shard, the prefetched one too: it is freed only
+        # when its all-gather output is copied out, at that block's own pre-backward.
+        held = secondaries(f, i)
         # stage3: this block re-gathered; stage2: blocks 0..i never resharded after forward.
         params = (
             f.root
