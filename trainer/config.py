@@ -191,8 +191,15 @@ class ZeroConfig:
     """Dtype gradients are reduced in: fp32, or bf16 (FSDP2: MixedPrecisionPolicy.reduce_dtype; DDP: torch's bf16_compress_hook)."""
     bucket_cap_mb: float | None = None
     """DDP (stage0/1) only: gradient bucket size in MiB (DistributedDataParallel's bucket_cap_mb); None: torch's default."""
+    shard_ranks: int | None = None
+    """stage2/3: ranks each model state is sharded over (FSDP2's shard mesh dim); None: every rank. A divisor
+    of the world size (typically nproc, one node) gives HSDP: shards replicated across the groups (trainer/plan/groups.py)."""
+    hpz_ranks: int | None = None
+    """stage3: ZeRO++'s hpZ, FSDP2 fully_shard(reshard_after_forward=<int>): after forward each block keeps a
+    secondary shard over groups of this many ranks, so backward's all-gather stays inside one; None: none."""
 
     def __post_init__(self) -> None:
+        self.check_groups()
         if self.bucket_cap_mb is None:
             return
         _require(self.bucket_cap_mb > 0, f"zero.bucket_cap_mb must be > 0 or null, got {self.bucket_cap_mb}")
@@ -200,6 +207,21 @@ class ZeroConfig:
             not self.uses_fsdp,
             f"zero.bucket_cap_mb applies to DDP buckets (zero=stage0 or stage1), got zero={self.stage.value}; FSDP2 reduces per block",
         )
+
+    def check_groups(self) -> None:
+        """What the keys alone decide; trainer/plan/groups.py checks them against the world size."""
+        if self.shard_ranks is not None:
+            _require(self.shard_ranks >= 1, f"zero.shard_ranks must be >= 1 or null, got {self.shard_ranks}")
+            _require(
+                self.uses_fsdp,
+                f"zero.shard_ranks shards FSDP2's states (zero=stage2 or stage3), got zero={self.stage.value}",
+            )
+        if self.hpz_ranks is not None:
+            _require(
+                self.stage == Stage.stage3,
+                f"zero.hpz_ranks (hpZ: reshard_after_forward=<int>) needs zero=stage3, got zero={self.stage.value}",
+            )
+            _require(self.hpz_ranks >= 2, f"zero.hpz_ranks must be >= 2 or null, got {self.hpz_ranks}")
 
     @property
     def uses_fsdp(self) -> bool:

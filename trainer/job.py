@@ -35,6 +35,7 @@ from trainer.plan import (
 )
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
+from trainer.plan.groups import shard_groups
 from trainer.rank.cuda import check_local_ranks
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
@@ -75,6 +76,7 @@ def run_job(cfg: DictConfig) -> None:
             )  # a bad token file: before any rank starts
             config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
         world_size = config.nodes * nproc
+        shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
         if config.mode == Mode.advise:
             from trainer.advise.advisor import check_advice_inputs
 

@@ -22,16 +22,28 @@ from pathlib import Path
 from typing import Any
 
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
-from trainer.advise.predict import StepTime, predict_step
+from trainer.advise.predict import StepTime, predict_step_tiers
 from trainer.advise.verify import Proposal, override_key, verify
 from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, device_memory, plan_comm
+from trainer.plan.groups import LINKS, shard_groups
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
 
-CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
+CHOSEN_KEYS = (
+    "zero",
+    "checkpointing",
+    "offload",
+    "zero.reduce_dtype",
+    "micro_batch",
+    "grad_accum",
+    "zero.shard_ranks",
+    "zero.hpz_ranks",
+)
+SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
+"""What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
 
 
@@ -51,10 +63,19 @@ class Candidate:
 
     def label(self) -> str:
         c = self.choice
-        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
+        groups = "".join(
+            f" {name}={c[key]}"
+            for name, key in (("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
+            if c.get(key) is not None
+        )
+        return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
 
     def overrides(self) -> list[str]:
-        return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS]
+        """Every chosen key; the group sizes only where set (null, their default, is every rank / none)."""
+        return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS if self.choice.get(key) is not None]
+
+    def exposed_by_link(self) -> dict[str, float]:
+        return {link: time.exposed_s for link, time in self.step.links.items()}
 
 
 def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
@@ -97,17 +118,33 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                 ):
                     continue
                 for reduce_dtype in dict.fromkeys(a.reduce_dtypes):
-                    for mb in micro_batches(config, world_size):
-                        values = (
-                            stage.value,
-                            checkpointing.value,
-                            offload.value,
-                            reduce_dtype.value,
-                            mb,
-                            per_rank // mb,
-                        )
-                        out.append(dict(zip(CHOSEN_KEYS, values)))
+                    for shard, hpz in group_options(config, stage, world_size):
+                        for mb in micro_batches(config, world_size):
+                            values = (
+                                stage.value,
+                                checkpointing.value,
+                                offload.value,
+                                reduce_dtype.value,
+                                mb,
+                                per_rank // mb,
+                                shard,
+                                hpz,
+                            )
+                            out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
+
+
+def group_options(config: TrainConfig, stage: Stage, world_size: int) -> list[tuple[int | None, int | None]]:
+    """(zero.shard_ranks, zero.hpz_ranks) to consider: on several nodes, FSDP2 over every rank, HSDP with a
+    node per shard group (MiCS), and at stage3 hpZ with a node per secondary group (ZeRO++); on one node
+    only the first (every group is inside the node)."""
+    nproc = world_size // config.nodes
+    if config.nodes == 1 or stage not in (Stage.stage2, Stage.stage3):
+        return [(None, None)]
+    options: list[tuple[int | None, int | None]] = [(None, None), (nproc, None)]
+    if stage == Stage.stage3 and 1 < nproc < world_size:
+        options.append((None, nproc))
+    return options
 
 
 def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
@@ -116,7 +153,11 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
     return replace(
         config,
         zero=replace(
-            config.zero, stage=Stage(choice["zero"]), reduce_dtype=ReduceDType(choice["zero.reduce_dtype"])
+            config.zero,
+            stage=Stage(choice["zero"]),
+            reduce_dtype=ReduceDType(choice["zero.reduce_dtype"]),
+            shard_ranks=choice.get("zero.shard_ranks"),
+            hpz_ranks=choice.get("zero.hpz_ranks"),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
@@ -146,6 +187,7 @@ def evaluate(
     try:
         candidate = configure(config, choice)
         check_device_support(candidate.zero, device_kind)  # e.g. DDP's bf16 reduction needs NCCL
+        shard_groups(candidate.zero, world_size, world_size // config.nodes)
     except ConfigError:
         return None
     plan = build_plan(candidate, device_kind, world_size)
@@ -157,7 +199,7 @@ def evaluate(
     )
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
+    step = predict_step_tiers(candidate, world_size, comm, local_numel, flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     device_fits = None if budget is None else peak <= budget
     return Candidate(
@@ -176,13 +218,13 @@ def evaluate(
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
     refused = {
-        (tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"])
+        (tuple(c.choice.get(k) for k in SHAPE_KEYS), c.choice["micro_batch"])
         for c in candidates
         if c.fits is False
     }
     out = []
     for c in candidates:
-        key = tuple(c.choice[k] for k in CHOSEN_KEYS[:4])
+        key = tuple(c.choice.get(k) for k in SHAPE_KEYS)
         if c.fits is not False and (key, 2 * c.choice["micro_batch"]) in refused:
             c = dataclasses.replace(c, limiter=f"{c.limiter}; memory stops mb={2 * c.choice['micro_batch']}")
         out.append(c)
@@ -236,13 +278,14 @@ def format_advice(
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
         f"with {config.advise.headroom:.0%} headroom ({memory}){host_note(candidates)}",
         f"rates: {rates.source}",
-        f"{'#':>3} {'configuration':<52} {'peak GiB':>9} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
+        f"{'#':>3} {'configuration':<62} {'peak GiB':>9} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
+        f"{'exposed s intra/net':>20}  limited by",
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(
-            f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.host_bytes / GIB:>9.1f} "
-            f"{c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
+            f"{i:>3} {c.label():<62} {c.peak_bytes / GIB:>9.2f} {c.host_bytes / GIB:>9.1f} "
+            f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20}  {c.limiter}"
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)
@@ -265,6 +308,12 @@ def host_note(candidates: list[Candidate]) -> str:
         f"; {len(over)} need more host memory than a node has ({offload} with offload=cpu; the least "
         f"{least.host_bytes / GIB:.1f} GiB per node, {least.label()})"
     )
+
+
+def exposed_cell(c: Candidate) -> str:
+    """Exposed communication per tier: inside a node / across the network (`-`: no collective there)."""
+    exposed = c.exposed_by_link()
+    return "/".join(f"{exposed[link]:.2f}" if link in exposed else "-" for link in LINKS)
 
 
 def advice_json(
@@ -301,6 +350,8 @@ def advice_json(
                 "recompute_s": c.step.recompute_s,
                 "exposed_comm_s": c.step.exposed_comm_s,
                 "wire_s": c.step.wire_s,
+                "exposed_by_link_s": c.exposed_by_link(),
+                "wire_by_link_s": {link: t.wire_s for link, t in c.step.links.items()},
                 "optimizer_s": c.step.optimizer_s,
                 "offload_s": c.step.offload_s,
                 "limited_by": c.limiter,

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
+from trainer.plan.groups import INTRA_NODE, NETWORK
 from trainer.units import MIB
 
 GB = 1e9
@@ -60,6 +61,9 @@ class Rates:
     """Host-device link (PCIe) for offload=cpu; None where there is no device memory to offload from."""
     host_adam_params_per_s: float | None = None
     """AdamW on the host CPU (offload=cpu steps the optimizer there)."""
+    link_bus_bytes_per_s: dict[str, float] | None = None
+    """Bus bandwidth of each link (trainer/plan/groups.py: intra-node, network), for a collective by the link
+    its process group crosses; None: every group at `bus_bytes_per_s` (this host: one link, measured)."""
 
     def flops_at(self, rows: int) -> float:
         """The rate measured at these tokens per micro-batch, else at the nearest measured."""
@@ -210,6 +214,7 @@ def accelerator_rates(
         overlap=True,
         offload_bytes_per_s=spec.pcie_gbps * GB,
         host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+        link_bus_bytes_per_s={INTRA_NODE: spec.nvlink_bus_gbps * GB, NETWORK: spec.network_bus_gbps * GB},
     )
 
 

@@ -28,7 +28,8 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from trainer.advise.calibrate import Rates
 from trainer.config import (
@@ -43,9 +44,25 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.model.checkpointing import should_checkpoint
+from trainer.plan.comm import CommPlan
+from trainer.plan.groups import LINKS
 from trainer.plan.states import model_shape
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
+
+
+@dataclass(frozen=True)
+class LinkTime:
+    """One link's share of a step: its collectives' wire time, serialised, against the compute they overlap."""
+
+    link: str  # intra-node | network (trainer/plan/groups.py)
+    wire_s: float  # every collective on this link, one after another
+    window_s: float  # the compute any of them can hide behind (the union of their windows)
+    exposed_s: float
+
+    @property
+    def saturated(self) -> bool:
+        return self.window_s > 0 and self.wire_s > self.window_s
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,8 @@ class StepTime:
     exposed_comm_s: float
     optimizer_s: float
     offload_s: float
+    links: dict[str, LinkTime] = field(default_factory=dict)
+    """Per link (intra-node, network) where the step was timed by tier (`predict_step_tiers`)."""
 
     @property
     def step_s(self) -> float:
@@ -65,7 +84,12 @@ class StepTime:
 
     @property
     def limiter(self) -> str:
-        """What the step spends most of its time on."""
+        """What the step spends most of its time on; a link whose collectives need more time on the wire
+        than the compute they can hide behind bounds the step, whatever the largest part is."""
+        saturated = [link for link in self.links.values() if link.saturated]
+        if saturated:
+            worst = max(saturated, key=lambda link: link.wire_s - link.window_s)
+            return f"{worst.link} ({worst.wire_s:.3g} s on the wire > {worst.window_s:.3g} s of compute to hide it)"
         parts = {
             "compute": self.compute_s,
             "communication": self.exposed_comm_s,
@@ -168,3 +192,90 @@ def predict_step(
         else 0.0
     )  # type: ignore[operator]
     return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)
+
+
+# ----------------------------------------------------------------------------- tiers and shared links
+
+
+def group_window(
+    group: str, collective: str, config: TrainConfig, hpz: bool, windows: dict[str, float]
+) -> tuple[str, ...]:
+    """The compute phases a group's collective overlaps: `forward`, `backward` (every micro-batch's),
+    `last_backward` (the one that reduces). hpZ moves stage3 backward's all-gathers to the hpz group."""
+    if collective == "all_gather":
+        if group == "hpz":
+            return ("backward",)
+        stage3 = config.zero.stage == Stage.stage3
+        return ("forward", "backward") if stage3 and not hpz else ("forward",)
+    if collective in ("all_reduce", "reduce_scatter"):
+        return ("last_backward",)
+    return ()  # broadcast: after the optimizer step
+
+
+def union_window(phases: set[str], windows: dict[str, float]) -> float:
+    """Seconds of compute covered by some phase (the last backward lies inside backward)."""
+    if "backward" in phases:
+        phases = phases - {"last_backward"}
+    return sum(windows[phase] for phase in phases)
+
+
+def predict_step_tiers(
+    config: TrainConfig,
+    world_size: int,
+    comm: CommPlan,
+    local_numel: int,
+    flops_per_token: float,
+    rates: Rates,
+) -> StepTime:
+    """The step time with each process group's collectives on its own link (comm.groups: intra-node at
+    NVLink's bandwidth, network at the network's, where `rates.link_bus_bytes_per_s` has both), and the
+    collectives that share a link serialised on it before overlap is credited (module docstring):
+
+        W_c   = B_c · f(n_group) / busbw(link)           each collective in its group of n_group ranks
+        E_l   = max(Σ_c max(W_c / L, W_c − window_c),  Σ_c W_c − window_l)   per link l (window_l: the
+                union of its collectives' windows; without overlap E_l = Σ_c W_c)
+        E     = Σ_l E_l
+    """
+    # Each rank offloads its own shards: 1/shard-group of every payload (HSDP shards over fewer ranks).
+    sharded_over = comm.groups["shard"].ranks if "shard" in comm.groups else world_size
+    base = predict_step(config, sharded_over, comm.bytes_by_collective, local_numel, flops_per_token, rates)
+    tokens = config.micro_batch * config.grad_accum * config.seq_len
+    rate = rates.flops_at(config.micro_batch * config.seq_len)
+    forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
+    backward_s = base.compute_s - forward_s
+    windows = {"forward": forward_s, "backward": backward_s, "last_backward": backward_s / config.grad_accum}
+    hpz = "hpz" in comm.groups
+    layers = config.model.n_layers
+    wire: dict[str, float] = {}
+    per_link: dict[str, list[tuple[float, tuple[str, ...]]]] = {link: [] for link in LINKS}
+    for name, group in comm.groups.items():
+        for collective, payload in group.bytes_by_collective.items():
+            if not payload:
+                continue
+            factor, kind = wire_factor(collective, group.ranks)
+            bus = (
+                rates.link_bus_bytes_per_s[group.link]
+                if rates.link_bus_bytes_per_s
+                else bandwidth(rates, kind, collective, config.zero, config.precision)
+            )
+            seconds = payload * factor / bus
+            wire[f"{name}/{collective}"] = seconds
+            per_link[group.link].append((seconds, group_window(name, collective, config, hpz, windows)))
+    links = {}
+    for link, moves in per_link.items():
+        if not moves:
+            continue
+        total = sum(seconds for seconds, _ in moves)
+        window = union_window({phase for _, phases in moves for phase in phases}, windows)
+        if rates.overlap:
+            alone = sum(max(w / layers, w - sum(windows[p] for p in phases)) for w, phases in moves)
+            exposed = max(alone, total - window)
+        else:
+            exposed = total
+        links[link] = LinkTime(link, total, window, exposed)
+    return dataclasses.replace(
+        base,
+        wire_s=wire,
+        exposed_comm_s=sum(link.exposed_s for link in links.values()),
+        links=links,
+    )

@@ -16,6 +16,7 @@ import torch
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
 from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.groups import GROUPS, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan
 from trainer.plan.states import RankStates, model_shape, rank_states
@@ -209,7 +210,12 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
-    for rank, states in enumerate(rank_states(shape, config.zero.stage, world_size)):
+    # FSDP2 shards over the shard group (the world unless HSDP); rank r holds shard r mod its size.
+    groups = shard_groups(config.zero, world_size, world_size // config.nodes)
+    sharded_over = groups.shard if config.zero.uses_fsdp else world_size
+    shards = rank_states(shape, config.zero.stage, sharded_over)
+    for rank in range(world_size):
+        states = shards[rank % sharded_over]
         if states not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
                 config,
@@ -217,7 +223,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 states,
                 acts,
                 prec,
-                world_size,
+                sharded_over,
                 device_kind,
                 other_bytes(config.model, config.data, states),
             )
@@ -226,7 +232,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
     memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes)
     comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    host = build_host_plan(config, device_kind, world_size, shape, ranks)
+    host = build_host_plan(config, device_kind, world_size, shape, ranks, shard_size=sharded_over)
     return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm, host)
 
 
@@ -250,7 +256,9 @@ def write_plan(out_dir: Path, plan: Plan) -> Path:
 
 PREDICTED_PEAK_KEY = "memory/predicted_peak_gib"
 PREDICTED_COMM_KEY = "comm/predicted_bytes_per_step"
-RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY)
+PREDICTED_GROUP_KEYS = {group: f"comm/{group}/predicted_bytes_per_step" for group in GROUPS}
+"""The plan's bytes per process group (trainer/plan/groups.py), beside comm/rank{r}/{group}/bytes_per_step."""
+RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY, *PREDICTED_GROUP_KEYS.values())
 """The plan's figures the job hands its ranks, which write them beside what they measure."""
 
 
@@ -260,6 +268,7 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
     return {
         PREDICTED_PEAK_KEY: plan.peak_bytes / GIB,
         PREDICTED_COMM_KEY: plan.comm.total,
+        **{PREDICTED_GROUP_KEYS[name]: group.total for name, group in plan.comm.groups.items()},
         "plan": {
             "fits": plan.fits,
             "peak_rank": worst.rank,

@@ -19,6 +19,10 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   re-sharded after forward, trainer/rank/sharding.py). FSDP2 re-shards after every backward, so each
   micro-batch gathers afresh. Once per step (the last micro-batch), one reduce-scatter of the
   root and of each block in zero.reduce_dtype, on the same padded sizes.
+- HSDP (zero.shard_ranks) pads to the shard group and adds, once per step, an all-reduce of each
+  gradient shard across the groups; hpZ (zero.hpz_ranks) moves stage3 backward's all-gathers into
+  the secondary groups. `CommPlan.groups` gives the bytes per process group and the link each
+  crosses (trainer/plan/groups.py).
 - gloo has no reduce-scatter of its own: ProcessGroupGloo runs `reduce_scatter_tensor` as an
   all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
   is planned, and measured, under `all_reduce`.
@@ -31,12 +35,13 @@ bucket rebuild after the first step).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.nn.parallel import distributed as ddp_module
 
 from trainer.config import DType, ReduceDType, Stage, TrainConfig
+from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
 from trainer.units import MIB
@@ -59,6 +64,8 @@ class CommPlan:
     """How many collectives of each kind per optimizer step (sizes the flight recorder's buffer)."""
     backend: str
     """gloo or nccl: gloo records a reduce-scatter as an all-reduce."""
+    groups: dict[str, GroupComm] = field(default_factory=dict)
+    """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world)."""
 
     @property
     def total(self) -> int:
@@ -74,6 +81,30 @@ class CommPlan:
             "bytes_per_step": self.total,
             "bytes_by_collective": dict(self.bytes_by_collective),
             "calls_by_collective": dict(self.calls_by_collective),
+            "groups": {name: group.to_json() for name, group in self.groups.items()},
+        }
+
+
+@dataclass(frozen=True)
+class GroupComm:
+    """One process group's share of a rank's collectives per optimizer step, and the link it crosses."""
+
+    ranks: int
+    link: str  # intra-node or network (trainer/plan/groups.py)
+    bytes_by_collective: dict[str, int]
+    calls_by_collective: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_by_collective.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ranks": self.ranks,
+            "link": self.link,
+            "bytes_per_step": self.total,
+            "bytes_by_collective": dict(self.bytes_by_collective),
+            "calls_by_collective": dict(self.calls_by_collective),
         }
 
 
@@ -82,17 +113,34 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     if backend is None:
         backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
     shape = model_shape(config.model)
-    moves = fsdp_moves(config, shape, world_size) if config.zero.uses_fsdp else ddp_moves(config, shape)
+    groups = shard_groups(config.zero, world_size, world_size // config.nodes)
+    if config.zero.uses_fsdp:
+        by_group = fsdp_group_moves(config, shape, groups)
+    else:
+        by_group = {"world": ddp_moves(config, shape)}
+    bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
+    plans = {}
+    for name, moves in by_group.items():
+        group_bytes, group_calls = tally(moves, backend)
+        plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls)
+        for kind in COLLECTIVES:
+            bytes_by[kind] += group_bytes[kind]
+            calls_by[kind] += group_calls[kind]
+    return CommPlan(bytes_by, calls_by, backend, plans)
+
+
+Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step
+
+
+def tally(moves: list[Move], backend: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Payload bytes and calls by kind of collective, as the backend records them."""
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     for kind, payload, calls in moves:
         if kind == "reduce_scatter" and backend == "gloo":
             kind = "all_reduce"  # ProcessGroupGloo's reduce_scatter_tensor is an all-reduce
         bytes_by[kind] += payload
         calls_by[kind] += calls
-    return CommPlan(bytes_by, calls_by, backend)
-
-
-Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step
+    return bytes_by, calls_by
 
 
 def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
@@ -111,17 +159,37 @@ def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
 
 def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
     """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (once per step)."""
-    root = sum(padded_numel(s, world_size) for s in shape.root)
-    block = sum(padded_numel(s, world_size) for s in shape.block)
+    groups = shard_groups(config.zero, world_size)
+    return [move for moves in fsdp_group_moves(config, shape, groups).values() for move in moves]
+
+
+def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups) -> dict[str, list[Move]]:
+    """FSDP2's collectives by the group they run in (trainer/plan/groups.py).
+
+    shard: forward's all-gathers, stage3 backward's (without hpZ) and the reduce-scatters, every
+    tensor's dim 0 padded to the shard group. hpz: backward's all-gathers from the secondary shards;
+    the output is the same padded tensor, so the payload is too (FSDP2's to_sharded_post_forward keeps
+    1/hpz of the all-gather output, _fsdp_param.py). replicate (HSDP): one all-reduce of each reduce-
+    scatter output, the gradient shard, across shard groups (_fsdp_collectives.py foreach_reduce).
+    """
+    root = sum(padded_numel(s, groups.shard) for s in shape.root)
+    block = sum(padded_numel(s, groups.shard) for s in shape.block)
     layers, accum = config.model.n_layers, config.grad_accum
-    gathers_per_block = 2 if config.zero.stage == Stage.stage3 else 1  # stage3 re-gathers in backward
     param_bytes = PARAM_BYTES[config.precision.compute_dtype]
     reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]
-    return [
-        (
-            "all_gather",
-            accum * param_bytes * (root + gathers_per_block * layers * block),
-            accum * (1 + gathers_per_block * layers),
-        ),
+    stage3 = config.zero.stage == Stage.stage3
+    backward_gather = [("all_gather", accum * param_bytes * layers * block, accum * layers)] if stage3 else []
+    shard = [
+        ("all_gather", accum * param_bytes * (root + layers * block), accum * (1 + layers)),
         ("reduce_scatter", reduce_bytes * (root + layers * block), 1 + layers),
     ]
+    moves = {"shard": shard}
+    if groups.hpz is not None:
+        moves["hpz"] = backward_gather
+    else:
+        shard[:0] = backward_gather
+    if groups.hsdp:
+        moves["replicate"] = [
+            ("all_reduce", reduce_bytes * (root + layers * block) // groups.shard, 1 + layers)
+        ]
+    return moves

@@ -209,7 +209,7 @@ class StepContext:
     states: RankStates
     acts: Activations
     prec: Precisions
-    world_size: int
+    world_size: int  # the ranks model states are sharded over: FSDP2's shard group (HSDP: zero.shard_ranks)
     device_kind: str
     other: int  # rotary tables, data tables, Adam's step counters
 
@@ -324,6 +324,7 @@ class FsdpSizes:
     root_grad_shard: int
     output_grad: int  # the output head's unsharded weight gradient (+ final norm's)
     gloo_copy: bool  # gloo's reduce-scatter works on a copy of its input
+    secondary: int = 0  # hpZ: one block's secondary shard, kept from its forward to its backward all-gather
 
 
 def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
@@ -340,7 +341,14 @@ def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
         root_grad_shard=4 * root_padded // w,
         output_grad=p * (m.vocab_size * m.dim + m.dim),
         gloo_copy=ctx.device_kind == "cpu",
+        secondary=p * block_padded // ctx.config.zero.hpz_ranks if ctx.config.zero.hpz_ranks else 0,
     )
+
+
+def secondaries(f: FsdpSizes, blocks: int) -> int:
+    """hpZ's secondary shards of `blocks` blocks (FSDP2's to_sharded_post_forward clones 1/hpz_ranks of
+    each block's all-gather output after its forward and frees it once backward's all-gather copied out)."""
+    return max(0, blocks) * f.secondary
 
 
 def fsdp_moments(ctx: StepContext) -> list[Moment]:
@@ -352,11 +360,11 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     f = fsdp_sizes(ctx)
     stage3 = ctx.config.zero.stage == Stage.stage3
     accum = accumulation_grads(ctx)
-    after_forward = f.root + (0 if stage3 else L * f.block) + accum  # unsharded at the loss
+    after_forward = f.root + (secondaries(f, L) if stage3 else L * f.block) + accum  # unsharded at the loss
     # The last block's forward: its unsharded copy and its flat all-gather output (kept until the
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
-    forward = f.root + (2 * f.block if stage3 else (L + 1) * f.block) + accum
+    forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + accum
     staging = (4 + prec.param) * f.block // ctx.world_size // prec.param if ctx.offloaded else 0
     head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
@@ -402,10 +410,13 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
         grads = (L - 1 - i) * f.block_grad_shard
         retained = f.block_rs if i < L - 1 else 0
         prefetched = f.block if i > 0 else 0  # stage3 gathers the block below while this one runs
+        # hpZ: every block below holds its secondary shard, the prefetched one too: it is freed only
+        # when its all-gather output is copied out, at that block's own pre-backward.
+        held = secondaries(f, i)
         # stage3: this block re-gathered; stage2: blocks 0..i never resharded after forward.
         params = (
             f.root
-            + (f.block + prefetched if stage3 else (i + 1) * f.block)
+            + (f.block + prefetched + held if stage3 else (i + 1) * f.block)
             + f.output_grad
             + retained
             + accum
@@ -421,7 +432,7 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
                 grads,
                 below,
                 f.root
-                + (prefetched if stage3 else i * f.block)
+                + (prefetched + held if stage3 else i * f.block)
                 + f.output_grad
                 + incoming
                 + rs_block

@@ -70,10 +70,25 @@ def comm_line(plan: Plan) -> str:
     """What each rank's collectives move per optimizer step (trainer/plan/comm.py): total and by kind."""
     comm = plan.comm
     parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in comm.bytes_by_collective.items() if n)
-    return (
+    line = (
         f"communication: {format_bytes(comm.total)} ({comm.total:,} bytes) per rank per optimizer step"
         f"{f' ({parts})' if parts else ''}; payloads on {comm.backend}, see docs/communication.md"
     )
+    return "\n".join([line, *group_lines(plan)])
+
+
+def group_lines(plan: Plan) -> list[str]:
+    """Per process group (trainer/plan/groups.py), where a job has more than one: its ranks, its link, its bytes."""
+    groups = plan.comm.groups
+    if len(groups) < 2:
+        return []
+    lines = []
+    for name, group in groups.items():
+        parts = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in group.bytes_by_collective.items() if n)
+        lines.append(
+            f"  {name} group ({group.ranks} ranks, {group.link}): {format_bytes(group.total)} per rank per step ({parts})"
+        )
+    return lines
 
 
 def format_bytes(n: float) -> str:

@@ -5,6 +5,7 @@ stage1: DDP + ZeroRedundancyOptimizer (optimizer state sharded; see trainer/rank
 stage2: FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded;
         parameters are sharded at rest but stay unsharded from forward to backward.
 stage3: FSDP2 fully_shard: parameters re-sharded after each block's forward as well.
+zero.shard_ranks (HSDP) and zero.hpz_ranks (hpZ) choose FSDP2's mesh and reshard_after_forward=<int>.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,6 +30,7 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.model.decoder import materialize
+from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.rank.precision import build_mp_policy
 from trainer.world import World
 
@@ -80,8 +82,9 @@ def apply_fsdp(
     model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World
 ) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
-    mesh = init_device_mesh(world.device.type, (world.world_size,))
-    reshard = zero.stage == Stage.stage3
+    groups = shard_groups(zero, world.world_size)
+    mesh = fsdp_mesh(world, groups)
+    reshard = block_reshard(zero, groups)
     common = dict(
         mesh=mesh,
         mp_policy=build_mp_policy(precision, zero),
@@ -92,6 +95,25 @@ def apply_fsdp(
     # The root's parameters are used again at the very start of backward (the output head), so
     # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
     fully_shard(model, reshard_after_forward=False, **common)
+
+
+def fsdp_mesh(world: World, groups: ShardGroups) -> DeviceMesh:
+    """1-D over every rank, or HSDP's 2-D `(replicate, shard)` mesh (trainer/plan/groups.py): FSDP2
+    shards over the last dim and all-reduces gradient shards over the first (torchtitan's
+    data_parallel_replicate_degree x data_parallel_shard_degree, pytorch/torchtitan docs/fsdp.md)."""
+    if not groups.hsdp:
+        return init_device_mesh(world.device.type, (world.world_size,))
+    return init_device_mesh(
+        world.device.type, (groups.replicate, groups.shard), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def block_reshard(zero: ZeroConfig, groups: ShardGroups) -> bool | int:
+    """reshard_after_forward of each block: stage2 False, stage3 True, hpZ the secondary group's size
+    (FSDP2 keeps a shard over `mesh.view(-1, hpz_ranks)` from forward to backward)."""
+    if zero.stage != Stage.stage3:
+        return False
+    return groups.hpz if groups.hpz is not None else True
 
 
 def build_offload_policy(offload: OffloadConfig, world: World) -> OffloadPolicy:

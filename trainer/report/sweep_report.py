@@ -48,6 +48,7 @@ COLUMNS = [
     "predicted_peak_gib",
     "comm_bytes_per_step",
     "predicted_comm_bytes_per_step",
+    "comm_by_group",
     "skipped_steps",
     "final_loss",
     "fastest",
@@ -103,6 +104,7 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
         predicted_peak_gib=predicted_peak_gib(point),
         comm_bytes_per_step=max((v for k, v in summary.items() if COMM_KEY.fullmatch(k)), default=None),
         predicted_comm_bytes_per_step=predicted_comm_bytes(point),
+        comm_by_group=comm_by_group(point),
         skipped_steps=skipped_steps(summary),
         fastest=False,
         reason=summary.get("reason") or summary.get("error"),
@@ -116,6 +118,25 @@ def predicted_peak_gib(point: Point) -> float | None:
     if "memory/predicted_peak_gib" in point.summary:
         return point.summary["memory/predicted_peak_gib"]
     return point.plan.get("peak_gib") if point.plan is not None else None
+
+
+GROUP_KEY = re.compile(r"comm/rank\d+/(\w+)/bytes_per_step")
+
+
+def comm_by_group(point: Point) -> str | None:
+    """Both tiers where a job had more than one process group (HSDP, hpZ; trainer/plan/groups.py): each
+    group's worst-rank MiB per step, measured / planned, and the link it crossed (from plan.json)."""
+    groups = (point.plan or {}).get("comm", {}).get("groups") or {}
+    if len(groups) < 2:
+        return None
+    cells = []
+    for name, group in groups.items():
+        measured = [
+            v for k, v in point.summary.items() if (m := GROUP_KEY.fullmatch(k)) and m.group(1) == name
+        ]
+        shown = f"{max(measured) / MIB:.2f}" if measured else "-"
+        cells.append(f"{name} ({group['link']}) {shown} / {group['bytes_per_step'] / MIB:.2f}")
+    return "; ".join(cells)
 
 
 def predicted_comm_bytes(point: Point) -> int | None:
@@ -210,6 +231,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
         "predicted peak GiB",
         "comm MiB/step (worst rank)",
         "plan MiB/step",
+        "by group MiB/step (measured / plan)",
         "skipped steps",
         "final loss",
     ]
@@ -228,6 +250,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
             gib(row["predicted_peak_gib"]),
             mib(row["comm_bytes_per_step"]),
             mib(row["predicted_comm_bytes_per_step"]),
+            row["comm_by_group"] or "-",
             number(row["skipped_steps"], "{}"),
             number(row["final_loss"], "{:.4f}"),
         ]

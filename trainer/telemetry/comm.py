@@ -36,11 +36,19 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.plan.comm import COLLECTIVES, plan_comm
+from trainer.plan.groups import GROUPS
 from trainer.telemetry.memory import should_track_tensors
 
 KINDS = (*COLLECTIVES, "other")
 """Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""
-FIELDS = (*KINDS, "time_s", "exposed_pct", "profiled_step_s")
+GROUP_FIELDS = tuple(f"{group}:{kind}" for group in GROUPS for kind in KINDS)
+"""The same bytes by the process group the recorder names for each entry (trainer/plan/groups.py)."""
+FIELDS = (*KINDS, "time_s", "exposed_pct", "profiled_step_s", *GROUP_FIELDS)
+# The recorder's `process_group` is (name, description); DeviceMesh describes the groups of a dim
+# `mesh_<dim name>` (torch/distributed/device_mesh.py): zerolab's HSDP mesh names its dims replicate
+# and shard, and the post-forward mesh FSDP2 builds for reshard_after_forward=<int> has none (its
+# second dim: `mesh_dim_1`, _fsdp_init.py). A 1-D mesh over every rank is the default group.
+GROUP_DESCRIPTIONS = {"mesh_shard": "shard", "mesh_replicate": "replicate", "mesh_dim_1": "hpz"}
 
 LOOP_COLLECTIVES = {
     "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/rank/nonfinite.py)",
@@ -157,17 +165,27 @@ class WindowReader:
         return new if complete else None
 
 
-def window_figures(entries: list[dict[str, Any]] | None) -> dict[str, float]:
-    """Payload bytes by kind and time in collectives over a window's entries (NaN: not measured)."""
-    figures = dict.fromkeys(KINDS, NAN) | {"time_s": NAN}
+def entry_group(entry: dict[str, Any], default_group: str) -> str:
+    """The group an entry ran in: by DeviceMesh's description of it; the default group is `default_group`
+    (the shard group when FSDP2 shards over every rank, else world)."""
+    description = (entry.get("process_group") or ["", ""])[-1]
+    return GROUP_DESCRIPTIONS.get(description, default_group)
+
+
+def window_figures(entries: list[dict[str, Any]] | None, default_group: str = "world") -> dict[str, float]:
+    """Payload bytes by kind (and by group and kind) and time in collectives over a window's entries
+    (NaN: not measured)."""
+    figures = dict.fromkeys(KINDS + GROUP_FIELDS, NAN) | {"time_s": NAN}
     if entries is None:
         return figures
-    totals = dict.fromkeys(KINDS, 0.0)
+    totals = dict.fromkeys(KINDS + GROUP_FIELDS, 0.0)
     for entry in entries:
         payload = payload_bytes(entry)
         if payload is None:
             return figures
-        totals[collective_kind(entry.get("profiling_name", ""))] += payload
+        kind = collective_kind(entry.get("profiling_name", ""))
+        totals[kind] += payload
+        totals[f"{entry_group(entry, default_group)}:{kind}"] += payload
     figures.update(totals)
     durations = [entry.get("duration_ms") for entry in entries]
     if entries and all(d is not None for d in durations):  # NCCL with timing; gloo records none
@@ -207,8 +225,11 @@ def exposed_seconds(events: list[Any], device_kind: str) -> float:
 class CommProbe:
     """This rank's communication over a log window, as a fixed-order row of floats (FIELDS)."""
 
-    def __init__(self, device: torch.device, memory_every: int, last_step: int) -> None:
+    def __init__(
+        self, device: torch.device, memory_every: int, last_step: int, default_group: str = "world"
+    ) -> None:
         self.device = device
+        self.default_group = default_group
         self.memory_every = memory_every
         self.last_step = last_step
         self.reader = WindowReader()
@@ -244,15 +265,21 @@ class CommProbe:
 
     def read(self) -> list[float]:
         """This window's figures in FIELDS order (bytes and seconds in total, not yet per step)."""
-        figures = window_figures(self.reader.take())
+        figures = window_figures(self.reader.take(), self.default_group)
         figures.update(exposed_pct=self._exposed_pct, profiled_step_s=self._profiled_step_s)
         self._exposed_pct = self._profiled_step_s = NAN
         return [figures[name] for name in FIELDS]
 
 
-def comm_fields(per_rank: torch.Tensor, steps: int, predicted_bytes: int | None) -> dict[str, float]:
-    """Every rank's bytes per optimizer step (total and by kind), time where timed, the plan next to the
-    worst rank, and the exposed share of the profiled step (worst rank). Unmeasured figures are left out."""
+def comm_fields(
+    per_rank: torch.Tensor,
+    steps: int,
+    predicted_bytes: int | None,
+    predicted_groups: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Every rank's bytes per optimizer step (total, by kind, and by process group where it used
+    the group), time where timed, the plan next to the worst rank, and the exposed share of the profiled
+    step (worst rank). Unmeasured figures are left out."""
     record: dict[str, float] = {}
     totals = []
     for rank, row in enumerate(per_rank.tolist()):
@@ -263,14 +290,30 @@ def comm_fields(per_rank: torch.Tensor, steps: int, predicted_bytes: int | None)
             record[f"comm/rank{rank}/bytes_per_step"] = total / steps
             for kind in COLLECTIVES:
                 record[f"comm/rank{rank}/{kind}_bytes_per_step"] = figures[kind] / steps
+            record.update(group_fields(rank, figures, steps))
         if not math.isnan(figures["time_s"]):
             record[f"comm/rank{rank}/time_s_per_step"] = figures["time_s"] / steps
     exposed = per_rank[:, FIELDS.index("exposed_pct")]
     if not torch.isnan(exposed).all():
         record["comm/exposed_pct"] = float(exposed[~torch.isnan(exposed)].max())
+    for group, predicted in (predicted_groups or {}).items():
+        record[f"comm/{group}/predicted_bytes_per_step"] = predicted
     if predicted_bytes is not None:
         record["comm/predicted_bytes_per_step"] = predicted_bytes
         if totals and len(totals) == per_rank.shape[0] and max(totals) > 0:
             # Positive: the plan over-predicts; relative to the worst rank's measurement.
             record["comm/prediction_error_pct"] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
+    return record
+
+
+def group_fields(rank: int, figures: dict[str, float], steps: int) -> dict[str, float]:
+    """`comm/rank{r}/{group}/bytes_per_step` and `.../{collective}_bytes_per_step` of each group this rank used."""
+    record: dict[str, float] = {}
+    for group in GROUPS:
+        total = sum(figures[f"{group}:{kind}"] for kind in KINDS)
+        if total == 0:
+            continue
+        record[f"comm/rank{rank}/{group}/bytes_per_step"] = total / steps
+        for kind in COLLECTIVES:
+            record[f"comm/rank{rank}/{group}/{kind}_bytes_per_step"] = figures[f"{group}:{kind}"] / steps
     return record

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
+from trainer.plan.build import PREDICTED_GROUP_KEYS
+from trainer.plan.groups import shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.rank.nonfinite import SKIPPED_KEY
 from trainer.rank.optim import local_optimizer
@@ -75,7 +77,9 @@ class Meter:
         )
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = (
-            CommProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+            CommProbe(world.device, telemetry.memory_every, config.steps, default_group(config, world))
+            if telemetry.enabled
+            else None
         )
         self.peak_flops = (
             device_peak_flops(world.device, config.precision, telemetry.peak_tflops)
@@ -89,6 +93,11 @@ class Meter:
         self.predicted_comm = (
             predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
         )
+        self.predicted_groups = {
+            group: predicted[key]
+            for group, key in PREDICTED_GROUP_KEYS.items()
+            if key in predicted and telemetry.enabled and world.is_main
+        }
         # On a GPU, also what the allocator will reserve for it (trainer/plan/headroom.py).
         self.predicted_reserved_gib = (
             HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB
@@ -181,7 +190,12 @@ class Meter:
                 )
             )
             record.update(
-                comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, self.predicted_comm)
+                comm_fields(
+                    per_rank[:, -len(COMM_FIELDS) :],
+                    self.window_steps,
+                    self.predicted_comm,
+                    self.predicted_groups,
+                )
             )
         if self.config.precision.is_fp16:
             record["precision/loss_scale"] = self.last.loss_scale
@@ -349,3 +363,9 @@ def worst_rank_memory(record: dict[str, Any]) -> str | None:
 def format_gib(gib: float) -> str:
     """A memory figure readable at every scale: MiB below 1 GiB."""
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+def default_group(config: TrainConfig, world: World) -> str:
+    """What the default process group is to the plan: FSDP2's shard group when it shards over every rank."""
+    sharded_over_all = config.zero.uses_fsdp and not shard_groups(config.zero, world.world_size).hsdp
+    return "shard" if sharded_over_all else "world"

@@ -1,0 +1,99 @@
+"""The process groups a job's collectives run in, and which link each one crosses.
+
+FSDP2 shards over the shard dim of its device mesh and replicates over the other
+(torch/distributed/fsdp/_fully_shard/_fully_shard.py, `mesh` in fully_shard's docstring: a 2-D mesh
+gives HSDP with `(Replicate(), Shard(0))`). zerolab builds that mesh as `(replicate, shard)` =
+`(world / zero.shard_ranks, zero.shard_ranks)` (trainer/rank/sharding.py), so a shard group is
+`shard_ranks` consecutive global ranks (one node when shard_ranks = nproc) and a replicate group
+takes one rank of each shard group. torchtitan calls the two degrees `data_parallel_replicate_degree`
+and `data_parallel_shard_degree` (pytorch/torchtitan docs/fsdp.md maps the 2-D mesh to MiCS).
+
+hpZ (ZeRO++): `fully_shard(reshard_after_forward=H)` keeps, after each block's forward, a secondary
+shard over groups of H consecutive ranks; torch builds that post-forward mesh as
+`mesh.mesh.view(-1, H)` (_fsdp_init.py, `_get_post_forward_mesh_info`) and requires H to be a
+"non-trivial divisor of the mesh shard dim size (i.e. excluding 1 and the dim size itself)"
+(fully_shard's docstring), which `shard_groups` checks before any rank starts.
+
+Groups, by the names plan.json, metrics.jsonl and the advisor use:
+    shard      FSDP2's all-gathers and reduce-scatters (the whole world without HSDP)
+    replicate  HSDP's all-reduce of each gradient shard across shard groups
+    hpz        stage3 backward's all-gathers from the secondary shards
+    world      every rank: DDP's collectives (stages 0-1) and, under HSDP, the loop's own flags
+A group lies inside one node when its ranks all sit on one (ranks are numbered node by node,
+`nproc` per node); else it crosses the network, the slowest link it uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import ConfigError, ZeroConfig
+
+GROUPS = ("world", "shard", "replicate", "hpz")
+"""Every group name, in the order metrics list them."""
+INTRA_NODE, NETWORK = "intra-node", "network"
+LINKS = (INTRA_NODE, NETWORK)
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """Sizes of a job's groups: `world` ranks, `ranks_per_node` on each node."""
+
+    world: int
+    ranks_per_node: int
+    shard: int
+    hpz: int | None = None
+
+    @property
+    def replicate(self) -> int:
+        return self.world // self.shard
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicate > 1
+
+    def size(self, group: str) -> int:
+        sizes = {"world": self.world, "shard": self.shard, "replicate": self.replicate, "hpz": self.hpz or 1}
+        return sizes[group]
+
+    def link(self, group: str) -> str:
+        """intra-node when every rank of the group is on one node, else network.
+
+        shard and hpz groups are consecutive ranks (inside a node when they fit in one and the node's
+        ranks split evenly into them); a replicate group strides by the shard size from one end of the
+        world to the other, so it crosses the network whenever the world does.
+        """
+        size, per_node = self.size(group), self.ranks_per_node
+        if size <= 1 or self.world <= per_node:
+            return INTRA_NODE
+        if group == "replicate":  # rank k and rank k + world - shard: different nodes once world > per_node
+            return NETWORK
+        return INTRA_NODE if size <= per_node and per_node % size == 0 else NETWORK
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shard_groups(zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None) -> ShardGroups:
+    """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses."""
+    per_node = ranks_per_node or world_size
+    shard = world_size if zero.shard_ranks is None or not zero.uses_fsdp else zero.shard_ranks
+    if shard > world_size:
+        raise ConfigError(
+            f"zero.shard_ranks={shard} is larger than the world ({world_size} ranks); "
+            f"allowed: a divisor of {world_size}: {', '.join(map(str, divisors(world_size)))}"
+        )
+    if world_size % shard:
+        raise ConfigError(
+            f"zero.shard_ranks={shard} must divide the world size {world_size} (HSDP: whole shard groups); "
+            f"allowed: {', '.join(map(str, divisors(world_size)))}"
+        )
+    hpz = zero.hpz_ranks
+    if hpz is not None and (shard % hpz or not 1 < hpz < shard):
+        allowed = [d for d in divisors(shard) if 1 < d < shard]
+        raise ConfigError(
+            f"zero.hpz_ranks={hpz} must divide the shard group of {shard} ranks, other than 1 and {shard} "
+            f"(FSDP2 reshard_after_forward=<int>); allowed: {', '.join(map(str, allowed)) or 'none (hpZ needs a shard group of 4 or more ranks)'}"
+        )
+    return ShardGroups(world_size, per_node, shard, hpz)
