@@ -155,7 +155,8 @@ def seventy_b(*extra: str) -> TrainConfig:
 
 def test_the_70b_example_is_network_bound_and_exposes_what_does_not_fit_behind_compute() -> None:
     """Issue 25: 70b on 8 nodes x 8 a100-80gb, micro_batch=2: 27.1 s of all-gather + reduce-scatter wire
-    time against 26.5 s of compute; collectives sharing the network are serialised on it before overlap."""
+    time against 26.5 s of compute (22.5 s since the published throughput fit); collectives sharing the
+    network are serialised on it before overlap."""
     config = seventy_b()
     comm = plan_comm(config, 64, backend="nccl")
     rates = accelerator_rates("a100-80gb", config.precision.compute_dtype, 64)
@@ -163,7 +164,8 @@ def test_the_70b_example_is_network_bound_and_exposes_what_does_not_fit_behind_c
     tiered = predict_step_tiers(config, 64, comm, 10**9, flops, rates)
     network = tiered.links[NETWORK]
     assert network.wire_s == pytest.approx(27.1, abs=0.05)
-    assert tiered.compute_s == pytest.approx(26.5, abs=0.05)
+    # 26.5 s at the former assumed 0.55 matmul efficiency; 22.5 s at the published fit (trainer/advise/throughput.py)
+    assert tiered.compute_s == pytest.approx(22.5, abs=0.05)
     assert tiered.exposed_comm_s >= network.wire_s - tiered.compute_s > 0.5
     assert tiered.limiter.startswith("network")
     # Each collective on a link of its own credited every overlap: well under the shortfall.

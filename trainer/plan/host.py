@@ -186,22 +186,24 @@ class PlannedRank(Protocol):
     def peak_total(self) -> int: ...
 
 
-def offload_shards(shape: ModelShape, world_size: int, rank: int) -> tuple[list[int], list[int]]:
-    """Bytes of each fp32 parameter shard (padded, as FSDP2 pins it) and gradient shard (unpadded)."""
-    params = [4 * padded_numel(s, world_size) // world_size for s in shape.order]
-    grads = [4 * shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shape.order]
+def offload_shards(shape: ModelShape, shard_size: int, rank: int) -> tuple[list[int], list[int]]:
+    """Bytes of each fp32 parameter shard (padded, as FSDP2 pins it) and gradient shard (unpadded)
+    of `rank`'s place in a shard group of `shard_size` (the world, or HSDP's group)."""
+    place = rank % shard_size
+    params = [4 * padded_numel(s, shard_size) // shard_size for s in shape.order]
+    grads = [4 * shard_rows(s[0], shard_size, place) * math.prod(s[1:]) for s in shape.order]
     return params, grads
 
 
 def host_rank(
-    config: TrainConfig, device_kind: str, world_size: int, shape: ModelShape, planned: PlannedRank
+    config: TrainConfig, device_kind: str, shard_size: int, shape: ModelShape, planned: PlannedRank
 ) -> HostRank:
     runtime = runtime_bytes(config, device_kind)
     if device_kind == "cpu":
         return HostRank(runtime, tensors=planned.peak_total)
     if not offload_applies(config, device_kind):
         return HostRank(runtime)
-    params, grads = offload_shards(shape, world_size, planned.rank)
+    params, grads = offload_shards(shape, shard_size, planned.rank)
     states = planned.states
     # The CPU AdamW runs on the offloaded shards: fused in place, else a per-tensor loop whose
     # temporaries trainer/plan/states.py sizes (loop_temporary).
@@ -212,12 +214,19 @@ def host_rank(
 
 
 def build_host_plan(
-    config: TrainConfig, device_kind: str, world_size: int, shape: ModelShape, ranks: Sequence[PlannedRank]
+    config: TrainConfig,
+    device_kind: str,
+    world_size: int,
+    shape: ModelShape,
+    ranks: Sequence[PlannedRank],
+    *,
+    shard_size: int,
 ) -> HostPlan:
-    """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory."""
+    """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory;
+    FSDP2's states are sharded over `shard_size` ranks (the world, or HSDP's shard group)."""
     available, source, cores = host_memory(config, device_kind)
     per_node = [
-        host_rank(config, device_kind, world_size, shape, ranks[r])
+        host_rank(config, device_kind, shard_size, shape, ranks[r])
         for r in node_ranks(world_size, config.nodes)
     ]
     return HostPlan(tuple(per_node), available, source, cores)
