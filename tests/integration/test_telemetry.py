@@ -18,7 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO, Run, run_trainer
-from trainer.config import ModelConfig, PrecisionConfig
+from trainer.config import ModelConfig, PlanConfig, PrecisionConfig
 from trainer.model.decoder import build_model, num_params
 
 WANDB = str(Path(sys.executable).parent / "wandb")
@@ -322,6 +322,17 @@ def test_stage1_saves_each_rank_exactly_the_optimizer_state_it_no_longer_holds(s
     for rank in (0, 1):
         # The ZeRO arithmetic, to the byte: stage1's peak is stage0's less the state this rank gave away.
         assert peak_bytes(stage0, rank) - peak_bytes(stage1, rank) == with_steps - at_peak["stage1"][rank]
+
+
+def test_a_cpu_rank_holds_no_more_than_the_plan_budgets_for_it(stage_peaks) -> None:
+    """The host check budgets plan.cpu_rank_runtime_gib (0.4 GiB) of process runtime per CPU rank on
+    top of its tensors (docs/faults.md): a rank's peak RSS must stay within that budget."""
+    runtime_gib = PlanConfig().cpu_rank_runtime_gib
+    for stage in ("stage0", "stage1", "stage3"):
+        record = stage_peaks[stage]
+        for rank in (0, 1):
+            rss = record[f"memory/rank{rank}/peak_rss_gib"]
+            assert rss <= runtime_gib + record["memory/predicted_peak_gib"], (stage, rank, rss)
 
 
 def test_stage3_saves_the_sharded_model_states_less_the_transient_full_copies(stage_peaks) -> None:

@@ -188,3 +188,9 @@ def test_fault_drills_wait_for_a_step_has_a_deadline(tmp_path: Path) -> None:
     assert time.monotonic() - start < 5
     (tmp_path / "metrics.jsonl").write_text("{}\n" * 3)
     assert fault_drills.reached_step(tmp_path / "metrics.jsonl", 3, Running(), deadline_s=0.2) is True
+
+
+def test_save_time_judges_the_median_after_the_first_save() -> None:
+    rules = benchmark("save_time")
+    assert not rules.too_slow([2.2, 0.2, 0.25, 0.3], 0.5)  # the first save's set-up is not judged
+    assert rules.too_slow([0.1, 0.6, 0.7, 0.4], 0.5)
