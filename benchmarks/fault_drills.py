@@ -52,6 +52,7 @@ TINY = (
 STEPS = 16
 SAVING = ("nproc=2", f"steps={STEPS}", "save.every=4", "save.keep=3", "logger=none")
 NO_SAVE = ("nproc=2", f"steps={STEPS}", "save=off", "logger=none")
+REACH_STEP_S = 300  # how long a drill waits for its job to reach the step its fault is done at
 
 
 @dataclass
@@ -82,6 +83,10 @@ class Job:
     def lines(self) -> list[str]:
         """Every non-blank stderr line."""
         return [line for line in self.stderr.splitlines() if line.strip()]
+
+    def ended(self, returncode: int, status: str | None) -> bool:
+        """Whether the job ended as the table reports it must: this exit status and summary status."""
+        return self.returncode == returncode and self.summary.get("status") == status
 
     @property
     def line(self) -> str:
@@ -142,20 +147,33 @@ def run_and_do(
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    metrics = out_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= at_step):
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
     start = time.monotonic()
-    action(proc, stopping)
+    if reached_step(out_dir / "metrics.jsonl", at_step, proc, REACH_STEP_S):
+        action(proc, stopping)
+    else:  # stuck before the fault: end it, and the drill reports what it got (not nothing lost)
+        os.killpg(proc.pid, signal.SIGKILL)
     assert proc.stderr is not None
     stderr = proc.stderr.read()
-    proc.wait(timeout=600)
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     seconds = time.monotonic() - start
     reader.join(10)
     time.sleep(5)
     return Job(proc.returncode, "".join(stdout), stderr, out_dir, seconds, left_running(proc.pid))
+
+
+def reached_step(metrics: Path, at_step: int, proc: subprocess.Popen[str], deadline_s: float) -> bool:
+    """Wait until metrics.jsonl has `at_step` records: False when the job ended first or the
+    deadline passed."""
+    deadline = time.monotonic() + deadline_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= at_step):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def left_running(sid: int) -> int:
@@ -204,14 +222,15 @@ class Drills:
             f"resume=true: {len(job.losses)} steps, losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run",
         )
 
-    def signal_drill(self, name: str, sig: signal.Signals, group: bool) -> Row:
+    def signal_drill(self, name: str, sig: signal.Signals, group: bool, returncode: int, status: str) -> Row:
         day = self.day(name)
         send = (lambda p: os.killpg(p.pid, sig)) if group else (lambda p: os.kill(p.pid, sig))
         job = run_and_do(day / "t1", *SAVING, "save.every=1000", at_step=3, action=lambda p, _: send(p))
         step = job.summary.get("stopped_step")
         reported = f"exit {job.returncode}, {job.summary.get('status')} after step {step}, save at {saves(job.out_dir)}, {job.seconds:.1f} s"
+        ended = job.ended(returncode, status)  # read before the resume rewrites summary.json
         equal, how = self.resumed_equal(job, day)
-        ok = equal and job.left_running == 0 and "Traceback" not in job.stderr
+        ok = ended and equal and job.left_running == 0 and "Traceback" not in job.stderr
         return Row(
             f"{sig.name} ({'Ctrl-C, process group' if group else 'job process only: a scheduler'})",
             reported,
@@ -220,10 +239,10 @@ class Drills:
         )
 
     def sigint(self) -> Row:
-        return self.signal_drill("sigint", signal.SIGINT, group=True)
+        return self.signal_drill("sigint", signal.SIGINT, group=True, returncode=130, status="interrupted")
 
     def sigterm(self) -> Row:
-        return self.signal_drill("sigterm", signal.SIGTERM, group=False)
+        return self.signal_drill("sigterm", signal.SIGTERM, group=False, returncode=143, status="preempted")
 
     def sigint_twice(self) -> Row:
         def twice(proc: subprocess.Popen[str], stopping: threading.Event) -> None:
@@ -235,7 +254,7 @@ class Drills:
         reported = (
             f"exit {job.returncode}, {job.summary.get('status')}, {job.seconds:.1f} s after the second Ctrl-C"
         )
-        ok = job.returncode == 130 and job.left_running == 0 and list_saves(job.out_dir) == []
+        ok = job.ended(130, "interrupted") and job.left_running == 0 and list_saves(job.out_dir) == []
         return Row(
             "Ctrl-C twice (during the stop's save)",
             reported,
@@ -277,7 +296,12 @@ class Drills:
         skipped = next(
             (line for line in resumed.stdout.splitlines() if line.startswith("resume: skipping")), ""
         )
-        equal = job.losses == self.reference and all_whole(job.out_dir)
+        equal = (
+            job.ended(0, "ok")
+            and resumed.ended(0, "ok")
+            and job.losses == self.reference
+            and all_whole(job.out_dir)
+        )
         reported = f"{code(skipped.replace(str(newest.parent), '...'), 120)}, then resumed from step {save_step(list_saves(job.out_dir)[-2])}"
         return Row(
             "a truncated shard in the newest save",
@@ -300,12 +324,7 @@ class Drills:
         try:
             job = run(out_dir, *SAVING)
             kept = saves(out_dir)
-            ok = (
-                job.summary.get("status") == "crashed"
-                and kept == [4]
-                and all_whole(out_dir)
-                and "SaveError" in job.line
-            )
+            ok = job.ended(1, "crashed") and kept == [4] and all_whole(out_dir) and "SaveError" in job.line
             return Row(
                 f"a save that cannot be written: {what}",
                 f"exit {job.returncode}, crashed: {code(job.line.split('SaveError: ')[-1], 140)}",
@@ -326,12 +345,7 @@ class Drills:
             self.root / "wandb" / "run", *NO_SAVE[:-1], "logger=wandb", at_step=3, action=kill_service
         )
         steps = len(job.losses)
-        ok = (
-            job.returncode == 0
-            and job.summary.get("status") == "ok"
-            and steps == STEPS
-            and len(job.lines) == 1
-        )
+        ok = job.ended(0, "ok") and steps == STEPS and len(job.lines) == 1
         return Row(
             "W&B's service killed mid-run",
             f"exit {job.returncode}, ok, one line: {code(job.line, 100)}",
@@ -343,11 +357,12 @@ class Drills:
         day = self.day("kill")
         job = run(day / "t1", *SAVING, "fault.kind=kill", "fault.step=7", "fault.rank=1")
         status = job.summary.get("status")  # before the resume rewrites summary.json
+        ended = job.ended(1, "crashed")
         equal, how = self.resumed_equal(job, day)
         return Row(
             "rank 1 SIGKILLed at step 7",
             f"exit {job.returncode}, {status}: {code(job.line, 90)}",
-            equal and status == "crashed",
+            equal and ended,
             how,
         )
 
@@ -355,8 +370,9 @@ class Drills:
         day = self.day("killsave")
         job = run(day / "t1", *SAVING, "fault.kind=kill_during_save", "fault.step=8", "fault.rank=0")
         kept, status = saves(job.out_dir), job.summary.get("status")  # before the resume
+        ended = job.ended(1, "crashed")
         equal, how = self.resumed_equal(job, day)
-        ok = equal and kept == [4] and status == "crashed"
+        ok = equal and kept == [4] and ended
         return Row(
             "rank 0 SIGKILLed inside the step-8 save",
             f"exit {job.returncode}, {status}, saves left {kept}",
@@ -380,7 +396,7 @@ class Drills:
         return Row(
             "rank 1 SIGKILLed, max_restarts=1",
             reported,
-            equal and job.summary.get("status") == "ok",
+            equal and job.ended(0, "ok") and job.summary.get("restarts") == 1,
             f"losses {'bitwise equal' if equal else 'DIFFER'} to an uninterrupted run",
         )
 
@@ -401,14 +417,14 @@ class Drills:
         return Row(
             "out of memory under device_memory_gib=0.25",
             reported,
-            s.get("status") == "oom",
+            job.ended(1, "oom") and s.get("failed_rank") in (0, 1) and s.get("failed_phase") is not None,
             "a result, not a crash: the sweep goes on",
         )
 
     def nonfinite(self) -> Row:
         job = run(self.root / "nan" / "run", *SAVING, "fault.kind=nan_loss", "fault.step=6", "fault.rank=1")
         kept = saves(job.out_dir)
-        ok = job.summary.get("status") == "diverged" and kept == [4, 5] and job.losses == self.reference[:5]
+        ok = job.ended(1, "diverged") and kept == [4, 5] and job.losses == self.reference[:5]
         return Row(
             "NaN loss on rank 1 at step 6",
             f"exit {job.returncode}, {job.summary.get('status')}: {code(job.line.removeprefix('error: '), 90)}",

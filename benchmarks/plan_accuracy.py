@@ -1,4 +1,4 @@
-"""How close the memory plan is to what the ranks really hold: a grid of real 2-rank CPU jobs.
+"""How close the memory plan is to what the ranks really hold: tables of real multi-rank CPU jobs.
 
 Every point is `python -m trainer` exactly as a user runs it. The job writes its plan
 (plan.json, per rank) before launching, and the ranks log what they measured (metrics.jsonl):
@@ -6,19 +6,28 @@ Every point is `python -m trainer` exactly as a user runs it. The job writes its
 MemTracker, step 2: the first step that starts with Adam's state), and the model states
 `memory/rank{r}/{params,grads,optimizer}_gib` after the step. This script puts them side by side.
 
-    .venv/bin/python benchmarks/plan_accuracy.py                # the full grid, ~30 minutes here
-    .venv/bin/python benchmarks/plan_accuracy.py --zero stage3 --micro-batch 1
+    .venv/bin/python benchmarks/plan_accuracy.py                      # docs/memory_plan.md's first table, ~30 min
+    .venv/bin/python benchmarks/plan_accuracy.py --table seq512        # its second table
+    .venv/bin/python benchmarks/plan_accuracy.py --table cases         # fp16 selective, grad_accum, 3 ranks, offload, wide
+    .venv/bin/python benchmarks/plan_accuracy.py --table cases --grids 3-ranks --zero stage3   # any subset
 
-Grid (defaults): zero stage0-3 x precision fp32, bf16 x checkpointing none, full x micro_batch
-1, 4, model=125m (134M parameters), seq_len=128, 2 steps. Finished points are kept in
---out/results.jsonl and not run again (--fresh runs everything again). Exits 1 when a point's
-peak misses by more than --peak-tolerance-pct or its model states by more than
---states-tolerance-pct.
+A table is a set of named grids (TABLES; --grids picks some); each option given on the command line (--model, --zero,
+--precision, --checkpointing, --micro-batch, --grad-accum, --nproc, --offload, --seq-len)
+replaces that axis in every grid of the table, so a subset of a documented table, or a new grid,
+is one command. --model takes a preset of conf/model or a shape of SHAPES (`wide`: dim 512,
+MLP 2048, vocabulary 64, 2 blocks).
+
+Pass rule (docs/memory_plan.md publishes both): every rank's predicted peak within
+--peak-tolerance-pct (1%) of the measured one, and every rank's model states (parameters,
+gradients, optimizer state, each) equal to the byte. Exits 1 when a point misses, 2 on a job that
+failed. Every point runs fresh; --reuse takes a point from --out/results.jsonl only when it was
+measured with the same overrides on the same tree (HEAD and uncommitted changes: revision()).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import subprocess
@@ -29,36 +38,98 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STATES = ("params", "grads", "optimizer")
+GIB = 2**30
+# Model shapes that are not presets: (the preset they start from, the fields they change).
+SHAPES = {
+    "wide": ["model=tiny", "model.name=wide", "model.dim=512", "model.ffn_dim=2048", "model.vocab_size=64",
+             "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=8"],
+}  # fmt: skip
+ALL_STAGES = ["stage0", "stage1", "stage2", "stage3"]
+BASE = {"model": "125m", "seq_len": 128, "grad_accum": 1, "nproc": 2, "offload": "none"}
+AXES = (
+    "model",
+    "seq_len",
+    "zero",
+    "precision",
+    "checkpointing",
+    "micro_batch",
+    "grad_accum",
+    "nproc",
+    "offload",
+)
+# Each table: named grids whose axes are lists (a single value is a one-element list); BASE fills the rest.
+TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
+    # docs/memory_plan.md, "How close it is": 125m at seq_len 128.
+    "grid": {"125m": dict(zero=ALL_STAGES, precision=["fp32", "bf16"], checkpointing=["none", "full"],
+                          micro_batch=[1, 4])},
+    # docs/memory_plan.md: where activations weigh more.
+    "seq512": {"125m-seq512": dict(seq_len=[512], zero=ALL_STAGES, precision=["fp32", "bf16"],
+                                   checkpointing=["none", "full"], micro_batch=[4])},
+    # docs/memory_plan.md, "Beyond these grids": the tiny model across the grid, then one case each.
+    "cases": {
+        "tiny": dict(model=["tiny"], seq_len=[64], zero=ALL_STAGES, precision=["fp32", "bf16"],
+                     checkpointing=["none", "full"], micro_batch=[2, 8]),
+        "fp16-selective": dict(model=["tiny"], seq_len=[64], zero=ALL_STAGES, precision=["fp16"],
+                               checkpointing=["selective"], micro_batch=[2]),
+        "grad-accum": dict(model=["tiny"], seq_len=[64], zero=ALL_STAGES, precision=["fp32"], checkpointing=["none"],
+                           micro_batch=[2], grad_accum=[2]),
+        "3-ranks": dict(model=["tiny"], seq_len=[64], zero=ALL_STAGES, precision=["fp32"], checkpointing=["none"],
+                        micro_batch=[2], nproc=[3]),
+        "offload": dict(model=["tiny"], seq_len=[64], zero=["stage2", "stage3"], precision=["fp32"],
+                        checkpointing=["none"], micro_batch=[2], offload=["cpu"]),
+        "wide": dict(model=["wide"], seq_len=[8], zero=ALL_STAGES, precision=["fp32", "bf16"], checkpointing=["none"],
+                     micro_batch=[1]),
+    },
+}  # fmt: skip
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="125m")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--table", choices=sorted(TABLES), default="grid")
+    parser.add_argument("--grids", nargs="+", help="only these grids of the table (default: all)")
+    parser.add_argument("--model", nargs="+", help="presets of conf/model or shapes of SHAPES")
+    parser.add_argument("--seq-len", nargs="+", type=int)
+    parser.add_argument("--zero", nargs="+", choices=ALL_STAGES)
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--checkpointing", nargs="+", choices=["none", "full", "selective"])
+    parser.add_argument("--micro-batch", nargs="+", type=int)
+    parser.add_argument("--grad-accum", nargs="+", type=int)
+    parser.add_argument("--nproc", nargs="+", type=int, help="ranks per job")
+    parser.add_argument("--offload", nargs="+", choices=["none", "cpu"])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--zero", nargs="+", default=["stage0", "stage1", "stage2", "stage3"])
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--checkpointing", nargs="+", default=["none", "full"])
-    parser.add_argument("--micro-batch", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmarks" / "plan_accuracy")
-    parser.add_argument("--fresh", action="store_true", help="run every point again")
-    parser.add_argument("--peak-tolerance-pct", type=float, default=10.0)
-    parser.add_argument("--states-tolerance-pct", type=float, default=2.0)
-    return parser.parse_args()
+    parser.add_argument("--reuse", action="store_true", help="reuse points measured on this very tree")
+    parser.add_argument("--peak-tolerance-pct", type=float, default=1.0)
+    return parser.parse_args(argv)
 
 
-def overrides(
-    args: argparse.Namespace, zero: str, precision: str, checkpointing: str, micro_batch: int
-) -> list[str]:
+def points(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The table's grids with the command line's axes in place of theirs, one dict per point."""
+    given = {axis: getattr(args, axis) for axis in AXES if getattr(args, axis) is not None}
+    out: list[dict[str, Any]] = []
+    grids = TABLES[args.table]
+    unknown = set(args.grids or []) - set(grids)
+    if unknown:
+        raise SystemExit(f"error: --table {args.table} has no grid {sorted(unknown)}; it has {list(grids)}")
+    for name, grid in grids.items():
+        if args.grids and name not in args.grids:
+            continue
+        axes = {axis: given.get(axis, grid.get(axis, [BASE.get(axis)])) for axis in AXES}
+        for values in itertools.product(*axes.values()):
+            point = dict(zip(AXES, values))
+            if point["offload"] == "cpu" and point["zero"] in ("stage0", "stage1"):
+                continue  # offload needs FSDP2 (config.py refuses it)
+            if point not in out:
+                out.append(point)
+    return out
+
+
+def overrides(point: dict[str, Any], steps: int) -> list[str]:
+    model = SHAPES.get(point["model"], [f"model={point['model']}"])
     return [
-        f"model={args.model}",
-        f"zero={zero}",
-        f"precision={precision}",
-        f"checkpointing={checkpointing}",
-        f"micro_batch={micro_batch}",
-        f"seq_len={args.seq_len}",
-        f"steps={args.steps}",
-        "nproc=2",
+        *model,
+        *(f"{axis}={point[axis]}" for axis in AXES if axis != "model"),
+        f"steps={steps}",
         "device=cpu",
         "logger=none",
         "save=off",  # a 1b checkpoint is ~13 GB per job; the plan is what is measured
@@ -67,8 +138,23 @@ def overrides(
     ]
 
 
+def label(point: dict[str, Any]) -> str:
+    """The point as the docs' tables name it: the grid's axes, and what differs from BASE."""
+    shown = ("zero", "precision", "checkpointing", "micro_batch")
+    extra = [f"{axis}={point[axis]}" for axis in AXES if axis in BASE and point[axis] != BASE[axis]]
+    return " ".join([*(f"{axis}={point[axis]}" for axis in shown), *extra])
+
+
+def revision() -> str:
+    """The tree a result was measured on: HEAD, and a digest of the uncommitted changes if any."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout  # noqa: E731
+    head = git("rev-parse", "HEAD").strip()
+    changes = git("diff", "HEAD") + git("ls-files", "--others", "--exclude-standard")
+    return head if not changes else f"{head}+{hashlib.sha256(changes.encode()).hexdigest()[:12]}"
+
+
 def run_point(point: list[str], job_dir: Path) -> dict[str, Any]:
-    """Run one job; return the plan it wrote and the ranks' measurements."""
+    """Run one job; return the plan it wrote and the ranks' measurements (bytes)."""
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", *point, f"hydra.run.dir={job_dir}"],
@@ -84,40 +170,49 @@ def run_point(point: list[str], job_dir: Path) -> dict[str, Any]:
     ]
     measured = []
     for rank in range(plan["world_size"]):
-        peaks = [
-            r[f"memory/rank{rank}/peak_allocated_gib"]
-            for r in records
-            if f"memory/rank{rank}/peak_allocated_gib" in r
-        ]
+        key = f"memory/rank{rank}/peak_allocated_gib"
+        peaks = [r[key] for r in records if key in r]
         if not peaks:
-            raise RuntimeError(
-                f"{' '.join(point)}: no memory/rank{rank}/peak_allocated_gib in {job_dir}/metrics.jsonl"
-            )
+            raise RuntimeError(f"{' '.join(point)}: no {key} in {job_dir}/metrics.jsonl")
         last = records[-1]
-        states = {kind: last[f"memory/rank{rank}/{kind}_gib"] for kind in STATES}
-        measured.append({"peak_gib": max(peaks), **states})
+        states = {kind: round(last[f"memory/rank{rank}/{kind}_gib"] * GIB) for kind in STATES}
+        measured.append({"peak_bytes": round(max(peaks) * GIB), **states})
     return {"overrides": point, "plan": plan, "measured": measured, "seconds": time.perf_counter() - start}
 
 
-def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per rank: predicted against measured peak and model states, errors in percent."""
+def rows(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """One row per rank: predicted against measured peak (percent) and model states (bytes)."""
     out = []
     for planned, measured in zip(result["plan"]["ranks"], result["measured"]):
-        states_planned = sum(planned[f"{kind}_gib"] for kind in STATES)
-        states_measured = sum(measured[kind] for kind in STATES)
+        predicted = {kind: round(planned[f"{kind}_gib"] * GIB) for kind in STATES}
+        peak = round(planned["peak_gib"] * GIB)
         out.append(
             {
-                "point": " ".join(o for o in result["overrides"][1:5]),
+                "point": name,
                 "rank": planned["rank"],
-                "predicted_gib": planned["peak_gib"],
-                "measured_gib": measured["peak_gib"],
-                "error_pct": 100 * (planned["peak_gib"] - measured["peak_gib"]) / measured["peak_gib"],
-                "states_predicted_gib": states_planned,
-                "states_measured_gib": states_measured,
-                "states_error_pct": 100 * (states_planned - states_measured) / states_measured,
+                "predicted_bytes": peak,
+                "measured_bytes": measured["peak_bytes"],
+                "error_pct": 100 * (peak - measured["peak_bytes"]) / measured["peak_bytes"],
+                "states_predicted": predicted,
+                "states_measured": {kind: measured[kind] for kind in STATES},
                 "moment": planned["peak_moment"],
             }
         )
+    return out
+
+
+def misses(all_rows: list[dict[str, Any]], peak_tolerance_pct: float) -> list[str]:
+    """The pass rule: one line per rank whose peak misses by more than the tolerance or whose model
+    states differ from the plan by any byte; empty when every point passes."""
+    out = []
+    for r in all_rows:
+        where = f"{r['point']} rank {r['rank']}"
+        if abs(r["error_pct"]) > peak_tolerance_pct:
+            out.append(f"{where}: peak {r['error_pct']:+.2f}% (tolerance {peak_tolerance_pct:g}%)")
+        for kind in STATES:
+            planned, measured = r["states_predicted"][kind], r["states_measured"][kind]
+            if planned != measured:
+                out.append(f"{where}: {kind} {planned:,} bytes planned, {measured:,} measured")
     return out
 
 
@@ -127,47 +222,59 @@ def markdown(all_rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in all_rows:
+        planned, measured = sum(r["states_predicted"].values()), sum(r["states_measured"].values())
         lines.append(
-            f"| {r['point']} | {r['rank']} | {r['predicted_gib']:.4f} | {r['measured_gib']:.4f} | {r['error_pct']:+.2f}% "
-            f"| {r['states_predicted_gib']:.4f} / {r['states_measured_gib']:.4f} | {r['states_error_pct']:+.3f}% | {r['moment']} |"
+            f"| {r['point']} | {r['rank']} | {r['predicted_bytes'] / GIB:.4f} | {r['measured_bytes'] / GIB:.4f} "
+            f"| {r['error_pct']:+.2f}% | {planned / GIB:.4f} / {measured / GIB:.4f} "
+            f"| {100 * (planned - measured) / measured:+.3f}% | {r['moment']} |"
         )
     return "\n".join(lines)
 
 
-def main() -> int:
-    args = parse_args()
+def cached(path: Path, tree: str) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Results measured on `tree` (revision()), by their overrides; any other tree's are ignored."""
+    if not path.exists():
+        return {}
+    results = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {tuple(r["overrides"]): r for r in results if r.get("revision") == tree}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results_path = args.out / "results.jsonl"
-    done: dict[tuple[str, ...], dict[str, Any]] = {}
-    if results_path.exists() and not args.fresh:
-        for line in results_path.read_text().splitlines():
-            result = json.loads(line)
-            done[tuple(result["overrides"])] = result
-    grid = itertools.product(args.zero, args.precision, args.checkpointing, args.micro_batch)
+    results_path, tree = args.out / "results.jsonl", revision()
+    done = cached(results_path, tree) if args.reuse else {}
     all_rows = []
-    for zero, precision, checkpointing, micro_batch in grid:
-        point = overrides(args, zero, precision, checkpointing, micro_batch)
-        result = done.get(tuple(point))
+    for point in points(args):
+        command = overrides(point, args.steps)
+        result = done.get(tuple(command))
         if result is None:
-            result = run_point(
-                point, args.out / "jobs" / f"{zero}-{precision}-{checkpointing}-mb{micro_batch}"
-            )
+            job_dir = args.out / "jobs" / "-".join(str(v) for v in point.values())
+            try:
+                result = {**run_point(command, job_dir), "revision": tree}
+            except RuntimeError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
             with results_path.open("a") as f:
                 f.write(json.dumps(result) + "\n")
-        for row in rows(result):
+        for row in rows(result, label(point)):
             all_rows.append(row)
             print(
-                f"{row['point']:55s} rank {row['rank']}  predicted {row['predicted_gib']:.4f} GiB  measured "
-                f"{row['measured_gib']:.4f} GiB  {row['error_pct']:+6.2f}%  states {row['states_error_pct']:+.3f}%  ({row['moment']})",
+                f"{row['point']:60s} rank {row['rank']}  predicted {row['predicted_bytes'] / GIB:.4f} GiB  measured "
+                f"{row['measured_bytes'] / GIB:.4f} GiB  {row['error_pct']:+6.2f}%  ({row['moment']})",
                 flush=True,
             )
     print("\n" + markdown(all_rows))
-    worst_peak = max(abs(r["error_pct"]) for r in all_rows)
-    worst_states = max(abs(r["states_error_pct"]) for r in all_rows)
+    failed = misses(all_rows, args.peak_tolerance_pct)
+    worst = max(abs(r["error_pct"]) for r in all_rows)
+    differ = sum(r["states_predicted"] != r["states_measured"] for r in all_rows)
     print(
-        f"\nworst peak error {worst_peak:.2f}% (tolerance {args.peak_tolerance_pct}%), worst model-state error {worst_states:.3f}% (tolerance {args.states_tolerance_pct}%)"
+        f"\nworst peak error {worst:.2f}% (tolerance {args.peak_tolerance_pct:g}%); model states equal "
+        f"to the byte on {len(all_rows) - differ} of {len(all_rows)} ranks"
     )
-    return int(worst_peak > args.peak_tolerance_pct or worst_states > args.states_tolerance_pct)
+    for line in failed:
+        print(f"MISS {line}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ Arms, each the same `python -m trainer` job (2 CPU ranks, the tiny model, fp32, 
 
 The arms alternate within a round in an order that rotates from round to round, so that a
 shared machine's load hits them alike; the ratio of the medians of steady-state steps/s (the
-runner's summary leaves its warm-up out) is printed against `before`.
+runner's summary leaves its warm-up out) is printed against `before`, with each arm's noise (its
+fastest round over its slowest, less 1).
+
+Pass rule: the change must not slow the step: every arm / before >= --min-ratio (default 0.95,
+the few percent a ratio of two medians moves here between runs); exits 1 when one is below.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ def steps_per_s(checkout: Path, steps: int, extra: list[str]) -> float:
         return 1.0 / summary["time/step_s"]
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="a checkout of zerolab before the change")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument(
+        "--min-ratio", type=float, default=0.95, help="the pass rule's floor for arm / before"
+    )
     args, extra = parser.parse_known_args()
     arms = {
         "before": lambda: steps_per_s(args.before, args.steps, extra),
@@ -62,8 +69,19 @@ def main() -> None:
         )
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(", ".join(f"median {n} {m:.2f} steps/s" for n, m in medians.items()))
-    print(", ".join(f"{n} / before: {medians[n] / medians['before']:.3f}" for n in names[1:]))
+    print(", ".join(f"{n} noise {max(v) / min(v) - 1:.1%}" for n, v in results.items()))
+    ratios = {n: medians[n] / medians["before"] for n in names[1:]}
+    print(", ".join(f"{n} / before: {r:.3f}" for n, r in ratios.items()))
+    failed = slower(ratios, args.min_ratio)
+    for name in failed:
+        print(f"MISS {name} / before {ratios[name]:.3f} < {args.min_ratio:g}")
+    return 1 if failed else 0
+
+
+def slower(ratios: dict[str, float], min_ratio: float) -> list[str]:
+    """The pass rule: the arms whose steps/s over `before`'s is below min_ratio."""
+    return [name for name, ratio in ratios.items() if ratio < min_ratio]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

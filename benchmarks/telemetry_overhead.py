@@ -23,7 +23,8 @@ The cost is the median over cycles (as many rounds as arms, so that every arm ha
 core share once) of each cycle's overhead (1 - the geometric mean of on/off), with a bootstrap
 95% interval of that median: one round's noise on a shared 2-core machine is a few percent, more
 than the 2% budget this is meant to resolve, and only the interval says whether the rounds run
-were enough. The verdict line compares the interval with --budget-pct.
+were enough. The verdict line compares the interval with --budget-pct, and so does the exit
+status: 0 within the budget, 1 over it, 3 undecided (the interval spans it: run more rounds).
 
 Each part of the cost is then also measured on its own, where noise matters little: the memory
 probe's per-window reset and read (in this process), the extra time of a tensor-tracked step (a
@@ -116,7 +117,7 @@ def all_steps_tokens_per_s(records: list[dict[str, float]]) -> float:
     return tokens / seconds
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
@@ -139,8 +140,9 @@ def main() -> None:
             results[arm].append(result)
         print(f"round {round_index + 1}: " + "; ".join(
             f"{arm} {results[arm][-1]['steady']:,.0f} tok/s, {results[arm][-1]['cpu_s']:.1f} cpu s" for arm in arms), flush=True)  # fmt: skip
-    report(results, args.budget_pct)
+    code = report(results, args.budget_pct)
     report_components(args.extra)
+    return code
 
 
 def paired_overheads(
@@ -169,7 +171,8 @@ def bootstrap_interval(
     return medians[int(tail * draws)], medians[int((1 - tail) * draws) - 1]
 
 
-def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> None:
+def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> int:
+    """The table of every arm against `off`; returns verdict()'s exit status for `on`."""
     cycle = len(results)
     print(
         "\n| arm vs off | figure | median of arm | median of off | median overhead per cycle | 95% interval | off-arm spread |"
@@ -186,13 +189,22 @@ def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> Non
                   f"{statistics.median(r[figure] for r in off):,.1f} | {100 * statistics.median(overheads):+.2f}% | "
                   f"{100 * low:+.2f}% .. {100 * high:+.2f}% | {100 * spread:.1f}% |")  # fmt: skip
     low, high = bootstrap_interval(paired_overheads(results["on"], off, "steady", cycle))
+    code, text = verdict(low, high, budget_pct)
+    print(f"\nsteady-throughput cost of telemetry: {text}")
+    return code
+
+
+WITHIN, OVER, UNDECIDED = 0, 1, 3
+"""Exit statuses: the interval below the budget, above it, or spanning it (not shown to hold)."""
+
+
+def verdict(low: float, high: float, budget_pct: float) -> tuple[int, str]:
+    """The pass rule: the 95% interval of the cost (fractions) against the budget (percent)."""
     if 100 * high <= budget_pct:
-        verdict = f"within the {budget_pct:g}% budget (the interval's top is {100 * high:+.2f}%)"
-    elif 100 * low > budget_pct:
-        verdict = f"OVER the {budget_pct:g}% budget (the interval's bottom is {100 * low:+.2f}%)"
-    else:
-        verdict = f"undecided against the {budget_pct:g}% budget: the interval spans it; run more rounds"
-    print(f"\nsteady-throughput cost of telemetry: {verdict}")
+        return WITHIN, f"within the {budget_pct:g}% budget (the interval's top is {100 * high:+.2f}%)"
+    if 100 * low > budget_pct:
+        return OVER, f"OVER the {budget_pct:g}% budget (the interval's bottom is {100 * low:+.2f}%)"
+    return UNDECIDED, f"undecided against the {budget_pct:g}% budget: the interval spans it; run more rounds"
 
 
 def probe_cost_s() -> float:
@@ -304,4 +316,4 @@ def report_components(extra: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -76,7 +76,11 @@ def test_the_fork_server_leaves_cuda_uninitialised() -> None:
 
 def test_this_gpu_is_in_the_device_table() -> None:
     name = torch.cuda.get_device_name(0)
-    assert find_device(name) is not None, f"{name!r} is not in trainer/devices.py"
+    spec = find_device(name)
+    assert spec is not None, f"{name!r} is not in trainer/devices.py"
+    # The table's memory is nvidia-smi's total; CUDA's own total is that less what the driver keeps (<1%).
+    total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+    assert 0.97 * spec.memory_mib <= total_mib <= spec.memory_mib, (total_mib, spec)
 
 
 def test_tf32_switches_the_matmul_precision() -> None:

@@ -130,7 +130,17 @@ def test_plan_enforce_false_starts_the_ranks_anyway(tmp_path: Path) -> None:
         tmp_path / "tried", *TINY_JOB, "device_memory_gib=0.001", "plan.enforce=false", check=False
     )
     assert "trying anyway" in tried.stdout
-    assert tried.summary["status"] != "refused"
+    # Met: the first allocation past the 1 MiB cap ends a rank out of memory while it sets up.
+    summary = tried.summary
+    assert (tried.returncode, summary["status"], summary["failed_step"], summary["failed_phase"]) == (
+        1,
+        "oom",
+        0,
+        "setup",
+    ), tried.stderr[-3000:]
+    record = json.loads((tried.out_dir / "failures" / f"rank{summary['failed_rank']}.json").read_text())
+    assert (record["rank"], record["oom"], record["phase"]) == (summary["failed_rank"], True, "setup")
+    assert "DefaultCPUAllocator: can't allocate memory" in record["message"]
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO, Run, run_trainer
-from trainer.config import ModelConfig, PrecisionConfig
+from trainer.config import ModelConfig, PlanConfig, PrecisionConfig
 from trainer.model.decoder import build_model, num_params
 
 WANDB = str(Path(sys.executable).parent / "wandb")
@@ -305,14 +305,34 @@ def peak_bytes(record: dict[str, Any], rank: int, key: str = "peak_allocated_gib
 
 def test_stage1_saves_each_rank_exactly_the_optimizer_state_it_no_longer_holds(stage_peaks) -> None:
     stage0, stage1 = stage_peaks["stage0"], stage_peaks["stage1"]
+    model = build_model(ModelConfig(), device="meta")
     adam_bytes = 8 * num_params(ModelConfig())  # two fp32 moments per parameter, on every rank at stage0
+    assert [peak_bytes(stage0, rank, "optimizer_gib") for rank in (0, 1)] == [adam_bytes] * 2
     # ZeroRedundancyOptimizer partitions whole tensors, so the ranks' shares differ; together they hold it all.
     shares = [peak_bytes(stage1, rank, "optimizer_gib") for rank in (0, 1)]
-    assert sum(shares) == pytest.approx(adam_bytes)
+    assert sum(shares) == adam_bytes and shares[0] != shares[1]
+    # At the peak, MemTracker's optimizer figure also holds Adam's 4-byte step counter per tensor
+    # (partitioned with its tensor at stage1).
+    at_peak = {
+        name: [peak_bytes(stage, rank, "at_peak/optimizer_gib") for rank in (0, 1)]
+        for name, stage in (("stage0", stage0), ("stage1", stage1))
+    }
+    with_steps = adam_bytes + 4 * len(list(model.parameters()))
+    assert at_peak["stage0"] == [with_steps] * 2 and sum(at_peak["stage1"]) == with_steps
     for rank in (0, 1):
-        saving = peak_bytes(stage0, rank) - peak_bytes(stage1, rank)
-        # The ZeRO arithmetic: stage1 removes (8P - this rank's share); bound: within 2% of it.
-        assert saving == pytest.approx(adam_bytes - shares[rank], rel=0.02)
+        # The ZeRO arithmetic, to the byte: stage1's peak is stage0's less the state this rank gave away.
+        assert peak_bytes(stage0, rank) - peak_bytes(stage1, rank) == with_steps - at_peak["stage1"][rank]
+
+
+def test_a_cpu_rank_holds_no_more_than_the_plan_budgets_for_it(stage_peaks) -> None:
+    """The host check budgets plan.cpu_rank_runtime_gib (0.4 GiB) of process runtime per CPU rank on
+    top of its tensors (docs/faults.md): a rank's peak RSS must stay within that budget."""
+    runtime_gib = PlanConfig().cpu_rank_runtime_gib
+    for stage in ("stage0", "stage1", "stage3"):
+        record = stage_peaks[stage]
+        for rank in (0, 1):
+            rss = record[f"memory/rank{rank}/peak_rss_gib"]
+            assert rss <= runtime_gib + record["memory/predicted_peak_gib"], (stage, rank, rss)
 
 
 def test_stage3_saves_the_sharded_model_states_less_the_transient_full_copies(stage_peaks) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from trainer.config import DType, PrecisionConfig
 from trainer.telemetry.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.telemetry.metrics import device_peak_flops, memory_fields, mfu_pct
+from trainer.telemetry.metrics import check_ranks_agree, device_peak_flops, memory_fields, mfu_pct
 from trainer.units import GIB
 
 NAN = float("nan")
@@ -118,3 +118,10 @@ def test_fp32_uses_the_tf32_peak_once_tf32_is_on(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr("trainer.telemetry.metrics.tf32_enabled", lambda: True)
     assert device_peak_flops(torch.device("cuda", 0), PrecisionConfig(), None) == 156.0e12
+
+
+def test_ranks_that_disagree_on_the_loss_scale_or_skips_raise_an_error_not_an_assert() -> None:
+    check_ranks_agree(torch.tensor([[512.0, 1.0], [512.0, 1.0]], dtype=torch.float64))  # agreed: no error
+    for rank1 in ([1024.0, 1.0], [512.0, 0.0]):  # rank 1 kept its scale, or took the step rank 0 skipped
+        with pytest.raises(RuntimeError, match=r"^ranks disagree on loss scale and skipped steps"):
+            check_ranks_agree(torch.tensor([[512.0, 1.0], rank1], dtype=torch.float64))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -15,12 +16,27 @@ from trainer.rank.sharding import gradient_sync
 
 
 def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(process_group: None) -> None:
+    """Three micro-batches of a window with real backwards: DDP's communication hook (which every
+    bucket's all-reduce goes through) runs only in the last, and the window sums all three."""
+    torch.manual_seed(0)
+    reference = nn.Linear(2, 1)
     model = DistributedDataParallel(nn.Linear(2, 1))
-    with gradient_sync(model, enabled=False):
-        assert model.require_backward_grad_sync is False  # DDP.no_sync: gradients accumulate locally
-    assert model.require_backward_grad_sync is True
-    with gradient_sync(model, enabled=True):
-        assert model.require_backward_grad_sync is True
+    model.module.load_state_dict(reference.state_dict())
+    reduced: list[int] = []  # the micro-batch index of every bucket all-reduce
+
+    def counting_allreduce(state, bucket):  # unannotated: DDP rejects the strings `annotations` makes of them
+        reduced.append(micro_batch)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    batches = [torch.randn(3, 2) for _ in range(3)]
+    for micro_batch, batch in enumerate(batches):
+        with gradient_sync(model, enabled=micro_batch == len(batches) - 1):
+            model(batch).sum().backward()
+    assert reduced == [2]  # one bucket (two small tensors), all-reduced once, in the last micro-batch
+    for batch in batches:
+        reference(batch).sum().backward()
+    assert all(torch.allclose(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
 
 
 def test_fsdp_reduces_once_and_the_window_sums_every_micro_batch(process_group: None) -> None:

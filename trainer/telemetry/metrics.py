@@ -164,10 +164,7 @@ class Meter:
 
     def build_record(self, step: int, per_rank: torch.Tensor) -> dict[str, Any]:
         assert self.last is not None
-        # Every rank must have taken (or skipped) the same steps with the same scale.
-        assert (per_rank[:, 6:8] == per_rank[0, 6:8]).all(), (
-            f"ranks disagree on loss scale: {per_rank[:, 6:8].tolist()}"
-        )
+        check_ranks_agree(per_rank[:, 6:8])
         record: dict[str, Any] = {
             "step": step,
             "loss/train": per_rank[:, 0].mean().item(),
@@ -277,6 +274,15 @@ def memory_key(rank: int, name: str) -> str:
     if category in TENSOR_CATEGORIES:
         return f"memory/rank{rank}/at_peak/{category}_gib"  # what the tensors at the peak moment were
     return f"memory/rank{rank}/{name}_gib"
+
+
+def check_ranks_agree(scale_and_skips: torch.Tensor) -> None:
+    """Every rank must have taken (or skipped) the same steps with the same loss scale: ranks that
+    disagree train different models. A real check, not an assert (`python -O` strips those)."""
+    if not (scale_and_skips == scale_and_skips[0]).all():
+        raise RuntimeError(
+            f"ranks disagree on loss scale and skipped steps (rank by rank): {scale_and_skips.tolist()}"
+        )
 
 
 def mfu_pct(flops_per_token: float, tokens_per_s: float, peak_flops: float, world_size: int) -> float:
