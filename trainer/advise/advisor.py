@@ -24,14 +24,25 @@ from typing import Any
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.predict import StepTime, predict_step
 from trainer.advise.verify import Proposal, override_key, verify
-from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.config import (
+    CheckpointMode,
+    ConfigError,
+    LossKind,
+    OffloadTarget,
+    ReduceDType,
+    Stage,
+    TrainConfig,
+)
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, device_memory, plan_comm
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
 
-CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
+CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum", "loss")
+LOSS_SHARE = 0.2
+"""loss=chunked is considered too where the full loss's fp32 logits-sized tensors (12 bytes per token and
+vocabulary entry: the log-softmax and its two gradients) are at least this share of a candidate's peak."""
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
 
 
@@ -49,7 +60,8 @@ class Candidate:
 
     def label(self) -> str:
         c = self.choice
-        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
+        loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
+        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
 
     def overrides(self) -> list[str]:
         return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS]
@@ -103,6 +115,7 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                             reduce_dtype.value,
                             mb,
                             per_rank // mb,
+                            config.loss.kind.value,
                         )
                         out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
@@ -120,6 +133,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
+        loss=replace(config.loss, kind=LossKind(choice["loss"])),
     )
 
 
@@ -147,7 +161,11 @@ def evaluate(
     )
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
+    # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
+    # (MFU still counts the model's own FLOPs).
+    m = candidate.model
+    run_flops = flops + (2.0 * m.vocab_size * m.dim if candidate.loss.kind == LossKind.chunked else 0.0)
+    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, run_flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     return Candidate(
         choice,
@@ -160,16 +178,22 @@ def evaluate(
     )
 
 
+def loss_share(config: TrainConfig, candidate: Candidate) -> float:
+    """The full loss's fp32 logits-sized tensors (log-softmax and its two gradients) over the peak."""
+    tokens = candidate.choice["micro_batch"] * config.seq_len
+    return 12 * tokens * config.model.vocab_size / candidate.peak_bytes
+
+
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
-    refused = {
-        (tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"])
-        for c in candidates
-        if c.fits is False
-    }
+
+    def same_but_batch(c: Candidate) -> tuple[Any, ...]:
+        return tuple(c.choice[k] for k in CHOSEN_KEYS if k not in ("micro_batch", "grad_accum"))
+
+    refused = {(same_but_batch(c), c.choice["micro_batch"]) for c in candidates if c.fits is False}
     out = []
     for c in candidates:
-        key = tuple(c.choice[k] for k in CHOSEN_KEYS[:4])
+        key = same_but_batch(c)
         if c.fits is not False and (key, 2 * c.choice["micro_batch"]) in refused:
             c = dataclasses.replace(c, limiter=f"{c.limiter}; memory stops mb={2 * c.choice['micro_batch']}")
         out.append(c)
@@ -186,6 +210,12 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
         for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options)
         if c is not None
     ]
+    chunked = [
+        evaluate(config, {**c.choice, "loss": LossKind.chunked.value}, device_kind, world_size, rates, flops)
+        for c in evaluated
+        if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
+    ]
+    evaluated += [c for c in chunked if c is not None]
     ranked = sorted(
         with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes)
     )
