@@ -14,6 +14,7 @@ from trainer.config import TrainConfig, register_configs, to_plain, validate
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [
     "model",
+    "loss",
     "precision",
     "zero",
     "checkpointing",
@@ -25,7 +26,26 @@ GROUPS = [
     "logger",
 ]
 REQUIRED_OPTIONS = {
-    "model": {"tiny", "125m", "350m", "1b", "7b", "13b", "70b"},
+    "model": {
+        "tiny",
+        "125m",
+        "350m",
+        "1b",
+        "7b",
+        "13b",
+        "70b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "llama3.2-1b",
+        "llama3.2-3b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "qwen3-32b",
+        "mistral-7b",
+        "hf",
+    },
+    "loss": {"full", "chunked"},
     "precision": {"fp32", "bf16", "fp16"},
     "zero": {"stage0", "stage1", "stage2", "stage3"},
     "checkpointing": {"none", "full", "selective"},
@@ -37,7 +57,12 @@ REQUIRED_OPTIONS = {
     "logger": {"wandb", "none"},
 }
 # Options that need a partner to be valid on their own.
-PARTNERS = {("offload", "cpu"): ["zero=stage3"], ("data", "tokens"): ["data.path=tokens.npy"]}
+PARTNERS = {
+    ("offload", "cpu"): ["zero=stage3"],
+    ("data", "tokens"): ["data.path=tokens.npy"],
+    # A Llama config.json (LlamaConfig's defaults fill the rest); skipped without transformers.
+    ("model", "hf"): [f"model.config={Path(__file__).parent / 'llama_config.json'}"],
+}
 
 
 def options(group: str) -> list[str]:
@@ -58,6 +83,8 @@ def test_group_has_the_required_options(group: str) -> None:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes(group: str, option: str) -> None:
+    if (group, option) == ("model", "hf"):
+        pytest.importorskip("transformers")
     config = compose_config([f"{group}={option}", *PARTNERS.get((group, option), [])])
     assert isinstance(config, TrainConfig)
 

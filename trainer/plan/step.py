@@ -241,30 +241,38 @@ def loss_backward_temporary(ctx: StepContext) -> int:
 def chunked_loss_moments(ctx: StepContext, fixed: int, weight_grad: int, head_end: int) -> list[Moment]:
     """loss=chunked (trainer/model/loss.py): the moments of the loss and the output head, chunk by chunk.
 
-    c = the largest chunk's tokens. Forward and each chunk's recompute hold the chunk's logits, their
-    fp32 copy (half precision) and log-softmax: 8·c·V fp32, 10·c·V bf16. Its backward holds the
-    log-softmax and its two gradients (12·c·V), then the logits' gradient, the chunk's input gradient
-    and a new head weight gradient. Backward runs the chunks last to first; autograd buffers what each
-    finished chunk passed on until every chunk is done: one head weight gradient (`weight_grad`, the
-    later ones added into it) and the chunks' input gradients (residual dtype), so chunk 0, run last,
-    holds the most. Then the input gradients are concatenated (two copies) and `head_end` (the
-    weight gradient's last form: autocast's fp32 cast next to its bf16, DDP's copy into the bucket) runs.
+    c tokens a chunk, k chunks, the last r tokens. Forward and each chunk's recompute hold the chunk's
+    logits, their fp32 copy (half precision) and log-softmax: 8·c·V fp32, 10·c·V bf16. Its backward
+    holds the log-softmax and its two gradients (12·c·V), then the logits' gradient, the chunk's input
+    gradient and a new head weight gradient (`weight_grad`). Backward runs the chunks last to first and
+    autograd buffers what each passed on until every chunk is done: the chunks' input gradients
+    (residual dtype) and one head weight gradient, to which each chunk's is added. The first addition
+    (the second chunk run) is out of place (the first gradient is a transposed view): three weight
+    gradients at once; later ones add in place: two. Then the input gradients are concatenated (two
+    copies) and `head_end` runs (the weight gradient's last form: autocast's fp32 cast next to its
+    bf16, DDP's copy into the bucket).
     """
     m, n, prec, acts = ctx.config.model, ctx.tokens, ctx.prec, ctx.acts
     c = min(ctx.config.loss.chunk_tokens, n)
-    V, D = m.vocab_size, m.dim
-    held = (weight_grad if c < n else 0) + prec.residual * (n - c) * D
+    k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
+    r = n - (k - 1) * c
+    held = (weight_grad if k > 1 else 0) + res * (n - c) * D  # before chunk 0 (run last): the most
     logits = (8 if prec.regime == "fp32" else 10) * c * V
     chunk_head = prec.compute * c * (V + D) + weight_grad
+    # The additions: the second chunk run (its own input gradient still in the compute dtype), and chunk 0.
+    added = [3 * weight_grad + res * r * D + prec.compute * c * D] if k > 1 else [0]
+    if k > 2:
+        added.append(2 * weight_grad + res * (n - c) * D + prec.compute * c * D)
     return [
         ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
         ctx.moment("backward: loss recompute", activations=acts.total, temporary=fixed + held + logits),
         ctx.moment("backward: loss", activations=acts.total, temporary=fixed + held + 12 * c * V),
         ctx.moment("backward: output head", activations=acts.total, temporary=fixed + held + chunk_head),
+        ctx.moment("backward: head gradient added", activations=acts.total, temporary=fixed + max(added)),
         ctx.moment(
             "backward: loss end",
             activations=acts.total,
-            temporary=fixed + 2 * prec.residual * n * D + head_end,
+            temporary=fixed + max(2 * res * n * D + weight_grad, head_end),
         ),
     ]
 
