@@ -157,9 +157,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.config is not None:
-            from trainer.model.hf_config import apply_hf_config  # imports transformers where installed
-
-            apply_hf_config(self)
+            self._apply_hf_config()
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             _require(getattr(self, key) >= 1, f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.head_dim is None:
@@ -184,6 +182,22 @@ class ModelConfig:
                 self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_factor > 0,
                 "model.rope_high_freq_factor must be > model.rope_low_freq_factor > 0 and model.rope_factor > 0",
             )
+
+    def _apply_hf_config(self) -> None:
+        """model=hf: the config.json's shapes replace these keys (trainer/model/hf_config.py). Read once, in
+        the job: `config` is emptied and `name` becomes hf:<path>, so ranks neither read it nor import
+        transformers, and the run's config records where its shapes came from."""
+        from trainer.model.hf_config import HfConfigError, config_path, model_fields  # transformers, lazily
+
+        try:
+            path = config_path(self.config or "")
+            fields = model_fields(path)
+        except HfConfigError as err:
+            raise ConfigError(str(err)) from None
+        for key, value in fields.items():
+            setattr(self, key, value)
+        self.rope_scaling = RopeScaling(self.rope_scaling)
+        self.name, self.config = f"hf:{path.resolve()}", None
 
     @property
     def head_width(self) -> int:

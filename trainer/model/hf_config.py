@@ -14,6 +14,8 @@ embeddings, grouped-query attention, SwiGLU, and per family
 
 Anything else (mixture-of-experts, encoder-decoder, other activations, biases elsewhere, other
 rope scalings) is refused in one line naming what is not supported, before any rank starts.
+This module imports nothing of trainer/ (trainer/config.py calls it): its HfConfigError becomes the
+schema's ConfigError there, its `rope_scaling` a RopeScaling name.
 Weights are not loaded: zerolab trains from its own initialisation (and rotates adjacent pairs
 of each head, Meta's layout, where transformers rotates halves of permuted weights).
 """
@@ -24,9 +26,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, ModelConfig, RopeScaling
-
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class HfConfigError(ValueError):
+    """A config.json zerolab cannot read or does not support (one line)."""
 
 
 def config_path(value: str) -> Path:
@@ -35,7 +39,7 @@ def config_path(value: str) -> Path:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(
+        raise HfConfigError(
             f"model.config={value}: no such config.json (give the file or a directory holding one)"
         )
     return path
@@ -46,7 +50,7 @@ def architecture(raw: dict[str, Any], path: Path) -> str:
     names = raw.get("architectures") or []
     if len(names) != 1 or names[0] not in SUPPORTED:
         found = ", ".join(names) if names else f"none (model_type {raw.get('model_type')})"
-        raise ConfigError(
+        raise HfConfigError(
             f"model.config={path}: architecture {found} is not supported; supported: {', '.join(SUPPORTED)}"
         )
     return names[0]
@@ -56,7 +60,7 @@ def hf_config_class(name: str) -> type:
     try:
         import transformers
     except ImportError:
-        raise ConfigError(
+        raise HfConfigError(
             "model=hf reads config.json with transformers' configuration classes: pip install 'zerolab[hf]' "
             "(transformers>=4.51)"
         ) from None
@@ -71,14 +75,14 @@ def rope_fields(hf: Any, path: Path) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type")) or "default"
     fields: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
     if kind == "default":
-        return {**fields, "rope_scaling": RopeScaling.none}
+        return {**fields, "rope_scaling": "none"}
     if kind != "llama3":
-        raise ConfigError(
+        raise HfConfigError(
             f"model.config={path}: rope scaling {kind} is not supported; supported: llama3, none"
         )
     return {
         **fields,
-        "rope_scaling": RopeScaling.llama3,
+        "rope_scaling": "llama3",
         "rope_factor": float(params["factor"]),
         "rope_low_freq_factor": float(params["low_freq_factor"]),
         "rope_high_freq_factor": float(params["high_freq_factor"]),
@@ -95,7 +99,7 @@ def refuse_unsupported(hf: Any, name: str, path: Path) -> None:
     }
     for key, refused in unsupported.items():
         if refused:
-            raise ConfigError(
+            raise HfConfigError(
                 f"model.config={path}: {name} with {key}={getattr(hf, key)} is not supported "
                 "(zerolab's decoder: SwiGLU with silu, no biases but Qwen2's on q, k, v)"
             )
@@ -132,18 +136,3 @@ def model_fields(path: Path) -> dict[str, Any]:
         "qkv_bias": name == "Qwen2ForCausalLM",
         **rope_fields(hf, path),
     }
-
-
-def apply_hf_config(model: ModelConfig) -> None:
-    """Replace `model`'s shape keys with the config.json's (ModelConfig.__post_init__ calls this).
-
-    The path is resolved once, in the job: `model.config` is emptied and `model.name` becomes
-    `hf:<path>`, so the ranks (which check the config again) neither read the file nor import
-    transformers, and the run's config records where its shapes came from.
-    """
-    assert model.config is not None
-    path = config_path(model.config)
-    for key, value in model_fields(path).items():
-        setattr(model, key, value)
-    model.name = f"hf:{path.resolve()}"
-    model.config = None
