@@ -90,6 +90,16 @@ class AttentionKernel(str, Enum):
     math = "math"
 
 
+class RopeScaling(str, Enum):
+    none = "none"
+    llama3 = "llama3"
+
+
+class LossKind(str, Enum):
+    full = "full"
+    chunked = "chunked"
+
+
 class FaultKind(str, Enum):
     none = "none"
     inf_grad = "inf_grad"
@@ -123,22 +133,89 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    head_dim: int | None = None
+    """Width of each attention head; None: dim / n_heads (Qwen3 sets it apart, e.g. 128 at dim 1024 with 16 heads)."""
+    tie_embeddings: bool = False
+    """The output head reuses the token embedding's weight: one parameter (Llama-3.2 1B/3B, small Qwen3)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    rope_scaling: RopeScaling = RopeScaling.none
+    """none, or llama3: Llama-3.1's rotary frequency scaling (the rope_* keys below)."""
+    rope_factor: float = 8.0
+    """rope_scaling=llama3 only: low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """rope_scaling=llama3 only: wavelengths above original_max_seq_len / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """rope_scaling=llama3 only: wavelengths below original_max_seq_len / this are kept."""
+    rope_original_max_seq_len: int = 8192
+    """rope_scaling=llama3 only: the context the frequencies were trained for before scaling."""
+    config: str | None = None
+    """model=hf only: a Hugging Face config.json (or a directory holding one) whose shapes replace the keys
+    above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
 
     def __post_init__(self) -> None:
+        if self.config is not None:
+            self._apply_hf_config()
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             _require(getattr(self, key) >= 1, f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.head_dim is None:
+            _require(
+                self.dim % self.n_heads == 0,
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}), or set model.head_dim",
+            )
         _require(
-            self.dim % self.n_heads == 0,
-            f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})",
+            self.head_dim is None or self.head_dim >= 1,
+            f"model.head_dim must be >= 1 or null, got {self.head_dim}",
         )
         _require(
             self.n_heads % self.n_kv_heads == 0,
             f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})",
         )
         _require(
-            (self.dim // self.n_heads) % 2 == 0,
-            f"model.dim / model.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings",
+            self.head_width % 2 == 0,
+            f"model.head_dim ({self.head_width}, dim / n_heads unless set) must be even for rotary embeddings",
         )
+        if self.rope_scaling == RopeScaling.llama3:
+            _require(
+                self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_factor > 0,
+                "model.rope_high_freq_factor must be > model.rope_low_freq_factor > 0 and model.rope_factor > 0",
+            )
+
+    def _apply_hf_config(self) -> None:
+        """model=hf: the config.json's shapes replace these keys (trainer/model/hf_config.py). Read once, in
+        the job: `config` is emptied and `name` becomes hf:<path>, so ranks neither read it nor import
+        transformers, and the run's config records where its shapes came from."""
+        from trainer.model.hf_config import HfConfigError, config_path, model_fields  # transformers, lazily
+
+        try:
+            path = config_path(self.config or "")
+            fields = model_fields(path)
+        except HfConfigError as err:
+            raise ConfigError(str(err)) from None
+        for key, value in fields.items():
+            setattr(self, key, value)
+        self.rope_scaling = RopeScaling(self.rope_scaling)
+        self.name, self.config = f"hf:{path.resolve()}", None
+
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width: `head_dim`, else dim / n_heads."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+
+@dataclass
+class LossConfig:
+    """conf/loss/*.yaml: how the output projection and the cross-entropy are computed (trainer/model/loss.py)."""
+
+    kind: LossKind = LossKind.full
+    """full: all logits at once (fp32 B x T x V); chunked: chunk_tokens at a time, each recomputed in backward."""
+    chunk_tokens: int = 1024
+    """chunked only: tokens (of micro_batch x seq_len) per chunk of the output projection and loss."""
+
+    def __post_init__(self) -> None:
+        _require(self.chunk_tokens >= 1, f"loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
 
 @dataclass
@@ -485,6 +562,7 @@ class TrainConfig:
     """conf/train.yaml: one training job."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)

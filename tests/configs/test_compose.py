@@ -15,6 +15,7 @@ from trainer.config import TrainConfig, register_configs, to_plain, validate
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [
     "model",
+    "loss",
     "precision",
     "zero",
     "checkpointing",
@@ -26,7 +27,26 @@ GROUPS = [
     "logger",
 ]
 REQUIRED_OPTIONS = {
-    "model": {"tiny", "125m", "350m", "1b", "7b", "13b", "70b"},
+    "model": {
+        "tiny",
+        "125m",
+        "350m",
+        "1b",
+        "7b",
+        "13b",
+        "70b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "llama3.2-1b",
+        "llama3.2-3b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "qwen3-32b",
+        "mistral-7b",
+        "hf",
+    },
+    "loss": {"full", "chunked"},
     "precision": {"fp32", "bf16", "fp16"},
     "zero": {"stage0", "stage1", "stage2", "stage3"},
     "checkpointing": {"none", "full", "selective"},
@@ -38,12 +58,17 @@ REQUIRED_OPTIONS = {
     "logger": {"wandb", "none"},
 }
 # What an option file's first line must name: the mechanism (a torch/numpy API, a class, FSDP2,
-# W&B, the published model family it copies), or for an option that turns one off, that it is off.
+# W&B, the published model family it copies: Llama, Qwen, Mistral), or for an option that turns one off, that it is off.
 MECHANISM = re.compile(
-    r"\b(torch|numpy)\.\w+|\b[A-Z][a-z]+[A-Z]\w+|\bFSDP2\b|Weights & Biases|\bLlama\b|^# (No|Only) "
+    r"\b(torch|numpy)\.\w+|\b[A-Z][a-z]+[A-Z]\w+|\bFSDP2\b|Weights & Biases|\b(Llama|Qwen\d*|Mistral)\b|^# (No|Only) "
 )
 # Options that need a partner to be valid on their own.
-PARTNERS = {("offload", "cpu"): ["zero=stage3"], ("data", "tokens"): ["data.path=tokens.npy"]}
+PARTNERS = {
+    ("offload", "cpu"): ["zero=stage3"],
+    ("data", "tokens"): ["data.path=tokens.npy"],
+    # A Llama config.json (LlamaConfig's defaults fill the rest); skipped without transformers.
+    ("model", "hf"): [f"model.config={Path(__file__).parent / 'llama_config.json'}"],
+}
 
 
 def options(group: str) -> list[str]:
@@ -65,8 +90,13 @@ def test_group_has_the_required_options(group: str) -> None:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes(group: str, option: str) -> None:
     """The validated config's group is the schema's defaults with the option file's values on top."""
+    if (group, option) == ("model", "hf"):
+        pytest.importorskip("transformers")
     partners = PARTNERS.get((group, option), [])
     config = compose_config([f"{group}={option}", *partners])
+    if (group, option) == ("model", "hf"):  # the shapes come from the config.json, not the option file
+        assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 256)
+        return
     chosen = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")) or {}
     by_partner = {
         o.split("=")[0].removeprefix(f"{group}."): o.split("=")[1]

@@ -24,7 +24,15 @@ from typing import Any
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.predict import StepTime, predict_step_tiers
 from trainer.advise.verify import Proposal, override_key, verify
-from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.config import (
+    CheckpointMode,
+    ConfigError,
+    LossKind,
+    OffloadTarget,
+    ReduceDType,
+    Stage,
+    TrainConfig,
+)
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, device_memory, plan_comm
 from trainer.plan.groups import LINKS, shard_groups
@@ -39,11 +47,15 @@ CHOSEN_KEYS = (
     "zero.reduce_dtype",
     "micro_batch",
     "grad_accum",
+    "loss",
     "zero.shard_ranks",
     "zero.hpz_ranks",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
 """What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
+LOSS_SHARE = 0.2
+"""loss=chunked is considered too where the full loss's fp32 logits-sized tensors (12 bytes per token and
+vocabulary entry: the log-softmax and its two gradients) are at least this share of a candidate's peak."""
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
 
 
@@ -68,7 +80,8 @@ class Candidate:
             for name, key in (("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
             if c.get(key) is not None
         )
-        return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
+        loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
+        return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
 
     def overrides(self) -> list[str]:
         """Every chosen key; the group sizes only where set (null, their default, is every rank / none)."""
@@ -127,6 +140,7 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                                 reduce_dtype.value,
                                 mb,
                                 per_rank // mb,
+                                config.loss.kind.value,
                                 shard,
                                 hpz,
                             )
@@ -163,6 +177,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
+        loss=replace(config.loss, kind=LossKind(choice["loss"])),
     )
 
 
@@ -199,7 +214,11 @@ def evaluate(
     )
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    step = predict_step_tiers(candidate, world_size, comm, local_numel, flops, rates)
+    # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
+    # (MFU still counts the model's own FLOPs).
+    m = candidate.model
+    run_flops = flops + (2.0 * m.vocab_size * m.dim if candidate.loss.kind == LossKind.chunked else 0.0)
+    step = predict_step_tiers(candidate, world_size, comm, local_numel, run_flops, rates)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     device_fits = None if budget is None else peak <= budget
     return Candidate(
@@ -213,6 +232,12 @@ def evaluate(
         plan.host.need_bytes,
         plan.host_fits,
     )
+
+
+def loss_share(config: TrainConfig, candidate: Candidate) -> float:
+    """The full loss's fp32 logits-sized tensors (log-softmax and its two gradients) over the peak."""
+    tokens = candidate.choice["micro_batch"] * config.seq_len
+    return 12 * tokens * config.model.vocab_size / candidate.peak_bytes
 
 
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
@@ -241,6 +266,12 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
         for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options)
         if c is not None
     ]
+    chunked = [
+        evaluate(config, {**c.choice, "loss": LossKind.chunked.value}, device_kind, world_size, rates, flops)
+        for c in evaluated
+        if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
+    ]
+    evaluated += [c for c in chunked if c is not None]
     ranked = sorted(
         with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes)
     )

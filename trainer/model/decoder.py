@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from trainer.config import ModelConfig
+from trainer.config import LossConfig, ModelConfig, RopeScaling
 from trainer.model.attention import SdpaChoice
+from trainer.model.loss import chunked_cross_entropy
 
 INIT_STD = 0.02
 """Standard deviation of every linear and embedding weight (GPT-2 / Llama)."""
@@ -42,13 +43,33 @@ _RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
 def build_rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device, config: ModelConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angle of every (position, frequency) pair, in fp32."""
+    """cos and sin of the rotation angle of every (position, frequency) pair, in fp32; `config`'s
+    rope_scaling (Llama-3.1) rescales the frequencies."""
     inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if config is not None and config.rope_scaling == RopeScaling.llama3:
+        inv_freq_F = llama3_scaled_frequencies(inv_freq_F, config)
     pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles_TF = torch.outer(pos_T, inv_freq_F)
     return angles_TF.cos(), angles_TF.sin()
+
+
+def llama3_scaled_frequencies(inv_freq_F: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Llama-3.1's frequency scaling: wavelengths longer than original_max_seq_len / low_freq_factor
+    are divided by `factor`, shorter than original / high_freq_factor kept, those between blended.
+
+    Written out because torch has no rotary embeddings and transformers is an optional extra; the
+    rule is Meta's `apply_scaling` (meta-llama/llama-models, models/llama3/reference_impl/model.py),
+    also transformers' `_compute_llama3_parameters` (src/transformers/modeling_rope_utils.py).
+    """
+    factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    original = config.rope_original_max_seq_len
+    wavelen_F = 2 * math.pi / inv_freq_F
+    smooth_F = (original / wavelen_F - low) / (high - low)
+    blended_F = (1 - smooth_F) * inv_freq_F / factor + smooth_F * inv_freq_F
+    scaled_F = torch.where(wavelen_F > original / low, inv_freq_F / factor, blended_F)
+    return torch.where(wavelen_F < original / high, inv_freq_F, scaled_F)
 
 
 def apply_rope(x_BTHQ: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -70,17 +91,27 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
-        self.head_dim = config.dim // config.n_heads
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = config.head_width
+        bias = config.qkv_bias  # Qwen2: biases on q, k, v only
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        # Qwen3: RMSNorm of each query and key head (one weight of head_dim shared by the heads).
+        # Registered only when asked for, so other models' state-dict keys are unchanged.
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.sdpa = SdpaChoice()  # the run's kernel (set_attention_kernel below)
 
     def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTHQ = apply_rope(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TF, sin_TF)
-        k_BTKQ = apply_rope(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TF, sin_TF)
+        q_BTHQ = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
+        k_BTKQ = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q_BTHQ, k_BTKQ = self.q_norm(q_BTHQ), self.k_norm(k_BTKQ)
+        q_BTHQ = apply_rope(q_BTHQ, cos_TF, sin_TF)
+        k_BTKQ = apply_rope(k_BTKQ, cos_TF, sin_TF)
         v_BTKQ = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         q_BHTQ, k_BKTQ, v_BKTQ = q_BTHQ.transpose(1, 2), k_BTKQ.transpose(1, 2), v_BTKQ.transpose(1, 2)
         grouped = self.n_kv_heads != self.n_heads
@@ -128,7 +159,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding, `n_layers` blocks, a final RMSNorm and an untied output head."""
+    """Token embedding, `n_layers` blocks, a final RMSNorm and an output head, untied unless
+    `tie_embeddings` (then one parameter, registered as `tok_embeddings.weight`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -137,26 +169,38 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived from the config, never trained or saved, so they are neither
         # parameters nor buffers: computed on first use on the device of the tokens and cached per
         # device. As buffers they would be garbage after `to_empty`, be stranded on the CPU when
         # FSDP2 offloads states to host memory but computes on the GPU, be rounded by
         # `model.to(bfloat16)`, and be broadcast by DDP (broadcast_buffers) on every forward.
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.loss_chunk_tokens = 1024  # tokens per chunk when forward is given targets (apply_loss_choice)
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
         if device not in self._rope_cache:
-            head_dim = self.config.dim // self.config.n_heads
+            c = self.config
             # Built outside inference mode even when first asked for inside it (an eval before
             # training): an inference tensor could never be saved for a later backward.
             with torch.inference_mode(False):
-                tables = build_rope_tables(head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+                tables = build_rope_tables(c.head_width, c.max_seq_len, c.rope_theta, device, c)
             self._rope_cache[device] = tables
         return self._rope_cache[device]
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """Next-token logits in the compute dtype; the caller takes the loss in fp32."""
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits in the compute dtype, for the caller to take the loss in fp32; or, given
+        `targets_BT`, the mean loss by chunks (`loss_chunk_tokens`, trainer/model/loss.py), inside
+        forward so that FSDP2's root hooks see the output head's use."""
+        hidden_BTD = self.hidden(tokens_BT)
+        if targets_BT is None:
+            return self.output(hidden_BTD)
+        return chunked_cross_entropy(hidden_BTD, self.output.weight, targets_BT, self.loss_chunk_tokens)
+
+    def hidden(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The final norm's output, what the output head projects."""
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:
             max_len = self.config.max_seq_len
@@ -165,7 +209,7 @@ class Transformer(nn.Module):
         x_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos_TF, sin_TF)
-        return self.output(self.norm(x_BTD))
+        return self.norm(x_BTD)
 
 
 # ----------------------------------------------------------------------------- build and initialise
@@ -177,6 +221,11 @@ def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.sdpa = choice
+
+
+def apply_loss_choice(model: Transformer, loss: LossConfig) -> None:
+    """Give the model the run's chunk size (loss=chunked: the loop passes targets to forward)."""
+    model.loss_chunk_tokens = loss.chunk_tokens
 
 
 def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Transformer:
@@ -233,6 +282,8 @@ def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.
     """The full fp32 value of parameter `name`, on CPU, from a generator seeded by (seed, name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):  # Qwen2's q, k, v biases
+        return torch.zeros(shape)
     std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_PROJECTIONS) else INIT_STD
     generator = torch.Generator(device="cpu")
     generator.manual_seed(param_seed(seed, name))
@@ -270,7 +321,20 @@ def init_weights(model: nn.Module, seed: int) -> None:
 def materialize(model: nn.Module, device: str | torch.device, seed: int) -> None:
     """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it."""
     model.to_empty(device=device)
+    retie_embeddings(model)
     init_weights(model, seed)
+
+
+def retie_embeddings(model: nn.Module) -> None:
+    """Tie the output head to the embedding again: `to_empty` replaces each module's parameters one by
+    one (meta to real storage cannot be swapped in place), which leaves a tied head a second tensor.
+    FSDP2 keeps shared parameters shared itself; there this assigns the one parameter to itself."""
+    transformer = _find_transformer(model)
+    if (
+        transformer.config.tie_embeddings
+        and transformer.output.weight is not transformer.tok_embeddings.weight
+    ):
+        transformer.output.weight = transformer.tok_embeddings.weight
 
 
 # ----------------------------------------------------------------------------- size and cost
@@ -286,8 +350,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
     6N is forward (2N) plus backward (4N) through the weights; 12 L H Q T is the attention
     scores and the weighted sum of values, which have no parameters. N excludes the token
-    embedding: it is a table lookup, not a matmul (the untied output head is a matmul and counts).
+    embedding: it is a table lookup, not a matmul (the output head is a matmul and counts; a tied
+    head is the embedding's one parameter, counted once, as the head). Q is the head width.
     """
-    n_matmul = num_params(config) - config.vocab_size * config.dim
-    head_dim = config.dim // config.n_heads
-    return 6.0 * n_matmul + 12.0 * config.n_layers * config.n_heads * head_dim * seq_len
+    embedding = 0 if config.tie_embeddings else config.vocab_size * config.dim
+    n_matmul = num_params(config) - embedding
+    return 6.0 * n_matmul + 12.0 * config.n_layers * config.n_heads * config.head_width * seq_len

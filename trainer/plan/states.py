@@ -52,7 +52,7 @@ class ModelShape:
     root: tuple[tuple[int, ...], ...]  # tok_embeddings, norm, output (registration order)
     block: tuple[tuple[int, ...], ...]  # one transformer block (all blocks are alike)
     order: tuple[tuple[int, ...], ...]  # every parameter, in model.parameters() order
-    block_linear_numel: int  # matmul weights of one block (what autocast casts)
+    block_linear_numel: int  # matmul weights and biases of one block (what autocast casts)
 
     @property
     def num_params(self) -> int:
@@ -74,7 +74,9 @@ def _model_shape(key: tuple[Any, ...]) -> ModelShape:
         + block * config.n_layers
         + tuple(shape for _, shape in named[first + len(block) :])
     )
-    linear = sum(m.weight.numel() for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    linear = sum(  # weights and biases (Qwen2's q, k, v): autocast caches the cast of each
+        p.numel() for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
+    )
     return ModelShape(config, root, block, order, linear)
 
 

@@ -54,11 +54,13 @@ they leave the device figure (reported as `offloaded_gib`); on a CPU device noth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainer.config import (
     DataConfig,
     DType,
+    LossKind,
     ModelConfig,
     OffloadTarget,
     PrecisionConfig,
@@ -96,16 +98,23 @@ def precisions(precision: PrecisionConfig, zero: ZeroConfig) -> Precisions:
 
 
 def block_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu") -> int:
-    """Saved activations of one transformer block, per token (see the module docstring)."""
-    D, M, H = m.dim, m.ffn_dim, m.n_heads
-    KQ = m.n_kv_heads * (m.dim // m.n_heads)
+    """Saved activations of one transformer block, per token (see the module docstring).
+
+    q and the SDPA output are H·Q wide (HQ, = D unless `head_dim` sets Q apart). q/k RMSNorm
+    (Qwen3) saves, in every regime, its fp32 input (upcast) and x·rstd of each head and an fp32
+    rstd per head: 8·(HQ + KQ) + 4·(H + K); its output only passes through the rotary embedding.
+    On CUDA the block's two RMSNorms run the fused kernel and save less (`fused_norm_saving`); the
+    q/k norms are counted as on CPU (not yet checked against the CUDA kernel).
+    """
+    D, M, H, HQ, KQ = m.dim, m.ffn_dim, m.n_heads, m.n_heads * m.head_width, m.n_kv_heads * m.head_width
     stats = 4 * H + 8  # SDPA logsumexp (fp32 per head) and the two RMSNorm rstd (fp32)
+    qk_norm = 8 * (HQ + KQ) + 4 * (H + m.n_kv_heads) if m.qk_norm else 0
     fused = 2 * fused_norm_saving(D, regime) if device_kind == "cuda" else 0
     if regime == "fp32":
-        return 4 * (8 * D + 2 * KQ + 4 * M) + stats - fused
+        return 4 * (6 * D + 2 * HQ + 2 * KQ + 4 * M) + stats + qk_norm - fused
     if regime == "autocast":
-        return 30 * D + 4 * KQ + 8 * M + stats - fused
-    return 24 * D + 4 * KQ + 8 * M + stats - fused
+        return 26 * D + 4 * HQ + 4 * KQ + 8 * M + stats + qk_norm - fused
+    return 20 * D + 4 * HQ + 4 * KQ + 8 * M + stats + qk_norm - fused
 
 
 def fused_norm_saving(dim: int, regime: str) -> int:
@@ -124,11 +133,18 @@ def fused_norm_saving(dim: int, regime: str) -> int:
     return 8 * dim - residual * dim
 
 
-def head_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu") -> int:
-    """Saved after the blocks, per token: final RMSNorm (input, x·rstd, output; on CUDA the
-    fused kernel's input only, `fused_norm_saving`) and log_softmax (fp32)."""
-    norm_output = 4 * m.dim if regime == "fp32" else 2 * m.dim
+def head_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu", chunked: bool = False) -> int:
+    """Saved after the blocks, per token: final RMSNorm (input, x·rstd, output; on CUDA the fused
+    kernel's input only, `fused_norm_saving`) and log_softmax (fp32).
+
+    loss=chunked saves no log-softmax (each chunk's is recomputed in backward) and, as the chunks'
+    checkpoint input, the norm output itself: fp32 under autocast, where the full loss saves the
+    head's bf16 cast of it.
+    """
     fused = fused_norm_saving(m.dim, regime) if device_kind == "cuda" else 0
+    if chunked:
+        return 4 * m.dim + 4 * m.dim + (2 if regime == "fsdp_mp" else 4) * m.dim + 4 - fused
+    norm_output = 4 * m.dim if regime == "fp32" else 2 * m.dim
     return 4 * m.dim + 4 * m.dim + norm_output + 4 + 4 * m.vocab_size - fused
 
 
@@ -163,12 +179,12 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     """
     m, prec = config.model, precisions(config.precision, config.zero)
     choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
-    D, H, KQ, T = m.dim, m.n_heads, m.n_kv_heads * (m.dim // m.n_heads), config.seq_len
-    flash = prec.compute * (D + 2 * KQ) + 4 * H
+    HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, config.seq_len
+    flash = prec.compute * (HQ + 2 * KQ) + 4 * H
     if choice.saves_scores:
         width = 4 if device_kind == "cpu" else prec.compute
-        return width * (3 * D + H * T) - flash
-    return 2 * (D - KQ) * prec.compute if choice.repeat_kv else 0
+        return width * (3 * HQ + H * T) - flash
+    return 2 * (HQ - KQ) * prec.compute if choice.repeat_kv else 0
 
 
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
@@ -181,6 +197,9 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     blocks = tuple(
         checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
     )
+    if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
+        head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
+        return Activations(blocks, full, head, 0, BATCH_BYTES_PER_TOKEN * tokens)
     head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + 4  # + nll_loss's fp32 total weight
     return Activations(blocks, full, head, 4 * m.vocab_size * tokens, BATCH_BYTES_PER_TOKEN * tokens)
 
@@ -246,6 +265,45 @@ def loss_backward_temporary(ctx: StepContext) -> int:
     return 8 * ctx.tokens * ctx.config.model.vocab_size
 
 
+def chunked_loss_moments(ctx: StepContext, fixed: int, weight_grad: int, head_end: int) -> list[Moment]:
+    """loss=chunked (trainer/model/loss.py): the moments of the loss and the output head, chunk by chunk.
+
+    c tokens a chunk, k chunks, the last r tokens. Forward and each chunk's recompute hold the chunk's
+    logits, their fp32 copy (half precision) and log-softmax: 8·c·V fp32, 10·c·V bf16. Its backward
+    holds the log-softmax and its two gradients (12·c·V), then the logits' gradient, the chunk's input
+    gradient and a new head weight gradient (`weight_grad`). Backward runs the chunks last to first and
+    autograd buffers what each passed on until every chunk is done: the chunks' input gradients
+    (residual dtype) and one head weight gradient, to which each chunk's is added. The first addition
+    (the second chunk run) is out of place (the first gradient is a transposed view): three weight
+    gradients at once; later ones add in place: two. Then the input gradients are concatenated (two
+    copies) and `head_end` runs (the weight gradient's last form: autocast's fp32 cast next to its
+    bf16, DDP's copy into the bucket).
+    """
+    m, n, prec, acts = ctx.config.model, ctx.tokens, ctx.prec, ctx.acts
+    c = min(ctx.config.loss.chunk_tokens, n)
+    k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
+    r = n - (k - 1) * c
+    held = (weight_grad if k > 1 else 0) + res * (n - c) * D  # before chunk 0 (run last): the most
+    logits = (8 if prec.regime == "fp32" else 10) * c * V
+    chunk_head = prec.compute * c * (V + D) + weight_grad
+    # The additions: the second chunk run (its own input gradient still in the compute dtype), and chunk 0.
+    added = [3 * weight_grad + res * r * D + prec.compute * c * D] if k > 1 else [0]
+    if k > 2:
+        added.append(2 * weight_grad + res * (n - c) * D + prec.compute * c * D)
+    return [
+        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
+        ctx.moment("backward: loss recompute", activations=acts.total, temporary=fixed + held + logits),
+        ctx.moment("backward: loss", activations=acts.total, temporary=fixed + held + 12 * c * V),
+        ctx.moment("backward: output head", activations=acts.total, temporary=fixed + held + chunk_head),
+        ctx.moment("backward: head gradient added", activations=acts.total, temporary=fixed + max(added)),
+        ctx.moment(
+            "backward: loss end",
+            activations=acts.total,
+            temporary=fixed + max(2 * res * n * D + weight_grad, head_end),
+        ),
+    ]
+
+
 def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_grad_held: bool) -> int:
     """Early in a block's backward: the gradient arriving from above and the MLP's gradients.
 
@@ -289,25 +347,37 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
     else:
         head = 4 * n * m.vocab_size + 4 * n * m.dim + 4 * vd
     weight_grad = 6 if prec.regime == "autocast" else 4
+    # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,
+    # one AccumulateGrad) through every block's backward; then the two and their sum are alive at once.
+    tied = 4 * vd if m.tie_embeddings else 0
+    embedding = 12 * vd if m.tie_embeddings else 4 * vd + prec.residual * n * m.dim
+    if ctx.config.loss.kind == LossKind.chunked:
+        # autocast: bf16 weight gradients, cast to fp32 once all chunks are done; fp32: copied into the bucket
+        grad, end = (2 * vd, 6 * vd) if prec.regime == "autocast" else (4 * vd, 4 * vd)
+        loss = chunked_loss_moments(ctx, fixed, grad, end)
+    else:
+        loss = [
+            ctx.moment(
+                "forward: loss", activations=acts.total, temporary=fixed + loss_forward_temporary(ctx)
+            ),
+            ctx.moment(
+                "backward: loss", activations=acts.total, temporary=fixed + loss_backward_temporary(ctx)
+            ),
+            ctx.moment(
+                "backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head
+            ),
+        ]
     return [
         ctx.moment(
             "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
         ),
-        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + loss_forward_temporary(ctx)),
-        ctx.moment("backward: loss", activations=acts.total, temporary=fixed + loss_backward_temporary(ctx)),
-        ctx.moment(
-            "backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head
-        ),
+        *loss,
         ctx.moment(
             "backward: last block",
             activations=acts.before_last_block + acts.full_block,
-            temporary=fixed + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
+            temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
         ),
-        ctx.moment(
-            "backward: embedding",
-            activations=acts.batch,
-            temporary=fixed + 4 * vd + prec.residual * n * m.dim,
-        ),
+        ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
 
@@ -368,20 +438,34 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     staging = (4 + prec.param) * f.block // ctx.world_size // prec.param if ctx.offloaded else 0
     head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
-    # block 0's retained reduce-scatter input, the root unsharded with its gradients.
-    embedding = (
-        f.root + f.output_grad + prec.param * m.vocab_size * m.dim + prec.residual * n * m.dim + f.block_rs
-    )
+    # block 0's retained reduce-scatter input, the root unsharded with its gradients: the embedding's
+    # and the gradient arriving from block 0, or with tied embeddings the embedding's and its sum
+    # with the head's (which waited in autograd's buffer: one parameter, one AccumulateGrad).
+    vd = prec.param * m.vocab_size * m.dim
+    incoming = vd if m.tie_embeddings else prec.residual * n * m.dim
+    embedding = f.root + f.output_grad + vd + incoming + f.block_rs
     # The root's reduce-scatter (its output is the root's gradient shard); FSDP2 still holds the
-    # last gradient it reduced (a loop variable in foreach_reduce): the output head's.
-    root_reduce = f.root_rs * (2 if f.gloo_copy else 1) + f.output_grad
+    # last gradient it reduced (a loop variable in foreach_reduce): the output head's, or with tied
+    # embeddings (no head parameter) the final norm's.
+    last_reduced = prec.param * m.dim if m.tie_embeddings else f.output_grad
+    root_reduce = f.root_rs * (2 if f.gloo_copy else 1) + last_reduced
     all_grads = L * f.block_grad_shard + f.root_grad_shard
+    if ctx.config.loss.kind == LossKind.chunked:
+        grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
+        loss = [
+            dataclasses.replace(moment, parts={**moment.parts, "grads": 0})
+            for moment in chunked_loss_moments(ctx, after_forward, grad, grad)
+        ]
+    else:
+        loss = [
+            ctx.moment("forward: loss", 0, acts.total, after_forward + loss_forward_temporary(ctx)),
+            ctx.moment("backward: loss", 0, acts.total, after_forward + loss_backward_temporary(ctx)),
+            ctx.moment("backward: output head", 0, acts.total - acts.log_softmax, after_forward + head),
+        ]
     return [
         ctx.moment("forward: last block all-gather", 0, acts.before_last_block, forward + f.block + staging),
         ctx.moment("forward: last block", 0, acts.before_last_block + acts.full_block, forward),
-        ctx.moment("forward: loss", 0, acts.total, after_forward + loss_forward_temporary(ctx)),
-        ctx.moment("backward: loss", 0, acts.total, after_forward + loss_backward_temporary(ctx)),
-        ctx.moment("backward: output head", 0, acts.total - acts.log_softmax, after_forward + head),
+        *loss,
         *fsdp_block_moments(ctx, f),
         ctx.moment("backward: embedding", L * f.block_grad_shard, acts.batch, embedding + accum),
         ctx.moment("backward: root reduce-scatter", all_grads, acts.batch, root_reduce + accum),
@@ -451,6 +535,6 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
 def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
     """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
     (int64 successors, float64 probabilities, float64 stationary distribution) and Adam's steps."""
-    rope = 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * 4
+    rope = 2 * m.max_seq_len * (m.head_width // 2) * 4
     tables = 16 * m.vocab_size * data.branching + 8 * m.vocab_size if data.kind.value == "synthetic" else 0
     return rope + tables + states.step_counters

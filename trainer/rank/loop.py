@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
 
-from trainer.config import FaultConfig, FaultKind, TrainConfig
+from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig
 from trainer.data import build_batches
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
-from trainer.model.decoder import apply_sdpa_choice, build_model, flops_per_token
+from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -55,6 +55,7 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     apply_sdpa_choice(
         model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
     )  # the attention kernel, explicit
+    apply_loss_choice(model, config.loss)  # loss=chunked: the chunk size
     apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
     apply_compile(
         model, config.compile, config.compile_backend
@@ -166,7 +167,9 @@ def train_step(
             build_autocast(config.precision, config.zero, world.device),
         ):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
-            loss = inject_fault(cross_entropy(model(inputs), targets), config.fault, world, step, is_last)
+            loss = inject_fault(
+                compute_loss(model, inputs, targets, config), config.fault, world, step, is_last
+            )
             loss_sum += loss.detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
@@ -192,6 +195,16 @@ def train_step(
         data_s=data_s,
         nonfinite_skipped=guard.skipped,
     )
+
+
+def compute_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, config: TrainConfig
+) -> torch.Tensor:
+    """loss=full: the logits, then their loss; loss=chunked: the model takes the targets and returns the
+    loss by chunks (trainer/model/loss.py), so that the whole logits never exist."""
+    if config.loss.kind == LossKind.chunked:
+        return model(inputs, targets)
+    return cross_entropy(model(inputs), targets)
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""`model=hf model.config=<config.json or its directory>`: the shapes of a Hugging Face checkpoint.
+
+The file is read by `transformers`' own configuration class of its architecture (an optional
+extra, `pip install zerolab[hf]`), so every field the file leaves out takes the library's
+default, exactly as `from_pretrained` would build the model; nothing is downloaded. Supported are
+the Llama-family decoders zerolab's decoder is (trainer/model/decoder.py): RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU, and per family
+
+    LlamaForCausalLM     Llama 2/3.x: rope_scaling none or llama3, tied or untied head
+    MistralForCausalLM   Mistral: a sliding window becomes max_seq_len (full causal attention
+                         equals sliding-window attention for sequences no longer than the window)
+    Qwen2ForCausalLM     Qwen2/2.5: biases on q, k, v
+    Qwen3ForCausalLM     Qwen3: q/k RMSNorm, head_dim apart from hidden_size / heads
+
+Anything else (mixture-of-experts, encoder-decoder, other activations, biases elsewhere, other
+rope scalings) is refused in one line naming what is not supported, before any rank starts.
+This module imports nothing of trainer/ (trainer/config.py calls it): its HfConfigError becomes the
+schema's ConfigError there, its `rope_scaling` a RopeScaling name.
+Weights are not loaded: zerolab trains from its own initialisation (and rotates adjacent pairs
+of each head, Meta's layout, where transformers rotates halves of permuted weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class HfConfigError(ValueError):
+    """A config.json zerolab cannot read or does not support (one line)."""
+
+
+def config_path(value: str) -> Path:
+    """The config.json named by `model.config`: the file itself, or the one in that directory."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise HfConfigError(
+            f"model.config={value}: no such config.json (give the file or a directory holding one)"
+        )
+    return path
+
+
+def architecture(raw: dict[str, Any], path: Path) -> str:
+    """The file's architecture, refused in one line unless zerolab's decoder is that model."""
+    names = raw.get("architectures") or []
+    if len(names) != 1 or names[0] not in SUPPORTED:
+        found = ", ".join(names) if names else f"none (model_type {raw.get('model_type')})"
+        raise HfConfigError(
+            f"model.config={path}: architecture {found} is not supported; supported: {', '.join(SUPPORTED)}"
+        )
+    return names[0]
+
+
+def hf_config_class(name: str) -> type:
+    try:
+        import transformers
+    except ImportError:
+        raise HfConfigError(
+            "model=hf reads config.json with transformers' configuration classes: pip install 'zerolab[hf]' "
+            "(transformers>=4.51)"
+        ) from None
+    return getattr(transformers, name.replace("ForCausalLM", "Config"))
+
+
+def rope_fields(hf: Any, path: Path) -> dict[str, Any]:
+    """rope_theta and the scaling: transformers 5 keeps both in `rope_parameters`, 4.x apart."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:  # transformers 4.x
+        params = {"rope_theta": hf.rope_theta, **(getattr(hf, "rope_scaling", None) or {})}
+    kind = params.get("rope_type", params.get("type")) or "default"
+    fields: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
+    if kind == "default":
+        return {**fields, "rope_scaling": "none"}
+    if kind != "llama3":
+        raise HfConfigError(
+            f"model.config={path}: rope scaling {kind} is not supported; supported: llama3, none"
+        )
+    return {
+        **fields,
+        "rope_scaling": "llama3",
+        "rope_factor": float(params["factor"]),
+        "rope_low_freq_factor": float(params["low_freq_factor"]),
+        "rope_high_freq_factor": float(params["high_freq_factor"]),
+        "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
+    }
+
+
+def refuse_unsupported(hf: Any, name: str, path: Path) -> None:
+    """Options of these families zerolab's decoder does not have."""
+    unsupported = {
+        "hidden_act": getattr(hf, "hidden_act", "silu") != "silu",
+        "attention_bias": bool(getattr(hf, "attention_bias", False)),
+        "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+    }
+    for key, refused in unsupported.items():
+        if refused:
+            raise HfConfigError(
+                f"model.config={path}: {name} with {key}={getattr(hf, key)} is not supported "
+                "(zerolab's decoder: SwiGLU with silu, no biases but Qwen2's on q, k, v)"
+            )
+
+
+def max_seq_len(hf: Any, name: str) -> int:
+    """max_position_embeddings, capped at a sliding window (Mistral; Qwen2/3 with use_sliding_window)."""
+    window = getattr(hf, "sliding_window", None)
+    if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
+        window = None
+    limit = hf.max_position_embeddings
+    return min(limit, window) if window else limit
+
+
+def model_fields(path: Path) -> dict[str, Any]:
+    """The ModelConfig keys a config.json sets, read by transformers' class of its architecture."""
+    raw = json.loads(path.read_text())
+    name = architecture(raw, path)
+    hf = hf_config_class(name).from_json_file(str(path))
+    refuse_unsupported(hf, name, path)
+    heads = hf.num_attention_heads
+    return {
+        "dim": hf.hidden_size,
+        "n_layers": hf.num_hidden_layers,
+        "n_heads": heads,
+        "n_kv_heads": hf.num_key_value_heads or heads,
+        "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        "vocab_size": hf.vocab_size,
+        "ffn_dim": hf.intermediate_size,
+        "max_seq_len": max_seq_len(hf, name),
+        "norm_eps": float(hf.rms_norm_eps),
+        "tie_embeddings": bool(hf.tie_word_embeddings),
+        "qk_norm": name == "Qwen3ForCausalLM",
+        "qkv_bias": name == "Qwen2ForCausalLM",
+        **rope_fields(hf, path),
+    }
