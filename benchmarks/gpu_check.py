@@ -147,7 +147,7 @@ def job_env() -> dict[str, str]:
 
 def trainer_args(setup: Setup, spec: JobSpec, overrides: list[str]) -> list[str]:
     if spec.name == setup.hang:  # a job that does not end by itself: only the kill ends it
-        overrides += ["steps=1000000", "log_every=1000000"]
+        overrides += ["steps=1000000", "log_every=1"]
     saves = ["save=off"] if not any(o.startswith("save.") for o in overrides) else []
     return [sys.executable, "-m", "trainer", f"device={spec.device or setup.device}", "nproc=1",
             "logger=none", *saves, *overrides, f"hydra.run.dir={job_dir(setup, spec.name)}"]  # fmt: skip
@@ -279,7 +279,7 @@ class Scheduler:
                     for future in done:
                         running.pop(future)
                 if spec.after is not None:
-                    self.futures[spec.after].result()
+                    self.get(spec.after)
                 future = pool.submit(run_job, self.setup, spec)
                 future.add_done_callback(lambda f, name=spec.name: self._settle(name, f))
                 running[future] = exclusive
@@ -332,7 +332,7 @@ def save_jobs(setup: Setup) -> list[JobSpec]:
         save = (*SAVE_SHAPE, "steps=4", "save.every=2", "save.keep=1")
         resume_from = job_dir(setup, name) / "checkpoints" / "step_00000004"
         jobs += [
-            JobSpec(name, save, budget_s=60, estimate_s=15, device=device),
+            JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=True),  # a dry run's two are alike
             JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"), budget_s=60,
                     estimate_s=15, after=name),
         ]  # fmt: skip
