@@ -326,17 +326,16 @@ SAVE_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", "s
 
 def save_jobs(setup: Setup) -> list[JobSpec]:
     """A CPU save resumed on the device (per-tensor AdamW's save under the fused one), and a device
-    save resumed on the device: each saves at step 4 and resumes to step 6."""
-    jobs = []
+    save resumed on the device: each saves at step 4 and resumes to step 6. Both saves first, so
+    that neither resume holds the other save back."""
+    saves, resumes = [], []
     for name, device in (("cpu_save", "cpu"), ("device_save", setup.device)):
         save = (*SAVE_SHAPE, "steps=4", "save.every=2", "save.keep=1")
         resume_from = job_dir(setup, name) / "checkpoints" / "step_00000004"
-        jobs += [
-            JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=True),  # a dry run's two are alike
-            JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"), budget_s=60,
-                    estimate_s=15, after=name),
-        ]  # fmt: skip
-    return jobs
+        saves.append(JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=True))
+        resumes.append(JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"),
+                               budget_s=60, estimate_s=15, after=name))  # fmt: skip
+    return saves + resumes
 
 
 def limit_jobs(setup: Setup) -> list[JobSpec]:
@@ -407,7 +406,7 @@ def largest_fitting_micro_batch(setup: Setup, base: tuple[str, ...], limit: int 
 
 
 def all_jobs(setup: Setup) -> list[JobSpec]:
-    """Every job, in the order the rows need them (most valuable first)."""
+    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu tests."""
     model = setup.model("125m")
     fault = ("fault.kind=inf_grad", "fault.step=3")
     environment = (
@@ -421,15 +420,16 @@ def all_jobs(setup: Setup) -> list[JobSpec]:
                  "-p", "no:xdist", "-o", "addopts=-ra")  # fmt: skip
     probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
     backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
-    jobs = [
-        JobSpec("environment", command=environment, budget_s=30, estimate_s=5),
-        JobSpec("gpu_tests", command=gpu_tests, budget_s=120, estimate_s=60),
-        *throughput_jobs(setup),
-    ]
+    jobs = [JobSpec("environment", command=environment, budget_s=30, estimate_s=5), *throughput_jobs(setup)]
     if not setup.dry_run:
         jobs.append(JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True))
+    first_save, *saves = save_jobs(setup)
+    # The gpu tests (the second row) run beside the shared jobs rather than hold the exclusive
+    # throughput jobs back: their row waits, the table's order stays.
     jobs += [
-        *save_jobs(setup),
+        first_save,
+        JobSpec("gpu_tests", command=gpu_tests, budget_s=120, estimate_s=60),
+        *saves,
         JobSpec("fp16_overflow", (f"model={model}", "precision=fp16", "zero=stage0", *short(setup), *fault)),
         JobSpec("fp16_sharded", (f"model={model}", "precision=fp16", "zero=stage3", *short(setup), *fault)),
         JobSpec("offload", (f"model={model}", "precision=bf16", "zero=stage3", "offload=cpu", "nonfinite=skip",
@@ -791,7 +791,7 @@ def row_specs() -> list[RowSpec]:
         RowSpec("offload=cpu skips a NaN step", ("offload",), check_offload),
         RowSpec("plan at the device limit", ("limit_fits", "limit_next"), check_limit),
         RowSpec("oom under device_memory_gib", ("oom",), check_oom),
-        RowSpec("fp32 vs bf16 losses", ("125m_stage0_fp32", "125m_stage0"), check_same_losses),
+        RowSpec("fp32 vs bf16 losses", ("125m_stage0", "125m_stage0_fp32"), check_same_losses),
         RowSpec("bf16 runs identical", ("125m_stage0", "125m_stage0_again"), lambda s, j: check_same_losses(s, j, 0.0)),
         RowSpec("checkpointing full", ("125m_stage0", "ckpt_full"), check_checkpointing),
         RowSpec("checkpointing selective", ("125m_stage0", "ckpt_selective"), check_checkpointing),
@@ -875,7 +875,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help=f"seconds for the whole check (default {DEADLINE_S:g}, dry run {DRY_DEADLINE_S:g})",
     )
-    parser.add_argument("--jobs", type=int, default=2, help="jobs at once, exclusive ones alone on the GPU")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="jobs at once (default 3 on the GPU, exclusive ones alone; 2 in a dry run)",
+    )
     parser.add_argument(
         "--inject-hang", metavar="JOB", help="tests only: JOB runs until the deadline kills it"
     )
@@ -906,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     setup.deadline = time.monotonic() + deadline
     report = Report(setup.out, args.dry_run)
     (setup.out / "jobs").mkdir(exist_ok=True)
-    scheduler = Scheduler(setup, all_jobs(setup), args.jobs)
+    scheduler = Scheduler(setup, all_jobs(setup), args.jobs or (2 if args.dry_run else 3))
     for spec in row_specs():
         timed(report, spec, lambda spec=spec: evaluate(setup, scheduler, spec))
     scheduler.thread.join()
