@@ -547,7 +547,10 @@ def check_environment(setup: Setup, jobs: dict[str, Job]) -> Row:
     if job.status != "ok":
         return Row("", "fail", {}, failed(job))
     figures = json.loads((setup.out / "jobs" / "environment.json").read_text())
-    missing = [k for k in ("c_compiler", "python_headers", "triton") if not figures[k]]
+    needs = ("c_compiler", "python_headers") + (
+        () if setup.dry_run else ("triton",)
+    )  # inductor on CPU: C++ only
+    missing = [k for k in needs if not figures[k]]
     note = f"compile needs {', '.join(missing)}" if missing else ""
     if not setup.dry_run and figures["table"] == "unknown":
         note = "; ".join(filter(None, [note, "device not in trainer/devices.py: no MFU"]))
