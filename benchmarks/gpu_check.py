@@ -1,27 +1,19 @@
 """One prepared check of zerolab on a GPU: what the CPU tests cannot prove, in one command.
 
-    python benchmarks/gpu_check.py [--out DIR] [--dry-run]
+    python benchmarks/gpu_check.py [--out DIR] [--deadline S] [--dry-run]
 
-Made for one H200 (world size 1: NCCL refuses two ranks on one device) and about 8 minutes.
-Every row runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is
-about saving) and is written to DIR/results.md and DIR/results.json as soon as it is known, so
-a run cut short still reports what it reached. Rows:
+Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 8 minutes. Every row
+runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is about saving)
+and is written to DIR/results.md and DIR/results.json as soon as it is known, so a run cut short
+still reports what it reached. Each job runs in its own process group under a timeout that fits
+the deadline; at its timeout the whole group (the job, its fork server, its ranks) is killed, so
+no rank holds GPU memory into the rows after it. Rows whose jobs the deadline leaves unstarted are
+`skip`. What explains each job stays under DIR/jobs/<job>/ (summary.json, metrics.jsonl, failures/,
+plan.json) and DIR/logs/<job>.log (the console).
 
-  environment      device, torch, CUDA, NCCL, cuDNN
-  gpu tests        pytest -m gpu tests/gpu
-  throughput       125m and 1b in bf16 at stage0 and stage3: tokens/s, MFU, peak allocated and
-                   reserved against the plan's predicted allocated and reserved (trainer/plan)
-  fp32 vs bf16     the 125m stage0 losses of both precisions, step by step
-  fp16 overflow    an injected inf gradient at step 3: the scale halves, one step skipped
-  oom              a run over `device_memory_gib` ends `oom`, recorded, not a crash of the check
-  resume           a save made on CPU resumed on the GPU
-  sync-free step   the fused AdamW whose non-finite skip stays on the device against the
-                   per-tensor AdamW read on the host every step (trainer/rank/nonfinite.py)
-  compile          compile=true against eager: tokens/s and losses
-  headroom         the CUDA context, NCCL and cuBLAS figures the plan assumes, measured
-
---dry-run runs the same sequence on CPU with the tiny model (the same rows and table shape),
-to prove the script before GPU time is spent on it. docs/gpu.md says how to run it on the GPU host.
+The rows, most valuable first, their jobs and budgets: ROWS and JOBS below; docs/gpu.md
+tabulates them with the time estimate. --dry-run runs the same sequence on CPU with the tiny
+model (rows that need CUDA say `skip`), to prove the script before GPU time is spent on it.
 """
 
 from __future__ import annotations
@@ -30,22 +22,35 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
+import sysconfig
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the environment and headroom rows read trainer's tables
+sys.path.insert(0, str(REPO))  # the environment, headroom and limit rows read trainer's tables
 LOSS_TOLERANCE = 0.02
-"""fp32 vs bf16 (and compile vs eager in bf16): largest relative difference of the per-step losses."""
+"""Largest relative difference of per-step losses between runs that differ in precision or in
+how they compute the same step (fp32 vs bf16, compile, checkpointing, grad_accum, stage2)."""
 PLAN_TOLERANCE_PCT = 15.0
-"""Peak allocated against the plan: the row passes within this error."""
+"""Peak allocated against the plan: a throughput row passes within this error."""
+DEADLINE_S = 480.0
+"""The whole check on the GPU: 8 minutes (docs/gpu.md has the estimate)."""
+DRY_DEADLINE_S = 600.0
+"""A dry run's deadline; its jobs have no budgets of their own (CPU timings on a shared machine say
+nothing of the GPU's), so only the deadline cuts them."""
+KILL_WAIT_S = 10.0
+"""How long a killed job's processes get to disappear before they are reported as survivors."""
+TAIL_LINES = 15
+NOT_REACHED = "not reached by the deadline"
 
 
 @dataclass
@@ -62,7 +67,11 @@ class Setup:
     """Where the check runs: the GPU (world size 1) or, for --dry-run, CPU with the tiny model."""
 
     dry_run: bool
-    work: Path
+    out: Path
+    deadline: float
+    """time.monotonic() after which no job starts and running ones are killed."""
+    hang: str | None = None
+    """--inject-hang: the job that runs far past any deadline (tests prove the kill with it)."""
 
     @property
     def device(self) -> str:
@@ -71,24 +80,53 @@ class Setup:
     def model(self, name: str) -> str:
         return "tiny" if self.dry_run else name
 
-    def shape(self) -> list[str]:
-        """Micro-batch, sequence and steps: a real load on the GPU, seconds on CPU."""
+    def shape(self) -> tuple[str, ...]:
+        """Micro-batch, sequence and steps of the throughput rows: a real load on the GPU, seconds on CPU."""
         if self.dry_run:
-            return ["micro_batch=1", "seq_len=32", "steps=4", "log_every=2", "telemetry.warmup_steps=2"]
-        return ["micro_batch=8", "seq_len=1024", "steps=30", "log_every=5", "telemetry.warmup_steps=10"]
+            return ("micro_batch=2", "seq_len=32", "steps=4", "log_every=2", "telemetry.warmup_steps=2")
+        return ("micro_batch=8", "seq_len=1024", "steps=30", "log_every=5", "telemetry.warmup_steps=10")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One process the check runs: a trainer job (overrides) or a command (argv)."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    budget_s: float = 60.0
+    """Its timeout on the GPU (the deadline may cut it shorter)."""
+    estimate_s: float = 20.0
+    """What it is expected to take on one H200 (docs/gpu.md adds these up)."""
+    exclusive: bool = False
+    """Timings or device-wide memory figures: the GPU to itself, no other job beside it."""
+    command: tuple[str, ...] | None = None
+    after: str | None = None
+    """A job that must have ended first (a resume needs its save)."""
+    device: str | None = None
+    """The trainer's device when not the check's (the CPU half of the cpu-save row)."""
+    unique: bool = False
+    """Run even where an earlier job has the same overrides (the second of two identical runs)."""
+    resolve: Callable[[Setup], tuple[str, ...]] | None = None
+    """Overrides known only once `after` has ended (the limit rows' micro-batch), instead of `overrides`."""
 
 
 @dataclass
 class Job:
+    """What one process left: its status, its files' contents, the tail of its console."""
+
+    name: str
     status: str
-    summary: dict[str, Any]
-    records: list[dict[str, Any]]
-    out: Path
-    console: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    console: str = ""
+    seconds: float = 0.0
+    killed: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    overrides: tuple[str, ...] = ()
 
     @property
     def losses(self) -> list[float]:
-        return [r["loss/train"] for r in self.records]
+        return [r["loss/train"] for r in self.records if "loss/train" in r]
 
     def last(self, key: str) -> Any:
         values = [r[key] for r in self.records if key in r]
@@ -99,177 +137,328 @@ class Job:
         return max(values) if values else None
 
 
-def run_job(setup: Setup, name: str, *overrides: str, timeout: float = 240) -> Job:
-    """`python -m trainer` with one rank on the check's device; never raises for a failed job."""
-    out = setup.work / name
-    args = [sys.executable, "-m", "trainer", f"device={setup.device}", "nproc=1", "logger=none", "save=off",
-            *setup.shape(), *overrides, f"hydra.run.dir={out}"]  # fmt: skip
-    env = {
-        **os.environ,
-        "WANDB_MODE": "disabled",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+# ----------------------------------------------------------------------------- running one job
+
+
+def job_env() -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path}
+
+
+def trainer_args(setup: Setup, spec: JobSpec, overrides: list[str]) -> list[str]:
+    if spec.name == setup.hang:  # a job that does not end by itself: only the kill ends it
+        overrides += ["steps=1000000", "log_every=1"]
+    saves = ["save=off"] if not any(o.startswith("save.") for o in overrides) else []
+    return [sys.executable, "-m", "trainer", f"device={spec.device or setup.device}", "nproc=1",
+            "logger=none", *saves, *overrides, f"hydra.run.dir={job_dir(setup, spec.name)}"]  # fmt: skip
+
+
+def job_dir(setup: Setup, name: str) -> Path:
+    return setup.out / "jobs" / name
+
+
+def kill_group(proc: subprocess.Popen) -> tuple[list[int], list[int]]:
+    """SIGKILL the job's process group and every descendant (one that left the group too);
+    returns the pids killed and those still alive after KILL_WAIT_S (zombies count as gone)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the job is its group's leader: start_new_session
+    except ProcessLookupError:
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=KILL_WAIT_S)
+    survivors = []
+    for child in alive:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                survivors.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return [proc.pid, *(child.pid for child in descendants)], survivors
+
+
+def run_process(args: list[str], log: Path, timeout: float) -> tuple[int | None, list[int], list[int]]:
+    """Run in a new session (its own process group), console into `log`; (exit code or None
+    when killed at the timeout, pids killed, survivors)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as console:
+        proc = subprocess.Popen(args, cwd=REPO, env=job_env(), stdout=console, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=max(timeout, 0.1)), [], []
+        except subprocess.TimeoutExpired:
+            return None, *kill_group(proc)
+
+
+def read_job(setup: Setup, name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    out = job_dir(setup, name)
     summary_path, metrics_path = out / "summary.json", out / "metrics.jsonl"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    records = (
-        [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    return summary, [json.loads(line) for line in lines if line.strip()]
+
+
+def tail(log: Path) -> str:
+    lines = (
+        [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if log.exists()
+        else []
     )
-    status = summary.get("status", f"exit {proc.returncode}")
-    return Job(status, summary, records, out, (proc.stdout + proc.stderr)[-2000:])
+    return "\n".join(lines[-TAIL_LINES:])
 
 
-class Jobs:
-    """Every job of the check, submitted up front in table order and awaited by the rows.
+def run_job(setup: Setup, spec: JobSpec) -> Job:
+    """One job under its budget, cut at the deadline; never raises for a failed job."""
+    remaining = setup.deadline - time.monotonic()
+    timeout = remaining if setup.dry_run else min(spec.budget_s, remaining)
+    if timeout <= 0:
+        return Job(spec.name, "skipped")
+    overrides = spec.resolve(setup) if spec.resolve is not None else spec.overrides
+    args = list(spec.command) if spec.command else trainer_args(setup, spec, list(overrides))
+    log = setup.out / "logs" / f"{spec.name}.log"
+    start = time.perf_counter()
+    code, killed, survivors = run_process(args, log, timeout)
+    summary, records = read_job(setup, spec.name) if not spec.command else ({}, [])
+    if code is None:
+        status = "timeout"
+    elif spec.command:
+        status = "ok" if code == 0 else f"exit {code}"
+    else:
+        status = summary.get("status", f"exit {code}")
+    seconds = time.perf_counter() - start
+    return Job(spec.name, status, summary, records, tail(log), seconds, killed, survivors, tuple(overrides))
 
-    On the GPU one at a time (timings must not share the device), so rows finish in order; a dry
-    run runs a few at once: on a shared CPU most of a job is process start-up, not compute.
+
+class Scheduler:
+    """Runs the jobs in order on a thread of its own; rows wait for theirs with `get`.
+
+    On the GPU up to `workers` jobs run at once, but an exclusive job (a timing, a device-wide
+    memory figure) runs alone. A dry run ignores exclusivity: on a shared CPU nothing is a timing.
     """
 
-    def __init__(self, setup: Setup, workers: int) -> None:
-        self.setup, self.pool, self.futures = setup, ThreadPoolExecutor(max_workers=workers), {}
-        self.by_overrides: dict[tuple[str, ...], Any] = {}
-
-    def submit(self, name: str, *overrides: str, timeout: float = 240) -> None:
-        """A job; one the check already submitted with the same overrides is shared (a dry run
-        gives 125m and 1b the same tiny model, so their rows read the same job)."""
-        if overrides not in self.by_overrides:
-            self.by_overrides[overrides] = self.pool.submit(
-                run_job, self.setup, name, *overrides, timeout=timeout
+    def __init__(self, setup: Setup, specs: list[JobSpec], workers: int) -> None:
+        self.setup, self.workers = setup, workers
+        self.futures: dict[str, Future[Job]] = {spec.name: Future() for spec in specs}
+        # A dry run gives 125m and 1b the same tiny model: a job equal to an earlier one is run once.
+        first: dict[Any, str] = {}
+        self.specs, self.aliases = [], {}
+        for spec in specs:
+            key = (
+                (spec.command, spec.overrides, spec.device)
+                if not spec.unique and spec.resolve is None
+                else spec.name
             )
-        self.futures[name] = self.by_overrides[overrides]
+            if key in first:
+                self.aliases[spec.name] = first[key]
+            else:
+                first[key] = spec.name
+                self.specs.append(spec)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
-    def submit_call(self, name: str, call: Callable[[], Any]) -> None:
-        self.futures[name] = self.pool.submit(call)
+    def get(self, name: str) -> Job:
+        return self.futures[self.aliases.get(name, name)].result()
 
-    def get(self, name: str) -> Any:
-        return self.futures[name].result()
+    def _run(self) -> None:
+        running: dict[Future[Job], bool] = {}  # future -> exclusive
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for spec in self.specs:
+                exclusive = spec.exclusive and not self.setup.dry_run
+                while running and (exclusive or any(running.values()) or len(running) >= self.workers):
+                    done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                    for future in done:
+                        running.pop(future)
+                if spec.after is not None:
+                    self.get(spec.after)
+                future = pool.submit(run_job, self.setup, spec)
+                future.add_done_callback(lambda f, name=spec.name: self._settle(name, f))
+                running[future] = exclusive
+
+    def _settle(self, name: str, future: Future[Job]) -> None:
+        error = future.exception()
+        if error is not None:
+            self.futures[name].set_result(Job(name, f"error: {type(error).__name__}: {error}"))
+        else:
+            self.futures[name].set_result(future.result())
 
 
 def failed(job: Job) -> str:
     """The job's own error line, for a row whose job did not end as the row expects."""
-    lines = [line for line in job.console.splitlines() if line.strip()]
-    return f"status {job.status}: {job.summary.get('error') or (lines[-1] if lines else 'no output')}"
+    lines = job.console.splitlines()
+    return f"{job.name}: status {job.status}: {job.summary.get('error') or (lines[-1] if lines else 'no output')}"
 
 
-# ----------------------------------------------------------------------------- the rows
+# ----------------------------------------------------------------------------- the jobs
 
 
-def check_environment(setup: Setup) -> Row:
-    import torch
+def throughput_jobs(setup: Setup) -> list[JobSpec]:
+    jobs = []
+    for model, estimate in (("125m", 20.0), ("1b", 30.0)):
+        for stage in ("stage0", "stage3"):
+            jobs.append(JobSpec(f"{model}_{stage}", bf16(setup, model, stage), budget_s=3 * estimate,
+                                estimate_s=estimate, exclusive=True))  # fmt: skip
+    return jobs
 
-    figures: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+
+def bf16(setup: Setup, model: str, stage: str, *extra: str) -> tuple[str, ...]:
+    return (f"model={setup.model(model)}", "precision=bf16", f"zero={stage}", *setup.shape(), *extra)
+
+
+def short(setup: Setup) -> tuple[str, ...]:
+    """The functional rows' shape: every step logged, a few steps."""
     if setup.dry_run:
-        figures["device"] = f"cpu ({platform.machine()})"
-        return Row("environment", "info", figures, "dry run: CPU")
-    figures.update(
-        device=torch.cuda.get_device_name(0),
-        gpus=torch.cuda.device_count(),
-        memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2),
-        cuda=torch.version.cuda,
-        nccl=".".join(map(str, torch.cuda.nccl.version())),
-        cudnn=torch.backends.cudnn.version(),
-    )
-    from trainer.devices import find_device
-
-    known = find_device(figures["device"])
-    figures["table"] = known.short if known else "unknown"
-    return Row("environment", "info", figures, "" if known else "device not in trainer/devices.py: no MFU")
+        return ("micro_batch=2", "seq_len=32", "steps=6", "log_every=1", "telemetry.warmup_steps=2")
+    return ("micro_batch=4", "seq_len=512", "steps=6", "log_every=1", "telemetry.warmup_steps=2")
 
 
-def run_gpu_tests() -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"]
-    return subprocess.run(
-        args,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "WANDB_MODE": "disabled"},
-    )
+SAVE_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", "seq_len=64", "log_every=1")
 
 
-def check_gpu_tests(setup: Setup, jobs: Jobs) -> Row:
-    proc = jobs.get("gpu_tests")
-    tail = [line for line in proc.stdout.splitlines() if line.strip()]
-    outcome = tail[-1].strip("= ") if tail else proc.stderr[-300:]
-    if setup.dry_run:  # no CUDA: every test is skipped, which is the point of the marker
-        ok = proc.returncode == 0 and "skipped" in outcome and "failed" not in outcome
-        return Row(
-            "gpu tests", "pass" if ok else "fail", {"pytest": outcome}, "dry run: skipped without CUDA"
+def save_jobs(setup: Setup) -> list[JobSpec]:
+    """A CPU save resumed on the device (per-tensor AdamW's save under the fused one), and a device
+    save resumed on the device: each saves at step 4 and resumes to step 6. Both saves first, so
+    that neither resume holds the other save back."""
+    saves, resumes = [], []
+    for name, device in (("cpu_save", "cpu"), ("device_save", setup.device)):
+        save = (*SAVE_SHAPE, "steps=4", "save.every=2", "save.keep=1")
+        resume_from = job_dir(setup, name) / "checkpoints" / "step_00000004"
+        saves.append(JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=True))
+        resumes.append(JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"),
+                               budget_s=60, estimate_s=15, after=name))  # fmt: skip
+    return saves + resumes
+
+
+def limit_jobs(setup: Setup) -> list[JobSpec]:
+    """The largest micro-batch the plan says fits the device, and the next one up (plan waived).
+
+    The plan is made in a process of its own (`--largest-micro-batch`): planning for the GPU reads
+    its properties, which creates a CUDA context, and this process must hold none while jobs run.
+    """
+    found = setup.out / "jobs" / "limit_plan.json"
+    plan = (sys.executable, str(Path(__file__).resolve()), "--largest-micro-batch", str(found),
+            *(["--dry-run"] if setup.dry_run else []))  # fmt: skip
+
+    def micro_batch(extra: int) -> Callable[[Setup], tuple[str, ...]]:
+        return lambda setup: (
+            *limit_base(setup),
+            f"micro_batch={json.loads(found.read_text())['micro_batch'] + extra}",
         )
-    return Row("gpu tests", "pass" if proc.returncode == 0 else "fail", {"pytest": outcome})
+
+    return [
+        JobSpec("limit_plan", command=plan, budget_s=45, estimate_s=8),
+        JobSpec("limit_fits", resolve=micro_batch(0), budget_s=90, estimate_s=30, exclusive=True, after="limit_plan"),
+        JobSpec("limit_next", resolve=lambda s: (*micro_batch(1)(s), "plan.enforce=false"), budget_s=90,
+                estimate_s=25, exclusive=True),
+    ]  # fmt: skip
 
 
-def bf16_job(setup: Setup, model: str, stage: str, *extra: str) -> tuple[str, ...]:
-    return (f"model={setup.model(model)}", "precision=bf16", f"zero={stage}", *extra)
+def limit_base(setup: Setup) -> tuple[str, ...]:
+    if setup.dry_run:  # CPU has no device limit: a cap stands in for one
+        return (
+            "model=tiny",
+            "precision=bf16",
+            "zero=stage0",
+            "seq_len=256",
+            "steps=2",
+            "device_memory_gib=0.1",
+        )
+    return ("model=1b", "precision=bf16", "zero=stage0", "seq_len=1024", "steps=3", "log_every=1",
+            "telemetry.warmup_steps=1")  # fmt: skip
 
 
-def check_throughput(setup: Setup, jobs: Jobs, model: str, stage: str) -> Row:
-    job: Job = jobs.get(f"{model}_{stage}")
-    name = f"throughput {model} bf16 {stage}"
-    if job.status != "ok":
-        return Row(name, "fail", {}, failed(job))
-    s = job.summary
-    reserved = job.most("memory/rank0/peak_reserved_gib")
-    mfu = job.last("throughput/mfu_pct")
-    figures = {
-        "tokens_per_s": round(s["throughput/tokens_per_s"], 1),
-        "mfu_pct": round(mfu, 1) if mfu is not None else None,
-        "peak_allocated_gib": round(s.get("memory/max_rank_peak_gib", float("nan")), 3),
-        "predicted_allocated_gib": round(s["memory/predicted_peak_gib"], 3),
-        "allocated_error_pct": round(s.get("memory/prediction_error_pct", float("nan")), 1),
-        "peak_reserved_gib": round(reserved, 3) if reserved is not None else None,
-        "predicted_reserved_gib": s.get("plan", {}).get("predicted_reserved_gib"),
-    }
-    within = abs(figures["allocated_error_pct"]) <= PLAN_TOLERANCE_PCT
-    return Row(
-        name, "pass" if within else "fail", figures, f"plan within ±{PLAN_TOLERANCE_PCT:g}% of peak allocated"
+def largest_fitting_micro_batch(setup: Setup, base: tuple[str, ...], limit: int = 4096) -> int:
+    """Doubling, then bisection, on the plan's `fits` (trainer/plan/build.py) for this device."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import register_configs, validate
+    from trainer.plan.build import build_plan
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+
+        def fits(micro_batch: int) -> bool:
+            overrides = [
+                "logger=none",
+                f"device={setup.device}",
+                "nproc=1",
+                *base,
+                f"micro_batch={micro_batch}",
+            ]
+            return bool(build_plan(validate(compose("train", overrides=overrides)), setup.device, 1).fits)
+
+        low, high = 0, 1
+        while high <= limit and fits(high):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+    return max(low, 1)
+
+
+def all_jobs(setup: Setup) -> list[JobSpec]:
+    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu tests."""
+    model = setup.model("125m")
+    fault = ("fault.kind=inf_grad", "fault.step=3")
+    environment = (
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--environment",
+        str(setup.out / "jobs" / "environment.json"),
+        *(["--dry-run"] if setup.dry_run else []),
     )
+    gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
+                 "-p", "no:xdist", "-o", "addopts=-ra")  # fmt: skip
+    probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
+    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
+    jobs = [JobSpec("environment", command=environment, budget_s=30, estimate_s=5), *throughput_jobs(setup)]
+    if not setup.dry_run:
+        jobs.append(JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True))
+    first_save, *saves = save_jobs(setup)
+    # The gpu tests (the second row) run beside the shared jobs rather than hold the exclusive
+    # throughput jobs back: their row waits, the table's order stays.
+    jobs += [
+        first_save,
+        JobSpec("gpu_tests", command=gpu_tests, budget_s=120, estimate_s=60),
+        *saves,
+        JobSpec("fp16_overflow", (f"model={model}", "precision=fp16", "zero=stage0", *short(setup), *fault)),
+        JobSpec("fp16_sharded", (f"model={model}", "precision=fp16", "zero=stage3", *short(setup), *fault)),
+        JobSpec("offload", (f"model={model}", "precision=bf16", "zero=stage3", "offload=cpu", "nonfinite=skip",
+                            "fault.kind=nan_loss", "fault.step=3", *short(setup)), budget_s=90, estimate_s=25),
+        *limit_jobs(setup),
+        JobSpec("oom", oom_overrides(setup)),
+        JobSpec("125m_stage0_fp32", (f"model={model}", "precision=fp32", "zero=stage0", *setup.shape())),
+        JobSpec("125m_stage0_again", bf16(setup, "125m", "stage0"), unique=True),
+        JobSpec("ckpt_full", bf16(setup, "125m", "stage0", "checkpointing=full")),
+        JobSpec("ckpt_selective", bf16(setup, "125m", "stage0", "checkpointing=selective")),
+        JobSpec("grad_accum", bf16(setup, "125m", "stage0", *half_micro_batch(setup), "grad_accum=2")),
+        JobSpec("stage2", bf16(setup, "125m", "stage2")),
+        JobSpec("125m_stage0_loop", bf16(setup, "125m", "stage0", "optim.fused=false"), exclusive=True),
+        JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
+                estimate_s=90, exclusive=True),
+    ]  # fmt: skip
+    return jobs
 
 
-def largest_relative_difference(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def check_loss_agreement(setup: Setup, jobs: Jobs) -> Row:
-    bf16, fp32 = jobs.get("125m_stage0"), jobs.get("125m_stage0_fp32")
-    if bf16.status != "ok" or fp32.status != "ok":
-        return Row("fp32 vs bf16 losses", "fail", {}, failed(fp32 if fp32.status != "ok" else bf16))
-    diff = largest_relative_difference(bf16.losses, fp32.losses)
-    figures = {
-        "steps": len(fp32.losses),
-        "max_rel_diff": round(diff, 5),
-        "fp32_final": round(fp32.losses[-1], 4),
-        "bf16_final": round(bf16.losses[-1], 4),
-    }
-    return Row(
-        "fp32 vs bf16 losses",
-        "pass" if diff <= LOSS_TOLERANCE else "fail",
-        figures,
-        f"per logged step, within {LOSS_TOLERANCE:g} relative",
-    )
-
-
-def check_fp16_overflow(setup: Setup, jobs: Jobs) -> Row:
-    job: Job = jobs.get("fp16_overflow")
-    if job.status != "ok":
-        return Row("fp16 injected overflow", "fail", {}, failed(job))
-    scales = [r["precision/loss_scale"] for r in job.records]
-    figures = {"scales": scales, "skipped_steps": job.summary.get("precision/skipped_steps")}
-    ok = scales[2] == scales[1] / 2 and figures["skipped_steps"] == 1
-    return Row(
-        "fp16 injected overflow",
-        "pass" if ok else "fail",
-        figures,
-        "scale halves at step 3, one step skipped",
-    )
+def half_micro_batch(setup: Setup) -> tuple[str, ...]:
+    """The throughput shape's micro-batch halved: with grad_accum=2, the same global batch."""
+    (micro,) = [o for o in setup.shape() if o.startswith("micro_batch=")]
+    return (f"micro_batch={int(micro.split('=')[1]) // 2}",)
 
 
 def oom_overrides(setup: Setup) -> tuple[str, ...]:
     """A cap the job cannot fit under, with the plan's refusal waived: GPU, 1b's 16 GiB of states
     in 2 GiB; dry run, the tiny model's activations at a long sequence in 0.1 GiB."""
-    shape = (
+    cap = (
         ("device_memory_gib=0.1", "micro_batch=32", "seq_len=256")
         if setup.dry_run
         else ("device_memory_gib=2",)
@@ -280,185 +469,361 @@ def oom_overrides(setup: Setup) -> tuple[str, ...]:
         "zero=stage0",
         "plan.enforce=false",
         "steps=2",
-        *shape,
+        *cap,
     )
 
 
-def check_oom(setup: Setup, jobs: Jobs) -> Row:
-    job: Job = jobs.get("oom")
+# ----------------------------------------------------------------------------- helpers run as processes
+
+
+def environment(setup: Setup) -> dict[str, Any]:
+    """Device, torch, CUDA, NCCL, cuDNN, and what the compile row needs: a C compiler, Python's
+    headers, triton (inductor builds C++ on CPU and triton kernels on GPU)."""
+    import importlib.util
+
+    import torch
+
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    triton = importlib.util.find_spec("triton")
+    figures: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "c_compiler": shutil.which(cc.split()[0]) or shutil.which("gcc") or shutil.which("cc"),
+        "python_headers": headers.exists(),
+        "triton": __import__("triton").__version__ if triton is not None else None,
+    }
+    if setup.dry_run:
+        return {**figures, "device": f"cpu ({platform.machine()})"}
+    from trainer.devices import find_device
+
+    name = torch.cuda.get_device_name(0)
+    known = find_device(name)
+    return {
+        **figures,
+        "device": name,
+        "gpus": torch.cuda.device_count(),
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2),
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "cudnn": torch.backends.cudnn.version(),
+        "table": known.short if known else "unknown",
+    }
+
+
+# ----------------------------------------------------------------------------- the rows
+
+
+def plan_error_pct(job: Job) -> float:
+    return job.summary.get("memory/prediction_error_pct", float("nan"))
+
+
+def memory_figures(job: Job) -> dict[str, Any]:
+    """Peak allocated and reserved against the plan's predicted allocated and reserved."""
+    reserved = job.most("memory/rank0/peak_reserved_gib")
+    predicted_reserved = job.summary.get("plan", {}).get("predicted_reserved_gib")
+    return {
+        "peak_allocated_gib": round(job.summary.get("memory/max_rank_peak_gib", float("nan")), 3),
+        "predicted_allocated_gib": round(job.summary.get("memory/predicted_peak_gib", float("nan")), 3),
+        "allocated_error_pct": round(plan_error_pct(job), 1),
+        "peak_reserved_gib": round(reserved, 3) if reserved is not None else None,
+        "predicted_reserved_gib": round(predicted_reserved, 3) if predicted_reserved is not None else None,
+    }
+
+
+def memory_verdict(figures: dict[str, Any]) -> list[str]:
+    """What is wrong with a job's memory against its plan (empty: nothing)."""
+    wrong = []
+    if not abs(figures["allocated_error_pct"]) <= PLAN_TOLERANCE_PCT:  # NaN: not measured, wrong too
+        wrong.append(f"peak allocated off the plan by {figures['allocated_error_pct']}%")
+    reserved, predicted = figures["peak_reserved_gib"], figures["predicted_reserved_gib"]
+    if predicted is not None and (reserved is None or reserved > predicted):
+        wrong.append(f"peak reserved {reserved} GiB over the plan's predicted_reserved_gib {predicted}")
+    return wrong
+
+
+def check_environment(setup: Setup, jobs: dict[str, Job]) -> Row:
+    job = jobs["environment"]
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    figures = json.loads((setup.out / "jobs" / "environment.json").read_text())
+    needs = ("c_compiler", "python_headers") + (
+        () if setup.dry_run else ("triton",)
+    )  # inductor on CPU: C++ only
+    missing = [k for k in needs if not figures[k]]
+    note = f"compile needs {', '.join(missing)}" if missing else ""
+    if not setup.dry_run and figures["table"] == "unknown":
+        note = "; ".join(filter(None, [note, "device not in trainer/devices.py: no MFU"]))
+    return Row("", "info", figures, note or ("dry run: CPU" if setup.dry_run else ""))
+
+
+def check_gpu_tests(setup: Setup, jobs: dict[str, Job]) -> Row:
+    job = jobs["gpu_tests"]
+    lines = job.console.splitlines()
+    outcome = lines[-1].strip("= ") if lines else "no output"
+    if setup.dry_run:  # no CUDA: every test is skipped, which is the point of the marker
+        ok = job.status == "ok" and "skipped" in outcome and "failed" not in outcome
+        return Row("", "pass" if ok else "fail", {"pytest": outcome}, "dry run: skipped without CUDA")
+    return Row("", "pass" if job.status == "ok" else "fail", {"pytest": outcome})
+
+
+def check_throughput(setup: Setup, jobs: dict[str, Job]) -> Row:
+    (job,) = jobs.values()
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    mfu = job.last("throughput/mfu_pct")
+    figures = {
+        "tokens_per_s": round(job.summary["throughput/tokens_per_s"], 1),
+        "mfu_pct": round(mfu, 1) if mfu is not None else None,
+        **memory_figures(job),
+    }
+    wrong = memory_verdict(figures)
+    note = (
+        "; ".join(wrong)
+        or f"plan within ±{PLAN_TOLERANCE_PCT:g}% of peak allocated, reserved within the plan's"
+    )
+    return Row("", "fail" if wrong else "pass", figures, note)
+
+
+def fragmentation(job: Job) -> float | None:
+    reserved, allocated = (
+        job.most("memory/rank0/peak_reserved_gib"),
+        job.most("memory/rank0/peak_allocated_gib"),
+    )
+    return reserved / allocated - 1 if reserved and allocated else None
+
+
+def check_headroom(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """The measured headroom against trainer/plan/headroom.py: fails when any figure exceeds its
+    assumption or could not be measured."""
+    from trainer.plan.headroom import HEADROOM
+
+    probe = jobs.pop("headroom")
+    if probe.status != "ok":
+        return Row("", "fail", asdict(HEADROOM), failed(probe))
+    measured = json.loads(probe.console.splitlines()[-1])
+    worst = [f for f in (fragmentation(job) for job in jobs.values()) if f is not None]
+    measured["fragmentation"] = max(worst) if len(worst) == len(jobs) else None
+    compared = {"context_gib": "context_gib", "nccl_world1_gib": "nccl_gib",
+                "cublas_workspace_gib": "cublas_workspace_gib", "fragmentation": "fragmentation"}  # fmt: skip
+    wrong = []
+    for key, assumed_key in compared.items():
+        value, assumed = measured[key], getattr(HEADROOM, assumed_key)
+        if value is None or value > assumed:
+            wrong.append(f"{key} {'not measured' if value is None else f'{value:.3f} > assumed {assumed:g}'}")
+    figures = {**{k: round(v, 3) if isinstance(v, float) else v for k, v in measured.items()},
+               **{f"assumed_{k}": v for k, v in asdict(HEADROOM).items()}}  # fmt: skip
+    note = "; ".join(wrong) or "every figure within trainer/plan/headroom.py's assumptions"
+    return Row(
+        "", "fail" if wrong else "pass", figures, note + f"; nccl at 8 ranks: {measured['nccl_8_ranks']}"
+    )
+
+
+def check_expandable(setup: Setup, jobs: dict[str, Job]) -> Row:
+    probe = jobs["headroom"]
+    if probe.status != "ok":
+        return Row("", "fail", {}, failed(probe))
+    active = json.loads(probe.console.splitlines()[-1])["expandable_segments"]
+    note = "every allocator segment expandable under the rank's environment (trainer/rank/cuda.py)"
+    return Row("", "pass" if active else "fail", {"expandable_segments": active}, note)
+
+
+def check_resumed(setup: Setup, jobs: dict[str, Job]) -> Row:
+    save, resumed = jobs.values()
+    if save.status != "ok":
+        return Row("", "fail", {}, failed(save))
+    figures = {
+        "status": resumed.status,
+        "first_step": resumed.records[0]["step"] if resumed.records else None,
+        "steps_done": resumed.summary.get("steps_done"),
+        "final_loss": round(resumed.losses[-1], 4) if resumed.losses else None,
+    }
+    ok = resumed.status == "ok" and figures["first_step"] == 5 and figures["steps_done"] == 6
+    return Row(
+        "", "pass" if ok else "fail", figures, "resumed at step 5, ended ok" if ok else failed(resumed)
+    )
+
+
+def check_fp16_overflow(setup: Setup, jobs: dict[str, Job]) -> Row:
+    (job,) = jobs.values()
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    scales = [r["precision/loss_scale"] for r in job.records]
+    figures = {"scales": scales, "skipped_steps": job.summary.get("precision/skipped_steps")}
+    ok = scales[2] == scales[1] / 2 and figures["skipped_steps"] == 1
+    return Row("", "pass" if ok else "fail", figures, "scale halves at step 3, one step skipped")
+
+
+def check_offload(setup: Setup, jobs: dict[str, Job]) -> Row:
+    (job,) = jobs.values()
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    losses = job.losses
+    figures = {
+        "nonfinite_skipped": job.summary.get("train/nonfinite_skipped"),
+        "losses": [round(x, 4) for x in losses],
+    }
+    ok = figures["nonfinite_skipped"] == 1 and all(x == x for i, x in enumerate(losses) if i != 2)
+    note = "offload=cpu: the NaN step 3 skipped on the CPU AdamW, every other loss finite"
+    return Row("", "pass" if ok else "fail", figures, note)
+
+
+def check_limit(setup: Setup, jobs: dict[str, Job]) -> Row:
+    fits, above = jobs["limit_fits"], jobs["limit_next"]
+    micro_batch = next(o for o in fits.overrides if o.startswith("micro_batch="))
+    figures = {
+        "micro_batch": int(micro_batch.split("=")[1]),
+        "status": fits.status,
+        "next_status": above.status,
+    }
+    if fits.status == "ok":
+        figures.update(memory_figures(fits))
+    if setup.dry_run:  # a cap stands in for the device, which the CPU allocator does not meet exactly
+        return Row(
+            "", "info", figures, "dry run: CPU has no device limit (device_memory_gib=0.1 in its place)"
+        )
+    wrong = [failed(fits)] if fits.status != "ok" else memory_verdict(figures)
+    if above.status != "oom":
+        wrong.append(
+            f"micro_batch+1 ended {above.status}, not oom: the plan leaves more than a micro-batch unused"
+        )
+    note = (
+        "; ".join(wrong)
+        or "the plan's largest micro-batch runs within its reserved figure; one more ends oom"
+    )
+    return Row("", "fail" if wrong else "pass", figures, note)
+
+
+def check_oom(setup: Setup, jobs: dict[str, Job]) -> Row:
+    (job,) = jobs.values()
     figures = {"status": job.status, "failed_phase": job.summary.get("failed_phase")}
     cap = next(o for o in oom_overrides(setup) if o.startswith("device_memory_gib"))
     note = f"{cap}, plan.enforce=false: status oom recorded" if job.status == "oom" else failed(job)
-    return Row("oom under device_memory_gib", "pass" if job.status == "oom" else "fail", figures, note)
+    return Row("", "pass" if job.status == "oom" else "fail", figures, note)
 
 
-RESUME_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", "seq_len=64", "log_every=1")
+def largest_relative_difference(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        return float("inf")
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def run_resume(setup: Setup) -> Job:
-    """Save on CPU at step 4, then resume on the check's device to step 6."""
-    cpu = setup.work / "resume_cpu"
-    args = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "device=cpu",
-        "nproc=1",
-        "logger=none",
-        "steps=4",
-        "save.every=2",
-        *RESUME_SHAPE,
-        f"hydra.run.dir={cpu}",
-    ]
-    subprocess.run(
-        args,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "WANDB_MODE": "disabled"},
-    )
-    return run_job(
-        setup, "resume_device", *RESUME_SHAPE, "steps=6", f"resume={cpu / 'checkpoints' / 'step_00000004'}"
-    )
-
-
-def check_resume(setup: Setup, jobs: Jobs) -> Row:
-    job: Job = jobs.get("resume")
-    figures = {
-        "status": job.status,
-        "first_step": job.records[0]["step"] if job.records else None,
-        "steps_done": job.summary.get("steps_done"),
+def check_same_losses(setup: Setup, jobs: dict[str, Job], tolerance: float = LOSS_TOLERANCE) -> Row:
+    """The second job's per-step losses against the first's (the reference), and its memory
+    against its plan where it is a different configuration (tolerance > 0)."""
+    reference, job = jobs.values()
+    if reference.status != "ok" or job.status != "ok":
+        return Row("", "fail", {}, failed(job if job.status != "ok" else reference))
+    diff = largest_relative_difference(job.losses, reference.losses)
+    figures: dict[str, Any] = {
+        "steps": len(job.losses),
+        "max_rel_diff": diff,
+        "final": round(job.losses[-1], 4),
     }
-    ok = job.status == "ok" and figures["first_step"] == 5 and figures["steps_done"] == 6
-    return Row("cpu save resumed on the device", "pass" if ok else "fail", figures, "" if ok else failed(job))
+    wrong = [] if diff <= tolerance else [f"losses differ by {diff:.3g} relative (allowed {tolerance:g})"]
+    if tolerance > 0:
+        figures.update(memory_figures(job))
+        wrong += memory_verdict(figures)
+    return Row(
+        "",
+        "fail" if wrong else "pass",
+        figures,
+        "; ".join(wrong) or f"per-step losses within {tolerance:g} of {reference.name}",
+    )
 
 
-def check_sync_free(setup: Setup, jobs: Jobs) -> Row:
-    fused, loop = jobs.get("125m_stage0"), jobs.get("125m_stage0_loop")
+def check_checkpointing(setup: Setup, jobs: dict[str, Job]) -> Row:
+    row = check_same_losses(setup, jobs)
+    reference, job = jobs.values()
+    if (
+        row.status == "pass"
+        and not job.summary["memory/max_rank_peak_gib"] < reference.summary["memory/max_rank_peak_gib"]
+    ):
+        return Row("", "fail", row.figures, "checkpointing did not lower the peak")
+    return row
+
+
+def check_sync_free(setup: Setup, jobs: dict[str, Job]) -> Row:
+    fused, loop = jobs.values()
     if fused.status != "ok" or loop.status != "ok":
-        return Row("sync-free step", "fail", {}, failed(loop if loop.status != "ok" else fused))
+        return Row("", "fail", {}, failed(loop if loop.status != "ok" else fused))
     a, b = fused.summary["throughput/tokens_per_s"], loop.summary["throughput/tokens_per_s"]
-    figures = {
-        "fused_deferred_tokens_per_s": round(a, 1),
-        "loop_host_read_tokens_per_s": round(b, 1),
-        "ratio": round(a / b, 3),
-    }
+    figures = {"fused_deferred_tokens_per_s": round(a, 1), "loop_host_read_tokens_per_s": round(b, 1),
+               "ratio": round(a / b, 3)}  # fmt: skip
     note = "fused AdamW + device-side skip over per-tensor AdamW + a host read every step"
     return Row(
-        "sync-free step",
+        "",
         "info",
         figures,
         note + ("; dry run: jobs ran side by side, not a timing" if setup.dry_run else ""),
     )
 
 
-def check_compile(setup: Setup, jobs: Jobs) -> Row:
-    eager, compiled = jobs.get("125m_stage0"), jobs.get("125m_stage0_compile")
-    if eager.status != "ok" or compiled.status != "ok":
-        return Row("compile", "fail", {}, failed(compiled if compiled.status != "ok" else eager))
-    diff = largest_relative_difference(compiled.losses, eager.losses)
-    a, b = compiled.summary["throughput/tokens_per_s"], eager.summary["throughput/tokens_per_s"]
-    figures = {
-        "compiled_tokens_per_s": round(a, 1),
-        "eager_tokens_per_s": round(b, 1),
-        "ratio": round(a / b, 3),
-        "max_rel_loss_diff": round(diff, 5),
-    }
-    return Row(
-        "compile",
-        "pass" if diff <= LOSS_TOLERANCE else "fail",
-        figures,
-        "steady tokens/s (compilation in warm-up)",
-    )
+def check_compile(setup: Setup, jobs: dict[str, Job]) -> Row:
+    eager, compiled = jobs.values()
+    row = check_same_losses(setup, {"eager": eager, "compiled": compiled}, tolerance=LOSS_TOLERANCE)
+    if compiled.status == "ok" and eager.status == "ok":
+        a, b = compiled.summary["throughput/tokens_per_s"], eager.summary["throughput/tokens_per_s"]
+        row.figures = {"compiled_tokens_per_s": round(a, 1), "eager_tokens_per_s": round(b, 1),
+                       "ratio": round(a / b, 3), **row.figures}  # fmt: skip
+    return row
 
 
-HEADROOM_PROBE = """
-import json, os, torch, torch.distributed as dist
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-torch.cuda.init(); torch.empty(1, device="cuda")
-free, total = torch.cuda.mem_get_info(); context = total - free - torch.cuda.memory_reserved()
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); before = torch.cuda.memory_reserved()
-(a @ a).sum().item(); cublas = torch.cuda.memory_reserved() - before - a.numel() * a.element_size()
-free0, _ = torch.cuda.mem_get_info(); reserved0 = torch.cuda.memory_reserved()
-dist.init_process_group("nccl", init_method="tcp://localhost:29581", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-t = torch.ones(2**20, device="cuda"); dist.all_reduce(t); torch.cuda.synchronize()
-free1, _ = torch.cuda.mem_get_info(); nccl = free0 - free1 - (torch.cuda.memory_reserved() - reserved0)
-dist.destroy_process_group()
-print(json.dumps({"context_gib": context / 2**30, "cublas_workspace_gib": max(cublas, 0) / 2**30, "nccl_gib": max(nccl, 0) / 2**30}))
-"""
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    jobs: tuple[str, ...]
+    check: Callable[[Setup, dict[str, Job]], Row]
+    gpu_only: bool = False
 
 
-def run_headroom_probe() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", HEADROOM_PROBE], capture_output=True, text=True, timeout=120)
+def row_specs() -> list[RowSpec]:
+    """The table, most valuable first (docs/gpu.md says why this order)."""
+    throughput = [RowSpec(f"throughput {m} bf16 {s}", (f"{m}_{s}",), check_throughput)
+                  for m in ("125m", "1b") for s in ("stage0", "stage3")]  # fmt: skip
+    return [
+        RowSpec("environment", ("environment",), check_environment),
+        RowSpec("gpu tests", ("gpu_tests",), check_gpu_tests),
+        *throughput,
+        RowSpec("headroom", ("headroom", "125m_stage0", "125m_stage3", "1b_stage0", "1b_stage3"), check_headroom, True),
+        RowSpec("expandable segments", ("headroom",), check_expandable, True),
+        RowSpec("cpu save resumed on the device", ("cpu_save", "cpu_save_resumed"), check_resumed),
+        RowSpec("device save resumed on the device", ("device_save", "device_save_resumed"), check_resumed),
+        RowSpec("fp16 injected overflow", ("fp16_overflow",), check_fp16_overflow),
+        RowSpec("fp16 sharded scaler (stage3)", ("fp16_sharded",), check_fp16_overflow),
+        RowSpec("offload=cpu skips a NaN step", ("offload",), check_offload),
+        RowSpec("plan at the device limit", ("limit_fits", "limit_next"), check_limit),
+        RowSpec("oom under device_memory_gib", ("oom",), check_oom),
+        RowSpec("fp32 vs bf16 losses", ("125m_stage0", "125m_stage0_fp32"), check_same_losses),
+        RowSpec("bf16 runs identical", ("125m_stage0", "125m_stage0_again"), lambda s, j: check_same_losses(s, j, 0.0)),
+        RowSpec("checkpointing full", ("125m_stage0", "ckpt_full"), check_checkpointing),
+        RowSpec("checkpointing selective", ("125m_stage0", "ckpt_selective"), check_checkpointing),
+        RowSpec("grad_accum 2", ("125m_stage0", "grad_accum"), check_same_losses),
+        RowSpec("stage2 on one GPU", ("125m_stage0", "stage2"), check_same_losses),
+        RowSpec("sync-free step", ("125m_stage0", "125m_stage0_loop"), check_sync_free),
+        RowSpec("compile", ("125m_stage0", "125m_stage0_compile"), check_compile),
+    ]  # fmt: skip
 
 
-def check_headroom(setup: Setup, jobs: Jobs) -> Row:
-    from trainer.plan.headroom import HEADROOM
-
-    assumed = {f"assumed_{k}": v for k, v in asdict(HEADROOM).items()}
-    if setup.dry_run:
-        return Row("headroom", "skip", assumed, "dry run: CPU has no CUDA context")
-    proc = jobs.get("headroom")
-    if proc.returncode != 0:
-        return Row(
-            "headroom",
-            "error",
-            assumed,
-            proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "probe failed",
-        )
-    measured = {
-        f"measured_{k}": round(v, 3) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()
-    }
-    return Row(
-        "headroom",
-        "info",
-        {**assumed, **measured},
-        "fragmentation: see peak reserved / allocated above; update trainer/plan/headroom.py",
-    )
-
-
-def submit_all(setup: Setup, jobs: Jobs) -> None:
-    """Every job, in the order the rows need them."""
-    jobs.submit_call("gpu_tests", run_gpu_tests)
-    for model in ("125m", "1b"):
-        for stage in ("stage0", "stage3"):
-            jobs.submit(f"{model}_{stage}", *bf16_job(setup, model, stage))
-    jobs.submit("125m_stage0_fp32", f"model={setup.model('125m')}", "precision=fp32", "zero=stage0")
-    jobs.submit("fp16_overflow", f"model={setup.model('125m')}", "precision=fp16", "zero=stage0",
-                "fault.kind=inf_grad", "fault.step=3", "steps=5", "log_every=1")  # fmt: skip
-    jobs.submit("oom", *oom_overrides(setup))
-    jobs.submit_call("resume", lambda: run_resume(setup))
-    jobs.submit("125m_stage0_loop", *bf16_job(setup, "125m", "stage0", "optim.fused=false"))
-    # The dry run compiles with aot_eager: the composition is checked, without inductor's C++ builds.
-    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
-    jobs.submit(
-        "125m_stage0_compile", *bf16_job(setup, "125m", "stage0", "compile=true", backend), timeout=420
-    )
-    if not setup.dry_run:
-        jobs.submit_call("headroom", run_headroom_probe)
-
-
-def rows(setup: Setup, jobs: Jobs) -> list[Callable[[], Row]]:
-    """The table, in order; each row waits for its jobs."""
-    sequence: list[Callable[[], Row]] = [
-        lambda: check_environment(setup),
-        lambda: check_gpu_tests(setup, jobs),
-    ]
-    for model in ("125m", "1b"):
-        for stage in ("stage0", "stage3"):
-            sequence.append(lambda model=model, stage=stage: check_throughput(setup, jobs, model, stage))
-    for check in (
-        check_loss_agreement,
-        check_fp16_overflow,
-        check_oom,
-        check_resume,
-        check_sync_free,
-        check_compile,
-        check_headroom,
-    ):
-        sequence.append(lambda check=check: check(setup, jobs))
-    return sequence
+def evaluate(setup: Setup, scheduler: Scheduler, spec: RowSpec) -> Row:
+    """One row: skipped when the deadline left a job unstarted, failed with what was killed when a
+    job ran out of time, else the row's own check."""
+    if spec.gpu_only and setup.dry_run:
+        return Row(spec.name, "skip", {}, "dry run: needs CUDA")
+    jobs = {name: scheduler.get(name) for name in spec.jobs}
+    unstarted = [job.name for job in jobs.values() if job.status == "skipped"]
+    if unstarted:
+        return Row(spec.name, "skip", {}, f"{NOT_REACHED}: {', '.join(unstarted)}")
+    for job in jobs.values():
+        if job.status == "timeout":
+            figures = {"job": job.name, "seconds": round(job.seconds, 1), "killed_pids": job.killed,
+                       "survivors": job.survivors}  # fmt: skip
+            last = " / ".join(job.console.splitlines()[-3:])
+            return Row(spec.name, "fail", figures, f"{job.name} killed at its timeout with its {len(job.killed) - 1} "
+                       f"descendants ({len(job.survivors)} survived); last lines: {last}")  # fmt: skip
+    row = spec.check(setup, jobs)
+    row.check = spec.name
+    return row
 
 
 # ----------------------------------------------------------------------------- the report
@@ -490,43 +855,74 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
-def timed(report: Report, make: Callable[[], Row]) -> None:
-    """Run one row; an exception in the check itself is recorded as that row's error, and the check goes on."""
+def timed(report: Report, spec: RowSpec, make: Callable[[], Row]) -> None:
+    """Run one row; an exception in the check itself is that row's error (under its own name),
+    and the check goes on."""
     start = time.perf_counter()
     try:
         row = make()
     except Exception as err:  # noqa: BLE001 - a broken row must not cost the rows after it
-        row = Row(f"row {len(report.rows) + 1}", "error", {}, f"{type(err).__name__}: {err}")
+        row = Row(spec.name, "error", {}, f"{type(err).__name__}: {err}")
     row.seconds = time.perf_counter() - start
     report.add(row)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    )
+    default_out = REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--dry-run", action="store_true", help="the same sequence on CPU with the tiny model")
     parser.add_argument(
-        "--jobs", type=int, default=None, help="jobs at once (default: 1 on the GPU, 2 in a dry run)"
+        "--deadline",
+        type=float,
+        default=None,
+        help=f"seconds for the whole check (default {DEADLINE_S:g}, dry run {DRY_DEADLINE_S:g})",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="jobs at once (default 3 on the GPU, exclusive ones alone; 2 in a dry run)",
+    )
+    parser.add_argument(
+        "--inject-hang", metavar="JOB", help="tests only: JOB runs until the deadline kills it"
+    )
+    parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the environment job
+    parser.add_argument("--largest-micro-batch", type=Path, help=argparse.SUPPRESS)  # the limit_plan job
+    return parser.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    setup = Setup(args.dry_run, args.out.resolve(), 0.0, args.inject_hang)
+    if args.environment is not None:
+        args.environment.write_text(json.dumps(environment(setup)))
+        return 0
+    if args.largest_micro_batch is not None:
+        micro_batch = largest_fitting_micro_batch(setup, limit_base(setup))
+        args.largest_micro_batch.write_text(json.dumps({"micro_batch": micro_batch}))
+        return 0
     if not args.dry_run:
         import torch
 
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # NVML's count: no CUDA context in this process
             print("error: no CUDA device visible; --dry-run runs the sequence on CPU", file=sys.stderr)
             return 2
-    report = Report(args.out, args.dry_run)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        setup = Setup(args.dry_run, Path(work))
-        jobs = Jobs(setup, args.jobs or (2 if args.dry_run else 1))
-        submit_all(setup, jobs)
-        for make in rows(setup, jobs):
-            timed(report, make)
-        jobs.pool.shutdown(wait=True)
-    print(f"results: {args.out / 'results.md'}", flush=True)
-    return 0 if all(r.status in ("pass", "info", "skip") for r in report.rows) else 1
+    deadline = (
+        args.deadline if args.deadline is not None else (DRY_DEADLINE_S if args.dry_run else DEADLINE_S)
+    )
+    setup.deadline = time.monotonic() + deadline
+    report = Report(setup.out, args.dry_run)
+    (setup.out / "jobs").mkdir(exist_ok=True)
+    scheduler = Scheduler(setup, all_jobs(setup), args.jobs or (2 if args.dry_run else 3))
+    for spec in row_specs():
+        timed(report, spec, lambda spec=spec: evaluate(setup, scheduler, spec))
+    scheduler.thread.join()
+    print(f"results: {setup.out / 'results.md'}", flush=True)
+    cut = [r.check for r in report.rows if r.note.startswith(NOT_REACHED)]
+    if cut:
+        print(f"the deadline cut {len(cut)} rows: {', '.join(cut)}", flush=True)
+    return 0 if not cut and all(r.status in ("pass", "info", "skip") for r in report.rows) else 1
 
 
 if __name__ == "__main__":

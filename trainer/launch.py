@@ -20,7 +20,7 @@ from trainer.config import OffloadTarget, from_plain
 from trainer.console import first_line, one_line
 from trainer.faults.failures import apply_memory_cap, explain, killed_by, recording_failures
 from trainer.faults.stop import AGENT_SIGNALS, RankStop
-from trainer.rank.cuda import apply_tf32
+from trainer.rank.cuda import apply_tf32, set_launcher_environment
 from trainer.telemetry.comm import enable_recording
 from trainer.world import init_world, shutdown_world
 
@@ -130,6 +130,7 @@ def launch_local(
     # "Gloo connectFullMesh failed ... Connection refused"). Rank 0 of each attempt hosts a fresh
     # store instead. Without restarts the shared store (no port race) stays.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
+    set_launcher_environment()  # NCCL's error handling, which the agent would otherwise set for the ranks
     try:
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from tests.conftest import REPO
 from tests.unit.fakes import tiny_config
-from trainer.data import build_batches
+from trainer.data import build_batches, to_device
 from trainer.devices import find_device
 from trainer.rank.cuda import apply_tf32, process_group_backend
 from trainer.rank.loop import build_trainee, train_step
@@ -94,19 +95,30 @@ def test_tf32_switches_the_matmul_precision() -> None:
     assert (exact - reference).abs().max() < (fast - reference).abs().max()  # TF32 keeps 10 mantissa bits
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
-def test_a_deferred_step_never_syncs_with_the_host(world: World, stage: str) -> None:
-    config = cuda_config(zero__stage=stage, nonfinite="skip", fault__kind="nan_loss", fault__step=3)
+def test_a_deferred_step_never_syncs_with_the_host(world: World, stage: str, dtype: str) -> None:
+    """No host sync in a step once warm (fp16: the scale's floor is clamped on the device, issue 27
+    item 8). Two warm-up steps: DDP rebuilds its buckets on the second forward with a blocking
+    device-to-host copy (issue 27, item 2); the first builds lazy state and rope tables."""
+    config = cuda_config(
+        zero__stage=stage,
+        precision__compute_dtype=dtype,
+        nonfinite="skip",
+        fault__kind="nan_loss",
+        fault__step=4,
+    )
     trainee = build_trainee(config, world)
     guard = NonFiniteGuard(
         config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16, defer=True
     )
     assert trainee.optimizer.defaults["fused"]  # fused on CUDA by default
     batches = build_batches(config, 0, 1, start_step=0)
-    train_step(trainee, batches, config, world, 1, guard)  # warm-up: lazy state, rope tables
+    for step in (1, 2):
+        train_step(trainee, batches, config, world, step, guard)
     torch.cuda.set_sync_debug_mode("error")  # any host sync now raises
     try:
-        for step in range(2, 5):
+        for step in range(3, 6):
             train_step(trainee, batches, config, world, step, guard)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -114,7 +126,53 @@ def test_a_deferred_step_never_syncs_with_the_host(world: World, stage: str) -> 
     assert guard.skipped == 1
 
 
-def test_rng_state_of_a_gpu_rank_has_cuda_and_a_cpu_save_loads_on_it(world: World, tmp_path: Path) -> None:
+def test_a_batch_copy_leaves_the_host_free_to_run_ahead() -> None:
+    """time/data_s is host time (issue 27, item 6): the copy of a batch is only enqueued, even
+    behind half a second of GPU work, because it is copied from page-locked memory."""
+    device = torch.device("cuda", 0)
+    batch = torch.randint(0, 1000, (8, 1024))
+    to_device(batch, device)  # warm: the host allocator's first page-locked block
+    torch.cuda.synchronize()
+    torch.cuda._sleep(10**9)  # about 0.5 s of spinning queued ahead of the copy
+    start = time.perf_counter()
+    copied = to_device(batch, device)
+    host_s = time.perf_counter() - start
+    assert host_s < 0.05, f"the copy held the host {host_s:.3f} s"
+    assert torch.equal(copied.cpu(), batch)
+
+
+def test_an_offloaded_step_skips_on_a_flag_that_arrived_late(world: World, monkeypatch) -> None:
+    """offload=cpu: the CPU AdamW must read the skip flag after it has arrived (issue 27, item 7).
+    The flag is made behind half a second of GPU work; read early, the NaN step would be taken."""
+    import trainer.rank.loop as loop
+    from trainer.rank.optim import step_unless
+
+    def late_flag(optimizer: torch.optim.Optimizer, scaler: object, skip: torch.Tensor) -> None:
+        torch.cuda._sleep(10**9)
+        step_unless(optimizer, scaler, skip.clone())  # the clone runs after the spin
+
+    monkeypatch.setattr(loop, "step_unless", late_flag)
+    config = cuda_config(
+        zero__stage="stage3", offload__target="cpu", nonfinite="skip", fault__kind="nan_loss", fault__step=3
+    )
+    trainee = build_trainee(config, world)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False, defer=True)
+    batches = build_batches(config, 0, 1, start_step=0)
+    for step in (1, 2):
+        train_step(trainee, batches, config, world, step, guard)
+    before = {n: p.to_local().clone() for n, p in trainee.model.named_parameters()}
+    assert all(t.device.type == "cpu" for t in before.values())
+    train_step(trainee, batches, config, world, 3, guard)  # a NaN loss: skipped on the device's word
+    assert all(torch.equal(p.to_local(), before[n]) for n, p in trainee.model.named_parameters())
+    guard.settle()
+    assert guard.skipped == 1
+
+
+def test_rng_state_of_a_gpu_rank_has_cuda_and_a_cpu_save_loads_and_steps_on_it(
+    world: World, tmp_path: Path
+) -> None:
+    """A save of CPU's per-tensor AdamW, loaded under the GPU's fused one, then stepped with the
+    deferred skip (issue 27, item 3: the save's fused=False used to assert at the first step)."""
     assert "cuda" in rng_state(world.device)
     cpu_world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     config = tiny_config()
@@ -123,10 +181,16 @@ def test_rng_state_of_a_gpu_rank_has_cuda_and_a_cpu_save_loads_on_it(world: Worl
     )
     path = tmp_path / "checkpoints" / "step_00000001"
     assert not any(".cuda" in key for key in saved_keys(path))
-    assert (
-        load_training_state(build_trainee(cuda_config(), world), SaveSpec.of(cuda_config()), world, path).step
-        == 1
+    gpu_config = cuda_config()
+    trainee = build_trainee(gpu_config, world)
+    assert load_training_state(trainee, SaveSpec.of(gpu_config), world, path).step == 1
+    guard = NonFiniteGuard(
+        gpu_config.nonfinite, gpu_config.max_nonfinite_skips, world, fp16=False, defer=True
     )
+    batches = build_batches(gpu_config, 0, 1, start_step=1)
+    losses = [train_step(trainee, batches, gpu_config, world, step, guard).loss.item() for step in (2, 3)]
+    guard.settle()
+    assert trainee.optimizer.param_groups[0]["fused"] and all(loss == loss for loss in losses)
 
 
 def test_fused_and_loop_adamw_agree(world: World) -> None:

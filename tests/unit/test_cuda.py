@@ -80,6 +80,28 @@ def test_rank_environment_turns_on_nccl_error_handling_flight_recorder_and_expan
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF == "expandable_segments:True"
 
 
+def error_handling_of_the_rank(*args: object) -> str | None:
+    """Stands in for trainer.launch.rank_main: what the elastic agent handed the rank."""
+    return os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_the_elastic_launcher_get_nccl_error_handling_3(monkeypatch, tmp_path) -> None:
+    """The agent puts its own environment's value, else "1", into every rank's environment before
+    the rank runs (issue 27, item 5): the job's launcher must set 3 where the agent reads it."""
+    import trainer.launch
+
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.setenv(key, "")  # recorded, so that the launcher's settings are undone after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(trainer.launch, "rank_main", error_handling_of_the_rank)
+    plain = {"nodes": 1, "rdzv_endpoint": None, "device_memory_gib": None, "node_rank": 0}
+    launched = trainer.launch.launch_local(plain, tmp_path, "cpu", nproc=1, max_restarts=0, predicted={})
+    assert launched == "3"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # a user's own setting wins
+    assert trainer.launch.launch_local(plain, tmp_path, "cpu", nproc=1, max_restarts=0, predicted={}) == "2"
+
+
 def test_precision_tf32_sets_torch_fp32_precision() -> None:
     before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
     try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
+from torch.amp import GradScaler
 
 from trainer.config import DType, PrecisionConfig, Stage, ZeroConfig
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
@@ -30,6 +32,22 @@ def overflowing_steps(min_loss_scale: float, steps: int) -> list[float]:
 
 def test_the_scale_backs_off_on_overflow_and_stops_at_the_floor() -> None:
     assert overflowing_steps(min_loss_scale=0.01, steps=4) == [4.0, 2.0, 1.0, 0.5]  # GradScaler alone
+    assert overflowing_steps(min_loss_scale=2.0, steps=4) == [4.0, 2.0, 2.0, 2.0]
+
+
+def test_the_floor_is_applied_without_reading_the_scale_on_the_host(monkeypatch) -> None:
+    """fp16 must not sync the host every step (issue 27, item 8): no host read in the update."""
+
+    def host_read(self: torch.Tensor, *args: object) -> float:
+        raise AssertionError("the loss scale was read on the host")
+
+    def update_on_the_device(scaler: GradScaler, min_loss_scale: float, update=update_loss_scale) -> None:
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "__float__"):
+                m.setattr(torch.Tensor, name, host_read)
+            update(scaler, min_loss_scale)
+
+    monkeypatch.setattr(sys.modules[__name__], "update_loss_scale", update_on_the_device)
     assert overflowing_steps(min_loss_scale=2.0, steps=4) == [4.0, 2.0, 2.0, 2.0]
 
 

@@ -140,6 +140,31 @@ def test_fp16_scale_round_trips_and_the_configured_factors_stay(process_group: N
     assert fresh.scaler.get_scale() == 512.0
 
 
+@pytest.mark.parametrize("stage", ["stage0", "stage1", "stage3"])
+def test_the_running_optimizer_keeps_its_implementation_over_a_saves(
+    process_group: None, tmp_path: Path, stage: str
+) -> None:
+    """A save of the per-tensor AdamW resumed with the fused one (issue 27, item 3): the loaded
+    param groups must not switch the running AdamW back, or the deferred skip's found_inf reaches
+    the per-tensor path, which asserts at the first step."""
+    saved_config = tiny_config(zero__stage=stage, optim__fused=False)
+    trainee = build_trainee(saved_config, WORLD)
+    run_steps(trainee, saved_config, 1, 1)
+    save_training_state(trainee, SaveSpec.of(saved_config), WORLD, tmp_path, Progress(step=1))
+    config = tiny_config(zero__stage=stage, optim__fused=True)
+    fresh = build_trainee(config, WORLD)
+    load_training_state(fresh, SaveSpec.of(config), WORLD, tmp_path / "checkpoints" / "step_00000001")
+    groups = [*local_optimizer(fresh.optimizer).param_groups, *fresh.optimizer.param_groups]
+    assert [(g["fused"], g["foreach"], g["capturable"], g["differentiable"]) for g in groups] == [
+        (True, None, False, False)
+    ] * len(groups)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=False, defer=True)
+    batches = build_batches(config, 0, 1, start_step=1)
+    losses = [train_step(fresh, batches, config, WORLD, step, guard).loss.item() for step in (2, 3)]
+    guard.settle()
+    assert guard.skipped == 0 and all(loss == loss for loss in losses)
+
+
 # ----------------------------------------------------------------------------- RNG state follows the rank's device
 
 

@@ -25,9 +25,10 @@ from trainer.config import ConfigError
 
 ALLOC_CONF = "expandable_segments:True"
 # NCCL environment a rank gets unless set already (by the user, or by trainer/telemetry/comm.py, which
-# sizes the flight recorder for its measurements): abort the communicator on an error or a
-# timeout (3: abort, and tear the process down), keep the last 2000 collectives per rank in
-# the flight recorder and dump them when a collective times out.
+# sizes the flight recorder for its measurements): on a collective's error or timeout, tear the
+# process down (3: SkipCleanUp, torch's own default, which does not wait on an ncclCommAbort that
+# can itself hang; ProcessGroupNCCL.hpp ErrorHandlingMode), keep the last 2000 collectives per rank
+# in the flight recorder and dump them when a collective times out.
 NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "TORCH_FR_BUFFER_SIZE": "2000",
@@ -60,6 +61,16 @@ def check_local_ranks(local_world_size: int) -> None:
     error = local_ranks_error(local_world_size, torch.cuda.device_count())
     if error is not None:
         raise ConfigError(error)
+
+
+def set_launcher_environment() -> None:
+    """In the job process, before the elastic agent starts the ranks: the agent gives every rank
+    TORCH_NCCL_ASYNC_ERROR_HANDLING from its own environment, else "1"
+    (torch/distributed/elastic/agent/server/local_elastic_agent.py, `_start_workers`), so a rank's
+    setdefault would never see it unset. Set here, the job's value reaches the ranks; a user's
+    own setting wins. (Under torchrun the agent is torchrun's: export it there.)"""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    os.environ.setdefault(key, NCCL_ENV[key])
 
 
 def set_rank_environment(out_dir: Path | None) -> None:

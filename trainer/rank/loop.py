@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.amp import GradScaler
 
 from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig
-from trainer.data import build_batches
+from trainer.data import build_batches, to_device
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
 from trainer.model.attention import run_choice
@@ -149,7 +149,7 @@ def train_step(
         if micro > 0:
             next_micro_batch()  # lets the tensor-level memory tracker see the next forward
         start = time.perf_counter()
-        inputs, targets = (t.to(world.device, non_blocking=True) for t in next(batches))
+        inputs, targets = (to_device(t, world.device) for t in next(batches))  # host time only
         data_s += time.perf_counter() - start
         is_last = micro == config.grad_accum - 1
         # Backward runs inside autocast, against PyTorch's AMP guidance (and nanoGPT's habit) of

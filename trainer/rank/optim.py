@@ -68,11 +68,24 @@ def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torc
         found_inf = torch.maximum(
             found_inf, overflow.to(skip.device).reshape(())
         )  # ShardedGradScaler keeps shape [1]
-    inner.grad_scale, inner.found_inf = None, found_inf
+    inner.grad_scale, inner.found_inf = None, on_params_device(inner, found_inf)
     try:
         optimizer.step()
     finally:
         del inner.grad_scale, inner.found_inf
+
+
+def on_params_device(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor:
+    """The skip flag on the device the optimizer steps on, copied so that it has arrived.
+
+    Under offload=cpu the parameters are host tensors and the fused AdamW steps on the CPU. Handed
+    the GPU flag, it would copy it with non_blocking=True (torch/optim/adam.py `_fused_adamw`) and
+    read the host copy at once, before the copy had landed: a race. A blocking copy makes the
+    decision reach the CPU step first; it costs no extra sync, since the offloaded step already
+    waits for the gradients' device-to-host copies (FSDP2 synchronises on them).
+    """
+    device = next(p.device for group in optimizer.param_groups for p in group["params"])
+    return flag if flag.device == device else flag.to(device)  # blocking: see above
 
 
 def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:

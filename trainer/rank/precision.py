@@ -62,7 +62,12 @@ def build_grad_scaler(precision: PrecisionConfig, zero: ZeroConfig, device: torc
 
 
 def update_loss_scale(scaler: GradScaler, min_loss_scale: float) -> None:
-    """scaler.update(), then hold the scale at the floor GradScaler itself does not have."""
+    """scaler.update(), then hold the scale at the floor GradScaler itself does not have.
+
+    The floor is applied on the device (a clamp handed back through update's `new_scale`):
+    reading the scale (get_scale() is a .item()) would sync the host with the GPU every step.
+    """
     scaler.update()
-    if scaler.is_enabled() and scaler.get_scale() < min_loss_scale:
-        scaler.update(new_scale=min_loss_scale)
+    if scaler.is_enabled():
+        scale = scaler._get_scale_async()  # the scale tensor itself; GradScaler has no public getter
+        scaler.update(new_scale=torch.clamp(scale, min=min_loss_scale))

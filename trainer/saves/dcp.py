@@ -319,11 +319,25 @@ def load_training_state(trainee: Trainee, spec: SaveSpec, world: World, path: Pa
     return Progress(progress["step"], progress["nonfinite_skipped"], progress["overflow_skipped"])
 
 
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+"""AdamW's param-group keys that choose how it computes, not what: the running job's, never the
+save's. A save from a per-tensor AdamW (fused=False) loaded over a fused one would otherwise
+switch it back, and the scaler's found_inf would reach the per-tensor path, which asserts."""
+
+
+def keep_implementation(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each param group's implementation flags, to put back after a load."""
+    return [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in groups]
+
+
 def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.device) -> None:
     """Hand the loaded entries to their owners (tensors DCP already filled in place)."""
     optimizer = local_optimizer(trainee.optimizer)
     set_model_state_dict(trainee.model, state["model"], options=OPTIONS)
+    running = keep_implementation(optimizer.param_groups)
     set_optimizer_state_dict(trainee.model, optimizer, state["optim"], options=OPTIONS)
+    for group, flags in zip(optimizer.param_groups, running, strict=True):
+        group.update(flags)
     if optimizer is not trainee.optimizer:
         copy_hyperparameters(optimizer.param_groups, trainee.optimizer.param_groups)
     trainee.scheduler.load_state_dict(state["scheduler"])

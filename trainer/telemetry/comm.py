@@ -4,9 +4,14 @@ Bytes: c10d's flight recorder keeps an entry for every collective a process grou
 and NCCL alike): its kind, and the sizes and dtypes of its inputs and outputs. Each log step a
 rank reads the entries recorded since the last one and adds up their payloads by kind of
 collective (the payload as trainer/plan/comm.py defines it: the larger of the input and output
-bytes, i.e. the full tensor). Nothing is re-implemented or patched; the recorder's dump is a
-private torch API (`torch._C._distributed_c10d._dump_fr_trace_json`), so every use of it is
-guarded and the figures are absent, not guessed, where it is missing or its buffer overflowed.
+bytes, i.e. the full tensor). Nothing is re-implemented or patched. There are two recorders,
+each with its own dump (private torch APIs, so every use is guarded): NCCL's collectives go to
+ProcessGroupNCCL's own (`torch._C._distributed_c10d._dump_nccl_trace_json`, ProcessGroupNCCL.hpp
+`dump_nccl_trace_json`; absent from CPU wheels), gloo's to the generic one (`_dump_fr_trace_json`,
+FlightRecorder.hpp). A rank reads both (a `cuda:nccl,cpu:gloo` group writes to both), each with
+its own record ids. The figures are absent, not guessed, where a dump is missing, its buffer
+overflowed, or the recorders recorded nothing at all in a window: a zero is never reported as a
+measurement.
 
 Time per collective: NCCL entries carry a duration when `TORCH_NCCL_ENABLE_TIMING=1` (set here
 on GPU); gloo's carry none, so on gloo that figure is absent.
@@ -130,9 +135,13 @@ def payload_bytes(entry: dict[str, Any]) -> int | None:
     return None if None in sizes else max(sizes)  # type: ignore[type-var]
 
 
-def dump_entries() -> list[dict[str, Any]] | None:
-    """Every entry the flight recorder holds, or None where this torch has no (working) dump."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace_json", None)
+DUMPS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+"""The flight recorders' JSON dumps, NCCL's first; both take (includeCollectives, onlyActive)."""
+
+
+def dump_entries(name: str = "_dump_fr_trace_json") -> list[dict[str, Any]] | None:
+    """Every entry one flight recorder holds, or None where this torch has no (working) dump."""
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), name, None)
     if dump is None:
         return None
     try:
@@ -141,28 +150,41 @@ def dump_entries() -> list[dict[str, Any]] | None:
         return None
 
 
+def available_dumps() -> tuple[str, ...]:
+    """The recorders this torch has: the generic one always (torch >= 2.8), NCCL's on CUDA wheels."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    return tuple(name for name in DUMPS if getattr(c10d, name, None) is not None)
+
+
 class WindowReader:
-    """The flight-recorder entries of this process since the last read (ids increase by one)."""
+    """The flight-recorder entries of this process since the last read (ids increase by one per recorder)."""
 
     def __init__(self) -> None:
-        self.last_id = -1
+        self.last_ids = dict.fromkeys(available_dumps(), -1)
         self.skip_past()
 
     def skip_past(self) -> None:
         """Leave out what was recorded so far (process-group setup, the model's first broadcast, a resume)."""
-        entries = dump_entries() or []
-        self.last_id = max((e["record_id"] for e in entries), default=self.last_id)
+        for name in self.last_ids:
+            entries = dump_entries(name) or []
+            self.last_ids[name] = max((e["record_id"] for e in entries), default=self.last_ids[name])
 
     def take(self) -> list[dict[str, Any]] | None:
-        """New entries, or None when they cannot be known whole (no dump; the ring buffer overwrote some)."""
-        entries = dump_entries()
-        if entries is None:
-            return None
-        new = sorted((e for e in entries if e["record_id"] > self.last_id), key=lambda e: e["record_id"])
-        complete = not new or new[0]["record_id"] == self.last_id + 1
-        if new:
-            self.last_id = new[-1]["record_id"]
-        return new if complete else None
+        """New entries of every recorder, or None when they cannot be known whole (no dump; a ring
+        buffer overwrote some) or when no recorder recorded anything (nothing is not a zero)."""
+        new_entries: list[dict[str, Any]] = []
+        complete = bool(self.last_ids)
+        for name, last_id in self.last_ids.items():
+            entries = dump_entries(name)
+            if entries is None:
+                complete = False
+                continue
+            new = sorted((e for e in entries if e["record_id"] > last_id), key=lambda e: e["record_id"])
+            complete = complete and (not new or new[0]["record_id"] == last_id + 1)
+            if new:
+                self.last_ids[name] = new[-1]["record_id"]
+            new_entries += new
+        return new_entries if complete and new_entries else None
 
 
 def entry_group(entry: dict[str, Any], default_group: str) -> str:

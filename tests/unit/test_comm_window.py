@@ -1,0 +1,75 @@
+"""trainer/telemetry/comm.py's window reader against both flight recorders, on CPU with stand-in dumps.
+
+NCCL's collectives are recorded by ProcessGroupNCCL's own flight recorder, which a CPU wheel does
+not have: the dumps here stand in for it with entries in the recorder's JSON format
+(FlightRecorder.hpp: `entries`, each with `record_id`, `profiling_name`, sizes and dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.telemetry.comm import WindowReader, window_figures
+
+
+def entry(record_id: int, name: str, numel: int) -> dict[str, Any]:
+    return {
+        "record_id": record_id,
+        "profiling_name": name,
+        "input_sizes": [[numel]],
+        "input_dtypes": ["Float"],
+        "output_sizes": [[numel]],
+        "output_dtypes": ["Float"],
+        "duration_ms": 0.5,
+    }
+
+
+class Recorder:
+    """A flight recorder's JSON dump: (includeCollectives, onlyActive) -> bytes, as torch's binding."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+
+    def __call__(self, include_collectives: bool = True, only_active: bool = False) -> bytes:
+        return json.dumps({"version": "2.7", "entries": self.entries}).encode()
+
+
+@pytest.fixture
+def recorders(monkeypatch) -> dict[str, Recorder]:
+    c10d = torch._C._distributed_c10d
+    fakes = {"nccl": Recorder(), "generic": Recorder()}
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", fakes["nccl"], raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", fakes["generic"], raising=False)
+    return fakes
+
+
+def test_nccl_collectives_are_read_from_nccls_own_recorder(recorders: dict[str, Recorder]) -> None:
+    recorders["nccl"].entries = [entry(0, "nccl:all_reduce", 8)]  # before the window: left out
+    reader = WindowReader()
+    recorders["nccl"].entries += [entry(1, "nccl:_allgather_base", 1024), entry(2, "nccl:all_reduce", 4)]
+    recorders["generic"].entries = [entry(0, "gloo:all_reduce", 2)]  # the cpu:gloo half of an offload group
+    figures = window_figures(reader.take())
+    assert figures["all_gather"] == 4096 and figures["all_reduce"] == 16 + 8
+    assert figures["time_s"] == pytest.approx(0.0015)
+
+
+def test_a_window_the_recorders_left_empty_is_not_measured_rather_than_zero(
+    recorders: dict[str, Recorder],
+) -> None:
+    reader = WindowReader()
+    figures = window_figures(reader.take())
+    assert all(math.isnan(figures[kind]) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+
+
+def test_an_overwritten_ring_buffer_in_either_recorder_is_not_measured(
+    recorders: dict[str, Recorder],
+) -> None:
+    reader = WindowReader()
+    recorders["nccl"].entries = [entry(5, "nccl:all_reduce", 4)]  # ids 0-4 were overwritten
+    recorders["generic"].entries = [entry(0, "gloo:all_reduce", 4)]
+    assert reader.take() is None
