@@ -42,6 +42,8 @@ LOSS_TOLERANCE = 0.02
 how they compute the same step (fp32 vs bf16, compile, checkpointing, grad_accum, stage2)."""
 PLAN_TOLERANCE_PCT = 15.0
 """Peak allocated against the plan: a throughput row passes within this error."""
+HOST_TOLERANCE_PCT = 10.0
+"""An offloaded rank's host RSS may exceed the plan's host figure for it by at most this much."""
 DEADLINE_S = 480.0
 """The whole check on the GPU: 8 minutes (docs/gpu.md has the estimate)."""
 DRY_DEADLINE_S = 600.0
@@ -654,6 +656,32 @@ def check_fp16_overflow(setup: Setup, jobs: dict[str, Job]) -> Row:
     return Row("", "pass" if ok else "fail", figures, "scale halves at step 3, one step skipped")
 
 
+def check_offload_host(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """The offloaded rank's host RSS against the plan's host figure for it (trainer/plan/host.py):
+    its runtime (plan.cuda_rank_runtime_gib, an assumption this row measures) and its offloaded states."""
+    (job,) = jobs.values()
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    host = json.loads((job_dir(setup, job.name) / "plan.json").read_text())["host"]
+    parts = host["per_rank_gib"]
+    planned = sum(parts.values())
+    measured = job.summary.get("memory/max_rank_peak_rss_gib")
+    figures = {
+        "peak_rss_gib": measured,
+        "planned_host_gib": round(planned, 3),
+        "planned_parts_gib": {k: round(v, 3) for k, v in parts.items()},
+        "measured_runtime_gib": None if measured is None else round(measured - planned + parts["runtime"], 3),
+    }
+    if measured is None:
+        return Row("", "fail", figures, "no host RSS was measured")
+    error = 100 * (measured - planned) / planned
+    figures["error_pct"] = round(error, 1)
+    if setup.dry_run:  # a CPU rank offloads nothing: its figures are recorded, not judged
+        return Row("", "info", figures, "dry run: CPU, nothing offloaded")
+    note = "measured_runtime_gib replaces plan.cuda_rank_runtime_gib's assumption"
+    return Row("", "pass" if error <= HOST_TOLERANCE_PCT else "fail", figures, note)
+
+
 def check_offload(setup: Setup, jobs: dict[str, Job]) -> Row:
     (job,) = jobs.values()
     if job.status != "ok":
@@ -792,6 +820,7 @@ def row_specs() -> list[RowSpec]:
         RowSpec("fp16 injected overflow", ("fp16_overflow",), check_fp16_overflow),
         RowSpec("fp16 sharded scaler (stage3)", ("fp16_sharded",), check_fp16_overflow),
         RowSpec("offload=cpu skips a NaN step", ("offload",), check_offload),
+        RowSpec("offload host memory", ("offload",), check_offload_host),
         RowSpec("plan at the device limit", ("limit_fits", "limit_next"), check_limit),
         RowSpec("oom under device_memory_gib", ("oom",), check_oom),
         RowSpec("fp32 vs bf16 losses", ("125m_stage0", "125m_stage0_fp32"), check_same_losses),

@@ -25,7 +25,7 @@ ROWS = [
     "environment", "gpu tests",
     "throughput 125m bf16 stage0", "throughput 125m bf16 stage3", "throughput 1b bf16 stage0", "throughput 1b bf16 stage3",
     "headroom", "expandable segments", "cpu save resumed on the device", "device save resumed on the device",
-    "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "plan at the device limit",
+    "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "offload host memory", "plan at the device limit",
     "oom under device_memory_gib", "fp32 vs bf16 losses", "bf16 runs identical", "checkpointing full",
     "checkpointing selective", "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile",
 ]  # fmt: skip
@@ -90,6 +90,8 @@ def test_dry_run_produces_every_row_and_passes(tmp_path: Path) -> None:
     assert rows["oom under device_memory_gib"]["figures"]["status"] == "oom"
     assert rows["cpu save resumed on the device"]["figures"]["first_step"] == 5
     assert rows["offload=cpu skips a NaN step"]["figures"]["nonfinite_skipped"] == 1
+    host = rows["offload host memory"]["figures"]
+    assert host["peak_rss_gib"] > 0 and host["planned_parts_gib"]["runtime"] == 0.4  # a CPU rank's runtime
     assert rows["bf16 runs identical"]["figures"]["max_rel_diff"] == 0.0
     assert rows["plan at the device limit"]["figures"]["micro_batch"] >= 1
     assert rows["throughput 125m bf16 stage3"]["figures"]["predicted_allocated_gib"] > 0
