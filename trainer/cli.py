@@ -8,9 +8,19 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainer.config import TrainConfig
 from trainer.console import first_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def register_configs() -> None:
+    """Register the root schema (trainer/config.py) so Hydra validates every composed config
+    against it. Here, not in config.py: a rank rebuilds its config from plain data and never
+    imports Hydra."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 # Groups of Hydra's own config whose options zerolab adds to (conf/hydra/<group>/).

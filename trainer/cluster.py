@@ -26,13 +26,15 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults.failures import FAILURES_DIR, lost_peer
-from trainer.launch import RankFailure
+
+if TYPE_CHECKING:  # trainer/launch.py imports the elastic launcher, which only a job that trains needs
+    from trainer.launch import RankFailure
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
@@ -109,6 +111,8 @@ def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
     output directory (failures/node{n}.json); a node whose ranks only lost a peer waits (at most
     PEER_WAIT_S) for the node whose rank failed first, and names that one.
     """
+    from trainer.launch import RankFailure  # a job that trains: the caller has imported it already
+
     if nodes == 1:
         return own
     path = node_failure_path(out_dir, own.node)

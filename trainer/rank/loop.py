@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
 
-from trainer.config import FaultConfig, FaultKind, TrainConfig
+from trainer.config import FaultConfig, FaultKind, TrainConfig, uses_fused
 from trainer.data import build_batches
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
@@ -29,7 +29,6 @@ from trainer.rank.optim import (
     clip_gradients,
     rewind_scheduler,
     step_unless,
-    uses_fused,
 )
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.rank.sharding import apply_zero, gradient_sync

@@ -12,13 +12,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer.config import OptimConfig, Stage, ZeroConfig
 
 
-def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
-    """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
-    small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
-    memory plan and its CPU measurements are of that loop."""
-    return optim.fused if optim.fused is not None else device_kind == "cuda"
-
-
 def build_optimizer(
     model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fused: bool = False
 ) -> torch.optim.Optimizer:
@@ -46,7 +39,7 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure.
     """
     # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
-    # second), and the job process, which plans but never steps, imports this module (uses_fused).
+    # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
