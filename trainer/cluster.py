@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults.failures import FAILURES_DIR, lost_peer
+from trainer.telemetry.keys import Status
 
 if TYPE_CHECKING:  # trainer/launch.py imports the elastic launcher, which only a job that trains needs
     from trainer.launch import RankFailure
@@ -192,7 +193,7 @@ class Requeueing:
         from trainer.sweep import read_status
 
         job = stop.LAST
-        if job is None or read_status(job.run_dir) != "preempted":
+        if job is None or read_status(job.run_dir) != Status.preempted:
             return
         self.run_dir = job.run_dir
         signum = submitit.JobEnvironment._usr_sig()

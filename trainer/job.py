@@ -37,6 +37,7 @@ from trainer.plan.host import cores_warning, host_budget, host_refusal
 from trainer.rank.cuda import check_local_ranks
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
+from trainer.telemetry.keys import Status
 from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
@@ -106,7 +107,7 @@ def run_job(cfg: DictConfig) -> None:
     if config.mode == Mode.plan:
         return
     if refusal is not None:  # every node plans and refuses alike: none waits at the rendezvous for another
-        end_job(config, out_dir, "refused", {"reason": refusal}, meta, record=config.node_rank == 0)
+        end_job(config, out_dir, Status.refused, {"reason": refusal}, meta, record=config.node_rank == 0)
         return
     if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
         with handling_stops(out_dir, owner=False) as job_stop:
@@ -162,7 +163,7 @@ def train_ranks(
         where.update({"failed_node": failure.node} if failure.node is not None else {})
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
-        return "oom" if failure.oom else "crashed", {"error": error, **where}
+        return Status.oom if failure.oom else Status.crashed, {"error": error, **where}
     except SignalException:  # a second signal: the agent killed the ranks (trainer/faults/stop.py)
         return stopped_at_once(job_stop)
     status, extra = ranks_outcome(result, config.save.every > 0)
@@ -179,11 +180,11 @@ def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[str, dic
     """The status the ranks ended with, from rank 0's result (trainer/launch.py rank_main): ok,
     diverged with its line when the non-finite policy stopped them, or the stop they agreed on
     after a signal (trainer/faults/stop.py)."""
-    if result is not None and result.get("status") == "diverged":
-        return "diverged", {"error": result["error"]}
+    if result is not None and result.get("status") == Status.diverged:
+        return Status.diverged, {"error": result["error"]}
     if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
         return result["status"], stopped(result, saving)
-    return "ok", {}
+    return Status.ok, {}
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
@@ -214,7 +215,7 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
         end_job(
             config,
             Path(out_dir),
-            "refused",
+            Status.refused,
             {"reason": refusal},
             meta,
             record=world.is_main,
@@ -280,7 +281,7 @@ def end_summary(
 ) -> dict[str, Any]:
     """Write summary.json: the status, the figures of metrics.jsonl (none when refused), `extra`
     (the error or the refusal, where a rank failed, restarts) and the provenance and plan."""
-    records = [] if status == "refused" else read_metrics(out_dir)
+    records = [] if status == Status.refused else read_metrics(out_dir)
     summary = build_summary(
         status,
         records,
@@ -312,11 +313,11 @@ def end_job(
     1 any other ending)."""
     if record:
         summary = summary or end_summary(config, out_dir, status, extra, meta)
-        if status != "refused":
+        if status != Status.refused:
             report_end(summary, out_dir)
-    if status == "refused":
+    if status == Status.refused:
         fail(f"error: {extra['reason']}" if speak else "", code=2)
-    elif status != "ok":
+    elif status != Status.ok:
         line = f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}"
         fail(line if speak else "", code=exit_code_for(status))
 

@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainer.faults.stop import sweep_stop
+from trainer.telemetry.keys import Status
 
 
 def read_status(out_dir: Path) -> str | None:
@@ -46,7 +47,7 @@ def read_status(out_dir: Path) -> str | None:
 
 def finished_ok(out_dir: Path) -> bool:
     """Whether this multirun point already ended `ok` in an earlier run of the same sweep."""
-    return HydraConfig.get().mode == RunMode.MULTIRUN and read_status(out_dir) == "ok"
+    return HydraConfig.get().mode == RunMode.MULTIRUN and read_status(out_dir) == Status.ok
 
 
 def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
@@ -125,7 +126,7 @@ class SweepCallback(Callback):
         if not config.get("fail_fast", False):
             return
         # No summary.json and no exception: a mode=plan point, which ends without one.
-        if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
+        if job_return.status == JobStatus.COMPLETED and status in (Status.ok, None):
             return
         self.end_early(
             config,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.telemetry import keys
 from trainer.units import GIB
 
 VERIFY_KEYS = ("steps", "log_every", "save", "hydra.run.dir")
@@ -69,9 +70,9 @@ def measured_row(proposal: Proposal, run_dir: Path, returncode: int, stderr: str
         "status": summary.get("status", f"exit {returncode}"),
         "error": errors[-1] if errors else None,
         "predicted_tokens_per_s": proposal.tokens_per_s,
-        "measured_tokens_per_s": summary.get("throughput/tokens_per_s"),
+        "measured_tokens_per_s": summary.get(keys.TOKENS_PER_S),
         "predicted_peak_gib": proposal.peak_bytes / GIB,
-        "measured_peak_gib": summary.get("memory/max_rank_peak_gib"),
+        "measured_peak_gib": summary.get(keys.MAX_RANK_PEAK),
         "run_dir": str(run_dir),
     }
 

@@ -27,6 +27,7 @@ from trainer.plan.step import (
     other_bytes,
     precisions,
 )
+from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
 COMPILE_NOTE = (
@@ -235,8 +236,8 @@ def write_plan(out_dir: Path, plan: Plan) -> Path:
     return path
 
 
-PREDICTED_PEAK_KEY = "memory/predicted_peak_gib"
-PREDICTED_COMM_KEY = "comm/predicted_bytes_per_step"
+PREDICTED_PEAK_KEY = keys.PREDICTED_PEAK
+PREDICTED_COMM_KEY = keys.COMM_PREDICTED_BYTES
 RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY)
 """The plan's figures the job hands its ranks, which write them beside what they measure."""
 

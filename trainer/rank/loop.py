@@ -174,7 +174,7 @@ def train_step(
     grad_norm = clip_gradients(model, config.optim.grad_clip)
     # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
     # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
-    flags = agree(loss_sum, grad_norm, world, extra=(stop_request(stop),))
+    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop))
     if guard.defer:
         step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
     elif guard.check_now(step, flags, stop):

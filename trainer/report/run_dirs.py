@@ -7,7 +7,6 @@ trainer/report/wandb_report.py (the W&B Report), which therefore import this mod
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainer.jsonl import read_jsonl
+from trainer.telemetry import keys
 from trainer.telemetry.wandb_logger import sweep_group
-
-PEAK_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
 
 
 @dataclass
@@ -109,7 +107,7 @@ def per_rank_peaks(point: Point) -> dict[int, float]:
     peaks: dict[int, float] = {}
     for record in point.records:
         for key, value in record.items():
-            if (match := PEAK_KEY.fullmatch(key)) and value is not None:
+            if (match := keys.PEAK_ALLOCATED_KEY.fullmatch(key)) and value is not None:
                 rank = int(match.group(1))
                 peaks[rank] = max(peaks.get(rank, 0.0), value)
     return dict(sorted(peaks.items()))

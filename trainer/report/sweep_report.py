@@ -21,7 +21,6 @@ Report's panel ids aside).
 from __future__ import annotations
 
 import csv
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer.report.run_dirs import Point, Report, count_statuses, load_points, per_rank_peaks, plural  # noqa: E402
+from trainer.telemetry import keys
+from trainer.telemetry.keys import Status
 from trainer.telemetry.wandb_logger import sweep_group  # noqa: E402
 from trainer.units import MIB
 
@@ -58,24 +59,23 @@ COLUMNS = [
     "dir",
 ]
 SUMMARY_KEYS = {
-    "tokens_per_s": "throughput/tokens_per_s",
-    "mfu_pct": "throughput/mfu_pct",
-    "max_rank_peak_gib": "memory/max_rank_peak_gib",
-    "argmax_rank": "memory/argmax_rank",
-    "final_loss": "loss/final",
+    "tokens_per_s": keys.TOKENS_PER_S,
+    "mfu_pct": keys.MFU_PCT,
+    "max_rank_peak_gib": keys.MAX_RANK_PEAK,
+    "argmax_rank": keys.ARGMAX_RANK,
+    "final_loss": keys.LOSS_FINAL,
     "failed_rank": "failed_rank",
     "failed_step": "failed_step",
     "failed_phase": "failed_phase",
 }
-COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 FAILED_COLOR = "#d62728"
 LINE_STYLES = ["-", (0, (6, 3)), (0, (2, 2)), (0, (8, 3, 2, 3))]  # solid, dashed, dotted, dash-dot
 
 
 def swept_keys(points: list[Point]) -> list[str]:
     """The override keys whose value differs between points, in the order they were given."""
-    keys = list(dict.fromkeys(key for point in points for key in point.settings))
-    return [key for key in keys if len({point.settings.get(key) for point in points}) > 1]
+    settings = list(dict.fromkeys(key for point in points for key in point.settings))
+    return [key for key in settings if len({point.settings.get(key) for point in points}) > 1]
 
 
 def label(point: Point, swept: list[str]) -> str:
@@ -87,7 +87,7 @@ def label(point: Point, swept: list[str]) -> str:
 
 def build_rows(points: list[Point], swept: list[str]) -> list[dict[str, Any]]:
     rows = [build_row(point, swept) for point in points]
-    candidates = [row for row in rows if row["status"] == "ok" and row["tokens_per_s"] is not None]
+    candidates = [row for row in rows if row["status"] == Status.ok and row["tokens_per_s"] is not None]
     if candidates:
         max(candidates, key=lambda row: row["tokens_per_s"])["fastest"] = True
     return rows
@@ -101,7 +101,7 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
         overrides=label(point, swept),
         status=point.status,
         predicted_peak_gib=predicted_peak_gib(point),
-        comm_bytes_per_step=max((v for k, v in summary.items() if COMM_KEY.fullmatch(k)), default=None),
+        comm_bytes_per_step=max((v for k, v in summary.items() if keys.COMM_KEY.fullmatch(k)), default=None),
         predicted_comm_bytes_per_step=predicted_comm_bytes(point),
         skipped_steps=skipped_steps(summary),
         fastest=False,
@@ -113,21 +113,21 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
 
 def predicted_peak_gib(point: Point) -> float | None:
     """The plan's worst-rank peak: in the summary of a job that trained, else in plan.json."""
-    if "memory/predicted_peak_gib" in point.summary:
-        return point.summary["memory/predicted_peak_gib"]
+    if keys.PREDICTED_PEAK in point.summary:
+        return point.summary[keys.PREDICTED_PEAK]
     return point.plan.get("peak_gib") if point.plan is not None else None
 
 
 def predicted_comm_bytes(point: Point) -> int | None:
     """The plan's bytes per rank per step (trainer/plan/comm.py): in the summary, else in plan.json."""
-    if "comm/predicted_bytes_per_step" in point.summary:
-        return point.summary["comm/predicted_bytes_per_step"]
+    if keys.COMM_PREDICTED_BYTES in point.summary:
+        return point.summary[keys.COMM_PREDICTED_BYTES]
     return (point.plan.get("comm") or {}).get("bytes_per_step") if point.plan is not None else None
 
 
 def skipped_steps(summary: dict[str, Any]) -> int | None:
     """Optimizer steps skipped: fp16 overflows plus non-finite steps skipped by nonfinite=skip."""
-    counts = [summary[k] for k in ("precision/skipped_steps", "train/nonfinite_skipped") if k in summary]
+    counts = [summary[k] for k in (keys.SKIPPED_STEPS, keys.NONFINITE_SKIPPED) if k in summary]
     return int(sum(counts)) if counts else None
 
 
@@ -238,12 +238,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
 def status_cell(row: dict[str, Any]) -> str:
     if row["fastest"]:
         return "**ok, fastest**"
-    if row["status"] == "oom" and row["failed_rank"] is not None:
+    if row["status"] == Status.oom and row["failed_rank"] is not None:
         where = f"rank {row['failed_rank']}"
         if row["failed_step"] is not None:
             where += f", step {row['failed_step']}, {row['failed_phase']}"
         return f"**oom** ({where})"
-    return row["status"] if row["status"] == "ok" else f"**{row['status']}**"
+    return row["status"] if row["status"] == Status.ok else f"**{row['status']}**"
 
 
 def markdown_failures(rows: list[dict[str, Any]]) -> list[str]:
@@ -313,7 +313,7 @@ def write_charts(report: Report) -> dict[str, Path]:
 
 def failure_note(row: dict[str, Any]) -> str:
     """A short label for a failed point on a chart: `oom: rank 1, step 1, forward`, `refused`."""
-    if row["status"] == "oom" and row["failed_rank"] is not None:
+    if row["status"] == Status.oom and row["failed_rank"] is not None:
         where = (
             f", step {row['failed_step']}, {row['failed_phase']}" if row["failed_step"] is not None else ""
         )
@@ -337,11 +337,11 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
         ok = [
             (int(p.settings["micro_batch"]), r["tokens_per_s"])
             for p, r in members
-            if r["status"] == "ok" and r["tokens_per_s"] is not None
+            if r["status"] == Status.ok and r["tokens_per_s"] is not None
         ]
         line = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)[0]
         for point, row in members:
-            if row["status"] != "ok":
+            if row["status"] != Status.ok:
                 mark_failure(ax, int(point.settings["micro_batch"]), row, line.get_color(), index)
     sizes = sorted({int(p.settings["micro_batch"]) for p in report.points})
     ax.set_xscale("log", base=2)
@@ -354,11 +354,11 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
 
 def plot_throughput_bars(ax: plt.Axes, report: Report) -> bool:
     labels = [label(p, report.swept) for p in report.points]
-    heights = [row["tokens_per_s"] or 0 if row["status"] == "ok" else 0 for row in report.rows]
+    heights = [row["tokens_per_s"] or 0 if row["status"] == Status.ok else 0 for row in report.rows]
     colors = ["#2ca02c" if row["fastest"] else "#1f77b4" for row in report.rows]
     ax.bar(range(len(labels)), heights, color=colors)
     for x, row in enumerate(report.rows):
-        if row["status"] != "ok":
+        if row["status"] != Status.ok:
             mark_failure(ax, x, row, FAILED_COLOR, 0)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     finish_throughput(ax, report.rows, legend_title=None)
@@ -390,7 +390,7 @@ def mark_failure(ax: plt.Axes, x: float, row: dict[str, Any], color: str, index:
 def finish_throughput(ax: plt.Axes, rows: list[dict[str, Any]], legend_title: str | None) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("steady tokens/s (all ranks)")
-    failed = any(row["status"] != "ok" for row in rows)
+    failed = any(row["status"] != Status.ok for row in rows)
     ax.set_title("Throughput per point" + (" (✕ at 0: did not end ok)" if failed else ""))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(title=legend_title, fontsize=8)
@@ -427,7 +427,7 @@ def plot_memory(ax: plt.Axes, report: Report) -> bool:
             )
         if not peaks[x]:
             ax.annotate(
-                failure_note(row) if row["status"] != "ok" else "not measured",
+                failure_note(row) if row["status"] != Status.ok else "not measured",
                 (x, 0),
                 xytext=(0, 4),
                 textcoords="offset points",
@@ -499,12 +499,12 @@ def plot_losses(ax: plt.Axes, report: Report) -> bool:
     every line gets its own dash pattern and the curves beneath stay visible."""
     drawn = False
     for index, point in enumerate(report.points):
-        records = [r for r in point.records if r.get("loss/train") is not None]
+        records = [r for r in point.records if r.get(keys.LOSS) is not None]
         if records:
             style = LINE_STYLES[index % len(LINE_STYLES)]
             ax.plot(
                 [r["step"] for r in records],
-                [r["loss/train"] for r in records],
+                [r[keys.LOSS] for r in records],
                 linestyle=style,
                 marker=".",
                 label=label(point, report.swept),
@@ -525,13 +525,13 @@ def plot_loss_scale(ax: plt.Axes, report: Report) -> bool:
     """The fp16 scaler's scale after every logged step: a back-off is a step down, growth a step up."""
     drawn = False
     for point in report.points:
-        records = [r for r in point.records if "precision/loss_scale" in r]
+        records = [r for r in point.records if keys.LOSS_SCALE in r]
         if records:
             steps = [r["step"] for r in records]
             style = LINE_STYLES[len(ax.lines) % len(LINE_STYLES)]
             ax.step(
                 steps,
-                [r["precision/loss_scale"] for r in records],
+                [r[keys.LOSS_SCALE] for r in records],
                 where="post",
                 linestyle=style,
                 marker=".",

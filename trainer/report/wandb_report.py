@@ -24,18 +24,17 @@ own ids (each job keeps its id in `wandb_run_id`).
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 from typing import Any
 
 from trainer.report.run_dirs import Report, per_rank_peaks
+from trainer.telemetry import keys
 from trainer.telemetry.wandb_run import STEADY_KEYS, STEP_KEY, config_path
 
 REPORT_FILE = "wandb_report.json"
-STEADY_TOKENS = STEADY_KEYS["throughput/tokens_per_s"]
-STEADY_MFU = STEADY_KEYS["throughput/mfu_pct"]
+STEADY_TOKENS = STEADY_KEYS[keys.TOKENS_PER_S]
+STEADY_MFU = STEADY_KEYS[keys.MFU_PCT]
 RESULTS_TABLE = "sweep/results"  # the report run's table (trainer/report/sweep_report.py log_to_wandb)
-COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 
 
 def report_run_id(out_dir: Path) -> str:
@@ -116,17 +115,17 @@ def runset(wr: Any, name: str, filters: list[Any], groupby: list[str], pinned_co
 
 def pinned(report: Report) -> list[str]:
     """The runs table's first columns: the swept keys, then the figures the parallel coordinates end in."""
-    keys = [
+    swept = [
         f"config:{head}.value{'.' + rest if rest else ''}"
         for head, _, rest in (config_path(k).partition(".") for k in report.swept)
     ]
-    return keys + [
+    return swept + [
         f"summary:{key}"
         for key in (
             STEADY_TOKENS,
             STEADY_MFU,
-            "memory/max_rank_peak_gib",
-            "memory/predicted_peak_gib",
+            keys.MAX_RANK_PEAK,
+            keys.PREDICTED_PEAK,
             "status",
         )
     ]
@@ -136,8 +135,8 @@ def parallel_coordinates(wr: Any, swept: list[Any]) -> Any:
     figures = [
         (STEADY_TOKENS, "steady tokens/s"),
         (STEADY_MFU, "MFU %"),
-        ("memory/max_rank_peak_gib", "worst-rank peak GiB"),
-        ("memory/predicted_peak_gib", "predicted peak GiB"),
+        (keys.MAX_RANK_PEAK, "worst-rank peak GiB"),
+        (keys.PREDICTED_PEAK, "predicted peak GiB"),
     ]
     columns = [wr.ParallelCoordinatesPlotColumn(metric=key) for key in swept]
     columns += [
@@ -177,26 +176,26 @@ def memory_panels(wr: Any, report: Report) -> list[Any]:
         wr.LinePlot(
             title="worst-rank peak memory (GiB) and the plan's prediction",
             x=STEP_KEY,
-            y=["memory/max_rank_peak_gib", "memory/predicted_peak_gib"],
+            y=[keys.MAX_RANK_PEAK, keys.PREDICTED_PEAK],
             layout=wr.Layout(w=12, h=8),
         ),
         wr.LinePlot(
             title="peak tensor memory of every rank (GiB)",
             x=STEP_KEY,
-            y=[f"memory/rank{rank}/peak_allocated_gib" for rank in ranks],
+            y=[keys.memory_key(rank, "peak_allocated_gib") for rank in ranks],
             layout=wr.Layout(w=12, h=8),
         ),
     ]
 
 
 def training_panels(wr: Any, report: Report) -> list[Any]:
-    panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=["loss/train"], layout=wr.Layout(w=12, h=8))]
-    if any("precision/loss_scale" in record for point in report.points for record in point.records):
+    panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=[keys.LOSS], layout=wr.Layout(w=12, h=8))]
+    if any(keys.LOSS_SCALE in record for point in report.points for record in point.records):
         panels.append(
             wr.LinePlot(
                 title="fp16 loss scale",
                 x=STEP_KEY,
-                y=["precision/loss_scale"],
+                y=[keys.LOSS_SCALE],
                 log_y=True,
                 layout=wr.Layout(w=12, h=8),
             )
@@ -206,23 +205,23 @@ def training_panels(wr: Any, report: Report) -> list[Any]:
 
 def comm_panels(wr: Any, report: Report) -> list[Any]:
     """Bytes each rank moved per optimizer step next to the plan's, where the runs recorded them."""
-    keys = sorted(
+    rank_keys = sorted(
         {
             key
             for point in report.points
             for record in point.records
             for key in record
-            if COMM_KEY.fullmatch(key)
+            if keys.COMM_KEY.fullmatch(key)
         }
     )
-    if not keys:
+    if not rank_keys:
         return []
-    keys.sort(key=lambda key: int(COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
+    rank_keys.sort(key=lambda key: int(keys.COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
     return [
         wr.LinePlot(
             title="bytes moved per step, every rank, and the plan's",
             x=STEP_KEY,
-            y=[*keys, "comm/predicted_bytes_per_step"],
+            y=[*rank_keys, keys.COMM_PREDICTED_BYTES],
             layout=wr.Layout(w=12, h=8),
         )
     ]

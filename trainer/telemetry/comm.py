@@ -36,6 +36,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.plan.comm import COLLECTIVES, plan_comm
+from trainer.telemetry import keys
 from trainer.telemetry.memory import should_track_tensors
 
 KINDS = (*COLLECTIVES, "other")
@@ -260,17 +261,17 @@ def comm_fields(per_rank: torch.Tensor, steps: int, predicted_bytes: int | None)
         if not math.isnan(figures["all_reduce"]):
             total = sum(figures[kind] for kind in KINDS)
             totals.append(total / steps)
-            record[f"comm/rank{rank}/bytes_per_step"] = total / steps
+            record[keys.comm_key(rank, "bytes_per_step")] = total / steps
             for kind in COLLECTIVES:
-                record[f"comm/rank{rank}/{kind}_bytes_per_step"] = figures[kind] / steps
+                record[keys.comm_key(rank, f"{kind}_bytes_per_step")] = figures[kind] / steps
         if not math.isnan(figures["time_s"]):
-            record[f"comm/rank{rank}/time_s_per_step"] = figures["time_s"] / steps
+            record[keys.comm_key(rank, "time_s_per_step")] = figures["time_s"] / steps
     exposed = per_rank[:, FIELDS.index("exposed_pct")]
     if not torch.isnan(exposed).all():
-        record["comm/exposed_pct"] = float(exposed[~torch.isnan(exposed)].max())
+        record[keys.COMM_EXPOSED_PCT] = float(exposed[~torch.isnan(exposed)].max())
     if predicted_bytes is not None:
-        record["comm/predicted_bytes_per_step"] = predicted_bytes
+        record[keys.COMM_PREDICTED_BYTES] = predicted_bytes
         if totals and len(totals) == per_rank.shape[0] and max(totals) > 0:
             # Positive: the plan over-predicts; relative to the worst rank's measurement.
-            record["comm/prediction_error_pct"] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
+            record[keys.COMM_PREDICTION_ERROR_PCT] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
     return record

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from trainer.config import LoggerBackend, LoggerConfig
 from trainer.faults.stop import exit_code_for
 from trainer.jsonl import parse_line
+from trainer.telemetry.keys import Status
 from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import define_metrics, describe_job, steady_figures
 
@@ -81,7 +82,7 @@ class WandbLogger:
             summary
         )
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
-        if summary["status"] == "preempted":
+        if summary["status"] == Status.preempted:
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
         self.guard(lambda: self.run.finish(exit_code=exit_code_for(summary["status"])))
 

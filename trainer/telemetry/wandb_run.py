@@ -23,13 +23,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer.telemetry import keys
+
 TAGGED_GROUPS = ("model", "precision", "zero", "checkpointing", "offload")
 SWEEP_TAG = "sweep"
 STEP_KEY = "step"  # metrics.jsonl's optimizer step, logged with every record
 # summary.json key -> the W&B summary key that holds it for good (a key no record is logged under).
 STEADY_KEYS = {
-    "throughput/tokens_per_s": "throughput/steady_tokens_per_s",
-    "throughput/mfu_pct": "throughput/steady_mfu_pct",
+    keys.TOKENS_PER_S: keys.STEADY_TOKENS_PER_S,
+    keys.MFU_PCT: keys.STEADY_MFU_PCT,
 }
 # The field of a group's resolved config that names the chosen option, so that a comparison can
 # address a group choice through the whole config every run carries (`config.zero.stage`).
@@ -139,8 +141,8 @@ def define_metrics(run: Any) -> None:
     """The x-axis of every chart is the optimizer step; the summaries W&B keeps while records arrive."""
     run.define_metric(STEP_KEY, hidden=True)
     run.define_metric("*", step_metric=STEP_KEY)
-    run.define_metric("loss/train", summary="min,last")
-    run.define_metric("memory/*", summary="max")
+    run.define_metric(keys.LOSS, summary="min,last")
+    run.define_metric(keys.EVERY_MEMORY_KEY, summary="max")
 
 
 def steady_figures(summary: dict[str, Any]) -> dict[str, Any]:
