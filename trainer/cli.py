@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.config import TrainConfig
-from trainer.console import first_line
+from trainer.console import error, first_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def split_override(override: str) -> tuple[str, str]:
+    """A command-line override's key and value: `+a.b=1` -> (`a.b`, `1`) (Hydra's `+`, `++` and
+    `~` prefixes dropped); the value is "" where none is given."""
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
 
 
 def register_configs() -> None:
@@ -48,7 +54,7 @@ def check_group_overrides(args: list[str]) -> None:
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key, _, value = arg.lstrip("+~").partition("=")
+        key, value = split_override(arg)
         if (
             "." in key
             or ("/" in key and key not in HYDRA_GROUPS)
@@ -59,8 +65,7 @@ def check_group_overrides(args: list[str]) -> None:
         allowed = group_options(key)
         for option in value.split(","):
             if option not in allowed:
-                sys.stderr.write(f"error: {key}={option} is not an option; allowed: {', '.join(allowed)}\n")
-                raise SystemExit(2)
+                error(f"{key}={option} is not an option; allowed: {', '.join(allowed)}")
 
 
 @contextlib.contextmanager
@@ -82,8 +87,7 @@ def one_line_config_errors() -> Iterator[None]:
     try:
         yield
     except (HydraException, OmegaConfBaseException) as err:
-        sys.stderr.write(f"error: {config_error_line(err)}\n")
-        raise SystemExit(2) from None
+        error(config_error_line(err))
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 

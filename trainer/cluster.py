@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults.failures import FAILURES_DIR, lost_peer
 from trainer.telemetry.keys import Status
@@ -160,7 +161,7 @@ def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
 
     if run_dir is None or latest_save(run_dir) is None:
         return list(overrides)
-    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
+    kept = [o for o in overrides if split_override(o)[0] != "resume"]
     return [*kept, f"resume={hydra_quote(str(run_dir))}"]  # quoted: a point's directory name has `=` and `,`
 
 
@@ -187,16 +188,15 @@ class Requeueing:
 
     def requeue_if_preempted(self) -> None:
         """Requeue through submitit when the job that just ran ended `preempted` (exits; else returns)."""
-        import submitit
-
         from trainer.faults import stop
+        from trainer.private_apis.of_submitit import requeue_signal
         from trainer.sweep import read_status
 
         job = stop.LAST
         if job is None or read_status(job.run_dir) != Status.preempted:
             return
         self.run_dir = job.run_dir
-        signum = submitit.JobEnvironment._usr_sig()
+        signum = requeue_signal()
         handler = signal.getsignal(signum)  # submitit's SignalHandler.checkpoint_and_try_requeue
         if callable(handler):
             handler(signum, None)

@@ -568,7 +568,7 @@ class TrainConfig:
     def sequences_per_step(self, world_size: int) -> int:
         """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
         key, which mode=advise reads to choose micro_batch and grad_accum)."""
-        return self.micro_batch * self.grad_accum * world_size
+        return global_batch(self.micro_batch, self.grad_accum, world_size)
 
 
 def is_endpoint(value: str) -> bool:
@@ -623,3 +623,9 @@ def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
     memory plan (trainer/plan/step.py) and its CPU measurements are of that loop, and the ranks
     (trainer/rank/loop.py) step with the same choice."""
     return optim.fused if optim.fused is not None else device_kind == "cuda"
+
+
+def global_batch(micro_batch: int, grad_accum: int, world_size: int) -> int:
+    """Sequences per optimizer step over all ranks: always micro_batch * grad_accum * world size
+    (the data stream, the saves' progress and the throughput all count steps in it)."""
+    return micro_batch * grad_accum * world_size

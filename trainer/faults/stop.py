@@ -35,13 +35,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from trainer.console import say
 from trainer.telemetry.keys import Status
 
 STOP_REQUEST = "stop_request"  # in the run directory: the job process's word to its ranks
@@ -157,7 +157,7 @@ class JobStop:
         # No rank runs (W&B is starting or finishing): nothing to wait for, nothing left behind
         # (W&B's service watches this process and ends with it).
         stop = STOPS[signal.Signals(self.first)]
-        print(f"{stop.status}: {name} again: stopped at once", file=sys.stderr, flush=True)
+        say(stop.status, f"{name} again: stopped at once")
         os._exit(stop.exit_code)
 
     @contextlib.contextmanager

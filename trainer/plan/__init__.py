@@ -17,6 +17,7 @@ The planner is this package; each module's docstring is its part of the design n
 - headroom.py: a CUDA rank's memory beyond its tensors (context, NCCL, allocator), assumed
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
+- host.py: what CPU ranks cost the host they share (runtime memory, cores), refused before launch;
 - target.py: the device kind and world size a plan is for;
 - refusal.py: the refusal of a plan that does not fit, and its way out;
 - table.py: what the user reads, the console report and a sweep's fit table.
@@ -38,13 +39,18 @@ from trainer.plan.build import (
     summary_fields,
     write_plan,
 )
-from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.comm import COLLECTIVES, CommPlan, plan_comm
+from trainer.plan.headroom import HEADROOM
+from trainer.plan.host import cores_warning, host_budget, host_refusal
 from trainer.plan.refusal import refusal, way_out
-from trainer.plan.table import format_plan, verdict
+from trainer.plan.states import model_shape
+from trainer.plan.table import format_plan, verdict, write_fit_table
 from trainer.plan.target import planned_device_kind, planned_world_size
 
 __all__ = [
+    "COLLECTIVES",
     "COMPILE_NOTE",
+    "HEADROOM",
     "PREDICTED_COMM_KEY",
     "PREDICTED_PEAK_KEY",
     "RANK_FIGURES",
@@ -53,9 +59,13 @@ __all__ = [
     "Plan",
     "RankPlan",
     "build_plan",
+    "cores_warning",
     "describe",
     "device_memory",
     "format_plan",
+    "host_budget",
+    "host_refusal",
+    "model_shape",
     "plan_comm",
     "planned_device_kind",
     "planned_world_size",
@@ -63,5 +73,6 @@ __all__ = [
     "summary_fields",
     "verdict",
     "way_out",
+    "write_fit_table",
     "write_plan",
 ]

@@ -13,13 +13,13 @@ available): nothing is checked there.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import psutil
 
 from trainer.config import PlanConfig
 from trainer.units import GIB
+from trainer.world import is_under_torchrun, usable_cores
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ def host_budget(
     plan: PlanConfig, nodes: int, device_kind: str, world_size: int, tensor_bytes: int
 ) -> HostBudget | None:
     """The budget of CPU ranks this job would start on this host (None: GPU ranks, or ranks torchrun started)."""
-    if device_kind != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ:
+    if device_kind != "cpu" or is_under_torchrun():
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return HostBudget(
         ranks=world_size // nodes,  # this node's ranks; the other nodes are other hosts
         runtime_bytes=int(plan.cpu_rank_runtime_gib * GIB),
@@ -88,4 +88,4 @@ def cores_warning(budget: HostBudget | None) -> str | None:
     """A warning when ranks outnumber the cores they may run on: they take turns, every step waits for the slowest."""
     if budget is None or budget.ranks <= budget.cores:
         return None
-    return f"warning: {budget.ranks} CPU ranks share {budget.cores} cores: they take turns; nproc={budget.cores} or fewer runs faster here"
+    return f"{budget.ranks} CPU ranks share {budget.cores} cores: they take turns; nproc={budget.cores} or fewer runs faster here"

@@ -22,6 +22,7 @@ from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_sdpa_choice, build_model, flops_per_token
+from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -206,14 +207,14 @@ def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool
     """
     if not scaler.is_enabled():
         return False
-    return sum(scaler._found_inf_per_device(optimizer).values()).reshape(()).clamp(max=1.0)
+    return sum(found_inf_per_device(scaler, optimizer).values()).reshape(()).clamp(max=1.0)
 
 
 def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
     """The scale after this step's update, left on the device (get_scale() would sync every step)."""
     if not scaler.is_enabled():
         return 1.0
-    return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
+    return scale_on_device(scaler).detach().clone()  # update() replaces it in place next step
 
 
 def inject_fault(

@@ -10,6 +10,7 @@ from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, Stage, ZeroConfig
+from trainer.private_apis.of_torch import found_inf_per_device, set_last_lr
 
 
 def build_optimizer(
@@ -57,7 +58,7 @@ def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torc
     inner = local_optimizer(optimizer)
     found_inf = skip
     if scaler.is_enabled():
-        overflow = sum(scaler._found_inf_per_device(optimizer).values())  # filled by unscale_
+        overflow = sum(found_inf_per_device(scaler, optimizer).values())  # filled by unscale_
         found_inf = torch.maximum(
             found_inf, overflow.to(skip.device).reshape(())
         )  # ShardedGradScaler keeps shape [1]
@@ -92,7 +93,7 @@ def rewind_scheduler(scheduler: LambdaLR, steps: int) -> None:
     lrs = [base * fn(steps) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() returns; LambdaLR has no public setter
+    set_last_lr(scheduler, lrs)  # what get_last_lr() returns; LambdaLR has no public setter
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -14,8 +14,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
 from trainer.jsonl import read_jsonl
 from trainer.telemetry import keys
+from trainer.telemetry.summary import read_summary
 from trainer.telemetry.wandb_logger import sweep_group
 
 
@@ -76,7 +78,7 @@ def load_point(path: Path) -> Point:
     hydra = OmegaConf.load(path / ".hydra" / "hydra.yaml").hydra
     overrides = OmegaConf.to_container(OmegaConf.load(path / ".hydra" / "overrides.yaml"))
     assert isinstance(overrides, list)
-    summary = read_json(path / "summary.json") or {}
+    summary = read_summary(path)
     return Point(
         num=int(hydra.job.num) if hydra.job.get("num") is not None else 0,
         path=path,
@@ -88,11 +90,6 @@ def load_point(path: Path) -> Point:
         or plan
         or {},  # plan.json names device_memory_gib too (mode=plan points)
     )
-
-
-def split_override(override: str) -> tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

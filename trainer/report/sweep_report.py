@@ -32,9 +32,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from trainer.console import warn  # noqa: E402
 from trainer.report.run_dirs import Point, Report, count_statuses, load_points, per_rank_peaks, plural  # noqa: E402
 from trainer.telemetry import keys
 from trainer.telemetry.keys import Status
+from trainer.telemetry.summary import redact_secrets  # noqa: E402
 from trainer.telemetry.wandb_logger import sweep_group  # noqa: E402
 from trainer.units import MIB
 
@@ -603,7 +605,6 @@ def mirror_to_wandb(report: Report) -> None:
     W&B is a mirror: each failure is one warning line, and the local report stays complete.
     """
     from trainer.report.wandb_report import REPORT_FILE
-    from trainer.telemetry.wandb_logger import warn
 
     logger = report_logger(report)
     if logger.get("backend") != "wandb":
@@ -611,7 +612,11 @@ def mirror_to_wandb(report: Report) -> None:
     try:
         run_id, online = log_to_wandb(report, logger.get("project") or "zerolab", logger.get("entity"))
     except Exception as err:  # unreachable, misconfigured: the local report is complete without it
-        warn(f"the report could not go to W&B ({type(err).__name__}: {err}); the local report is complete")
+        warn(
+            redact_secrets(
+                f"the report could not go to W&B ({type(err).__name__}: {err}); the local report is complete"
+            )
+        )
         return
     print(f"W&B: report run {run_id} in group {sweep_group(report.sweep_dir)}", flush=True)
     if online and (report.sweep_dir / REPORT_FILE).exists():
@@ -621,13 +626,14 @@ def mirror_to_wandb(report: Report) -> None:
 def publish_and_link(report_dir: Path) -> str | None:
     """Save the W&B Report in `report_dir` and write its URL into report.md; None (one warning) on failure."""
     from trainer.report.wandb_report import REPORT_FILE, publish
-    from trainer.telemetry.wandb_logger import warn
 
     try:
         url = publish(report_dir / REPORT_FILE)
     except Exception as err:  # the library, the server or the credentials: report.md keeps how to publish
         warn(
-            f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}"
+            redact_secrets(
+                f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}"
+            )
         )
         return None
     set_wandb_url(report_dir, url)
@@ -656,7 +662,7 @@ def write_sweep_report(sweep_dir: Path) -> Report:
     """The end-of-sweep report: the memory plan's fit table of every point (plan_table.md, printed
     here) and the report of how each point ran (report.md, results.csv, charts; the caller prints
     its summary_line)."""
-    from trainer.plan.table import write_fit_table
+    from trainer.plan import write_fit_table
 
     if (fit_table := write_fit_table(sweep_dir)) is not None:
         print(fit_table, flush=True)

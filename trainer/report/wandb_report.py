@@ -27,8 +27,11 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from trainer.console import warn
+from trainer.private_apis.of_wandb import report_from_json, report_json
 from trainer.report.run_dirs import Report, per_rank_peaks
 from trainer.telemetry import keys
+from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import STEADY_KEYS, STEP_KEY, config_path
 
 REPORT_FILE = "wandb_report.json"
@@ -42,19 +45,22 @@ def report_run_id(out_dir: Path) -> str:
     return "report-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
 
 
-def run_filter(report: Report) -> list[Any]:
-    """The run set: a sweep's group without its report run, or the compared runs by id."""
+def run_filter(report: Report) -> Any:
+    """The run set: a sweep's group without its report run, or the compared runs by id (an
+    `expr.And`: wandb-workspaces deprecates a plain list of filter expressions)."""
     from wandb_workspaces import expr
 
     from trainer.telemetry.wandb_logger import sweep_group
 
     if report.is_sweep:
-        return [expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"]
-    return [
+        return expr.And(
+            expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"
+        )
+    return expr.And(
         expr.Metric("ID").isin(
             sorted({run_id for point in report.points if (run_id := read_run_id(point.path)) is not None})
         )
-    ]
+    )
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -90,7 +96,9 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
         wr.H1("Results"),
         wr.PanelGrid(
             runsets=[
-                runset(wr, "report run", [expr.Metric("ID") == report_run_id(report.sweep_dir)], [], [])
+                runset(
+                    wr, "report run", expr.And(expr.Metric("ID") == report_run_id(report.sweep_dir)), [], []
+                )
             ],
             panels=[wr.WeavePanelSummaryTable(table_name=RESULTS_TABLE)],
         ),
@@ -104,7 +112,7 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
     )
 
 
-def runset(wr: Any, name: str, filters: list[Any], groupby: list[str], pinned_columns: list[str]) -> Any:
+def runset(wr: Any, name: str, filters: Any, groupby: list[str], pinned_columns: list[str]) -> Any:
     return wr.Runset(
         name=name,
         filters=filters,
@@ -233,13 +241,13 @@ def comm_panels(wr: Any, report: Report) -> list[Any]:
 def write_wandb_report(report: Report, project: str, entity: str | None) -> Path | None:
     """Build the Report and write wandb_report.json; None (after one warning) when the library is
     missing or fails: the dashboard is lost, the local report is not."""
-    from trainer.telemetry.wandb_logger import warn
-
     try:
         return write_report_json(build_report(report, project, entity), report.sweep_dir)
     except Exception as err:  # ImportError of a missing install, or any fault of a broken one
         warn(
-            f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete"
+            redact_secrets(
+                f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete"
+            )
         )
         return None
 
@@ -247,18 +255,13 @@ def write_wandb_report(report: Report, project: str, entity: str | None) -> Path
 def write_report_json(wandb_report: Any, out_dir: Path) -> Path:
     """The Report's own serialised form (the ReportViewspec the library sends on save)."""
     path = out_dir / REPORT_FILE
-    path.write_text(
-        wandb_report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=1) + "\n"
-    )
+    path.write_text(report_json(wandb_report) + "\n")
     return path
 
 
 def load_report_json(path: Path) -> Any:
     """wandb_report.json back as a Report, with the library's own loader."""
-    import wandb_workspaces.reports.v2 as wr
-    from wandb_workspaces.reports.v2.internal import ReportViewspec
-
-    return wr.Report._from_model(ReportViewspec.model_validate_json(path.read_text()))
+    return report_from_json(path.read_text())
 
 
 def publish(path: Path) -> str:

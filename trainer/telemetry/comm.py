@@ -5,7 +5,7 @@ and NCCL alike): its kind, and the sizes and dtypes of its inputs and outputs. E
 rank reads the entries recorded since the last one and adds up their payloads by kind of
 collective (the payload as trainer/plan/comm.py defines it: the larger of the input and output
 bytes, i.e. the full tensor). Nothing is re-implemented or patched; the recorder's dump is a
-private torch API (`torch._C._distributed_c10d._dump_fr_trace_json`), so every use of it is
+private torch API (`torch._C._distributed_c10d._dump_fr_trace_json`, called through trainer/private_apis/), so every use of it is
 guarded and the figures are absent, not guessed, where it is missing or its buffer overflowed.
 
 Time per collective: NCCL entries carry a duration when `TORCH_NCCL_ENABLE_TIMING=1` (set here
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.plan.comm import COLLECTIVES, plan_comm
+from trainer.plan import COLLECTIVES, plan_comm
+from trainer.private_apis.of_torch import flight_recorder_json
 from trainer.telemetry import keys
 from trainer.telemetry.memory import should_track_tensors
 
@@ -125,11 +126,9 @@ def payload_bytes(entry: dict[str, Any]) -> int | None:
 
 def dump_entries() -> list[dict[str, Any]] | None:
     """Every entry the flight recorder holds, or None where this torch has no (working) dump."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace_json", None)
-    if dump is None:
-        return None
     try:
-        return json.loads(dump(True, False)).get("entries", [])
+        dumped = flight_recorder_json()
+        return None if dumped is None else json.loads(dumped).get("entries", [])
     except (RuntimeError, ValueError):
         return None
 

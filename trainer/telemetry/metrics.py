@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
-from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
-from trainer.plan.headroom import HEADROOM
+from trainer.plan import HEADROOM, PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
 from trainer.rank.nonfinite import SKIPPED_KEY
 from trainer.rank.optim import local_optimizer
 from trainer.rank.precision import compute_dtype

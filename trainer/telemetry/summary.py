@@ -249,5 +249,13 @@ def _redact(value: Any, secrets: list[str]) -> Any:
     return value
 
 
+def read_summary(out_dir: Path) -> dict[str, Any]:
+    """A job's summary.json; empty when it wrote none (a mode=plan job, a job still running) or it cannot be read."""
+    try:
+        return json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
     (out_dir / "summary.json").write_text(json.dumps(redact_secrets(summary), indent=2, default=str) + "\n")

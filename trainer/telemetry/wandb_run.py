@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
 from trainer.telemetry import keys
 
 TAGGED_GROUPS = ("model", "precision", "zero", "checkpointing", "offload")
@@ -93,11 +94,6 @@ def typed_value(key: str, given: str | None, plain_config: dict[str, Any], choic
         return choices[key]
     value = OmegaConf.select(OmegaConf.create(plain_config), key, default=given)
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def split_override(override: str) -> tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
 
 
 def sweep_keys(sweep_overrides: list[str], sweeper_params: dict[str, Any]) -> list[str]:
