@@ -382,7 +382,8 @@ def largest_fitting_micro_batch(setup: Setup, base: tuple[str, ...], limit: int 
     """Doubling, then bisection, on the plan's `fits` (trainer/plan/build.py) for this device."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.config import register_configs, validate
+    from trainer.cli import register_configs
+    from trainer.config import validate
     from trainer.plan.build import build_plan
 
     register_configs()
@@ -587,35 +588,52 @@ def check_throughput(setup: Setup, jobs: dict[str, Job]) -> Row:
     return Row("", "fail" if wrong else "pass", figures, note)
 
 
-def fragmentation(job: Job) -> float | None:
+def reserved_over_model(job: Job) -> float | None:
+    """GiB of peak reserved beyond what trainer/plan/headroom.py predicts for the job's peak allocated
+    (reserved = (1 + fragmentation) x allocated + workspace + stream cache); > 0: the model is short."""
+    from trainer.plan import HEADROOM
+    from trainer.units import GIB
+
     reserved, allocated = (
         job.most("memory/rank0/peak_reserved_gib"),
         job.most("memory/rank0/peak_allocated_gib"),
     )
-    return reserved / allocated - 1 if reserved and allocated else None
+    if not reserved or not allocated:
+        return None
+    return reserved - HEADROOM.reserved(int(allocated * GIB)) / GIB
 
 
 def check_headroom(setup: Setup, jobs: dict[str, Job]) -> Row:
-    """The measured headroom against trainer/plan/headroom.py: fails when any figure exceeds its
-    assumption or could not be measured."""
-    from trainer.plan.headroom import HEADROOM
+    """The measured headroom against trainer/plan/headroom.py: fails when a figure exceeds its
+    assumption, reserved memory exceeds the fitted model's, or a figure could not be measured."""
+    from trainer.plan import HEADROOM
 
     probe = jobs.pop("headroom")
     if probe.status != "ok":
         return Row("", "fail", asdict(HEADROOM), failed(probe))
     measured = json.loads(probe.console.splitlines()[-1])
-    worst = [f for f in (fragmentation(job) for job in jobs.values()) if f is not None]
-    measured["fragmentation"] = max(worst) if len(worst) == len(jobs) else None
+    over = [f for f in (reserved_over_model(job) for job in jobs.values()) if f is not None]
+    measured["reserved_over_model_gib"] = max(over) if len(over) == len(jobs) else None
     compared = {"context_gib": "context_gib", "nccl_world1_gib": "nccl_gib",
-                "cublas_workspace_gib": "cublas_workspace_gib", "fragmentation": "fragmentation"}  # fmt: skip
+                "cublas_workspace_gib": "cublas_workspace_gib"}  # fmt: skip
     wrong = []
     for key, assumed_key in compared.items():
         value, assumed = measured[key], getattr(HEADROOM, assumed_key)
         if value is None or value > assumed:
             wrong.append(f"{key} {'not measured' if value is None else f'{value:.3f} > assumed {assumed:g}'}")
+    over_model = measured["reserved_over_model_gib"]
+    if over_model is None or over_model > 0:
+        wrong.append(
+            "reserved_over_model_gib "
+            + (
+                "not measured"
+                if over_model is None
+                else f"{over_model:.3f} > 0: reserved above the fitted model"
+            )
+        )
     figures = {**{k: round(v, 3) if isinstance(v, float) else v for k, v in measured.items()},
                **{f"assumed_{k}": v for k, v in asdict(HEADROOM).items()}}  # fmt: skip
-    note = "; ".join(wrong) or "every figure within trainer/plan/headroom.py's assumptions"
+    note = "; ".join(wrong) or "every figure within trainer/plan/headroom.py's assumptions and fit"
     return Row(
         "", "fail" if wrong else "pass", figures, note + f"; nccl at 8 ranks: {measured['nccl_8_ranks']}"
     )

@@ -30,7 +30,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from trainer.advise import throughput  # noqa: E402
 from trainer.advise.calibrate import accelerator_rates  # noqa: E402
 from trainer.advise.predict import predict_step  # noqa: E402
-from trainer.config import TrainConfig, register_configs, validate  # noqa: E402
+from trainer.cli import register_configs  # noqa: E402
+from trainer.config import TrainConfig, validate  # noqa: E402
 from trainer.model.decoder import flops_per_token  # noqa: E402
 from trainer.plan import build_plan, plan_comm  # noqa: E402
 from trainer.plan.headroom import HEADROOM, Headroom  # noqa: E402

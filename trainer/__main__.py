@@ -6,9 +6,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from trainer.cli import check_group_overrides, one_line_config_errors
+from trainer.cli import check_group_overrides, one_line_config_errors, register_configs
 from trainer.cluster import register_resolvers
-from trainer.config import register_configs
 from trainer.job import run_job
 
 register_configs()

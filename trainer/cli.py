@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.console import first_line
+from trainer.config import TrainConfig
+from trainer.console import error, first_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def split_override(override: str) -> tuple[str, str]:
+    """A command-line override's key and value: `+a.b=1` -> (`a.b`, `1`) (Hydra's `+`, `++` and
+    `~` prefixes dropped); the value is "" where none is given."""
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def register_configs() -> None:
+    """Register the root schema (trainer/config.py) so Hydra validates every composed config
+    against it. Here, not in config.py: a rank rebuilds its config from plain data and never
+    imports Hydra."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 # Groups of Hydra's own config whose options zerolab adds to (conf/hydra/<group>/).
@@ -38,7 +54,7 @@ def check_group_overrides(args: list[str]) -> None:
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key, _, value = arg.lstrip("+~").partition("=")
+        key, value = split_override(arg)
         if (
             "." in key
             or ("/" in key and key not in HYDRA_GROUPS)
@@ -49,8 +65,7 @@ def check_group_overrides(args: list[str]) -> None:
         allowed = group_options(key)
         for option in value.split(","):
             if option not in allowed:
-                sys.stderr.write(f"error: {key}={option} is not an option; allowed: {', '.join(allowed)}\n")
-                raise SystemExit(2)
+                error(f"{key}={option} is not an option; allowed: {', '.join(allowed)}")
 
 
 @contextlib.contextmanager
@@ -72,8 +87,7 @@ def one_line_config_errors() -> Iterator[None]:
     try:
         yield
     except (HydraException, OmegaConfBaseException) as err:
-        sys.stderr.write(f"error: {config_error_line(err)}\n")
-        raise SystemExit(2) from None
+        error(config_error_line(err))
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 

@@ -26,13 +26,17 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults.failures import FAILURES_DIR, lost_peer
-from trainer.launch import RankFailure
+from trainer.telemetry.keys import Status
+
+if TYPE_CHECKING:  # trainer/launch.py imports the elastic launcher, which only a job that trains needs
+    from trainer.launch import RankFailure
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
@@ -109,6 +113,8 @@ def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
     output directory (failures/node{n}.json); a node whose ranks only lost a peer waits (at most
     PEER_WAIT_S) for the node whose rank failed first, and names that one.
     """
+    from trainer.launch import RankFailure  # a job that trains: the caller has imported it already
+
     if nodes == 1:
         return own
     path = node_failure_path(out_dir, own.node)
@@ -155,7 +161,7 @@ def resumed_overrides(overrides: list[str], run_dir: Path | None) -> list[str]:
 
     if run_dir is None or latest_save(run_dir) is None:
         return list(overrides)
-    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
+    kept = [o for o in overrides if split_override(o)[0] != "resume"]
     return [*kept, f"resume={hydra_quote(str(run_dir))}"]  # quoted: a point's directory name has `=` and `,`
 
 
@@ -182,16 +188,15 @@ class Requeueing:
 
     def requeue_if_preempted(self) -> None:
         """Requeue through submitit when the job that just ran ended `preempted` (exits; else returns)."""
-        import submitit
-
         from trainer.faults import stop
+        from trainer.private_apis.of_submitit import requeue_signal
         from trainer.sweep import read_status
 
         job = stop.LAST
-        if job is None or read_status(job.run_dir) != "preempted":
+        if job is None or read_status(job.run_dir) != Status.preempted:
             return
         self.run_dir = job.run_dir
-        signum = submitit.JobEnvironment._usr_sig()
+        signum = requeue_signal()
         handler = signal.getsignal(signum)  # submitit's SignalHandler.checkpoint_and_try_requeue
         if callable(handler):
             handler(signum, None)

@@ -1,6 +1,6 @@
-"""The typed schema: one dataclass per config group, the root config, and their registration.
+"""The typed schema: one dataclass per config group and the root config.
 
-Hydra composes conf/ against `TrainConfig` (registered as `train_schema`), so a misspelt key
+Hydra composes conf/ against `TrainConfig` (registered as `train_schema` by trainer/cli.py), so a misspelt key
 or a value of the wrong type fails at compose time. Range and cross-field rules live in
 `__post_init__`, which OmegaConf runs only in `OmegaConf.to_object`: `validate` below is the
 first thing a job does.
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -684,18 +683,13 @@ class TrainConfig:
     def sequences_per_step(self, world_size: int) -> int:
         """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
         key, which mode=advise reads to choose micro_batch and grad_accum)."""
-        return self.micro_batch * self.grad_accum * world_size
+        return global_batch(self.micro_batch, self.grad_accum, world_size)
 
 
 def is_endpoint(value: str) -> bool:
     """`host:port` with a TCP port (c10d's rendezvous endpoint)."""
     host, _, port = value.rpartition(":")
     return bool(host) and port.isdigit() and int(port) <= 65535
-
-
-def register_configs() -> None:
-    """Register the root schema so Hydra validates every composed config against it."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def validate(cfg: DictConfig) -> TrainConfig:
@@ -736,3 +730,17 @@ def to_plain(config: TrainConfig) -> dict[str, Any]:
 def from_plain(plain: dict[str, Any]) -> TrainConfig:
     """Rebuild a checked `TrainConfig` from `to_plain`'s output (inside a rank)."""
     return validate(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))  # type: ignore[arg-type]
+
+
+def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
+    """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
+    small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
+    memory plan (trainer/plan/step.py) and its CPU measurements are of that loop, and the ranks
+    (trainer/rank/loop.py) step with the same choice."""
+    return optim.fused if optim.fused is not None else device_kind == "cuda"
+
+
+def global_batch(micro_batch: int, grad_accum: int, world_size: int) -> int:
+    """Sequences per optimizer step over all ranks: always micro_batch * grad_accum * world size
+    (the data stream, the saves' progress and the throughput all count steps in it)."""
+    return micro_batch * grad_accum * world_size

@@ -34,7 +34,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.config import ConfigError, DataConfig, DataKind, DataloaderConfig, DeviceKind, TrainConfig
+from trainer.config import (
+    ConfigError,
+    DataConfig,
+    DataKind,
+    DataloaderConfig,
+    DeviceKind,
+    TrainConfig,
+    global_batch,
+)
 
 BYTE_VOCAB = 256
 """Vocabulary of `make_tokens`: one token per byte value."""
@@ -247,10 +255,10 @@ class StepSampler(Sampler[int]):
         self.start_step, self.num_steps = start_step, num_steps
 
     def __iter__(self) -> Iterator[int]:
-        global_batch = self.micro_batch * self.grad_accum * self.world_size
+        per_step = global_batch(self.micro_batch, self.grad_accum, self.world_size)
         for step in range(self.start_step, self.num_steps):
             for micro_step in range(self.grad_accum):
-                first = step * global_batch + (micro_step * self.world_size + self.rank) * self.micro_batch
+                first = step * per_step + (micro_step * self.world_size + self.rank) * self.micro_batch
                 yield from range(first, first + self.micro_batch)
 
     def __len__(self) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
+from trainer.console import BAD_INPUT, error_line, say, warn
 from trainer.data import check_data
 from trainer.faults.stop import (
     STOP_STATUSES,
@@ -39,42 +43,72 @@ from trainer.plan.groups import shard_groups
 from trainer.rank.cuda import check_local_ranks
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
+from trainer.telemetry.keys import Status
 from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
-# A job that trains imports more: the elastic launcher (trainer/launch.py, trainer/cluster.py),
-# the save format (trainer/saves/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are imported
-# where a job starts training, so that mode=plan, which plans for any cluster and starts no rank,
-# does not pay for them.
+# A job that trains imports more: the elastic launcher (trainer/launch.py), the save format
+# (trainer/saves/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are
+# imported where a job starts training, so that mode=plan, which plans for any cluster and starts
+# no rank, does not pay for them (tests/unit/test_imports.py checks that a plan job loads no
+# elastic launcher).
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked job: its config and where it runs (or, for mode=plan and advise, is planned for)."""
+
+    config: TrainConfig
+    out_dir: Path
+    device_kind: str
+    nproc: int
+    """Ranks per node."""
+    world_size: int
+
+
+class EndRole(Enum):
+    """What this process does when the job ends, besides exiting with the job's status."""
+
+    recorder = "recorder"
+    """summary.json, the end-of-run account and the error line: a one-node job, node 0, torchrun's rank 0."""
+    node = "node"
+    """The error line only: another node of a multi-node job (node 0 records the job)."""
+    silent = "silent"
+    """Nothing: a torchrun rank but 0 (its ranks share rank 0's console)."""
 
 
 def run_job(cfg: DictConfig) -> None:
-    """The Hydra task: everything a job does, and the exit status it ends with."""
+    """The Hydra task: check the job, plan it, do what its mode says; exit with its status."""
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     if finished_ok(out_dir):  # a sweep re-run into the same directory: this point is done
         print(f"skipped: {out_dir} already finished with status ok", flush=True)
         return
+    job = check_job(cfg, out_dir)
+    if job is None:  # bad input, reported in one line
+        return
+    if job.config.mode == Mode.advise:  # plans every candidate itself (trainer/advise/advisor.py)
+        advise_job(job)
+    elif is_under_torchrun():  # rank 0 plans once the ranks have joined
+        run_under_torchrun(job.config, job.device_kind)
+    else:
+        # Plan before launching (trainer/plan): the table and plan.json for every job, and a
+        # refusal of what cannot fit, recorded as status `refused` without starting a rank.
+        refusal, meta = plan_job(job.config, job.out_dir, job.device_kind, job.world_size)
+        if job.config.mode == Mode.train:
+            train_job(job, refusal, meta)
+
+
+def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
+    """The typed config checked against what it runs on: any device and world size for mode=plan
+    and advise, this host (and node) for a job that trains. None after one `error:` line."""
     try:
         config = validate(cfg)
-        if config.mode in (
-            Mode.plan,
-            Mode.advise,
-        ):  # any device and world size: nothing checked against this host
+        if config.mode in (Mode.plan, Mode.advise):  # nothing checked against this host
             device_kind = planned_device_kind(config.plan, config.device)
             nproc = planned_world_size(config.nproc, device_kind)
         else:
-            from trainer.cluster import place_node
-            from trainer.rank.sharding import check_device_support
-            from trainer.saves.resume import prepare_resume
-
-            device_kind = resolve_device_kind(config.device)
-            nproc = resolve_nproc(config.nproc, device_kind)
-            check_device_support(config.zero, device_kind)
-            check_data(
-                config.data, config.model.vocab_size, config.seq_len, config.seed
-            )  # a bad token file: before any rank starts
-            config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
+            config, device_kind, nproc = check_this_host(config)
         world_size = config.nodes * nproc
         shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
         if config.mode == Mode.advise:
@@ -82,6 +116,8 @@ def run_job(cfg: DictConfig) -> None:
 
             check_advice_inputs(config, world_size)
         if config.mode == Mode.train and not is_under_torchrun():
+            from trainer.saves.resume import prepare_resume
+
             config, out_dir = prepare_resume(config, out_dir, world_size)
         run_choice(
             config.attention, config.model, config.precision.compute_dtype, device_kind
@@ -91,45 +127,76 @@ def run_job(cfg: DictConfig) -> None:
                 int(os.environ["LOCAL_WORLD_SIZE"])
             )  # one line, not CUDA's invalid device ordinal
     except ConfigError as err:
-        fail(f"error: {err}", code=2)
-        return
-    if (
-        config.mode == Mode.advise
-    ):  # trainer/advise/advisor.py: rank configurations, run none unless advise.verify
-        from trainer.advise.advisor import run_advice
+        error_line(str(err))
+        exit_unless_sweep(BAD_INPUT)
+        return None
+    return Job(config, out_dir, device_kind, nproc, world_size)
 
-        run_advice(config, out_dir, device_kind, world_size, list(HydraConfig.get().overrides.task))
-        return
-    if is_under_torchrun():
-        run_under_torchrun(config, device_kind)
-        return
-    # Plan before launching (trainer/plan): the table and plan.json for every job, and a
-    # refusal of what cannot fit, recorded as status `refused` without starting a rank.
-    refusal, meta = plan_job(config, out_dir, device_kind, world_size)
-    if config.mode == Mode.plan:
-        return
+
+def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
+    """A job that trains here: its device and ranks as this host has them, the stage on that
+    device, the data, and this node's place in a multi-node job."""
+    from trainer.cluster import place_node
+    from trainer.rank.sharding import check_device_support
+
+    device_kind = resolve_device_kind(config.device)
+    nproc = resolve_nproc(config.nproc, device_kind)
+    check_device_support(config.zero, device_kind)
+    check_data(
+        config.data, config.model.vocab_size, config.seq_len, config.seed
+    )  # a bad token file: before any rank starts
+    config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
+    return config, device_kind, nproc
+
+
+def advise_job(job: Job) -> None:
+    """mode=advise (trainer/advise/advisor.py): rank configurations, run none unless advise.verify."""
+    from trainer.advise.advisor import run_advice
+
+    overrides = list(HydraConfig.get().overrides.task)
+    run_advice(job.config, job.out_dir, job.device_kind, job.world_size, overrides)
+
+
+def train_job(job: Job, refusal: str | None, meta: dict[str, Any]) -> None:
+    """Launch this node's ranks, unless the plan refused the job, and end it."""
+    config, out_dir = job.config, job.out_dir
+    predicted = rank_predictions(meta)
     if refusal is not None:  # every node plans and refuses alike: none waits at the rendezvous for another
-        end_job(config, out_dir, "refused", {"reason": refusal}, meta, record=config.node_rank == 0)
+        role = EndRole.recorder if config.node_rank == 0 else EndRole.node
+        end_job(config, out_dir, Status.refused, {"reason": refusal}, meta, role=role)
         return
     if config.node_rank != 0:  # another node of a multi-node job: its ranks; node 0 records the job
         with handling_stops(out_dir, owner=False) as job_stop:
-            status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta), job_stop)
-        end_job(config, out_dir, status, extra, meta, record=False)
+            status, extra = train_ranks(config, out_dir, job.device_kind, job.nproc, predicted, job_stop)
+        end_job(config, out_dir, status, extra, meta, role=EndRole.node)
         return
-    # The job process owns the W&B run: it streams metrics.jsonl while the ranks train and ends
-    # with the job's status, also when a rank died. From here a signal stops the job at a step
-    # boundary (trainer/faults/stop.py).
-    with (
-        handling_stops(out_dir) as job_stop,
-        open_logger(
-            config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
-        ) as logger,
-    ):
+    # From here a signal stops the job at a step boundary (trainer/faults/stop.py).
+    with handling_stops(out_dir) as job_stop:
+        status, extra, summary = owning_the_wandb_run(
+            config,
+            out_dir,
+            meta,
+            lambda: train_ranks(config, out_dir, job.device_kind, job.nproc, predicted, job_stop),
+        )
+    end_job(config, out_dir, status, extra, meta, summary)
+
+
+def owning_the_wandb_run(
+    config: TrainConfig,
+    out_dir: Path,
+    meta: dict[str, Any],
+    train: Callable[[], tuple[Status, dict[str, Any]]],
+) -> tuple[Status, dict[str, Any], dict[str, Any]]:
+    """`train()` while this process owns the job's W&B run: it streams metrics.jsonl as the ranks
+    write it and ends the run with the job's status and summary.json, also when a rank died."""
+    with open_logger(
+        config.logger, out_dir, meta, run_name(), run_group(), config.zero.stage.value, config.resume
+    ) as logger:
         with logger.follow(out_dir / "metrics.jsonl"):
-            status, extra = train_ranks(config, out_dir, device_kind, nproc, rank_predictions(meta), job_stop)
+            status, extra = train()
         summary = end_summary(config, out_dir, status, extra, meta)
         logger.finish(summary)
-    end_job(config, out_dir, status, extra, meta, summary)
+    return status, extra, summary
 
 
 def train_ranks(
@@ -139,7 +206,7 @@ def train_ranks(
     nproc: int,
     predicted: dict[str, float],
     job_stop: JobStop,
-) -> tuple[str, dict[str, Any]]:
+) -> tuple[Status, dict[str, Any]]:
     """Run this node's ranks; a rank's death or a stop is a status to record, not an exception to propagate."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -165,7 +232,7 @@ def train_ranks(
         where.update({"failed_node": failure.node} if failure.node is not None else {})
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
-        return "oom" if failure.oom else "crashed", {"error": error, **where}
+        return Status.oom if failure.oom else Status.crashed, {"error": error, **where}
     except SignalException:  # a second signal: the agent killed the ranks (trainer/faults/stop.py)
         return stopped_at_once(job_stop)
     status, extra = ranks_outcome(result, config.save.every > 0)
@@ -178,15 +245,15 @@ def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
     return {key: meta[key] for key in RANK_FIGURES if key in meta}
 
 
-def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[str, dict[str, Any]]:
+def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[Status, dict[str, Any]]:
     """The status the ranks ended with, from rank 0's result (trainer/launch.py rank_main): ok,
     diverged with its line when the non-finite policy stopped them, or the stop they agreed on
     after a signal (trainer/faults/stop.py)."""
-    if result is not None and result.get("status") == "diverged":
-        return "diverged", {"error": result["error"]}
+    if result is not None and result.get("status") == Status.diverged:
+        return Status.diverged, {"error": result["error"]}
     if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
-        return result["status"], stopped(result, saving)
-    return "ok", {}
+        return Status(result["status"]), stopped(result, saving)
+    return Status.ok, {}
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
@@ -213,35 +280,22 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     dist.broadcast_object_list(shared, src=0)
     plain, out_dir, refusal, meta = shared
     Path(out_dir).mkdir(parents=True, exist_ok=True)  # other hosts may not share rank 0's file system
+    role = EndRole.recorder if world.is_main else EndRole.silent
     if refusal is not None:
-        end_job(
-            config,
-            Path(out_dir),
-            "refused",
-            {"reason": refusal},
-            meta,
-            record=world.is_main,
-            speak=world.is_main,
-        )
+        end_job(config, Path(out_dir), Status.refused, {"reason": refusal}, meta, role=role)
         return
     predicted = rank_predictions(meta)
+
+    def train() -> tuple[Status, dict[str, Any]]:
+        return ranks_outcome(rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0)
+
     if not world.is_main:  # only global rank 0's process owns the W&B run: the other ranks never import wandb
-        status, extra = ranks_outcome(
-            rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0
-        )
-        end_job(config, Path(out_dir), status, extra, meta, record=False, speak=False)
+        status, extra = train()
+        end_job(config, Path(out_dir), status, extra, meta, role=role)
         return
     # Rank 0's process plays the job process's part: it feeds the W&B run from metrics.jsonl (a
     # thread beside its training) and ends it with the job's status.
-    with open_logger(
-        config.logger, Path(out_dir), meta, run_name(), run_group(), config.zero.stage.value, config.resume
-    ) as logger:
-        with logger.follow(Path(out_dir) / "metrics.jsonl"):
-            status, extra = ranks_outcome(
-                rank_main(plain, out_dir, device_kind, predicted), config.save.every > 0
-            )
-        summary = end_summary(config, Path(out_dir), status, extra, meta)
-        logger.finish(summary)
+    status, extra, summary = owning_the_wandb_run(config, Path(out_dir), meta, train)
     end_job(config, Path(out_dir), status, extra, meta, summary)
 
 
@@ -255,16 +309,15 @@ def plan_job(
     if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
-    warning = cores_warning(plan.host)  # CPU ranks beyond this host's cores take turns
-    if warning:
-        print(warning, flush=True)
+    if warning := cores_warning(plan.host):  # CPU ranks beyond this host's cores take turns
+        warn(warning, file=sys.stdout)
     if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance
         return None, {}
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
     meta.update(plan_summary_fields(plan))
     refusal = plan_refusal(plan) or host_refusal(plan)
     if refusal is not None and not config.plan.enforce:
-        print("warning: plan.enforce=false, trying anyway", flush=True)
+        warn("plan.enforce=false, trying anyway", file=sys.stdout)  # with the plan it overrides
         return None, meta
     return refusal, meta
 
@@ -273,11 +326,11 @@ def plan_job(
 
 
 def end_summary(
-    config: TrainConfig, out_dir: Path, status: str, extra: dict[str, Any], meta: dict[str, Any]
+    config: TrainConfig, out_dir: Path, status: Status, extra: dict[str, Any], meta: dict[str, Any]
 ) -> dict[str, Any]:
     """Write summary.json: the status, the figures of metrics.jsonl (none when refused), `extra`
     (the error or the refusal, where a rank failed, restarts) and the provenance and plan."""
-    records = [] if status == "refused" else read_metrics(out_dir)
+    records = [] if status == Status.refused else read_metrics(out_dir)
     summary = build_summary(
         status,
         records,
@@ -294,28 +347,28 @@ def end_summary(
 def end_job(
     config: TrainConfig,
     out_dir: Path,
-    status: str,
+    status: Status,
     extra: dict[str, Any],
     meta: dict[str, Any],
     summary: dict[str, Any] | None = None,
-    record: bool = True,
-    speak: bool = True,
+    role: EndRole = EndRole.recorder,
 ) -> None:
     """How every job ends, launched here, on another node of a multi-node job, or joined under
-    torchrun: summary.json (unless the logger's end wrote it already) and the end-of-run account
-    where the job is recorded (`record`: node 0, torchrun's rank 0), one error line where someone
-    reads it (`speak`: every node; under torchrun rank 0 only, its ranks share one console), and
-    the exit status everywhere (0 ok, 2 refused before any rank started, a stop its signal's,
-    1 any other ending)."""
-    if record:
+    torchrun: what its `role` says (summary.json unless the W&B run's end wrote it already, the
+    end-of-run account, one line on what went wrong), and the exit status everywhere (0 ok,
+    2 refused before any rank started, a stop its signal's, 1 any other ending)."""
+    if role == EndRole.recorder:
         summary = summary or end_summary(config, out_dir, status, extra, meta)
-        if status != "refused":
+        if status != Status.refused:
             report_end(summary, out_dir)
-    if status == "refused":
-        fail(f"error: {extra['reason']}" if speak else "", code=2)
-    elif status != "ok":
-        line = f"{status}: {extra['error']}" if status in STOP_STATUSES else f"error: {extra['error']}"
-        fail(line if speak else "", code=exit_code_for(status))
+    if status == Status.ok:
+        return
+    if role != EndRole.silent:
+        if status in STOP_STATUSES:  # a stop the user or the scheduler asked for: not an error
+            say(status, extra["error"])
+        else:
+            error_line(extra["reason"] if status == Status.refused else extra["error"])
+    exit_unless_sweep(BAD_INPUT if status == Status.refused else exit_code_for(status))
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:
@@ -323,9 +376,7 @@ def report_end(summary: dict[str, Any], out_dir: Path) -> None:
     print(f"{summary_table(summary)}\n  outputs: {out_dir}", flush=True)
 
 
-def fail(message: str, code: int) -> None:
-    """One line on stderr (none when empty); a single job exits with `code`, a sweep goes on to its next point."""
-    if message:
-        print(message, file=sys.stderr, flush=True)
+def exit_unless_sweep(code: int) -> None:
+    """A single job exits with `code`; a sweep goes on to its next point."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         raise SystemExit(code)

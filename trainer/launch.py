@@ -22,6 +22,7 @@ from trainer.faults.failures import apply_memory_cap, explain, killed_by, record
 from trainer.faults.stop import AGENT_SIGNALS, RankStop
 from trainer.rank.cuda import apply_tf32, set_launcher_environment
 from trainer.telemetry.comm import enable_recording
+from trainer.telemetry.keys import Status
 from trainer.world import init_world, shutdown_world
 
 
@@ -80,7 +81,7 @@ def rank_main(
         except NonFiniteError as err:
             # Every rank stops here together (they agreed), so this is an ending, not a crash: no
             # traceback, no elastic restart; the job records status `diverged` with this line.
-            result = {"status": "diverged", "error": str(err)}
+            result = {"status": Status.diverged, "error": str(err)}
     # Not in a `finally`: a rank that raised must leave without the shutdown barrier, which its
     # peers (inside another collective) would never reach; the launcher stops them instead.
     shutdown_world()

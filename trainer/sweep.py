@@ -21,9 +21,6 @@ directory (`hydra.sweep.dir=<dir>`) skip the points that already ended `ok`.
 
 from __future__ import annotations
 
-import itertools
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +30,21 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from trainer.console import error, say
 from trainer.faults.stop import sweep_stop
+from trainer.files import claim_directory
+from trainer.telemetry.keys import Status
+from trainer.telemetry.summary import read_summary
 
 
 def read_status(out_dir: Path) -> str | None:
     """The status in a job's summary.json, None when it wrote none (or it cannot be read)."""
-    try:
-        return json.loads((out_dir / "summary.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
+    return read_summary(out_dir).get("status")
 
 
 def finished_ok(out_dir: Path) -> bool:
     """Whether this multirun point already ended `ok` in an earlier run of the same sweep."""
-    return HydraConfig.get().mode == RunMode.MULTIRUN and read_status(out_dir) == "ok"
+    return HydraConfig.get().mode == RunMode.MULTIRUN and read_status(out_dir) == Status.ok
 
 
 def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
@@ -63,20 +61,6 @@ def claim_fresh_dir(config: DictConfig, kind: str) -> Path | None:
     with read_write(config.hydra), open_dict(config.hydra):
         node.dir = str(claimed)
     return claimed
-
-
-def claim_directory(base: Path) -> Path:
-    """Create `base`, or the first free `base_1`, `base_2`, ...: mkdir is atomic, so of two jobs
-    (or reports) asking for one name, one gets it and the other the next."""
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count():
-        candidate = base if n == 0 else base.with_name(f"{base.name}_{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return candidate
-    raise AssertionError("unreachable")
 
 
 def hydra_quote(value: str) -> str:
@@ -98,12 +82,7 @@ class SweepCallback(Callback):
             OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
         ):
             # The nodes of one job share its directory; each node's own clock would name another.
-            print(
-                f"error: nodes={config.nodes} needs hydra.run.dir=<a directory every node shares>",
-                file=sys.stderr,
-                flush=True,
-            )
-            raise SystemExit(2)
+            error(f"nodes={config.nodes} needs hydra.run.dir=<a directory every node shares>")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         claimed = claim_fresh_dir(config, "sweep")
@@ -121,25 +100,26 @@ class SweepCallback(Callback):
         if (
             stop := sweep_stop(status)
         ) is not None:  # Ctrl-C (or a preemption) ends the sweep after this point
-            self.end_early(config, f"{stop.status}: the sweep stops after {out_dir.name}", stop.exit_code)
+            self.end_early(config, stop.status, f"the sweep stops after {out_dir.name}", stop.exit_code)
         if not config.get("fail_fast", False):
             return
         # No summary.json and no exception: a mode=plan point, which ends without one.
-        if job_return.status == JobStatus.COMPLETED and status in ("ok", None):
+        if job_return.status == JobStatus.COMPLETED and status in (Status.ok, None):
             return
         self.end_early(
             config,
-            f"error: fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here",
+            "error",
+            f"fail_fast: {out_dir.name} ended {status or 'with an exception'}; the sweep stops here",
             1,
         )
 
-    def end_early(self, config: DictConfig, line: str, code: int) -> None:
-        """Stop the sweep after this point: the report of the points that ran, one line, `code`."""
+    def end_early(self, config: DictConfig, kind: str, line: str, code: int) -> None:
+        """Stop the sweep after this point: the report of the points that ran, `kind: line`, `code`."""
         from trainer.report.sweep_report import summary_line, write_sweep_report
 
         report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
-        print(line, file=sys.stderr, flush=True)
+        say(kind, line)
         raise SystemExit(code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

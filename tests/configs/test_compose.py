@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from trainer.config import TrainConfig, register_configs, to_plain, validate
+from trainer.cli import register_configs
+from trainer.config import TrainConfig, to_plain, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [

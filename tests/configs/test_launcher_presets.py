@@ -18,8 +18,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from submitit.slurm.test_slurm import mocked_slurm
 
+from trainer.cli import register_configs
 from trainer.cluster import register_resolvers
-from trainer.config import register_configs
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 pytestmark = pytest.mark.timeout(60)

@@ -12,8 +12,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.cli import check_group_overrides
-from trainer.config import register_configs, to_plain, validate
+from trainer.cli import check_group_overrides, register_configs
+from trainer.config import to_plain, validate
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from trainer.config import register_configs
+from trainer.cli import register_configs
 from trainer.report.sweep_report import COLUMNS
 from trainer.report.wandb_report import load_report_json
 from trainer.sweep import SweepCallback

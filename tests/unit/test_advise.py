@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from trainer.advise.advisor import advise, check_advice_inputs, choices, micro_batches, run_advice
 from trainer.advise.calibrate import HostProbe, host_rates
-from trainer.config import ConfigError, TrainConfig, register_configs, validate
+from trainer.cli import register_configs
+from trainer.config import ConfigError, TrainConfig, validate
 from trainer.plan import build_plan
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

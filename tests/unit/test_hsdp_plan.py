@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step, predict_step_tiers
-from trainer.config import ConfigError, Stage, TrainConfig, ZeroConfig, register_configs, validate
+from trainer.cli import register_configs
+from trainer.config import ConfigError, Stage, TrainConfig, ZeroConfig, validate
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, plan_comm
 from trainer.plan.comm import PARAM_BYTES

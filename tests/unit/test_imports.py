@@ -1,13 +1,37 @@
-"""The package's modules import one another without a cycle, counting every import: at the top,
-inside functions and under `if TYPE_CHECKING:`. Only a module's `if __name__ == "__main__":` block
-is left out: it runs when the module is the program (`__main__`), never when it is imported."""
+"""The package's import rules, counting every import: at the top, inside functions, under
+`if TYPE_CHECKING:` and in `if __name__ == "__main__":` blocks (such a block runs whenever the
+module is the program, and `python -m trainer.report` once ran report.py's body twice through one).
+
+- no cycle among the package's modules;
+- the rank path (the modules the ranks' fork server preloads, trainer/launch.py, and every
+  module of trainer/rank/) never imports wandb or hydra (docs/design.md section 3: the job
+  process owns the W&B run; a rank is handed a plain config, never a Hydra one);
+- trainer/plan/ imports no rank-only module: the plan is known before any rank starts;
+- a `mode=plan` job loads no elastic launcher (checked on `sys.modules` in a real job process).
+"""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "trainer"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "trainer"
+NEVER_ON_THE_RANK_PATH = ("wandb", "wandb_workspaces", "hydra")
+ELASTIC_LAUNCHER = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+
+@dataclass
+class Imports:
+    modules: set[str] = field(default_factory=set)
+    """The trainer modules imported (a name imported from a package that is a module of it counts as that module)."""
+    external: set[str] = field(default_factory=set)
+    """Every other module imported, by its full dotted name."""
 
 
 def module_name(path: Path) -> str:
@@ -15,34 +39,55 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The trainer modules `path` imports anywhere in its body (a name imported from a package
-    that is a module of it counts as that module)."""
-    found = set()
-    tree = ast.parse(path.read_text())
-    tree.body = [node for node in tree.body if not is_main_guard(node)]
-    for node in ast.walk(tree):
+def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The absolute module of `from ... import`, relative imports included."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> Imports:
+    """Everything module `name` (its `source`) imports anywhere in its body."""
+    found = Imports()
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name in known}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module in known:
-            found |= {
-                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                for a in node.names
-            }
-    return found - {module_name(path)}
+            for alias in node.names:
+                (found.modules if alias.name in known else found.external).add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            module = resolve(node, name, is_package)
+            if module not in known:
+                found.external.add(module)
+                continue
+            for alias in node.names:
+                found.modules.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+    found.modules.discard(name)
+    return found
 
 
-def is_main_guard(node: ast.stmt) -> bool:
-    return isinstance(node, ast.If) and ast.unparse(node.test) in (
-        "__name__ == '__main__'",
-        '__name__ == "__main__"',
-    )
-
-
-def import_graph() -> dict[str, set[str]]:
+def import_graph() -> dict[str, Imports]:
     paths = sorted(PACKAGE.rglob("*.py"))
     known = {module_name(p) for p in paths}
-    return {module_name(p): imported_modules(p, known) for p in paths}
+    return {
+        module_name(p): imports_of(p.read_text(), module_name(p), p.name == "__init__.py", known)
+        for p in paths
+    }
+
+
+def closure(graph: dict[str, Imports], roots: set[str]) -> set[str]:
+    """`roots` and every trainer module they import, directly or not (a package's `__init__`
+    runs before any of its modules, so it counts too)."""
+    seen: set[str] = set()
+    todo = [r for r in roots if r in graph]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parents = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)]
+        todo += [m for m in (*graph[module].modules, *parents) if m in graph]
+    return seen
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -64,14 +109,95 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_import_graph_has_no_cycle() -> None:
+def preloaded(graph: dict[str, Imports]) -> set[str]:
+    """The modules trainer/launch.py has the ranks' fork server import: what every rank imports."""
+    tree = ast.parse((PACKAGE / "launch.py").read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("set_forkserver_preload")
+    ]
+    assert len(calls) == 1, "trainer/launch.py names the fork server's preload once"
+    names = {elt.value for elt in calls[0].args[0].elts}  # a list of string constants
+    assert names and names <= set(graph), names
+    return names
+
+
+def rank_path(graph: dict[str, Imports]) -> set[str]:
+    """What a rank imports: the fork server's preload (the entry point `trainer.launch.rank_main`
+    and the loop) and every module of trainer/rank/, with everything they import."""
+    rank_package = {m for m in graph if m.startswith("trainer.rank.")}
+    return closure(graph, preloaded(graph) | rank_package | {"trainer.launch"})
+
+
+def offenders(
+    graph: dict[str, Imports], modules: set[str], prefixes: tuple[str, ...]
+) -> dict[str, list[str]]:
+    """For each of `modules` that imports a module under one of `prefixes`: which ones."""
+    hits = {
+        m: sorted(x for x in graph[m].external if any(x == p or x.startswith(p + ".") for p in prefixes))
+        for m in sorted(modules)
+    }
+    return {m: found for m, found in hits.items() if found}
+
+
+def test_every_import_is_counted() -> None:
     graph = import_graph()
-    assert len(graph) >= 30 and "trainer.saves.dcp" in graph["trainer.rank.loop"]  # the walk sees the package
+    assert (
+        len(graph) >= 30 and "trainer.saves.dcp" in graph["trainer.rank.loop"].modules
+    )  # the walk sees the package
+    # function-level imports count (launch.py imports the loop inside rank_main) ...
+    assert "trainer.rank.loop" in graph["trainer.launch"].modules
+    # ... and so do `__main__` blocks, relative imports and package-level names.
+    source = 'import a.b\nfrom .c import d\ndef f():\n    from e import g\nif __name__ == "__main__":\n    import h\n'
+    found = imports_of(source, "trainer.x", is_package=False, known={"trainer.x", "trainer.c"})
+    assert found.modules == {"trainer.c"} and found.external == {"a.b", "e", "h"}
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = {name: imports.modules for name, imports in import_graph().items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_a_cycle_is_found_where_there_is_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    guarded = ast.parse('if __name__ == "__main__":\n    import x\nif DEBUG:\n    import y\n').body
-    assert [is_main_guard(node) for node in guarded] == [True, False]
+
+
+def test_the_rank_path_never_imports_wandb_or_hydra() -> None:
+    graph = import_graph()
+    ranks = rank_path(graph)
+    assert offenders(graph, ranks, NEVER_ON_THE_RANK_PATH) == {}
+    assert {"trainer.launch", "trainer.rank.loop", "trainer.config", "trainer.saves.dcp"} <= ranks
+
+
+def test_the_plan_imports_no_rank_only_module() -> None:
+    """Rank-only: trainer/rank/ but cuda.py, which world.py and the job process use as well
+    (how many GPUs this host's ranks may take)."""
+    graph = import_graph()
+    rank_only = {m for m in graph if m.startswith("trainer.rank.")} - {"trainer.rank", "trainer.rank.cuda"}
+    assert "trainer.rank.loop" in rank_only
+    plan = closure(graph, {m for m in graph if m == "trainer.plan" or m.startswith("trainer.plan.")})
+    assert sorted(plan & rank_only) == []
+
+
+def test_a_plan_job_loads_no_elastic_launcher(tmp_path: Path) -> None:
+    """`python -m trainer mode=plan` in a real process, then which torch.distributed modules it
+    loaded: planning for any cluster starts no rank and needs no launcher."""
+    probe = (
+        "import json, runpy, sys\n"
+        f"sys.argv = ['trainer', 'mode=plan', 'logger=none', 'hydra.run.dir={tmp_path}']\n"
+        "try:\n"
+        "    runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+        "finally:\n"
+        "    print(json.dumps(sorted(m for m in sys.modules if m.startswith('torch.distributed'))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "peak" in done.stdout  # the plan was printed: the plan path ran
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "torch.distributed" in loaded  # the probe sees modules
+    assert [m for m in loaded if m.startswith(ELASTIC_LAUNCHER)] == []

@@ -16,7 +16,7 @@ from tests.unit.fakes import WORLD, tiny_config
 from trainer.config import TrainConfig
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step
-from trainer.rank.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, agree, decode
+from trainer.rank.nonfinite import NonFinite, NonFiniteError, NonFiniteGuard, Slots, agree, decode
 from trainer.rank.optim import rewind_scheduler
 
 NAN_AT_2 = dict(fault__kind="nan_loss", fault__step=2)
@@ -51,9 +51,11 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_flags_carry_extra_decisions_after_the_loss_and_gradient_flags() -> None:
-    flags = agree(torch.tensor(1.0), torch.tensor(float("inf")), WORLD, extra=(torch.tensor(1.0), 0.0))
-    assert flags.tolist() == [0.0, 1.0, 1.0, 0.0]
+def test_flags_carry_the_stop_request_after_the_loss_and_gradient_flags() -> None:
+    flags = agree(torch.tensor(1.0), torch.tensor(float("inf")), WORLD, stop=torch.tensor(15.0))
+    assert flags.tolist() == [0.0, 1.0, 15.0]
+    slots = Slots(WORLD.world_size)
+    assert (slots.losses, slots.gradient, slots.stop, slots.size) == (slice(0, 1), 1, 2, 3)
     assert decode(flags.tolist(), 7, 1, scaler_enabled=False).gradient
 
 
@@ -124,9 +126,9 @@ def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(t
     stop = RankStop(tmp_path, watches_request=False)
     guard = guard_of(tiny_config(optim__fused=True), defer=True)
     one = torch.tensor(1.0)
-    guard.record(1, agree(one, one, WORLD, extra=(stop_request(stop),)))
+    guard.record(1, agree(one, one, WORLD, stop=stop_request(stop)))
     stop.requested = signal.SIGUSR1  # as its signal handler notes it
-    guard.record(2, agree(one, one, WORLD, extra=(stop_request(stop),)))
+    guard.record(2, agree(one, one, WORLD, stop=stop_request(stop)))
     assert stop.agreed == 0  # nothing read on the host yet
     guard.settle(stop)
     assert stop.agreed == signal.SIGUSR1 and guard.skipped == 0

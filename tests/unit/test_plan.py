@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.config import ModelConfig, TrainConfig, register_configs, validate
+from trainer.cli import register_configs
+from trainer.config import ModelConfig, TrainConfig, validate
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import build_plan, refusal, summary_fields
 from trainer.plan.states import model_shape, padded_numel, rank_states, shard_rows, zero1_partition

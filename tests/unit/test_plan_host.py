@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from trainer.config import TrainConfig, register_configs, validate
+from trainer.cli import register_configs
+from trainer.config import TrainConfig, validate
 from trainer.plan import build_plan, host_refusal
 from trainer.plan.host import pinned_bytes
 from trainer.units import GIB

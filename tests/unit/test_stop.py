@@ -58,7 +58,7 @@ def test_a_rank_notes_a_signal_and_the_step_agreement_carries_it(tmp_path: Path)
     guard = NonFiniteGuard(NonFinitePolicy("raise"), 1, WORLD, fp16=False)
 
     def step_may_go(step: int) -> bool:  # the loop's read of one step's agreement
-        return guard.check_now(step, agree(one, one, WORLD, extra=(stop_request(stop),)), stop)
+        return guard.check_now(step, agree(one, one, WORLD, stop=stop_request(stop)), stop)
 
     assert step_may_go(1) and stop.agreed == 0
     os.kill(os.getpid(), signal.SIGUSR1)  # noted, not fatal

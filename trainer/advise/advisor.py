@@ -23,7 +23,8 @@ from typing import Any
 
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.predict import StepTime, predict_step_tiers
-from trainer.advise.verify import Proposal, override_key, verify
+from trainer.advise.verify import Proposal, verify
+from trainer.cli import split_override
 from trainer.config import (
     CheckpointMode,
     ConfigError,
@@ -286,7 +287,8 @@ def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
     kept = [
         o
         for o in base_overrides
-        if override_key(o) not in CHOSEN_KEYS and override_key(o).split(".")[0] not in ADVISE_ONLY_KEYS
+        if split_override(o)[0] not in CHOSEN_KEYS
+        and split_override(o)[0].split(".")[0] not in ADVISE_ONLY_KEYS
     ]
     return [*kept, *candidate.overrides()]
 

@@ -24,7 +24,6 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 import socket
 import time
 import uuid
@@ -37,6 +36,7 @@ import torch
 from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
 from trainer.plan.groups import INTRA_NODE, NETWORK
 from trainer.units import MIB
+from trainer.world import usable_cores
 
 GB = 1e9
 
@@ -257,8 +257,7 @@ MIN_SECONDS = 0.3  # each timed figure repeats its operation at least this long
 
 def host_threads(world_size: int) -> int:
     """The threads each training rank takes (trainer/world.py): the usable cores split between ranks."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, usable // world_size)
+    return max(1, usable_cores() // world_size)
 
 
 def host_rates(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:

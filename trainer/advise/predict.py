@@ -44,9 +44,7 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.model.checkpointing import should_checkpoint
-from trainer.plan.comm import CommPlan
-from trainer.plan.groups import LINKS
-from trainer.plan.states import model_shape
+from trainer.plan import LINKS, CommPlan, model_shape
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 

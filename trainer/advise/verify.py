@@ -9,7 +9,6 @@ what is measured.
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
@@ -17,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.cli import split_override
+from trainer.telemetry import keys
+from trainer.telemetry.summary import read_summary
 from trainer.units import GIB
 
 VERIFY_KEYS = ("steps", "log_every", "save", "hydra.run.dir")
@@ -33,15 +35,10 @@ class Proposal:
     peak_bytes: int
 
 
-def override_key(override: str) -> str:
-    """The key of a command-line override (`+a.b=1` -> `a.b`)."""
-    return override.partition("=")[0].lstrip("+~")
-
-
 def verify_overrides(proposal: Proposal, steps: int, run_dir: Path) -> list[str]:
     """The proposal's command line plus a short run: steps, a log window of 2 steps (the first is
     warm-up), nothing saved, its own directory."""
-    kept = [o for o in proposal.args if override_key(o) not in VERIFY_KEYS]
+    kept = [o for o in proposal.args if split_override(o)[0] not in VERIFY_KEYS]
     return [*kept, f"steps={steps}", "log_every=2", "save=off", f"hydra.run.dir={run_dir}"]
 
 
@@ -61,17 +58,16 @@ def verify(proposals: list[Proposal], steps: int, out_dir: Path) -> list[dict[st
 
 
 def measured_row(proposal: Proposal, run_dir: Path, returncode: int, stderr: str) -> dict[str, Any]:
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = read_summary(run_dir)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     return {
         "configuration": proposal.label,
         "status": summary.get("status", f"exit {returncode}"),
         "error": errors[-1] if errors else None,
         "predicted_tokens_per_s": proposal.tokens_per_s,
-        "measured_tokens_per_s": summary.get("throughput/tokens_per_s"),
+        "measured_tokens_per_s": summary.get(keys.TOKENS_PER_S),
         "predicted_peak_gib": proposal.peak_bytes / GIB,
-        "measured_peak_gib": summary.get("memory/max_rank_peak_gib"),
+        "measured_peak_gib": summary.get(keys.MAX_RANK_PEAK),
         "run_dir": str(run_dir),
     }
 

@@ -35,12 +35,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from trainer.console import say
+from trainer.telemetry.keys import Status
 
 STOP_REQUEST = "stop_request"  # in the run directory: the job process's word to its ranks
 
@@ -49,25 +51,25 @@ STOP_REQUEST = "stop_request"  # in the run directory: the job process's word to
 class Stop:
     """How a job stopped by a signal ends."""
 
-    status: str
+    status: Status
     """summary.json's status (and the sweep report's, and the W&B summary's)."""
     exit_code: int
     """The job's exit status: 128 + the signal number, as a shell reports a process the signal ended."""
 
 
 STOPS: dict[signal.Signals, Stop] = {
-    signal.SIGINT: Stop("interrupted", 128 + signal.SIGINT),
-    signal.SIGTERM: Stop("preempted", 128 + signal.SIGTERM),
-    signal.SIGUSR1: Stop("preempted", 128 + signal.SIGUSR1),
+    signal.SIGINT: Stop(Status.interrupted, 128 + signal.SIGINT),
+    signal.SIGTERM: Stop(Status.preempted, 128 + signal.SIGTERM),
+    signal.SIGUSR1: Stop(Status.preempted, 128 + signal.SIGUSR1),
     # submitit's preemption and time-out signal (hydra/launcher=slurm|local, trainer/cluster.py requeues after it)
-    signal.SIGUSR2: Stop("preempted", 128 + signal.SIGUSR2),
+    signal.SIGUSR2: Stop(Status.preempted, 128 + signal.SIGUSR2),
 }
 STOP_STATUSES = frozenset(stop.status for stop in STOPS.values())
 
 
-def exit_code_for(status: str) -> int:
+def exit_code_for(status: Status | str) -> int:
     """The exit status of a job that ended with `status` (ok 0, a stop its signal's, anything else 1)."""
-    if status == "ok":
+    if status == Status.ok:
         return 0
     return next((stop.exit_code for stop in STOPS.values() if stop.status == status), 1)
 
@@ -155,7 +157,7 @@ class JobStop:
         # No rank runs (W&B is starting or finishing): nothing to wait for, nothing left behind
         # (W&B's service watches this process and ends with it).
         stop = STOPS[signal.Signals(self.first)]
-        print(f"{stop.status}: {name} again: stopped at once", file=sys.stderr, flush=True)
+        say(stop.status, f"{name} again: stopped at once")
         os._exit(stop.exit_code)
 
     @contextlib.contextmanager

@@ -6,9 +6,9 @@ Applied on the meta-device model before sharding, so FSDP2 shards the wrapped bl
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from trainer.config import CheckpointingConfig, CheckpointMode
+from trainer.private_apis.of_torch import CheckpointImpl, checkpoint_wrapper
 
 
 def should_checkpoint(layer_index: int, config: CheckpointingConfig) -> bool:

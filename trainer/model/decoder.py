@@ -8,7 +8,8 @@ checkpointing) and sharded (FSDP2), and only then materialised: `materialize` al
 storage where each parameter now lives and `init_weights` fills it. Initialisation is drawn
 per parameter from a seed derived from the parameter's canonical name, so every rank, whatever
 slice it holds, sees the same full weights as a single unsharded process would. The model
-holds no buffers: the rotary tables are computed in forward (see `Transformer.__init__`).
+holds no buffers: the rotary tables are computed on first use and cached per device (see
+`Transformer.__init__`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-        self.sdpa = SdpaChoice()  # the run's kernel (set_attention_kernel below)
+        self.sdpa = SdpaChoice()  # the run's kernel (apply_sdpa_choice below)
 
     def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape

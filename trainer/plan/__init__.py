@@ -28,6 +28,7 @@ The names other modules use are imported from `trainer.plan` itself.
 from trainer.plan.build import (
     COMPILE_NOTE,
     PREDICTED_COMM_KEY,
+    PREDICTED_GROUP_KEYS,
     PREDICTED_PEAK_KEY,
     RANK_FIGURES,
     DeviceMemory,
@@ -39,15 +40,26 @@ from trainer.plan.build import (
     summary_fields,
     write_plan,
 )
-from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.comm import COLLECTIVES, CommPlan, plan_comm
+from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, shard_groups
+from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
 from trainer.plan.refusal import host_refusal, refusal, way_out
-from trainer.plan.table import format_plan, verdict
+from trainer.plan.states import model_shape
+from trainer.plan.table import format_plan, verdict, write_fit_table
 from trainer.plan.target import planned_device_kind, planned_world_size
 
 __all__ = [
+    "COLLECTIVES",
     "COMPILE_NOTE",
+    "HEADROOM",
     "PREDICTED_COMM_KEY",
+    "PREDICTED_GROUP_KEYS",
+    "GROUPS",
+    "INTRA_NODE",
+    "LINKS",
+    "NETWORK",
+    "shard_groups",
     "PREDICTED_PEAK_KEY",
     "RANK_FIGURES",
     "CommPlan",
@@ -55,18 +67,20 @@ __all__ = [
     "Plan",
     "RankPlan",
     "build_plan",
+    "cores_warning",
     "describe",
     "device_memory",
     "format_plan",
+    "HostPlan",
+    "host_refusal",
+    "model_shape",
     "plan_comm",
     "planned_device_kind",
     "planned_world_size",
     "refusal",
-    "host_refusal",
-    "HostPlan",
-    "cores_warning",
     "summary_fields",
     "verdict",
     "way_out",
+    "write_fit_table",
     "write_plan",
 ]

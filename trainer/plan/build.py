@@ -29,6 +29,7 @@ from trainer.plan.step import (
     other_bytes,
     precisions,
 )
+from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
 COMPILE_NOTE = (
@@ -254,9 +255,9 @@ def write_plan(out_dir: Path, plan: Plan) -> Path:
     return path
 
 
-PREDICTED_PEAK_KEY = "memory/predicted_peak_gib"
-PREDICTED_COMM_KEY = "comm/predicted_bytes_per_step"
-PREDICTED_GROUP_KEYS = {group: f"comm/{group}/predicted_bytes_per_step" for group in GROUPS}
+PREDICTED_PEAK_KEY = keys.PREDICTED_PEAK
+PREDICTED_COMM_KEY = keys.COMM_PREDICTED_BYTES
+PREDICTED_GROUP_KEYS = {group: keys.comm_group_predicted_key(group) for group in GROUPS}
 """The plan's bytes per process group (trainer/plan/groups.py), beside comm/rank{r}/{group}/bytes_per_step."""
 RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY, *PREDICTED_GROUP_KEYS.values())
 """The plan's figures the job hands its ranks, which write them beside what they measure."""

@@ -30,17 +30,16 @@ available): nothing is measured there.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import psutil
 
-from trainer.config import OffloadTarget, TrainConfig
+from trainer.config import OffloadTarget, TrainConfig, uses_fused
 from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
-from trainer.rank.optim import uses_fused
 from trainer.units import GIB
+from trainer.world import is_under_torchrun, usable_cores
 
 # ----------------------------------------------------------------------------- one rank's host memory
 
@@ -144,10 +143,6 @@ class HostPlan:
 # ----------------------------------------------------------------------------- which host, how much
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def host_memory(config: TrainConfig, device_kind: str) -> tuple[int | None, str, int | None]:
     """The host's memory, where the figure comes from, and its cores (None where it is not this host)."""
     if config.plan.host_memory_gib is not None:
@@ -157,7 +152,7 @@ def host_memory(config: TrainConfig, device_kind: str) -> tuple[int | None, str,
             None,
         )
     runs_here = config.plan.accelerator is None and (device_kind == "cpu" or config.mode.value == "train")
-    if "TORCHELASTIC_RUN_ID" in os.environ or not runs_here:
+    if is_under_torchrun() or not runs_here:
         return None, "this node's host memory is unknown: set plan.host_memory_gib to check it", None
     return psutil.virtual_memory().available, "available on this host now", usable_cores()
 
@@ -236,7 +231,4 @@ def cores_warning(plan: HostPlan) -> str | None:
     """A warning when ranks outnumber the cores they may run on: they take turns, every step waits for the slowest."""
     if plan.cores is None or len(plan.ranks) <= plan.cores:
         return None
-    return (
-        f"warning: {len(plan.ranks)} CPU ranks share {plan.cores} cores: they take turns; "
-        f"nproc={plan.cores} or fewer runs faster here"
-    )
+    return f"{len(plan.ranks)} CPU ranks share {plan.cores} cores: they take turns; nproc={plan.cores} or fewer runs faster here"

@@ -67,11 +67,11 @@ from trainer.config import (
     Stage,
     TrainConfig,
     ZeroConfig,
+    uses_fused,
 )
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import should_checkpoint
 from trainer.plan.states import ModelShape, RankStates, padded_numel
-from trainer.rank.optim import uses_fused
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 

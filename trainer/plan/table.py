@@ -14,6 +14,7 @@ from typing import Any
 from trainer.devices import accelerator_names
 from trainer.plan.build import COMPILE_NOTE, Plan, describe
 from trainer.plan.refusal import host_refusal, refusal
+from trainer.telemetry.summary import read_summary
 from trainer.units import GIB, KIB, MIB
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -127,8 +128,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         if not plan_path.is_file():
             continue
         plan = json.loads(plan_path.read_text())
-        summary_path = job_dir / "summary.json"
-        status = json.loads(summary_path.read_text()).get("status") if summary_path.is_file() else "planned"
+        status = read_summary(job_dir).get("status", "planned")
         rows.append({"point": job_dir.name, "status": status, **plan})
     return rows
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
 
-from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig
+from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
 from trainer.data import build_batches, to_device
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
@@ -22,6 +22,7 @@ from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
+from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -29,7 +30,6 @@ from trainer.rank.optim import (
     clip_gradients,
     rewind_scheduler,
     step_unless,
-    uses_fused,
 )
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.rank.sharding import apply_zero, gradient_sync
@@ -178,7 +178,7 @@ def train_step(
     grad_norm = clip_gradients(model, config.optim.grad_clip)
     # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
     # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
-    flags = agree(loss_sum, grad_norm, world, extra=(stop_request(stop),))
+    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop))
     if guard.defer:
         step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
     elif guard.check_now(step, flags, stop):
@@ -220,14 +220,14 @@ def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool
     """
     if not scaler.is_enabled():
         return False
-    return sum(scaler._found_inf_per_device(optimizer).values()).reshape(()).clamp(max=1.0)
+    return sum(found_inf_per_device(scaler, optimizer).values()).reshape(()).clamp(max=1.0)
 
 
 def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
     """The scale after this step's update, left on the device (get_scale() would sync every step)."""
     if not scaler.is_enabled():
         return 1.0
-    return scaler._get_scale_async().detach().clone()  # update() replaces it in place next step
+    return scale_on_device(scaler).detach().clone()  # update() replaces it in place next step
 
 
 def inject_fault(

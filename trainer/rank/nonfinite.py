@@ -31,7 +31,6 @@ hence this module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +38,13 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import NonFinitePolicy
+from trainer.telemetry import keys
 from trainer.world import World
 
 if TYPE_CHECKING:
     from trainer.faults.stop import RankStop
 
-SKIPPED_KEY = "train/nonfinite_skipped"
+SKIPPED_KEY = keys.NONFINITE_SKIPPED
 """Metric: cumulative count of optimizer steps skipped by nonfinite=skip."""
 
 
@@ -74,19 +74,40 @@ class NonFinite:
         return f"non-finite gradient at step {self.step} (global gradient norm; the loss was finite on every rank)"
 
 
-def agree(
-    loss: torch.Tensor, grad_norm: torch.Tensor, world: World, extra: Sequence[torch.Tensor | float] = ()
-) -> torch.Tensor:
-    """The flags every rank agrees on for this step, after one all-reduce (MAX), left on the device.
+@dataclass(frozen=True)
+class Slots:
+    """Where each decision sits in the agreed flags: `world_size` loss flags (one per rank), the
+    gradient flag, the stop request (the largest signal number any rank noted: trainer/faults/stop.py)."""
 
-    Layout: `world_size` loss flags (one per rank), the gradient flag, then `extra` (flags of
-    other per-step decisions, e.g. a request to stop, in the order the caller gives them).
-    """
-    flags = torch.zeros(world.world_size + 1 + len(extra), device=world.device)
+    world_size: int
+
+    @property
+    def losses(self) -> slice:
+        return slice(0, self.world_size)
+
+    @property
+    def gradient(self) -> int:
+        return self.world_size
+
+    @property
+    def stop(self) -> int:
+        return self.world_size + 1
+
+    @property
+    def size(self) -> int:
+        return self.world_size + 2
+
+
+def agree(
+    loss: torch.Tensor, grad_norm: torch.Tensor, world: World, stop: torch.Tensor | float = 0.0
+) -> torch.Tensor:
+    """The flags every rank agrees on for this step (laid out as `Slots` says), after one
+    all-reduce (MAX), left on the device. `stop`: this rank's stop request (`stop_request`)."""
+    slots = Slots(world.world_size)
+    flags = torch.zeros(slots.size, device=world.device)
     flags[world.rank] = (~torch.isfinite(loss.detach().float())).float()
-    flags[world.world_size] = (~torch.isfinite(grad_norm.detach().float())).float()
-    for index, flag in enumerate(extra):
-        flags[world.world_size + 1 + index] = flag
+    flags[slots.gradient] = (~torch.isfinite(grad_norm.detach().float())).float()
+    flags[slots.stop] = stop
     if world.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags
@@ -95,15 +116,16 @@ def agree(
 def decode(flags: list[float], step: int, world_size: int, scaler_enabled: bool) -> NonFinite | None:
     """What the agreed flags say (read on the host). None when all is finite, or when only the
     gradient is non-finite under fp16 (an overflow, which the GradScaler handles on every rank)."""
-    loss_ranks = tuple(rank for rank, flag in enumerate(flags[:world_size]) if flag > 0)
-    grad_flag = flags[world_size]
+    slots = Slots(world_size)
+    loss_ranks = tuple(rank for rank, flag in enumerate(flags[slots.losses]) if flag > 0)
+    grad_flag = flags[slots.gradient]
     if not loss_ranks and (grad_flag == 0 or scaler_enabled):
         return None
     return NonFinite(step=step, loss_ranks=loss_ranks, gradient=grad_flag > 0)
 
 
 def stop_request(stop: RankStop | None) -> float:
-    """This rank's stop request for the agreement's `extra` slot (0: none)."""
+    """This rank's stop request for the agreement's stop slot (0: none)."""
     return float(stop.local_request()) if stop is not None else 0.0
 
 
@@ -125,6 +147,7 @@ class NonFiniteGuard:
     ) -> None:
         self.is_main = world.is_main
         self.world_size = world.world_size
+        self.slots = Slots(world.world_size)
         self.skip = policy.value == "skip"
         self.max_in_a_row = max_in_a_row
         self.scaler_enabled = fp16  # a gradient overflow alone is then the GradScaler's to skip
@@ -141,7 +164,7 @@ class NonFiniteGuard:
         """Read this step's flags now (a host sync): True when the optimizer may step."""
         rows = flags.tolist()
         if stop is not None:
-            stop.agree(rows[self.world_size + 1])
+            stop.agree(rows[self.slots.stop])
         return self.check(decode(rows, step, self.world_size, self.scaler_enabled))
 
     def record(self, step: int, flags: torch.Tensor) -> torch.Tensor:
@@ -152,10 +175,9 @@ class NonFiniteGuard:
         the last good step until the host reads the flags and stops the run.
         """
         self.window.append((step, flags))
-        w = self.world_size
-        bad = flags[:w].amax()
+        bad = flags[self.slots.losses].amax()
         if not self.scaler_enabled:  # under fp16 a gradient overflow alone is the scaler's to skip
-            bad = torch.maximum(bad, flags[w])
+            bad = torch.maximum(bad, flags[self.slots.gradient])
         self.in_a_row_t = (self.in_a_row_t + 1) * bad
         must_stop = bad if not self.skip else (self.in_a_row_t >= self.max_in_a_row).float()
         self.halted_t = torch.maximum(self.halted_t, must_stop)
@@ -170,8 +192,8 @@ class NonFiniteGuard:
         rows = torch.stack([flags for _, flags in self.window]).tolist()
         steps = [step for step, _ in self.window]
         self.window = []
-        if stop is not None and len(rows[0]) > self.world_size + 1:
-            stop.agree(max(row[self.world_size + 1] for row in rows))
+        if stop is not None:
+            stop.agree(max(row[self.slots.stop] for row in rows))
         for step, flags in zip(steps, rows):
             self.check(decode(flags, step, self.world_size, self.scaler_enabled))
 

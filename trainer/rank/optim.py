@@ -10,13 +10,7 @@ from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, Stage, ZeroConfig
-
-
-def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
-    """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
-    small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
-    memory plan and its CPU measurements are of that loop."""
-    return optim.fused if optim.fused is not None else device_kind == "cuda"
+from trainer.private_apis.of_torch import found_inf_per_device, set_last_lr
 
 
 def build_optimizer(
@@ -46,7 +40,7 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure.
     """
     # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
-    # second), and the job process, which plans but never steps, imports this module (uses_fused).
+    # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
@@ -64,7 +58,7 @@ def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torc
     inner = local_optimizer(optimizer)
     found_inf = skip
     if scaler.is_enabled():
-        overflow = sum(scaler._found_inf_per_device(optimizer).values())  # filled by unscale_
+        overflow = sum(found_inf_per_device(scaler, optimizer).values())  # filled by unscale_
         found_inf = torch.maximum(
             found_inf, overflow.to(skip.device).reshape(())
         )  # ShardedGradScaler keeps shape [1]
@@ -112,7 +106,7 @@ def rewind_scheduler(scheduler: LambdaLR, steps: int) -> None:
     lrs = [base * fn(steps) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() returns; LambdaLR has no public setter
+    set_last_lr(scheduler, lrs)  # what get_last_lr() returns; LambdaLR has no public setter
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:

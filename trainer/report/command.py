@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from dataclasses import replace
 from pathlib import Path
 
+from trainer.console import error
+from trainer.files import claim_directory
 from trainer.report.run_dirs import Point, Report, load_point, load_points
 from trainer.report.sweep_report import (
     mirror_to_wandb,
@@ -27,7 +28,6 @@ from trainer.report.sweep_report import (
     write_report,
     write_sweep_report,
 )
-from trainer.sweep import claim_directory
 
 REPORTS_DIR = Path("outputs/reports")
 
@@ -66,11 +66,6 @@ def write_comparison(dirs: list[Path], out: Path | None) -> Report:
     return write_report(out, load_compared(dirs))
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.report", description="Write the report over run and sweep directories."
@@ -92,15 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.wandb is not None:
         if not (args.wandb / "wandb_report.json").is_file():
-            fail(
+            error(
                 f"--wandb {args.wandb}: no wandb_report.json there; write the report first (python -m trainer.report DIR ...)"
             )
         raise SystemExit(0 if publish_and_link(args.wandb) else 1)
     if not args.dirs:
-        fail("name at least one run or sweep directory (python -m trainer.report DIR [DIR ...])")
+        error("name at least one run or sweep directory (python -m trainer.report DIR [DIR ...])")
     for path in args.dirs:
         if not (is_run_dir(path) or is_sweep_dir(path)):
-            fail(
+            error(
                 f"{path} is neither a run directory (.hydra/ and summary.json) nor a sweep directory (point directories with .hydra/)"
             )
     report = write_comparison(args.dirs, args.out)

@@ -7,7 +7,6 @@ trainer/report/wandb_report.py (the W&B Report), which therefore import this mod
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +14,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
 from trainer.jsonl import read_jsonl
+from trainer.telemetry import keys
+from trainer.telemetry.summary import read_summary
 from trainer.telemetry.wandb_logger import sweep_group
-
-PEAK_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
 
 
 @dataclass
@@ -78,7 +78,7 @@ def load_point(path: Path) -> Point:
     hydra = OmegaConf.load(path / ".hydra" / "hydra.yaml").hydra
     overrides = OmegaConf.to_container(OmegaConf.load(path / ".hydra" / "overrides.yaml"))
     assert isinstance(overrides, list)
-    summary = read_json(path / "summary.json") or {}
+    summary = read_summary(path)
     return Point(
         num=int(hydra.job.num) if hydra.job.get("num") is not None else 0,
         path=path,
@@ -90,11 +90,6 @@ def load_point(path: Path) -> Point:
         or plan
         or {},  # plan.json names device_memory_gib too (mode=plan points)
     )
-
-
-def split_override(override: str) -> tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -109,7 +104,7 @@ def per_rank_peaks(point: Point) -> dict[int, float]:
     peaks: dict[int, float] = {}
     for record in point.records:
         for key, value in record.items():
-            if (match := PEAK_KEY.fullmatch(key)) and value is not None:
+            if (match := keys.PEAK_ALLOCATED_KEY.fullmatch(key)) and value is not None:
                 rank = int(match.group(1))
                 peaks[rank] = max(peaks.get(rank, 0.0), value)
     return dict(sorted(peaks.items()))

@@ -21,7 +21,6 @@ Report's panel ids aside).
 from __future__ import annotations
 
 import csv
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from trainer.console import warn  # noqa: E402
 from trainer.report.run_dirs import Point, Report, count_statuses, load_points, per_rank_peaks, plural  # noqa: E402
+from trainer.telemetry import keys
+from trainer.telemetry.keys import Status
+from trainer.telemetry.summary import redact_secrets  # noqa: E402
 from trainer.telemetry.wandb_logger import sweep_group  # noqa: E402
 from trainer.units import MIB
 
@@ -59,24 +62,23 @@ COLUMNS = [
     "dir",
 ]
 SUMMARY_KEYS = {
-    "tokens_per_s": "throughput/tokens_per_s",
-    "mfu_pct": "throughput/mfu_pct",
-    "max_rank_peak_gib": "memory/max_rank_peak_gib",
-    "argmax_rank": "memory/argmax_rank",
-    "final_loss": "loss/final",
+    "tokens_per_s": keys.TOKENS_PER_S,
+    "mfu_pct": keys.MFU_PCT,
+    "max_rank_peak_gib": keys.MAX_RANK_PEAK,
+    "argmax_rank": keys.ARGMAX_RANK,
+    "final_loss": keys.LOSS_FINAL,
     "failed_rank": "failed_rank",
     "failed_step": "failed_step",
     "failed_phase": "failed_phase",
 }
-COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 FAILED_COLOR = "#d62728"
 LINE_STYLES = ["-", (0, (6, 3)), (0, (2, 2)), (0, (8, 3, 2, 3))]  # solid, dashed, dotted, dash-dot
 
 
 def swept_keys(points: list[Point]) -> list[str]:
     """The override keys whose value differs between points, in the order they were given."""
-    keys = list(dict.fromkeys(key for point in points for key in point.settings))
-    return [key for key in keys if len({point.settings.get(key) for point in points}) > 1]
+    settings = list(dict.fromkeys(key for point in points for key in point.settings))
+    return [key for key in settings if len({point.settings.get(key) for point in points}) > 1]
 
 
 def label(point: Point, swept: list[str]) -> str:
@@ -88,7 +90,7 @@ def label(point: Point, swept: list[str]) -> str:
 
 def build_rows(points: list[Point], swept: list[str]) -> list[dict[str, Any]]:
     rows = [build_row(point, swept) for point in points]
-    candidates = [row for row in rows if row["status"] == "ok" and row["tokens_per_s"] is not None]
+    candidates = [row for row in rows if row["status"] == Status.ok and row["tokens_per_s"] is not None]
     if candidates:
         max(candidates, key=lambda row: row["tokens_per_s"])["fastest"] = True
     return rows
@@ -102,7 +104,7 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
         overrides=label(point, swept),
         status=point.status,
         predicted_peak_gib=predicted_peak_gib(point),
-        comm_bytes_per_step=max((v for k, v in summary.items() if COMM_KEY.fullmatch(k)), default=None),
+        comm_bytes_per_step=max((v for k, v in summary.items() if keys.COMM_KEY.fullmatch(k)), default=None),
         predicted_comm_bytes_per_step=predicted_comm_bytes(point),
         comm_by_group=comm_by_group(point),
         skipped_steps=skipped_steps(summary),
@@ -115,12 +117,9 @@ def build_row(point: Point, swept: list[str]) -> dict[str, Any]:
 
 def predicted_peak_gib(point: Point) -> float | None:
     """The plan's worst-rank peak: in the summary of a job that trained, else in plan.json."""
-    if "memory/predicted_peak_gib" in point.summary:
-        return point.summary["memory/predicted_peak_gib"]
+    if keys.PREDICTED_PEAK in point.summary:
+        return point.summary[keys.PREDICTED_PEAK]
     return point.plan.get("peak_gib") if point.plan is not None else None
-
-
-GROUP_KEY = re.compile(r"comm/rank\d+/(\w+)/bytes_per_step")
 
 
 def comm_by_group(point: Point) -> str | None:
@@ -132,7 +131,9 @@ def comm_by_group(point: Point) -> str | None:
     cells = []
     for name, group in groups.items():
         measured = [
-            v for k, v in point.summary.items() if (m := GROUP_KEY.fullmatch(k)) and m.group(1) == name
+            v
+            for k, v in point.summary.items()
+            if (m := keys.COMM_GROUP_KEY.fullmatch(k)) and m.group(1) == name
         ]
         shown = f"{max(measured) / MIB:.2f}" if measured else "-"
         cells.append(f"{name} ({group['link']}) {shown} / {group['bytes_per_step'] / MIB:.2f}")
@@ -141,14 +142,14 @@ def comm_by_group(point: Point) -> str | None:
 
 def predicted_comm_bytes(point: Point) -> int | None:
     """The plan's bytes per rank per step (trainer/plan/comm.py): in the summary, else in plan.json."""
-    if "comm/predicted_bytes_per_step" in point.summary:
-        return point.summary["comm/predicted_bytes_per_step"]
+    if keys.COMM_PREDICTED_BYTES in point.summary:
+        return point.summary[keys.COMM_PREDICTED_BYTES]
     return (point.plan.get("comm") or {}).get("bytes_per_step") if point.plan is not None else None
 
 
 def skipped_steps(summary: dict[str, Any]) -> int | None:
     """Optimizer steps skipped: fp16 overflows plus non-finite steps skipped by nonfinite=skip."""
-    counts = [summary[k] for k in ("precision/skipped_steps", "train/nonfinite_skipped") if k in summary]
+    counts = [summary[k] for k in (keys.SKIPPED_STEPS, keys.NONFINITE_SKIPPED) if k in summary]
     return int(sum(counts)) if counts else None
 
 
@@ -261,12 +262,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
 def status_cell(row: dict[str, Any]) -> str:
     if row["fastest"]:
         return "**ok, fastest**"
-    if row["status"] == "oom" and row["failed_rank"] is not None:
+    if row["status"] == Status.oom and row["failed_rank"] is not None:
         where = f"rank {row['failed_rank']}"
         if row["failed_step"] is not None:
             where += f", step {row['failed_step']}, {row['failed_phase']}"
         return f"**oom** ({where})"
-    return row["status"] if row["status"] == "ok" else f"**{row['status']}**"
+    return row["status"] if row["status"] == Status.ok else f"**{row['status']}**"
 
 
 def markdown_failures(rows: list[dict[str, Any]]) -> list[str]:
@@ -336,7 +337,7 @@ def write_charts(report: Report) -> dict[str, Path]:
 
 def failure_note(row: dict[str, Any]) -> str:
     """A short label for a failed point on a chart: `oom: rank 1, step 1, forward`, `refused`."""
-    if row["status"] == "oom" and row["failed_rank"] is not None:
+    if row["status"] == Status.oom and row["failed_rank"] is not None:
         where = (
             f", step {row['failed_step']}, {row['failed_phase']}" if row["failed_step"] is not None else ""
         )
@@ -360,11 +361,11 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
         ok = [
             (int(p.settings["micro_batch"]), r["tokens_per_s"])
             for p, r in members
-            if r["status"] == "ok" and r["tokens_per_s"] is not None
+            if r["status"] == Status.ok and r["tokens_per_s"] is not None
         ]
         line = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)[0]
         for point, row in members:
-            if row["status"] != "ok":
+            if row["status"] != Status.ok:
                 mark_failure(ax, int(point.settings["micro_batch"]), row, line.get_color(), index)
     sizes = sorted({int(p.settings["micro_batch"]) for p in report.points})
     ax.set_xscale("log", base=2)
@@ -377,11 +378,11 @@ def plot_throughput(ax: plt.Axes, report: Report) -> bool:
 
 def plot_throughput_bars(ax: plt.Axes, report: Report) -> bool:
     labels = [label(p, report.swept) for p in report.points]
-    heights = [row["tokens_per_s"] or 0 if row["status"] == "ok" else 0 for row in report.rows]
+    heights = [row["tokens_per_s"] or 0 if row["status"] == Status.ok else 0 for row in report.rows]
     colors = ["#2ca02c" if row["fastest"] else "#1f77b4" for row in report.rows]
     ax.bar(range(len(labels)), heights, color=colors)
     for x, row in enumerate(report.rows):
-        if row["status"] != "ok":
+        if row["status"] != Status.ok:
             mark_failure(ax, x, row, FAILED_COLOR, 0)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     finish_throughput(ax, report.rows, legend_title=None)
@@ -413,7 +414,7 @@ def mark_failure(ax: plt.Axes, x: float, row: dict[str, Any], color: str, index:
 def finish_throughput(ax: plt.Axes, rows: list[dict[str, Any]], legend_title: str | None) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("steady tokens/s (all ranks)")
-    failed = any(row["status"] != "ok" for row in rows)
+    failed = any(row["status"] != Status.ok for row in rows)
     ax.set_title("Throughput per point" + (" (✕ at 0: did not end ok)" if failed else ""))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(title=legend_title, fontsize=8)
@@ -450,7 +451,7 @@ def plot_memory(ax: plt.Axes, report: Report) -> bool:
             )
         if not peaks[x]:
             ax.annotate(
-                failure_note(row) if row["status"] != "ok" else "not measured",
+                failure_note(row) if row["status"] != Status.ok else "not measured",
                 (x, 0),
                 xytext=(0, 4),
                 textcoords="offset points",
@@ -522,12 +523,12 @@ def plot_losses(ax: plt.Axes, report: Report) -> bool:
     every line gets its own dash pattern and the curves beneath stay visible."""
     drawn = False
     for index, point in enumerate(report.points):
-        records = [r for r in point.records if r.get("loss/train") is not None]
+        records = [r for r in point.records if r.get(keys.LOSS) is not None]
         if records:
             style = LINE_STYLES[index % len(LINE_STYLES)]
             ax.plot(
                 [r["step"] for r in records],
-                [r["loss/train"] for r in records],
+                [r[keys.LOSS] for r in records],
                 linestyle=style,
                 marker=".",
                 label=label(point, report.swept),
@@ -548,13 +549,13 @@ def plot_loss_scale(ax: plt.Axes, report: Report) -> bool:
     """The fp16 scaler's scale after every logged step: a back-off is a step down, growth a step up."""
     drawn = False
     for point in report.points:
-        records = [r for r in point.records if "precision/loss_scale" in r]
+        records = [r for r in point.records if keys.LOSS_SCALE in r]
         if records:
             steps = [r["step"] for r in records]
             style = LINE_STYLES[len(ax.lines) % len(LINE_STYLES)]
             ax.step(
                 steps,
-                [r["precision/loss_scale"] for r in records],
+                [r[keys.LOSS_SCALE] for r in records],
                 where="post",
                 linestyle=style,
                 marker=".",
@@ -626,7 +627,6 @@ def mirror_to_wandb(report: Report) -> None:
     W&B is a mirror: each failure is one warning line, and the local report stays complete.
     """
     from trainer.report.wandb_report import REPORT_FILE
-    from trainer.telemetry.wandb_logger import warn
 
     logger = report_logger(report)
     if logger.get("backend") != "wandb":
@@ -634,7 +634,11 @@ def mirror_to_wandb(report: Report) -> None:
     try:
         run_id, online = log_to_wandb(report, logger.get("project") or "zerolab", logger.get("entity"))
     except Exception as err:  # unreachable, misconfigured: the local report is complete without it
-        warn(f"the report could not go to W&B ({type(err).__name__}: {err}); the local report is complete")
+        warn(
+            redact_secrets(
+                f"the report could not go to W&B ({type(err).__name__}: {err}); the local report is complete"
+            )
+        )
         return
     print(f"W&B: report run {run_id} in group {sweep_group(report.sweep_dir)}", flush=True)
     if online and (report.sweep_dir / REPORT_FILE).exists():
@@ -644,13 +648,14 @@ def mirror_to_wandb(report: Report) -> None:
 def publish_and_link(report_dir: Path) -> str | None:
     """Save the W&B Report in `report_dir` and write its URL into report.md; None (one warning) on failure."""
     from trainer.report.wandb_report import REPORT_FILE, publish
-    from trainer.telemetry.wandb_logger import warn
 
     try:
         url = publish(report_dir / REPORT_FILE)
     except Exception as err:  # the library, the server or the credentials: report.md keeps how to publish
         warn(
-            f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}"
+            redact_secrets(
+                f"the W&B Report could not be saved ({type(err).__name__}: {err}); it is in {report_dir / REPORT_FILE}"
+            )
         )
         return None
     set_wandb_url(report_dir, url)
@@ -679,7 +684,7 @@ def write_sweep_report(sweep_dir: Path) -> Report:
     """The end-of-sweep report: the memory plan's fit table of every point (plan_table.md, printed
     here) and the report of how each point ran (report.md, results.csv, charts; the caller prints
     its summary_line)."""
-    from trainer.plan.table import write_fit_table
+    from trainer.plan import write_fit_table
 
     if (fit_table := write_fit_table(sweep_dir)) is not None:
         print(fit_table, flush=True)

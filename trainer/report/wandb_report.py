@@ -24,18 +24,20 @@ own ids (each job keeps its id in `wandb_run_id`).
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 from typing import Any
 
+from trainer.console import warn
+from trainer.private_apis.of_wandb import report_from_json, report_json
 from trainer.report.run_dirs import Report, per_rank_peaks
+from trainer.telemetry import keys
+from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import STEADY_KEYS, STEP_KEY, config_path
 
 REPORT_FILE = "wandb_report.json"
-STEADY_TOKENS = STEADY_KEYS["throughput/tokens_per_s"]
-STEADY_MFU = STEADY_KEYS["throughput/mfu_pct"]
+STEADY_TOKENS = STEADY_KEYS[keys.TOKENS_PER_S]
+STEADY_MFU = STEADY_KEYS[keys.MFU_PCT]
 RESULTS_TABLE = "sweep/results"  # the report run's table (trainer/report/sweep_report.py log_to_wandb)
-COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
 
 
 def report_run_id(out_dir: Path) -> str:
@@ -43,19 +45,22 @@ def report_run_id(out_dir: Path) -> str:
     return "report-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
 
 
-def run_filter(report: Report) -> list[Any]:
-    """The run set: a sweep's group without its report run, or the compared runs by id."""
+def run_filter(report: Report) -> Any:
+    """The run set: a sweep's group without its report run, or the compared runs by id (an
+    `expr.And`: wandb-workspaces deprecates a plain list of filter expressions)."""
     from wandb_workspaces import expr
 
     from trainer.telemetry.wandb_logger import sweep_group
 
     if report.is_sweep:
-        return [expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"]
-    return [
+        return expr.And(
+            expr.Metric("Group") == sweep_group(report.sweep_dir), expr.Metric("JobType") != "report"
+        )
+    return expr.And(
         expr.Metric("ID").isin(
             sorted({run_id for point in report.points if (run_id := read_run_id(point.path)) is not None})
         )
-    ]
+    )
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -91,7 +96,9 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
         wr.H1("Results"),
         wr.PanelGrid(
             runsets=[
-                runset(wr, "report run", [expr.Metric("ID") == report_run_id(report.sweep_dir)], [], [])
+                runset(
+                    wr, "report run", expr.And(expr.Metric("ID") == report_run_id(report.sweep_dir)), [], []
+                )
             ],
             panels=[wr.WeavePanelSummaryTable(table_name=RESULTS_TABLE)],
         ),
@@ -105,7 +112,7 @@ def build_report(report: Report, project: str, entity: str | None) -> Any:
     )
 
 
-def runset(wr: Any, name: str, filters: list[Any], groupby: list[str], pinned_columns: list[str]) -> Any:
+def runset(wr: Any, name: str, filters: Any, groupby: list[str], pinned_columns: list[str]) -> Any:
     return wr.Runset(
         name=name,
         filters=filters,
@@ -116,17 +123,17 @@ def runset(wr: Any, name: str, filters: list[Any], groupby: list[str], pinned_co
 
 def pinned(report: Report) -> list[str]:
     """The runs table's first columns: the swept keys, then the figures the parallel coordinates end in."""
-    keys = [
+    swept = [
         f"config:{head}.value{'.' + rest if rest else ''}"
         for head, _, rest in (config_path(k).partition(".") for k in report.swept)
     ]
-    return keys + [
+    return swept + [
         f"summary:{key}"
         for key in (
             STEADY_TOKENS,
             STEADY_MFU,
-            "memory/max_rank_peak_gib",
-            "memory/predicted_peak_gib",
+            keys.MAX_RANK_PEAK,
+            keys.PREDICTED_PEAK,
             "status",
         )
     ]
@@ -136,8 +143,8 @@ def parallel_coordinates(wr: Any, swept: list[Any]) -> Any:
     figures = [
         (STEADY_TOKENS, "steady tokens/s"),
         (STEADY_MFU, "MFU %"),
-        ("memory/max_rank_peak_gib", "worst-rank peak GiB"),
-        ("memory/predicted_peak_gib", "predicted peak GiB"),
+        (keys.MAX_RANK_PEAK, "worst-rank peak GiB"),
+        (keys.PREDICTED_PEAK, "predicted peak GiB"),
     ]
     columns = [wr.ParallelCoordinatesPlotColumn(metric=key) for key in swept]
     columns += [
@@ -177,26 +184,26 @@ def memory_panels(wr: Any, report: Report) -> list[Any]:
         wr.LinePlot(
             title="worst-rank peak memory (GiB) and the plan's prediction",
             x=STEP_KEY,
-            y=["memory/max_rank_peak_gib", "memory/predicted_peak_gib"],
+            y=[keys.MAX_RANK_PEAK, keys.PREDICTED_PEAK],
             layout=wr.Layout(w=12, h=8),
         ),
         wr.LinePlot(
             title="peak tensor memory of every rank (GiB)",
             x=STEP_KEY,
-            y=[f"memory/rank{rank}/peak_allocated_gib" for rank in ranks],
+            y=[keys.memory_key(rank, "peak_allocated_gib") for rank in ranks],
             layout=wr.Layout(w=12, h=8),
         ),
     ]
 
 
 def training_panels(wr: Any, report: Report) -> list[Any]:
-    panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=["loss/train"], layout=wr.Layout(w=12, h=8))]
-    if any("precision/loss_scale" in record for point in report.points for record in point.records):
+    panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=[keys.LOSS], layout=wr.Layout(w=12, h=8))]
+    if any(keys.LOSS_SCALE in record for point in report.points for record in point.records):
         panels.append(
             wr.LinePlot(
                 title="fp16 loss scale",
                 x=STEP_KEY,
-                y=["precision/loss_scale"],
+                y=[keys.LOSS_SCALE],
                 log_y=True,
                 layout=wr.Layout(w=12, h=8),
             )
@@ -206,23 +213,23 @@ def training_panels(wr: Any, report: Report) -> list[Any]:
 
 def comm_panels(wr: Any, report: Report) -> list[Any]:
     """Bytes each rank moved per optimizer step next to the plan's, where the runs recorded them."""
-    keys = sorted(
+    rank_keys = sorted(
         {
             key
             for point in report.points
             for record in point.records
             for key in record
-            if COMM_KEY.fullmatch(key)
+            if keys.COMM_KEY.fullmatch(key)
         }
     )
-    if not keys:
+    if not rank_keys:
         return []
-    keys.sort(key=lambda key: int(COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
+    rank_keys.sort(key=lambda key: int(keys.COMM_KEY.fullmatch(key).group(1)))  # type: ignore[union-attr]
     return [
         wr.LinePlot(
             title="bytes moved per step, every rank, and the plan's",
             x=STEP_KEY,
-            y=[*keys, "comm/predicted_bytes_per_step"],
+            y=[*rank_keys, keys.COMM_PREDICTED_BYTES],
             layout=wr.Layout(w=12, h=8),
         )
     ]
@@ -234,13 +241,13 @@ def comm_panels(wr: Any, report: Report) -> list[Any]:
 def write_wandb_report(report: Report, project: str, entity: str | None) -> Path | None:
     """Build the Report and write wandb_report.json; None (after one warning) when the library is
     missing or fails: the dashboard is lost, the local report is not."""
-    from trainer.telemetry.wandb_logger import warn
-
     try:
         return write_report_json(build_report(report, project, entity), report.sweep_dir)
     except Exception as err:  # ImportError of a missing install, or any fault of a broken one
         warn(
-            f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete"
+            redact_secrets(
+                f"no W&B Report ({type(err).__name__}: {err}); install wandb-workspaces for it. The local report is complete"
+            )
         )
         return None
 
@@ -248,18 +255,13 @@ def write_wandb_report(report: Report, project: str, entity: str | None) -> Path
 def write_report_json(wandb_report: Any, out_dir: Path) -> Path:
     """The Report's own serialised form (the ReportViewspec the library sends on save)."""
     path = out_dir / REPORT_FILE
-    path.write_text(
-        wandb_report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=1) + "\n"
-    )
+    path.write_text(report_json(wandb_report) + "\n")
     return path
 
 
 def load_report_json(path: Path) -> Any:
     """wandb_report.json back as a Report, with the library's own loader."""
-    import wandb_workspaces.reports.v2 as wr
-    from wandb_workspaces.reports.v2.internal import ReportViewspec
-
-    return wr.Report._from_model(ReportViewspec.model_validate_json(path.read_text()))
+    return report_from_json(path.read_text())
 
 
 def publish(path: Path) -> str:

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig
+from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig, global_batch
 from trainer.faults.failures import mark_phase
 from trainer.rank.optim import local_optimizer
 from trainer.rank.trainee import Trainee
@@ -129,7 +129,7 @@ class SaveSpec:
     grad_accum: int
 
     def global_batch(self, world_size: int) -> int:
-        return self.micro_batch * self.grad_accum * world_size
+        return global_batch(self.micro_batch, self.grad_accum, world_size)
 
     @classmethod
     def of(cls, config: TrainConfig) -> SaveSpec:

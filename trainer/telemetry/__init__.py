@@ -1,5 +1,6 @@
 """What is measured and where it is written. Rank halves measure; the job-process halves record.
 
+- keys.py: the metric keys of docs/design.md section 4 and summary.json's statuses, named once (both);
 - metrics.py: a rank's figures over a log window, gathered to rank 0 into metrics.jsonl (rank);
 - memory.py: one rank's peak memory (MemTracker / RSS on CPU, allocator counters on GPU) (rank);
 - comm.py: the communication a rank measured from c10d's flight recorder (rank);

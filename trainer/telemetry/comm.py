@@ -5,13 +5,13 @@ and NCCL alike): its kind, and the sizes and dtypes of its inputs and outputs. E
 rank reads the entries recorded since the last one and adds up their payloads by kind of
 collective (the payload as trainer/plan/comm.py defines it: the larger of the input and output
 bytes, i.e. the full tensor). Nothing is re-implemented or patched. There are two recorders,
-each with its own dump (private torch APIs, so every use is guarded): NCCL's collectives go to
-ProcessGroupNCCL's own (`torch._C._distributed_c10d._dump_nccl_trace_json`, ProcessGroupNCCL.hpp
-`dump_nccl_trace_json`; absent from CPU wheels), gloo's to the generic one (`_dump_fr_trace_json`,
-FlightRecorder.hpp). A rank reads both (a `cuda:nccl,cpu:gloo` group writes to both), each with
-its own record ids. The figures are absent, not guessed, where a dump is missing, its buffer
-overflowed, or the recorders recorded nothing at all in a window: a zero is never reported as a
-measurement.
+each with its own dump (private torch APIs, called through trainer/private_apis/, so every use is
+guarded): NCCL's collectives go to ProcessGroupNCCL's own (`torch._C._distributed_c10d._dump_nccl_trace_json`,
+ProcessGroupNCCL.hpp `dump_nccl_trace_json`; absent from CPU wheels), gloo's to the generic one
+(`_dump_fr_trace_json`, FlightRecorder.hpp). A rank reads both (a `cuda:nccl,cpu:gloo` group writes
+to both), each with its own record ids. The figures are absent, not guessed, where a dump is
+missing, its buffer overflowed, or the recorders recorded nothing at all in a window: a zero is
+never reported as a measurement.
 
 Time per collective: NCCL entries carry a duration when `TORCH_NCCL_ENABLE_TIMING=1` (set here
 on GPU); gloo's carry none, so on gloo that figure is absent.
@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.plan.comm import COLLECTIVES, plan_comm
-from trainer.plan.groups import GROUPS
+from trainer.plan import COLLECTIVES, GROUPS, plan_comm
+from trainer.private_apis.of_torch import flight_recorder_dumps, flight_recorder_json
+from trainer.telemetry import keys
 from trainer.telemetry.memory import should_track_tensors
 
 KINDS = (*COLLECTIVES, "other")
@@ -135,32 +136,20 @@ def payload_bytes(entry: dict[str, Any]) -> int | None:
     return None if None in sizes else max(sizes)  # type: ignore[type-var]
 
 
-DUMPS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
-"""The flight recorders' JSON dumps, NCCL's first; both take (includeCollectives, onlyActive)."""
-
-
 def dump_entries(name: str = "_dump_fr_trace_json") -> list[dict[str, Any]] | None:
     """Every entry one flight recorder holds, or None where this torch has no (working) dump."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), name, None)
-    if dump is None:
-        return None
     try:
-        return json.loads(dump(True, False)).get("entries", [])
+        dumped = flight_recorder_json(name)
+        return None if dumped is None else json.loads(dumped).get("entries", [])
     except (RuntimeError, ValueError):
         return None
-
-
-def available_dumps() -> tuple[str, ...]:
-    """The recorders this torch has: the generic one always (torch >= 2.8), NCCL's on CUDA wheels."""
-    c10d = getattr(torch._C, "_distributed_c10d", None)
-    return tuple(name for name in DUMPS if getattr(c10d, name, None) is not None)
 
 
 class WindowReader:
     """The flight-recorder entries of this process since the last read (ids increase by one per recorder)."""
 
     def __init__(self) -> None:
-        self.last_ids = dict.fromkeys(available_dumps(), -1)
+        self.last_ids = dict.fromkeys(flight_recorder_dumps(), -1)
         self.skip_past()
 
     def skip_past(self) -> None:
@@ -309,22 +298,22 @@ def comm_fields(
         if not math.isnan(figures["all_reduce"]):
             total = sum(figures[kind] for kind in KINDS)
             totals.append(total / steps)
-            record[f"comm/rank{rank}/bytes_per_step"] = total / steps
+            record[keys.comm_key(rank, "bytes_per_step")] = total / steps
             for kind in COLLECTIVES:
-                record[f"comm/rank{rank}/{kind}_bytes_per_step"] = figures[kind] / steps
+                record[keys.comm_key(rank, f"{kind}_bytes_per_step")] = figures[kind] / steps
             record.update(group_fields(rank, figures, steps))
         if not math.isnan(figures["time_s"]):
-            record[f"comm/rank{rank}/time_s_per_step"] = figures["time_s"] / steps
+            record[keys.comm_key(rank, "time_s_per_step")] = figures["time_s"] / steps
     exposed = per_rank[:, FIELDS.index("exposed_pct")]
     if not torch.isnan(exposed).all():
-        record["comm/exposed_pct"] = float(exposed[~torch.isnan(exposed)].max())
+        record[keys.COMM_EXPOSED_PCT] = float(exposed[~torch.isnan(exposed)].max())
     for group, predicted in (predicted_groups or {}).items():
-        record[f"comm/{group}/predicted_bytes_per_step"] = predicted
+        record[keys.comm_group_predicted_key(group)] = predicted
     if predicted_bytes is not None:
-        record["comm/predicted_bytes_per_step"] = predicted_bytes
+        record[keys.COMM_PREDICTED_BYTES] = predicted_bytes
         if totals and len(totals) == per_rank.shape[0] and max(totals) > 0:
             # Positive: the plan over-predicts; relative to the worst rank's measurement.
-            record["comm/prediction_error_pct"] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
+            record[keys.COMM_PREDICTION_ERROR_PCT] = 100.0 * (predicted_bytes - max(totals)) / max(totals)
     return record
 
 
@@ -335,7 +324,7 @@ def group_fields(rank: int, figures: dict[str, float], steps: int) -> dict[str, 
         total = sum(figures[f"{group}:{kind}"] for kind in KINDS)
         if total == 0:
             continue
-        record[f"comm/rank{rank}/{group}/bytes_per_step"] = total / steps
+        record[keys.comm_key(rank, f"{group}/bytes_per_step")] = total / steps
         for kind in COLLECTIVES:
-            record[f"comm/rank{rank}/{group}/{kind}_bytes_per_step"] = figures[f"{group}:{kind}"] / steps
+            record[keys.comm_key(rank, f"{group}/{kind}_bytes_per_step")] = figures[f"{group}:{kind}"] / steps
     return record

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainer.private_apis.of_torch import new_mem_tracker
 from trainer.rank.optim import local_optimizer
 
 # Our names for MemTracker's categories (the values of its _MemRefType enum).
@@ -110,11 +111,9 @@ class MemoryProbe:
 
     @contextlib.contextmanager
     def _track_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         # A fresh tracker per step: its peak starts at what exists when it is entered, and a
         # module seen in an earlier step would otherwise need reset_mod_stats().
-        tracker = MemTracker()
+        tracker = new_mem_tracker()
         # What exists before the step (parameters, their gradients, optimizer moments) is
         # invisible to a dispatch mode until an op touches it; register it up front.
         tracker.track_external(model, local_optimizer(optimizer))

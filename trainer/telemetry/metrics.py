@@ -18,20 +18,25 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
-from trainer.plan import PREDICTED_COMM_KEY, PREDICTED_PEAK_KEY
-from trainer.plan.build import PREDICTED_GROUP_KEYS
-from trainer.plan.groups import shard_groups
-from trainer.plan.headroom import HEADROOM
+from trainer.plan import HEADROOM, PREDICTED_COMM_KEY, PREDICTED_GROUP_KEYS, PREDICTED_PEAK_KEY, shard_groups
 from trainer.rank.nonfinite import SKIPPED_KEY
 from trainer.rank.optim import local_optimizer
 from trainer.rank.precision import compute_dtype
+from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.comm import CommProbe, comm_fields
 from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.units import GIB
 from trainer.world import World
 
-BASE_COLUMNS = 8  # loss, window seconds, data seconds, params, grads, optimizer, loss scale, skipped steps
+BASE_FIELDS = ("loss", "window_s", "data_s", "params", "grads", "optimizer", "loss_scale", "skipped_steps")
+"""The first columns of every rank's gathered row, in this order; with telemetry on, the memory
+probe's fields (trainer/telemetry/memory.py) and then the communication probe's (comm.py FIELDS) follow."""
+
+
+def columns(per_rank: torch.Tensor, *names: str) -> torch.Tensor:
+    """Every rank's values of the BASE_FIELDS `names`: one column per name, one row per rank."""
+    return per_rank[:, [BASE_FIELDS.index(name) for name in names]]
 
 
 @dataclass
@@ -145,15 +150,18 @@ class Meter:
         # The fp16 figures were summed on the device; read them here, where the host syncs anyway.
         self.window_overflows, self.skipped_steps = int(self.window_overflows), int(self.skipped_steps)
         self.last.loss_scale = float(self.last.loss_scale)
-        states = model_state_bytes(model, optimizer)
-        row = [
-            self.last.loss.item(),
-            elapsed,
-            self.window_data_s,
-            *states,
-            self.last.loss_scale,
-            self.skipped_steps,
-        ]
+        params, grads, optimizer_state = model_state_bytes(model, optimizer)
+        fields = dict(
+            loss=self.last.loss.item(),
+            window_s=elapsed,
+            data_s=self.window_data_s,
+            params=params,
+            grads=grads,
+            optimizer=optimizer_state,
+            loss_scale=self.last.loss_scale,
+            skipped_steps=self.skipped_steps,
+        )
+        row = [fields[name] for name in BASE_FIELDS]
         if self.memory is not None and self.comm is not None:
             row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
@@ -164,24 +172,27 @@ class Meter:
 
     def build_record(self, step: int, per_rank: torch.Tensor) -> dict[str, Any]:
         assert self.last is not None
-        check_ranks_agree(per_rank[:, 6:8])
+        check_ranks_agree(columns(per_rank, "loss_scale", "skipped_steps"))
         record: dict[str, Any] = {
             "step": step,
-            "loss/train": per_rank[:, 0].mean().item(),
-            "optim/lr": self.last.lr,
-            "optim/grad_norm": float(self.last.grad_norm.item()),
+            keys.LOSS: columns(per_rank, "loss")[:, 0].mean().item(),
+            keys.LR: self.last.lr,
+            keys.GRAD_NORM: float(self.last.grad_norm.item()),
             SKIPPED_KEY: self.last.nonfinite_skipped,
             **self.throughput_fields(per_rank),
         }
-        for rank, (params, grads, optimizer) in enumerate(per_rank[:, 3:6].tolist()):
-            record[f"memory/rank{rank}/params_gib"] = params / GIB
-            record[f"memory/rank{rank}/grads_gib"] = grads / GIB
-            record[f"memory/rank{rank}/optimizer_gib"] = optimizer / GIB
+        for rank, (params, grads, optimizer) in enumerate(
+            columns(per_rank, "params", "grads", "optimizer").tolist()
+        ):
+            record[keys.memory_key(rank, "params_gib")] = params / GIB
+            record[keys.memory_key(rank, "grads_gib")] = grads / GIB
+            record[keys.memory_key(rank, "optimizer_gib")] = optimizer / GIB
         if self.memory is not None:
+            memory_start = len(BASE_FIELDS)
             record.update(
                 memory_fields(
                     self.memory.fields,
-                    per_rank[:, BASE_COLUMNS:],
+                    per_rank[:, memory_start : memory_start + len(self.memory.fields)],
                     self.predicted_peak_gib,
                     self.predicted_reserved_gib,
                 )
@@ -195,23 +206,23 @@ class Meter:
                 )
             )
         if self.config.precision.is_fp16:
-            record["precision/loss_scale"] = self.last.loss_scale
-            record["precision/overflow"] = self.window_overflows
-            record["precision/skipped_steps"] = self.skipped_steps
+            record[keys.LOSS_SCALE] = self.last.loss_scale
+            record[keys.OVERFLOW] = self.window_overflows
+            record[keys.SKIPPED_STEPS] = self.skipped_steps
         return record
 
     def throughput_fields(self, per_rank: torch.Tensor) -> dict[str, float]:
         # The slowest rank sets the pace: every rank waits for it at the collectives.
-        step_s = per_rank[:, 1].max().item() / self.window_steps
+        step_s = columns(per_rank, "window_s").max().item() / self.window_steps
         tokens_per_s = self.tokens_per_step / step_s
         fields = {
-            "throughput/tokens_per_s": tokens_per_s,
-            "throughput/tokens_per_s_per_rank": tokens_per_s / self.world.world_size,
-            "time/step_s": step_s,
-            "time/data_s": per_rank[:, 2].max().item() / self.window_steps,
+            keys.TOKENS_PER_S: tokens_per_s,
+            keys.TOKENS_PER_S_PER_RANK: tokens_per_s / self.world.world_size,
+            keys.STEP_S: step_s,
+            keys.DATA_S: columns(per_rank, "data_s").max().item() / self.window_steps,
         }
         if self.peak_flops is not None:
-            fields["throughput/mfu_pct"] = mfu_pct(
+            fields[keys.MFU_PCT] = mfu_pct(
                 self.flops_per_token, tokens_per_s, self.peak_flops, self.world.world_size
             )
         return fields
@@ -244,23 +255,21 @@ def memory_fields(
     measured = not torch.isnan(peaks).any().item()
     if measured:
         worst = int(peaks.argmax().item())
-        record["memory/max_rank_peak_gib"] = peaks[worst].item() / GIB
-        record["memory/argmax_rank"] = worst
-        record["memory/imbalance"] = (peaks.max() / peaks.mean()).item()
+        record[keys.MAX_RANK_PEAK] = peaks[worst].item() / GIB
+        record[keys.ARGMAX_RANK] = worst
+        record[keys.IMBALANCE] = (peaks.max() / peaks.mean()).item()
     if predicted_gib is not None:
-        record["memory/predicted_peak_gib"] = predicted_gib
+        record[keys.PREDICTED_PEAK] = predicted_gib
         if measured:
             # Positive: the plan over-predicts; relative to what was measured.
-            record["memory/prediction_error_pct"] = (
-                100.0
-                * (predicted_gib - record["memory/max_rank_peak_gib"])
-                / record["memory/max_rank_peak_gib"]
+            record[keys.PREDICTION_ERROR_PCT] = (
+                100.0 * (predicted_gib - record[keys.MAX_RANK_PEAK]) / record[keys.MAX_RANK_PEAK]
             )
     if predicted_reserved_gib is not None and "peak_reserved" in fields:
         reserved = per_rank[:, fields.index("peak_reserved")].max().item() / GIB
-        record["memory/predicted_reserved_gib"] = predicted_reserved_gib
+        record[keys.PREDICTED_RESERVED] = predicted_reserved_gib
         if reserved > 0:
-            record["memory/reserved_prediction_error_pct"] = (
+            record[keys.RESERVED_PREDICTION_ERROR_PCT] = (
                 100.0 * (predicted_reserved_gib - reserved) / reserved
             )
     return record
@@ -269,11 +278,11 @@ def memory_fields(
 def memory_key(rank: int, name: str) -> str:
     """JSONL / W&B key of one memory figure: `memory/rank{r}/peak_allocated_gib`, `.../at_peak/grads_gib`."""
     if name in COUNT_FIELDS:
-        return f"memory/rank{rank}/{name}"
+        return keys.memory_key(rank, name)
     category = name.removeprefix("peak_")
     if category in TENSOR_CATEGORIES:
-        return f"memory/rank{rank}/at_peak/{category}_gib"  # what the tensors at the peak moment were
-    return f"memory/rank{rank}/{name}_gib"
+        return keys.memory_key(rank, f"at_peak/{category}_gib")  # what the tensors at the peak moment were
+    return keys.memory_key(rank, f"{name}_gib")
 
 
 def check_ranks_agree(scale_and_skips: torch.Tensor) -> None:
@@ -341,25 +350,25 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     """One console line per log step: step, loss, tokens/s, and the worst rank's memory."""
     parts = [
         f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
-        f"loss {record['loss/train']:.4f}",
-        f"lr {record['optim/lr']:.2e}",
-        f"{record['throughput/tokens_per_s']:,.0f} tok/s",
+        f"loss {record[keys.LOSS]:.4f}",
+        f"lr {record[keys.LR]:.2e}",
+        f"{record[keys.TOKENS_PER_S]:,.0f} tok/s",
     ]
-    if "throughput/mfu_pct" in record:
-        parts.append(f"mfu {record['throughput/mfu_pct']:.1f}%")
+    if keys.MFU_PCT in record:
+        parts.append(f"mfu {record[keys.MFU_PCT]:.1f}%")
     worst = worst_rank_memory(record)
     if worst is not None:
         parts.append(worst)
-    if "precision/loss_scale" in record:
-        parts.append(f"scale {record['precision/loss_scale']:g}")
+    if keys.LOSS_SCALE in record:
+        parts.append(f"scale {record[keys.LOSS_SCALE]:g}")
     return " | ".join(parts)
 
 
 def worst_rank_memory(record: dict[str, Any]) -> str | None:
     """The worst rank's peak: tensor memory where measured this window, else host RSS (CPU)."""
-    if "memory/max_rank_peak_gib" in record:
-        return f"peak {format_gib(record['memory/max_rank_peak_gib'])} (rank {record['memory/argmax_rank']})"
-    rss = {key: value for key, value in record.items() if key.endswith("/peak_rss_gib")}
+    if keys.MAX_RANK_PEAK in record:
+        return f"peak {format_gib(record[keys.MAX_RANK_PEAK])} (rank {record[keys.ARGMAX_RANK]})"
+    rss = {key: value for key, value in record.items() if key.endswith(keys.PEAK_RSS_SUFFIX)}
     if not rss:
         return None
     key = max(rss, key=rss.__getitem__)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from trainer.jsonl import read_jsonl
+from trainer.telemetry import keys
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,7 @@ def steady_mean(records: list[dict[str, Any]], key: str, after_step: int) -> flo
         steps, previous_step = record["step"] - previous_step, record["step"]
         if record["step"] <= after_step or key not in record:
             continue
-        window_s = record["time/step_s"] * steps
+        window_s = record[keys.STEP_S] * steps
         weighted += record[key] * window_s
         seconds += window_s
     if seconds == 0:
@@ -56,30 +57,30 @@ def steady_tokens_per_s(
     records: list[dict[str, Any]], total_steps: int, warmup_steps: int | None = None
 ) -> float | None:
     """Tokens/s over the log windows after warm-up."""
-    return steady_mean(records, "throughput/tokens_per_s", warmup_end(records, total_steps, warmup_steps))
+    return steady_mean(records, keys.TOKENS_PER_S, warmup_end(records, total_steps, warmup_steps))
 
 
 def worst_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The worst rank's peak over the whole run, which rank, and the plan next to it."""
-    measured = [r for r in records if "memory/max_rank_peak_gib" in r]
+    measured = [r for r in records if keys.MAX_RANK_PEAK in r]
     figures: dict[str, Any] = {}
     if measured:
-        worst = max(measured, key=lambda r: r["memory/max_rank_peak_gib"])
+        worst = max(measured, key=lambda r: r[keys.MAX_RANK_PEAK])
         for key in (
-            "memory/max_rank_peak_gib",
-            "memory/argmax_rank",
-            "memory/imbalance",
-            "memory/prediction_error_pct",
+            keys.MAX_RANK_PEAK,
+            keys.ARGMAX_RANK,
+            keys.IMBALANCE,
+            keys.PREDICTION_ERROR_PCT,
         ):
             if key in worst:
                 figures[key] = worst[key]
-        figures["memory/peak_step"] = worst["step"]
-    predicted = [r["memory/predicted_peak_gib"] for r in records if "memory/predicted_peak_gib" in r]
+        figures[keys.PEAK_STEP] = worst["step"]
+    predicted = [r[keys.PREDICTED_PEAK] for r in records if keys.PREDICTED_PEAK in r]
     if predicted:
-        figures["memory/predicted_peak_gib"] = predicted[-1]
-    rss = [value for r in records for key, value in r.items() if key.endswith("/peak_rss_gib")]
+        figures[keys.PREDICTED_PEAK] = predicted[-1]
+    rss = [value for r in records for key, value in r.items() if key.endswith(keys.PEAK_RSS_SUFFIX)]
     if rss:
-        figures["memory/max_rank_peak_rss_gib"] = max(rss)
+        figures[keys.MAX_RANK_PEAK_RSS] = max(rss)
     return figures
 
 
@@ -88,20 +89,22 @@ def steady_comm(records: list[dict[str, Any]], after_step: int) -> dict[str, Any
     past it), each window weighted by its steps; the plan next to the worst rank; the mean exposed share."""
     steady = [r for r in records if r["step"] > after_step] or records
     steps = {id(r): r["step"] - prev["step"] for prev, r in zip([{"step": 0}, *records], records)}
-    keys = [k for k in dict.fromkeys(k for r in steady for k in r) if k.startswith("comm/rank")]
+    rank_keys = [
+        k for k in dict.fromkeys(k for r in steady for k in r) if k.startswith(keys.COMM_RANK_PREFIX)
+    ]
     figures: dict[str, Any] = {}
-    for key in keys:
+    for key in rank_keys:
         measured = [(r[key], steps[id(r)]) for r in steady if key in r]
         figures[key] = sum(v * n for v, n in measured) / sum(n for _, n in measured)
-    predicted = [r["comm/predicted_bytes_per_step"] for r in records if "comm/predicted_bytes_per_step" in r]
-    totals = [v for k, v in figures.items() if k.endswith("/bytes_per_step")]
+    predicted = [r[keys.COMM_PREDICTED_BYTES] for r in records if keys.COMM_PREDICTED_BYTES in r]
+    totals = [v for k, v in figures.items() if k.endswith(keys.BYTES_PER_STEP_SUFFIX)]
     if predicted:
-        figures["comm/predicted_bytes_per_step"] = predicted[-1]
+        figures[keys.COMM_PREDICTED_BYTES] = predicted[-1]
         if totals and max(totals) > 0:
-            figures["comm/prediction_error_pct"] = 100.0 * (predicted[-1] - max(totals)) / max(totals)
-    exposed = [r["comm/exposed_pct"] for r in records if "comm/exposed_pct" in r]
+            figures[keys.COMM_PREDICTION_ERROR_PCT] = 100.0 * (predicted[-1] - max(totals)) / max(totals)
+    exposed = [r[keys.COMM_EXPOSED_PCT] for r in records if keys.COMM_EXPOSED_PCT in r]
     if exposed:
-        figures["comm/exposed_pct"] = sum(exposed) / len(exposed)
+        figures[keys.COMM_EXPOSED_PCT] = sum(exposed) / len(exposed)
     return figures
 
 
@@ -137,28 +140,31 @@ def provenance(
 
 
 def build_summary(
-    status: str,
+    status: keys.Status,
     records: list[dict[str, Any]],
     total_steps: int,
     warmup_steps: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """How the job ended and its steady-state figures (docs/design.md section 4), plus `extra` (provenance, error)."""
-    summary: dict[str, Any] = {"status": status, "steps_done": records[-1]["step"] if records else 0}
+    summary: dict[str, Any] = {
+        "status": keys.Status(status).value,
+        "steps_done": records[-1]["step"] if records else 0,
+    }
     if records:
         after = warmup_end(records, total_steps, warmup_steps)
-        summary["loss/first"] = records[0]["loss/train"]
-        summary["loss/final"] = records[-1]["loss/train"]
-        summary["throughput/warmup_steps"] = after
-        for key in ("throughput/tokens_per_s", "throughput/mfu_pct", "time/step_s", "time/data_s"):
+        summary[keys.LOSS_FIRST] = records[0][keys.LOSS]
+        summary[keys.LOSS_FINAL] = records[-1][keys.LOSS]
+        summary[keys.WARMUP_STEPS] = after
+        for key in (keys.TOKENS_PER_S, keys.MFU_PCT, keys.STEP_S, keys.DATA_S):
             value = steady_mean(records, key, after)
             if value is not None:
                 summary[key] = value
         summary.update(worst_memory(records))
         summary.update(steady_comm(records, after))
-        if "precision/skipped_steps" in records[-1]:
-            summary["precision/skipped_steps"] = records[-1]["precision/skipped_steps"]
-            summary["precision/loss_scale"] = records[-1]["precision/loss_scale"]
+        if keys.SKIPPED_STEPS in records[-1]:
+            summary[keys.SKIPPED_STEPS] = records[-1][keys.SKIPPED_STEPS]
+            summary[keys.LOSS_SCALE] = records[-1][keys.LOSS_SCALE]
     summary.update(extra)
     return summary
 
@@ -168,45 +174,45 @@ def summary_table(summary: dict[str, Any]) -> str:
     rows = [("status", summary["status"])]
     if "failed_rank" in summary:
         rows.append(("failed rank", str(summary["failed_rank"])))
-    if "loss/first" in summary:
+    if keys.LOSS_FIRST in summary:
         rows.append(
             (
                 "loss",
-                f"{summary['loss/first']:.4f} -> {summary['loss/final']:.4f} over {summary['steps_done']} steps",
+                f"{summary[keys.LOSS_FIRST]:.4f} -> {summary[keys.LOSS_FINAL]:.4f} over {summary['steps_done']} steps",
             )
         )
-    if summary.get("throughput/tokens_per_s"):
+    if summary.get(keys.TOKENS_PER_S):
         rows.append(
             (
                 "tokens/s (steady)",
-                f"{summary['throughput/tokens_per_s']:,.0f} (after step {summary['throughput/warmup_steps']})",
+                f"{summary[keys.TOKENS_PER_S]:,.0f} (after step {summary[keys.WARMUP_STEPS]})",
             )
         )
-    if "throughput/mfu_pct" in summary:
-        rows.append(("MFU (steady)", f"{summary['throughput/mfu_pct']:.1f}%"))
-    if "time/step_s" in summary:
+    if keys.MFU_PCT in summary:
+        rows.append(("MFU (steady)", f"{summary[keys.MFU_PCT]:.1f}%"))
+    if keys.STEP_S in summary:
         rows.append(
             (
                 "step time (steady)",
-                f"{summary['time/step_s'] * 1e3:.1f} ms, waiting for data {summary['time/data_s'] * 1e3:.1f} ms",
+                f"{summary[keys.STEP_S] * 1e3:.1f} ms, waiting for data {summary[keys.DATA_S] * 1e3:.1f} ms",
             )
         )
-    if "memory/max_rank_peak_gib" in summary:
+    if keys.MAX_RANK_PEAK in summary:
         rows.append(
             (
                 "worst-rank peak",
-                f"{summary['memory/max_rank_peak_gib']:.4f} GiB on rank {summary['memory/argmax_rank']} (window ending at step {summary['memory/peak_step']})",
+                f"{summary[keys.MAX_RANK_PEAK]:.4f} GiB on rank {summary[keys.ARGMAX_RANK]} (window ending at step {summary[keys.PEAK_STEP]})",
             )
         )
-    if "memory/predicted_peak_gib" in summary:
-        rows.append(("predicted peak", f"{summary['memory/predicted_peak_gib']:.4f} GiB"))
-    if "memory/max_rank_peak_rss_gib" in summary:
-        rows.append(("worst-rank host RSS", f"{summary['memory/max_rank_peak_rss_gib']:.2f} GiB"))
-    if "precision/skipped_steps" in summary:
+    if keys.PREDICTED_PEAK in summary:
+        rows.append(("predicted peak", f"{summary[keys.PREDICTED_PEAK]:.4f} GiB"))
+    if keys.MAX_RANK_PEAK_RSS in summary:
+        rows.append(("worst-rank host RSS", f"{summary[keys.MAX_RANK_PEAK_RSS]:.2f} GiB"))
+    if keys.SKIPPED_STEPS in summary:
         rows.append(
             (
                 "fp16 skipped steps",
-                f"{summary['precision/skipped_steps']} (final scale {summary['precision/loss_scale']:g})",
+                f"{summary[keys.SKIPPED_STEPS]} (final scale {summary[keys.LOSS_SCALE]:g})",
             )
         )
     width = max(len(name) for name, _ in rows)
@@ -241,6 +247,14 @@ def _redact(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, (list, tuple)):
         return [_redact(v, secrets) for v in value]
     return value
+
+
+def read_summary(out_dir: Path) -> dict[str, Any]:
+    """A job's summary.json; empty when it wrote none (a mode=plan job, a job still running) or it cannot be read."""
+    try:
+        return json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -20,8 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.config import LoggerBackend, LoggerConfig
+from trainer.console import warn
 from trainer.faults.stop import exit_code_for
 from trainer.jsonl import parse_line
+from trainer.private_apis.of_wandb import generate_run_id
+from trainer.telemetry.keys import Status
 from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import define_metrics, describe_job, steady_figures
 
@@ -81,7 +83,7 @@ class WandbLogger:
             summary
         )
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
-        if summary["status"] == "preempted":
+        if summary["status"] == Status.preempted:
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
         self.guard(lambda: self.run.finish(exit_code=exit_code_for(summary["status"])))
 
@@ -94,7 +96,9 @@ class WandbLogger:
         except Exception as err:  # any W&B failure must leave training and local files alone
             self.failed = True
             warn(
-                f"W&B stopped working ({type(err).__name__}: {err}); metrics.jsonl and summary.json are complete"
+                redact_secrets(
+                    f"W&B stopped working ({type(err).__name__}: {err}); metrics.jsonl and summary.json are complete"
+                )
             )
 
 
@@ -209,7 +213,11 @@ def start_wandb(
         )
         define_metrics(run)
     except Exception as err:  # unreachable server, bad credentials, bad settings: training goes on
-        warn(f"W&B could not start ({type(err).__name__}: {err}); training goes on, metrics in {out_dir}")
+        warn(
+            redact_secrets(
+                f"W&B could not start ({type(err).__name__}: {err}); training goes on, metrics in {out_dir}"
+            )
+        )
         return None
     yield_cpu_to_ranks()
     return run
@@ -235,12 +243,10 @@ def wandb_run_id(resume: str, out_dir: Path) -> str:
     """The W&B run id, kept in the output directory: a resumed job (which continues the directory of
     the run it resumes, see resume.resolve_resume) logs into the same W&B run; any other job
     gets a new id, even in a reused directory."""
-    from wandb.sdk.lib.runid import generate_id  # wandb.util.generate_id is gone in wandb 0.31
-
     path = out_dir / "wandb_run_id"
     if resume != "false" and path.exists():
         return path.read_text().strip()
-    run_id = generate_id()
+    run_id = generate_run_id()
     path.write_text(run_id + "\n")
     return run_id
 
@@ -269,10 +275,6 @@ def wandb_config(meta: dict[str, Any]) -> dict[str, Any]:
     """
     provenance = {k: meta[k] for k in PROVENANCE_KEYS if k in meta}  # the plan's figures go to the summary
     return {**meta["config"], "overrides": meta["overrides"], "provenance": provenance}
-
-
-def warn(message: str) -> None:
-    print(f"warning: {redact_secrets(message)}", file=sys.stderr, flush=True)
 
 
 def run_name() -> str:

@@ -23,13 +23,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer.cli import split_override
+from trainer.telemetry import keys
+
 TAGGED_GROUPS = ("model", "precision", "zero", "checkpointing", "offload")
 SWEEP_TAG = "sweep"
 STEP_KEY = "step"  # metrics.jsonl's optimizer step, logged with every record
 # summary.json key -> the W&B summary key that holds it for good (a key no record is logged under).
 STEADY_KEYS = {
-    "throughput/tokens_per_s": "throughput/steady_tokens_per_s",
-    "throughput/mfu_pct": "throughput/steady_mfu_pct",
+    keys.TOKENS_PER_S: keys.STEADY_TOKENS_PER_S,
+    keys.MFU_PCT: keys.STEADY_MFU_PCT,
 }
 # The field of a group's resolved config that names the chosen option, so that a comparison can
 # address a group choice through the whole config every run carries (`config.zero.stage`).
@@ -93,11 +96,6 @@ def typed_value(key: str, given: str | None, plain_config: dict[str, Any], choic
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def split_override(override: str) -> tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
-
-
 def sweep_keys(sweep_overrides: list[str], sweeper_params: dict[str, Any]) -> list[str]:
     """The keys a multirun varies: sweep overrides on its command line (`micro_batch=1,2`, `range(...)`)
     and the named sweep's `hydra.sweeper.params`, in the order given."""
@@ -139,8 +137,8 @@ def define_metrics(run: Any) -> None:
     """The x-axis of every chart is the optimizer step; the summaries W&B keeps while records arrive."""
     run.define_metric(STEP_KEY, hidden=True)
     run.define_metric("*", step_metric=STEP_KEY)
-    run.define_metric("loss/train", summary="min,last")
-    run.define_metric("memory/*", summary="max")
+    run.define_metric(keys.LOSS, summary="min,last")
+    run.define_metric(keys.EVERY_MEMORY_KEY, summary="max")
 
 
 def steady_figures(summary: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,22 @@
+"""Every private API of torch, wandb and submitit that zerolab calls, in one place: the upgrade surface.
+
+Each is called through a function of this package, never directly, so that a new torch or wandb
+release is checked here first. Checked against torch 2.13.0, wandb 0.31.0, wandb-workspaces 0.4.13
+and submitit 1.5.4 (the versions the suite runs with).
+
+| private API | why there is no public one | called through |
+|---|---|---|
+| `torch._C._distributed_c10d._dump_fr_trace_json` | c10d's flight recorder has no public reader (guarded: absent in some builds) | `of_torch.flight_recorder_json` |
+| `torch._C._distributed_c10d._dump_nccl_trace_json` | ProcessGroupNCCL's own flight recorder, the same format (CUDA wheels only; guarded) | `of_torch.flight_recorder_json`, `of_torch.flight_recorder_dumps` |
+| `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
+| `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |
+| `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
+| `GradScaler._get_scale_async` | the scale without a host sync (`get_scale()` syncs) | `of_torch.scale_on_device` |
+| `LRScheduler._last_lr` | what `get_last_lr()` returns after a rewind; LambdaLR has no setter | `of_torch.set_last_lr` |
+| `wandb.sdk.lib.runid.generate_id` | `wandb.util.generate_id` is gone in wandb 0.31 | `of_wandb.generate_run_id` |
+| `wandb_workspaces` `Report._to_model`, `Report._from_model`, `reports.v2.internal.ReportViewspec` | the Report's serialised form, offline (the library saves it only to a server) | `of_wandb.report_json`, `of_wandb.report_from_json` |
+| `submitit.JobEnvironment._usr_sig` | the signal submitit's requeue handler is installed for | `of_submitit.requeue_signal` |
+
+Split by library so that a rank, which imports `of_torch`, never imports wandb
+(tests/unit/test_imports.py).
+"""

@@ -1,0 +1,62 @@
+"""torch's private APIs (the table in trainer/private_apis/__init__.py); checked against torch 2.13.0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp import GradScaler
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = [
+    "CheckpointImpl",
+    "checkpoint_wrapper",
+    "FLIGHT_RECORDER_DUMPS",
+    "flight_recorder_dumps",
+    "flight_recorder_json",
+    "found_inf_per_device",
+    "new_mem_tracker",
+    "scale_on_device",
+    "set_last_lr",
+]
+
+
+FLIGHT_RECORDER_DUMPS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+"""c10d's flight-recorder JSON dumps, NCCL's first: ProcessGroupNCCL's own (ProcessGroupNCCL.hpp
+`dump_nccl_trace_json`, CUDA wheels only) and the generic one (FlightRecorder.hpp) that gloo writes to."""
+
+
+def flight_recorder_dumps() -> tuple[str, ...]:
+    """The flight-recorder dumps this torch build has."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    return tuple(name for name in FLIGHT_RECORDER_DUMPS if getattr(c10d, name, None) is not None)
+
+
+def flight_recorder_json(name: str = "_dump_fr_trace_json") -> str | None:
+    """One flight recorder, every entry with its collectives and without stack traces, as JSON;
+    None where this torch build has no such dump. Raises what the dump raises (RuntimeError)."""
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), name, None)
+    return None if dump is None else dump(True, False)
+
+
+def new_mem_tracker() -> Any:
+    """A fresh MemTracker (imported here, when first used: it pulls in FSDP's modules)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+    """The scaler's found-inf record for `optimizer` (filled by unscale_, cleared by update)."""
+    return scaler._found_inf_per_device(optimizer)
+
+
+def scale_on_device(scaler: GradScaler) -> torch.Tensor:
+    """The scaler's current scale tensor, without a host sync."""
+    return scaler._get_scale_async()
+
+
+def set_last_lr(scheduler: LRScheduler, lrs: list[float]) -> None:
+    """What `scheduler.get_last_lr()` returns from now on."""
+    scheduler._last_lr = lrs

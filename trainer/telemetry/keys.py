@@ -1,0 +1,108 @@
+"""The contract's names, once: the metric keys of docs/design.md section 4 and summary.json's statuses.
+
+metrics.jsonl, summary.json, the W&B run and the reports share these keys (JSONL and W&B keys
+are the same); every module that writes or reads one imports it from here. This module
+imports nothing of the trainer's, so the ranks, the job process and the report all may.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+
+class Status(str, Enum):
+    """How a job ended: summary.json's `status`, the sweep report's and the W&B summary's."""
+
+    ok = "ok"
+    oom = "oom"
+    """A rank ran out of memory (trainer/faults/failures.py)."""
+    crashed = "crashed"
+    """A rank died or raised for another reason."""
+    diverged = "diverged"
+    """The non-finite policy stopped every rank (trainer/rank/nonfinite.py)."""
+    refused = "refused"
+    """The plan refused the job before any rank started (trainer/plan/refusal.py)."""
+    interrupted = "interrupted"
+    """Ctrl-C (SIGINT): every rank stopped after one agreed step (trainer/faults/stop.py)."""
+    preempted = "preempted"
+    """SIGTERM, SIGUSR1 or submitit's SIGUSR2: stopped the same way, to be resumed."""
+
+    def __str__(self) -> str:  # the value in f-strings and prints, on every Python (3.12 changed the default)
+        return self.value
+
+
+# ----------------------------------------------------------------------------- per optimizer step
+LOSS = "loss/train"
+LR = "optim/lr"
+GRAD_NORM = "optim/grad_norm"
+TOKENS_PER_S = "throughput/tokens_per_s"
+TOKENS_PER_S_PER_RANK = "throughput/tokens_per_s_per_rank"
+MFU_PCT = "throughput/mfu_pct"
+STEP_S = "time/step_s"
+DATA_S = "time/data_s"
+NONFINITE_SKIPPED = "train/nonfinite_skipped"
+"""Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py)."""
+
+# ----------------------------------------------------------------------------- memory
+MAX_RANK_PEAK = "memory/max_rank_peak_gib"
+ARGMAX_RANK = "memory/argmax_rank"
+IMBALANCE = "memory/imbalance"
+PREDICTED_PEAK = "memory/predicted_peak_gib"
+PREDICTION_ERROR_PCT = "memory/prediction_error_pct"
+PREDICTED_RESERVED = "memory/predicted_reserved_gib"
+RESERVED_PREDICTION_ERROR_PCT = "memory/reserved_prediction_error_pct"
+EVERY_MEMORY_KEY = "memory/*"
+"""W&B's pattern of every memory key (its summary keeps their maximum)."""
+PEAK_RSS_SUFFIX = "/peak_rss_gib"
+"""How every rank's host-memory key ends (`memory/rank{r}/peak_rss_gib`)."""
+
+# ----------------------------------------------------------------------------- fp16 loss scaling
+LOSS_SCALE = "precision/loss_scale"
+OVERFLOW = "precision/overflow"
+SKIPPED_STEPS = "precision/skipped_steps"
+
+# ----------------------------------------------------------------------------- communication
+COMM_PREDICTED_BYTES = "comm/predicted_bytes_per_step"
+COMM_PREDICTION_ERROR_PCT = "comm/prediction_error_pct"
+COMM_EXPOSED_PCT = "comm/exposed_pct"
+COMM_RANK_PREFIX = "comm/rank"
+"""Every per-rank communication key starts so (`comm/rank{r}/...`)."""
+BYTES_PER_STEP_SUFFIX = "/bytes_per_step"
+
+# ----------------------------------------------------------------------------- summary.json only
+LOSS_FIRST = "loss/first"
+LOSS_FINAL = "loss/final"
+WARMUP_STEPS = "throughput/warmup_steps"
+"""The last step the steady-state figures leave out."""
+PEAK_STEP = "memory/peak_step"
+"""The log step whose window had the worst rank's peak."""
+MAX_RANK_PEAK_RSS = "memory/max_rank_peak_rss_gib"
+# The W&B summary's names of the steady-state figures (trainer/telemetry/wandb_run.py): W&B's own
+# summary of a history key is its last value, so the steady means go under names of their own.
+STEADY_TOKENS_PER_S = "throughput/steady_tokens_per_s"
+STEADY_MFU_PCT = "throughput/steady_mfu_pct"
+
+
+# ----------------------------------------------------------------------------- per rank
+def memory_key(rank: int, name: str) -> str:
+    """`memory/rank{r}/{name}`: one rank's memory figure (`peak_allocated_gib`, `at_peak/grads_gib`, ...)."""
+    return f"memory/rank{rank}/{name}"
+
+
+def comm_key(rank: int, name: str) -> str:
+    """`comm/rank{r}/{name}`: one rank's communication figure (`bytes_per_step`, `all_reduce_bytes_per_step`, ...)."""
+    return f"{COMM_RANK_PREFIX}{rank}/{name}"
+
+
+def comm_group_predicted_key(group: str) -> str:
+    """`comm/{group}/predicted_bytes_per_step`: the plan's bytes on one process group (trainer/plan/groups.py)."""
+    return f"comm/{group}/predicted_bytes_per_step"
+
+
+COMM_KEY = re.compile(r"comm/rank(\d+)/bytes_per_step")
+"""A rank's total bytes per optimizer step; group 1 is the rank."""
+COMM_GROUP_KEY = re.compile(r"comm/rank\d+/(\w+)/bytes_per_step")
+"""A rank's bytes per optimizer step on one process group (trainer/plan/groups.py); group 1 is the group."""
+PEAK_ALLOCATED_KEY = re.compile(r"memory/rank(\d+)/peak_allocated_gib")
+"""A rank's peak tensor memory; group 1 is the rank."""
