@@ -46,6 +46,21 @@ class ReduceDType(str, Enum):
     bf16 = "bf16"
 
 
+class ReduceEvery(str, Enum):
+    micro_batch = "micro_batch"
+    step = "step"
+
+
+STAGE_REDUCE_EVERY = {
+    Stage.stage0: ReduceEvery.step,
+    Stage.stage1: ReduceEvery.step,
+    Stage.stage2: ReduceEvery.micro_batch,
+    Stage.stage3: ReduceEvery.micro_batch,
+}
+"""zero.reduce_every as each conf/zero option file sets it (tests/configs checks they agree): what a
+suggestion that changes the stage (`zero=stage3`) runs with."""
+
+
 class CheckpointMode(str, Enum):
     none = "none"
     full = "full"
@@ -191,6 +206,10 @@ class ZeroConfig:
     """Dtype gradients are reduced in: fp32, or bf16 (FSDP2: MixedPrecisionPolicy.reduce_dtype; DDP: torch's bf16_compress_hook)."""
     bucket_cap_mb: float | None = None
     """DDP (stage0/1) only: gradient bucket size in MiB (DistributedDataParallel's bucket_cap_mb); None: torch's default."""
+    reduce_every: ReduceEvery = ReduceEvery.step
+    """With grad_accum > 1, when gradients are reduced: micro_batch (every backward: stage2/3 reduce-scatter into
+    the rank's gradient shard, which accumulates; stage0/1 all-reduce) or step (the last micro-batch only; a full
+    unsharded gradient is held in between). Each conf/zero option sets its own default."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is None:
@@ -415,6 +434,9 @@ class AdviseConfig:
     """Offload targets to consider; cpu only with stage2/3 and only on a GPU (on a CPU host it moves nothing)."""
     reduce_dtypes: list[ReduceDType] = field(default_factory=lambda: list(ReduceDType))
     """Gradient-reduction dtypes (zero.reduce_dtype) to consider."""
+    reduce_every: list[ReduceEvery] = field(default_factory=lambda: list(ReduceEvery))
+    """When gradients are reduced (zero.reduce_every) to consider where grad_accum > 1; at grad_accum 1
+    both are one reduction, and the stage's default is planned."""
     micro_batches: list[int] | None = None
     """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
     headroom: float = 0.2
@@ -431,7 +453,7 @@ class AdviseConfig:
     """Measure this host again even when a cached calibration matches it."""
 
     def __post_init__(self) -> None:
-        for key in ("stages", "checkpointing", "offload", "reduce_dtypes"):
+        for key in ("stages", "checkpointing", "offload", "reduce_dtypes", "reduce_every"):
             _require(len(getattr(self, key)) >= 1, f"advise.{key} must list at least one option")
         _require(
             self.micro_batches is None or (len(self.micro_batches) >= 1 and min(self.micro_batches) >= 1),

@@ -4,7 +4,8 @@
 
 Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
 `advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
-makes up the rest) is planned (trainer/plan: the worst rank's peak, which must leave
+makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
+full gradient held between micro-batches, or one per micro-batch and only the shard) is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
 rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
@@ -24,14 +25,32 @@ from typing import Any
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.predict import StepTime, predict_step
 from trainer.advise.verify import Proposal, override_key, verify
-from trainer.config import CheckpointMode, ConfigError, OffloadTarget, ReduceDType, Stage, TrainConfig
+from trainer.config import (
+    STAGE_REDUCE_EVERY,
+    CheckpointMode,
+    ConfigError,
+    OffloadTarget,
+    ReduceDType,
+    ReduceEvery,
+    Stage,
+    TrainConfig,
+)
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, device_memory, plan_comm
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
 
-CHOSEN_KEYS = ("zero", "checkpointing", "offload", "zero.reduce_dtype", "micro_batch", "grad_accum")
+CHOSEN_KEYS = (
+    "zero",
+    "checkpointing",
+    "offload",
+    "zero.reduce_dtype",
+    "zero.reduce_every",
+    "micro_batch",
+    "grad_accum",
+)
+GROUP_KEYS = CHOSEN_KEYS[:5]  # everything but the split of the batch
 ADVISE_ONLY_KEYS = ("mode", "global_batch", "advise")
 
 
@@ -49,7 +68,8 @@ class Candidate:
 
     def label(self) -> str:
         c = self.choice
-        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}"
+        every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
+        return f"{c['zero']} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']}{every} mb={c['micro_batch']}x{c['grad_accum']}"
 
     def overrides(self) -> list[str]:
         return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS]
@@ -96,16 +116,26 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                     continue
                 for reduce_dtype in dict.fromkeys(a.reduce_dtypes):
                     for mb in micro_batches(config, world_size):
-                        values = (
-                            stage.value,
-                            checkpointing.value,
-                            offload.value,
-                            reduce_dtype.value,
-                            mb,
-                            per_rank // mb,
-                        )
-                        out.append(dict(zip(CHOSEN_KEYS, values)))
+                        for every in reduce_every_options(config, stage, per_rank // mb):
+                            values = (
+                                stage.value,
+                                checkpointing.value,
+                                offload.value,
+                                reduce_dtype.value,
+                                every.value,
+                                mb,
+                                per_rank // mb,
+                            )
+                            out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
+
+
+def reduce_every_options(config: TrainConfig, stage: Stage, grad_accum: int) -> list[ReduceEvery]:
+    """advise.reduce_every where micro-batches accumulate; at grad_accum 1 both choices are the
+    same one reduction, so only the stage's default (conf/zero) is planned."""
+    if grad_accum == 1:
+        return [STAGE_REDUCE_EVERY[stage]]
+    return list(dict.fromkeys(config.advise.reduce_every))
 
 
 def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
@@ -114,7 +144,10 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
     return replace(
         config,
         zero=replace(
-            config.zero, stage=Stage(choice["zero"]), reduce_dtype=ReduceDType(choice["zero.reduce_dtype"])
+            config.zero,
+            stage=Stage(choice["zero"]),
+            reduce_dtype=ReduceDType(choice["zero.reduce_dtype"]),
+            reduce_every=ReduceEvery(choice["zero.reduce_every"]),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
@@ -162,14 +195,20 @@ def evaluate(
 
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
-    refused = {
-        (tuple(c.choice[k] for k in CHOSEN_KEYS[:4]), c.choice["micro_batch"])
-        for c in candidates
-        if c.fits is False
-    }
+    refused = set()
+    for c in candidates:
+        if c.fits is False:  # at grad_accum 1 either reduce_every is this one's
+            everies = (
+                [e.value for e in ReduceEvery]
+                if c.choice["grad_accum"] == 1
+                else [c.choice["zero.reduce_every"]]
+            )
+            for every in everies:
+                key = tuple({**c.choice, "zero.reduce_every": every}[k] for k in GROUP_KEYS)
+                refused.add((key, c.choice["micro_batch"]))
     out = []
     for c in candidates:
-        key = tuple(c.choice[k] for k in CHOSEN_KEYS[:4])
+        key = tuple(c.choice[k] for k in GROUP_KEYS)
         if c.fits is not False and (key, 2 * c.choice["micro_batch"]) in refused:
             c = dataclasses.replace(c, limiter=f"{c.limiter}; memory stops mb={2 * c.choice['micro_batch']}")
         out.append(c)
@@ -223,12 +262,12 @@ def format_advice(
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
         f"with {config.advise.headroom:.0%} headroom ({memory})",
         f"rates: {rates.source}",
-        f"{'#':>3} {'configuration':<52} {'peak GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
+        f"{'#':>3} {'configuration':<57} {'peak GiB':>9} {'tokens/s':>12} {'MFU %':>6}  limited by",
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(
-            f"{i:>3} {c.label():<52} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
+            f"{i:>3} {c.label():<57} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)

@@ -8,17 +8,20 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   buffer, an all-gather's output, a reduce-scatter's input, a broadcast's tensor. What crosses the
   wire is a multiple of it that depends on the algorithm (a ring all-reduce sends 2(N-1)/N of it
   per rank, a ring all-gather or reduce-scatter (N-1)/N); the plan states payloads.
-- stage0 (DDP): one all-reduce of every gradient per accumulation window (no_sync before the last
-  micro-batch), in fp32, or in bf16 under torch's bf16_compress_hook (zero.reduce_dtype=bf16).
-  Buckets (zero.bucket_cap_mb) change how many all-reduces, not their bytes.
+- stage0 (DDP): one all-reduce of every gradient per reduction, in fp32, or in bf16 under torch's
+  bf16_compress_hook (zero.reduce_dtype=bf16). Buckets (zero.bucket_cap_mb) change how many
+  all-reduces, not their bytes.
+- Reductions per optimizer step (`reductions`): zero.reduce_every=step reduces once, in the last
+  micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) before it); micro_batch reduces
+  in every backward, grad_accum times.
 - stage1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then each parameter broadcast from
   the rank that stepped it: 4 bytes per parameter (fp32 master weights).
 - stage2/3 (FSDP2): per micro-batch, one all-gather of the root (embeddings, final norm, output
   head) and of each block in forward, in the compute dtype (param_dtype), each parameter's dim 0
   padded to a multiple of N; stage3 gathers every block again in backward (the root is not
   re-sharded after forward, trainer/rank/sharding.py). FSDP2 re-shards after every backward, so each
-  micro-batch gathers afresh. Once per step (the last micro-batch), one reduce-scatter of the
-  root and of each block in zero.reduce_dtype, on the same padded sizes.
+  micro-batch gathers afresh. Per reduction, one reduce-scatter of the root and of each block in
+  zero.reduce_dtype, on the same padded sizes.
 - gloo has no reduce-scatter of its own: ProcessGroupGloo runs `reduce_scatter_tensor` as an
   all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
   is planned, and measured, under `all_reduce`.
@@ -36,7 +39,7 @@ from typing import Any
 
 from torch.nn.parallel import distributed as ddp_module
 
-from trainer.config import DType, ReduceDType, Stage, TrainConfig
+from trainer.config import DType, ReduceDType, ReduceEvery, Stage, TrainConfig
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
 from trainer.units import MIB
@@ -95,22 +98,28 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
 Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step
 
 
+def reductions(config: TrainConfig) -> int:
+    """Gradient reductions per optimizer step: every micro-batch's, or the last one's (zero.reduce_every)."""
+    return config.grad_accum if config.zero.reduce_every == ReduceEvery.micro_batch else 1
+
+
 def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
-    """DDP's bucketed all-reduce once per accumulation window; ZeRO-1 adds one broadcast per parameter."""
+    """DDP's bucketed all-reduce per reduction; ZeRO-1 adds one broadcast per parameter."""
     numel = shape.num_params
     # How many all-reduces (to size the flight recorder): DDP fills its small first bucket, then
     # buckets of at least bucket_cap_mb (fp32 gradients); torch's default cap where none is set
     # (a private constant: 25 MiB in torch 2.13 where it is missing).
     cap_mb = config.zero.bucket_cap_mb or getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
     buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
-    moves = [("all_reduce", numel * REDUCE_BYTES[config.zero.reduce_dtype], buckets)]
+    times = reductions(config)
+    moves = [("all_reduce", times * numel * REDUCE_BYTES[config.zero.reduce_dtype], times * buckets)]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
     return moves
 
 
 def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
-    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (once per step)."""
+    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (per reduction)."""
     root = sum(padded_numel(s, world_size) for s in shape.root)
     block = sum(padded_numel(s, world_size) for s in shape.block)
     layers, accum = config.model.n_layers, config.grad_accum
@@ -123,5 +132,9 @@ def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[
             accum * param_bytes * (root + gathers_per_block * layers * block),
             accum * (1 + gathers_per_block * layers),
         ),
-        ("reduce_scatter", reduce_bytes * (root + layers * block), 1 + layers),
+        (
+            "reduce_scatter",
+            reductions(config) * reduce_bytes * (root + layers * block),
+            reductions(config) * (1 + layers),
+        ),
     ]
