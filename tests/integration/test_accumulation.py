@@ -40,7 +40,14 @@ CASES = [
     for accum in (2, 4)
     for precision, reduce_dtype in PRECISIONS
 ]
+# DDP (stages 0-1): micro_batch accumulates in the buckets, step beside them (4 bytes per parameter more)
+CASES += [
+    (stage, every, 2, "fp32", "fp32") for stage in ("stage0", "stage1") for every in ("micro_batch", "step")
+]
 PEAK_TOLERANCE = 0.005  # the issue's 0.5%
+# micro_batch=4 x seq_len=128: the peak comes at the loss's backward, where no collective is in flight;
+# with fewer tokens it comes at a block's reduce-scatter, where gloo sometimes frees a buffer late
+# (docs/memory_plan.md) and one rank in a few runs holds one more, up to 3% there.
 MICRO_BATCH, SEQ_LEN = 4, 128
 
 
@@ -127,3 +134,38 @@ def test_the_plan_is_each_ranks_measured_peak(
         assert abs(want - got) / got < PEAK_TOLERANCE, (
             f"rank {rank.rank}: planned {want} at {rank.peak.name}, measured {got} ({(want - got) / got:+.2%})"
         )
+
+
+# ----------------------------------------------------------------------------- losses: a 1-rank run's
+
+PARITY_STEPS = ("steps=8", "optim.warmup_steps=2", "precision=fp32")
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference: 1 rank, the same global batch of 8 sequences in one micro-batch."""
+    from tests.conftest import TINY, run_trainer
+
+    run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *PARITY_STEPS, "nproc=1", "micro_batch=8")
+    return run.losses
+
+
+@pytest.mark.parametrize("every", ["micro_batch", "step"])
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_accumulating_4_micro_batches_on_2_ranks_is_one_rank_s_step(
+    trainer, one_rank_losses: list[float], stage: str, every: str
+) -> None:
+    """Acceptance 4: 2 ranks x micro_batch 1 x grad_accum 4, either reduce_every, lose what 1 rank
+    with micro_batch 8 loses, step by step, within 1e-5 (fp32)."""
+    run = trainer(
+        *PARITY_STEPS,
+        "nproc=2",
+        f"zero={stage}",
+        f"zero.reduce_every={every}",
+        "micro_batch=1",
+        "grad_accum=4",
+    )
+    assert len(run.losses) == len(one_rank_losses) == 8
+    for step, (got, want) in enumerate(zip(run.losses, one_rank_losses), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert run.losses[-1] < run.losses[0]
