@@ -269,6 +269,11 @@ def format_advice(
         lines.append(
             f"{i:>3} {c.label():<57} {c.peak_bytes / GIB:>9.2f} {c.tokens_per_s:>12,.0f} {mfu:>6}  {c.limiter}"
         )
+    if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
+        lines.append(
+            "    reduce=<dtype>/mb: zero.reduce_every=micro_batch, every micro-batch reduces and only the gradient "
+            "shard is held between them; /step: one reduction per step, a full gradient held in between"
+        )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)
         lines.append(
