@@ -150,8 +150,14 @@ def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return run.losses
 
 
-@pytest.mark.parametrize("every", ["micro_batch", "step"])
-@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+PARITY = [(s, e) for s in ("stage2", "stage3") for e in ("micro_batch", "step")]
+PARITY += [
+    ("stage0", "micro_batch"),
+    ("stage1", "micro_batch"),
+]  # DDP all-reducing into buckets that accumulate
+
+
+@pytest.mark.parametrize("stage,every", PARITY)
 def test_accumulating_4_micro_batches_on_2_ranks_is_one_rank_s_step(
     trainer, one_rank_losses: list[float], stage: str, every: str
 ) -> None:
