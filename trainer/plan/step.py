@@ -35,8 +35,9 @@ Temporaries, the part estimators leave out and where stages differ most:
   (embeddings, final norm, output head) stays unsharded in both, as sharding.py asks.
 - FSDP2's flat all-gather output lives next to the unsharded copy until the next copy-out;
   the reduce-scatter input (reduce dtype, padded), its output (the new gradient shard; a bf16
-  output is cast to a new fp32 one) and on gloo a second input-sized buffer; the root's unsharded output-head gradient lives from the head's
-  backward until the root's reduce-scatter at the very end of backward.
+  output is cast to a new fp32 one) and on gloo a second input-sized buffer; the root's
+  unsharded output-head gradient lives from the head's backward until the root's
+  reduce-scatter at the very end of backward.
 - DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
 - Adam: the per-tensor loop (CPU's default) makes 2 temporaries of a tensor while the previous
