@@ -45,6 +45,21 @@ class ReduceDType(str, Enum):
     bf16 = "bf16"
 
 
+class ReduceEvery(str, Enum):
+    micro_batch = "micro_batch"
+    step = "step"
+
+
+STAGE_REDUCE_EVERY = {
+    Stage.stage0: ReduceEvery.step,
+    Stage.stage1: ReduceEvery.step,
+    Stage.stage2: ReduceEvery.micro_batch,
+    Stage.stage3: ReduceEvery.micro_batch,
+}
+"""zero.reduce_every as each conf/zero option file sets it (tests/configs checks they agree): what a
+suggestion that changes the stage (`zero=stage3`) runs with."""
+
+
 class CheckpointMode(str, Enum):
     none = "none"
     full = "full"
@@ -273,6 +288,10 @@ class ZeroConfig:
     hpz_ranks: int | None = None
     """stage3: ZeRO++'s hpZ, FSDP2 fully_shard(reshard_after_forward=<int>): after forward each block keeps a
     secondary shard over groups of this many ranks, so backward's all-gather stays inside one; None: none."""
+    reduce_every: ReduceEvery = ReduceEvery.step
+    """With grad_accum > 1, when gradients are reduced: micro_batch (every backward: stage2/3 reduce-scatter into
+    the rank's gradient shard, which accumulates; stage0/1 all-reduce) or step (the last micro-batch only; a full
+    unsharded gradient is held in between). Each conf/zero option sets its own default."""
 
     def __post_init__(self) -> None:
         self.check_groups()
@@ -528,6 +547,9 @@ class AdviseConfig:
     """Offload targets to consider; cpu only with stage2/3 and only on a GPU (on a CPU host it moves nothing)."""
     reduce_dtypes: list[ReduceDType] = field(default_factory=lambda: list(ReduceDType))
     """Gradient-reduction dtypes (zero.reduce_dtype) to consider."""
+    reduce_every: list[ReduceEvery] = field(default_factory=lambda: list(ReduceEvery))
+    """When gradients are reduced (zero.reduce_every) to consider where grad_accum > 1; at grad_accum 1
+    both are one reduction, and the stage's default is planned."""
     micro_batches: list[int] | None = None
     """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
     headroom: float = 0.2
@@ -544,7 +566,7 @@ class AdviseConfig:
     """Measure this host again even when a cached calibration matches it."""
 
     def __post_init__(self) -> None:
-        for key in ("stages", "checkpointing", "offload", "reduce_dtypes"):
+        for key in ("stages", "checkpointing", "offload", "reduce_dtypes", "reduce_every"):
             _require(len(getattr(self, key)) >= 1, f"advise.{key} must list at least one option")
         _require(
             self.micro_batches is None or (len(self.micro_batches) >= 1 and min(self.micro_batches) >= 1),

@@ -11,7 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from trainer.cli import register_configs
-from trainer.config import TrainConfig, to_plain, validate
+from trainer.config import STAGE_REDUCE_EVERY, TrainConfig, to_plain, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [
@@ -136,3 +136,14 @@ def test_composed_defaults_are_the_schemas() -> None:
     train_yaml = OmegaConf.load(CONF / "train.yaml")
     assert set(train_yaml.keys()) == {"defaults", "hydra"}
     assert to_plain(compose_config([])) == to_plain(TrainConfig())
+
+
+@pytest.mark.parametrize("stage", options("zero"))
+def test_each_stage_sets_when_gradients_are_reduced(stage: str) -> None:
+    """conf/zero: micro_batch at stage2/3 (ZeRO's sharded accumulation), step at stage0/1; the
+    mapping suggestions use (trainer/config.py STAGE_REDUCE_EVERY) is what the files say."""
+    config = compose_config([f"zero={stage}"])
+    assert config.zero.reduce_every == STAGE_REDUCE_EVERY[config.zero.stage]
+    assert config.zero.reduce_every.value == ("micro_batch" if stage in ("stage2", "stage3") else "step")
+    other = "step" if config.zero.reduce_every.value == "micro_batch" else "micro_batch"
+    assert compose_config([f"zero={stage}", f"zero.reduce_every={other}"]).zero.reduce_every.value == other

@@ -22,6 +22,7 @@ CASES = [
     (["nproc=0"], "nproc", "auto or an integer >= 1"),
     (["zero=stage2", "zero.bucket_cap_mb=10"], "zero.bucket_cap_mb", "zero=stage0 or stage1"),
     (["zero.reduce_dtype=fp8"], "zero.reduce_dtype=fp8", "fp32, bf16"),
+    (["zero.reduce_every=sometimes"], "zero.reduce_every=sometimes", "micro_batch, step"),
     (["zero=stage1", "zero.reduce_dtype=bf16"], "zero.reduce_dtype=bf16", "zero=stage2 or stage3"),
     (["zero=stage3", "zero.shard_ranks=4", "nproc=2"], "zero.shard_ranks=4 is larger than the world", "1, 2"),
     (["zero=stage3", "zero.shard_ranks=3", "nproc=4"], "zero.shard_ranks=3 must divide", "1, 2, 4"),

@@ -1,4 +1,4 @@
-"""Measured communication equals the plan's, for every stage, precision and grad_accum (2 gloo ranks).
+"""Measured communication equals the plan's, for every stage, precision, grad_accum and reduce_every (2 gloo ranks).
 
 One 2-rank process group runs every configuration in turn (a fresh trainee each, one warm-up
 step, then one measured step read back from c10d's flight recorder exactly as the Meter reads
@@ -19,7 +19,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.config import DeviceKind, DType, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
+from trainer.config import (
+    DeviceKind,
+    DType,
+    PrecisionConfig,
+    ReduceDType,
+    ReduceEvery,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
 from trainer.plan.comm import plan_comm
 from trainer.plan.states import model_shape
 from trainer.telemetry.comm import WindowReader, window_figures
@@ -27,16 +36,24 @@ from trainer.telemetry.comm import WindowReader, window_figures
 STAGES = ("stage0", "stage1", "stage2", "stage3")
 WORLD = 2
 LOSS_STEPS = 20
-DEBUG_CASE = ("stage1", "fp32", 1, "fp32")
+DEBUG_CASE = ("stage1", "fp32", 1, "fp32", "step")
 
 
 def make_config(
-    stage: str, precision: str, grad_accum: int, reduce_dtype: str = "fp32", steps: int = 3
+    stage: str,
+    precision: str,
+    grad_accum: int,
+    reduce_dtype: str = "fp32",
+    reduce_every: str = "step",
+    steps: int = 3,
 ) -> TrainConfig:
     dtype = {"fp32": DType.float32, "bf16": DType.bfloat16}[precision]
+    zero = ZeroConfig(
+        stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype), reduce_every=ReduceEvery(reduce_every)
+    )
     return TrainConfig(
         precision=PrecisionConfig(name=precision, compute_dtype=dtype),
-        zero=ZeroConfig(stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype)),
+        zero=zero,
         micro_batch=2,
         seq_len=16,
         grad_accum=grad_accum,
@@ -47,12 +64,17 @@ def make_config(
     )
 
 
-CASES = [(s, p, a, "fp32") for s in STAGES for p in ("fp32", "bf16") for a in (1, 2)]
-CASES += [(s, p, 1, "bf16") for s in ("stage2", "stage3") for p in ("fp32", "bf16")]
+CASES = [(s, p, a, "fp32", "step") for s in STAGES for p in ("fp32", "bf16") for a in (1, 2)]
+CASES += [(s, p, 1, "bf16", "step") for s in ("stage2", "stage3") for p in ("fp32", "bf16")]
+# zero.reduce_every=micro_batch: every micro-batch's backward reduces (DDP all-reduce, FSDP2 reduce-scatter)
+CASES += [(s, "fp32", 2, "fp32", "micro_batch") for s in STAGES] + [
+    ("stage3", "bf16", 2, "bf16", "micro_batch")
+]
+Case = tuple[str, str, int, str, str]
 
 
-def key(case: tuple[str, str, int, str]) -> str:
-    return "{} precision={} grad_accum={} reduce_dtype={}".format(*case)
+def key(case: Case) -> str:
+    return "{} precision={} grad_accum={} reduce_dtype={} reduce_every={}".format(*case)
 
 
 def run_case(
@@ -106,7 +128,8 @@ def worker(rank: int, port: int, out: str) -> None:
     from trainer.telemetry.comm import enable_recording
     from trainer.world import init_world, shutdown_world
 
-    enable_recording(make_config("stage1", "fp32", 2), WORLD, "cpu")  # the most collectives per step
+    # the most collectives per step: every parameter broadcast, and the all-reduces of both micro-batches
+    enable_recording(make_config("stage1", "fp32", 2, reduce_every="micro_batch"), WORLD, "cpu")
     world = init_world("cpu")
     results: dict[str, Any] = {}
     for case in CASES:
@@ -144,7 +167,7 @@ def loop_bytes(config: TrainConfig) -> int:
 
 
 @pytest.mark.parametrize("case", CASES, ids=key)
-def test_measured_bytes_are_the_plans(measured: dict[str, Any], case: tuple[str, str, int, str]) -> None:
+def test_measured_bytes_are_the_plans(measured: dict[str, Any], case: Case) -> None:
     """Acceptance 1: every kind of collective as planned; all-reduce over by the loop's scalars only."""
     config = make_config(*case)
     planned = plan_comm(config, WORLD, backend="gloo").bytes_by_collective
@@ -162,10 +185,22 @@ def test_bf16_reduction_halves_the_gradient_bytes(measured: dict[str, Any]) -> N
         for precision in ("fp32", "bf16"):
             scalars = loop_bytes(make_config(stage, precision, 1))
             fp32, bf16 = (
-                measured[key((stage, precision, 1, r))]["figures"]["all_reduce"] - scalars
+                measured[key((stage, precision, 1, r, "step"))]["figures"]["all_reduce"] - scalars
                 for r in ("fp32", "bf16")
             )
             assert bf16 * 2 == fp32 > 0, (stage, precision)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reducing_every_micro_batch_moves_the_gradient_once_per_micro_batch(
+    measured: dict[str, Any], stage: str
+) -> None:
+    """Acceptance 5: with grad_accum=2, zero.reduce_every=micro_batch moves twice step's gradient
+    bytes (on gloo: all-reduce, less the loop's scalars) and the same of everything else."""
+    scalars = loop_bytes(make_config(stage, "fp32", 2))
+    step, every = (measured[key((stage, "fp32", 2, "fp32", e))]["figures"] for e in ("step", "micro_batch"))
+    assert every["all_reduce"] - scalars == 2 * (step["all_reduce"] - scalars) > 0
+    assert (every["all_gather"], every["broadcast"]) == (step["all_gather"], step["broadcast"])
 
 
 def test_bf16_reduction_keeps_the_losses_within_2_percent(measured: dict[str, Any]) -> None:

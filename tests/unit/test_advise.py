@@ -42,10 +42,21 @@ def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hyd
 def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
     config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
     on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
-    assert len(on_cpu) == 4 * 3 * 1 * 3  # stages x checkpointing x offload none x micro-batch 1, 2, 4
-    assert len(on_gpu) == len(on_cpu) + 2 * 3 * 3  # + offload=cpu for stage2, stage3
+    # stages x checkpointing x offload none x (micro-batch 1 and 2, each reduce_every; micro-batch 4 once)
+    assert len(on_cpu) == 4 * 3 * 1 * (2 * 2 + 1)
+    assert len(on_gpu) == len(on_cpu) + 2 * 3 * 5  # + offload=cpu for stage2, stage3
     assert {c["zero"] for c in on_gpu if c["offload"] == "cpu"} == {"stage2", "stage3"}
     assert all(c["micro_batch"] * c["grad_accum"] == 4 for c in on_cpu)
+    # grad_accum 1 reduces once either way: the stage's own default (conf/zero) is the one planned
+    whole = {(c["zero"], c["zero.reduce_every"]) for c in on_cpu if c["grad_accum"] == 1}
+    assert whole == {
+        ("stage0", "step"),
+        ("stage1", "step"),
+        ("stage2", "micro_batch"),
+        ("stage3", "micro_batch"),
+    }
+    only_step = choices(composed(["mode=advise", "global_batch=8", "advise.reduce_every=[step]"]), 2, "cpu")
+    assert {c["zero.reduce_every"] for c in only_step if c["grad_accum"] > 1} == {"step"}
 
 
 def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> None:
@@ -57,9 +68,8 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> N
         )
 
 
-# 70b: one sequence per rank. With grad_accum > 1 zerolab's loop accumulates unsharded fp32
-# gradients (no reduce-scatter before the last micro-batch; trainer/plan/step.py), 280 GB for 70b,
-# so at global_batch=512 nothing fits on 8 or 64 H100s, and the advisor says so.
+# 70b: one sequence per rank; 8 per rank (global_batch=512 on 64) fits only with zero.reduce_every=micro_batch
+# (reducing once per step holds a full unsharded gradient between micro-batches, trainer/plan/step.py).
 CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("70b", 8, 8), ("70b", 64, 64)]
 
 
@@ -130,7 +140,8 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     assert rates.flops_at(200) == 2e10 and not rates.overlap
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
-    assert len(ranked) == 4 * 3 * 2 + 2 * 3 * 2 and ranked[0].tokens_per_s == max(
+    # (stage0/1 fp32 + stage2/3 fp32, bf16) x checkpointing x (mb 1 x2 reduce_every + mb 2)
+    assert len(ranked) == 4 * 3 * 3 + 2 * 3 * 3 and ranked[0].tokens_per_s == max(
         c.tokens_per_s for c in ranked
     )
 
@@ -152,23 +163,44 @@ def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -
 def test_when_nothing_fits_the_advice_names_the_smallest_peak(
     hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 70b, 8 sequences per rank at 4096: grad_accum > 1 keeps unsharded fp32 gradients, grad_accum 1
-    # needs 8 sequences of activations; the best (61.4 GiB, CUDA's fused RMSNorm saving less than
-    # CPU's) is over 70% of an H100.
+    # 70b on 8 H100s without offload: 16 bytes per parameter over 8 ranks is 129 GiB of model states.
     overrides = [
         "mode=advise",
-        "advise.headroom=0.3",
-        "global_batch=512",
+        "global_batch=64",
         "model=70b",
-        "nproc=64",
+        "nproc=8",
         "plan.accelerator=h100",
         "seq_len=4096",
         "precision=bf16",
+        "advise.offload=[none]",
     ]
-    candidates = run_advice(composed(overrides), tmp_path, "cuda", 64, overrides)
+    candidates = run_advice(composed(overrides), tmp_path, "cuda", 8, overrides)
     assert candidates and not any(c.fits for c in candidates)
     smallest = min(candidates, key=lambda c: c.peak_bytes)
     assert (
         f"nothing fits: the smallest peak is {smallest.peak_bytes / 2**30:.1f} GiB ({smallest.label()})"
         in capsys.readouterr().out
     )
+
+
+def test_13b_on_8_h100s_needs_no_offload_when_gradients_stay_sharded(
+    hydra_conf: None, tmp_path: Path
+) -> None:
+    """The issue's case: with reduce_every=step only offload=cpu fit; reducing every micro-batch keeps
+    only the gradient shard between micro-batches, and the best configuration offloads nothing."""
+    overrides = ["mode=advise", "global_batch=512", "model=13b", "nproc=8", "plan.accelerator=h100"]
+    overrides += ["seq_len=4096", "precision=bf16"]
+    ranked = run_advice(composed(overrides), tmp_path, "cuda", 8, overrides)
+    best = ranked[0]
+    assert (
+        best.fits and best.choice["offload"] == "none" and best.choice["zero.reduce_every"] == "micro_batch"
+    )
+    step_only = [
+        c for c in ranked if c.fits and c.choice["grad_accum"] > 1 and c.choice["zero.reduce_every"] == "step"
+    ]
+    sharded = [
+        c
+        for c in ranked
+        if c.fits and c.choice["grad_accum"] > 1 and c.choice["zero.reduce_every"] == "micro_batch"
+    ]
+    assert len(sharded) > len(step_only)

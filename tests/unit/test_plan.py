@@ -282,11 +282,62 @@ def test_offload_moves_model_states_off_the_gpu() -> None:
     )
 
 
-@pytest.mark.parametrize("stage", ["stage0", "stage3"])
-def test_gradient_accumulation_holds_a_full_fp32_gradient(stage: str) -> None:
+@pytest.mark.parametrize(
+    "stage,precision,reduce_dtype,width",
+    [
+        ("stage0", "fp32", "fp32", 4),  # DDP no_sync: the fp32 parameters' gradient, outside the buckets
+        ("stage0", "bf16", "fp32", 4),
+        ("stage3", "fp32", "fp32", 4),  # FSDP2: unsharded_accumulated_grad in the reduce dtype
+        ("stage3", "bf16", "fp32", 4),
+        ("stage3", "bf16", "bf16", 2),  # reduce dtype = param dtype: the bf16 unsharded gradient itself
+        ("stage2", "fp32", "bf16", 2),
+    ],
+)
+def test_reducing_once_per_step_holds_a_full_gradient_in_the_reduce_dtype(
+    stage: str, precision: str, reduce_dtype: str, width: int
+) -> None:
+    base = ("model=tiny", f"zero={stage}", f"precision={precision}", f"zero.reduce_dtype={reduce_dtype}")
+    one = build_plan(compose_config(*base), "cpu", 2)
+    two = build_plan(compose_config(*base, "grad_accum=2", "zero.reduce_every=step"), "cpu", 2)
+    assert moment(two, "forward: loss") - moment(one, "forward: loss") == width * one.num_params
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
+def test_reducing_every_micro_batch_holds_only_the_gradient_at_rest(stage: str) -> None:
+    """ZeRO's promise: DDP accumulates in its buckets (nothing more), FSDP2 in the gradient shard,
+    which from the second micro-batch on is held from the forward on: the at-rest `grads`."""
     one = build_plan(compose_config("model=tiny", f"zero={stage}"), "cpu", 2)
-    two = build_plan(compose_config("model=tiny", f"zero={stage}", "grad_accum=2"), "cpu", 2)
-    assert moment(two, "forward: loss") - moment(one, "forward: loss") == 4 * one.num_params
+    four = build_plan(compose_config("model=tiny", f"zero={stage}", "grad_accum=4"), "cpu", 2)
+    assert four.config.zero.reduce_every.value == ("micro_batch" if stage in ("stage2", "stage3") else "step")
+    four = build_plan(
+        compose_config("model=tiny", f"zero={stage}", "grad_accum=4", "zero.reduce_every=micro_batch"),
+        "cpu",
+        2,
+    )
+    held = four.ranks[0].states.grads if stage in ("stage2", "stage3") else 0
+    assert moment(four, "forward: loss") - moment(one, "forward: loss") == held
+    assert moment(four, "optimizer step") == moment(one, "optimizer step")
+
+
+def test_13b_accumulation_costs_the_gradient_shard_not_the_gradient() -> None:
+    """The issue's case: 13b, stage3, bf16, 8 H100s, micro_batch 4 x 16. Reducing every micro-batch
+    adds the fp32 gradient shard (4P / 8) to grad_accum=1's peak; reducing once per step does not fit."""
+    base = (
+        "model=13b",
+        "zero=stage3",
+        "precision=bf16",
+        "checkpointing=full",
+        "micro_batch=4",
+        "seq_len=4096",
+    )
+    base += ("plan.accelerator=h100",)
+    one = build_plan(compose_config(*base), "cuda", 8)
+    sixteen = build_plan(compose_config(*base, "grad_accum=16"), "cuda", 8)
+    step = build_plan(compose_config(*base, "grad_accum=16", "zero.reduce_every=step"), "cuda", 8)
+    shard = one.ranks[0].states.grads
+    assert one.peak_bytes < sixteen.peak_bytes <= one.peak_bytes + shard
+    assert sixteen.fits and not step.fits
+    assert "Try zero.reduce_every=micro_batch (peak" in (refusal(step) or "")
 
 
 def test_adam_temporaries_follow_the_optimizer_implementation() -> None:

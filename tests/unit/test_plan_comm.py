@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from trainer.config import DType, ModelConfig, PrecisionConfig, ReduceDType, Stage, TrainConfig, ZeroConfig
+from trainer.config import (
+    DType,
+    ModelConfig,
+    PrecisionConfig,
+    ReduceDType,
+    ReduceEvery,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
 from trainer.plan import build_plan, format_plan, plan_comm
 
 # Llama-2 70b (docs/communication.md, "70b at stage3 on 64 ranks"): every dim 0 divides by 64,
@@ -95,6 +105,26 @@ def test_every_stage_moves_what_torch_issues(precision: str, grad_accum: int) ->
         "reduce_scatter": 4 * P,
         "broadcast": 0,
     }
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_reducing_every_micro_batch_multiplies_only_the_gradient_reduction(
+    stage: str, grad_accum: int
+) -> None:
+    """zero.reduce_every=micro_batch: grad_accum reductions per step (bytes and calls), every other
+    collective as under step; at grad_accum 1 the two choices are the same step."""
+    step = config(stage, grad_accum=grad_accum)
+    every = dataclasses.replace(
+        step, zero=dataclasses.replace(step.zero, reduce_every=ReduceEvery.micro_batch)
+    )
+    once, each = (plan_comm(c, 2, backend="nccl") for c in (step, every))
+    reduction = "reduce_scatter" if step.zero.uses_fsdp else "all_reduce"
+    for kind in once.bytes_by_collective:
+        factor = grad_accum if kind == reduction else 1
+        assert each.bytes_by_collective[kind] == factor * once.bytes_by_collective[kind], kind
+        assert each.calls_by_collective[kind] == factor * once.calls_by_collective[kind], kind
+    assert once.bytes_by_collective[reduction] > 0
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])

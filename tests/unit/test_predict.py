@@ -18,6 +18,7 @@ from trainer.config import (
     OffloadConfig,
     OffloadTarget,
     ReduceDType,
+    ReduceEvery,
     Stage,
     TrainConfig,
     ZeroConfig,
@@ -117,6 +118,21 @@ def test_overlap_hides_what_fits_behind_its_compute_window() -> None:
     assert gather_s < forward + backward and scatter_s > backward / 2  # one of each case
     assert step.exposed_comm_s == pytest.approx(expected)
     assert step.limiter == "communication"
+
+
+def test_reducing_every_micro_batch_hides_behind_every_backward() -> None:
+    """zero.reduce_every=micro_batch: the plan's reduce-scatter bytes are grad_accum times step's, and
+    they overlap every micro-batch's backward instead of the last one's."""
+    overlapping = dataclasses.replace(RATES, overlap=True)
+    c = config(Stage.stage3, micro_batch=4, grad_accum=2, seq_len=128)
+    c = dataclasses.replace(c, zero=dataclasses.replace(c.zero, reduce_every=ReduceEvery.micro_batch))
+    tokens = 4 * 2 * 128
+    backward = tokens * F / 1e12 * 2 / 3
+    scatter = 2 * 4 * 10**8  # two reductions
+    step = predict_step(c, 8, {"reduce_scatter": scatter}, 0, F, overlapping)
+    scatter_s = scatter * 7 / 8 / 5e10
+    assert step.exposed_comm_s == pytest.approx(max(scatter_s / 4, scatter_s - backward))
+    assert scatter_s > backward  # exposed: the window is the whole backward, not half of it
 
 
 def test_offload_moves_shards_over_the_host_link_and_steps_adam_on_the_host() -> None:

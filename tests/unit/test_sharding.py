@@ -1,4 +1,4 @@
-"""trainer/rank/sharding.py's gradient-sync control: only the last micro-batch of a window reduces gradients.
+"""trainer/rank/sharding.py's gradient-sync control: which micro-batches of a window reduce gradients (zero.reduce_every).
 
 One-rank gloo group: DDP's and FSDP2's own flags and gradients show whether a backward reduced.
 """
@@ -51,6 +51,39 @@ def test_fsdp_reduces_once_and_the_window_sums_every_micro_batch(process_group: 
     assert all(p.grad is None for p in model.parameters())  # held unsharded, not reduced yet
     with gradient_sync(model, enabled=True):
         model(batches[1]).sum().backward()
+    for batch in batches:
+        reference(batch).sum().backward()
+    got = [p.grad.full_tensor() for p in model.parameters()]
+    assert all(torch.allclose(g, r.grad) for g, r in zip(got, reference.parameters()))
+
+
+def test_reduce_every_decides_which_micro_batches_reduce() -> None:
+    from trainer.config import ReduceEvery, Stage, ZeroConfig
+    from trainer.rank.sharding import reduces_now
+
+    for stage in Stage:
+        every = ZeroConfig(stage=stage, reduce_every=ReduceEvery.micro_batch)
+        once = ZeroConfig(stage=stage, reduce_every=ReduceEvery.step)
+        assert [reduces_now(every, last) for last in (False, True)] == [True, True]
+        assert [reduces_now(once, last) for last in (False, True)] == [False, True]
+
+
+def test_fsdp_reducing_every_micro_batch_adds_each_shard_into_the_held_one(process_group: None) -> None:
+    """zero.reduce_every=micro_batch: the first backward already leaves a (sharded) gradient, the
+    second adds into that same tensor, and the window still sums every micro-batch."""
+    torch.manual_seed(0)
+    reference = nn.Linear(2, 1)
+    model = nn.Linear(2, 1)
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    batches = [torch.randn(3, 2) for _ in range(2)]
+    with gradient_sync(model, enabled=True):
+        model(batches[0]).sum().backward()
+    first = [(p.grad.to_local().data_ptr(), p.grad.to_local().clone()) for p in model.parameters()]
+    with gradient_sync(model, enabled=True):
+        model(batches[1]).sum().backward()
+    for p, (storage, before) in zip(model.parameters(), first):  # the same shard, added to in place
+        assert p.grad.to_local().data_ptr() == storage and not torch.equal(p.grad.to_local(), before)
     for batch in batches:
         reference(batch).sum().backward()
     got = [p.grad.full_tensor() for p in model.parameters()]

@@ -4,7 +4,8 @@
 
 Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
 `advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
-makes up the rest) is planned (trainer/plan: the worst rank's peak, which must leave
+makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
+full gradient held between micro-batches, or one per micro-batch and only the shard) is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
 rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
@@ -15,6 +16,7 @@ and the FLOPs come from shapes on the meta device.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shlex
 from dataclasses import dataclass
@@ -26,11 +28,13 @@ from trainer.advise.predict import StepTime, predict_step_tiers
 from trainer.advise.verify import Proposal, verify
 from trainer.cli import split_override
 from trainer.config import (
+    STAGE_REDUCE_EVERY,
     CheckpointMode,
     ConfigError,
     LossKind,
     OffloadTarget,
     ReduceDType,
+    ReduceEvery,
     Stage,
     TrainConfig,
 )
@@ -46,6 +50,7 @@ CHOSEN_KEYS = (
     "checkpointing",
     "offload",
     "zero.reduce_dtype",
+    "zero.reduce_every",
     "micro_batch",
     "grad_accum",
     "loss",
@@ -81,8 +86,9 @@ class Candidate:
             for name, key in (("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
             if c.get(key) is not None
         )
+        every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
-        return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
+        return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']}{every} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
 
     def overrides(self) -> list[str]:
         """Every chosen key; the group sizes only where set (null, their default, is every rank / none)."""
@@ -124,28 +130,30 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
     a, per_rank, out = config.advise, config.global_batch // world_size, []  # type: ignore[operator]
-    for stage in dict.fromkeys(a.stages):
-        for checkpointing in dict.fromkeys(a.checkpointing):
-            for offload in dict.fromkeys(a.offload):
-                if offload == OffloadTarget.cpu and (
-                    stage.value in ("stage0", "stage1") or device_kind != "cuda"
-                ):
-                    continue
-                for reduce_dtype in dict.fromkeys(a.reduce_dtypes):
-                    for shard, hpz in group_options(config, stage, world_size):
-                        for mb in micro_batches(config, world_size):
-                            values = (
-                                stage.value,
-                                checkpointing.value,
-                                offload.value,
-                                reduce_dtype.value,
-                                mb,
-                                per_rank // mb,
-                                config.loss.kind.value,
-                                shard,
-                                hpz,
-                            )
-                            out.append(dict(zip(CHOSEN_KEYS, values)))
+    options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
+    for stage, checkpointing, offload in itertools.product(*options):
+        if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
+            continue
+        splits = itertools.product(
+            dict.fromkeys(a.reduce_dtypes),
+            group_options(config, stage, world_size),
+            micro_batches(config, world_size),
+        )
+        for reduce_dtype, (shard, hpz), mb in splits:
+            for every in reduce_every_options(config, stage, per_rank // mb):
+                values = (
+                    stage.value,
+                    checkpointing.value,
+                    offload.value,
+                    reduce_dtype.value,
+                    every.value,
+                    mb,
+                    per_rank // mb,
+                    config.loss.kind.value,
+                    shard,
+                    hpz,
+                )
+                out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
 
 
@@ -162,6 +170,14 @@ def group_options(config: TrainConfig, stage: Stage, world_size: int) -> list[tu
     return options
 
 
+def reduce_every_options(config: TrainConfig, stage: Stage, grad_accum: int) -> list[ReduceEvery]:
+    """advise.reduce_every where micro-batches accumulate; at grad_accum 1 both choices are the
+    same one reduction, so only the stage's default (conf/zero) is planned."""
+    if grad_accum == 1:
+        return [STAGE_REDUCE_EVERY[stage]]
+    return list(dict.fromkeys(config.advise.reduce_every))
+
+
 def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
     """The config with a choice applied; dataclasses.replace runs every __post_init__ check again."""
     replace = dataclasses.replace
@@ -173,6 +189,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
             reduce_dtype=ReduceDType(choice["zero.reduce_dtype"]),
             shard_ranks=choice.get("zero.shard_ranks"),
             hpz_ranks=choice.get("zero.hpz_ranks"),
+            reduce_every=ReduceEvery(choice["zero.reduce_every"]),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
@@ -243,11 +260,17 @@ def loss_share(config: TrainConfig, candidate: Candidate) -> float:
 
 def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
-    refused = {
-        (tuple(c.choice.get(k) for k in SHAPE_KEYS), c.choice["micro_batch"])
-        for c in candidates
-        if c.fits is False
-    }
+    refused = set()
+    for c in candidates:
+        if c.fits is False:  # at grad_accum 1 either reduce_every is this one's
+            everies = (
+                [e.value for e in ReduceEvery]
+                if c.choice["grad_accum"] == 1
+                else [c.choice["zero.reduce_every"]]
+            )
+            for every in everies:
+                key = tuple({**c.choice, "zero.reduce_every": every}.get(k) for k in SHAPE_KEYS)
+                refused.add((key, c.choice["micro_batch"]))
     out = []
     for c in candidates:
         key = tuple(c.choice.get(k) for k in SHAPE_KEYS)
@@ -319,6 +342,11 @@ def format_advice(
         lines.append(
             f"{i:>3} {c.label():<62} {c.peak_bytes / GIB:>9.2f} {c.host_bytes / GIB:>9.1f} "
             f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20}  {c.limiter}"
+        )
+    if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
+        lines.append(
+            "    reduce=<dtype>/mb: zero.reduce_every=micro_batch, every micro-batch reduces and only the gradient "
+            "shard is held between them; /step: one reduction per step, a full gradient held in between"
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)

@@ -17,8 +17,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
     exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
         compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
         all-gather overlaps forward (stage2) or forward and backward (stage3) of every micro-batch;
-        all-reduce (DDP) and reduce-scatter (FSDP2) the backward of the last micro-batch, the only
-        one that synchronises; the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
+        all-reduce (DDP) and reduce-scatter (FSDP2) the backward of the micro-batches that reduce:
+        the last one under zero.reduce_every=step, every one under micro_batch (whose bytes
+        trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
         at least one block's share (W_c / L) is always exposed (the first gather, the last bucket)
     optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
     offload transfers          X = (B_all_gather + B_reduce_scatter) / n / pcie   (each rank's shards, once per collective)
@@ -45,6 +46,7 @@ from trainer.config import (
 )
 from trainer.model.checkpointing import should_checkpoint
 from trainer.plan import LINKS, CommPlan, model_shape
+from trainer.plan.comm import reductions
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -139,13 +141,13 @@ def bandwidth(
 
 
 def overlap_window(
-    collective: str, stage: Stage, forward_s: float, backward_s: float, last_backward_s: float
+    collective: str, stage: Stage, forward_s: float, backward_s: float, reducing_backward_s: float
 ) -> float:
     """Compute that a collective of this kind can hide behind (see the module docstring)."""
     if collective == "all_gather":
         return forward_s + backward_s if stage == Stage.stage3 else forward_s
     if collective in ("all_reduce", "reduce_scatter"):
-        return last_backward_s
+        return reducing_backward_s
     return 0.0  # broadcast: after the optimizer step, nothing left to overlap
 
 
@@ -164,7 +166,9 @@ def predict_step(
     compute_s = tokens * (flops_per_token + recompute) / rate
     forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
     backward_s = compute_s - forward_s
-    last_backward_s = backward_s / config.grad_accum
+    reducing_backward_s = (
+        backward_s * reductions(config) / config.grad_accum
+    )  # backward of the micro-batches that reduce
     wire_s, exposed = {}, 0.0
     for collective, payload in comm_bytes.items():
         if not payload:
@@ -174,7 +178,7 @@ def predict_step(
             payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
         )
         if rates.overlap:
-            window = overlap_window(collective, config.zero.stage, forward_s, backward_s, last_backward_s)
+            window = overlap_window(collective, config.zero.stage, forward_s, backward_s, reducing_backward_s)
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)
         else:
             exposed += wire_s[collective]
@@ -199,7 +203,7 @@ def group_window(
     group: str, collective: str, config: TrainConfig, hpz: bool, windows: dict[str, float]
 ) -> tuple[str, ...]:
     """The compute phases a group's collective overlaps: `forward`, `backward` (every micro-batch's),
-    `last_backward` (the one that reduces). hpZ moves stage3 backward's all-gathers to the hpz group."""
+    `last_backward` (those that reduce: the last, or every one under zero.reduce_every=micro_batch). hpZ moves stage3 backward's all-gathers to the hpz group."""
     if collective == "all_gather":
         if group == "hpz":
             return ("backward",)
@@ -211,7 +215,7 @@ def group_window(
 
 
 def union_window(phases: set[str], windows: dict[str, float]) -> float:
-    """Seconds of compute covered by some phase (the last backward lies inside backward)."""
+    """Seconds of compute covered by some phase (the reducing backwards lie inside backward)."""
     if "backward" in phases:
         phases = phases - {"last_backward"}
     return sum(windows[phase] for phase in phases)
@@ -241,7 +245,9 @@ def predict_step_tiers(
     rate = rates.flops_at(config.micro_batch * config.seq_len)
     forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
     backward_s = base.compute_s - forward_s
-    windows = {"forward": forward_s, "backward": backward_s, "last_backward": backward_s / config.grad_accum}
+    # The backwards that reduce: the last micro-batch's, or every one under zero.reduce_every=micro_batch.
+    reducing_s = backward_s * reductions(config) / config.grad_accum
+    windows = {"forward": forward_s, "backward": backward_s, "last_backward": reducing_s}
     hpz = "hpz" in comm.groups
     layers = config.model.n_layers
     wire: dict[str, float] = {}

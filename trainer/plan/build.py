@@ -180,6 +180,7 @@ class Plan:
             "micro_batch": c.micro_batch,
             "seq_len": c.seq_len,
             "grad_accum": c.grad_accum,
+            "reduce_every": c.zero.reduce_every.value,
             "device_memory_gib": None
             if self.memory.per_rank_bytes is None
             else self.memory.per_rank_bytes / GIB,
@@ -242,8 +243,13 @@ def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:
     return (
         f"model={c.model.name} zero={c.zero.stage.value} precision={c.precision.name} "
         f"checkpointing={c.checkpointing.mode.value} offload={c.offload.target.value} micro_batch={c.micro_batch} "
-        f"seq_len={c.seq_len} grad_accum={c.grad_accum} on {world_size} {device_kind} ranks"
+        f"seq_len={c.seq_len} grad_accum={c.grad_accum}{reduce_every_text(c)} on {world_size} {device_kind} ranks"
     )
+
+
+def reduce_every_text(c: TrainConfig) -> str:
+    """Which accumulation the plan is of; at grad_accum 1 both choices are the same single reduction."""
+    return f" zero.reduce_every={c.zero.reduce_every.value}" if c.grad_accum > 1 else ""
 
 
 # ----------------------------------------------------------------------------- what plan.json and summary.json carry

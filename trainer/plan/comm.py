@@ -8,18 +8,22 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   buffer, an all-gather's output, a reduce-scatter's input, a broadcast's tensor. What crosses the
   wire is a multiple of it that depends on the algorithm (a ring all-reduce sends 2(N-1)/N of it
   per rank, a ring all-gather or reduce-scatter (N-1)/N); the plan states payloads.
-- stage0 (DDP): one all-reduce of every gradient per accumulation window (no_sync before the last
-  micro-batch), in fp32, or in bf16 under torch's bf16_compress_hook (zero.reduce_dtype=bf16).
-  Buckets (zero.bucket_cap_mb) change how many all-reduces, not their bytes.
+- stage0 (DDP): one all-reduce of every gradient per reduction, in fp32, or in bf16 under torch's
+  bf16_compress_hook (zero.reduce_dtype=bf16). Buckets (zero.bucket_cap_mb) change how many
+  all-reduces, not their bytes.
+- Reductions per optimizer step (`reductions`): zero.reduce_every=step reduces once, in the last
+  micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) before it); micro_batch reduces
+  in every backward, grad_accum times.
 - stage1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then each parameter broadcast from
   the rank that stepped it: 4 bytes per parameter (fp32 master weights).
 - stage2/3 (FSDP2): per micro-batch, one all-gather of the root (embeddings, final norm, output
   head) and of each block in forward, in the compute dtype (param_dtype), each parameter's dim 0
   padded to a multiple of N; stage3 gathers every block again in backward (the root is not
   re-sharded after forward, trainer/rank/sharding.py). FSDP2 re-shards after every backward, so each
-  micro-batch gathers afresh. Once per step (the last micro-batch), one reduce-scatter of the
-  root and of each block in zero.reduce_dtype, on the same padded sizes.
-- HSDP (zero.shard_ranks) pads to the shard group and adds, once per step, an all-reduce of each
+  micro-batch gathers afresh. Per reduction (every micro-batch's under zero.reduce_every=micro_batch,
+  else the last one's), one reduce-scatter of the root and of each block in zero.reduce_dtype, on
+  the same padded sizes.
+- HSDP (zero.shard_ranks) pads to the shard group and adds, per reduction, an all-reduce of each
   gradient shard across the groups; hpZ (zero.hpz_ranks) moves stage3 backward's all-gathers into
   the secondary groups. `CommPlan.groups` gives the bytes per process group and the link each
   crosses (trainer/plan/groups.py).
@@ -40,7 +44,7 @@ from typing import Any
 
 from torch.nn.parallel import distributed as ddp_module
 
-from trainer.config import DType, ReduceDType, Stage, TrainConfig
+from trainer.config import DType, ReduceDType, ReduceEvery, Stage, TrainConfig
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
@@ -143,22 +147,28 @@ def tally(moves: list[Move], backend: str) -> tuple[dict[str, int], dict[str, in
     return bytes_by, calls_by
 
 
+def reductions(config: TrainConfig) -> int:
+    """Gradient reductions per optimizer step: every micro-batch's, or the last one's (zero.reduce_every)."""
+    return config.grad_accum if config.zero.reduce_every == ReduceEvery.micro_batch else 1
+
+
 def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
-    """DDP's bucketed all-reduce once per accumulation window; ZeRO-1 adds one broadcast per parameter."""
+    """DDP's bucketed all-reduce per reduction; ZeRO-1 adds one broadcast per parameter."""
     numel = shape.num_params
     # How many all-reduces (to size the flight recorder): DDP fills its small first bucket, then
     # buckets of at least bucket_cap_mb (fp32 gradients); torch's default cap where none is set
     # (a private constant: 25 MiB in torch 2.13 where it is missing).
     cap_mb = config.zero.bucket_cap_mb or getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
     buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
-    moves = [("all_reduce", numel * REDUCE_BYTES[config.zero.reduce_dtype], buckets)]
+    times = reductions(config)
+    moves = [("all_reduce", times * numel * REDUCE_BYTES[config.zero.reduce_dtype], times * buckets)]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
     return moves
 
 
 def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
-    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (once per step)."""
+    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (per reduction)."""
     groups = shard_groups(config.zero, world_size)
     return [move for moves in fsdp_group_moves(config, shape, groups).values() for move in moves]
 
@@ -178,10 +188,11 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     param_bytes = PARAM_BYTES[config.precision.compute_dtype]
     reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]
     stage3 = config.zero.stage == Stage.stage3
+    reduced = reductions(config)
     backward_gather = [("all_gather", accum * param_bytes * layers * block, accum * layers)] if stage3 else []
     shard = [
         ("all_gather", accum * param_bytes * (root + layers * block), accum * (1 + layers)),
-        ("reduce_scatter", reduce_bytes * (root + layers * block), 1 + layers),
+        ("reduce_scatter", reduced * reduce_bytes * (root + layers * block), reduced * (1 + layers)),
     ]
     moves = {"shard": shard}
     if groups.hpz is not None:
@@ -190,6 +201,10 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
         shard[:0] = backward_gather
     if groups.hsdp:
         moves["replicate"] = [
-            ("all_reduce", reduce_bytes * (root + layers * block) // groups.shard, 1 + layers)
+            (
+                "all_reduce",
+                reduced * reduce_bytes * (root + layers * block) // groups.shard,
+                reduced * (1 + layers),
+            )
         ]
     return moves

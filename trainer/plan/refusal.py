@@ -1,5 +1,6 @@
 """The refusal of a plan that does not fit, and its way out: the first few single changes
-(checkpointing, ZeRO stage, smaller micro-batches, offload, more GPUs) whose plans fit."""
+(checkpointing, ZeRO stage, reducing every micro-batch, smaller micro-batches, offload, more GPUs)
+whose plans fit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import functools
 from typing import Any
 
-from trainer.config import CheckpointMode, OffloadTarget, Stage, TrainConfig
+from trainer.config import STAGE_REDUCE_EVERY, CheckpointMode, OffloadTarget, ReduceEvery, Stage, TrainConfig
 from trainer.plan.build import Plan, build_plan, describe
 from trainer.units import GIB
 
@@ -49,8 +50,14 @@ def single_changes(
     options: list[tuple[str, dict[str, Any], int]] = []
     if c.checkpointing.mode != CheckpointMode.full:
         options.append(("checkpointing=full", {"checkpointing__mode": CheckpointMode.full}, world_size))
+    # A stage's option file brings its own zero.reduce_every, so `zero=stage3` is planned with it.
+    stage3 = {"zero__stage": Stage.stage3, "zero__reduce_every": STAGE_REDUCE_EVERY[Stage.stage3]}
     if c.zero.stage != Stage.stage3:
-        options.append(("zero=stage3", {"zero__stage": Stage.stage3}, world_size))
+        options.append(("zero=stage3", stage3, world_size))
+    if c.grad_accum > 1 and c.zero.reduce_every == ReduceEvery.step:  # no full gradient between micro-batches
+        options.append(
+            ("zero.reduce_every=micro_batch", {"zero__reduce_every": ReduceEvery.micro_batch}, world_size)
+        )
     factor = 2
     while c.micro_batch // factor >= 1:  # the same global batch in more, smaller micro-batches
         mb, accum = c.micro_batch // factor, c.grad_accum * factor
@@ -63,9 +70,15 @@ def single_changes(
         if c.offload.target == OffloadTarget.none:  # FSDP2's CPUOffloadPolicy: stage2 or stage3
             stage = c.zero.stage if c.zero.uses_fsdp else Stage.stage2
             text = "offload=cpu" if c.zero.uses_fsdp else "zero=stage2 offload=cpu"
-            options.append((text, {"offload__target": OffloadTarget.cpu, "zero__stage": stage}, world_size))
+            every = c.zero.reduce_every if c.zero.uses_fsdp else STAGE_REDUCE_EVERY[stage]
+            changes = {
+                "offload__target": OffloadTarget.cpu,
+                "zero__stage": stage,
+                "zero__reduce_every": every,
+            }
+            options.append((text, changes, world_size))
         options += [
-            (f"zero=stage3 nproc={n}", {"zero__stage": Stage.stage3}, n)
+            (f"zero=stage3 nproc={n}", stage3 if c.zero.stage != Stage.stage3 else {}, n)
             for n in (2**k for k in range(13))
             if n > world_size
         ]

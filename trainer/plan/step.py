@@ -38,15 +38,21 @@ Temporaries, the part estimators leave out and where stages differ most:
   stage3 one block at a time (plus the prefetched next one in backward); the root
   (embeddings, final norm, output head) stays unsharded in both, as sharding.py asks.
 - FSDP2's flat all-gather output lives next to the unsharded copy until the next copy-out;
-  the reduce-scatter input (fp32, padded), its output (the new gradient shard) and on gloo a
-  second input-sized buffer; the root's unsharded output-head gradient lives from the head's
-  backward until the root's reduce-scatter at the very end of backward.
+  the reduce-scatter input (reduce dtype, padded), its output (the new gradient shard; a bf16
+  output is cast to a new fp32 one) and on gloo a second input-sized buffer; the root's
+  unsharded output-head gradient lives from the head's backward until the root's
+  reduce-scatter at the very end of backward.
 - DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
 - Adam: the per-tensor loop (CPU's default) makes 2 temporaries of a tensor while the previous
   tensor's is still alive; the fused kernel (CUDA's default, `optim.fused`) makes none.
-- Gradient accumulation: micro-batches before the last keep a full unsharded fp32 gradient
-  (DDP no_sync outside its buckets; FSDP2 without reduce-scatter).
+- Gradient accumulation (grad_accum > 1), as `zero.reduce_every` chooses:
+  step: micro-batches before the last keep a full unsharded gradient (DDP no_sync: fp32, outside
+  its buckets; FSDP2 without reduce-scatter: `unsharded_accumulated_grad`, in the reduce dtype,
+  torch's _fsdp_param.py to_accumulated_grad_if_needed);
+  micro_batch: every backward reduces. DDP accumulates in its buckets (no extra memory); FSDP2
+  adds each new shard into the one it holds, so from the second micro-batch on every gradient
+  shard is alive all step long and each reduce-scatter's output is a transient.
 
 CPU offload: FSDP2 keeps parameters, gradients and optimizer state in host memory; on a GPU
 they leave the device figure (reported as `offloaded_gib`); on a CPU device nothing moves.
@@ -55,6 +61,7 @@ they leave the device figure (reported as `offloaded_gib`); on a CPU device noth
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from trainer.config import (
@@ -64,6 +71,7 @@ from trainer.config import (
     ModelConfig,
     OffloadTarget,
     PrecisionConfig,
+    ReduceEvery,
     Stage,
     TrainConfig,
     ZeroConfig,
@@ -71,6 +79,7 @@ from trainer.config import (
 )
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import should_checkpoint
+from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.states import ModelShape, RankStates, padded_numel
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
@@ -329,9 +338,21 @@ def optimizer_temporary(ctx: StepContext) -> int:
     return 4 * ctx.states.loop_temporary
 
 
+def accumulates_sharded(ctx: StepContext) -> bool:
+    """FSDP2 under reduce_every=micro_batch with grad_accum > 1: from the second micro-batch on,
+    every gradient shard is held all step long (the peak is that micro-batch's)."""
+    c = ctx.config
+    return c.grad_accum > 1 and c.zero.uses_fsdp and c.zero.reduce_every == ReduceEvery.micro_batch
+
+
 def accumulation_grads(ctx: StepContext) -> int:
-    """Micro-batches before the last keep an unsharded fp32 gradient outside buckets and shards."""
-    return 4 * ctx.shape.num_params if ctx.config.grad_accum > 1 else 0
+    """reduce_every=step: micro-batches before the last keep an unsharded gradient outside buckets
+    and shards: DDP in the fp32 parameters' dtype, FSDP2 in the reduce dtype."""
+    c = ctx.config
+    if c.grad_accum == 1 or c.zero.reduce_every == ReduceEvery.micro_batch:
+        return 0
+    width = REDUCE_BYTES[c.zero.reduce_dtype] if c.zero.uses_fsdp else 4
+    return width * ctx.shape.num_params
 
 
 def ddp_moments(ctx: StepContext) -> list[Moment]:
@@ -388,27 +409,31 @@ class FsdpSizes:
 
     root: int  # the root's unsharded parameters (= its flat all-gather output), param dtype
     block: int  # one block's
-    root_rs: int  # the root's reduce-scatter input (fp32, padded)
+    root_rs: int  # the root's reduce-scatter input (reduce dtype, padded)
     block_rs: int
-    block_grad_shard: int  # one block's gradient shard (its reduce-scatter output)
+    block_grad_shard: int  # one block's gradient shard (fp32: the reduce-scatter output, cast back)
     root_grad_shard: int
+    block_rs_out: int  # the reduce-scatter output in the reduce dtype (bf16: cast to a new fp32 shard)
+    root_rs_out: int
     output_grad: int  # the output head's unsharded weight gradient (+ final norm's)
     gloo_copy: bool  # gloo's reduce-scatter works on a copy of its input
     secondary: int = 0  # hpZ: one block's secondary shard, kept from its forward to its backward all-gather
 
 
 def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
-    s, w, p = ctx.shape, ctx.world_size, ctx.prec.param
+    s, w, p, r = ctx.shape, ctx.world_size, ctx.prec.param, REDUCE_BYTES[ctx.config.zero.reduce_dtype]
     root_padded = sum(padded_numel(t, w) for t in s.root)
     block_padded = sum(padded_numel(t, w) for t in s.block)
     m = ctx.config.model
     return FsdpSizes(
         root=p * root_padded,
         block=p * block_padded,
-        root_rs=4 * root_padded,
-        block_rs=4 * block_padded,
+        root_rs=r * root_padded,
+        block_rs=r * block_padded,
         block_grad_shard=4 * block_padded // w,
         root_grad_shard=4 * root_padded // w,
+        block_rs_out=r * block_padded // w,
+        root_rs_out=r * root_padded // w,
         output_grad=p * (m.vocab_size * m.dim + m.dim),
         gloo_copy=ctx.device_kind == "cpu",
         secondary=p * block_padded // ctx.config.zero.hpz_ranks if ctx.config.zero.hpz_ranks else 0,
@@ -421,78 +446,153 @@ def secondaries(f: FsdpSizes, blocks: int) -> int:
     return max(0, blocks) * f.secondary
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """What gradient accumulation adds to an FSDP2 step (bytes; nothing at grad_accum=1)."""
+
+    shards: int | None  # micro_batch, from the second micro-batch: every gradient shard, all step long
+    full: int  # step: the unsharded accumulated gradient, before the last micro-batch reduces any of it
+    per_block: int  # step: what one block's reduce-scatter frees of it
+    width: int  # step: its bytes per element (the reduce dtype's)
+    in_place: bool  # step: autograd adds a later micro-batch's gradient into the held one (same dtype)
+
+    def left(self, blocks_reduced: int) -> int:
+        """The accumulated gradient still held once `blocks_reduced` blocks have reduced theirs."""
+        return self.full - blocks_reduced * self.per_block
+
+    def fresh(self, unsharded_grad: int) -> int:
+        """A new unsharded gradient, kept beside the accumulated one until its group's post-backward
+        adds it in (torch's accumulate_unsharded_grad_if_needed); none where autograd adds in place."""
+        return 0 if self.in_place else unsharded_grad
+
+
+def accumulation(ctx: StepContext, f: FsdpSizes) -> Accumulation:
+    """reduce_every=step keeps `unsharded_accumulated_grad` (in the reduce dtype; where that is the
+    param dtype, the unsharded gradient itself) until its block reduces in the last micro-batch;
+    reduce_every=micro_batch keeps every shard the first micro-batch made (accumulates_sharded)."""
+    full = accumulation_grads(ctx)
+    width = REDUCE_BYTES[ctx.config.zero.reduce_dtype] if full else 0
+    shards = ctx.config.model.n_layers * f.block_grad_shard + f.root_grad_shard
+    return Accumulation(
+        shards if accumulates_sharded(ctx) else None,
+        full,
+        width * sum(math.prod(s) for s in ctx.shape.block),
+        width,
+        full > 0 and width == ctx.prec.param,
+    )
+
+
 def fsdp_moments(ctx: StepContext) -> list[Moment]:
     """Stages 2-3: FSDP2 gathers parameters per block and reduce-scatters gradients per block.
 
-    zero_grad frees the gradient shards at the start of the step, so forward-time moments hold none.
+    zero_grad frees the gradient shards at the start of the step, so forward-time moments hold
+    none, unless reduce_every=micro_batch made them in an earlier micro-batch. With grad_accum > 1
+    the moments are the worst micro-batch's: the second and later (and, for reduce_every=step,
+    the last, which reduces, and one before it, which holds the whole accumulated gradient).
     """
     m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
     f = fsdp_sizes(ctx)
+    acc = accumulation(ctx, f)
     stage3 = ctx.config.zero.stage == Stage.stage3
-    accum = accumulation_grads(ctx)
-    after_forward = f.root + (secondaries(f, L) if stage3 else L * f.block) + accum  # unsharded at the loss
+    after_forward = (
+        f.root + (secondaries(f, L) if stage3 else L * f.block) + acc.full
+    )  # unsharded at the loss
     # The last block's forward: its unsharded copy and its flat all-gather output (kept until the
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
-    forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + accum
+    forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + acc.full
     staging = (4 + prec.param) * f.block // ctx.world_size // prec.param if ctx.offloaded else 0
-    head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
+    head = prec.compute * n * (m.vocab_size + m.dim) + acc.fresh(f.output_grad)
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
     # block 0's retained reduce-scatter input, the root unsharded with its gradients: the embedding's
     # and the gradient arriving from block 0, or with tied embeddings the embedding's and its sum
     # with the head's (which waited in autograd's buffer: one parameter, one AccumulateGrad).
     vd = prec.param * m.vocab_size * m.dim
     incoming = vd if m.tie_embeddings else prec.residual * n * m.dim
-    embedding = f.root + f.output_grad + vd + incoming + f.block_rs
-    # The root's reduce-scatter (its output is the root's gradient shard); FSDP2 still holds the
-    # last gradient it reduced (a loop variable in foreach_reduce): the output head's, or with tied
-    # embeddings (no head parameter) the final norm's.
-    last_reduced = prec.param * m.dim if m.tie_embeddings else f.output_grad
-    root_reduce = f.root_rs * (2 if f.gloo_copy else 1) + last_reduced
-    all_grads = L * f.block_grad_shard + f.root_grad_shard
+    embedding = f.root + acc.fresh(f.output_grad) + vd + incoming + f.block_rs + acc.left(L)
+    held = acc.shards or 0
     if ctx.config.loss.kind == LossKind.chunked:
         grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
         loss = [
-            dataclasses.replace(moment, parts={**moment.parts, "grads": 0})
+            dataclasses.replace(moment, parts={**moment.parts, "grads": held})
             for moment in chunked_loss_moments(ctx, after_forward, grad, grad)
         ]
     else:
         loss = [
-            ctx.moment("forward: loss", 0, acts.total, after_forward + loss_forward_temporary(ctx)),
-            ctx.moment("backward: loss", 0, acts.total, after_forward + loss_backward_temporary(ctx)),
-            ctx.moment("backward: output head", 0, acts.total - acts.log_softmax, after_forward + head),
+            ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward_temporary(ctx)),
+            ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
+            ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
         ]
+    earlier = fsdp_block_moments(ctx, f, acc, reduces=False) if acc.full and ctx.config.grad_accum > 2 else []
     return [
-        ctx.moment("forward: last block all-gather", 0, acts.before_last_block, forward + f.block + staging),
-        ctx.moment("forward: last block", 0, acts.before_last_block + acts.full_block, forward),
+        ctx.moment(
+            "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
+        ),
+        ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
         *loss,
-        *fsdp_block_moments(ctx, f),
-        ctx.moment("backward: embedding", L * f.block_grad_shard, acts.batch, embedding + accum),
-        ctx.moment("backward: root reduce-scatter", all_grads, acts.batch, root_reduce + accum),
+        *fsdp_block_moments(ctx, f, acc),
+        *earlier,
+        ctx.moment("backward: embedding", acc.shards or L * f.block_grad_shard, acts.batch, embedding),
+        ctx.moment(
+            "backward: root reduce-scatter",
+            acc.shards or L * f.block_grad_shard,
+            acts.batch,
+            root_reduce(ctx, f, acc),
+        ),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
 
 
-def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
+def cast_shard(rs_out: int, grad_shard: int) -> int:
+    """The fp32 shard FSDP2 casts a bf16 reduce-scatter output to (alive next to it); none in fp32."""
+    return grad_shard if rs_out != grad_shard else 0
+
+
+def root_reduce(ctx: StepContext, f: FsdpSizes, acc: Accumulation) -> int:
+    """The root's reduce-scatter: its input (reduce dtype) and either the unsharded gradients being
+    copied in, or the output with gloo's copy of the input or with its fp32 cast (bf16 reduction),
+    which becomes the root's gradient shard (a transient under reduce_every=micro_batch, added into
+    the held one). FSDP2 still holds the last gradient it reduced (a loop variable in
+    foreach_reduce): the output head's, accumulated under reduce_every=step."""
+    m, L = ctx.config.model, ctx.config.model.n_layers
+    if acc.full:
+        source, last = acc.left(L), acc.width * (m.vocab_size * m.dim + m.dim)
+    else:
+        # tied embeddings have no head parameter: the last gradient reduced is the final norm's
+        last = ctx.prec.param * m.dim if m.tie_embeddings else f.output_grad
+        source = last + ctx.prec.param * m.vocab_size * m.dim
+    gloo = f.root_rs if f.gloo_copy else 0
+    out = f.root_rs_out + max(gloo, cast_shard(f.root_rs_out, f.root_grad_shard))
+    return f.root_rs + max(source, last + out)
+
+
+def fsdp_block_moments(
+    ctx: StepContext, f: FsdpSizes, acc: Accumulation, reduces: bool = True
+) -> list[Moment]:
     """The worst block backward and the worst block reduce-scatter, over every block.
 
     Going down the blocks, activations shrink while gradient shards grow, and from the
     second-to-last block on, the block above's reduce-scatter input is retained (FSDP2 frees it
-    at the next post-backward), so the worst block is not always the last one.
+    at the next post-backward), so the worst block is not always the last one. reduces=False:
+    a micro-batch before the last under reduce_every=step, which reduces nothing and holds the
+    whole accumulated gradient.
     """
     m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
     stage3 = ctx.config.zero.stage == Stage.stage3
-    accum = accumulation_grads(ctx)
-    # Reduce-scatter: the fp32 input, then either the unsharded gradients being copied in, or
-    # the output (the new shard) and gloo's copy of the input.
-    rs_block = f.block_rs + max(f.block, f.block_grad_shard + (f.block_rs if f.gloo_copy else 0))
-    compute = block_backward_temporary(ctx, prec.param, weight_grad_held=True)
+    prefix = "backward" if reduces else "backward (micro-batch before the last)"
+    gloo = f.block_rs if f.gloo_copy else 0
+    out = f.block_rs_out + max(gloo, cast_shard(f.block_rs_out, f.block_grad_shard))
+    # FSDP2 keeps a block's new weight gradients until its post-backward, unless autograd adds
+    # them into an accumulated gradient of the same dtype (reduce_every=step), freeing each at once.
+    compute = block_backward_temporary(ctx, prec.param, weight_grad_held=not acc.in_place)
     incoming = prec.residual * n * m.dim
     worst: dict[str, Moment] = {}
     for i in reversed(range(L)):
         below = sum(acts.blocks[:i]) + acts.batch
-        grads = (L - 1 - i) * f.block_grad_shard
-        retained = f.block_rs if i < L - 1 else 0
+        reduced = L - 1 - i if reduces else 0  # blocks above this one, reduced already
+        grads = acc.shards or reduced * f.block_grad_shard
+        retained = f.block_rs if reduced else 0
+        accumulated = acc.left(reduced)
         prefetched = f.block if i > 0 else 0  # stage3 gathers the block below while this one runs
         # hpZ: every block below holds its secondary shard, the prefetched one too: it is freed only
         # when its all-gather output is copied out, at that block's own pre-backward.
@@ -501,28 +601,34 @@ def fsdp_block_moments(ctx: StepContext, f: FsdpSizes) -> list[Moment]:
         params = (
             f.root
             + (f.block + prefetched + held if stage3 else (i + 1) * f.block)
-            + f.output_grad
+            + acc.fresh(f.output_grad)
             + retained
-            + accum
+            + accumulated
         )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
-            ctx.moment(f"backward: block {i}", grads, below + acts.full_block, params + compute),
+            ctx.moment(f"{prefix}: block {i}", grads, below + acts.full_block, params + compute),
             # its end: its activations gone, every unsharded weight gradient of the block held
-            ctx.moment(f"backward: block {i} end", grads, below, params + f.block + 2 * incoming),
-            # its reduce-scatter: the block resharded, the retained input of the block above freed
-            ctx.moment(
-                f"backward: block {i} reduce-scatter",
-                grads,
-                below,
-                f.root
-                + (prefetched + held if stage3 else i * f.block)
-                + f.output_grad
-                + incoming
-                + rs_block
-                + accum,
-            ),
+            ctx.moment(f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming),
         ]
+        if reduces:
+            # its reduce-scatter: the block resharded, the retained input of the block above freed;
+            # its unsharded (or accumulated) gradient copied into the input, then freed
+            source = accumulated if acc.full else f.block
+            after_copy = out + accumulated - acc.per_block
+            moments.append(
+                ctx.moment(
+                    f"{prefix}: block {i} reduce-scatter",
+                    grads,
+                    below,
+                    f.root
+                    + (prefetched + held if stage3 else i * f.block)
+                    + acc.fresh(f.output_grad)
+                    + incoming
+                    + f.block_rs
+                    + max(source, after_copy),
+                )
+            )
         for kind, moment in zip(("start", "end", "reduce"), moments):
             if kind not in worst or moment.total > worst[kind].total:
                 worst[kind] = moment

@@ -32,7 +32,7 @@ from trainer.rank.optim import (
     step_unless,
 )
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
-from trainer.rank.sharding import apply_zero, gradient_sync
+from trainer.rank.sharding import apply_zero, gradient_sync, reduces_now
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     Progress,
@@ -163,7 +163,7 @@ def train_step(
         # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
         # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
         with (
-            gradient_sync(model, enabled=is_last),
+            gradient_sync(model, enabled=reduces_now(config.zero, is_last)),
             build_autocast(config.precision, config.zero, world.device),
         ):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened

@@ -26,6 +26,7 @@ from trainer.config import (
     OffloadTarget,
     PrecisionConfig,
     ReduceDType,
+    ReduceEvery,
     Stage,
     ZeroConfig,
 )
@@ -123,8 +124,21 @@ def build_offload_policy(offload: OffloadConfig, world: World) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=offload.pin_memory and world.device.type == "cuda")
 
 
+def reduces_now(zero: ZeroConfig, is_last: bool) -> bool:
+    """Whether this micro-batch's backward reduces gradients (zero.reduce_every).
+
+    micro_batch: every backward. FSDP2 reduce-scatters each block's gradient and adds the new
+    shard into the one already held (foreach_reduce in torch's _fsdp_collectives.py), so a rank
+    never holds more than its shard between micro-batches; DDP all-reduces each backward into
+    its buckets, where the next backward accumulates. step: only the last micro-batch's; before
+    it FSDP2 keeps each block's unsharded gradient (in the reduce dtype, `unsharded_accumulated_grad`)
+    and DDP (no_sync) a full gradient outside its buckets.
+    """
+    return is_last or zero.reduce_every == ReduceEvery.micro_batch
+
+
 def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager:
-    """Reduce gradients only on the last micro-batch of an accumulation window."""
+    """Reduce this micro-batch's gradients or not (`reduces_now` decides)."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()

@@ -1,0 +1,177 @@
+"""Gradient accumulation under both `zero.reduce_every` choices: the plan's peak is what the ranks hold
+(2 gloo ranks), and the losses are a 1-rank run's.
+
+One 2-rank process group runs every configuration in turn (a fresh trainee each; step 1 untracked,
+step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job), so
+the whole grid costs one process group. Each rank writes its peaks to a JSON file the tests read.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer.config import (
+    DeviceKind,
+    DType,
+    PrecisionConfig,
+    ReduceDType,
+    ReduceEvery,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+)
+from trainer.plan import build_plan
+
+WORLD = 2
+PRECISIONS = (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"))  # (compute, reduce dtype)
+CASES = [
+    (stage, every, accum, precision, reduce_dtype)
+    for stage in ("stage2", "stage3")
+    for every in ("micro_batch", "step")
+    for accum in (2, 4)
+    for precision, reduce_dtype in PRECISIONS
+]
+# DDP (stages 0-1): micro_batch accumulates in the buckets, step beside them (4 bytes per parameter more)
+CASES += [
+    (stage, every, 2, "fp32", "fp32") for stage in ("stage0", "stage1") for every in ("micro_batch", "step")
+]
+PEAK_TOLERANCE = 0.005  # the issue's 0.5%
+# micro_batch=4 x seq_len=128: the peak comes at the loss's backward, where no collective is in flight;
+# with fewer tokens it comes at a block's reduce-scatter, where gloo sometimes frees a buffer late
+# (docs/memory_plan.md) and one rank in a few runs holds one more, up to 3% there.
+MICRO_BATCH, SEQ_LEN = 4, 128
+
+
+def key(case: tuple[str, str, int, str, str]) -> str:
+    return "{} reduce_every={} grad_accum={} precision={} reduce_dtype={}".format(*case)
+
+
+def make_config(stage: str, every: str, grad_accum: int, precision: str, reduce_dtype: str) -> TrainConfig:
+    dtype = {"fp32": DType.float32, "bf16": DType.bfloat16}[precision]
+    return TrainConfig(
+        precision=PrecisionConfig(name=precision, compute_dtype=dtype),
+        zero=ZeroConfig(
+            stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype), reduce_every=ReduceEvery(every)
+        ),
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        grad_accum=grad_accum,
+        steps=2,
+        device=DeviceKind.cpu,
+        nproc=str(WORLD),
+    )
+
+
+def measure_peak(config: TrainConfig, world: Any) -> float:
+    """Step 2's peak tensor bytes on this rank (step 1 creates Adam's state and is not tracked)."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.telemetry.memory import MemoryProbe
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    probe = MemoryProbe(world.device, memory_every=0, last_step=config.steps)
+    for step in (1, 2):
+        with probe.measure(step, trainee.model, trainee.optimizer):
+            train_step(trainee, batches, config, world, step, guard)
+    peak = probe.read()[probe.fields.index("peak_allocated")]
+    del trainee
+    gc.collect()
+    return peak
+
+
+def worker(rank: int, port: int, out_dir: str, cases: list[tuple[str, str, int, str, str]]) -> None:
+    os.environ.update(
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
+    from trainer.world import init_world, shutdown_world
+
+    world = init_world("cpu")
+    torch.set_num_threads(1)
+    peaks = {key(case): measure_peak(make_config(*case), world) for case in cases}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
+    shutdown_world()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    out = tmp_path_factory.mktemp("accumulation")
+    mp.spawn(worker, args=(free_port(), str(out), CASES), nprocs=WORLD)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=key)
+def test_the_plan_is_each_ranks_measured_peak(
+    measured: list[dict[str, float]], case: tuple[str, str, int, str, str]
+) -> None:
+    """Acceptance 3: measured peak within 0.5% of the plan on every rank, both choices."""
+    plan = build_plan(make_config(*case), "cpu", WORLD)
+    for rank in plan.ranks:
+        got, want = measured[rank.rank][key(case)], rank.peak.total
+        assert abs(want - got) / got < PEAK_TOLERANCE, (
+            f"rank {rank.rank}: planned {want} at {rank.peak.name}, measured {got} ({(want - got) / got:+.2%})"
+        )
+
+
+# ----------------------------------------------------------------------------- losses: a 1-rank run's
+
+PARITY_STEPS = ("steps=8", "optim.warmup_steps=2", "precision=fp32")
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference: 1 rank, the same global batch of 8 sequences in one micro-batch."""
+    from tests.conftest import TINY, run_trainer
+
+    run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *PARITY_STEPS, "nproc=1", "micro_batch=8")
+    return run.losses
+
+
+PARITY = [(s, e) for s in ("stage2", "stage3") for e in ("micro_batch", "step")]
+PARITY += [
+    ("stage0", "micro_batch"),
+    ("stage1", "micro_batch"),
+]  # DDP all-reducing into buckets that accumulate
+
+
+@pytest.mark.parametrize("stage,every", PARITY)
+def test_accumulating_4_micro_batches_on_2_ranks_is_one_rank_s_step(
+    trainer, one_rank_losses: list[float], stage: str, every: str
+) -> None:
+    """Acceptance 4: 2 ranks x micro_batch 1 x grad_accum 4, either reduce_every, lose what 1 rank
+    with micro_batch 8 loses, step by step, within 1e-5 (fp32)."""
+    run = trainer(
+        *PARITY_STEPS,
+        "nproc=2",
+        f"zero={stage}",
+        f"zero.reduce_every={every}",
+        "micro_batch=1",
+        "grad_accum=4",
+    )
+    assert len(run.losses) == len(one_rank_losses) == 8
+    for step, (got, want) in enumerate(zip(run.losses, one_rank_losses), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert run.losses[-1] < run.losses[0]
