@@ -76,7 +76,9 @@ class SweepCallback(Callback):
 
         # Under torchrun every rank runs Hydra and rank 0's directory is used (trainer/job.py):
         # claiming would leave one empty directory per rank.
-        if not is_under_torchrun() and config.get("nodes", 1) == 1:
+        # mode=plan and mode=advise start no rank on any node: one directory here, like one node's.
+        one_place = config.get("nodes", 1) == 1 or config.get("mode", "train") != "train"
+        if not is_under_torchrun() and one_place:
             claim_fresh_dir(config, "run")
         elif not is_under_torchrun() and "${now:" in str(
             OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")

@@ -1,5 +1,6 @@
 """The host memory of a node as users meet it: `mode=plan` for 70b offloaded on 8 H100s against
-hosts of 1 and 2 TiB, and `mode=advise` whose offload candidates cannot fit a small host."""
+hosts of 1 and 2 TiB, `mode=advise` whose offload candidates cannot fit a small host, and
+`mode=advise` on 8 nodes, where no node needs a shared directory."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def test_advise_lists_no_offload_candidate_on_a_host_too_small(tmp_path: Path) -
         "84 need more host memory than a node has (84 with offload=cpu; the least 277.0 GiB per node"
         in summary
     )
+
+
+def test_advise_on_8_nodes_of_8_a100s_weighs_hsdp_and_hpz_per_tier(tmp_path: Path) -> None:
+    """Issue 25's command as typed: mode=advise needs no shared directory (it starts no rank on any node)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "mode=advise", "model=70b", "nodes=8", "nproc=8", "logger=none",
+         "plan.accelerator=a100-80gb", "seq_len=4096", "precision=bf16", "global_batch=128"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = [line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()]
+    assert "on 64 ranks" in proc.stdout and "exposed s intra/net" in proc.stdout
+    assert any(" hpz=8 " in row or " shard=8 " in row for row in [header, *rows])
