@@ -41,8 +41,10 @@ def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hyd
 def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
     config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
     on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
-    assert len(on_cpu) == 4 * 3 * 1 * 3  # stages x checkpointing x offload none x micro-batch 1, 2, 4
-    assert len(on_gpu) == len(on_cpu) + 2 * 3 * 3  # + offload=cpu for stage2, stage3
+    assert (
+        len(on_cpu) == 4 * 4 * 1 * 3
+    )  # stages x checkpointing (none, full, selective, op) x offload none x micro-batch 1, 2, 4
+    assert len(on_gpu) == len(on_cpu) + 2 * 4 * 3  # + offload=cpu for stage2, stage3
     assert {c["zero"] for c in on_gpu if c["offload"] == "cpu"} == {"stage2", "stage3"}
     assert all(c["micro_batch"] * c["grad_accum"] == 4 for c in on_cpu)
 
@@ -129,7 +131,7 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     assert rates.flops_at(200) == 2e10 and not rates.overlap
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
-    assert len(ranked) == 4 * 3 * 2 + 2 * 3 * 2 and ranked[0].tokens_per_s == max(
+    assert len(ranked) == 4 * 4 * 2 + 2 * 4 * 2 and ranked[0].tokens_per_s == max(
         c.tokens_per_s for c in ranked
     )
 

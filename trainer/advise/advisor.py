@@ -147,7 +147,9 @@ def evaluate(
     )
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    step = predict_step(candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates)
+    step = predict_step(
+        candidate, world_size, comm.bytes_by_collective, local_numel, flops, rates, device_kind
+    )
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     return Candidate(
         choice,
