@@ -38,6 +38,19 @@ def test_op_trains_like_no_checkpointing_over_8_steps(process_group: None, stage
     assert len(op) == 8 and max(abs(a - b) for a, b in zip(none, op)) <= 1e-6
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(zero__stage="stage1", precision__compute_dtype="float16"),
+        dict(zero__stage="stage2", precision__compute_dtype="bfloat16", offload__target="cpu"),
+    ],
+)
+def test_op_composes_with_half_precision_and_offload(process_group: None, overrides: dict) -> None:
+    """The recompute reruns the same ops in the same dtypes: the losses are the same, bit for bit."""
+    none = losses(tiny_config(steps=4, **overrides), 4)
+    assert losses(tiny_config(steps=4, checkpointing__mode="op", **overrides), 4) == none
+
+
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
 def test_op_compiled_trains_like_no_checkpointing_eager(process_group: None, stage: str) -> None:
     """compile=true around the policy (checkpointing, then compile, then shard), within
