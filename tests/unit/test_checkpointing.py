@@ -10,7 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from tests.unit.fakes import WORLD, tiny_config
 from trainer.config import ConfigError
 from trainer.data import build_batches
-from trainer.model.attention import choose_sdpa
+from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing, op_saved_matmuls
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.states import model_shape
@@ -91,7 +91,7 @@ def held_after_forward(config) -> int:
     model = build_model(config.model, device="cpu")
     init_weights(model, seed=0)
     apply_sdpa_choice(
-        model, choose_sdpa(config.attention, "cpu", config.precision.compute_dtype, grouped=True)
+        model, run_choice(config.attention, config.model, config.precision.compute_dtype, "cpu")
     )
     apply_activation_checkpointing(model, config.checkpointing)
     block = model.layers[0]

@@ -27,7 +27,9 @@ term; other kernels (`attention=`, and fp32 on CUDA) add what `attention_extra_p
 the fp32 log-softmax of the logits (4·V per token; `logits.float()` adds a transient fp32
 copy in bf16). Activation checkpointing (non-reentrant) keeps only a block's input (D values
 in the residual dtype) and recomputes the block in backward, so the last block's full set
-comes back at the start of backward.
+comes back at the start of backward. Per-operator checkpointing (checkpointing=op) also keeps
+the outputs its policy saves (`op_checkpointed_bytes_per_token`); the one its recompute never
+reads (w2's) stays through the block's backward on top of the full set.
 
 Temporaries, the part estimators leave out and where stages differ most:
 - stage2 keeps every block's parameters unsharded (param dtype) from forward to backward;
@@ -37,7 +39,8 @@ Temporaries, the part estimators leave out and where stages differ most:
   the reduce-scatter input (fp32, padded), its output (the new gradient shard) and on gloo a
   second input-sized buffer; the root's unsharded output-head gradient lives from the head's
   backward until the root's reduce-scatter at the very end of backward.
-- DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
+- DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward, and
+  casts w2's bf16 weight gradient to fp32 only once the B·T·M input gradient is consumed.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
 - Adam: the per-tensor loop (CPU's default) makes 2 temporaries of a tensor while the previous
   tensor's is still alive; the fused kernel (CUDA's default, `optim.fused`) makes none.
