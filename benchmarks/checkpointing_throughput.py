@@ -6,10 +6,13 @@
 A sibling of benchmarks/runner_vs_handwritten.py (same models, same alternation): the three arms
 alternate round by round in an order that rotates, so that a shared machine's load hits them
 alike, and the ratios of the medians to `none` are printed. Warm-up is excluded (the runner's
-summary leaves out its first log window). What to expect: full reruns every block's forward but
-w2, op only wk, wo and w3 (trainer/advise/predict.py), so op sits between full and none;
-torchtitan measured +8% eager and +12% compiled for op over full on Llama-2-7B on 8 H100s
-(pytorch/torchtitan#165). On a CPU, whose matmuls dominate less, the gap is what this measures.
+summary leaves out its first log window). In FLOPs, full reruns every block's forward but w2,
+op only wk, wo and w3 (trainer/advise/predict.py), so op sits between full and none; torchtitan
+measured +8% eager and +12% compiled for op over full on Llama-2-7B on 8 H100s
+(pytorch/torchtitan#165). Eager, though, the policy is a Python TorchDispatchMode that sees every
+op of every block in forward and again in the recompute; on small CPU models that costs more than
+the matmuls it saves (docs/memory_plan.md has a run). With --compile the policy is applied once,
+when the block is traced.
 """
 
 from __future__ import annotations
