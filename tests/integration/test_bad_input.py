@@ -45,6 +45,11 @@ CASES = [
         "missing its matmul efficiency",
     ),
     (["compile=true", "compile_backend=tvm"], "compile_backend", "inductor, aot_eager, eager"),
+    (
+        ["checkpointing=op", "checkpointing.save_ops=[aten.mm,aten.not_an_op]"],
+        "checkpointing.save_ops: 'aten.not_an_op'",
+        "is not a torch op",
+    ),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)
     (["micro_batch=abc"], "micro_batch=abc", "converted to Integer"),

@@ -42,9 +42,10 @@ def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hyd
 def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
     config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
     on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
-    # stages x checkpointing x offload none x (micro-batch 1 and 2, each reduce_every; micro-batch 4 once)
-    assert len(on_cpu) == 4 * 3 * 1 * (2 * 2 + 1)
-    assert len(on_gpu) == len(on_cpu) + 2 * 3 * 5  # + offload=cpu for stage2, stage3
+    # stages x checkpointing (none, full, selective, op) x offload none x (micro-batch 1 and 2, each
+    # reduce_every; micro-batch 4 once)
+    assert len(on_cpu) == 4 * 4 * 1 * (2 * 2 + 1)
+    assert len(on_gpu) == len(on_cpu) + 2 * 4 * 5  # + offload=cpu for stage2, stage3
     assert {c["zero"] for c in on_gpu if c["offload"] == "cpu"} == {"stage2", "stage3"}
     assert all(c["micro_batch"] * c["grad_accum"] == 4 for c in on_cpu)
     # grad_accum 1 reduces once either way: the stage's own default (conf/zero) is the one planned
@@ -141,7 +142,7 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
     # (stage0/1 fp32 + stage2/3 fp32, bf16) x checkpointing x (mb 1 x2 reduce_every + mb 2)
-    assert len(ranked) == 4 * 3 * 3 + 2 * 3 * 3 and ranked[0].tokens_per_s == max(
+    assert len(ranked) == 4 * 4 * 3 + 2 * 4 * 3 and ranked[0].tokens_per_s == max(
         c.tokens_per_s for c in ranked
     )
 

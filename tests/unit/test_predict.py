@@ -62,6 +62,24 @@ def test_recompute_is_the_checkpointed_blocks_forward_without_w2() -> None:
     assert recompute_of(config(seq_len=128)) == 0
 
 
+def test_op_recomputes_wk_wo_w3_and_attention_only_when_its_op_is_not_saved() -> None:
+    # tiny: D=128, KQ=64, M=384, 4 layers, T=128. torchtitan's policy keeps wq, wv, w1, w2 and
+    # the SDPA op's output: wk, wo and w3 are rerun, w2 never (early stop).
+    matmuls = 2 * (128 * 64 + 128 * 128 + 128 * 384)
+    op = config(checkpointing=CheckpointMode.op, seq_len=128)
+    cpu_flash = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert recompute_flops_per_token(op.model, op.checkpointing, 128, attention_op=cpu_flash) == 4 * matmuls
+    # attention=math: its composite op decomposes before the policy sees it, so attention is rerun
+    assert recompute_flops_per_token(op.model, op.checkpointing, 128, attention_op=None) == 4 * (
+        matmuls + 4 * 4 * 32 * 128
+    )
+    assert matmuls < 360_960  # less than full checkpointing's rerun of the block
+    no_mm = dataclasses.replace(op.checkpointing, save_ops=[cpu_flash])  # every matmul but w2 rerun
+    assert recompute_flops_per_token(op.model, no_mm, 128, attention_op=cpu_flash) == 4 * 2 * (
+        128 * 128 + 2 * 128 * 64 + 128 * 128 + 2 * 128 * 384
+    )
+
+
 def test_step_without_overlap_adds_compute_wire_and_optimizer() -> None:
     c = config(micro_batch=2, grad_accum=2, seq_len=128)
     step = predict_step(c, 4, {"all_reduce": 4_000_000, "broadcast": 0}, 1_000_000, F, RATES)

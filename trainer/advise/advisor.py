@@ -236,7 +236,7 @@ def evaluate(
     # (MFU still counts the model's own FLOPs).
     m = candidate.model
     run_flops = flops + (2.0 * m.vocab_size * m.dim if candidate.loss.kind == LossKind.chunked else 0.0)
-    step = predict_step_tiers(candidate, world_size, comm, local_numel, run_flops, rates)
+    step = predict_step_tiers(candidate, world_size, comm, local_numel, run_flops, rates, device_kind)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     device_fits = None if budget is None else peak <= budget
     return Candidate(

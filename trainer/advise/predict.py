@@ -8,6 +8,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
         R = k · (2·(N_block − D·M) + 4·H·Q·T), recompute per token for k checkpointed blocks: the
             block's forward again, less its last matmul (w2), which non-reentrant checkpointing's
             early stop never reruns (its output is not saved for backward)
+        R = L · (2·Σ numel of the recomputed matmuls + 4·H·Q·T unless the SDPA op is saved) for
+            checkpointing=op: its policy keeps wq, wv, w1, w2 and attention, so wk, wo and w3
+            are rerun (w2 never is), 2·(D·KQ + D·D + D·M) per token per block by default
     wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from trainer.advise.calibrate import Rates
 from trainer.config import (
     CheckpointingConfig,
+    CheckpointMode,
     DType,
     ModelConfig,
     OffloadTarget,
@@ -44,7 +48,8 @@ from trainer.config import (
     TrainConfig,
     ZeroConfig,
 )
-from trainer.model.checkpointing import should_checkpoint
+from trainer.model.attention import run_choice, sdpa_op
+from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan import LINKS, CommPlan, model_shape
 from trainer.plan.comm import reductions
 
@@ -99,14 +104,33 @@ class StepTime:
         return max(parts, key=parts.__getitem__)
 
 
-def recompute_flops_per_token(m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int) -> float:
-    """FLOPs per token that activation checkpointing adds: checkpointed blocks' forward, less w2."""
+def recompute_flops_per_token(
+    m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int, *, attention_op: str | None = None
+) -> float:
+    """FLOPs per token that activation checkpointing adds: checkpointed blocks' forward, less w2;
+    for mode=op, the matmuls and attention its policy does not save (`attention_op`: the SDPA op
+    the run's kernel runs, None for math, whose composite op the policy never sees)."""
+    if checkpointing.mode == CheckpointMode.op:
+        return m.n_layers * op_recompute_flops_per_token(m, checkpointing, seq_len, attention_op)
     shape = model_shape(m)
     block_params = sum(_numel(s) for s in shape.block)
     head_dim = m.dim // m.n_heads
     block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * head_dim * seq_len
     checkpointed = sum(should_checkpoint(i, checkpointing) for i in range(m.n_layers))
     return checkpointed * block_forward
+
+
+def op_recompute_flops_per_token(
+    m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int, attention_op: str | None
+) -> float:
+    """One block's recompute under mode=op, per token: the matmuls the policy does not save, but
+    w2 (early stop ends the recompute once w2's input is back), and attention unless its op is saved."""
+    KQ, M = m.n_kv_heads * (m.dim // m.n_heads), m.ffn_dim
+    width = dict(wq=m.dim, wk=KQ, wv=KQ, wo=m.dim, w1=M, w3=M, w2=M)  # each matmul is D x width
+    saved = op_saved_matmuls(checkpointing.save_ops)
+    matmuls = sum(2.0 * m.dim * width[name] for name in BLOCK_MATMULS[:-1] if name not in saved)
+    attention = 0.0 if op_saves(checkpointing.save_ops, attention_op) else 4.0 * m.dim * seq_len
+    return matmuls + attention
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -158,11 +182,15 @@ def predict_step(
     local_numel: int,
     flops_per_token: float,
     rates: Rates,
+    device_kind: str = "cpu",
 ) -> StepTime:
     """The step time of `config` on `world_size` ranks (module docstring: the formulas)."""
     tokens = config.micro_batch * config.grad_accum * config.seq_len
     rate = rates.flops_at(config.micro_batch * config.seq_len)
-    recompute = recompute_flops_per_token(config.model, config.checkpointing, config.seq_len)
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
+    recompute = recompute_flops_per_token(
+        config.model, config.checkpointing, config.seq_len, attention_op=sdpa_op(choice, device_kind)
+    )
     compute_s = tokens * (flops_per_token + recompute) / rate
     forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
     backward_s = compute_s - forward_s
@@ -228,6 +256,7 @@ def predict_step_tiers(
     local_numel: int,
     flops_per_token: float,
     rates: Rates,
+    device_kind: str = "cpu",
 ) -> StepTime:
     """The step time with each process group's collectives on its own link (comm.groups: intra-node at
     NVLink's bandwidth, network at the network's, where `rates.link_bus_bytes_per_s` has both), and the
@@ -240,7 +269,9 @@ def predict_step_tiers(
     """
     # Each rank offloads its own shards: 1/shard-group of every payload (HSDP shards over fewer ranks).
     sharded_over = comm.groups["shard"].ranks if "shard" in comm.groups else world_size
-    base = predict_step(config, sharded_over, comm.bytes_by_collective, local_numel, flops_per_token, rates)
+    base = predict_step(
+        config, sharded_over, comm.bytes_by_collective, local_numel, flops_per_token, rates, device_kind
+    )
     tokens = config.micro_batch * config.grad_accum * config.seq_len
     rate = rates.flops_at(config.micro_batch * config.seq_len)
     forward_s = tokens * flops_per_token * FORWARD_SHARE / rate

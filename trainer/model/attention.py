@@ -66,3 +66,17 @@ def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped
 def run_choice(kernel: AttentionKernel, model: ModelConfig, dtype: DType, device_kind: str) -> SdpaChoice:
     """The choice of a run (raises ConfigError before any rank starts, when called from the job)."""
     return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads)
+
+
+def sdpa_op(choice: SdpaChoice, device_kind: str) -> str | None:
+    """The aten op the chosen kernel runs as, as a dispatch mode (checkpointing=op's policy) sees it;
+    None for math, whose op is composite: it decomposes into matmuls and a softmax first."""
+    if choice.backend == SDPBackend.MATH:
+        return None
+    if choice.backend == SDPBackend.EFFICIENT_ATTENTION:
+        return "aten._scaled_dot_product_efficient_attention"
+    return (
+        "aten._scaled_dot_product_flash_attention_for_cpu"
+        if device_kind == "cpu"
+        else "aten._scaled_dot_product_flash_attention"
+    )

@@ -31,7 +31,9 @@ term; other kernels (`attention=`, and fp32 on CUDA) add what `attention_extra_p
 the fp32 log-softmax of the logits (4·V per token; `logits.float()` adds a transient fp32
 copy in bf16). Activation checkpointing (non-reentrant) keeps only a block's input (D values
 in the residual dtype) and recomputes the block in backward, so the last block's full set
-comes back at the start of backward.
+comes back at the start of backward. Per-operator checkpointing (checkpointing=op) also keeps
+the outputs its policy saves (`op_checkpointed_bytes_per_token`); the one its recompute never
+reads (w2's) stays through the block's backward on top of the full set.
 
 Temporaries, the part estimators leave out and where stages differ most:
 - stage2 keeps every block's parameters unsharded (param dtype) from forward to backward;
@@ -42,7 +44,8 @@ Temporaries, the part estimators leave out and where stages differ most:
   output is cast to a new fp32 one) and on gloo a second input-sized buffer; the root's
   unsharded output-head gradient lives from the head's backward until the root's
   reduce-scatter at the very end of backward.
-- DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward.
+- DDP under autocast caches a 2-byte copy of every matmul weight for forward and backward, and
+  casts w2's bf16 weight gradient to fp32 only once the B·T·M input gradient is consumed.
 - The loss: log_softmax and its backward hold 2-3 fp32 B·T·V tensors at once.
 - Adam: the per-tensor loop (CPU's default) makes 2 temporaries of a tensor while the previous
   tensor's is still alive; the fused kernel (CUDA's default, `optim.fused`) makes none.
@@ -65,6 +68,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import (
+    CheckpointMode,
     DataConfig,
     DType,
     LossKind,
@@ -77,8 +81,8 @@ from trainer.config import (
     ZeroConfig,
     uses_fused,
 )
-from trainer.model.attention import run_choice
-from trainer.model.checkpointing import should_checkpoint
+from trainer.model.attention import run_choice, sdpa_op
+from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.states import ModelShape, RankStates, padded_numel
 
@@ -166,6 +170,13 @@ class Activations:
     head: int  # final norm + fp32 log-softmax
     log_softmax: int
     batch: int
+    unread: int = 0  # checkpointing=op: a block's saved outputs its recompute stops before reading (w2's)
+
+    @property
+    def in_backward(self) -> int:
+        """What a block holds at the start of its backward: its full set back, and what stays unread
+        until its backward ends (the policy's storage lives as long as the block's graph)."""
+        return self.full_block + self.unread
 
     @property
     def total(self) -> int:
@@ -196,21 +207,51 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     return 2 * (HQ - KQ) * prec.compute if choice.repeat_kv else 0
 
 
+def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> int:
+    """checkpointing=op: what a block keeps from its forward to its backward, per token.
+
+    Its input (as every checkpointed block) and the outputs the policy saves
+    (trainer/model/checkpointing.py): the 1st, 3rd, 5th and 7th matmul (wq, wv, w1, w2) when the
+    save list has aten.mm, and the SDPA op's output and fp32 logsumexp when it has the op the
+    run's kernel runs (math has none: its composite op decomposes first). The saved outputs are
+    kept whether or not backward needs them (w2's output, which no backward reads, included).
+    """
+    m, prec = config.model, precisions(config.precision, config.zero)
+    HQ, KQ = m.n_heads * m.head_width, m.n_kv_heads * m.head_width  # HQ = D unless `head_dim` sets it apart
+    widths = {"wq": HQ, "wk": KQ, "wv": KQ, "wo": m.dim, "w1": m.ffn_dim, "w3": m.ffn_dim, "w2": m.dim}
+    save_ops = config.checkpointing.save_ops
+    kept = prec.residual * m.dim + sum(prec.compute * widths[name] for name in op_saved_matmuls(save_ops))
+    choice = run_choice(config.attention, m, config.precision.compute_dtype, device_kind)
+    if op_saves(save_ops, sdpa_op(choice, device_kind)):
+        kept += prec.compute * HQ + 4 * m.n_heads
+    return kept
+
+
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     full = (
         block_bytes_per_token(m, prec.regime, device_kind) + attention_extra_per_token(config, device_kind)
     ) * tokens
-    checkpointed = prec.residual * m.dim * tokens  # non-reentrant checkpoint keeps the block's input
+    checkpointed, unread = (
+        prec.residual * m.dim * tokens,
+        0,
+    )  # non-reentrant checkpoint keeps the block's input
+    if config.checkpointing.mode == CheckpointMode.op:
+        checkpointed = op_checkpointed_bytes_per_token(config, device_kind) * tokens
+        # Early stop ends the recompute once w2's input is back, before w2 runs: its saved output is never read.
+        unread = (
+            prec.compute * m.dim * tokens if "w2" in op_saved_matmuls(config.checkpointing.save_ops) else 0
+        )
     blocks = tuple(
         checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
     )
+    batch = BATCH_BYTES_PER_TOKEN * tokens
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
-        return Activations(blocks, full, head, 0, BATCH_BYTES_PER_TOKEN * tokens)
+        return Activations(blocks, full, head, 0, batch, unread)
     head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + 4  # + nll_loss's fp32 total weight
-    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, BATCH_BYTES_PER_TOKEN * tokens)
+    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread)
 
 
 # ----------------------------------------------------------------------------- moments of a step
@@ -326,6 +367,10 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
     nm, w2_grad = ctx.prec.compute * n * m.ffn_dim, weight_grad_bytes * m.dim * m.ffn_dim
     if weight_grad_held:
         return incoming + 2 * nm + w2_grad
+    if ctx.prec.regime == "autocast":
+        # The bf16 weight gradient's fp32 cast (6 bytes per element at once) comes once the B·T·M
+        # input gradient is consumed: measured with MemTracker on DDP, B·T of 16, 128 and 1024.
+        return incoming + max(w2_grad, 2 * nm)
     return incoming + max(nm + w2_grad, 2 * nm)
 
 
@@ -395,7 +440,7 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
         *loss,
         ctx.moment(
             "backward: last block",
-            activations=acts.before_last_block + acts.full_block,
+            activations=acts.before_last_block + acts.in_backward,
             temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
         ),
         ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding),
@@ -607,7 +652,7 @@ def fsdp_block_moments(
         )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
-            ctx.moment(f"{prefix}: block {i}", grads, below + acts.full_block, params + compute),
+            ctx.moment(f"{prefix}: block {i}", grads, below + acts.in_backward, params + compute),
             # its end: its activations gone, every unsharded weight gradient of the block held
             ctx.moment(f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming),
         ]
