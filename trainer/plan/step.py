@@ -315,7 +315,9 @@ def loss_backward_temporary(ctx: StepContext) -> int:
     return 8 * ctx.tokens * ctx.config.model.vocab_size
 
 
-def chunked_loss_moments(ctx: StepContext, fixed: int, weight_grad: int, head_end: int) -> list[Moment]:
+def chunked_loss_moments(
+    ctx: StepContext, fixed: int, weight_grad: int, head_end: int, prefetched: int = 0
+) -> list[Moment]:
     """loss=chunked (trainer/model/loss.py): the moments of the loss and the output head, chunk by chunk.
 
     c tokens a chunk, k chunks, the last r tokens. Forward and each chunk's recompute hold the chunk's
@@ -328,6 +330,13 @@ def chunked_loss_moments(ctx: StepContext, fixed: int, weight_grad: int, head_en
     gradients at once; later ones add in place: two. Then the input gradients are concatenated (two
     copies) and `head_end` runs (the weight gradient's last form: autocast's fp32 cast next to its
     bf16, DDP's copy into the bucket).
+
+    `prefetched` is held through the whole loss backward: at stage3, the last block's all-gather output.
+    The root's forward returns the loss itself, so FSDP2's pre-backward hook on that output
+    (torch/distributed/fsdp/_fully_shard/_fsdp_state.py:331 `_register_pre_backward_hook`) fires
+    before the first chunk's backward, and the root's `_backward_prefetch` (_fsdp_param_group.py:795)
+    unshards the block before it in post-forward order: `foreach_all_gather` allocates the flat output
+    (_fsdp_collectives.py:351) and only the block's own pre-backward copies it out and frees it.
     """
     m, n, prec, acts = ctx.config.model, ctx.tokens, ctx.prec, ctx.acts
     c = min(ctx.config.loss.chunk_tokens, n)
@@ -340,16 +349,17 @@ def chunked_loss_moments(ctx: StepContext, fixed: int, weight_grad: int, head_en
     added = [3 * weight_grad + res * r * D + prec.compute * c * D] if k > 1 else [0]
     if k > 2:
         added.append(2 * weight_grad + res * (n - c) * D + prec.compute * c * D)
+    back = fixed + prefetched
     return [
         ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
-        ctx.moment("backward: loss recompute", activations=acts.total, temporary=fixed + held + logits),
-        ctx.moment("backward: loss", activations=acts.total, temporary=fixed + held + 12 * c * V),
-        ctx.moment("backward: output head", activations=acts.total, temporary=fixed + held + chunk_head),
-        ctx.moment("backward: head gradient added", activations=acts.total, temporary=fixed + max(added)),
+        ctx.moment("backward: loss recompute", activations=acts.total, temporary=back + held + logits),
+        ctx.moment("backward: loss", activations=acts.total, temporary=back + held + 12 * c * V),
+        ctx.moment("backward: output head", activations=acts.total, temporary=back + held + chunk_head),
+        ctx.moment("backward: head gradient added", activations=acts.total, temporary=back + max(added)),
         ctx.moment(
             "backward: loss end",
             activations=acts.total,
-            temporary=fixed + max(2 * res * n * D + weight_grad, head_end),
+            temporary=back + max(2 * res * n * D + weight_grad, head_end),
         ),
     ]
 
@@ -558,9 +568,11 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     held = acc.shards or 0
     if ctx.config.loss.kind == LossKind.chunked:
         grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
+        # stage3: the root prefetches the last block's all-gather as the loss's backward begins
+        prefetched = f.block if stage3 else 0
         loss = [
             dataclasses.replace(moment, parts={**moment.parts, "grads": held})
-            for moment in chunked_loss_moments(ctx, after_forward, grad, grad)
+            for moment in chunked_loss_moments(ctx, after_forward, grad, grad, prefetched=prefetched)
         ]
     else:
         loss = [
