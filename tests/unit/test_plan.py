@@ -235,6 +235,11 @@ def tiny_ledger(stage: str, precision: str) -> dict[str, int]:
     cache = 2 * (L * (block_params - 2 * D) + V * D) if half and not fsdp else 0
     loss_backward = states[stage] + other + acts + unsharded + cache + 8 * N * V
     ledger = {"backward: loss": loss_backward}
+    if fsdp:  # the output head's matmul: the logits being written, next to the last block's all-gather output
+        width = 2 if half else 4
+        ledger["forward: output head"] = (
+            states[stage] + other + acts - N * 4 * V - 4 + unsharded + width * block_params + width * N * V
+        )
     if (
         fsdp
     ):  # gradients: every shard, the root's reduce-scatter input twice (gloo), the kept output-head gradient

@@ -1,8 +1,8 @@
 """The walk of one optimizer step: what a rank holds at each moment of it, on top of its states.
 
-A step is a list of moments: the last block's forward, the loss, the output head's backward,
-the start, end and reduce-scatter of each block's backward (the worst of each over every
-block), the optimizer step. Each moment is the rank's model states at rest (from
+A step is a list of moments: the last block's forward, the output head's (FSDP2), the loss, the
+output head's backward, the start, end and reduce-scatter of each block's backward (the worst of
+each over every block), the optimizer step. Each moment is the rank's model states at rest (from
 trainer/plan/states.py; its gradients replaced where the step holds others) plus the
 activations saved so far, the temporaries alive then, and `other`; trainer/plan/build.py calls the
 largest the peak.
@@ -87,6 +87,7 @@ from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.states import ModelShape, RankStates, padded_numel
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
+NLL_TOTAL_WEIGHT = 4  # nll_loss's fp32 total weight, saved for its backward
 
 
 # ----------------------------------------------------------------------------- activations
@@ -250,7 +251,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread)
-    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + 4  # + nll_loss's fp32 total weight
+    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT
     return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread)
 
 
@@ -552,6 +553,11 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     after_forward = (
         f.root + (secondaries(f, L) if stage3 else L * f.block) + acc.full
     )  # unsharded at the loss
+    # The last block's flat all-gather output outlives the blocks: FSDP2 defers its free to the next
+    # copy-out (torch 2.13 _fsdp_param_group.py:476-485, comm_ctx.all_gather_state; not on a 1-rank
+    # shard group, which gathers nothing), and the next is the root's post-forward
+    # (_fsdp_state.py:335-342), after the final norm and the output head ran.
+    last_gathered = f.block if ctx.world_size > 1 else 0
     # The last block's forward: its unsharded copy and its flat all-gather output (kept until the
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
@@ -576,6 +582,12 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
         ]
     else:
         loss = [
+            ctx.moment(
+                "forward: output head",
+                held,
+                acts.total - acts.log_softmax - NLL_TOTAL_WEIGHT,
+                after_forward + last_gathered + prec.compute * n * m.vocab_size,  # + the logits being written
+            ),
             ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward_temporary(ctx)),
             ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
             ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
