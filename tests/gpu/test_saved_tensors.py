@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.unit.test_plan import compose_config
+from tests.unit.test_plan import compose_config, saved_storage_bytes
 from trainer.model.attention import run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.states import model_shape
@@ -28,32 +27,15 @@ SMALL_TENSORS_PER_LAYER = 64
 
 
 def saved_bytes_on_cuda(config, regime: str) -> int:
-    """Bytes of the distinct storages autograd saves, parameters and rotary tables excluded."""
+    """Bytes of the distinct storages autograd saves on the GPU, parameters and rotary tables excluded."""
     model = build_model(config.model, device="cuda")
     init_weights(model, seed=0)
     apply_sdpa_choice(
         model, run_choice(config.attention, config.model, config.precision.compute_dtype, "cuda")
     )
-    if regime == "fsdp_mp":
-        model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
     shape = (config.micro_batch, config.seq_len)
     inputs, targets = (torch.randint(0, config.model.vocab_size, shape, device="cuda") for _ in range(2))
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=regime == "autocast")
-    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    excluded |= {
-        t.untyped_storage().data_ptr()
-        for tables in getattr(model, "_rope_cache", {}).values()
-        for t in tables
-    }
-    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
+    return saved_storage_bytes(model, inputs, targets, regime)
 
 
 @pytest.mark.parametrize(

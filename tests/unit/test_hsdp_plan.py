@@ -4,29 +4,18 @@ plan, the memory plan's secondary shards and the tiered step time (issue 25's 70
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from tests.unit.test_plan import compose_config
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step, predict_step_tiers
-from trainer.cli import register_configs
-from trainer.config import ConfigError, Stage, TrainConfig, ZeroConfig, validate
+from trainer.config import ConfigError, Stage, TrainConfig, ZeroConfig
 from trainer.model.decoder import flops_per_token
 from trainer.plan import build_plan, plan_comm
 from trainer.plan.comm import PARAM_BYTES
 from trainer.plan.groups import INTRA_NODE, NETWORK, shard_groups
 from trainer.plan.states import model_shape, padded_numel
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def compose_config(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return validate(compose("train", overrides=["logger=none", *overrides]))
-
 
 # ----------------------------------------------------------------------------- keys and groups
 

@@ -132,16 +132,24 @@ def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
     config = ModelConfig()
     model = build_model(config, device="cpu")
     init_weights(model, seed=0)
+    inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
+    return saved_storage_bytes(model, inputs, targets, regime)
+
+
+def saved_storage_bytes(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, regime: str
+) -> int:
+    """What autograd saves in one forward + loss of `model` on `inputs`'s device, in the plan's
+    precision `regime`, parameters and rotary tables excluded (tests/gpu uses it on CUDA)."""
     if regime == "fsdp_mp":
         model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
-    inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast")
+    autocast = torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=regime == "autocast")
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
     excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}

@@ -21,10 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from trainer.cli import register_configs
-from trainer.config import TrainConfig, validate
+from tests.unit.test_plan import compose_config as compose_plan_config
+from trainer.config import TrainConfig
 from trainer.plan import build_plan, host_refusal
 from trainer.plan.host import pinned_bytes
 from trainer.units import GIB
@@ -37,9 +36,8 @@ ADAM = 3_674_624 + 39 * 4
 
 
 def compose_config(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return validate(compose("train", overrides=["logger=none", "plan.host_memory_gib=16", *overrides]))
+    """A config planned against a 16 GiB host unless an override says otherwise."""
+    return compose_plan_config("plan.host_memory_gib=16", *overrides)
 
 
 def test_pinned_tensors_take_the_next_power_of_two() -> None:
