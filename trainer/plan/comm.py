@@ -167,12 +167,6 @@ def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     return moves
 
 
-def fsdp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
-    """FSDP2's all-gathers (per micro-batch; twice per block under stage3) and reduce-scatters (per reduction)."""
-    groups = shard_groups(config.zero, world_size)
-    return [move for moves in fsdp_group_moves(config, shape, groups).values() for move in moves]
-
-
 def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups) -> dict[str, list[Move]]:
     """FSDP2's collectives by the group they run in (trainer/plan/groups.py).
 
