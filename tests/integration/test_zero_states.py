@@ -55,3 +55,25 @@ def test_fsdp_stages_hold_exactly_half_of_everything_at_rest(states: dict, stage
     full = states["stage0"][0]
     for rank in (0, 1):
         assert states[stage][rank] == {kind: full[kind] // 2 for kind in full}
+
+
+def test_three_ranks_hold_fsdp2s_padded_shard_as_the_plan_says(tmp_path) -> None:
+    """With 3 ranks the tiny model's dims do not divide: FSDP2 rounds each dim 0 up to a multiple of 3,
+    so the last rank's view is shorter than the padded shard it holds. Telemetry counts what memory
+    holds, and equals the plan to the byte on every rank."""
+    import json
+
+    from tests.conftest import TINY as SETTINGS
+    from tests.conftest import run_trainer
+
+    run = run_trainer(tmp_path, *SETTINGS, "nproc=3", "steps=1", "zero=stage3")
+    plan = json.loads((run.out_dir / "plan.json").read_text())
+    measured = [held_bytes(run.records[-1], rank) for rank in range(3)]
+    planned = [
+        {kind: round(r[f"{kind}_gib"] * GIB) for kind in ("params", "grads", "optimizer")}
+        for r in plan["ranks"]
+    ]
+    assert measured == planned
+    # The padding is real: the last rank's optimizer state (Adam's moments, made like the unpadded
+    # view) is less than twice its parameters' bytes, the other ranks' exactly twice.
+    assert [m["optimizer"] == 2 * m["params"] for m in measured] == [True, True, False]

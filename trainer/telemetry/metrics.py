@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,10 +316,17 @@ def device_peak_flops(
     return peak * 1e12 if peak is not None else None
 
 
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds for a tensor: its shard when the tensor is a DTensor."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of memory this rank keeps alive for these tensors (a DTensor's local shard), each
+    storage counted once. numel() would miss FSDP2's padding: a sharded parameter is a view into
+    its padded shard (dim 0 rounded up to a multiple of the ranks, so the last rank's view is
+    shorter than what it holds), and a gradient a view into its group's reduce-scatter output."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
@@ -327,10 +335,10 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     Optimizer state counts Adam's moment tensors; the per-parameter 0-dim `step` counters
     (4 bytes each, never sharded) are left out so that the ZeRO arithmetic is exact.
     """
-    params = sum(local_bytes(p) for p in model.parameters())
-    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    moments = sum(
-        local_bytes(value)
+    params = held_bytes(model.parameters())
+    grads = held_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    moments = held_bytes(
+        value
         for state in local_optimizer(optimizer).state.values()  # ZeRO-1: this rank's partition only
         for value in state.values()
         if torch.is_tensor(value) and value.dim() > 0
