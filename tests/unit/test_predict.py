@@ -194,3 +194,16 @@ def test_advise_refuses_an_accelerator_without_rates_in_one_line_naming_them() -
     ) as info:
         accelerator_rates("b200", DType.bfloat16, 8)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["7b", "llama3-8b", "mistral-7b", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+def test_the_shape_factors_gemms_are_the_models_flops(preset: str) -> None:
+    """The GEMMs the efficiency is weighted over carry the FLOPs MFU counts (a head width apart from
+    dim / n_heads, Qwen3's, included); only the norms' few parameters are not matmuls."""
+    from tests.unit.test_model import load_preset
+    from trainer.advise.throughput import gemms
+    from trainer.model.decoder import flops_per_token
+
+    model = load_preset(preset)
+    total = sum(flops for flops, _ in gemms(model, rows=4096, seq_len=4096))
+    assert total == pytest.approx(flops_per_token(model, 4096), rel=1e-4)

@@ -42,14 +42,14 @@ FIT_ERROR = {
 
 def gemms(m: ModelConfig, rows: int, seq_len: int) -> list[tuple[float, tuple[int, int, int]]]:
     """(training FLOPs per token, (m, n, k)) of every GEMM of one token's step, as flops_per_token counts them."""
-    head_dim = m.dim // m.n_heads
-    kv = m.n_kv_heads * head_dim
-    block = [(m.dim, m.dim), (m.dim, kv), (m.dim, kv), (m.dim, m.dim)]  # wq, wk, wv, wo (k, n)
+    heads = m.n_heads * m.head_width  # H·Q: dim unless model.head_dim sets the width (Qwen3)
+    kv = m.n_kv_heads * m.head_width
+    block = [(m.dim, heads), (m.dim, kv), (m.dim, kv), (heads, m.dim)]  # wq, wk, wv, wo (k, n)
     block += [(m.dim, m.ffn_dim), (m.dim, m.ffn_dim), (m.ffn_dim, m.dim)]  # w1, w3, w2
     out = [(6.0 * k * n * m.n_layers, (rows, n, k)) for k, n in block]
     out.append((6.0 * m.dim * m.vocab_size, (rows, m.vocab_size, m.dim)))  # the output head
     # Attention: scores (T x Q @ Q x T) and the weighted sum (T x T @ T x Q), 12·L·H·Q·T per token.
-    out.append((12.0 * m.n_layers * m.n_heads * head_dim * seq_len, (seq_len, seq_len, head_dim)))
+    out.append((12.0 * m.n_layers * m.n_heads * m.head_width * seq_len, (seq_len, seq_len, m.head_width)))
     return out
 
 
