@@ -293,9 +293,14 @@ class ZeroConfig:
     """With grad_accum > 1, when gradients are reduced: micro_batch (every backward: stage2/3 reduce-scatter into
     the rank's gradient shard, which accumulates; stage0/1 all-reduce) or step (the last micro-batch only; a full
     unsharded gradient is held in between). Each conf/zero option sets its own default."""
+    reshard_after_backward: bool = True
+    """stage2/3 with grad_accum > 1: false keeps every FSDP2 group's parameters unsharded from a micro-batch's
+    backward to the next forward (FSDPModule.set_reshard_after_backward(False) on every micro-batch but the
+    last), which skips that forward's all-gathers for the memory of the unsharded parameters; true: torch's default."""
 
     def __post_init__(self) -> None:
         self.check_groups()
+        self.check_reshard_after_backward()
         if self.bucket_cap_mb is None:
             return
         _require(self.bucket_cap_mb > 0, f"zero.bucket_cap_mb must be > 0 or null, got {self.bucket_cap_mb}")
@@ -318,6 +323,20 @@ class ZeroConfig:
                 f"zero.hpz_ranks (hpZ: reshard_after_forward=<int>) needs zero=stage3, got zero={self.stage.value}",
             )
             _require(self.hpz_ranks >= 2, f"zero.hpz_ranks must be >= 2 or null, got {self.hpz_ranks}")
+
+    def check_reshard_after_backward(self) -> None:
+        if self.reshard_after_backward:
+            return
+        _require(
+            self.uses_fsdp,
+            f"zero.reshard_after_backward=false keeps FSDP2's parameters unsharded between micro-batches: it needs "
+            f"zero=stage2 or stage3, got zero={self.stage.value}",
+        )
+        _require(
+            self.hpz_ranks is None,
+            "zero.reshard_after_backward=false with zero.hpz_ranks is not planned: hpZ's secondary shards and blocks "
+            "kept whole between micro-batches are not modelled together; use zero.hpz_ranks=null or zero.reshard_after_backward=true",
+        )
 
     @property
     def uses_fsdp(self) -> bool:
@@ -576,6 +595,9 @@ class AdviseConfig:
     reduce_every: list[ReduceEvery] = field(default_factory=lambda: list(ReduceEvery))
     """When gradients are reduced (zero.reduce_every) to consider where grad_accum > 1; at grad_accum 1
     both are one reduction, and the stage's default is planned."""
+    reshard_after_backward: list[bool] = field(default_factory=lambda: [True, False])
+    """zero.reshard_after_backward choices to consider where stage2/3 accumulate (grad_accum > 1); elsewhere
+    only true (it changes nothing there)."""
     micro_batches: list[int] | None = None
     """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
     headroom: float = 0.2
@@ -592,7 +614,14 @@ class AdviseConfig:
     """Measure this host again even when a cached calibration matches it."""
 
     def __post_init__(self) -> None:
-        for key in ("stages", "checkpointing", "offload", "reduce_dtypes", "reduce_every"):
+        for key in (
+            "stages",
+            "checkpointing",
+            "offload",
+            "reduce_dtypes",
+            "reduce_every",
+            "reshard_after_backward",
+        ):
             _require(len(getattr(self, key)) >= 1, f"advise.{key} must list at least one option")
         _require(
             self.micro_batches is None or (len(self.micro_batches) >= 1 and min(self.micro_batches) >= 1),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -45,11 +46,15 @@ def make_config(
     grad_accum: int,
     reduce_dtype: str = "fp32",
     reduce_every: str = "step",
+    reshard_after_backward: bool = True,
     steps: int = 3,
 ) -> TrainConfig:
     dtype = {"fp32": DType.float32, "bf16": DType.bfloat16}[precision]
     zero = ZeroConfig(
-        stage=Stage(stage), reduce_dtype=ReduceDType(reduce_dtype), reduce_every=ReduceEvery(reduce_every)
+        stage=Stage(stage),
+        reduce_dtype=ReduceDType(reduce_dtype),
+        reduce_every=ReduceEvery(reduce_every),
+        reshard_after_backward=reshard_after_backward,
     )
     return TrainConfig(
         precision=PrecisionConfig(name=precision, compute_dtype=dtype),
@@ -70,11 +75,16 @@ CASES += [(s, p, 1, "bf16", "step") for s in ("stage2", "stage3") for p in ("fp3
 CASES += [(s, "fp32", 2, "fp32", "micro_batch") for s in STAGES] + [
     ("stage3", "bf16", 2, "bf16", "micro_batch")
 ]
-Case = tuple[str, str, int, str, str]
+# zero.reshard_after_backward=false: the second micro-batch's forward gathers nothing
+KEPT = [(s, "fp32", 2, "fp32", "micro_batch", False) for s in ("stage2", "stage3")]
+KEPT += [("stage3", "bf16", 2, "bf16", "micro_batch", False), ("stage2", "bf16", 2, "fp32", "step", False)]
+CASES += KEPT
+Case = tuple  # stage, precision, grad_accum, reduce_dtype, reduce_every[, reshard_after_backward]
 
 
 def key(case: Case) -> str:
-    return "{} precision={} grad_accum={} reduce_dtype={} reduce_every={}".format(*case)
+    kept = " reshard_after_backward=false" if case[5:] == (False,) else ""
+    return "{} precision={} grad_accum={} reduce_dtype={} reduce_every={}".format(*case[:5]) + kept
 
 
 def run_case(
@@ -201,6 +211,26 @@ def test_reducing_every_micro_batch_moves_the_gradient_once_per_micro_batch(
     step, every = (measured[key((stage, "fp32", 2, "fp32", e))]["figures"] for e in ("step", "micro_batch"))
     assert every["all_reduce"] - scalars == 2 * (step["all_reduce"] - scalars) > 0
     assert (every["all_gather"], every["broadcast"]) == (step["all_gather"], step["broadcast"])
+
+
+@pytest.mark.parametrize("case", KEPT, ids=key)
+def test_keeping_parameters_gathers_one_forward_per_step(measured: dict[str, Any], case: Case) -> None:
+    """zero.reshard_after_backward=false with grad_accum=2: stage2 gathers half the bytes (one forward's
+    instead of two); stage3 one forward's less of four passes' (two forwards, two backwards), the root
+    included; the reductions are the same."""
+    kept, default = (measured[key((*case[:5], r))]["figures"] for r in (False, True))
+    if case[0] == "stage2":
+        assert 2 * kept["all_gather"] == default["all_gather"] > 0
+    else:
+        config = make_config(*case)
+        root = sum(math.prod(s) for s in model_shape(config.model).root)
+        block = sum(math.prod(s) for s in model_shape(config.model).block)
+        width = 4 if case[1] == "fp32" else 2
+        saved = width * (
+            root + config.model.n_layers * block
+        )  # the tiny model's dims divide by 2: no padding
+        assert default["all_gather"] - kept["all_gather"] == saved > 0
+    assert kept["all_reduce"] == default["all_reduce"]
 
 
 def test_bf16_reduction_keeps_the_losses_within_2_percent(measured: dict[str, Any]) -> None:

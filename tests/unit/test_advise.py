@@ -43,9 +43,9 @@ def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: N
     config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
     on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
     # stages x checkpointing (none, full, selective, op) x offload none x (micro-batch 1 and 2, each
-    # reduce_every; micro-batch 4 once)
-    assert len(on_cpu) == 4 * 4 * 1 * (2 * 2 + 1)
-    assert len(on_gpu) == len(on_cpu) + 2 * 4 * 5  # + offload=cpu for stage2, stage3
+    # reduce_every, and at stage2/3 each reshard_after_backward; micro-batch 4 once)
+    assert len(on_cpu) == 2 * 4 * 1 * (2 * 2 + 1) + 2 * 4 * 1 * (2 * 2 * 2 + 1)
+    assert len(on_gpu) == len(on_cpu) + 2 * 4 * 9  # + offload=cpu for stage2, stage3
     assert {c["zero"] for c in on_gpu if c["offload"] == "cpu"} == {"stage2", "stage3"}
     assert all(c["micro_batch"] * c["grad_accum"] == 4 for c in on_cpu)
     # grad_accum 1 reduces once either way: the stage's own default (conf/zero) is the one planned
@@ -56,6 +56,11 @@ def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: N
         ("stage2", "micro_batch"),
         ("stage3", "micro_batch"),
     }
+    # parameters kept between micro-batches: only where FSDP2 accumulates
+    kept = {(c["zero"], c["grad_accum"] > 1) for c in on_cpu if c["zero.reshard_after_backward"] is False}
+    assert kept == {("stage2", True), ("stage3", True)}
+    always = composed(["mode=advise", "global_batch=8", "advise.reshard_after_backward=[true]"])
+    assert {c["zero.reshard_after_backward"] for c in choices(always, 2, "cpu")} == {True}
     only_step = choices(composed(["mode=advise", "global_batch=8", "advise.reduce_every=[step]"]), 2, "cpu")
     assert {c["zero.reduce_every"] for c in only_step if c["grad_accum"] > 1} == {"step"}
 
@@ -141,8 +146,9 @@ def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Pat
     assert rates.flops_at(200) == 2e10 and not rates.overlap
     ranked, _ = advise(config, "cpu", 2)  # the cached rates, nothing measured: every candidate timed
     # stages x checkpointing x micro-batch 1, 2 x reduce fp32, and bf16 for FSDP2 only (DDP's bf16 hook needs NCCL)
-    # (stage0/1 fp32 + stage2/3 fp32, bf16) x checkpointing x (mb 1 x2 reduce_every + mb 2)
-    assert len(ranked) == 4 * 4 * 3 + 2 * 4 * 3 and ranked[0].tokens_per_s == max(
+    # stage0/1 fp32 x checkpointing x (mb 1 x2 reduce_every + mb 2), and stage2/3 fp32, bf16 x
+    # checkpointing x (mb 1 x2 reduce_every x2 reshard_after_backward + mb 2)
+    assert len(ranked) == 2 * 4 * 3 + 2 * 2 * 4 * 5 and ranked[0].tokens_per_s == max(
         c.tokens_per_s for c in ranked
     )
 
@@ -205,3 +211,24 @@ def test_13b_on_8_h100s_needs_no_offload_when_gradients_stay_sharded(
         if c.fits and c.choice["grad_accum"] > 1 and c.choice["zero.reduce_every"] == "micro_batch"
     ]
     assert len(sharded) > len(step_only)
+
+
+def test_a_kept_candidate_says_keep_and_its_command_sets_the_key(hydra_conf: None) -> None:
+    """zero.reshard_after_backward=false shows as ` keep` in the label and `=false` on the command line;
+    true (every option file's) is left out of the command."""
+    from trainer.advise.advisor import Candidate
+    from trainer.advise.predict import StepTime
+
+    config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
+    options = [c for c in choices(config, 2, "cpu") if c["zero"] == "stage3" and c["micro_batch"] == 1]
+    step = StepTime(1.0, 0.0, {}, 0.0, 0.0, 0.0)
+    kept, default = (
+        Candidate(
+            next(c for c in options if c["zero.reshard_after_backward"] is keep), 0, True, step, 1.0, None, ""
+        )
+        for keep in (False, True)
+    )
+    assert " keep mb=1x4" in kept.label()
+    assert "zero.reshard_after_backward=false" in kept.overrides()
+    assert " keep" not in default.label()
+    assert not any(o.startswith("zero.reshard_after_backward") for o in default.overrides())

@@ -80,3 +80,19 @@ def test_plain_round_trip_keeps_every_value() -> None:
     assert plain["zero"]["stage"] == "stage3" and plain["nonfinite"] == "raise"  # enums as plain strings
     assert OmegaConf.to_container(OmegaConf.create(plain)) == plain  # OmegaConf takes it as it is
     assert from_plain(plain) == config
+
+
+def test_keeping_parameters_after_backward_needs_fsdp2_and_no_hpz() -> None:
+    """zero.reshard_after_backward=false: FSDP2 stages only; not with hpZ (not planned together); with
+    HSDP, offload=cpu and grad_accum=1 it is accepted (at grad_accum 1 the only backward reshards)."""
+    for stage in (Stage.stage0, Stage.stage1):
+        with pytest.raises(
+            ConfigError, match=r"^zero\.reshard_after_backward=false .*needs zero=stage2 or stage3"
+        ):
+            ZeroConfig(stage=stage, reshard_after_backward=False)
+    with pytest.raises(ConfigError, match=r"^zero\.reshard_after_backward=false with zero\.hpz_ranks"):
+        ZeroConfig(stage=Stage.stage3, hpz_ranks=2, reshard_after_backward=False)
+    for stage in (Stage.stage2, Stage.stage3):
+        zero = ZeroConfig(stage=stage, shard_ranks=2, reshard_after_backward=False)
+        config = TrainConfig(zero=zero, offload=OffloadConfig(target=OffloadTarget.cpu), grad_accum=1)
+        assert config.zero.reshard_after_backward is False

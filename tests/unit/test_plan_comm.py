@@ -159,3 +159,44 @@ def test_the_plan_carries_the_comm_section_and_prints_it() -> None:
         f"communication: 7.01 MiB ({8 * plan.num_params:,} bytes) per rank per optimizer step"
         in format_plan(plan)
     )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_keeping_parameters_after_backward_gathers_one_forward_per_step(precision: str) -> None:
+    """zero.reshard_after_backward=false, 70b on 64 ranks (no padding), grad_accum 4: stage2 gathers the
+    whole model once per step instead of 4 times, (A-1)·p·P less; stage3 one forward (P) and every
+    backward's blocks (A·(P − R)) instead of A·(2P − R); the reductions do not change; at grad_accum 1
+    nothing changes."""
+    p = 4 if precision == "fp32" else 2
+    for stage, default, kept in (
+        ("stage2", 4 * p * P_70B, p * P_70B),
+        ("stage3", 4 * p * (2 * P_70B - ROOT_70B), p * P_70B + 4 * p * (P_70B - ROOT_70B)),
+    ):
+        cfg = config(stage, precision, grad_accum=4, model=llama70b())
+        keep = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, reshard_after_backward=False))
+        plans = plan_comm(cfg, 64, backend="nccl"), plan_comm(keep, 64, backend="nccl")
+        assert [plan.bytes_by_collective["all_gather"] for plan in plans] == [default, kept]
+        assert (
+            plans[0].bytes_by_collective["reduce_scatter"] == plans[1].bytes_by_collective["reduce_scatter"]
+        )
+        once = dataclasses.replace(keep, grad_accum=1)
+        assert plan_comm(once, 64) == plan_comm(dataclasses.replace(cfg, grad_accum=1), 64)
+
+
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_keeping_parameters_costs_memory_only_with_accumulation(stage: str) -> None:
+    """The plan: grad_accum 1 is the default's to the byte; with grad_accum 2 on the tiny model's 2 ranks
+    the kept unsharded parameters raise the peak (measured in tests/integration/test_accumulation.py)."""
+    base = dataclasses.replace(
+        config(stage, grad_accum=1),
+        micro_batch=1,
+        seq_len=32,
+        zero=ZeroConfig(stage=Stage(stage), reduce_every=ReduceEvery.micro_batch),
+    )
+    keep = dataclasses.replace(base, zero=dataclasses.replace(base.zero, reshard_after_backward=False))
+    assert build_plan(keep, "cpu", 2).peak_bytes == build_plan(base, "cpu", 2).peak_bytes
+    twice, twice_kept = (dataclasses.replace(c, grad_accum=2) for c in (base, keep))
+    kept_plan = build_plan(twice_kept, "cpu", 2)
+    assert "micro-batch" in kept_plan.ranks[0].peak.name
+    if stage == "stage3":
+        assert kept_plan.peak_bytes > build_plan(twice, "cpu", 2).peak_bytes

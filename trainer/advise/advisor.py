@@ -5,7 +5,9 @@
 Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
 `advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
 makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
-full gradient held between micro-batches, or one per micro-batch and only the shard) is planned (trainer/plan: the worst rank's peak, which must leave
+full gradient held between micro-batches, or one per micro-batch and only the shard) x, where
+grad_accum > 1 at stage2/3, `advise.reshard_after_backward` (false: parameters kept unsharded
+between micro-batches, one forward's all-gathers per step) is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
 rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
@@ -51,6 +53,7 @@ CHOSEN_KEYS = (
     "offload",
     "zero.reduce_dtype",
     "zero.reduce_every",
+    "zero.reshard_after_backward",
     "micro_batch",
     "grad_accum",
     "loss",
@@ -87,15 +90,27 @@ class Candidate:
             if c.get(key) is not None
         )
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
+        every += " keep" if c.get("zero.reshard_after_backward") is False else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
         return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']}{every} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
 
     def overrides(self) -> list[str]:
-        """Every chosen key; the group sizes only where set (null, their default, is every rank / none)."""
-        return [f"{key}={self.choice[key]}" for key in CHOSEN_KEYS if self.choice.get(key) is not None]
+        """Every chosen key; the group sizes only where set (null, their default, is every rank / none),
+        zero.reshard_after_backward only where false (true is every option file's)."""
+        return [
+            f"{key}={override_value(self.choice[key])}"
+            for key in CHOSEN_KEYS
+            if self.choice.get(key) is not None
+            and not (key == "zero.reshard_after_backward" and self.choice[key] is True)
+        ]
 
     def exposed_by_link(self) -> dict[str, float]:
         return {link: time.exposed_s for link, time in self.step.links.items()}
+
+
+def override_value(value: Any) -> str:
+    """A command-line value: booleans as Hydra's YAML spells them (false, not Python's False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
@@ -140,13 +155,17 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
             micro_batches(config, world_size),
         )
         for reduce_dtype, (shard, hpz), mb in splits:
-            for every in reduce_every_options(config, stage, per_rank // mb):
+            accum = per_rank // mb
+            for every, keep in itertools.product(
+                reduce_every_options(config, stage, accum), reshard_options(config, stage, accum)
+            ):
                 values = (
                     stage.value,
                     checkpointing.value,
                     offload.value,
                     reduce_dtype.value,
                     every.value,
+                    keep,
                     mb,
                     per_rank // mb,
                     config.loss.kind.value,
@@ -178,6 +197,14 @@ def reduce_every_options(config: TrainConfig, stage: Stage, grad_accum: int) -> 
     return list(dict.fromkeys(config.advise.reduce_every))
 
 
+def reshard_options(config: TrainConfig, stage: Stage, grad_accum: int) -> list[bool]:
+    """advise.reshard_after_backward where FSDP2 (stage2/3) accumulates micro-batches; elsewhere it changes
+    nothing (DDP never shards parameters; at grad_accum 1 the only backward reshards), so only true."""
+    if grad_accum == 1 or stage not in (Stage.stage2, Stage.stage3):
+        return [True]
+    return list(dict.fromkeys(config.advise.reshard_after_backward))
+
+
 def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
     """The config with a choice applied; dataclasses.replace runs every __post_init__ check again."""
     replace = dataclasses.replace
@@ -190,6 +217,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
             shard_ranks=choice.get("zero.shard_ranks"),
             hpz_ranks=choice.get("zero.hpz_ranks"),
             reduce_every=ReduceEvery(choice["zero.reduce_every"]),
+            reshard_after_backward=choice.get("zero.reshard_after_backward", True),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
@@ -268,8 +296,14 @@ def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
                 if c.choice["grad_accum"] == 1
                 else [c.choice["zero.reduce_every"]]
             )
-            for every in everies:
-                key = tuple({**c.choice, "zero.reduce_every": every}.get(k) for k in SHAPE_KEYS)
+            keeps = (
+                [True, False]
+                if c.choice["grad_accum"] == 1
+                else [c.choice.get("zero.reshard_after_backward")]
+            )
+            for every, keep in itertools.product(everies, keeps):
+                changed = {"zero.reduce_every": every, "zero.reshard_after_backward": keep}
+                key = tuple({**c.choice, **changed}.get(k) for k in SHAPE_KEYS)
                 refused.add((key, c.choice["micro_batch"]))
     out = []
     for c in candidates:
@@ -347,6 +381,11 @@ def format_advice(
         lines.append(
             "    reduce=<dtype>/mb: zero.reduce_every=micro_batch, every micro-batch reduces and only the gradient "
             "shard is held between them; /step: one reduction per step, a full gradient held in between"
+        )
+    if any(c.choice.get("zero.reshard_after_backward") is False for c in fitting[: config.advise.top]):
+        lines.append(
+            "    keep: zero.reshard_after_backward=false, parameters stay unsharded from one micro-batch's backward "
+            "to the next forward: one forward's all-gathers per step instead of grad_accum"
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.peak_bytes)

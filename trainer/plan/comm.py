@@ -20,7 +20,10 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   head) and of each block in forward, in the compute dtype (param_dtype), each parameter's dim 0
   padded to a multiple of N; stage3 gathers every block again in backward (the root is not
   re-sharded after forward, trainer/rank/sharding.py). FSDP2 re-shards after every backward, so each
-  micro-batch gathers afresh. Per reduction (every micro-batch's under zero.reduce_every=micro_batch,
+  micro-batch gathers afresh, unless zero.reshard_after_backward=false keeps every group unsharded
+  from one micro-batch's backward to the next forward (`forward_gathers`): then only the first
+  micro-batch's forward gathers (the root and every block); stage3's backward gathers stay, as its
+  blocks still re-shard after each forward. Per reduction (every micro-batch's under zero.reduce_every=micro_batch,
   else the last one's), one reduce-scatter of the root and of each block in zero.reduce_dtype, on
   the same padded sizes.
 - HSDP (zero.shard_ranks) pads to the shard group and adds, per reduction, an all-reduce of each
@@ -152,6 +155,12 @@ def reductions(config: TrainConfig) -> int:
     return config.grad_accum if config.zero.reduce_every == ReduceEvery.micro_batch else 1
 
 
+def forward_gathers(config: TrainConfig) -> int:
+    """Forwards per optimizer step that all-gather: every micro-batch's, or with
+    zero.reshard_after_backward=false the first one's (the later ones start unsharded)."""
+    return 1 if not config.zero.reshard_after_backward else config.grad_accum
+
+
 def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     """DDP's bucketed all-reduce per reduction; ZeRO-1 adds one broadcast per parameter."""
     numel = shape.num_params
@@ -184,8 +193,9 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     stage3 = config.zero.stage == Stage.stage3
     reduced = reductions(config)
     backward_gather = [("all_gather", accum * param_bytes * layers * block, accum * layers)] if stage3 else []
+    gathers = forward_gathers(config)
     shard = [
-        ("all_gather", accum * param_bytes * (root + layers * block), accum * (1 + layers)),
+        ("all_gather", gathers * param_bytes * (root + layers * block), gathers * (1 + layers)),
         ("reduce_scatter", reduced * reduce_bytes * (root + layers * block), reduced * (1 + layers)),
     ]
     moves = {"shard": shard}

@@ -516,6 +516,10 @@ class Accumulation:
         """The accumulated gradient still held once `blocks_reduced` blocks have reduced theirs."""
         return self.full - blocks_reduced * self.per_block
 
+    def built(self, blocks_done: int) -> int:
+        """step, the first micro-batch: what `blocks_done` blocks' backwards have accumulated so far."""
+        return blocks_done * self.per_block
+
     def fresh(self, unsharded_grad: int) -> int:
         """A new unsharded gradient, kept beside the accumulated one until its group's post-backward
         adds it in (torch's accumulate_unsharded_grad_if_needed); none where autograd adds in place."""
@@ -538,17 +542,28 @@ def accumulation(ctx: StepContext, f: FsdpSizes) -> Accumulation:
     )
 
 
-def fsdp_moments(ctx: StepContext) -> list[Moment]:
+def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Moment]:
     """Stages 2-3: FSDP2 gathers parameters per block and reduce-scatters gradients per block.
 
     zero_grad frees the gradient shards at the start of the step, so forward-time moments hold
     none, unless reduce_every=micro_batch made them in an earlier micro-batch. With grad_accum > 1
     the moments are the worst micro-batch's: the second and later (and, for reduce_every=step,
     the last, which reduces, and one before it, which holds the whole accumulated gradient).
+    zero.reshard_after_backward=false makes the micro-batches differ: kept_fsdp_moments walks each
+    kind (`micro`) and its moments are named after it.
     """
+    if micro is None and keeps_parameters(ctx.config):
+        return kept_fsdp_moments(ctx)
     m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
     f = fsdp_sizes(ctx)
     acc = accumulation(ctx, f)
+    if micro is not None and micro.first:
+        # nothing of an earlier micro-batch yet: no shards held, no accumulated gradient to add into
+        acc = dataclasses.replace(acc, shards=None, full=0, in_place=False)
+    gathered = micro is not None and not micro.first  # forward starts with every group unsharded
+    keeps = micro is not None and not micro.last  # backward reshards nothing
+    reduces = micro is None or micro.last or ctx.config.zero.reduce_every == ReduceEvery.micro_batch
+    kept_blocks = L * f.block if keeps else 0  # at the embedding's backward and after
     stage3 = ctx.config.zero.stage == Stage.stage3
     after_forward = (
         f.root + (secondaries(f, L) if stage3 else L * f.block) + acc.full
@@ -557,7 +572,7 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     # copy-out (torch 2.13 _fsdp_param_group.py:476-485, comm_ctx.all_gather_state; not on a 1-rank
     # shard group, which gathers nothing), and the next is the root's post-forward
     # (_fsdp_state.py:335-342), after the final norm and the output head ran.
-    last_gathered = f.block if ctx.world_size > 1 else 0
+    last_gathered = f.block if ctx.world_size > 1 and not gathered else 0
     # The last block's forward: its unsharded copy and its flat all-gather output (kept until the
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
@@ -570,7 +585,11 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
     # with the head's (which waited in autograd's buffer: one parameter, one AccumulateGrad).
     vd = prec.param * m.vocab_size * m.dim
     incoming = vd if m.tie_embeddings else prec.residual * n * m.dim
-    embedding = f.root + acc.fresh(f.output_grad) + vd + incoming + f.block_rs + acc.left(L)
+    embedding = f.root + acc.fresh(f.output_grad) + vd + incoming + kept_blocks
+    if reduces:
+        embedding += f.block_rs + acc.left(L)
+    else:  # nothing reduced: the blocks' whole accumulated gradient
+        embedding += acc.full or acc.built(L)
     held = acc.shards or 0
     if ctx.config.loss.kind == LossKind.chunked:
         grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
@@ -592,24 +611,98 @@ def fsdp_moments(ctx: StepContext) -> list[Moment]:
             ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
             ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
         ]
-    earlier = fsdp_block_moments(ctx, f, acc, reduces=False) if acc.full and ctx.config.grad_accum > 2 else []
-    return [
-        ctx.moment(
-            "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
-        ),
-        ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
+    earlier = (
+        fsdp_block_moments(ctx, f, acc, reduces=False)
+        if micro is None and acc.full and ctx.config.grad_accum > 2
+        else []
+    )
+    if gathered:
+        forward_moments = gathered_forward_moments(ctx, f, held, acc.full)
+    else:
+        forward_moments = [
+            ctx.moment(
+                "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
+            ),
+            ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
+        ]
+    block_grads = acc.shards or (L * f.block_grad_shard if reduces else 0)
+    ending = [ctx.moment("backward: embedding", block_grads, acts.batch, embedding)]
+    if reduces:
+        ending.append(
+            ctx.moment(
+                "backward: root reduce-scatter",
+                block_grads,
+                acts.batch,
+                root_reduce(ctx, f, acc) + kept_blocks + (f.root if keeps else 0),
+            )
+        )
+    moments = [
+        *forward_moments,
         *loss,
-        *fsdp_block_moments(ctx, f, acc),
+        *fsdp_block_moments(ctx, f, acc, reduces=reduces, keeps=keeps),
         *earlier,
-        ctx.moment("backward: embedding", acc.shards or L * f.block_grad_shard, acts.batch, embedding),
-        ctx.moment(
-            "backward: root reduce-scatter",
-            acc.shards or L * f.block_grad_shard,
-            acts.batch,
-            root_reduce(ctx, f, acc),
-        ),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
+        *ending,
     ]
+    if micro is None:
+        return [*moments, ctx.moment("optimizer step", temporary=optimizer_temporary(ctx))]
+    return [dataclasses.replace(moment, name=f"{moment.name} ({micro.name})") for moment in moments]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A kind of micro-batch where zero.reshard_after_backward=false makes them differ."""
+
+    name: str
+    first: bool  # its forward gathers; nothing of an earlier micro-batch is held
+    last: bool  # its backward reshards (and, under reduce_every=step, is the one that reduces)
+
+
+def keeps_parameters(config: TrainConfig) -> bool:
+    """zero.reshard_after_backward=false changes anything only where a backward is followed by
+    another micro-batch's forward: FSDP2 with grad_accum > 1."""
+    return config.zero.uses_fsdp and not config.zero.reshard_after_backward and config.grad_accum > 1
+
+
+def micro_batch_kinds(grad_accum: int) -> list[MicroBatch]:
+    """The first (gathers in forward, keeps in backward), the middle ones (grad_accum > 2: gathered
+    forward, keeps; all alike) and the last (gathered forward, reshards in backward)."""
+    middle = [MicroBatch(f"micro-batches 2..{grad_accum - 1}", False, False)] if grad_accum > 2 else []
+    return [
+        MicroBatch("micro-batch 1", True, False),
+        *middle,
+        MicroBatch(f"micro-batch {grad_accum}", False, True),
+    ]
+
+
+def kept_fsdp_moments(ctx: StepContext) -> list[Moment]:
+    """zero.reshard_after_backward=false: every kind of micro-batch's walk, then the optimizer step
+    (after the last micro-batch resharded, as with true)."""
+    moments = [
+        moment for micro in micro_batch_kinds(ctx.config.grad_accum) for moment in fsdp_moments(ctx, micro)
+    ]
+    return [*moments, ctx.moment("optimizer step", temporary=optimizer_temporary(ctx))]
+
+
+def gathered_forward_moments(ctx: StepContext, f: FsdpSizes, held: int, accumulated: int) -> list[Moment]:
+    """A forward that starts with every group unsharded (kept by the backward before): no all-gather
+    and no flat all-gather output. stage2 holds every block to the end of forward; stage3 reshards
+    each block after its forward (reshard_after_forward=True), so block i runs with blocks i.. held:
+    the worst of those moments."""
+    acts, L = ctx.acts, ctx.config.model.n_layers
+    if ctx.config.zero.stage != Stage.stage3:
+        params = f.root + L * f.block + accumulated
+        return [ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, params)]
+    worst = None
+    for i in range(L):
+        moment = ctx.moment(
+            f"forward: block {i}",
+            held,
+            sum(acts.blocks[:i]) + acts.batch + acts.full_block,
+            f.root + (L - i) * f.block + accumulated,
+        )
+        if worst is None or moment.total > worst.total:
+            worst = moment
+    return [worst]
 
 
 def cast_shard(rs_out: int, grad_shard: int) -> int:
@@ -636,7 +729,7 @@ def root_reduce(ctx: StepContext, f: FsdpSizes, acc: Accumulation) -> int:
 
 
 def fsdp_block_moments(
-    ctx: StepContext, f: FsdpSizes, acc: Accumulation, reduces: bool = True
+    ctx: StepContext, f: FsdpSizes, acc: Accumulation, reduces: bool = True, keeps: bool = False
 ) -> list[Moment]:
     """The worst block backward and the worst block reduce-scatter, over every block.
 
@@ -644,7 +737,9 @@ def fsdp_block_moments(
     second-to-last block on, the block above's reduce-scatter input is retained (FSDP2 frees it
     at the next post-backward), so the worst block is not always the last one. reduces=False:
     a micro-batch before the last under reduce_every=step, which reduces nothing and holds the
-    whole accumulated gradient.
+    whole accumulated gradient (or, in the first micro-batch, the part its blocks above made).
+    keeps (zero.reshard_after_backward=false, a micro-batch before the last): every block above
+    stays unsharded, and the block itself after its reduce-scatter.
     """
     m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
     stage3 = ctx.config.zero.stage == Stage.stage3
@@ -661,7 +756,8 @@ def fsdp_block_moments(
         reduced = L - 1 - i if reduces else 0  # blocks above this one, reduced already
         grads = acc.shards or reduced * f.block_grad_shard
         retained = f.block_rs if reduced else 0
-        accumulated = acc.left(reduced)
+        accumulated = acc.left(reduced) if acc.full or reduces else acc.built(L - 1 - i)
+        above = (L - 1 - i) * f.block if keeps else 0  # blocks above, kept unsharded
         prefetched = f.block if i > 0 else 0  # stage3 gathers the block below while this one runs
         # hpZ: every block below holds its secondary shard, the prefetched one too: it is freed only
         # when its all-gather output is copied out, at that block's own pre-backward.
@@ -673,6 +769,7 @@ def fsdp_block_moments(
             + acc.fresh(f.output_grad)
             + retained
             + accumulated
+            + above
         )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
@@ -692,6 +789,7 @@ def fsdp_block_moments(
                     below,
                     f.root
                     + (prefetched + held if stage3 else i * f.block)
+                    + (above + f.block if keeps else 0)
                     + acc.fresh(f.output_grad)
                     + incoming
                     + f.block_rs

@@ -32,7 +32,7 @@ from trainer.rank.optim import (
     step_unless,
 )
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
-from trainer.rank.sharding import apply_zero, gradient_sync, reduces_now
+from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     Progress,
@@ -162,6 +162,7 @@ def train_step(
         # and made again during their recompute, and every cast freed once its block's backward has
         # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
         # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
+        parameter_resharding(model, enabled=reshards_now(config.zero, is_last))
         with (
             gradient_sync(model, enabled=reduces_now(config.zero, is_last)),
             build_autocast(config.precision, config.zero, world.device),

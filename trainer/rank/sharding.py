@@ -145,3 +145,21 @@ def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager:
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def reshards_now(zero: ZeroConfig, is_last: bool) -> bool:
+    """Whether this micro-batch's backward reshards FSDP2's parameters (zero.reshard_after_backward).
+
+    true: every backward (torch's default). false: only the last micro-batch's, so the optimizer step
+    sees sharded parameters; before it every group keeps its unsharded parameters (param_dtype) to the
+    next forward, whose all-gathers are then skipped (FSDPParamGroup.unshard returns when already
+    unsharded). stage3 blocks still reshard after that forward (reshard_after_forward=True) and
+    gather again in backward: only the forward's all-gathers are saved there.
+    """
+    return is_last or zero.reshard_after_backward
+
+
+def parameter_resharding(model: nn.Module, enabled: bool) -> None:
+    """FSDP2's own switch, on the root and (recurse=True, its default) every FSDP module under it."""
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(enabled)
