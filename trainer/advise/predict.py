@@ -10,7 +10,7 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
             early stop never reruns (its output is not saved for backward)
         R = L · (2·Σ numel of the recomputed matmuls + 4·H·Q·T unless the SDPA op is saved) for
             checkpointing=op: its policy keeps wq, wv, w1, w2 and attention, so wk, wo and w3
-            are rerun (w2 never is), 2·(D·KQ + D·D + D·M) per token per block by default
+            are rerun (w2 never is), 2·(D·KQ + D·HQ + D·M) per token per block by default
     wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
@@ -19,7 +19,8 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
         runs in where calibrated (this host: fp32 and bf16; gloo's bf16 reduction is slow)
     exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
         compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
-        all-gather overlaps forward (stage2) or forward and backward (stage3) of every micro-batch;
+        all-gather overlaps the forwards that gather (every micro-batch's; the first one's alone under
+        zero.reshard_after_backward=false) and, at stage3, every backward;
         all-reduce (DDP) and reduce-scatter (FSDP2) the backward of the micro-batches that reduce:
         the last one under zero.reduce_every=step, every one under micro_batch (whose bytes
         trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
@@ -51,7 +52,7 @@ from trainer.config import (
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan import LINKS, CommPlan, model_shape
-from trainer.plan.comm import reductions
+from trainer.plan.comm import forward_gathers, reductions
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -114,8 +115,7 @@ def recompute_flops_per_token(
         return m.n_layers * op_recompute_flops_per_token(m, checkpointing, seq_len, attention_op)
     shape = model_shape(m)
     block_params = sum(_numel(s) for s in shape.block)
-    head_dim = m.dim // m.n_heads
-    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * head_dim * seq_len
+    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.head_width * seq_len
     checkpointed = sum(should_checkpoint(i, checkpointing) for i in range(m.n_layers))
     return checkpointed * block_forward
 
@@ -125,11 +125,11 @@ def op_recompute_flops_per_token(
 ) -> float:
     """One block's recompute under mode=op, per token: the matmuls the policy does not save, but
     w2 (early stop ends the recompute once w2's input is back), and attention unless its op is saved."""
-    KQ, M = m.n_kv_heads * (m.dim // m.n_heads), m.ffn_dim
-    width = dict(wq=m.dim, wk=KQ, wv=KQ, wo=m.dim, w1=M, w3=M, w2=M)  # each matmul is D x width
+    HQ, KQ, M = m.n_heads * m.head_width, m.n_kv_heads * m.head_width, m.ffn_dim
+    width = dict(wq=HQ, wk=KQ, wv=KQ, wo=HQ, w1=M, w3=M, w2=M)  # each matmul is D x width
     saved = op_saved_matmuls(checkpointing.save_ops)
     matmuls = sum(2.0 * m.dim * width[name] for name in BLOCK_MATMULS[:-1] if name not in saved)
-    attention = 0.0 if op_saves(checkpointing.save_ops, attention_op) else 4.0 * m.dim * seq_len
+    attention = 0.0 if op_saves(checkpointing.save_ops, attention_op) else 4.0 * HQ * seq_len
     return matmuls + attention
 
 
@@ -162,6 +162,12 @@ def bandwidth(
         if half
         else rates.bus_bytes_per_s[kind]
     )
+
+
+def gathering_forward(config: TrainConfig, forward_s: float) -> float:
+    """The forwards that all-gather: every micro-batch's, or under zero.reshard_after_backward=false
+    the first one's only (the later ones start unsharded), so their all-gathers hide behind it alone."""
+    return forward_s * forward_gathers(config) / config.grad_accum
 
 
 def overlap_window(
@@ -197,6 +203,7 @@ def predict_step(
     reducing_backward_s = (
         backward_s * reductions(config) / config.grad_accum
     )  # backward of the micro-batches that reduce
+    gathering_forward_s = gathering_forward(config, forward_s)
     wire_s, exposed = {}, 0.0
     for collective, payload in comm_bytes.items():
         if not payload:
@@ -206,7 +213,9 @@ def predict_step(
             payload * factor / bandwidth(rates, kind, collective, config.zero, config.precision)
         )
         if rates.overlap:
-            window = overlap_window(collective, config.zero.stage, forward_s, backward_s, reducing_backward_s)
+            window = overlap_window(
+                collective, config.zero.stage, gathering_forward_s, backward_s, reducing_backward_s
+            )
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)
         else:
             exposed += wire_s[collective]
@@ -278,7 +287,11 @@ def predict_step_tiers(
     backward_s = base.compute_s - forward_s
     # The backwards that reduce: the last micro-batch's, or every one under zero.reduce_every=micro_batch.
     reducing_s = backward_s * reductions(config) / config.grad_accum
-    windows = {"forward": forward_s, "backward": backward_s, "last_backward": reducing_s}
+    windows = {
+        "forward": gathering_forward(config, forward_s),
+        "backward": backward_s,
+        "last_backward": reducing_s,
+    }
     hpz = "hpz" in comm.groups
     layers = config.model.n_layers
     wire: dict[str, float] = {}
