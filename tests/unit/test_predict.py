@@ -207,3 +207,17 @@ def test_the_shape_factors_gemms_are_the_models_flops(preset: str) -> None:
     model = load_preset(preset)
     total = sum(flops for flops, _ in gemms(model, rows=4096, seq_len=4096))
     assert total == pytest.approx(flops_per_token(model, 4096), rel=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["7b", "qwen3-0.6b", "qwen3-32b"])
+def test_full_checkpointing_recomputes_each_blocks_forward_but_w2(preset: str) -> None:
+    """checkpointing=full reruns every block's forward less w2: a third of the blocks' training FLOPs
+    (head width included, Qwen3's apart from dim / n_heads), less 2·D·M per block."""
+    from tests.unit.test_model import load_preset
+    from trainer.advise.throughput import gemms
+
+    model, seq_len = load_preset(preset), 4096
+    blocks = sum(flops for flops, (m, n, k) in gemms(model, seq_len, seq_len) if n != model.vocab_size)
+    expected = blocks / 3 - 2.0 * model.n_layers * model.dim * model.ffn_dim
+    full = CheckpointingConfig(mode=CheckpointMode.full)
+    assert recompute_flops_per_token(model, full, seq_len) == pytest.approx(expected, rel=1e-3)
