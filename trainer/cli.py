@@ -102,7 +102,10 @@ def config_error_line(err: Exception) -> str:
         return f"{key} is not a config key; `python -m trainer --cfg job` shows them all"
     if key:
         override = first_line(err).removeprefix("Error merging override ")
-        return f"{override if '=' in override else key}: {first_line(getattr(cause, 'msg', cause))}"
+        reason = first_line(getattr(cause, "msg", cause))
+        if "is not a valid bool" in reason:  # OmegaConf names enums' values, not a bool's
+            reason += "; allowed: true, false"
+        return f"{override if '=' in override else key}: {reason}"
     lines = [
         line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https://")
     ]

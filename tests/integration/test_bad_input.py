@@ -28,6 +28,12 @@ CASES = [
     (["zero=stage3", "zero.shard_ranks=3", "nproc=4"], "zero.shard_ranks=3 must divide", "1, 2, 4"),
     (["zero=stage2", "zero.hpz_ranks=2"], "zero.hpz_ranks", "needs zero=stage3"),
     (
+        ["zero=stage1", "zero.reshard_after_backward=false"],
+        "zero.reshard_after_backward=false",
+        "zero=stage2 or stage3",
+    ),
+    (["zero.reshard_after_backward=sometimes"], "zero.reshard_after_backward", "true"),
+    (
         ["zero=stage3", "zero.hpz_ranks=2", "nproc=2"],
         "zero.hpz_ranks=2 must divide the shard group",
         "4 or more",
