@@ -172,12 +172,18 @@ class Activations:
     log_softmax: int
     batch: int
     unread: int = 0  # checkpointing=op: a block's saved outputs its recompute stops before reading (w2's)
+    inputs_kept: tuple[int, ...] = ()  # per block: its checkpointed input, alive beside its recompute
 
     @property
     def in_backward(self) -> int:
         """What a block holds at the start of its backward: its full set back, and what stays unread
         until its backward ends (the policy's storage lives as long as the block's graph)."""
         return self.full_block + self.unread
+
+    def in_backward_of(self, block: int) -> int:
+        """in_backward, plus block `block`'s checkpointed input where its recompute does not save the
+        input itself (`checkpoint_input_kept`)."""
+        return self.in_backward + (self.inputs_kept[block] if self.inputs_kept else 0)
 
     @property
     def total(self) -> int:
@@ -228,6 +234,22 @@ def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> in
     return kept
 
 
+def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
+    """Bytes per element of a checkpointed block's input that stay alive beside its recomputed set.
+
+    Non-reentrant checkpoint keeps the block's inputs for its recompute in its frame
+    (torch 2.13 torch/utils/checkpoint.py, `_checkpoint_without_reentrant_generator` calls
+    `_CheckpointFrame.save_inputs`), which lives as long as the block's saved-tensor holders, so the
+    input is alive through the block's backward, next to the recomputed set. The full set counts
+    the attention norm's saved input as its fp32 upcast: in fp32 and under autocast (fp32 residual)
+    `x.float()` is x itself, and CUDA's fused RMSNorm saves x as it is (`fused_norm_saving`), so only
+    FSDP2's half-precision residual on CPU keeps a second copy: the bf16 input next to its fp32 upcast
+    (measured on 2 CPU ranks, tiny model, micro_batch 8 x seq_len 64, bf16, checkpointing=full: the
+    block's 131,072-byte input alive at the MLP's backward in the recompute).
+    """
+    return prec.residual if prec.regime == "fsdp_mp" and device_kind == "cpu" else 0
+
+
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
@@ -247,12 +269,14 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     blocks = tuple(
         checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
     )
+    kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens
+    inputs_kept = tuple(kept if should_checkpoint(i, config.checkpointing) else 0 for i in range(m.n_layers))
     batch = BATCH_BYTES_PER_TOKEN * tokens
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
-        return Activations(blocks, full, head, 0, batch, unread)
+        return Activations(blocks, full, head, 0, batch, unread, inputs_kept)
     head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT
-    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread)
+    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread, inputs_kept)
 
 
 # ----------------------------------------------------------------------------- moments of a step
@@ -773,7 +797,7 @@ def fsdp_block_moments(
         )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
-            ctx.moment(f"{prefix}: block {i}", grads, below + acts.in_backward, params + compute),
+            ctx.moment(f"{prefix}: block {i}", grads, below + acts.in_backward_of(i), params + compute),
             # its end: its activations gone, every unsharded weight gradient of the block held
             ctx.moment(f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming),
         ]
