@@ -64,11 +64,18 @@ KEPT += [
     for accum in (2, 4)
     for precision in ("fp32", "bf16")
 ]
+# reduce_every=step at 1 x 32, where the kept parameters set the peak: stage2 at the output head's backward (its
+# new weight gradient beside the accumulated one), stage3 at block 0's re-gather (the blocks above kept).
+KEPT += [
+    ("stage2", "step", 2, "fp32", "fp32", False, 1, 32),
+    ("stage3", "step", 4, "fp32", "fp32", False, 1, 32),
+]
 CASES += KEPT
 PEAK_TOLERANCE = 0.005  # the issue's 0.5%
 # micro_batch=4 x seq_len=128: the peak comes at the loss's backward, where no collective is in flight;
-# with fewer tokens it comes at a block's reduce-scatter, where gloo sometimes frees a buffer late
-# (docs/memory_plan.md) and one rank in a few runs holds one more, up to 3% there.
+# with fewer tokens it comes at a block's reduce-scatter, where gloo sometimes frees its copy of the
+# reduce-scatter input late (docs/memory_plan.md, "Not exact") and one rank in a few runs holds one more,
+# up to 3.6% there (bf16 with bf16 reduction at 1 x 32, which the grid leaves out for that reason).
 MICRO_BATCH, SEQ_LEN = 4, 128
 
 

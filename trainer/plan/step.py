@@ -602,7 +602,9 @@ def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Mome
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
     forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + acc.full
     staging = (4 + prec.param) * f.block // ctx.world_size // prec.param if ctx.offloaded else 0
-    head = prec.compute * n * (m.vocab_size + m.dim) + acc.fresh(f.output_grad)
+    # The head's new weight gradient is alive as mm writes it, also where autograd then adds it into the
+    # accumulated one in place and frees it (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h).
+    head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
     # block 0's retained reduce-scatter input, the root unsharded with its gradients: the embedding's
     # and the gradient arriving from block 0, or with tied embeddings the embedding's and its sum
@@ -729,6 +731,17 @@ def gathered_forward_moments(ctx: StepContext, f: FsdpSizes, held: int, accumula
     return [worst]
 
 
+def copy_out_extra(f: FsdpSizes) -> int:
+    """What a stage3 block's pre-backward copy-out holds beyond its unsharded copy: the flat all-gather
+    output it copies from, freed only after the copy-out (torch 2.13 _fsdp_param_group.py
+    `wait_for_unshard`: `foreach_all_gather_copy_out` writes into the unsharded parameters, then
+    `self._all_gather_result = None`; in backward the free is not deferred), and under hpZ the block's
+    own secondary shard, freed once its all-gather output is copied out. Before its own prefetch of the
+    block below, so nothing prefetched; the start moment, with the prefetched block, is larger for every
+    block but block 0."""
+    return f.block + f.secondary
+
+
 def cast_shard(rs_out: int, grad_shard: int) -> int:
     """The fp32 shard FSDP2 casts a bf16 reduce-scatter output to (alive next to it); none in fp32."""
     return grad_shard if rs_out != grad_shard else 0
@@ -797,16 +810,39 @@ def fsdp_block_moments(
         )
         moments = [
             # its start: all its activations back (recomputed if checkpointed), the MLP's gradients
-            ctx.moment(f"{prefix}: block {i}", grads, below + acts.in_backward_of(i), params + compute),
+            (
+                "start",
+                ctx.moment(f"{prefix}: block {i}", grads, below + acts.in_backward_of(i), params + compute),
+            ),
             # its end: its activations gone, every unsharded weight gradient of the block held
-            ctx.moment(f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming),
+            (
+                "end",
+                ctx.moment(
+                    f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming
+                ),
+            ),
         ]
+        if stage3:
+            # its pre-backward re-gather (block 0: with nothing prefetched below, but the blocks above kept)
+            copy_out = params - prefetched + copy_out_extra(f)
+            moments.append(
+                (
+                    "copy-out",
+                    ctx.moment(
+                        f"{prefix}: block {i} all-gather copy-out",
+                        grads,
+                        below + acts.blocks[i],
+                        copy_out + incoming,
+                    ),
+                )
+            )
         if reduces:
             # its reduce-scatter: the block resharded, the retained input of the block above freed;
             # its unsharded (or accumulated) gradient copied into the input, then freed
             source = accumulated if acc.full else f.block
             after_copy = out + accumulated - acc.per_block
-            moments.append(
+            reduce_scatter = (
+                "reduce",
                 ctx.moment(
                     f"{prefix}: block {i} reduce-scatter",
                     grads,
@@ -818,9 +854,10 @@ def fsdp_block_moments(
                     + incoming
                     + f.block_rs
                     + max(source, after_copy),
-                )
+                ),
             )
-        for kind, moment in zip(("start", "end", "reduce"), moments):
+            moments.append(reduce_scatter)
+        for kind, moment in moments:
             if kind not in worst or moment.total > worst[kind].total:
                 worst[kind] = moment
     return list(worst.values())
