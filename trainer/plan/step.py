@@ -578,7 +578,7 @@ def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Mome
     """
     if micro is None and keeps_parameters(ctx.config):
         return kept_fsdp_moments(ctx)
-    m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
+    L = ctx.config.model.n_layers
     f = fsdp_sizes(ctx)
     acc = accumulation(ctx, f)
     if micro is not None and micro.first:
@@ -587,7 +587,6 @@ def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Mome
     gathered = micro is not None and not micro.first  # forward starts with every group unsharded
     keeps = micro is not None and not micro.last  # backward reshards nothing
     reduces = micro is None or micro.last or ctx.config.zero.reduce_every == ReduceEvery.micro_batch
-    kept_blocks = L * f.block if keeps else 0  # at the embedding's backward and after
     stage3 = ctx.config.zero.stage == Stage.stage3
     after_forward = (
         f.root + (secondaries(f, L) if stage3 else L * f.block) + acc.full
@@ -597,14 +596,82 @@ def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Mome
     # shard group, which gathers nothing), and the next is the root's post-forward
     # (_fsdp_state.py:335-342), after the final norm and the output head ran.
     last_gathered = f.block if ctx.world_size > 1 and not gathered else 0
+    held = acc.shards or 0
+    earlier = (
+        fsdp_block_moments(ctx, f, acc, reduces=False)
+        if micro is None and acc.full and ctx.config.grad_accum > 2
+        else []
+    )
+    forward = (
+        gathered_forward_moments(ctx, f, held, acc.full)
+        if gathered
+        else fsdp_forward_moments(ctx, f, held, acc.full)
+    )
+    moments = [
+        *forward,
+        *fsdp_loss_moments(ctx, f, held, after_forward, last_gathered),
+        *fsdp_block_moments(ctx, f, acc, reduces=reduces, keeps=keeps),
+        *earlier,
+        *fsdp_root_backward_moments(ctx, f, acc, reduces=reduces, keeps=keeps),
+    ]
+    if micro is None:
+        return [*moments, ctx.moment("optimizer step", temporary=optimizer_temporary(ctx))]
+    return [dataclasses.replace(moment, name=f"{moment.name} ({micro.name})") for moment in moments]
+
+
+def fsdp_forward_moments(ctx: StepContext, f: FsdpSizes, held: int, accumulated: int) -> list[Moment]:
+    """The last block's all-gather and forward, the worst of a forward that gathers block by block."""
+    acts, L = ctx.acts, ctx.config.model.n_layers
+    stage3 = ctx.config.zero.stage == Stage.stage3
     # The last block's forward: its unsharded copy and its flat all-gather output (kept until the
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
-    forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + acc.full
-    staging = (4 + prec.param) * f.block // ctx.world_size // prec.param if ctx.offloaded else 0
+    forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + accumulated
+    staging = (4 + ctx.prec.param) * f.block // ctx.world_size // ctx.prec.param if ctx.offloaded else 0
+    return [
+        ctx.moment(
+            "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
+        ),
+        ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
+    ]
+
+
+def fsdp_loss_moments(
+    ctx: StepContext, f: FsdpSizes, held: int, after_forward: int, last_gathered: int
+) -> list[Moment]:
+    """The output head and the loss, forward and backward, with `after_forward` unsharded (and, at the
+    head's forward, the last block's flat all-gather output, `last_gathered`)."""
+    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
+    if ctx.config.loss.kind == LossKind.chunked:
+        grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
+        # stage3: the root prefetches the last block's all-gather as the loss's backward begins
+        prefetched = f.block if ctx.config.zero.stage == Stage.stage3 else 0
+        return [
+            dataclasses.replace(moment, parts={**moment.parts, "grads": held})
+            for moment in chunked_loss_moments(ctx, after_forward, grad, grad, prefetched=prefetched)
+        ]
     # The head's new weight gradient is alive as mm writes it, also where autograd then adds it into the
     # accumulated one in place and frees it (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h).
     head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
+    return [
+        ctx.moment(
+            "forward: output head",
+            held,
+            acts.total - acts.log_softmax - NLL_TOTAL_WEIGHT,
+            after_forward + last_gathered + prec.compute * n * m.vocab_size,  # + the logits being written
+        ),
+        ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward_temporary(ctx)),
+        ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
+        ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
+    ]
+
+
+def fsdp_root_backward_moments(
+    ctx: StepContext, f: FsdpSizes, acc: Accumulation, *, reduces: bool, keeps: bool
+) -> list[Moment]:
+    """The embedding's backward and, where this micro-batch reduces, the root's reduce-scatter."""
+    m, n, acts, prec, L = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec, ctx.config.model.n_layers
+    kept_blocks = L * f.block if keeps else 0  # zero.reshard_after_backward=false: every block unsharded
     # The embedding's backward, before the root reduce-scatters: every block's gradient shard,
     # block 0's retained reduce-scatter input, the root unsharded with its gradients: the embedding's
     # and the gradient arriving from block 0, or with tied embeddings the embedding's and its sum
@@ -616,62 +683,12 @@ def fsdp_moments(ctx: StepContext, micro: MicroBatch | None = None) -> list[Mome
         embedding += f.block_rs + acc.left(L)
     else:  # nothing reduced: the blocks' whole accumulated gradient
         embedding += acc.full or acc.built(L)
-    held = acc.shards or 0
-    if ctx.config.loss.kind == LossKind.chunked:
-        grad = prec.param * m.vocab_size * m.dim  # the unsharded head's gradient, kept until the root reduces
-        # stage3: the root prefetches the last block's all-gather as the loss's backward begins
-        prefetched = f.block if stage3 else 0
-        loss = [
-            dataclasses.replace(moment, parts={**moment.parts, "grads": held})
-            for moment in chunked_loss_moments(ctx, after_forward, grad, grad, prefetched=prefetched)
-        ]
-    else:
-        loss = [
-            ctx.moment(
-                "forward: output head",
-                held,
-                acts.total - acts.log_softmax - NLL_TOTAL_WEIGHT,
-                after_forward + last_gathered + prec.compute * n * m.vocab_size,  # + the logits being written
-            ),
-            ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward_temporary(ctx)),
-            ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
-            ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
-        ]
-    earlier = (
-        fsdp_block_moments(ctx, f, acc, reduces=False)
-        if micro is None and acc.full and ctx.config.grad_accum > 2
-        else []
-    )
-    if gathered:
-        forward_moments = gathered_forward_moments(ctx, f, held, acc.full)
-    else:
-        forward_moments = [
-            ctx.moment(
-                "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
-            ),
-            ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
-        ]
     block_grads = acc.shards or (L * f.block_grad_shard if reduces else 0)
-    ending = [ctx.moment("backward: embedding", block_grads, acts.batch, embedding)]
+    moments = [ctx.moment("backward: embedding", block_grads, acts.batch, embedding)]
     if reduces:
-        ending.append(
-            ctx.moment(
-                "backward: root reduce-scatter",
-                block_grads,
-                acts.batch,
-                root_reduce(ctx, f, acc) + kept_blocks + (f.root if keeps else 0),
-            )
-        )
-    moments = [
-        *forward_moments,
-        *loss,
-        *fsdp_block_moments(ctx, f, acc, reduces=reduces, keeps=keeps),
-        *earlier,
-        *ending,
-    ]
-    if micro is None:
-        return [*moments, ctx.moment("optimizer step", temporary=optimizer_temporary(ctx))]
-    return [dataclasses.replace(moment, name=f"{moment.name} ({micro.name})") for moment in moments]
+        root = root_reduce(ctx, f, acc) + kept_blocks + (f.root if keeps else 0)
+        moments.append(ctx.moment("backward: root reduce-scatter", block_grads, acts.batch, root))
+    return moments
 
 
 @dataclass(frozen=True)
