@@ -409,6 +409,27 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
     return incoming + max(nm + w2_grad, 2 * nm)
 
 
+def block_end_temporary(ctx: StepContext) -> int:
+    """The end of a block's backward: its attention RMSNorm's backward, beside the gradient arriving
+    down the residual (the block's weight gradients are counted by the caller).
+
+    On CPU RMSNorm is torch's composite (aten/src/ATen/native/layer_norm.cpp `rms_norm_composite`:
+    x_f = input.to(fp32); rstd = rsqrt(pow(x_f, 2).mean(-1) + eps); x_f.mul(rstd).mul(weight)).
+    Its backward peaks in pow's (torch/csrc/autograd/FunctionsManual.cpp `pow_backward`:
+    grad * (2 * x_f.pow(1))), with five fp32 B·T·D tensors at once: mean's backward (its input
+    gradient), x_f.pow(1), 2 * that, their product, and the gradient x_f.mul(rstd)'s backward gave
+    x_f, waiting in autograd's input buffer; x_f itself is still saved (pow's input; in fp32 and
+    under autocast the block's input itself). Measured with MemTracker on 2 CPU ranks, tiny model,
+    1 x 32 tokens, stage3: 5 x 16,384 bytes of fp32 temporaries, the 16,384-byte fp32 input and the
+    residual's incoming gradient at block 2's end. CUDA runs the fused kernel
+    (`fused_norm_saving`); there the incoming gradient and the norm's input gradient are counted.
+    """
+    incoming = ctx.prec.residual * ctx.tokens * ctx.config.model.dim
+    if ctx.device_kind == "cuda":
+        return 2 * incoming
+    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim
+
+
 def optimizer_temporary(ctx: StepContext) -> int:
     """Adam's temporaries: the fused kernel (trainer/rank/optim.py's default on CUDA) updates in place
     and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`. Offloaded states
@@ -835,7 +856,10 @@ def fsdp_block_moments(
             (
                 "end",
                 ctx.moment(
-                    f"{prefix}: block {i} end", grads, below, params + acc.fresh(f.block) + 2 * incoming
+                    f"{prefix}: block {i} end",
+                    grads,
+                    below,
+                    params + acc.fresh(f.block) + block_end_temporary(ctx),
                 ),
             ),
         ]
