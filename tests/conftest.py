@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -52,6 +53,25 @@ def run_trainer(out_dir: Path, *overrides: str, check: bool = True, timeout: flo
             f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
         )
     return run
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: the rendezvous of a test's own process group."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank on this host, for a process a test starts itself."""
+    return {
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
 
 
 # Small and fast: tiny model, short sequences, every step logged.

@@ -5,7 +5,6 @@ benchmarks/gpu_check.py runs these first (`pytest -m gpu tests/gpu`).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.unit.fakes import tiny_config
 from trainer.data import build_batches, to_device
 from trainer.devices import find_device
@@ -34,12 +33,6 @@ from trainer.saves.dcp import (
 from trainer.world import World
 
 pytestmark = pytest.mark.gpu
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

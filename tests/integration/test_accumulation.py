@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -153,14 +153,7 @@ def measure_peak(config: TrainConfig, world: Any) -> float:
 
 
 def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
-    os.environ.update(
-        MASTER_ADDR="localhost",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
+    os.environ.update(torchrun_env(rank, WORLD, port))
     from trainer.world import init_world, shutdown_world
 
     world = init_world("cpu")
@@ -168,12 +161,6 @@ def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
     peaks = {key(case): measure_peak(make_config(*case), world) for case in cases}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
     shutdown_world()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import gc
 import json
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -127,14 +127,7 @@ def run_case(
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="localhost",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
+    os.environ.update(torchrun_env(rank, WORLD, port))
     from trainer.telemetry.comm import enable_recording
     from trainer.world import init_world, shutdown_world
 
@@ -154,12 +147,6 @@ def worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     shutdown_world()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,15 @@ rank then runs one thread, like each of the 1-node 2-rank reference's ranks.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, Run, run_trainer
+from tests.conftest import REPO, TINY, Run, free_port, run_trainer
 
 STEPS = ("steps=8", "save=off")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def run_two_nodes(out: Path, *overrides: str, timeout: float = 240) -> list[Run]:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port, torchrun_env
 from tests.unit.test_plan import compose_config
 from trainer.config import ConfigError
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
@@ -33,17 +32,7 @@ def test_cpu_offload_on_cuda_gets_gloo_beside_nccl() -> None:
 
 
 def test_a_cpu_rank_joins_a_gloo_group() -> None:
-    with socket.socket() as s:  # a free port for this one-rank group
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "localhost",
-        "MASTER_PORT": str(port),
-    }
+    env = {**os.environ, **torchrun_env(0, 1, free_port())}
     code = "import torch.distributed as d; from trainer.world import init_world; init_world('cpu', offload_to_cpu=True); print(d.get_backend())"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120

@@ -39,22 +39,32 @@ def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(process_group: None
     assert all(torch.allclose(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
 
 
-def test_fsdp_reduces_once_and_the_window_sums_every_micro_batch(process_group: None) -> None:
+def sharded_twin() -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
+    """A Linear, its FSDP2-sharded copy (one rank) and two micro-batches."""
     torch.manual_seed(0)
     reference = nn.Linear(2, 1)
     model = nn.Linear(2, 1)
     model.load_state_dict(reference.state_dict())
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    batches = [torch.randn(3, 2) for _ in range(2)]
+    return reference, model, [torch.randn(3, 2) for _ in range(2)]
+
+
+def assert_window_sums(model: nn.Module, reference: nn.Module, batches: list[torch.Tensor]) -> None:
+    """The sharded model's gradient is the reference's summed over every micro-batch."""
+    for batch in batches:
+        reference(batch).sum().backward()
+    got = [p.grad.full_tensor() for p in model.parameters()]
+    assert all(torch.allclose(g, r.grad) for g, r in zip(got, reference.parameters()))
+
+
+def test_fsdp_reduces_once_and_the_window_sums_every_micro_batch(process_group: None) -> None:
+    reference, model, batches = sharded_twin()
     with gradient_sync(model, enabled=False):
         model(batches[0]).sum().backward()
     assert all(p.grad is None for p in model.parameters())  # held unsharded, not reduced yet
     with gradient_sync(model, enabled=True):
         model(batches[1]).sum().backward()
-    for batch in batches:
-        reference(batch).sum().backward()
-    got = [p.grad.full_tensor() for p in model.parameters()]
-    assert all(torch.allclose(g, r.grad) for g, r in zip(got, reference.parameters()))
+    assert_window_sums(model, reference, batches)
 
 
 def test_reduce_every_decides_which_micro_batches_reduce() -> None:
@@ -71,12 +81,7 @@ def test_reduce_every_decides_which_micro_batches_reduce() -> None:
 def test_fsdp_reducing_every_micro_batch_adds_each_shard_into_the_held_one(process_group: None) -> None:
     """zero.reduce_every=micro_batch: the first backward already leaves a (sharded) gradient, the
     second adds into that same tensor, and the window still sums every micro-batch."""
-    torch.manual_seed(0)
-    reference = nn.Linear(2, 1)
-    model = nn.Linear(2, 1)
-    model.load_state_dict(reference.state_dict())
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    batches = [torch.randn(3, 2) for _ in range(2)]
+    reference, model, batches = sharded_twin()
     with gradient_sync(model, enabled=True):
         model(batches[0]).sum().backward()
     first = [(p.grad.to_local().data_ptr(), p.grad.to_local().clone()) for p in model.parameters()]
@@ -84,7 +89,4 @@ def test_fsdp_reducing_every_micro_batch_adds_each_shard_into_the_held_one(proce
         model(batches[1]).sum().backward()
     for p, (storage, before) in zip(model.parameters(), first):  # the same shard, added to in place
         assert p.grad.to_local().data_ptr() == storage and not torch.equal(p.grad.to_local(), before)
-    for batch in batches:
-        reference(batch).sum().backward()
-    got = [p.grad.full_tensor() for p in model.parameters()]
-    assert all(torch.allclose(g, r.grad) for g, r in zip(got, reference.parameters()))
+    assert_window_sums(model, reference, batches)
