@@ -756,17 +756,16 @@ def gathered_forward_moments(ctx: StepContext, f: FsdpSizes, held: int, accumula
     if ctx.config.zero.stage != Stage.stage3:
         params = f.root + L * f.block + accumulated
         return [ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, params)]
-    worst = None
-    for i in range(L):
-        moment = ctx.moment(
+    moments = (
+        ctx.moment(
             f"forward: block {i}",
             held,
             sum(acts.blocks[:i]) + acts.batch + acts.full_block,
             f.root + (L - i) * f.block + accumulated,
         )
-        if worst is None or moment.total > worst.total:
-            worst = moment
-    return [worst]
+        for i in range(L)
+    )
+    return [max(moments, key=lambda moment: moment.total)]
 
 
 def copy_out_extra(f: FsdpSizes) -> int:
