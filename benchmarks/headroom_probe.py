@@ -16,7 +16,7 @@ The figures trainer/plan/headroom.py assumes, each measured for this process onl
   show NCCL at 8 ranks (buffers per peer and channel): `nccl_8_ranks` says so, and the plan's
   figure for several ranks stays an assumption.
 - expandable_segments: every segment of the allocator's snapshot is expandable once the rank's
-  environment (trainer/rank/cuda.py set_rank_environment) is applied.
+  environment (trainer/cuda.py set_rank_environment) is applied.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def measure() -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from trainer.rank.cuda import set_rank_environment
+    from trainer.cuda import set_rank_environment
 
     set_rank_environment(None)  # what a rank sets before its allocator starts: expandable segments
     before = device_used_bytes(0)

@@ -9,15 +9,9 @@ from pathlib import Path
 
 from trainer.config import TrainConfig
 from trainer.console import error, first_line
+from trainer.overrides import split_override
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-def split_override(override: str) -> tuple[str, str]:
-    """A command-line override's key and value: `+a.b=1` -> (`a.b`, `1`) (Hydra's `+`, `++` and
-    `~` prefixes dropped); the value is "" where none is given."""
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
 
 
 def register_configs() -> None:

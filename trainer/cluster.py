@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from trainer.cli import split_override
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults.failures import FAILURES_DIR, lost_peer
+from trainer.overrides import split_override
 from trainer.telemetry.keys import Status
 
 if TYPE_CHECKING:  # trainer/launch.py imports the elastic launcher, which only a job that trains needs

@@ -80,7 +80,7 @@ def find_device(device_name: str) -> DeviceSpec | None:
 
 
 def tf32_enabled() -> bool:
-    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (trainer/rank/cuda.py sets it from precision.tf32)."""
+    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (trainer/cuda.py sets it from precision.tf32)."""
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
         setting = matmul.fp32_precision

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
 from trainer.console import BAD_INPUT, error_line, say, warn
+from trainer.cuda import check_local_ranks
 from trainer.data import check_data
 from trainer.faults.stop import (
     STOP_STATUSES,
@@ -40,7 +41,6 @@ from trainer.plan import (
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.plan.groups import shard_groups
-from trainer.rank.cuda import check_local_ranks
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
 from trainer.telemetry.keys import Status
@@ -246,7 +246,7 @@ def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
 
 
 def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[Status, dict[str, Any]]:
-    """The status the ranks ended with, from rank 0's result (trainer/launch.py rank_main): ok,
+    """The status the ranks ended with, from rank 0's result (trainer/rank/main.py rank_main): ok,
     diverged with its line when the non-finite policy stopped them, or the stop they agreed on
     after a signal (trainer/faults/stop.py)."""
     if result is not None and result.get("status") == Status.diverged:
@@ -267,7 +267,7 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     """
     import torch.distributed as dist
 
-    from trainer.launch import rank_main
+    from trainer.rank.main import rank_main
     from trainer.saves.resume import resolve_resume
     from trainer.telemetry.comm import enable_recording
 

@@ -1,39 +1,25 @@
-"""Start the ranks of one job with torch's elastic launcher (or join the ranks torchrun started)."""
+"""Start the ranks of one job with torch's elastic launcher; what each rank runs is trainer/rank/main.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import logging
-import multiprocessing
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.config import OffloadTarget, from_plain
 from trainer.console import first_line, one_line
-from trainer.faults.failures import apply_memory_cap, explain, killed_by, recording_failures
-from trainer.faults.stop import AGENT_SIGNALS, RankStop
-from trainer.rank.cuda import apply_tf32, set_launcher_environment
-from trainer.telemetry.comm import enable_recording
-from trainer.telemetry.keys import Status
-from trainer.world import init_world, shutdown_world
-
-
-def fork_server() -> str:
-    """The ranks' start method: each rank forks from multiprocessing's fork server, which has
-    imported the ranks' modules once (trainer/rank/preload.py). Under spawn every rank imported
-    torch and the trainer afresh, which cost more than a short job's training. The server is a
-    fresh, single-threaded process that never touches a device, so CUDA is as safe as under
-    spawn; it lives as long as this process, so the later jobs of a sweep fork from it at once."""
-    multiprocessing.set_forkserver_preload(["trainer.rank.preload"])
-    return "forkserver"
+from trainer.cuda import set_launcher_environment
+from trainer.faults.failures import explain, killed_by
+from trainer.faults.stop import AGENT_SIGNALS
+from trainer.rank.main import fork_server, rank_main
 
 
 @dataclass
@@ -53,39 +39,6 @@ class RankFailure(Exception):
         where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
         on = f" on node {self.node}" if self.node is not None else ""
         return f"rank {self.rank}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
-
-
-@record
-def rank_main(
-    plain: dict[str, Any], out_dir: str, device_kind: str, predicted: dict[str, float]
-) -> dict[str, Any] | None:
-    """The entry point of every rank: plain config and the job's plan figures in, rank 0's final figures out."""
-    from trainer.rank.loop import train  # imported in the rank: the job process never builds a model
-    from trainer.rank.nonfinite import NonFiniteError
-
-    # Before anything slow: from here a signal is a request to stop at a step boundary (trainer/faults/stop.py).
-    stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-    config = from_plain(plain)
-    enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(
-        device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu, out_dir=Path(out_dir)
-    )
-    if world.device.type == "cuda":
-        apply_tf32(config.precision.tf32)
-    apply_memory_cap(
-        config.device_memory_gib, world.device
-    )  # after init: the runtime is not the rank's budget
-    with recording_failures(Path(out_dir), world.rank):  # failures/rank{r}.json: oom or not, step, phase
-        try:
-            result = train(config, world, Path(out_dir), stop, predicted)
-        except NonFiniteError as err:
-            # Every rank stops here together (they agreed), so this is an ending, not a crash: no
-            # traceback, no elastic restart; the job records status `diverged` with this line.
-            result = {"status": Status.diverged, "error": str(err)}
-    # Not in a `finally`: a rank that raised must leave without the shutdown barrier, which its
-    # peers (inside another collective) would never reach; the launcher stops them instead.
-    shutdown_world()
-    return result
 
 
 def launch_local(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DeviceKind
-from trainer.rank.cuda import check_local_ranks, process_group_backend, set_rank_environment
+from trainer.cuda import check_local_ranks, process_group_backend, set_rank_environment
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def init_world(device_kind: str, offload_to_cpu: bool = False, out_dir: Path | N
     """Join the process group the launcher described in the environment (RANK, MASTER_PORT, ...).
 
     On CUDA the group is bound to this rank's GPU (`device_id`: NCCL connects eagerly and knows
-    its device) and has gloo beside NCCL under CPU offload (trainer/rank/cuda.py says why).
+    its device) and has gloo beside NCCL under CPU offload (trainer/cuda.py says why).
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

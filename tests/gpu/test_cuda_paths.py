@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from tests.conftest import REPO, free_port
 from tests.unit.fakes import tiny_config
+from trainer.cuda import apply_tf32, process_group_backend
 from trainer.data import build_batches, to_device
 from trainer.devices import find_device
-from trainer.rank.cuda import apply_tf32, process_group_backend
 from trainer.rank.loop import build_trainee, train_step
 from trainer.rank.nonfinite import NonFiniteGuard
 from trainer.saves.dcp import (

@@ -1,4 +1,4 @@
-"""trainer/rank/cuda.py and trainer/devices.py on CPU: what a CUDA rank would be given, decided by pure functions."""
+"""trainer/cuda.py and trainer/devices.py on CPU: what a CUDA rank would be given, decided by pure functions."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch
 from tests.conftest import REPO, free_port, torchrun_env
 from tests.unit.test_plan import compose_config
 from trainer.config import ConfigError
-from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
-from trainer.plan import device_memory
-from trainer.rank.cuda import (
+from trainer.cuda import (
     ALLOC_CONF,
     apply_tf32,
     local_ranks_error,
     process_group_backend,
     set_rank_environment,
 )
+from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
+from trainer.plan import device_memory
 from trainer.units import GIB
 
 

@@ -110,21 +110,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def preloaded(graph: dict[str, Imports]) -> set[str]:
-    """The modules trainer/launch.py has the ranks' fork server import: what every rank imports."""
-    tree = ast.parse((PACKAGE / "launch.py").read_text())
+    """The modules the ranks' fork server imports (trainer/rank/main.py, `fork_server`): what every rank imports."""
+    tree = ast.parse((PACKAGE / "rank" / "main.py").read_text())
     calls = [
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("set_forkserver_preload")
     ]
-    assert len(calls) == 1, "trainer/launch.py names the fork server's preload once"
+    assert len(calls) == 1, "trainer/rank/main.py names the fork server's preload once"
     names = {elt.value for elt in calls[0].args[0].elts}  # a list of string constants
     assert names and names <= set(graph), names
     return names
 
 
 def rank_path(graph: dict[str, Imports]) -> set[str]:
-    """What a rank imports: the fork server's preload (the entry point `trainer.launch.rank_main`
+    """What a rank imports: the fork server's preload (the entry point `trainer.rank.main.rank_main`
     and the loop) and every module of trainer/rank/, with everything they import."""
     rank_package = {m for m in graph if m.startswith("trainer.rank.")}
     return closure(graph, preloaded(graph) | rank_package | {"trainer.launch"})
@@ -146,8 +146,8 @@ def test_every_import_is_counted() -> None:
     assert (
         len(graph) >= 30 and "trainer.saves.dcp" in graph["trainer.rank.loop"].modules
     )  # the walk sees the package
-    # function-level imports count (launch.py imports the loop inside rank_main) ...
-    assert "trainer.rank.loop" in graph["trainer.launch"].modules
+    # function-level imports count (rank/main.py imports the loop inside rank_main) ...
+    assert "trainer.rank.loop" in graph["trainer.rank.main"].modules
     # ... and so do `__main__` blocks, relative imports and package-level names.
     source = 'import a.b\nfrom .c import d\ndef f():\n    from e import g\nif __name__ == "__main__":\n    import h\n'
     found = imports_of(source, "trainer.x", is_package=False, known={"trainer.x", "trainer.c"})
@@ -172,10 +172,9 @@ def test_the_rank_path_never_imports_wandb_or_hydra() -> None:
 
 
 def test_the_plan_imports_no_rank_only_module() -> None:
-    """Rank-only: trainer/rank/ but cuda.py, which world.py and the job process use as well
-    (how many GPUs this host's ranks may take)."""
+    """Rank-only: every module of trainer/rank/."""
     graph = import_graph()
-    rank_only = {m for m in graph if m.startswith("trainer.rank.")} - {"trainer.rank", "trainer.rank.cuda"}
+    rank_only = {m for m in graph if m.startswith("trainer.rank.")} - {"trainer.rank"}
     assert "trainer.rank.loop" in rank_only
     plan = closure(graph, {m for m in graph if m == "trainer.plan" or m.startswith("trainer.plan.")})
     assert sorted(plan & rank_only) == []

@@ -28,7 +28,6 @@ from typing import Any
 from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.predict import StepTime, predict_step_tiers
 from trainer.advise.verify import Proposal, verify
-from trainer.cli import split_override
 from trainer.config import (
     STAGE_REDUCE_EVERY,
     CheckpointMode,
@@ -41,6 +40,7 @@ from trainer.config import (
     TrainConfig,
 )
 from trainer.model.decoder import flops_per_token
+from trainer.overrides import split_override
 from trainer.plan import build_plan, device_memory, plan_comm
 from trainer.plan.groups import LINKS, shard_groups
 from trainer.rank.sharding import check_device_support

@@ -312,7 +312,7 @@ def measure(probe: HostProbe) -> dict[str, Any]:
     """Run the micro-benchmark on `probe.world_size` real ranks (elastic launch, gloo); rank 0's figures."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainer.launch import fork_server
+    from trainer.rank.main import fork_server
 
     launch = LaunchConfig(
         min_nodes=1,

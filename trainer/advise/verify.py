@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.cli import split_override
+from trainer.overrides import split_override
 from trainer.telemetry import keys
 from trainer.telemetry.summary import read_summary
 from trainer.units import GIB

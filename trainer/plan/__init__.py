@@ -20,7 +20,8 @@ The planner is this package; each module's docstring is its part of the design n
 - target.py: the device kind and world size a plan is for;
 - host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
 - refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;
-- table.py: what the user reads, the console report and a sweep's fit table.
+- table.py: what the user reads, the console report (a sweep's fit table is a report:
+  trainer/report/fit_table.py).
 
 The names other modules use are imported from `trainer.plan` itself.
 """
@@ -46,7 +47,7 @@ from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
 from trainer.plan.refusal import host_refusal, refusal, way_out
 from trainer.plan.states import model_shape
-from trainer.plan.table import format_plan, verdict, write_fit_table
+from trainer.plan.table import format_plan, verdict
 from trainer.plan.target import planned_device_kind, planned_world_size
 
 __all__ = [
@@ -81,6 +82,5 @@ __all__ = [
     "summary_fields",
     "verdict",
     "way_out",
-    "write_fit_table",
     "write_plan",
 ]

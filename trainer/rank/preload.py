@@ -1,4 +1,4 @@
-"""What the fork server imports before it forks the ranks (trainer/launch.py, `fork_server`).
+"""What the fork server imports before it forks the ranks (trainer/rank/main.py, `fork_server`).
 
 Every rank needs these modules: the server imports them once and each rank forks with them
 already in place. Then everything imported is frozen (gc.freeze, as its documentation advises
@@ -9,8 +9,8 @@ collecting them at exit.
 
 import gc
 
-from trainer.launch import rank_main
 from trainer.rank.loop import train  # and everything it builds a rank's training from
+from trainer.rank.main import rank_main
 
 __all__ = ["rank_main", "train"]
 

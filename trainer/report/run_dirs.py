@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainer.cli import split_override
 from trainer.jsonl import read_jsonl
+from trainer.overrides import split_override
 from trainer.telemetry import keys
 from trainer.telemetry.summary import read_summary
 from trainer.telemetry.wandb_logger import sweep_group

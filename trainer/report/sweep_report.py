@@ -684,7 +684,7 @@ def write_sweep_report(sweep_dir: Path) -> Report:
     """The end-of-sweep report: the memory plan's fit table of every point (plan_table.md, printed
     here) and the report of how each point ran (report.md, results.csv, charts; the caller prints
     its summary_line)."""
-    from trainer.plan import write_fit_table
+    from trainer.report.fit_table import write_fit_table
 
     if (fit_table := write_fit_table(sweep_dir)) is not None:
         print(fit_table, flush=True)

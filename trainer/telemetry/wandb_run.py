@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainer.cli import split_override
+from trainer.overrides import split_override
 from trainer.telemetry import keys
 
 TAGGED_GROUPS = ("model", "precision", "zero", "checkpointing", "offload")

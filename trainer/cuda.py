@@ -1,4 +1,6 @@
-"""What a rank sets up on a CUDA device, besides what every rank does (trainer/world.py).
+"""What a process sets up on a CUDA device, beside what every rank does (trainer/world.py, which
+imports it: a rank's CUDA setup sits at world.py's layer, below the rank's package; the job process
+uses it too, to check a host's GPUs and to hand its ranks NCCL's environment).
 
 - The process group: NCCL for device tensors, plus gloo for host tensors when FSDP2 offloads
   states to host memory: offloaded gradients are CPU tensors, and clipping's all-reduce of
