@@ -376,7 +376,7 @@ class CheckpointingConfig:
         _require(
             self.every_n_layers >= 1, f"checkpointing.every_n_layers must be >= 1, got {self.every_n_layers}"
         )
-        from trainer.model.op_names import unknown_op  # imports torch only
+        from trainer.model.op_names import unknown_op  # a leaf: torch and private_apis only
 
         for name in self.save_ops:
             reason = unknown_op(name)

@@ -90,10 +90,11 @@ def tf32_enabled() -> bool:
     return bool(matmul.allow_tf32)
 
 
-def peak_tflops(spec: DeviceSpec, dtype: torch.dtype, tf32: bool) -> float | None:
-    """Dense peak of the matmuls a run in `dtype` does; fp32 runs on TF32 tensor cores only when allowed."""
-    if dtype == torch.bfloat16:
+def peak_tflops(spec: DeviceSpec, dtype: str, tf32: bool) -> float | None:
+    """Dense peak of the matmuls a run in `dtype` (`precision.compute_dtype`: `float32`, `bfloat16`,
+    `float16`) does; fp32 runs on TF32 tensor cores only when allowed."""
+    if dtype == "bfloat16":
         return spec.bf16
-    if dtype == torch.float16:
+    if dtype == "float16":
         return spec.fp16
     return spec.tf32 if tf32 else spec.fp32

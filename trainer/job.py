@@ -36,11 +36,11 @@ from trainer.plan import (
     host_refusal,
     planned_device_kind,
     planned_world_size,
+    shard_groups,
     write_plan,
 )
 from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
-from trainer.plan.groups import shard_groups
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
 from trainer.telemetry.keys import Status
@@ -195,7 +195,7 @@ def owning_the_wandb_run(
         with logger.follow(out_dir / "metrics.jsonl"):
             status, extra = train()
         summary = end_summary(config, out_dir, status, extra, meta)
-        logger.finish(summary)
+        logger.finish(summary, exit_code_for(summary["status"]))
     return status, extra, summary
 
 

@@ -2,10 +2,15 @@
 `if TYPE_CHECKING:` and in `if __name__ == "__main__":` blocks (such a block runs whenever the
 module is the program, and `python -m trainer.report` once ran report.py's body twice through one).
 
+- the packages are layers (LAYERS, top to bottom): a module imports its own layer, the layers
+  below it and the leaves (LEAVES), never a layer above; a leaf imports only leaves;
 - no cycle among the package's modules;
+- other packages import the plan's names from `trainer.plan`, never from its modules (the facade);
+- every module and subpackage is named in its package's `__init__` docstring (the package's map);
 - the rank path (the modules the ranks' fork server preloads, trainer/launch.py, and every
   module of trainer/rank/) never imports wandb or hydra (docs/design.md section 3: the job
-  process owns the W&B run; a rank is handed a plain config, never a Hydra one);
+  process owns the W&B run; a launched rank is handed a plain config, never a Hydra one; under
+  torchrun each rank is a `python -m trainer` process, trainer/job.py `run_under_torchrun`);
 - trainer/plan/ imports no rank-only module: the plan is known before any rank starts;
 - a `mode=plan` job loads no elastic launcher (checked on `sys.modules` in a real job process).
 """
@@ -24,6 +29,34 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "trainer"
 NEVER_ON_THE_RANK_PATH = ("wandb", "wandb_workspaces", "hydra")
 ELASTIC_LAUNCHER = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("trainer.__main__", "trainer.cli"),  # the entry: compose, check, dispatch
+    ("trainer.job", "trainer.launch", "trainer.cluster", "trainer.sweep"),  # the job process
+    ("trainer.advise",),
+    ("trainer.rank",),
+    ("trainer.saves", "trainer.report", "trainer.faults"),
+    ("trainer.telemetry",),
+    ("trainer.plan",),
+    ("trainer.model", "trainer.data", "trainer.world", "trainer.cuda"),
+    ("trainer.config",),
+)
+"""The layers, top to bottom; a name is a module or a package with every module under it."""
+LEAVES = (
+    "trainer",  # the top package's __init__: its map, nothing imported
+    "trainer.console",
+    "trainer.devices",
+    "trainer.files",
+    "trainer.jsonl",
+    "trainer.overrides",
+    "trainer.units",
+    "trainer.private_apis",
+    "trainer.telemetry.keys",
+    "trainer.rank.trainee",
+    "trainer.model.hf_config",
+    "trainer.model.op_names",
+)
+"""Modules any layer may import: each imports nothing from trainer/ but other leaves."""
 
 
 @dataclass
@@ -139,6 +172,93 @@ def offenders(
         for m in sorted(modules)
     }
     return {m: found for m, found in hits.items() if found}
+
+
+def under(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def is_leaf(module: str) -> bool:
+    return module == "trainer" or any(under(module, leaf) for leaf in LEAVES[1:])
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer `module` belongs to (0: the entry); -1 for none."""
+    found = [(len(name), i) for i, names in enumerate(LAYERS) for name in names if under(module, name)]
+    return max(found)[1] if found else -1
+
+
+def upward_imports(graph: dict[str, Imports]) -> list[str]:
+    """Every import that runs up the layers, or from a leaf to a non-leaf, as `importer -> imported`."""
+    found = []
+    for module, imports in sorted(graph.items()):
+        for imported in sorted(imports.modules):
+            if is_leaf(imported):
+                continue
+            if is_leaf(module):
+                found.append(f"{module} (a leaf) -> {imported} (layer {layer_of(imported)})")
+            elif layer_of(imported) < layer_of(module):
+                found.append(
+                    f"{module} (layer {layer_of(module)}) -> {imported} (layer {layer_of(imported)})"
+                )
+    return found
+
+
+def test_every_module_has_a_layer_or_is_a_leaf() -> None:
+    graph = import_graph()
+    assert [m for m in graph if not is_leaf(m) and layer_of(m) < 0] == []
+    assert layer_of("trainer.rank.loop") == 3 and layer_of("trainer.plan.table") == 6
+    assert is_leaf("trainer.telemetry.keys") and not is_leaf("trainer.telemetry.summary")
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    """The order of LAYERS, entry first: entry -> job, launch, cluster, sweep -> advise -> rank
+    -> saves, report, faults -> telemetry -> plan -> model, data, world, cuda -> config -> leaves."""
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_found_where_there_is_one() -> None:
+    graph = import_graph()
+    graph["trainer.plan.build"].modules.add("trainer.telemetry.summary")  # plan (6) -> telemetry (5)
+    graph["trainer.units"].modules.add("trainer.config")  # a leaf -> config
+    graph["trainer.saves.dcp"].modules.add("trainer.faults.failures")  # one layer: allowed
+    assert upward_imports(graph) == [
+        "trainer.plan.build (layer 6) -> trainer.telemetry.summary (layer 5)",
+        "trainer.units (a leaf) -> trainer.config (layer 8)",
+    ]
+
+
+def test_the_plan_is_imported_through_its_facade() -> None:
+    """Outside trainer/plan/, the plan's names come from `trainer.plan` (its `__init__`), so its
+    modules can be split or renamed without touching their users."""
+    bypass = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if under(name, "trainer.plan"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                modules = [resolve(node, name, path.name == "__init__.py")]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            bypass += [f"{name}: {m}" for m in modules if m.startswith("trainer.plan.")]
+    assert bypass == []
+
+
+def test_every_module_is_named_in_its_packages_map() -> None:
+    """Each package's `__init__` docstring maps its modules (`name.py`) and subpackages (`name/`)."""
+    missing = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        entries = [p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        entries += [f"{p.name}/" for p in init.parent.iterdir() if (p / "__init__.py").is_file()]
+        if absent := sorted(
+            e for e in entries if f"`{e}`" not in doc and f"{e}:" not in doc and f"{e}," not in doc
+        ):
+            missing[module_name(init)] = absent
+    assert missing == {}
 
 
 def test_every_import_is_counted() -> None:

@@ -87,6 +87,6 @@ def test_wandb_failing_midway_warns_once_and_stops_calling_it(capsys) -> None:
     logger = WandbLogger(BrokenRun())
     for step in (1, 2, 3):
         logger.log_record({"step": step, "loss/train": 1.0})
-    logger.finish({"status": "ok"})
+    logger.finish({"status": "ok"}, exit_code=0)
     assert BrokenRun.calls == 1
     assert capsys.readouterr().err.count("warning: W&B stopped working") == 1

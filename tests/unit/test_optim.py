@@ -13,9 +13,9 @@ from trainer.rank.optim import (
     build_optimizer,
     build_scheduler,
     clip_gradients,
-    local_optimizer,
     lr_multiplier,
 )
+from trainer.rank.trainee import local_optimizer
 
 
 def test_warmup_is_linear_from_the_first_step_and_reaches_the_peak() -> None:

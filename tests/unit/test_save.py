@@ -15,8 +15,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step
 from trainer.rank.nonfinite import NonFiniteGuard
-from trainer.rank.optim import local_optimizer
-from trainer.rank.trainee import Trainee
+from trainer.rank.trainee import Trainee, local_optimizer
 from trainer.saves.dcp import (
     Progress,
     SaveSpec,

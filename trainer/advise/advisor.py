@@ -41,8 +41,7 @@ from trainer.config import (
 )
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
-from trainer.plan import build_plan, device_memory, plan_comm
-from trainer.plan.groups import LINKS, shard_groups
+from trainer.plan import LINKS, build_plan, device_memory, plan_comm, shard_groups
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB

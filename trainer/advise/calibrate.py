@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, DType, ModelConfig, TrainConfig
-from trainer.plan.groups import INTRA_NODE, NETWORK
+from trainer.plan import INTRA_NODE, NETWORK
 from trainer.units import MIB
 from trainer.world import usable_cores
 
@@ -225,7 +225,7 @@ def dense_peak_flops(datasheet: str, compute_dtype: DType, tf32: bool = False) -
 
     spec = find_accelerator(datasheet)
     assert spec is not None, f"{datasheet} is not in trainer/devices.py"
-    peak = peak_tflops(spec, getattr(torch, compute_dtype.value), tf32)
+    peak = peak_tflops(spec, compute_dtype, tf32)
     assert peak is not None, f"{datasheet} has no dense {compute_dtype.value} peak"
     return peak * 1e12
 

@@ -51,8 +51,7 @@ from trainer.config import (
 )
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
-from trainer.plan import LINKS, CommPlan, model_shape
-from trainer.plan.comm import forward_gathers, reductions
+from trainer.plan import LINKS, CommPlan, forward_gathers, model_shape, reductions
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 

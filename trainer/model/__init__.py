@@ -1,7 +1,10 @@
 """The model and what wraps its blocks, in the order a rank applies them (torchtitan's):
 
 - decoder.py: the Llama-style decoder, its sharding-invariant initialisation, FLOPs per token;
+- loss.py: next-token cross-entropy in fp32, over all logits at once or by chunks of tokens;
+- hf_config.py: `model=hf`: the shapes of a Hugging Face config.json (a leaf: config.py reads it);
 - attention.py: the explicit SDPA kernel (`attention=`) and what it keeps for backward;
 - checkpointing.py: activation checkpointing around chosen blocks;
-- compile.py: `torch.compile` per block, in place.
+- compile.py: `torch.compile` per block, in place;
+- op_names.py: `checkpointing.save_ops` names resolved to torch operators (a leaf: config.py checks them).
 """

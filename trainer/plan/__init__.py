@@ -17,6 +17,7 @@ The planner is this package; each module's docstring is its part of the design n
 - headroom.py: a CUDA rank's memory beyond its tensors (context, NCCL, allocator), assumed
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
+- groups.py: the process groups a job's collectives run in (HSDP, hpZ) and the link each crosses;
 - target.py: the device kind and world size a plan is for;
 - host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
 - refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;
@@ -28,9 +29,7 @@ The names other modules use are imported from `trainer.plan` itself.
 
 from trainer.plan.build import (
     COMPILE_NOTE,
-    PREDICTED_COMM_KEY,
     PREDICTED_GROUP_KEYS,
-    PREDICTED_PEAK_KEY,
     RANK_FIGURES,
     DeviceMemory,
     Plan,
@@ -41,8 +40,8 @@ from trainer.plan.build import (
     summary_fields,
     write_plan,
 )
-from trainer.plan.comm import COLLECTIVES, CommPlan, plan_comm
-from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, shard_groups
+from trainer.plan.comm import COLLECTIVES, CommPlan, forward_gathers, plan_comm, reductions
+from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
 from trainer.plan.refusal import host_refusal, refusal, way_out
@@ -54,14 +53,15 @@ __all__ = [
     "COLLECTIVES",
     "COMPILE_NOTE",
     "HEADROOM",
-    "PREDICTED_COMM_KEY",
     "PREDICTED_GROUP_KEYS",
     "GROUPS",
     "INTRA_NODE",
     "LINKS",
     "NETWORK",
     "shard_groups",
-    "PREDICTED_PEAK_KEY",
+    "ShardGroups",
+    "forward_gathers",
+    "reductions",
     "RANK_FIGURES",
     "CommPlan",
     "DeviceMemory",

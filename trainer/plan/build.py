@@ -261,11 +261,9 @@ def write_plan(out_dir: Path, plan: Plan) -> Path:
     return path
 
 
-PREDICTED_PEAK_KEY = keys.PREDICTED_PEAK
-PREDICTED_COMM_KEY = keys.COMM_PREDICTED_BYTES
 PREDICTED_GROUP_KEYS = {group: keys.comm_group_predicted_key(group) for group in GROUPS}
 """The plan's bytes per process group (trainer/plan/groups.py), beside comm/rank{r}/{group}/bytes_per_step."""
-RANK_FIGURES = (PREDICTED_PEAK_KEY, PREDICTED_COMM_KEY, *PREDICTED_GROUP_KEYS.values())
+RANK_FIGURES = (keys.PREDICTED_PEAK, keys.COMM_PREDICTED_BYTES, *PREDICTED_GROUP_KEYS.values())
 """The plan's figures the job hands its ranks, which write them beside what they measure."""
 
 
@@ -273,8 +271,8 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
     """What summary.json (and the W&B summary) carry of the plan."""
     worst = plan.worst
     return {
-        PREDICTED_PEAK_KEY: plan.peak_bytes / GIB,
-        PREDICTED_COMM_KEY: plan.comm.total,
+        keys.PREDICTED_PEAK: plan.peak_bytes / GIB,
+        keys.COMM_PREDICTED_BYTES: plan.comm.total,
         **{PREDICTED_GROUP_KEYS[name]: group.total for name, group in plan.comm.groups.items()},
         "plan": {
             "fits": plan.fits,

@@ -45,12 +45,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.nn.parallel import distributed as ddp_module
-
 from trainer.config import DType, ReduceDType, ReduceEvery, Stage, TrainConfig
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
+from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
 from trainer.units import MIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -166,8 +165,8 @@ def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     numel = shape.num_params
     # How many all-reduces (to size the flight recorder): DDP fills its small first bucket, then
     # buckets of at least bucket_cap_mb (fp32 gradients); torch's default cap where none is set
-    # (a private constant: 25 MiB in torch 2.13 where it is missing).
-    cap_mb = config.zero.bucket_cap_mb or getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
+    # (a private constant, trainer/private_apis/).
+    cap_mb = config.zero.bucket_cap_mb or ddp_default_bucket_cap_mb()
     buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
     times = reductions(config)
     moves = [("all_reduce", times * numel * REDUCE_BYTES[config.zero.reduce_dtype], times * buckets)]

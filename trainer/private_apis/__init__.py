@@ -8,6 +8,8 @@ and submitit 1.5.4 (the versions the suite runs with).
 |---|---|---|
 | `torch._C._distributed_c10d._dump_fr_trace_json` | c10d's flight recorder has no public reader (guarded: absent in some builds) | `of_torch.flight_recorder_json` |
 | `torch._C._distributed_c10d._dump_nccl_trace_json` | ProcessGroupNCCL's own flight recorder, the same format (CUDA wheels only; guarded) | `of_torch.flight_recorder_json`, `of_torch.flight_recorder_dumps` |
+| `torch._ops.OpOverload`, `OpOverloadPacket`, `HigherOrderOperator` | the types of `torch.ops` entries; torch exports them from `torch._ops` only | `of_torch.OpOverload`, `of_torch.OpOverloadPacket`, `of_torch.HigherOrderOperator` |
+| `torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB` | DDP's default bucket cap, a module constant (guarded: 25 where absent) | `of_torch.ddp_default_bucket_cap_mb` |
 | `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
 | `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
@@ -17,6 +19,8 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `wandb_workspaces` `Report._to_model`, `Report._from_model`, `reports.v2.internal.ReportViewspec` | the Report's serialised form, offline (the library saves it only to a server) | `of_wandb.report_json`, `of_wandb.report_from_json` |
 | `submitit.JobEnvironment._usr_sig` | the signal submitit's requeue handler is installed for | `of_submitit.requeue_signal` |
 
-Split by library so that a rank, which imports `of_torch`, never imports wandb
+- of_torch.py, of_wandb.py, of_submitit.py: the calls above, one module per library.
+
+Split by library so that a launched rank, which imports `of_torch`, never imports wandb
 (tests/unit/test_imports.py).
 """

@@ -5,18 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.amp import GradScaler
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.nn.parallel import distributed as ddp_module
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = [
     "CheckpointImpl",
     "checkpoint_wrapper",
+    "ddp_default_bucket_cap_mb",
     "FLIGHT_RECORDER_DUMPS",
     "flight_recorder_dumps",
     "flight_recorder_json",
     "found_inf_per_device",
+    "HigherOrderOperator",
     "new_mem_tracker",
+    "OpOverload",
+    "OpOverloadPacket",
     "scale_on_device",
     "set_last_lr",
 ]
@@ -60,3 +66,9 @@ def scale_on_device(scaler: GradScaler) -> torch.Tensor:
 def set_last_lr(scheduler: LRScheduler, lrs: list[float]) -> None:
     """What `scheduler.get_last_lr()` returns from now on."""
     scheduler._last_lr = lrs
+
+
+def ddp_default_bucket_cap_mb() -> float:
+    """DDP's bucket cap where `bucket_cap_mb` is not given (25 MiB in torch 2.13, taken as that
+    where a torch release drops the constant)."""
+    return getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)

@@ -44,9 +44,6 @@ from trainer.world import World
 if TYPE_CHECKING:
     from trainer.faults.stop import RankStop
 
-SKIPPED_KEY = keys.NONFINITE_SKIPPED
-"""Metric: cumulative count of optimizer steps skipped by nonfinite=skip."""
-
 
 class NonFiniteError(RuntimeError):
     """Raised on every rank at once (they agreed): training cannot go on. The message is one line."""
@@ -222,6 +219,6 @@ class NonFiniteGuard:
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The skipped-step count for summary.json, from the last metrics record that has it."""
     for record in reversed(records):
-        if SKIPPED_KEY in record:
-            return {SKIPPED_KEY: record[SKIPPED_KEY]}
+        if keys.NONFINITE_SKIPPED in record:
+            return {keys.NONFINITE_SKIPPED: record[keys.NONFINITE_SKIPPED]}
     return {}

@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, Stage, ZeroConfig
 from trainer.private_apis.of_torch import found_inf_per_device, set_last_lr
+from trainer.rank.trainee import local_optimizer
 
 
 def build_optimizer(
@@ -25,25 +26,11 @@ def build_optimizer(
         fused=fused,
     )
     if zero.stage == Stage.stage1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # see local_optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # see trainee.local_optimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
     return torch.optim.AdamW(model.parameters(), **kwargs)
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
-
-    `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
-    the model: what tensor tracking (trainer/telemetry/memory.py), the state-bytes figures
-    (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure.
-    """
-    # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
-    # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:

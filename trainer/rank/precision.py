@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.config import DType, PrecisionConfig, ReduceDType, ZeroConfig
+from trainer.private_apis.of_torch import scale_on_device
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 REDUCE_DTYPES = {ReduceDType.fp32: torch.float32, ReduceDType.bf16: torch.bfloat16}
@@ -69,5 +70,5 @@ def update_loss_scale(scaler: GradScaler, min_loss_scale: float) -> None:
     """
     scaler.update()
     if scaler.is_enabled():
-        scale = scaler._get_scale_async()  # the scale tensor itself; GradScaler has no public getter
+        scale = scale_on_device(scaler)  # the scale tensor itself; GradScaler has no public getter
         scaler.update(new_scale=torch.clamp(scale, min=min_loss_scale))

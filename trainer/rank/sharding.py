@@ -31,7 +31,7 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.model.decoder import materialize
-from trainer.plan.groups import ShardGroups, shard_groups
+from trainer.plan import ShardGroups, shard_groups
 from trainer.rank.precision import build_mp_policy
 from trainer.world import World
 

@@ -1,7 +1,8 @@
 """What one rank trains with: the model, its optimizer, the LR schedule and the loss scaler.
 
-A leaf module (it imports nothing from trainer/), so the save (trainer/saves/dcp.py) can name the
-type it saves without importing the loop that builds it (trainer/rank/loop.py).
+A leaf module (it imports nothing from trainer/), so the save (trainer/saves/dcp.py) and telemetry
+can name the type and the optimizer state they save and measure without importing the loop that
+builds them (trainer/rank/loop.py), which sits above them.
 """
 
 from __future__ import annotations
@@ -21,3 +22,18 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: GradScaler
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
+
+    `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
+    the model: what tensor tracking (trainer/telemetry/memory.py), the state-bytes figures
+    (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure;
+    here, in a leaf module, so that they need not import the rank's package above them.
+    """
+    # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
+    # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer

@@ -53,8 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig, global_batch
 from trainer.faults.failures import mark_phase
-from trainer.rank.optim import local_optimizer
-from trainer.rank.trainee import Trainee
+from trainer.rank.trainee import Trainee, local_optimizer
 from trainer.saves.integrity import save_error
 from trainer.world import World
 

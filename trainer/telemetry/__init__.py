@@ -5,6 +5,7 @@
 - memory.py: one rank's peak memory (MemTracker / RSS on CPU, allocator counters on GPU) (rank);
 - comm.py: the communication a rank measured from c10d's flight recorder (rank);
 - summary.py: summary.json, how a job ended and its steady-state figures (job process);
-- wandb_logger.py: the job's W&B run, fed from metrics.jsonl (job process; ranks never import wandb);
+- wandb_logger.py: the job's W&B run, fed from metrics.jsonl (job process: a launched rank never
+  imports wandb; under torchrun rank 0's process is the job process too and owns the run);
 - wandb_run.py: what that run says about itself: tags, swept values, metric definitions.
 """

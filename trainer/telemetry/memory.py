@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from trainer.private_apis.of_torch import new_mem_tracker
-from trainer.rank.optim import local_optimizer
+from trainer.rank.trainee import local_optimizer
 
 # Our names for MemTracker's categories (the values of its _MemRefType enum).
 TENSOR_CATEGORIES = {

@@ -19,10 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
-from trainer.plan import HEADROOM, PREDICTED_COMM_KEY, PREDICTED_GROUP_KEYS, PREDICTED_PEAK_KEY, shard_groups
-from trainer.rank.nonfinite import SKIPPED_KEY
-from trainer.rank.optim import local_optimizer
-from trainer.rank.precision import compute_dtype
+from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, shard_groups
+from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.comm import CommProbe, comm_fields
@@ -94,10 +92,10 @@ class Meter:
         )
         # The job's plan (trainer/job.py rank_predictions), next to what is measured in every record (rank 0 writes them).
         self.predicted_peak_gib = (
-            predicted.get(PREDICTED_PEAK_KEY) if telemetry.enabled and world.is_main else None
+            predicted.get(keys.PREDICTED_PEAK) if telemetry.enabled and world.is_main else None
         )
         self.predicted_comm = (
-            predicted.get(PREDICTED_COMM_KEY) if telemetry.enabled and world.is_main else None
+            predicted.get(keys.COMM_PREDICTED_BYTES) if telemetry.enabled and world.is_main else None
         )
         self.predicted_groups = {
             group: predicted[key]
@@ -179,7 +177,7 @@ class Meter:
             keys.LOSS: columns(per_rank, "loss")[:, 0].mean().item(),
             keys.LR: self.last.lr,
             keys.GRAD_NORM: float(self.last.grad_norm.item()),
-            SKIPPED_KEY: self.last.nonfinite_skipped,
+            keys.NONFINITE_SKIPPED: self.last.nonfinite_skipped,
             **self.throughput_fields(per_rank),
         }
         for rank, (params, grads, optimizer) in enumerate(
@@ -251,7 +249,7 @@ def memory_fields(
     for rank, row in enumerate(per_rank.tolist()):
         for name, value in zip(fields, row):
             if not math.isnan(value):
-                record[memory_key(rank, name)] = value if name in COUNT_FIELDS else value / GIB
+                record[memory_field_key(rank, name)] = value if name in COUNT_FIELDS else value / GIB
     peaks = per_rank[:, fields.index("peak_allocated")]
     measured = not torch.isnan(peaks).any().item()
     if measured:
@@ -276,8 +274,9 @@ def memory_fields(
     return record
 
 
-def memory_key(rank: int, name: str) -> str:
-    """JSONL / W&B key of one memory figure: `memory/rank{r}/peak_allocated_gib`, `.../at_peak/grads_gib`."""
+def memory_field_key(rank: int, name: str) -> str:
+    """The key (keys.memory_key) of one field a rank's MemoryProbe measured (trainer/telemetry/memory.py):
+    `peak_allocated` -> `memory/rank{r}/peak_allocated_gib`, `peak_grads` -> `.../at_peak/grads_gib`."""
     if name in COUNT_FIELDS:
         return keys.memory_key(rank, name)
     category = name.removeprefix("peak_")
@@ -312,7 +311,7 @@ def device_peak_flops(
     spec = find_device(torch.cuda.get_device_name(device))
     if spec is None:
         return None
-    peak = peak_tflops(spec, compute_dtype(precision), tf32_enabled())
+    peak = peak_tflops(spec, precision.compute_dtype, tf32_enabled())
     return peak * 1e12 if peak is not None else None
 
 

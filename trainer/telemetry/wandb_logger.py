@@ -1,6 +1,7 @@
 """Writing what was measured: the job's W&B run, fed from metrics.jsonl by the job process.
 
-Ranks never import wandb. Rank 0 appends one JSON line per log step to metrics.jsonl; the job
+A launched rank never imports wandb (under torchrun, where no job process stands above the
+ranks, rank 0's process plays its part and imports it; the other ranks never do). Rank 0 appends one JSON line per log step to metrics.jsonl; the job
 process tails that file while the ranks run and logs each record at its step, then writes the
 summary and finishes the run with the job's status, even when a rank died. W&B is a mirror:
 when it cannot start or fails midway, a warning is printed once and training goes on; the
@@ -20,7 +21,6 @@ from typing import Any, Protocol
 
 from trainer.config import LoggerBackend, LoggerConfig
 from trainer.console import warn
-from trainer.faults.stop import exit_code_for
 from trainer.jsonl import parse_line
 from trainer.private_apis.of_wandb import generate_run_id
 from trainer.telemetry.keys import Status
@@ -77,15 +77,16 @@ class WandbLogger:
         finally:
             tail.stop()
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        """Write the summary and end the run with the job's exit code (0 when ok: state `finished`, else `failed`)."""
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        """Write the summary and end the run with the job's exit code (0 when ok: state `finished`,
+        else `failed`), which the job decides (trainer/faults/stop.py exit_code_for)."""
         figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(
             summary
         )
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
         if summary["status"] == Status.preempted:
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
-        self.guard(lambda: self.run.finish(exit_code=exit_code_for(summary["status"])))
+        self.guard(lambda: self.run.finish(exit_code=exit_code))
 
     def guard(self, action: Callable[[], Any]) -> None:
         """Run a W&B call; on the first failure warn once and stop using W&B for this job."""
