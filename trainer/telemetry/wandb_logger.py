@@ -37,7 +37,7 @@ PROVENANCE_KEYS = (
 
 class Logger(Protocol):
     def follow(self, path: Path) -> AbstractContextManager[None]: ...
-    def finish(self, summary: dict[str, Any]) -> None: ...
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None: ...
 
 
 class NullLogger:
@@ -46,7 +46,7 @@ class NullLogger:
     def follow(self, path: Path) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         pass
 
 
