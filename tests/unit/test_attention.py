@@ -13,6 +13,8 @@ from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.step import activations, attention_extra_per_token
 
+pytestmark = pytest.mark.torch_versions  # which SDPA kernels a torch build offers
+
 FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
 
 

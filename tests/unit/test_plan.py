@@ -26,6 +26,8 @@ from trainer.plan.states import model_shape, padded_numel, rank_states, shard_ro
 from trainer.plan.step import activations
 from trainer.units import GIB
 
+pytestmark = pytest.mark.torch_versions  # the plan's moments against what torch really holds
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
 LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
