@@ -22,9 +22,11 @@ from trainer.cli import register_configs
 from trainer.config import ModelConfig, TrainConfig, validate
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import build_plan, refusal, summary_fields
+from trainer.plan.activations import activations
 from trainer.plan.states import model_shape, padded_numel, rank_states, shard_rows, zero1_partition
-from trainer.plan.step import activations
 from trainer.units import GIB
+
+pytestmark = pytest.mark.torch_versions  # the plan's moments against what torch really holds
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).

@@ -15,20 +15,15 @@ import torch
 
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
+from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.ddp_walk import ddp_moments
+from trainer.plan.fsdp_walk import fsdp_moments
 from trainer.plan.groups import GROUPS, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan
+from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.states import RankStates, model_shape, rank_states
-from trainer.plan.step import (
-    Moment,
-    StepContext,
-    activations,
-    ddp_moments,
-    fsdp_moments,
-    other_bytes,
-    precisions,
-)
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
