@@ -14,7 +14,11 @@ from torch.amp import GradScaler
 
 from trainer.private_apis.of_torch import (
     CheckpointImpl,
+    HigherOrderOperator,
+    OpOverload,
+    OpOverloadPacket,
     checkpoint_wrapper,
+    ddp_default_bucket_cap_mb,
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
@@ -84,3 +88,14 @@ def test_the_checkpoint_wrapper_recomputes_to_the_same_gradient() -> None:
     wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     wrapped(x).square().sum().backward()
     assert all(torch.equal(p.grad, e) for p, e in zip(block.parameters(), expected))
+
+
+def test_the_operator_types_are_those_of_torch_ops() -> None:
+    assert isinstance(torch.ops.aten.mm, OpOverloadPacket) and isinstance(
+        torch.ops.aten.mm.default, OpOverload
+    )
+    assert isinstance(torch.ops.higher_order.cond, HigherOrderOperator)
+
+
+def test_ddps_default_bucket_cap_is_25_mib() -> None:
+    assert ddp_default_bucket_cap_mb() == 25
