@@ -56,7 +56,9 @@ LEAVES = (
     "trainer.model.hf_config",
     "trainer.model.op_names",
 )
-"""Modules any layer may import: each imports nothing from trainer/ but other leaves."""
+"""Modules any layer may import: each imports nothing from trainer/ but other leaves, and nor does
+the `__init__` of a package that holds one (importing `trainer.telemetry.keys` runs
+trainer/telemetry/__init__.py first)."""
 
 
 @dataclass
@@ -188,8 +190,13 @@ def layer_of(module: str) -> int:
     return max(found)[1] if found else -1
 
 
+def holds_a_leaf(module: str) -> bool:
+    return any(under(leaf, module) and leaf != module for leaf in LEAVES[1:])
+
+
 def upward_imports(graph: dict[str, Imports]) -> list[str]:
-    """Every import that runs up the layers, or from a leaf to a non-leaf, as `importer -> imported`."""
+    """Every import that runs up the layers, or from a leaf (or a leaf's package) to a non-leaf,
+    as `importer -> imported`."""
     found = []
     for module, imports in sorted(graph.items()):
         for imported in sorted(imports.modules):
@@ -197,6 +204,8 @@ def upward_imports(graph: dict[str, Imports]) -> list[str]:
                 continue
             if is_leaf(module):
                 found.append(f"{module} (a leaf) -> {imported} (layer {layer_of(imported)})")
+            elif holds_a_leaf(module):
+                found.append(f"{module} (a leaf's package) -> {imported} (layer {layer_of(imported)})")
             elif layer_of(imported) < layer_of(module):
                 found.append(
                     f"{module} (layer {layer_of(module)}) -> {imported} (layer {layer_of(imported)})"
@@ -222,8 +231,10 @@ def test_an_upward_import_is_found_where_there_is_one() -> None:
     graph["trainer.plan.build"].modules.add("trainer.telemetry.summary")  # plan (6) -> telemetry (5)
     graph["trainer.units"].modules.add("trainer.config")  # a leaf -> config
     graph["trainer.saves.dcp"].modules.add("trainer.faults.failures")  # one layer: allowed
+    graph["trainer.telemetry"].modules.add("trainer.telemetry.metrics")  # runs before keys.py
     assert upward_imports(graph) == [
         "trainer.plan.build (layer 6) -> trainer.telemetry.summary (layer 5)",
+        "trainer.telemetry (a leaf's package) -> trainer.telemetry.metrics (layer 5)",
         "trainer.units (a leaf) -> trainer.config (layer 8)",
     ]
 
