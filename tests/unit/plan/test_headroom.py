@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_plan import compose_config
+from tests.helpers import compose_config
 from trainer.devices import find_accelerator
 from trainer.plan import build_plan
 from trainer.plan.headroom import HEADROOM
