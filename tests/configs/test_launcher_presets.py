@@ -12,16 +12,12 @@ from typing import Any
 
 import pytest
 import submitit
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from submitit.slurm.test_slurm import mocked_slurm
 
-from trainer.cli import register_configs
-from trainer.cluster import register_resolvers
+from tests.helpers import compose
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -30,13 +26,7 @@ class Captured(Exception):
 
 
 def compose_with_hydra(tmp_path: Path, *overrides: str) -> DictConfig:
-    GlobalHydra.instance().clear()
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            "train", overrides=[*overrides, f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True
-        )
+    return compose(*overrides, f"hydra.sweep.dir={tmp_path}", hydra=True)
 
 
 def class_name(obj: Any) -> str:

@@ -4,30 +4,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.cli import check_group_overrides, register_configs
+from tests.helpers import CONF, REPO, compose
+from trainer.cli import check_group_overrides
 from trainer.config import to_plain, validate
 
-REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
 SWEEPS = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
 REQUIRED = {"micro_batch_x_stage", "precision_x_stage", "checkpointing_x_micro_batch", "comm_x_stage"}
 
 
 def compose_sweep(name: str, overrides: list[str]) -> DictConfig:
-    GlobalHydra.instance().clear()
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            config_name="train", overrides=[f"+sweeps={name}", *overrides], return_hydra_config=True
-        )
+    return compose(f"+sweeps={name}", *overrides, hydra=True)
 
 
 def sweep_points(params: DictConfig) -> list[list[str]]:

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import REPO, free_port
-from tests.unit.fakes import tiny_config
+from tests.helpers import REPO, free_port, tiny_config
 from trainer.cuda import apply_tf32, process_group_backend
 from trainer.data import build_batches, to_device
 from trainer.devices import find_device

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_plan import compose_config, saved_storage_bytes
+from tests.helpers import compose_config, saved_storage_bytes
 from trainer.model.attention import run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.activations import activations

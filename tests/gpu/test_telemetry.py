@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_trainer
+from tests.helpers import run_trainer
 from trainer.config import ModelConfig
 from trainer.devices import find_device
 from trainer.model.decoder import flops_per_token

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port, torchrun_env
+from tests.helpers import free_port, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -189,7 +189,7 @@ PARITY_STEPS = ("steps=8", "optim.warmup_steps=2", "precision=fp32")
 @pytest.fixture(scope="module")
 def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference: 1 rank, the same global batch of 8 sequences in one micro-batch."""
-    from tests.conftest import TINY, run_trainer
+    from tests.helpers import TINY, run_trainer
 
     run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *PARITY_STEPS, "nproc=1", "micro_batch=8")
     return run.losses

@@ -4,19 +4,15 @@ two as real jobs (advise.verify=2) and set measured beside predicted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import run_trainer
 
 
 def test_verify_runs_the_best_and_reports_measured_beside_predicted(tmp_path: Path) -> None:
     out, cache = tmp_path / "advice", tmp_path / "cache"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
+    proc = run_trainer(
+        out,
         "mode=advise",
         "global_batch=4",
         "nproc=2",
@@ -30,9 +26,9 @@ def test_verify_runs_the_best_and_reports_measured_beside_predicted(tmp_path: Pa
         "advise.verify=2",
         "advise.verify_steps=4",
         f"advise.cache_dir={cache}",
-        f"hydra.run.dir={out}",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        check=False,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     advice = json.loads((out / "advice.json").read_text())
     assert len(list(cache.glob("calibration-*.json"))) == 1  # measured once, cached with date and host

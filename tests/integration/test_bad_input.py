@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, run_trainer
 
 CASES = [
     (["zero=stage5"], "zero=stage5", "stage0, stage1, stage2, stage3"),
@@ -140,15 +140,8 @@ def test_the_same_mistake_in_a_fresh_process_is_the_same_line(
 ) -> None:
     """The in-process driver is faithful: a real `python -m trainer` says exactly what it recorded."""
     for overrides in (["micro_batch=abc"], ["offload=cpu", "zero=stage1"]):  # Hydra's error; the schema's
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainer",
-            "device=cpu",
-            "logger=none",
-            *overrides,
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_trainer(
+            tmp_path / "run", "device=cpu", "logger=none", *overrides, check=False, timeout=120
+        )
         assert proc.returncode == 2
         assert proc.stderr.strip() == outcomes[" ".join(overrides)]["stderr"].strip()

@@ -4,13 +4,11 @@ at every ZeRO stage in fp32 and bf16 (one sweep of 8 tiny jobs, shared by the te
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import run_sweep
 from trainer.jsonl import read_jsonl
 
 GIB = 2**30
@@ -34,10 +32,7 @@ JOB = (
 def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
     """(stage, precision) -> the job's plan.json and its last metrics record (step 2: Adam's state exists)."""
     sweep = tmp_path_factory.mktemp("op_sweep")
-    args = [sys.executable, "-m", "trainer", "-m", *JOB, f"zero={','.join(STAGES)}", "precision=fp32,bf16"]
-    proc = subprocess.run(
-        [*args, f"hydra.sweep.dir={sweep}"], cwd=REPO, capture_output=True, text=True, timeout=1200
-    )
+    proc = run_sweep(sweep, *JOB, f"zero={','.join(STAGES)}", "precision=fp32,bf16", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {}
     for job in (p for p in sweep.iterdir() if (p / "plan.json").is_file()):

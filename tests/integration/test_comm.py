@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port, torchrun_env
+from tests.helpers import free_port, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,

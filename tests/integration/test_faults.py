@@ -4,33 +4,22 @@ a token file that is not one, a broken newest save, a save that cannot be writte
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY, Run, run_trainer
-from tests.integration.test_stop import error_lines
+from tests.helpers import REPO, TINY, Run, error_lines, run_trainer, trainer_args
 from trainer.saves.dcp import list_saves, save_step
 from trainer.saves.integrity import save_problem
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def refused(out_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def refused(out_dir: Path, *overrides: str) -> tuple[Run, float]:
     start = time.monotonic()
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "device=cpu",
-        "logger=none",
-        *overrides,
-        f"hydra.run.dir={out_dir}",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_trainer(out_dir, "device=cpu", "logger=none", *overrides, check=False, timeout=120)
     return proc, time.monotonic() - start
 
 
@@ -115,17 +104,14 @@ def test_a_save_that_cannot_be_written_ends_crashed_naming_the_path_with_earlier
 
 def test_wandb_dying_mid_run_leaves_one_warning_and_an_ok_job(tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "trainer",
+    args = trainer_args(
         *TINY,
         "nproc=2",
         "steps=20",
         "save=off",
         "logger=wandb",
         f"hydra.run.dir={out_dir}",
-    ]
+    )
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = out_dir / "metrics.jsonl", time.monotonic() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import Run, run_trainer, trainer_args
 
 PLAN_70B = [
     "mode=plan",
@@ -25,9 +26,8 @@ PLAN_70B = [
 ]
 
 
-def trainer(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "trainer", *overrides, "logger=none", f"hydra.run.dir={tmp_path}"]
-    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+def trainer(tmp_path: Path, *overrides: str) -> Run:
+    return run_trainer(tmp_path, *overrides, "logger=none", check=False, timeout=120, cwd=tmp_path)
 
 
 def host_lines(stdout: str) -> list[str]:
@@ -86,8 +86,8 @@ def test_advise_lists_no_offload_candidate_on_a_host_too_small(tmp_path: Path) -
 def test_advise_on_8_nodes_of_8_a100s_weighs_hsdp_and_hpz_per_tier(tmp_path: Path) -> None:
     """Issue 25's command as typed: mode=advise needs no shared directory (it starts no rank on any node)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "mode=advise", "model=70b", "nodes=8", "nproc=8", "logger=none",
-         "plan.accelerator=a100-80gb", "seq_len=4096", "precision=bf16", "global_batch=128"],
+        trainer_args("mode=advise", "model=70b", "nodes=8", "nproc=8", "logger=none",
+                     "plan.accelerator=a100-80gb", "seq_len=4096", "precision=bf16", "global_batch=128"),
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

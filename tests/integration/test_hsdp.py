@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, run_trainer
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 

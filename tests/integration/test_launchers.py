@@ -8,21 +8,23 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY, run_trainer
-from tests.integration.test_sweeps import (
+from tests.helpers import (
+    REPO,
+    TINY,
     point_dirs,
     read_csv,
     run_sweep,
+    run_trainer,
     settings,
     summary,
     table_rows,
+    trainer_args,
     wandb_run,
 )
 from trainer.telemetry.wandb_logger import sweep_group
@@ -88,15 +90,7 @@ def test_a_preempted_point_is_requeued_and_resumes_by_itself(tmp_path: Path) -> 
     requeued job goes on from the save to the last step, bitwise like a run never stopped."""
     point = (*TINY, "nproc=2", "steps=8", "save.every=100", "logger=wandb")
     sweep_dir = tmp_path / "sweep"
-    args = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "-m",
-        "hydra/launcher=local",
-        *point,
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
+    args = trainer_args("hydra/launcher=local", *point, f"hydra.sweep.dir={sweep_dir}", multirun=True)
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = None

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import Run, run_trainer
+from tests.helpers import Run, run_trainer
 
 JOB = ("nproc=2", "device=cpu", "logger=none", "save=off", "log_every=1", "telemetry.memory_every=0")
 # Small shapes of each family (tiny widths, a 4096 vocabulary so the loss matters as it does at 128k).

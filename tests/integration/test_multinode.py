@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, Run, free_port, run_trainer
+from tests.helpers import REPO, TINY, Run, free_port, run_trainer, trainer_args
 
 STEPS = ("steps=8", "save=off")
 
@@ -32,7 +31,7 @@ def run_two_nodes(out: Path, *overrides: str, timeout: float = 240) -> list[Run]
     ]
     procs = [
         subprocess.Popen(
-            ["taskset", "-c", str(node), sys.executable, "-m", "trainer", *common, f"node_rank={node}"],
+            ["taskset", "-c", str(node), *trainer_args(*common, f"node_rank={node}")],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_trainer
+from tests.helpers import REPO, run_sweep, run_trainer
 
 GIB = 2**30
 LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
@@ -33,11 +33,6 @@ import resource, subprocess, sys
 proc = subprocess.run([sys.executable, "-m", "trainer", *sys.argv[1:]])
 print("PEAK_RSS", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "RC", proc.returncode)
 """
-
-
-def multirun(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "trainer", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -107,7 +102,7 @@ def test_plan_mode_plans_64_ranks_on_a_2_core_host(tmp_path: Path) -> None:
 
 def test_a_sweep_refuses_the_point_that_cannot_fit_without_starting_its_ranks(tmp_path: Path) -> None:
     """Acceptance 4: model=70b cannot fit this host; the tiny point trains, the 70b point is refused."""
-    proc = multirun(tmp_path, "model=tiny,70b", *[o for o in TINY_JOB if not o.startswith("model=")])
+    proc = run_sweep(tmp_path, "model=tiny,70b", *[o for o in TINY_JOB if not o.startswith("model=")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     tiny_dir, big_dir = job_dirs(tmp_path)
     assert json.loads((tiny_dir / "summary.json").read_text())["status"] == "ok"

@@ -6,10 +6,7 @@ Runs that `resume=true` must find live in Hydra's `<root>/<date>/<time>` layout,
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, run_trainer, wandb_records
 from trainer.saves.dcp import list_saves, read_progress
 
 # 12 steps saving every 4 (keep 2); warmup 2 so that the schedule turns within the run.
@@ -211,8 +208,5 @@ def assert_states_equal(a: dict[str, Any], b: dict[str, Any], prefixes: tuple[st
 
 def wandb_history_steps(offline_run: Path) -> list[int]:
     """The steps of an offline run's history records, read back with `wandb leet inspect --json`."""
-    wandb_file = next(offline_run.glob("run-*.wandb"))
-    cmd = [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(wandb_file)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
-    records = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
+    records = wandb_records(next(offline_run.glob("run-*.wandb")))
     return sorted(int(r["history"]["item"]["_step"]) for r in records if r.get("type") == "history")

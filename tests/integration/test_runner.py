@@ -18,7 +18,7 @@ def assert_close_each_step(actual: list[float], expected: list[float], rel: floa
 @pytest.fixture(scope="module")
 def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference: 1 rank with the same global batch (micro_batch 4 = 2 ranks x 2)."""
-    from tests.conftest import TINY, run_trainer
+    from tests.helpers import TINY, run_trainer
 
     run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *STEPS, "nproc=1", "micro_batch=4")
     return run.losses

@@ -7,11 +7,9 @@ session of its own and signal its group (`killpg`); SLURM's SIGTERM is sent to t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -20,12 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY, Run, run_trainer
+from tests.helpers import REPO, TINY, Run, error_lines, run_trainer, trainer_args, wandb_file, wandb_records
 from trainer.saves.dcp import list_saves, save_step
 
 pytestmark = pytest.mark.timeout(240)
 
-WANDB = Path(sys.executable).parent / "wandb"
 JOB = ("nproc=2", "precision=fp32", "steps=30", "optim.warmup_steps=2", "save.every=1000")
 
 
@@ -46,7 +43,7 @@ def signal_job(
     """Start `python -m trainer` in its own session, send `sig` once metrics.jsonl has `at_step`
     records (to the process group, as a terminal does, or to the job process, as SLURM does);
     with `again`, send it a second time as soon as the job says it is stopping."""
-    args = [sys.executable, "-m", "trainer", *TINY, *overrides, f"hydra.run.dir={out_dir}"]
+    args = trainer_args(*TINY, *overrides, f"hydra.run.dir={out_dir}")
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -84,11 +81,6 @@ def signal_job(
     return Signalled(Run(proc.returncode, "".join(stdout), stderr, out_dir), signalled_after, exited_s, left)
 
 
-def error_lines(stderr: str) -> list[str]:
-    """Every non-blank stderr line (the profiler's kineto lines are silenced at the source, trainer/telemetry/comm.py)."""
-    return [line for line in stderr.splitlines() if line.strip()]
-
-
 def session_processes(sid: int) -> list[psutil.Process]:
     """Live (not zombie) processes of a session: the job's ranks would be among them."""
     alive = []
@@ -102,16 +94,7 @@ def session_processes(sid: int) -> list[psutil.Process]:
 
 
 def wandb_end(out_dir: Path) -> dict:
-    files = sorted(out_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(files) == 1, files
-    out = subprocess.run(
-        [str(WANDB), "leet", "inspect", "--json", str(files[0])],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    records = wandb_records(wandb_file(out_dir))
     return {r["type"]: r[r["type"]] for r in records if r["type"] in ("exit", "preempting")}
 
 
@@ -187,18 +170,15 @@ def test_a_second_ctrl_c_stops_at_once_leaving_no_process_and_no_partial_save(tm
 
 def test_ctrl_c_stops_a_sweep_after_the_current_point_with_a_report(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "-m",
+    args = trainer_args(
         *TINY,
         "nproc=2",
         "steps=30",
         "save=off",
         "micro_batch=1,2",
         f"hydra.sweep.dir={sweep_dir}",
-    ]
+        multirun=True,
+    )
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -7,7 +7,6 @@ started at the same moment each run once.
 
 from __future__ import annotations
 
-import csv
 import datetime
 import itertools
 import json
@@ -16,22 +15,29 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import matplotlib.image
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
-from trainer.cli import register_configs
+from tests.helpers import (
+    REPO,
+    compose,
+    point_dirs,
+    read_csv,
+    run_sweep,
+    settings,
+    summary,
+    table_rows,
+    trainer_args,
+    wandb_records,
+    wandb_run,
+    wandb_summary,
+)
 from trainer.report.sweep_report import COLUMNS
 from trainer.report.wandb_report import load_report_json
 from trainer.sweep import SweepCallback
 from trainer.telemetry.wandb_logger import sweep_group
 
-REPO = Path(__file__).resolve().parents[2]
-WANDB = Path(sys.executable).parent / "wandb"
 POINT = ("nproc=2", "device=cpu", "model=tiny", "steps=5", "seq_len=64", "log_every=1")
 REPORT_FILES = ("results.csv", "report.md", "throughput.png", "memory.png", "losses.png")
 # A cap that micro_batch=1 stays far below and that micro_batch=64 at seq_len 256 (~0.8 GiB of
@@ -45,67 +51,6 @@ CAPPED = (
     "seq_len=256",
     "log_every=1",
 )
-
-
-def run_sweep(
-    sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "trainer", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-
-
-def point_dirs(sweep_dir: Path) -> list[Path]:
-    """The sweep's point directories in point order."""
-    return sorted(
-        (d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0])
-    )
-
-
-def settings(point: Path) -> dict[str, str]:
-    overrides = OmegaConf.to_container(OmegaConf.load(point / ".hydra" / "overrides.yaml"))
-    return dict(o.lstrip("+").split("=", 1) for o in overrides)  # type: ignore[union-attr]
-
-
-def summary(point: Path) -> dict[str, Any]:
-    return json.loads((point / "summary.json").read_text())
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def table_rows(report_md: Path) -> list[str]:
-    return [
-        line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()
-    ]
-
-
-def wandb_records(run_file: Path) -> list[dict[str, Any]]:
-    """Every record of an offline run, read back with W&B's own reader."""
-    out = subprocess.run(
-        [str(WANDB), "leet", "inspect", "--json", str(run_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-
-
-def wandb_summary(run_file: Path) -> dict[str, Any]:
-    out = subprocess.run(
-        [str(WANDB), "leet", "inspect", "--summary", "--json", str(run_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(out.stdout)
-
-
-def wandb_run(run_file: Path) -> dict[str, Any]:
-    return next(r["run"] for r in wandb_records(run_file) if r["type"] == "run")
 
 
 @dataclass
@@ -355,7 +300,7 @@ def test_two_jobs_started_at_the_same_moment_do_not_collide(tmp_path: Path) -> N
     (day resolution, so they surely ask for the same one): each gets its own directory and its
     own rendezvous port, and both finish ok with complete, unmixed metrics."""
     point = (*POINT, "steps=3", "telemetry.enabled=false", "logger=none")
-    args = [sys.executable, "-m", "trainer", *point, f"hydra.run.dir={tmp_path}/runs/${{now:%Y-%m-%d}}"]
+    args = trainer_args(*point, f"hydra.run.dir={tmp_path}/runs/${{now:%Y-%m-%d}}")
     first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     second = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert first.poll() is None  # the first is still running when the second starts
@@ -375,17 +320,10 @@ def test_sweeps_started_in_the_same_second_get_their_own_directories(tmp_path: P
     from the recorded overrides, as Hydra's launcher does) land in it."""
     claimed = []
     for _ in range(2):
-        cfg = compose_hydra([f"hydra.sweep.dir={tmp_path}/${{now:%Y-%m-%d}}"])
+        cfg = compose(f"hydra.sweep.dir={tmp_path}/${{now:%Y-%m-%d}}", hydra=True)
         SweepCallback().on_multirun_start(cfg)
-        point_cfg = compose_hydra(list(cfg.hydra.overrides.hydra))
+        point_cfg = compose(*cfg.hydra.overrides.hydra, hydra=True)
         assert point_cfg.hydra.sweep.dir == cfg.hydra.sweep.dir
         claimed.append(Path(cfg.hydra.sweep.dir))
     today = datetime.date.today().isoformat()
     assert claimed == [tmp_path / today, tmp_path / f"{today}_1"] and all(d.is_dir() for d in claimed)
-
-
-def compose_hydra(overrides: list[str]) -> Any:
-    GlobalHydra.instance().clear()
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides, return_hydra_config=True)

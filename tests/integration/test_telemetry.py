@@ -6,22 +6,18 @@ The W&B runs are offline and read back with the wandb library's own reader
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO, Run, run_trainer
+from tests.helpers import Run, run_sweep, run_trainer, wandb_file, wandb_records, wandb_summary
 from trainer.config import ModelConfig, PlanConfig, PrecisionConfig
 from trainer.model.decoder import build_model, num_params
 
-WANDB = str(Path(sys.executable).parent / "wandb")
 FAKE_KEY = "f00dfacecafe" * 3 + "beef"  # 40 characters, the shape of a W&B API key
 SMALL = ("model=tiny", "device=cpu", "nproc=2", "seq_len=64", "micro_batch=2", "log_every=1")
 
@@ -41,28 +37,9 @@ def run_with_env(out_dir: Path, *overrides: str, env: dict[str, str], check: boo
         return run_trainer(out_dir, *overrides, check=check)
 
 
-def wandb_file(out_dir: Path) -> Path:
-    files = sorted(out_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(files) == 1, f"expected one W&B run in {out_dir}, found {files}"
-    return files[0]
-
-
-def inspect_records(path: Path) -> list[dict[str, Any]]:
-    """Every record of a .wandb transaction log, as wandb's own reader prints it."""
-    out = subprocess.run(
-        [WANDB, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-
-
 def wandb_history(out_dir: Path) -> dict[int, dict[str, Any]]:
-    history = [r["history"] for r in inspect_records(wandb_file(out_dir)) if r["type"] == "history"]
+    history = [r["history"] for r in wandb_records(wandb_file(out_dir)) if r["type"] == "history"]
     return {int(h["step"]["num"]): h["item"] for h in history}
-
-
-def wandb_summary(out_dir: Path) -> dict[str, Any]:
-    cmd = [WANDB, "leet", "inspect", "--summary", "--json", str(wandb_file(out_dir))]
-    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
 
 
 def same_value(wandb_value: Any, jsonl_value: Any) -> bool:
@@ -111,7 +88,7 @@ def test_communication_is_measured_every_window_and_its_exposed_share_on_profile
             assert f"comm/rank{rank}/time_s_per_step" not in record  # gloo records no durations
         assert ("comm/exposed_pct" in record) == (record["step"] in (3, 8, 13, 18))
         assert 0 <= record.get("comm/exposed_pct", 0) <= 100
-    summary, logged = fp16_run.summary, wandb_summary(fp16_run.out_dir)["summary"]
+    summary, logged = fp16_run.summary, wandb_summary(wandb_file(fp16_run.out_dir))["summary"]
     for key in (
         "comm/predicted_bytes_per_step",
         "comm/prediction_error_pct",
@@ -168,7 +145,7 @@ def test_injected_overflow_halves_the_scale_and_growth_resumes_after_the_interva
 
 
 def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -> None:
-    run = next(r["run"] for r in inspect_records(wandb_file(fp16_run.out_dir)) if r["type"] == "run")
+    run = next(r["run"] for r in wandb_records(wandb_file(fp16_run.out_dir)) if r["type"] == "run")
     summary = fp16_run.summary
     hydra = OmegaConf.load(fp16_run.out_dir / ".hydra" / "hydra.yaml").hydra
     assert run["display_name"] == hydra.job.override_dirname  # the overrides, as Hydra names the job
@@ -198,7 +175,7 @@ def test_wandb_run_is_named_grouped_and_configured_from_the_job(fp16_run: Run) -
     provenance = run["config"]["update"]["provenance"]
     assert provenance == {k: summary[k] for k in ("world_size", "device", "torch_version", "git_revision")}
     assert provenance["world_size"] == 2
-    wandb_end = wandb_summary(fp16_run.out_dir)
+    wandb_end = wandb_summary(wandb_file(fp16_run.out_dir))
     assert wandb_end["state"] == "finished"
     for key in (
         "status",
@@ -224,7 +201,7 @@ def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_
     run = run_with_env(tmp_path, *job, env={"WANDB_MODE": "offline"}, check=False)
     assert run.returncode == 1
     assert (run.summary["status"], run.summary["failed_rank"]) == ("crashed", 1)
-    wandb_end = wandb_summary(run.out_dir)
+    wandb_end = wandb_summary(wandb_file(run.out_dir))
     assert (wandb_end["state"], wandb_end["exit_code"]) == ("failed", 1)
     assert (wandb_end["summary"]["status"], wandb_end["summary"]["failed_rank"]) == ("crashed", 1)
     assert "SIGKILL" in wandb_end["summary"]["error"]
@@ -234,29 +211,19 @@ def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_
 
 def test_sweep_jobs_in_one_process_get_one_wandb_run_each_in_one_group(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "-m",
+    proc = run_sweep(
+        sweep_dir,
         *SMALL,
         "nproc=1",
         "steps=1",
         "logger=wandb",
         "zero=stage0,stage1",
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
-    subprocess.run(
-        args,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=True,
         env={**os.environ, "WANDB_MODE": "offline"},
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [
-        next(r["run"] for r in inspect_records(wandb_file(job)) if r["type"] == "run")
+        next(r["run"] for r in wandb_records(wandb_file(job)) if r["type"] == "run")
         for job in sorted(sweep_dir.glob("[0-9]_*"))
     ]
     assert [r["job_type"] for r in runs] == ["stage0", "stage1"]

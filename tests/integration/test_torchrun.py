@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, Run, run_trainer
-from tests.integration.test_telemetry import inspect_records, wandb_file, wandb_summary
+from tests.helpers import REPO, TINY, Run, run_trainer, wandb_file, wandb_records, wandb_summary
 
 SETTINGS = [*TINY, "steps=4", "zero=stage3"]
 
@@ -38,13 +37,13 @@ def test_torchrun_job_has_one_wandb_run_owned_by_rank0_with_metrics_jsonl_as_his
     """Acceptance 4: rank 0's process fed the run from metrics.jsonl and ended it with the job's status."""
     path = wandb_file(joined.out_dir)  # exactly one run: rank 1 started none
     assert len(list(joined.out_dir.rglob("*.wandb"))) == 1
-    history = [r["history"]["item"] for r in inspect_records(path) if r["type"] == "history"]
+    history = [r["history"]["item"] for r in wandb_records(path) if r["type"] == "history"]
     records = joined.records
     assert len(records) == 4
     assert [
         {k: v for k, v in item.items() if not k.startswith("_")} for item in history
     ] == records  # W&B's own keys aside
-    end = wandb_summary(joined.out_dir)
+    end = wandb_summary(wandb_file(joined.out_dir))
     assert (end["state"], end["exit_code"], end["summary"]["status"]) == (
         "finished",
         0,

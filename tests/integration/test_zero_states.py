@@ -21,8 +21,8 @@ def held_bytes(record: dict, rank: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, int]]]:
-    from tests.conftest import TINY as SETTINGS
-    from tests.conftest import run_trainer
+    from tests.helpers import TINY as SETTINGS
+    from tests.helpers import run_trainer
 
     measured = {}
     for stage in ("stage0", "stage1", "stage2", "stage3"):
@@ -63,8 +63,8 @@ def test_three_ranks_hold_fsdp2s_padded_shard_as_the_plan_says(tmp_path) -> None
     holds, and equals the plan to the byte on every rank."""
     import json
 
-    from tests.conftest import TINY as SETTINGS
-    from tests.conftest import run_trainer
+    from tests.helpers import TINY as SETTINGS
+    from tests.helpers import run_trainer
 
     run = run_trainer(tmp_path, *SETTINGS, "nproc=3", "steps=1", "zero=stage3")
     plan = json.loads((run.out_dir / "plan.json").read_text())

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def benchmark(name: str) -> ModuleType:

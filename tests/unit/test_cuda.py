@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, torchrun_env
-from tests.unit.test_plan import compose_config
+from tests.helpers import REPO, compose_config, free_port, torchrun_env
 from trainer.config import ConfigError
 from trainer.cuda import (
     ALLOC_CONF,

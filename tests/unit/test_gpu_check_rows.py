@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from trainer.plan.headroom import HEADROOM
 
 

@@ -1,6 +1,6 @@
 """Predicted step time of one configuration: compute, communication and the optimizer, in seconds.
 
-The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_predict.py pins it):
+The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/test_predict.py pins it):
 
     tokens per rank per step   t = micro_batch · grad_accum · seq_len
     compute                    C = t · (F + R) / rate(micro_batch · seq_len)

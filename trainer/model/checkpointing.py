@@ -32,7 +32,7 @@ MM_OPS = ("aten.mm", "aten.linear")
 
 
 # The matmuls of a block's forward in the order they run (trainer/model/decoder.py), what the
-# policy's count goes by; tests/unit/test_checkpointing.py checks the plan built on it against a real block.
+# policy's count goes by; tests/unit/model/test_checkpointing.py checks the plan built on it against a real block.
 BLOCK_MATMULS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import pytest
 from omegaconf import OmegaConf
 
-from tests.unit.fakes import CPU_OOM
+from tests.helpers import CPU_OOM
 from trainer.report import command as compare
 from trainer.report import sweep_report as rpt
 

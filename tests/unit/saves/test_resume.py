@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.unit.fakes import fake_save, tiny_config
+from tests.helpers import fake_save, tiny_config
 from trainer.config import ConfigError, TrainConfig, to_plain
 from trainer.saves.resume import resolve_resume, rewind_metrics
 

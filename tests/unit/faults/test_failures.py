@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.fakes import CPU_OOM
+from tests.helpers import CPU_OOM, REPO
 from trainer.faults.failures import explain, is_out_of_memory, mark_phase, read_failures, recording_failures
 
 
@@ -105,7 +105,7 @@ print(json.dumps({"small": small.numel(), "big": big, "after": after}))
 """
     out = subprocess.run(
         [sys.executable, "-c", script],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

@@ -18,17 +18,14 @@ elements = 3,674,624 B, and 39 step counters of 4 B.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.unit.test_plan import compose_config as compose_plan_config
+from tests.helpers import compose_config as compose_for_any_host
 from trainer.config import TrainConfig
 from trainer.plan import build_plan, host_refusal
 from trainer.plan.host import pinned_bytes
 from trainer.units import GIB
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 RUNTIME = 2 * GIB  # plan.cuda_rank_runtime_gib's default
 PARAMS_PINNED = GRADS_PINNED = 2_230_528
 PARAMS = GRADS = 1_837_312
@@ -37,7 +34,7 @@ ADAM = 3_674_624 + 39 * 4
 
 def compose_config(*overrides: str) -> TrainConfig:
     """A config planned against a 16 GiB host unless an override says otherwise."""
-    return compose_plan_config("plan.host_memory_gib=16", *overrides)
+    return compose_for_any_host("plan.host_memory_gib=16", *overrides)
 
 
 def test_pinned_tensors_take_the_next_power_of_two() -> None:

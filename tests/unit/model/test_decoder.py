@@ -5,17 +5,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from tests.helpers import load_preset, materialized
 from trainer.config import ModelConfig
 from trainer.model.decoder import (
-    Transformer,
     apply_rope,
     build_model,
     build_rope_tables,
@@ -27,16 +25,7 @@ from trainer.model.decoder import (
     param_seed,
 )
 
-MODEL_CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 CPU = torch.device("cpu")
-
-
-def load_preset(name: str) -> ModelConfig:
-    """conf/model/<name>.yaml merged into the schema and checked, as Hydra would."""
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(MODEL_CONF / f"{name}.yaml"))
-    config = OmegaConf.to_object(merged)
-    assert isinstance(config, ModelConfig)
-    return config
 
 
 def tiny_count_by_hand(c: ModelConfig) -> int:
@@ -45,12 +34,6 @@ def tiny_count_by_hand(c: ModelConfig) -> int:
     attention = c.dim * c.n_heads * head_dim * 2 + c.dim * c.n_kv_heads * head_dim * 2  # wq, wo; wk, wv
     block = attention + 3 * c.dim * c.ffn_dim + 2 * c.dim  # SwiGLU w1 w2 w3; two RMSNorms
     return c.vocab_size * c.dim + c.n_layers * block + c.dim + c.dim * c.vocab_size
-
-
-def materialized(config: ModelConfig, seed: int = 0) -> Transformer:
-    model = build_model(config)
-    materialize(model, CPU, seed=seed)
-    return model
 
 
 def canonical_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from tests.helpers import REPO
 from trainer.telemetry import keys
 from trainer.telemetry.keys import Status
 
-DESIGN = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+DESIGN = (REPO / "docs" / "design.md").read_text()
 
 
 def test_the_statuses_are_the_designs() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from tests.unit.fakes import WORLD, fake_save, tiny_config
+from tests.helpers import WORLD, fake_save, tiny_config
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step

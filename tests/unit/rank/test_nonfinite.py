@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.fakes import WORLD, tiny_config
+from tests.helpers import WORLD, tiny_config
 from trainer.config import TrainConfig
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step

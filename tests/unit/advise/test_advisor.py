@@ -5,42 +5,27 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from tests.helpers import compose_config
 from trainer.advise.advisor import advise, check_advice_inputs, choices, micro_batches, run_advice
 from trainer.advise.calibrate import HostProbe, host_rates
-from trainer.cli import register_configs
-from trainer.config import ConfigError, TrainConfig, validate
+from trainer.config import ConfigError, TrainConfig
 from trainer.plan import build_plan
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
-
-@pytest.fixture(scope="module")
-def hydra_conf() -> Iterator[None]:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
-def composed(overrides: list[str]) -> TrainConfig:
-    return validate(compose("train", overrides=overrides))
-
-
-def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank(hydra_conf: None) -> None:
-    config = composed(["mode=advise", "global_batch=96", "nproc=2"])
+def test_micro_batches_are_the_powers_of_two_dividing_the_sequences_per_rank() -> None:
+    config = compose_config("mode=advise", "global_batch=96", "nproc=2")
     assert micro_batches(config, 2) == [1, 2, 4, 8, 16]  # 48 per rank
     assert micro_batches(
-        composed(["mode=advise", "global_batch=96", "advise.micro_batches=[2,3,32]"]), 2
+        compose_config("mode=advise", "global_batch=96", "advise.micro_batches=[2,3,32]"), 2
     ) == [2, 3]
 
 
-def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: None) -> None:
-    config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
+def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu() -> None:
+    config = compose_config("mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]")
     on_cpu, on_gpu = choices(config, 2, "cpu"), choices(config, 2, "cuda")
     # stages x checkpointing (none, full, selective, op) x offload none x (micro-batch 1 and 2, each
     # reduce_every, and at stage2/3 each reshard_after_backward; micro-batch 4 once)
@@ -59,18 +44,20 @@ def test_choices_cross_every_option_and_offload_only_fsdp_on_a_gpu(hydra_conf: N
     # parameters kept between micro-batches: only where FSDP2 accumulates
     kept = {(c["zero"], c["grad_accum"] > 1) for c in on_cpu if c["zero.reshard_after_backward"] is False}
     assert kept == {("stage2", True), ("stage3", True)}
-    always = composed(["mode=advise", "global_batch=8", "advise.reshard_after_backward=[true]"])
+    always = compose_config("mode=advise", "global_batch=8", "advise.reshard_after_backward=[true]")
     assert {c["zero.reshard_after_backward"] for c in choices(always, 2, "cpu")} == {True}
-    only_step = choices(composed(["mode=advise", "global_batch=8", "advise.reduce_every=[step]"]), 2, "cpu")
+    only_step = choices(
+        compose_config("mode=advise", "global_batch=8", "advise.reduce_every=[step]"), 2, "cpu"
+    )
     assert {c["zero.reduce_every"] for c in only_step if c["grad_accum"] > 1} == {"step"}
 
 
-def test_a_global_batch_the_ranks_cannot_split_is_refused(hydra_conf: None) -> None:
+def test_a_global_batch_the_ranks_cannot_split_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"global_batch \(15\) must be divisible by the 2 ranks"):
-        check_advice_inputs(composed(["mode=advise", "global_batch=15", "nproc=2"]), 2)
+        check_advice_inputs(compose_config("mode=advise", "global_batch=15", "nproc=2"), 2)
     with pytest.raises(ConfigError, match="advise.verify runs jobs on this host"):
         check_advice_inputs(
-            composed(["mode=advise", "global_batch=16", "advise.verify=1", "plan.accelerator=h100"]), 8
+            compose_config("mode=advise", "global_batch=16", "advise.verify=1", "plan.accelerator=h100"), 8
         )
 
 
@@ -81,7 +68,7 @@ CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("7
 
 @pytest.mark.parametrize("model,nproc,global_batch", CASES, ids=[f"{m}-{n}x-h100-gb{g}" for m, n, g in CASES])
 def test_named_accelerator_advice_is_quick_and_every_listed_command_fits(
-    hydra_conf: None, tmp_path: Path, model: str, nproc: int, global_batch: int
+    tmp_path: Path, model: str, nproc: int, global_batch: int
 ) -> None:
     overrides = [
         f"model={model}",
@@ -90,7 +77,7 @@ def test_named_accelerator_advice_is_quick_and_every_listed_command_fits(
         "seq_len=4096",
         "precision=bf16",
     ]
-    config = composed(["mode=advise", f"global_batch={global_batch}", *overrides])
+    config = compose_config("mode=advise", f"global_batch={global_batch}", *overrides)
     start = time.monotonic()
     listed = run_advice(
         config, tmp_path, "cuda", nproc, ["mode=advise", f"global_batch={global_batch}", *overrides]
@@ -107,13 +94,13 @@ def test_named_accelerator_advice_is_quick_and_every_listed_command_fits(
     ]:  # the printed rows: their command lines, as mode=plan composes them
         args = shlex.split(row["command"])[3:]
         assert "mode=advise" not in args and not any(a.startswith("global_batch") for a in args)
-        plan = build_plan(composed([*args, "mode=plan"]), "cuda", nproc)
+        plan = build_plan(compose_config(*args, "mode=plan"), "cuda", nproc)
         assert plan.fits and plan.peak_bytes / 2**30 == pytest.approx(row["predicted_peak_gib"])
     assert len(listed) == len(advice["candidates"])
 
 
-def test_this_host_reuses_its_cached_calibration(hydra_conf: None, tmp_path: Path) -> None:
-    config = composed(["mode=advise", "global_batch=4", f"advise.cache_dir={tmp_path}"])
+def test_this_host_reuses_its_cached_calibration(tmp_path: Path) -> None:
+    config = compose_config("mode=advise", "global_batch=4", f"advise.cache_dir={tmp_path}")
     import dataclasses
     import socket
 
@@ -168,7 +155,7 @@ def test_global_batch_belongs_to_mode_advise_and_the_advise_keys_are_checked() -
 
 
 def test_when_nothing_fits_the_advice_names_the_smallest_peak(
-    hydra_conf: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 70b on 8 H100s without offload: 16 bytes per parameter over 8 ranks is 129 GiB of model states.
     overrides = [
@@ -181,7 +168,7 @@ def test_when_nothing_fits_the_advice_names_the_smallest_peak(
         "precision=bf16",
         "advise.offload=[none]",
     ]
-    candidates = run_advice(composed(overrides), tmp_path, "cuda", 8, overrides)
+    candidates = run_advice(compose_config(*overrides), tmp_path, "cuda", 8, overrides)
     assert candidates and not any(c.fits for c in candidates)
     smallest = min(candidates, key=lambda c: c.peak_bytes)
     assert (
@@ -190,14 +177,12 @@ def test_when_nothing_fits_the_advice_names_the_smallest_peak(
     )
 
 
-def test_13b_on_8_h100s_needs_no_offload_when_gradients_stay_sharded(
-    hydra_conf: None, tmp_path: Path
-) -> None:
+def test_13b_on_8_h100s_needs_no_offload_when_gradients_stay_sharded(tmp_path: Path) -> None:
     """The issue's case: with reduce_every=step only offload=cpu fit; reducing every micro-batch keeps
     only the gradient shard between micro-batches, and the best configuration offloads nothing."""
     overrides = ["mode=advise", "global_batch=512", "model=13b", "nproc=8", "plan.accelerator=h100"]
     overrides += ["seq_len=4096", "precision=bf16"]
-    ranked = run_advice(composed(overrides), tmp_path, "cuda", 8, overrides)
+    ranked = run_advice(compose_config(*overrides), tmp_path, "cuda", 8, overrides)
     best = ranked[0]
     assert (
         best.fits and best.choice["offload"] == "none" and best.choice["zero.reduce_every"] == "micro_batch"
@@ -213,13 +198,13 @@ def test_13b_on_8_h100s_needs_no_offload_when_gradients_stay_sharded(
     assert len(sharded) > len(step_only)
 
 
-def test_a_kept_candidate_says_keep_and_its_command_sets_the_key(hydra_conf: None) -> None:
+def test_a_kept_candidate_says_keep_and_its_command_sets_the_key() -> None:
     """zero.reshard_after_backward=false shows as ` keep` in the label and `=false` on the command line;
     true (every option file's) is left out of the command."""
     from trainer.advise.advisor import Candidate
     from trainer.advise.predict import StepTime
 
-    config = composed(["mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]"])
+    config = compose_config("mode=advise", "global_batch=8", "advise.reduce_dtypes=[fp32]")
     options = [c for c in choices(config, 2, "cpu") if c["zero"] == "stage3" and c["micro_batch"] == 1]
     step = StepTime(1.0, 0.0, {}, 0.0, 0.0, 0.0)
     kept, default = (

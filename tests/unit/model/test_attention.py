@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from tests.unit.test_plan import compose_config
+from tests.helpers import compose_config
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
 from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights

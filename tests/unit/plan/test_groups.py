@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tests.unit.test_plan import compose_config
+from tests.helpers import compose_config
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step, predict_step_tiers
 from trainer.config import ConfigError, Stage, TrainConfig, ZeroConfig

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 import trainer.faults.stop
-from tests.unit.fakes import WORLD
+from tests.helpers import WORLD
 from trainer.config import NonFinitePolicy
 from trainer.faults.stop import (
     STOP_REQUEST,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.test_model import load_preset, materialized
+from tests.helpers import load_preset, materialized
 from trainer.config import ConfigError, ModelConfig, RopeScaling
 from trainer.model.decoder import build_model, build_rope_tables, flops_per_token, num_params
 from trainer.model.loss import chunked_cross_entropy

@@ -9,17 +9,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.cli import register_configs
-from trainer.config import ModelConfig, TrainConfig, validate
+from tests.helpers import CONF, compose_config, saved_storage_bytes
+from trainer.config import ModelConfig, TrainConfig
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import build_plan, refusal, summary_fields
 from trainer.plan.activations import activations
@@ -28,15 +25,8 @@ from trainer.units import GIB
 
 pytestmark = pytest.mark.torch_versions  # the plan's moments against what torch really holds
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
 LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
-
-
-def compose_config(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return validate(compose("train", overrides=["logger=none", *overrides]))
 
 
 def moment(plan, name: str, rank: int = 0) -> int:
@@ -136,32 +126,6 @@ def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
     init_weights(model, seed=0)
     inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
     return saved_storage_bytes(model, inputs, targets, regime)
-
-
-def saved_storage_bytes(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, regime: str
-) -> int:
-    """What autograd saves in one forward + loss of `model` on `inputs`'s device, in the plan's
-    precision `regime`, parameters and rotary tables excluded (tests/gpu uses it on CUDA)."""
-    if regime == "fsdp_mp":
-        model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    autocast = torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=regime == "autocast")
-    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    # The rotary tables, cached on the model per device (counted under `other`).
-    excluded |= {
-        t.untyped_storage().data_ptr()
-        for tables in getattr(model, "_rope_cache", {}).values()
-        for t in tables
-    }
-    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
 
 
 @pytest.mark.parametrize(
@@ -386,7 +350,7 @@ def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
     assert message is not None and "\n" not in message
     assert (
         f"{plan.peak_bytes / GIB:.2f} GiB" in message
-        and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and NCCL)" in message
+        and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and 1 NCCL communicator)" in message
     )
     assert "plan.enforce=false" in message
     suggestion = message.split("Try ", 1)[1].split(" (peak ")[0]  # e.g. "checkpointing=full zero=stage3"

@@ -200,7 +200,7 @@ def test_advise_refuses_an_accelerator_without_rates_in_one_line_naming_them() -
 def test_the_shape_factors_gemms_are_the_models_flops(preset: str) -> None:
     """The GEMMs the efficiency is weighted over carry the FLOPs MFU counts (a head width apart from
     dim / n_heads, Qwen3's, included); only the norms' few parameters are not matmuls."""
-    from tests.unit.test_model import load_preset
+    from tests.helpers import load_preset
     from trainer.advise.throughput import gemms
     from trainer.model.decoder import flops_per_token
 
@@ -213,7 +213,7 @@ def test_the_shape_factors_gemms_are_the_models_flops(preset: str) -> None:
 def test_full_checkpointing_recomputes_each_blocks_forward_but_w2(preset: str) -> None:
     """checkpointing=full reruns every block's forward less w2: a third of the blocks' training FLOPs
     (head width included, Qwen3's apart from dim / n_heads), less 2·D·M per block."""
-    from tests.unit.test_model import load_preset
+    from tests.helpers import load_preset
     from trainer.advise.throughput import gemms
 
     model, seq_len = load_preset(preset), 4096

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from tests.unit.fakes import WORLD, tiny_config
+from tests.helpers import WORLD, tiny_config
 from trainer.config import ConfigError
 from trainer.data import build_batches
 from trainer.model.attention import run_choice

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.fakes import WORLD, tiny_config
+from tests.helpers import WORLD, tiny_config
 from trainer.data import build_batches
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import COMPILE_NOTE, build_plan

@@ -1,0 +1,277 @@
+"""The one module of helpers the tests share (test modules import from here, never from each other):
+running `python -m trainer` as a user would and reading back what it wrote, composing conf/ as the
+command does, W&B's offline files read with W&B's own reader, and stand-ins for unit tests (a tiny
+config and a one-rank World, fake saves, an allocator's out-of-memory message)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import ModelConfig, TrainConfig, from_plain, to_plain, validate
+from trainer.jsonl import read_jsonl
+from trainer.model.decoder import Transformer, build_model, materialize
+from trainer.world import World
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+WANDB = Path(sys.executable).parent / "wandb"
+
+# Small and fast: tiny model, short sequences, every step logged.
+TINY = ("model=tiny", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "log_every=1")
+
+
+# ----------------------------------------------------------------------------- running the command
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    out_dir: Path
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.out_dir / "metrics.jsonl")
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss/train"] for r in self.records]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.out_dir / "summary.json").read_text())
+
+
+def trainer_args(*overrides: str, multirun: bool = False) -> list[str]:
+    """`python -m trainer [-m] OVERRIDES` in this interpreter: the command line a user types."""
+    return [sys.executable, "-m", "trainer", *(["-m"] if multirun else []), *overrides]
+
+
+def run_trainer(
+    out_dir: Path,
+    *overrides: str,
+    check: bool = True,
+    timeout: float = 300,
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """`python -m trainer OVERRIDES hydra.run.dir=out_dir` in a fresh process."""
+    args = trainer_args(*overrides, f"hydra.run.dir={out_dir}")
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    run = Run(proc.returncode, proc.stdout, proc.stderr, out_dir)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
+    return run
+
+
+def run_sweep(
+    sweep_dir: Path, *overrides: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer -m OVERRIDES hydra.sweep.dir=sweep_dir` in a fresh process; the caller
+    asserts on its exit status (a sweep with a failed point exits 1 by design)."""
+    args = trainer_args(*overrides, f"hydra.sweep.dir={sweep_dir}", multirun=True)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    """A sweep's point directories in point order."""
+    return sorted(
+        (d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0])
+    )
+
+
+def settings(point: Path) -> dict[str, str]:
+    """A point's swept overrides, as Hydra recorded them."""
+    overrides = OmegaConf.to_container(OmegaConf.load(point / ".hydra" / "overrides.yaml"))
+    return dict(o.lstrip("+").split("=", 1) for o in overrides)  # type: ignore[union-attr]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def table_rows(report_md: Path) -> list[str]:
+    """The point rows of a sweep report's markdown table."""
+    return [
+        line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()
+    ]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """Every non-blank stderr line (the profiler's kineto lines are silenced at the source, trainer/telemetry/comm.py)."""
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: the rendezvous of a test's own process group."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank on this host, for a process a test starts itself."""
+    return {
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
+# ----------------------------------------------------------------------------- W&B's offline files
+
+
+def wandb_file(out_dir: Path) -> Path:
+    """The one offline W&B transaction log a job wrote under its directory."""
+    files = sorted(out_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, f"expected one W&B run in {out_dir}, found {files}"
+    return files[0]
+
+
+def wandb_records(run_file: Path) -> list[dict[str, Any]]:
+    """Every record of a .wandb transaction log, as W&B's own reader (`wandb leet inspect`) prints it."""
+    cmd = [str(WANDB), "leet", "inspect", "--json", str(run_file)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def wandb_summary(run_file: Path) -> dict[str, Any]:
+    """The run's end as W&B's reader sums it up: state, exit code and the summary."""
+    cmd = [str(WANDB), "leet", "inspect", "--summary", "--json", str(run_file)]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout)
+
+
+def wandb_run(run_file: Path) -> dict[str, Any]:
+    """The run record: its id, group, tags and config."""
+    return next(r["run"] for r in wandb_records(run_file) if r["type"] == "run")
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def compose(*overrides: str, hydra: bool = False) -> DictConfig:
+    """conf/train.yaml with OVERRIDES, composed in this process as `python -m trainer` composes it
+    (with the `hydra` node, the launcher's and the sweeper's settings, when asked)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from trainer.cli import register_configs
+    from trainer.cluster import register_resolvers
+
+    GlobalHydra.instance().clear()
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("train", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    """The checked TrainConfig `python -m trainer OVERRIDES` would run."""
+    return validate(compose(*overrides))
+
+
+def load_preset(name: str) -> ModelConfig:
+    """conf/model/<name>.yaml merged into the schema and checked, as Hydra would."""
+    merged = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml")
+    )
+    config = OmegaConf.to_object(merged)
+    assert isinstance(config, ModelConfig)
+    return config
+
+
+# ----------------------------------------------------------------------------- stand-ins for unit tests
+
+# What torch's CPU allocator says when an allocation fails (trainer/faults/failures.py OOM_MARKERS).
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 8388608 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def tiny_config(**overrides: object) -> TrainConfig:
+    plain = to_plain(TrainConfig())
+    plain.update(seq_len=32, micro_batch=2, steps=6, nproc="1", device="cpu", log_every=1)
+    plain["model"].update(
+        dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64, max_seq_len=64
+    )
+    plain["optim"].update(warmup_steps=2)
+    plain["logger"]["backend"] = "none"
+    for dotted, value in overrides.items():
+        *path, key = dotted.split("__")
+        node = plain
+        for part in path:
+            node = node[part]
+        node[key] = value
+    return from_plain(plain)
+
+
+def fake_save(run_dir: Path, step: int, complete: bool = True, tmp: bool = False) -> Path:
+    name = f"{'.tmp_' if tmp else ''}step_{step:08d}"
+    path = run_dir / "checkpoints" / name
+    path.mkdir(parents=True)
+    if complete:  # a real, whole DCP save: resume checks a save's files against its metadata
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # no process group: intended
+            dcp.save({"x": torch.zeros(1)}, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def materialized(config: ModelConfig, seed: int = 0) -> Transformer:
+    """The model built on meta and initialised on CPU, as a rank does."""
+    model = build_model(config)
+    materialize(model, torch.device("cpu"), seed=seed)
+    return model
+
+
+def saved_storage_bytes(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, regime: str
+) -> int:
+    """What autograd saves in one forward + loss of `model` on `inputs`'s device, in the plan's
+    precision `regime`, parameters and rotary tables excluded (unit/plan on CPU, tests/gpu on CUDA)."""
+    if regime == "fsdp_mp":
+        model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes with
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=regime == "autocast")
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    # The rotary tables, cached on the model per device (counted under `other`).
+    excluded |= {
+        t.untyped_storage().data_ptr()
+        for tables in getattr(model, "_rope_cache", {}).values()
+        for t in tables
+    }
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
