@@ -812,7 +812,7 @@ def from_plain(plain: dict[str, Any]) -> TrainConfig:
 def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
     """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
     small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
-    memory plan (trainer/plan/step.py) and its CPU measurements are of that loop, and the ranks
+    memory plan (trainer/plan/moments.py) and its CPU measurements are of that loop, and the ranks
     (trainer/rank/loop.py) step with the same choice."""
     return optim.fused if optim.fused is not None else device_kind == "cuda"
 

@@ -1,7 +1,7 @@
 """A CUDA plan's activation bytes are what autograd saves on a GPU (marked gpu: skipped without CUDA).
 
 On CUDA, RMSNorm runs torch's fused kernel and SDPA the kernel trainer/model/attention.py chooses;
-trainer/plan/step.py counts what those save (`fused_norm_saving`, `attention_extra_per_token`).
+trainer/plan/activations.py counts what those save (`fused_norm_saving`, `attention_extra_per_token`).
 This lists every storage autograd saves in one forward + loss of the tiny model on the GPU and
 compares the sum with `activations(config, "cuda")`, as tests/unit/test_plan.py does on CPU.
 """
@@ -14,8 +14,8 @@ import torch
 from tests.helpers import compose_config, saved_storage_bytes
 from trainer.model.attention import run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
+from trainer.plan.activations import activations
 from trainer.plan.states import model_shape
-from trainer.plan.step import activations
 
 pytestmark = [
     pytest.mark.gpu,

@@ -44,7 +44,7 @@ CASES = [
 CASES += [
     (stage, every, 2, "fp32", "fp32") for stage in ("stage0", "stage1") for every in ("micro_batch", "step")
 ]
-# zero.reshard_after_backward=false (the last field): every micro-batch kind differs (trainer/plan/step.py
+# zero.reshard_after_backward=false (the last field): every micro-batch kind differs (trainer/plan/fsdp_walk.py
 # kept_fsdp_moments). At 4 x 128 tokens activations set the peak and the kept parameters do not show, so
 # these run at 2 x 64 and at 1 x 32 (the kept parameters set the peak), the fields after it.
 KEPT = [

@@ -18,7 +18,7 @@ impossible combination fails loudly instead of falling back:
 | math | math: saves the scores | math: saves the scores | math: saves the scores |
 
 Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
-H·T scores of math. trainer/plan/step.py counts what each choice saves.
+H·T scores of math. trainer/plan/activations.py counts what each choice saves.
 """
 
 from __future__ import annotations

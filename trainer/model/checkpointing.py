@@ -63,20 +63,21 @@ def op_policy_context(save_ops: list[str]) -> Callable[[], Any]:
     block's forward; save the output of every op in the save list, except the 2nd, 4th, ... matmul,
     which is recomputed; recompute everything else. Left out, as this decoder has no use for
     them: its forced recompute of MoE router matmuls by shape and its saving of CUDA->CPU copies.
-    Since torch 2.5 the policy runs in forward only (the recompute replays the forward's
-    decisions), so one count per forward suffices.
+    The forward and the recompute keep counts of their own (torchtitan's `ctx.is_recompute`
+    keys): torch 2.13 replays the forward's decisions by index, but torch 2.11 calls the policy
+    again while it recomputes, and one count shared by both would run on there and hand wq's
+    output to wk, wv's to wo and w1's to w3.
     """
     saved = frozenset(resolve_op(name) for name in save_ops)
     mm_ops = frozenset(resolve_op(name) for name in MM_OPS)
 
     def context_fn() -> Any:
-        matmuls = 0
+        matmuls = {False: 0, True: 0}  # keyed by ctx.is_recompute
 
         def policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            nonlocal matmuls
             if func in mm_ops:
-                matmuls += 1
-                if matmuls % 2 == 0:
+                matmuls[ctx.is_recompute] += 1
+                if matmuls[ctx.is_recompute] % 2 == 0:
                     return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 

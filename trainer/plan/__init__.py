@@ -10,13 +10,26 @@ The planner is this package; each module's docstring is its part of the design n
 
 - states.py: model states per rank, the ZeRO arithmetic as PyTorch keeps it (FSDP2's padded
   shards, ZeroRedundancyOptimizer's greedy split), from the model's shapes;
-- step.py: the walk of one step, activations and temporaries moment by moment (DDP and
-  FSDP2, every precision, checkpointing, accumulation, CPU offload);
+- the walk of one step, one technique per module (the design: docs/memory_plan.md, "What is
+  modelled"):
+  - activations.py: the activation table, what autograd saves per block and after the blocks, by
+    precision, attention kernel, checkpointing mode and device kind;
+  - moments.py: a moment and what it is computed from, and the temporaries both walks count
+    alike (a block's backward, Adam's step, accumulation, the tensors outside the model);
+  - loss.py: the loss's moments and temporaries, full and chunked;
+  - ddp_walk.py: the DDP step (stages 0-1);
+  - fsdp_walk.py: the FSDP2 step (stages 2-3): forward, loss, the root's backward, the kinds of
+    micro-batch zero.reshard_after_backward=false makes;
+  - fsdp_blocks.py: FSDP2's block backward, one function per moment over a per-block record;
+  - fsdp_buffers.py: FSDP2's buffers (unsharded copies, all-gather and reduce-scatter buffers,
+    hpZ's secondary shards) and what gradient accumulation holds beside them;
 - build.py: the plan of a job, every rank's moments and its peak, the memory a rank may use,
   what plan.json and summary.json carry;
 - headroom.py: a CUDA rank's memory beyond its tensors (context, NCCL, allocator), assumed
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
+- groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
+  and which link each one crosses;
 - target.py: the device kind and world size a plan is for;
 - host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
 - refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;

@@ -15,20 +15,15 @@ import torch
 
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
+from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.ddp_walk import ddp_moments
+from trainer.plan.fsdp_walk import fsdp_moments
 from trainer.plan.groups import GROUPS, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan
+from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.states import RankStates, model_shape, rank_states
-from trainer.plan.step import (
-    Moment,
-    StepContext,
-    activations,
-    ddp_moments,
-    fsdp_moments,
-    other_bytes,
-    precisions,
-)
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
@@ -82,21 +77,30 @@ class DeviceMemory:
 
 
 def device_memory(
-    plan: PlanConfig, device_memory_gib: float | None, device_kind: str, world_size: int, nodes: int
+    plan: PlanConfig,
+    device_memory_gib: float | None,
+    device_kind: str,
+    world_size: int,
+    nodes: int,
+    communicators: int | None = None,
 ) -> DeviceMemory:
-    """The cap (device_memory_gib), else a named accelerator, else this host's GPU or memory."""
+    """The cap (device_memory_gib), else a named accelerator, else this host's GPU or memory.
+    `communicators`: NCCL communicators that carry a GPU rank's traffic (None: the default group
+    alone, with more than one rank)."""
+    if communicators is None:
+        communicators = 1 if world_size > 1 else 0
     if device_memory_gib is not None:
         return DeviceMemory(int(device_memory_gib * GIB), f"device_memory_gib={device_memory_gib:g}")
     accelerator = plan.accelerator
     if accelerator is not None:
         spec = find_accelerator(accelerator)
         assert spec is not None  # PlanConfig checked the name
-        return allocator_share(spec.memory_mib * MIB, spec.short, world_size)
+        return allocator_share(spec.memory_mib * MIB, spec.short, communicators)
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             return DeviceMemory(None, "no GPU visible here")
         return allocator_share(
-            torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), world_size
+            torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), communicators
         )
     # CPU ranks share this host's memory, so each gets an equal part of what is free now;
     # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
@@ -107,13 +111,14 @@ def device_memory(
     )
 
 
-def allocator_share(total: int, name: str, world_size: int) -> DeviceMemory:
+def allocator_share(total: int, name: str, communicators: int) -> DeviceMemory:
     """What the caching allocator of a GPU rank may reserve: the device less the CUDA context and
-    NCCL's buffers (trainer/plan/headroom.py). A `device_memory_gib` cap needs no such deduction:
-    it caps the allocator's reserved memory itself."""
-    outside = HEADROOM.outside_allocator(world_size)
+    the buffers of `communicators` NCCL communicators (trainer/plan/headroom.py). A
+    `device_memory_gib` cap needs no such deduction: it caps the allocator's reserved memory itself."""
+    outside = HEADROOM.outside_allocator(communicators)
+    nccl = f"{communicators} NCCL communicator{'s' if communicators != 1 else ''}"
     return DeviceMemory(
-        total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and NCCL"
+        total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and {nccl}"
     )
 
 
@@ -232,7 +237,10 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
             planned[states] = tuple(fsdp_moments(ctx) if config.zero.uses_fsdp else ddp_moments(ctx))
         offloaded = states.params + states.grads + states.optimizer if offload else 0
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
-    memory = device_memory(config.plan, config.device_memory_gib, device_kind, world_size, config.nodes)
+    communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers)
+    memory = device_memory(
+        config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
+    )
     comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     host = build_host_plan(config, device_kind, world_size, shape, ranks, shard_size=sharded_over)
     return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm, host)

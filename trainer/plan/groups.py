@@ -70,6 +70,21 @@ class ShardGroups:
             return NETWORK
         return INTRA_NODE if size <= per_node and per_node % size == 0 else NETWORK
 
+    def nccl_communicators(self, hpz_modules: int) -> int:
+        """NCCL communicators that carry traffic on one rank, each holding its own buffers.
+
+        NCCL creates a communicator at a group's first collective, so a group that moves nothing
+        costs nothing. With more than one rank: the default group (DDP, the loop's agreements, and
+        FSDP2's 1-D mesh over every rank, which DeviceMesh takes as the default group); HSDP's 2-D
+        mesh adds its shard and replicate groups; hpZ adds one per module sharded with
+        reshard_after_forward=<int> (`hpz_modules`): FSDP2 builds each such module a DeviceMesh of
+        its own (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_get_post_forward_mesh_info`),
+        whose hpz dimension carries backward's all-gathers.
+        """
+        if self.world <= 1:
+            return 0
+        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0)
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

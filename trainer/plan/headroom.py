@@ -5,7 +5,11 @@ holds, per rank:
 
 - outside the caching allocator (so outside `device_memory_gib`'s cap, which is a fraction of
   the allocator's reserved memory): the CUDA context with its loaded kernels, and NCCL's
-  communicator buffers (one communicator per process group; none with one rank);
+  buffers, per communicator that carries traffic (trainer/plan/groups.py
+  `ShardGroups.nccl_communicators`: one without HSDP or hpZ, three with HSDP, one more per
+  hpZ block; none with one rank). "More communicators = more memory used" (NVIDIA/nccl#986,
+  answering #864); NVIDIA/nccl#964 measured 544 MiB for a 2-GPU communicator and 688 MiB for
+  3-4 GPUs on A100s with NVLink, after one all-reduce each;
 - inside it: cuBLAS's workspace (torch allocates it through the caching allocator, once per
   stream) and fragmentation, the gap between reserved and allocated.
 
@@ -42,7 +46,8 @@ class Headroom:
     context_gib: float = 0.5
     """CUDA context and kernel images, per process: outside the allocator (assumed)."""
     nccl_gib: float = 0.5
-    """NCCL communicator buffers when the job has more than one rank: outside the allocator (assumed)."""
+    """NCCL's buffers per communicator that carries traffic: outside the allocator (assumed; the
+    module docstring gives the measurements it stands for)."""
     cublas_workspace_gib: float = 1 / 32
     """cuBLAS workspace (32 MiB): inside the allocator."""
     stream_cache_gib: float = 1.25
@@ -50,9 +55,10 @@ class Headroom:
     fragmentation: float = 0.1733
     """Fitted: reserved grows by this fraction of allocated memory, beyond the fixed part."""
 
-    def outside_allocator(self, world_size: int) -> int:
-        """Bytes a rank's device holds that the caching allocator does not manage."""
-        return int((self.context_gib + (self.nccl_gib if world_size > 1 else 0.0)) * GIB)
+    def outside_allocator(self, communicators: int) -> int:
+        """Bytes a rank's device holds that the caching allocator does not manage, with
+        `communicators` NCCL communicators carrying its traffic."""
+        return int((self.context_gib + self.nccl_gib * communicators) * GIB)
 
     def reserved(self, allocated: int) -> int:
         """The allocator's reserved memory predicted for a tensor peak of `allocated` bytes."""

@@ -3,7 +3,7 @@
 The shapes come from the model built on the meta device (one block of it: every block is
 alike); the shards are FSDP2's (dim 0, padded to the world size) and ZeroRedundancyOptimizer's
 (whole tensors, greedily), repeated here because the plan is made before any rank exists.
-trainer/plan/step.py adds what each moment of a step holds on top of these.
+The walk of a step (trainer/plan/ddp_walk.py, fsdp_walk.py) adds what each moment holds on top of these.
 
 Model states (the ZeRO paper, Rajbhandari et al. 2020, section 3.1) for mixed-precision Adam
 are 2P (fp16 weights) + 2P (fp16 gradients) + 12P (fp32 weights, momentum, variance) = 16P

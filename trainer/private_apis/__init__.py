@@ -1,7 +1,7 @@
 """Every private API of torch, wandb and submitit that zerolab calls, in one place: the upgrade surface.
 
 Each is called through a function of this package, never directly, so that a new torch or wandb
-release is checked here first. Checked against torch 2.13.0, wandb 0.31.0, wandb-workspaces 0.4.13
+release is checked here first. Checked against torch 2.11.0 and 2.13.0 (tests/unit/test_private_apis.py runs under both in CI), wandb 0.31.0, wandb-workspaces 0.4.13
 and submitit 1.5.4 (the versions the suite runs with).
 
 | private API | why there is no public one | called through |

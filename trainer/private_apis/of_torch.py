@@ -1,4 +1,5 @@
-"""torch's private APIs (the table in trainer/private_apis/__init__.py); checked against torch 2.13.0."""
+"""torch's private APIs (the table in trainer/private_apis/__init__.py); checked against torch 2.11.0 and 2.13.0
+(tests/unit/test_private_apis.py, run under both in CI)."""
 
 from __future__ import annotations
 

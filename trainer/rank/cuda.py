@@ -11,7 +11,7 @@
 - The caching allocator: expandable segments, which PyTorch recommends against fragmentation
   when shapes vary (each block's all-gathered parameters, activations); set before the
   allocator first runs.
-- TF32 for fp32 matmuls and convolutions (`precision.tf32`), through torch's fp32_precision.
+- TF32 for fp32 matmuls and convolutions (`precision.tf32`), through both of torch's APIs.
 """
 
 from __future__ import annotations
@@ -87,11 +87,17 @@ def set_rank_environment(out_dir: Path | None) -> None:
 
 
 def apply_tf32(enabled: bool) -> None:
-    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores, or in full IEEE fp32."""
-    setting = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the current API
+    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores, or in full IEEE fp32.
+
+    Set through both APIs, the legacy flags first: torch >= 2.9 raises "mix of the legacy and new
+    APIs" when a legacy getter (`matmul.allow_tf32`, `get_float32_matmul_precision()`, which
+    inductor's max-autotune reads) follows a setting made through `fp32_precision` alone
+    (pytorch/pytorch#166387); a legacy setter keeps both views in step, and the new setter
+    states the same value where it exists.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        setting = "tf32" if enabled else "ieee"
         torch.backends.cuda.matmul.fp32_precision = setting
         torch.backends.cudnn.conv.fp32_precision = setting
-    else:  # older torch: the flags fp32_precision replaced
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled

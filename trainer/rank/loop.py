@@ -156,7 +156,7 @@ def train_step(
         # leaving the region before it. The numbers are the same either way: backward ops run in the
         # dtype autocast chose for their forward ops, and a checkpointed block's recompute restores
         # the autocast state itself. What differs is memory, and the memory plan is fitted to this
-        # placement (trainer/plan/step.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
+        # placement (trainer/plan/ddp_walk.py ddp_moments, measured within 0.15% in docs/memory_plan.md):
         # autocast's cache keeps the 2-byte cast of every matmul weight until the region exits, here
         # through backward. Outside, the casts of checkpointed blocks would be freed after forward
         # and made again during their recompute, and every cast freed once its block's backward has

@@ -14,7 +14,10 @@ missing, its buffer overflowed, or the recorders recorded nothing at all in a wi
 never reported as a measurement.
 
 Time per collective: NCCL entries carry a duration when `TORCH_NCCL_ENABLE_TIMING=1` (set here
-on GPU); gloo's carry none, so on gloo that figure is absent.
+on GPU), but only once NCCL's watchdog has retired them, which is often after the window that ran
+them was read. An entry still without one is carried: its duration counts in the first window
+that reads it, and each window states the share of the collectives it accounts for whose time is
+in its figure (`time_covered_pct`). gloo's entries carry none, so on gloo that figure is absent.
 
 Exposed communication: on the step after each step the memory tracker measures (MemTracker's
 dispatch mode slows compute several times, which would hide more communication than a real
@@ -35,6 +38,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +53,7 @@ KINDS = (*COLLECTIVES, "other")
 """Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""
 GROUP_FIELDS = tuple(f"{group}:{kind}" for group in GROUPS for kind in KINDS)
 """The same bytes by the process group the recorder names for each entry (trainer/plan/groups.py)."""
-FIELDS = (*KINDS, "time_s", "exposed_pct", "profiled_step_s", *GROUP_FIELDS)
+FIELDS = (*KINDS, "time_s", "time_covered_pct", "exposed_pct", "profiled_step_s", *GROUP_FIELDS)
 # The recorder's `process_group` is (name, description); DeviceMesh describes the groups of a dim
 # `mesh_<dim name>` (torch/distributed/device_mesh.py): zerolab's HSDP mesh names its dims replicate
 # and shard, and the post-forward mesh FSDP2 builds for reshard_after_forward=<int> has none (its
@@ -145,11 +149,34 @@ def dump_entries(name: str = "_dump_fr_trace_json") -> list[dict[str, Any]] | No
         return None
 
 
+TIMED_RECORDERS = ("_dump_nccl_trace_json",)
+"""The recorders whose entries get a duration once retired (NCCL's, with TORCH_NCCL_ENABLE_TIMING=1)."""
+
+
+@dataclass
+class Timing:
+    """Time in collectives that a window can account for: durations known at its read."""
+
+    seconds: float = 0.0
+    timed: int = 0
+    """Entries whose duration is in `seconds`: this window's, and earlier ones retired since."""
+    untimed: int = 0
+    """Entries of a timing recorder still without a duration (carried on), or overwritten before they had one."""
+
+    @property
+    def covered_pct(self) -> float:
+        return 100.0 * self.timed / (self.timed + self.untimed) if self.timed + self.untimed else NAN
+
+
 class WindowReader:
     """The flight-recorder entries of this process since the last read (ids increase by one per recorder)."""
 
     def __init__(self) -> None:
         self.last_ids = dict.fromkeys(flight_recorder_dumps(), -1)
+        self.pending: dict[str, set[int]] = {name: set() for name in self.last_ids}
+        """Per recorder: ids read before they had a duration, looked up again at the next read."""
+        self.timing: Timing | None = None
+        """What the last `take` could time; None where no recorder times its entries (gloo)."""
         self.skip_past()
 
     def skip_past(self) -> None:
@@ -157,12 +184,15 @@ class WindowReader:
         for name in self.last_ids:
             entries = dump_entries(name) or []
             self.last_ids[name] = max((e["record_id"] for e in entries), default=self.last_ids[name])
+            self.pending[name].clear()
 
     def take(self) -> list[dict[str, Any]] | None:
         """New entries of every recorder, or None when they cannot be known whole (no dump; a ring
         buffer overwrote some) or when no recorder recorded anything (nothing is not a zero)."""
         new_entries: list[dict[str, Any]] = []
         complete = bool(self.last_ids)
+        timing = Timing()
+        timed_any = False
         for name, last_id in self.last_ids.items():
             entries = dump_entries(name)
             if entries is None:
@@ -173,7 +203,29 @@ class WindowReader:
             if new:
                 self.last_ids[name] = new[-1]["record_id"]
             new_entries += new
+            timed_any |= self._time(name, entries, new, timing)
+        self.timing = timing if timed_any else None
         return new_entries if complete and new_entries else None
+
+    def _time(
+        self, name: str, entries: list[dict[str, Any]], new: list[dict[str, Any]], timing: Timing
+    ) -> bool:
+        """Add to `timing` the durations known now of `new` and of this recorder's carried entries;
+        carry the rest. Whether this recorder times its entries at all."""
+        if name not in TIMED_RECORDERS and not any(e.get("duration_ms") is not None for e in entries):
+            return False
+        by_id = {e["record_id"]: e for e in entries}
+        carried = self.pending[name]
+        timing.untimed += len(carried - by_id.keys())  # overwritten before NCCL retired them
+        self.pending[name] = set()
+        for entry in [by_id[i] for i in sorted(carried & by_id.keys())] + new:
+            if entry.get("duration_ms") is None:
+                self.pending[name].add(entry["record_id"])
+                timing.untimed += 1
+            else:
+                timing.seconds += entry["duration_ms"] / 1000.0
+                timing.timed += 1
+        return True
 
 
 def entry_group(entry: dict[str, Any], default_group: str) -> str:
@@ -183,10 +235,14 @@ def entry_group(entry: dict[str, Any], default_group: str) -> str:
     return GROUP_DESCRIPTIONS.get(description, default_group)
 
 
-def window_figures(entries: list[dict[str, Any]] | None, default_group: str = "world") -> dict[str, float]:
-    """Payload bytes by kind (and by group and kind) and time in collectives over a window's entries
-    (NaN: not measured)."""
-    figures = dict.fromkeys(KINDS + GROUP_FIELDS, NAN) | {"time_s": NAN}
+def window_figures(
+    entries: list[dict[str, Any]] | None, default_group: str = "world", timing: Timing | None = None
+) -> dict[str, float]:
+    """Payload bytes by kind (and by group and kind) over a window's entries, and the time in
+    collectives its read could account for (NaN: not measured)."""
+    figures = dict.fromkeys(KINDS + GROUP_FIELDS, NAN) | {"time_s": NAN, "time_covered_pct": NAN}
+    if timing is not None and timing.timed:
+        figures.update(time_s=timing.seconds, time_covered_pct=timing.covered_pct)
     if entries is None:
         return figures
     totals = dict.fromkeys(KINDS + GROUP_FIELDS, 0.0)
@@ -198,9 +254,6 @@ def window_figures(entries: list[dict[str, Any]] | None, default_group: str = "w
         totals[kind] += payload
         totals[f"{entry_group(entry, default_group)}:{kind}"] += payload
     figures.update(totals)
-    durations = [entry.get("duration_ms") for entry in entries]
-    if entries and all(d is not None for d in durations):  # NCCL with timing; gloo records none
-        figures["time_s"] = sum(durations) / 1000.0  # type: ignore[arg-type]
     return figures
 
 
@@ -276,7 +329,8 @@ class CommProbe:
 
     def read(self) -> list[float]:
         """This window's figures in FIELDS order (bytes and seconds in total, not yet per step)."""
-        figures = window_figures(self.reader.take(), self.default_group)
+        entries = self.reader.take()
+        figures = window_figures(entries, self.default_group, self.reader.timing)
         figures.update(exposed_pct=self._exposed_pct, profiled_step_s=self._profiled_step_s)
         self._exposed_pct = self._profiled_step_s = NAN
         return [figures[name] for name in FIELDS]
@@ -304,6 +358,7 @@ def comm_fields(
             record.update(group_fields(rank, figures, steps))
         if not math.isnan(figures["time_s"]):
             record[keys.comm_key(rank, "time_s_per_step")] = figures["time_s"] / steps
+            record[keys.comm_key(rank, "time_covered_pct")] = figures["time_covered_pct"]
     exposed = per_rank[:, FIELDS.index("exposed_pct")]
     if not torch.isnan(exposed).all():
         record[keys.COMM_EXPOSED_PCT] = float(exposed[~torch.isnan(exposed)].max())

@@ -62,7 +62,7 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused() -> None:
 
 
 # 70b: one sequence per rank; 8 per rank (global_batch=512 on 64) fits only with zero.reduce_every=micro_batch
-# (reducing once per step holds a full unsharded gradient between micro-batches, trainer/plan/step.py).
+# (reducing once per step holds a full unsharded gradient between micro-batches, trainer/plan/moments.py accumulation_grads).
 CASES = [("7b", 8, 512), ("7b", 64, 512), ("13b", 8, 512), ("13b", 64, 512), ("70b", 8, 8), ("70b", 64, 64)]
 
 

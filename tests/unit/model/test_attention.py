@@ -11,7 +11,9 @@ from tests.helpers import compose_config
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
 from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
-from trainer.plan.step import activations, attention_extra_per_token
+from trainer.plan.activations import activations, attention_extra_per_token
+
+pytestmark = pytest.mark.torch_versions  # which SDPA kernels a torch build offers
 
 FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
 

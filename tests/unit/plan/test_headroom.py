@@ -19,15 +19,16 @@ from trainer.telemetry.metrics import memory_fields
 from trainer.units import GIB
 
 CONTEXT_BYTES = 536_870_912  # 0.5 GiB: the CUDA context, per process
-CONTEXT_AND_NCCL_BYTES = 1_073_741_824  # 0.5 GiB + NCCL's 0.5 GiB with more than one rank
+CONTEXT_AND_NCCL_BYTES = 1_073_741_824  # 0.5 GiB + NCCL's 0.5 GiB for one communicator
 WORKSPACE_BYTES = 33_554_432  # cuBLAS's 32 MiB, inside the allocator
 STREAM_CACHE_BYTES = 1_342_177_280  # 1.25 GiB cached on FSDP2's collective streams (fitted)
 FRAGMENTATION = 1.1733  # reserved grows by 17.33% of allocated (fitted)
 
 
 def test_the_headroom_is_the_stated_bytes() -> None:
-    assert HEADROOM.outside_allocator(1) == CONTEXT_BYTES
-    assert HEADROOM.outside_allocator(8) == CONTEXT_AND_NCCL_BYTES
+    assert HEADROOM.outside_allocator(0) == CONTEXT_BYTES
+    assert HEADROOM.outside_allocator(1) == CONTEXT_AND_NCCL_BYTES
+    assert HEADROOM.outside_allocator(3) == 2_147_483_648  # 0.5 GiB + 3 x 0.5 GiB
     # 1 GiB of tensors: 1,073,741,824 x 1.1733 = 1,259,821,282.1, plus 32 MiB + 1.25 GiB = 1,375,731,712, truncated.
     assert HEADROOM.reserved(1_073_741_824) == 2_635_552_994
     assert HEADROOM.reserved(0) == WORKSPACE_BYTES + STREAM_CACHE_BYTES == 1_375_731_712
@@ -42,6 +43,23 @@ def test_a_gpu_rank_may_reserve_the_device_less_context_and_nccl() -> None:
     assert eight.memory.per_rank_bytes == h100 - CONTEXT_AND_NCCL_BYTES
     capped = build_plan(compose_config("plan.accelerator=h100", "device_memory_gib=10"), "cuda", 8)
     assert capped.memory.per_rank_bytes == 10 * GIB  # the cap bounds the allocator itself
+
+
+def test_nccl_memory_is_planned_per_communicator_that_carries_traffic() -> None:
+    """HSDP's mesh adds its shard and replicate groups to the default one; hpZ one group per
+    block (FSDP2 gives each hpZ module its own post-forward mesh; model=tiny has 4 blocks)."""
+    h100 = find_accelerator("h100").memory_mib * 2**20
+    hsdp = build_plan(compose_config("plan.accelerator=h100", "zero=stage3", "zero.shard_ranks=4"), "cuda", 8)
+    assert hsdp.memory.per_rank_bytes == h100 - 2_147_483_648  # 0.5 GiB context + 3 x 0.5 GiB
+    assert "3 NCCL communicators" in hsdp.memory.source
+    hpz = build_plan(compose_config("plan.accelerator=h100", "zero=stage3", "zero.hpz_ranks=2"), "cuda", 8)
+    assert hpz.memory.per_rank_bytes == h100 - 3_221_225_472  # 0.5 GiB + (1 + 4 blocks) x 0.5 GiB
+    both = build_plan(
+        compose_config("plan.accelerator=h100", "zero=stage3", "zero.shard_ranks=4", "zero.hpz_ranks=2"),
+        "cuda",
+        8,
+    )
+    assert both.memory.per_rank_bytes == h100 - 4_294_967_296  # 0.5 GiB + (3 + 4) x 0.5 GiB
 
 
 def test_gpu_plans_predict_reserved_and_cpu_plans_do_not() -> None:

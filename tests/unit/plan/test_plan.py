@@ -19,9 +19,11 @@ from tests.helpers import CONF, compose_config, saved_storage_bytes
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import build_plan, refusal, summary_fields
+from trainer.plan.activations import activations
 from trainer.plan.states import model_shape, padded_numel, rank_states, shard_rows, zero1_partition
-from trainer.plan.step import activations
 from trainer.units import GIB
+
+pytestmark = pytest.mark.torch_versions  # the plan's moments against what torch really holds
 
 # Parameter counts published with Llama 2 (Touvron et al. 2023; the Hugging Face model cards).
 LLAMA2 = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
@@ -348,7 +350,7 @@ def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
     assert message is not None and "\n" not in message
     assert (
         f"{plan.peak_bytes / GIB:.2f} GiB" in message
-        and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and NCCL)" in message
+        and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and 1 NCCL communicator)" in message
     )
     assert "plan.enforce=false" in message
     suggestion = message.split("Try ", 1)[1].split(" (peak ")[0]  # e.g. "checkpointing=full zero=stage3"

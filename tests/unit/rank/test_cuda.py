@@ -90,23 +90,31 @@ def test_ranks_of_the_elastic_launcher_get_nccl_error_handling_3(monkeypatch, tm
     assert trainer.launch.launch_local(plain, tmp_path, "cpu", nproc=1, max_restarts=0, predicted={}) == "2"
 
 
-def test_precision_tf32_sets_torch_fp32_precision() -> None:
-    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+def tf32_settings() -> tuple:
+    """Every getter of TF32, the legacy ones and the new: each raises if the two APIs were mixed."""
+    return (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+    )
+
+
+@pytest.mark.torch_versions
+def test_precision_tf32_reads_the_same_through_the_legacy_and_the_new_api() -> None:
+    """pytorch/pytorch#166387: setting fp32_precision alone makes a later legacy read raise."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         apply_tf32(True)
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == (
-            "tf32",
-            "tf32",
-        )
+        assert tf32_settings() == (True, True, "high", "tf32", "tf32")
         assert tf32_enabled()
         apply_tf32(False)
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == (
-            "ieee",
-            "ieee",
-        )
+        assert tf32_settings() == (False, False, "highest", "ieee", "ieee")
         assert not tf32_enabled()
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        apply_tf32(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
 
 
 def test_device_names_are_exact_and_variants_differ() -> None:

@@ -53,9 +53,48 @@ def test_nccl_collectives_are_read_from_nccls_own_recorder(recorders: dict[str, 
     reader = WindowReader()
     recorders["nccl"].entries += [entry(1, "nccl:_allgather_base", 1024), entry(2, "nccl:all_reduce", 4)]
     recorders["generic"].entries = [entry(0, "gloo:all_reduce", 2)]  # the cpu:gloo half of an offload group
-    figures = window_figures(reader.take())
+    figures = window_figures(reader.take(), timing=reader.timing)
     assert figures["all_gather"] == 4096 and figures["all_reduce"] == 16 + 8
-    assert figures["time_s"] == pytest.approx(0.0015)
+    assert figures["time_s"] == pytest.approx(0.0015) and figures["time_covered_pct"] == 100.0
+
+
+def untimed(record_id: int, name: str, numel: int) -> dict[str, Any]:
+    """An entry NCCL's watchdog has not retired yet: no duration."""
+    return {**entry(record_id, name, numel), "duration_ms": None}
+
+
+def test_an_nccl_duration_retired_after_its_window_counts_in_the_next(recorders: dict[str, Recorder]) -> None:
+    reader = WindowReader()
+    recorders["nccl"].entries = [entry(0, "nccl:all_reduce", 4), untimed(1, "nccl:all_reduce", 4)]
+    first = window_figures(reader.take(), timing=reader.timing)
+    assert first["time_s"] == pytest.approx(0.0005) and first["time_covered_pct"] == 50.0
+    recorders["nccl"].entries[1]["duration_ms"] = 2.0  # retired since
+    recorders["nccl"].entries.append(entry(2, "nccl:all_reduce", 4))
+    second = window_figures(reader.take(), timing=reader.timing)
+    assert second["time_s"] == pytest.approx(0.0025) and second["time_covered_pct"] == 100.0
+    assert second["all_reduce"] == 16  # bytes count once, in the window that ran them
+
+
+def test_an_entry_overwritten_before_its_duration_is_uncovered_not_lost(
+    recorders: dict[str, Recorder],
+) -> None:
+    reader = WindowReader()
+    recorders["nccl"].entries = [untimed(0, "nccl:all_reduce", 4)]
+    reader.take()
+    recorders["nccl"].entries = [entry(1, "nccl:all_reduce", 4)]  # id 0 left the ring buffer untimed
+    figures = window_figures(reader.take(), timing=reader.timing)
+    assert figures["time_s"] == pytest.approx(0.0005) and figures["time_covered_pct"] == 50.0
+
+
+def test_gloo_entries_carry_no_time_so_none_is_reported(monkeypatch) -> None:
+    c10d = torch._C._distributed_c10d
+    generic = Recorder()
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", generic, raising=False)
+    monkeypatch.delattr(c10d, "_dump_nccl_trace_json", raising=False)
+    reader = WindowReader()
+    generic.entries = [untimed(0, "gloo:all_reduce", 4)]
+    figures = window_figures(reader.take(), timing=reader.timing)
+    assert figures["all_reduce"] == 16 and math.isnan(figures["time_s"]) and reader.timing is None
 
 
 def test_a_window_the_recorders_left_empty_is_not_measured_rather_than_zero(

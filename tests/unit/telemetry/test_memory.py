@@ -17,6 +17,8 @@ from trainer.telemetry.memory import (
     should_track_tensors,
 )
 
+pytestmark = pytest.mark.torch_versions  # MemTracker is a private torch tool
+
 CPU = torch.device("cpu")
 
 

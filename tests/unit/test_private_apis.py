@@ -1,0 +1,86 @@
+"""Every wrapper of trainer/private_apis/of_torch.py against the torch it runs on: each returns what
+its docstring says. Marked `torch_versions`: CI runs it under every torch the project claims, since
+a private API is what a torch release changes without notice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.amp import GradScaler
+
+from trainer.private_apis.of_torch import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+    flight_recorder_dumps,
+    flight_recorder_json,
+    found_inf_per_device,
+    new_mem_tracker,
+    scale_on_device,
+    set_last_lr,
+)
+
+pytestmark = pytest.mark.torch_versions
+
+
+def test_the_flight_recorder_lists_an_all_reduce_with_its_bytes(process_group: None) -> None:
+    assert "_dump_fr_trace_json" in flight_recorder_dumps()  # gloo's recorder, in every build
+    dist.all_reduce(torch.ones(3, 5))  # 60 bytes of fp32
+    entries = json.loads(flight_recorder_json())["entries"]
+    last = entries[-1]
+    assert last["profiling_name"].endswith("all_reduce") and last["input_sizes"] == [[3, 5]]
+    assert last["input_dtypes"] == ["Float"]
+    assert flight_recorder_json("_no_such_dump") is None
+
+
+def test_the_scaler_records_an_overflow_and_its_scale_without_a_sync() -> None:
+    weight = nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(weight.sum() * torch.tensor(float("inf"))).backward()
+    scaler.unscale_(optimizer)
+    assert sum(found_inf_per_device(scaler, optimizer).values()).item() == 1.0
+    assert scale_on_device(scaler).item() == 1024.0
+    scaler.step(optimizer)
+    scaler.update()
+    assert scale_on_device(scaler).item() == 512.0  # backed off by the default factor 0.5
+    assert torch.equal(weight.detach(), torch.ones(4))  # the step was skipped
+
+
+def test_set_last_lr_is_what_the_scheduler_reports() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    set_last_lr(scheduler, [0.125])
+    assert scheduler.get_last_lr() == [0.125]
+
+
+def test_the_mem_tracker_counts_a_parameter_and_its_gradient() -> None:
+    layer = nn.Linear(256, 256, bias=False)  # 256 KiB of fp32 weight, as much gradient
+    tracker = new_mem_tracker()
+    tracker.track_external(layer)
+    with tracker:
+        layer(torch.ones(1, 256)).sum().backward()
+    weight = 256 * 256 * 4
+    after = {getattr(k, "name", k): v for k, v in tracker.get_tracker_snapshot()[torch.device("cpu")].items()}
+    assert (after["PARAM"], after["GRAD"], after["Total"]) == (weight, weight, 2 * weight)
+    # The peak is inside backward: the weight's gradient is made (a temporary) before it is stored.
+    peak = {
+        getattr(k, "name", k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+    }
+    assert (peak["PARAM"], peak["TEMP"], peak["GRAD"]) == (weight, weight, 0)
+    assert peak["Total"] == sum(v for k, v in peak.items() if k != "Total")
+
+
+def test_the_checkpoint_wrapper_recomputes_to_the_same_gradient() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    block(x).square().sum().backward()
+    expected = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    wrapped(x).square().sum().backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(block.parameters(), expected))

@@ -1,0 +1,194 @@
+"""The activation table: what one micro-batch's autograd graph saves on a rank, block by block.
+
+The bytes per token are re-derived from what zerolab's block saves in each precision regime
+(fp32, autocast at stages 0-1, FSDP2's mixed precision at stages 2-3), attention kernel, device
+kind and checkpointing mode; the derivation, its table and how it was checked are in
+docs/memory_plan.md ("What is modelled": Activations, Per-operator checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import (
+    CheckpointMode,
+    DType,
+    LossKind,
+    ModelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+from trainer.model.attention import run_choice, sdpa_op
+from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
+
+BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
+NLL_TOTAL_WEIGHT = 4  # nll_loss's fp32 total weight, saved for its backward
+
+
+@dataclass(frozen=True)
+class Precisions:
+    """Bytes per element where the compute dtype shows, for one stage and precision."""
+
+    regime: str  # fp32 | autocast (stages 0-1, bf16/fp16) | fsdp_mp (stages 2-3, bf16/fp16)
+    compute: int  # matmul outputs, attention
+    residual: int  # the residual stream between blocks
+    param: int  # the weights matmuls read (FSDP2's unsharded copy; autocast's cached cast)
+
+
+def precisions(precision: PrecisionConfig, zero: ZeroConfig) -> Precisions:
+    if precision.compute_dtype == DType.float32:
+        return Precisions("fp32", 4, 4, 4)
+    if zero.uses_fsdp:
+        return Precisions("fsdp_mp", 2, 2, 2)
+    return Precisions("autocast", 2, 4, 2)  # embedding output and residual adds stay fp32
+
+
+def block_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu") -> int:
+    """Saved activations of one transformer block, per token (docs/memory_plan.md's table).
+
+    q and the SDPA output are H·Q wide (HQ, = D unless `head_dim` sets Q apart). q/k RMSNorm
+    (Qwen3) saves, in every regime, its fp32 input (upcast) and x·rstd of each head and an fp32
+    rstd per head: 8·(HQ + KQ) + 4·(H + K); its output only passes through the rotary embedding.
+    On CUDA the block's two RMSNorms run the fused kernel and save less (`fused_norm_saving`); the
+    q/k norms are counted as on CPU (not yet checked against the CUDA kernel).
+    """
+    D, M, H, HQ, KQ = m.dim, m.ffn_dim, m.n_heads, m.n_heads * m.head_width, m.n_kv_heads * m.head_width
+    stats = 4 * H + 8  # SDPA logsumexp (fp32 per head) and the two RMSNorm rstd (fp32)
+    qk_norm = 8 * (HQ + KQ) + 4 * (H + m.n_kv_heads) if m.qk_norm else 0
+    fused = 2 * fused_norm_saving(D, regime) if device_kind == "cuda" else 0
+    if regime == "fp32":
+        return 4 * (6 * D + 2 * HQ + 2 * KQ + 4 * M) + stats + qk_norm - fused
+    if regime == "autocast":
+        return 26 * D + 4 * HQ + 4 * KQ + 8 * M + stats + qk_norm - fused
+    return 20 * D + 4 * HQ + 4 * KQ + 8 * M + stats + qk_norm - fused
+
+
+def fused_norm_saving(dim: int, regime: str) -> int:
+    """Bytes per token one RMSNorm saves less on CUDA than on CPU: torch's fused kernel saves its
+    input (D in the residual dtype) where the CPU decomposition saves an fp32 upcast and x·rstd
+    (4D + 4D); why, with torch's sources: docs/memory_plan.md, "What is modelled"."""
+    residual = 2 if regime == "fsdp_mp" else 4
+    return 8 * dim - residual * dim
+
+
+def head_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu", chunked: bool = False) -> int:
+    """Saved after the blocks, per token: final RMSNorm (input, x·rstd, output; on CUDA the fused
+    kernel's input only, `fused_norm_saving`) and log_softmax (fp32).
+
+    loss=chunked saves no log-softmax (each chunk's is recomputed in backward) and, as the chunks'
+    checkpoint input, the norm output itself: fp32 under autocast, where the full loss saves the
+    head's bf16 cast of it.
+    """
+    fused = fused_norm_saving(m.dim, regime) if device_kind == "cuda" else 0
+    if chunked:
+        return 4 * m.dim + 4 * m.dim + (2 if regime == "fsdp_mp" else 4) * m.dim + 4 - fused
+    norm_output = 4 * m.dim if regime == "fp32" else 2 * m.dim
+    return 4 * m.dim + 4 * m.dim + norm_output + 4 + 4 * m.vocab_size - fused
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch on one rank."""
+
+    blocks: tuple[int, ...]  # saved by each block in forward (its input only when checkpointed)
+    full_block: int  # one block's full set (a checkpointed block recomputes it in backward)
+    head: int  # final norm + fp32 log-softmax
+    log_softmax: int
+    batch: int
+    unread: int = 0  # checkpointing=op: a block's saved outputs its recompute stops before reading (w2's)
+    inputs_kept: tuple[int, ...] = ()  # per block: its checkpointed input, alive beside its recompute
+
+    @property
+    def in_backward(self) -> int:
+        """What a block holds at the start of its backward: its full set back, and what stays unread
+        until its backward ends (the policy's storage lives as long as the block's graph)."""
+        return self.full_block + self.unread
+
+    def in_backward_of(self, block: int) -> int:
+        """in_backward, plus block `block`'s checkpointed input where its recompute does not save the
+        input itself (`checkpoint_input_kept`)."""
+        return self.in_backward + (self.inputs_kept[block] if self.inputs_kept else 0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.head + self.batch
+
+    @property
+    def before_last_block(self) -> int:
+        """Saved by every block but the last, plus the batch: what the last block adds to."""
+        return sum(self.blocks[:-1]) + self.batch
+
+
+def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
+    """What the run's SDPA kernel (trainer/model/attention.py) saves per token beyond the flash kernel's
+    q, k, v, output and logsumexp, which block_bytes_per_token counts.
+
+    K/V repeated for a kernel that cannot group heads: 2·(H - K)·Q more values. Math: its scaled
+    q, the repeated K and V and the B·H·T·T softmax output, and no logsumexp; on CPU it computes
+    half dtypes in fp32 (torch upcasts them there), on CUDA in the compute dtype. (Math's
+    transient pre-softmax scores, alive for one op in forward, are not modelled.)
+    """
+    m, prec = config.model, precisions(config.precision, config.zero)
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
+    HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, config.seq_len
+    flash = prec.compute * (HQ + 2 * KQ) + 4 * H
+    if choice.saves_scores:
+        width = 4 if device_kind == "cpu" else prec.compute
+        return width * (3 * HQ + H * T) - flash
+    return 2 * (HQ - KQ) * prec.compute if choice.repeat_kv else 0
+
+
+def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> int:
+    """checkpointing=op: what a block keeps from its forward to its backward, per token.
+
+    Its input (as every checkpointed block) and the outputs the policy saves
+    (trainer/model/checkpointing.py): the 1st, 3rd, 5th and 7th matmul (wq, wv, w1, w2) when the
+    save list has aten.mm, and the SDPA op's output and fp32 logsumexp when it has the op the
+    run's kernel runs (math has none: its composite op decomposes first). The saved outputs are
+    kept whether or not backward needs them (w2's output, which no backward reads, included).
+    """
+    m, prec = config.model, precisions(config.precision, config.zero)
+    HQ, KQ = m.n_heads * m.head_width, m.n_kv_heads * m.head_width  # HQ = D unless `head_dim` sets it apart
+    widths = {"wq": HQ, "wk": KQ, "wv": KQ, "wo": m.dim, "w1": m.ffn_dim, "w3": m.ffn_dim, "w2": m.dim}
+    save_ops = config.checkpointing.save_ops
+    kept = prec.residual * m.dim + sum(prec.compute * widths[name] for name in op_saved_matmuls(save_ops))
+    choice = run_choice(config.attention, m, config.precision.compute_dtype, device_kind)
+    if op_saves(save_ops, sdpa_op(choice, device_kind)):
+        kept += prec.compute * HQ + 4 * m.n_heads
+    return kept
+
+
+def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
+    """Bytes per element of a checkpointed block's input that stay alive beside its recomputed set:
+    the checkpoint's frame keeps the input for the recompute, which saves that same tensor except
+    under FSDP2's half-precision residual on CPU, where RMSNorm saves an fp32 upcast instead
+    (docs/memory_plan.md, "What is modelled": the torch source and the measurement)."""
+    return prec.residual if prec.regime == "fsdp_mp" and device_kind == "cpu" else 0
+
+
+def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
+    m, prec = config.model, precisions(config.precision, config.zero)
+    tokens = config.micro_batch * config.seq_len
+    full = (
+        block_bytes_per_token(m, prec.regime, device_kind) + attention_extra_per_token(config, device_kind)
+    ) * tokens
+    # non-reentrant checkpoint keeps the block's input
+    checkpointed, unread = prec.residual * m.dim * tokens, 0
+    if config.checkpointing.mode == CheckpointMode.op:
+        checkpointed = op_checkpointed_bytes_per_token(config, device_kind) * tokens
+        # Early stop ends the recompute once w2's input is back, before w2 runs: its saved output is never read.
+        unread = (
+            prec.compute * m.dim * tokens if "w2" in op_saved_matmuls(config.checkpointing.save_ops) else 0
+        )
+    blocks = tuple(
+        checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
+    )
+    kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens
+    inputs_kept = tuple(kept if should_checkpoint(i, config.checkpointing) else 0 for i in range(m.n_layers))
+    batch = BATCH_BYTES_PER_TOKEN * tokens
+    if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
+        head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
+        return Activations(blocks, full, head, 0, batch, unread, inputs_kept)
+    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT
+    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread, inputs_kept)

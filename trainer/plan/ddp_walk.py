@@ -1,0 +1,64 @@
+"""The walk of a DDP step (zero=stage0, and stage1 with ZeroRedundancyOptimizer): replicated fp32
+parameters and gradient buckets all step long, autocast's cached casts (docs/memory_plan.md)."""
+
+from __future__ import annotations
+
+from trainer.config import LossKind
+from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
+from trainer.plan.moments import (
+    Moment,
+    StepContext,
+    accumulation_grads,
+    block_backward_temporary,
+    optimizer_temporary,
+)
+
+
+def ddp_moments(ctx: StepContext) -> list[Moment]:
+    """Stages 0-1: DDP holds replicated fp32 params and its gradient buckets all step long."""
+    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
+    vd = m.vocab_size * m.dim
+    linear = ctx.shape.block_linear_numel * m.n_layers + vd  # blocks' matmuls + output head
+    # Autocast caches its cast of every weight from first use until the autocast region (which
+    # wraps forward and backward in loop.py) exits.
+    fixed = (2 * linear if prec.regime == "autocast" else 0) + accumulation_grads(ctx)
+    weight_grad = 6 if prec.regime == "autocast" else 4
+    # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,
+    # one AccumulateGrad) through every block's backward; then the two and their sum are alive at once.
+    tied = 4 * vd if m.tie_embeddings else 0
+    embedding = 12 * vd if m.tie_embeddings else 4 * vd + prec.residual * n * m.dim
+    return [
+        ctx.moment(
+            "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
+        ),
+        *ddp_loss_moments(ctx, fixed),
+        ctx.moment(
+            "backward: last block",
+            activations=acts.before_last_block + acts.in_backward,
+            temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
+        ),
+        ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
+    ]
+
+
+def ddp_loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:
+    """The loss and the output head's backward, with `fixed` (autocast's cached casts, the gradient
+    accumulated outside the buckets) alive throughout."""
+    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
+    vd = m.vocab_size * m.dim
+    if ctx.config.loss.kind == LossKind.chunked:
+        # autocast: bf16 weight gradients, cast to fp32 once all chunks are done; fp32: copied into the bucket
+        grad, end = (2 * vd, 6 * vd) if prec.regime == "autocast" else (4 * vd, 4 * vd)
+        return chunked_loss_moments(ctx, fixed, grad, end)
+    if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
+        head = max(2 * n * m.vocab_size + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
+    else:
+        head = 4 * n * m.vocab_size + 4 * n * m.dim + 4 * vd
+    return [
+        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + loss_forward_temporary(ctx)),
+        ctx.moment("backward: loss", activations=acts.total, temporary=fixed + loss_backward_temporary(ctx)),
+        ctx.moment(
+            "backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head
+        ),
+    ]

@@ -1,0 +1,54 @@
+"""The loss's moments and temporaries: the full loss's log-softmax, and loss=chunked chunk by chunk
+(trainer/model/loss.py; docs/memory_plan.md, "The chunked loss")."""
+
+from __future__ import annotations
+
+from trainer.plan.moments import Moment, StepContext
+
+
+def loss_forward_temporary(ctx: StepContext) -> int:
+    """Logits, their fp32 copy (`logits.float()`, none in fp32) and the log-softmax being written."""
+    nv = ctx.tokens * ctx.config.model.vocab_size
+    return 4 * nv if ctx.prec.regime == "fp32" else 2 * nv + 4 * nv
+
+
+def loss_backward_temporary(ctx: StepContext) -> int:
+    """log_softmax's backward: the incoming gradient and the outgoing one, both fp32 B·T·V."""
+    return 8 * ctx.tokens * ctx.config.model.vocab_size
+
+
+def chunked_loss_moments(
+    ctx: StepContext, fixed: int, weight_grad: int, head_end: int, prefetched: int = 0
+) -> list[Moment]:
+    """loss=chunked (trainer/model/loss.py): the moments of the loss and the output head, chunk by chunk.
+
+    c tokens a chunk, k chunks, the last r tokens; what each moment holds, and why, is in
+    docs/memory_plan.md ("The chunked loss"). `weight_grad` is a chunk's new head weight gradient,
+    `head_end` its last form once every chunk is done (autocast's fp32 cast next to its bf16, DDP's
+    copy into the bucket), `fixed` what the walk holds throughout, and `prefetched` what it holds
+    through the whole loss backward: at stage3, the last block's all-gather output.
+    """
+    m, n, prec, acts = ctx.config.model, ctx.tokens, ctx.prec, ctx.acts
+    c = min(ctx.config.loss.chunk_tokens, n)
+    k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
+    r = n - (k - 1) * c
+    held = (weight_grad if k > 1 else 0) + res * (n - c) * D  # before chunk 0 (run last): the most
+    logits = (8 if prec.regime == "fp32" else 10) * c * V
+    chunk_head = prec.compute * c * (V + D) + weight_grad
+    # The additions: the second chunk run (its own input gradient still in the compute dtype), and chunk 0.
+    added = [3 * weight_grad + res * r * D + prec.compute * c * D] if k > 1 else [0]
+    if k > 2:
+        added.append(2 * weight_grad + res * (n - c) * D + prec.compute * c * D)
+    back = fixed + prefetched
+    return [
+        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
+        ctx.moment("backward: loss recompute", activations=acts.total, temporary=back + held + logits),
+        ctx.moment("backward: loss", activations=acts.total, temporary=back + held + 12 * c * V),
+        ctx.moment("backward: output head", activations=acts.total, temporary=back + held + chunk_head),
+        ctx.moment("backward: head gradient added", activations=acts.total, temporary=back + max(added)),
+        ctx.moment(
+            "backward: loss end",
+            activations=acts.total,
+            temporary=back + max(2 * res * n * D + weight_grad, head_end),
+        ),
+    ]

@@ -1,0 +1,126 @@
+"""A moment of one rank's step, and the temporaries every walk counts alike.
+
+A step is a list of moments (docs/memory_plan.md, "What is modelled"). Each is the rank's model
+states at rest (trainer/plan/states.py; its gradients replaced where the step holds others) plus
+the activations saved so far, the temporaries alive then, and `other`; ddp_walk.py and
+fsdp_walk.py list them, and trainer/plan/build.py calls the largest the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import DataConfig, ModelConfig, OffloadTarget, ReduceEvery, TrainConfig, uses_fused
+from trainer.plan.activations import Activations, Precisions
+from trainer.plan.comm import REDUCE_BYTES
+from trainer.plan.states import ModelShape, RankStates
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The tensors alive at one point of a training step, by kind (bytes)."""
+
+    name: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything the moments of one rank's step are computed from."""
+
+    config: TrainConfig
+    shape: ModelShape
+    states: RankStates
+    acts: Activations
+    prec: Precisions
+    world_size: int  # the ranks model states are sharded over: FSDP2's shard group (HSDP: zero.shard_ranks)
+    device_kind: str
+    other: int  # rotary tables, data tables, Adam's step counters
+
+    @property
+    def tokens(self) -> int:
+        return self.config.micro_batch * self.config.seq_len
+
+    @property
+    def offloaded(self) -> bool:
+        """States in host memory while compute runs on the GPU (FSDP2 CPUOffloadPolicy)."""
+        return self.config.offload.target == OffloadTarget.cpu and self.device_kind == "cuda"
+
+    def moment(self, name: str, grads: int | None = None, activations: int = 0, temporary: int = 0) -> Moment:
+        """Model states at rest plus what the moment adds; `grads` replaces the at-rest gradients."""
+        if self.offloaded:  # on the host: not in the device's figure
+            params = grads = optimizer = 0
+        else:
+            params, optimizer = self.states.params, self.states.optimizer
+            grads = self.states.grads if grads is None else grads
+        parts = dict(
+            params=params, grads=grads, optimizer=optimizer, activations=activations, temporary=temporary
+        )
+        return Moment(name, {**parts, "other": self.other})
+
+
+def incoming_gradient(ctx: StepContext) -> int:
+    """The gradient arriving down the residual stream into a block's backward: B·T·D, residual dtype."""
+    return ctx.prec.residual * ctx.tokens * ctx.config.model.dim
+
+
+def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_grad_held: bool) -> int:
+    """Early in a block's backward: the gradient arriving from above and the MLP's gradients.
+
+    w2's backward holds the gradient of the SwiGLU product (B·T·M) and of w2's weight; then
+    the product's backward holds two B·T·M gradients while w2's saved input is already gone.
+    DDP copies each weight gradient into its bucket at once (a transient); FSDP2 keeps the
+    block's unsharded weight gradients until the block's reduce-scatter.
+    """
+    m, n, incoming = ctx.config.model, ctx.tokens, incoming_gradient(ctx)
+    nm, w2_grad = ctx.prec.compute * n * m.ffn_dim, weight_grad_bytes * m.dim * m.ffn_dim
+    if weight_grad_held:
+        return incoming + 2 * nm + w2_grad
+    if ctx.prec.regime == "autocast":
+        # The bf16 weight gradient's fp32 cast (6 bytes per element at once) comes once the B·T·M
+        # input gradient is consumed: measured with MemTracker on DDP, B·T of 16, 128 and 1024.
+        return incoming + max(w2_grad, 2 * nm)
+    return incoming + max(nm + w2_grad, 2 * nm)
+
+
+def block_end_temporary(ctx: StepContext) -> int:
+    """The end of a block's backward: its attention RMSNorm's backward, beside the gradient arriving
+    down the residual (the block's weight gradients are counted by the caller). On CPU torch's
+    composite RMSNorm peaks in pow's backward with five fp32 B·T·D tensors beside its fp32 input
+    (docs/memory_plan.md, the torch sources and the MemTracker listing); CUDA runs the fused kernel.
+    """
+    incoming = incoming_gradient(ctx)
+    if ctx.device_kind == "cuda":
+        return 2 * incoming
+    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim
+
+
+def optimizer_temporary(ctx: StepContext) -> int:
+    """Adam's temporaries: the fused kernel (trainer/rank/optim.py's default on CUDA) updates in place
+    and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`. Offloaded states
+    are updated on the host."""
+    if ctx.offloaded or uses_fused(ctx.config.optim, ctx.device_kind):
+        return 0
+    return 4 * ctx.states.loop_temporary
+
+
+def accumulation_grads(ctx: StepContext) -> int:
+    """reduce_every=step: micro-batches before the last keep an unsharded gradient outside buckets
+    and shards: DDP in the fp32 parameters' dtype, FSDP2 in the reduce dtype."""
+    c = ctx.config
+    if c.grad_accum == 1 or c.zero.reduce_every == ReduceEvery.micro_batch:
+        return 0
+    width = REDUCE_BYTES[c.zero.reduce_dtype] if c.zero.uses_fsdp else 4
+    return width * ctx.shape.num_params
+
+
+def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
+    """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
+    (int64 successors, float64 probabilities, float64 stationary distribution) and Adam's steps."""
+    rope = 2 * m.max_seq_len * (m.head_width // 2) * 4
+    tables = 16 * m.vocab_size * data.branching + 8 * m.vocab_size if data.kind.value == "synthetic" else 0
+    return rope + tables + states.step_counters
