@@ -25,7 +25,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from trainer.cli import register_configs
-from trainer.report.sweep_report import COLUMNS
+from trainer.report import COLUMNS
 from trainer.report.wandb_report import load_report_json
 from trainer.sweep import SweepCallback
 from trainer.telemetry.wandb_logger import sweep_group
