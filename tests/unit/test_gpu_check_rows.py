@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's verdicts on CPU, from jobs as the GPU would leave them: the check fails
+"""benchmarks/gpu_check.py's verdicts (benchmarks/gpucheck/rows.py) on CPU, from jobs as the GPU would leave them: the check fails
 when measured memory exceeds what the plan assumes (issue 28, item 1) and says what one GPU cannot
 measure (issue 27, item 9); benchmarks/headroom_probe.py's arithmetic."""
 
@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from benchmarks.gpucheck import rows as check
 from tests.conftest import REPO
 from trainer.plan.headroom import HEADROOM
 
@@ -25,7 +26,6 @@ def load(name: str) -> ModuleType:
     return module
 
 
-check = load("gpu_check")
 probe = load("headroom_probe")
 SETUP = check.Setup(dry_run=False, out=Path("unused"), deadline=0.0)
 
