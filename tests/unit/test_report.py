@@ -221,6 +221,26 @@ def test_throughput_chart_draws_each_stage_against_micro_batch_and_marks_failure
     plt.close(fig)
 
 
+def test_a_run_that_kept_the_default_micro_batch_sits_at_its_configs_micro_batch(
+    grid: Path, tmp_path: Path
+) -> None:
+    """A comparison of a sweep over micro_batch with a run that set none (python -m trainer.report RUN
+    SWEEP): the run's micro-batch is its config's; one that records none at all gives bars, not a crash."""
+    rng = random.Random(3)
+    records = records_for(rng, 5)
+    summary = {**ok_summary(rng, records), "config": {"micro_batch": 8}}
+    run = make_point(tmp_path / "runs", 0, ["device=cpu"], summary, records)
+    for name in ("with_config", "without"):
+        (tmp_path / name).mkdir()
+    report = rpt.write_report(tmp_path / "with_config", compare.load_compared([run, grid]))
+    fig, ax = plt.subplots()
+    assert charts.plot_throughput(ax, report) and sorted(ax.get_xticks()) == [1, 2, 4, 8]
+    plt.close(fig)
+    (run / "summary.json").write_text(json.dumps({**summary, "config": {}}))
+    report = rpt.write_report(tmp_path / "without", compare.load_compared([run, grid]))
+    assert report.charts["throughput"].exists() and report.swept[0] == "micro_batch"
+
+
 def test_memory_chart_has_every_ranks_highest_peak(grid: Path) -> None:
     report = rpt.write_report(grid)
     fig, ax = plt.subplots()

@@ -58,29 +58,36 @@ def failure_note(row: dict[str, Any]) -> str:
     return row["status"]
 
 
+def micro_batch_of(point: Point) -> int | None:
+    """The point's micro-batch: its override, else its config's (a run compared with a sweep that kept
+    the default); None for a point that left neither."""
+    value = point.settings.get("micro_batch", point.config.get("micro_batch"))
+    return int(value) if value is not None else None
+
+
 def plot_throughput(ax: plt.Axes, report: Report) -> bool:
     """Tokens/s against micro-batch, one line per combination of the other swept keys; a point that
     did not end ok is an ✕ on the axis with its status. Without a micro-batch axis: one bar per point."""
     if all(not point.summary for point in report.points):
         return False  # a mode=plan sweep: nothing ran
-    if "micro_batch" not in report.swept:
+    if "micro_batch" not in report.swept or any(micro_batch_of(p) is None for p in report.points):
         return plot_throughput_bars(ax, report)
     others = [key for key in report.swept if key != "micro_batch"]
     series: dict[str, list[tuple[Point, dict[str, Any]]]] = defaultdict(list)
     for point, row in zip(report.points, report.rows):
         series[label(point, others) if others else "all points"].append((point, row))
     for index, (name, members) in enumerate(series.items()):
-        members.sort(key=lambda m: int(m[0].settings["micro_batch"]))
+        members.sort(key=lambda m: micro_batch_of(m[0]))  # type: ignore[arg-type, return-value]
         ok = [
-            (int(p.settings["micro_batch"]), r["tokens_per_s"])
+            (micro_batch_of(p), r["tokens_per_s"])
             for p, r in members
             if r["status"] == Status.ok and r["tokens_per_s"] is not None
         ]
         line = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)[0]
         for point, row in members:
             if row["status"] != Status.ok:
-                mark_failure(ax, int(point.settings["micro_batch"]), row, line.get_color(), index)
-    sizes = sorted({int(p.settings["micro_batch"]) for p in report.points})
+                mark_failure(ax, micro_batch_of(point), row, line.get_color(), index)  # type: ignore[arg-type]
+    sizes = sorted({micro_batch_of(p) for p in report.points})  # type: ignore[type-var]
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.minorticks_off()
