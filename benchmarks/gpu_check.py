@@ -1,15 +1,17 @@
 """One prepared check of zerolab on a GPU: what the CPU tests cannot prove, in one command.
 
-    python benchmarks/gpu_check.py [--out DIR] [--deadline S] [--dry-run]
+    python benchmarks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run]
 
-Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 8 minutes. Every row
+Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 7 minutes. Every row
 runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is about saving)
 and is written to DIR/results.md and DIR/results.json as soon as it is known, so a run cut short
 still reports what it reached. Each job runs in its own process group under a timeout that fits
 the deadline; at its timeout the whole group (the job, its fork server, its ranks) is killed, so
 no rank holds GPU memory into the rows after it. Rows whose jobs the deadline leaves unstarted are
 `skip`. What explains each job stays under DIR/jobs/<job>/ (summary.json, metrics.jsonl, failures/,
-plan.json) and DIR/logs/<job>.log (the console).
+plan.json) and DIR/logs/<job>.log (the console). `--bundle DIR` also keeps results.md, results.json
+and one archive of jobs/ and logs/ (checkpoints left out) in a folder of their own, after every
+row: the three files a device tool that brings back only a few shallow files returns.
 
 This file is the command; the check is benchmarks/gpucheck/: the jobs and their budgets in
 catalog.py, the rows, most valuable first, in rows.py (docs/gpu.md tabulates them with the time
@@ -28,13 +30,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks.gpucheck, and trainer's tables for the helper processes
 
-from benchmarks.gpucheck.catalog import Setup, all_jobs, environment, largest_fitting_micro_batch, limit_base  # noqa: E402
+from benchmarks.gpucheck.catalog import (  # noqa: E402
+    Setup,
+    advisor_predictions,
+    all_jobs,
+    environment,
+    largest_fitting_micro_batch,
+    limit_base,
+)
 from benchmarks.gpucheck.report import Report, timed  # noqa: E402
 from benchmarks.gpucheck.rows import NOT_REACHED, evaluate, row_specs  # noqa: E402
 from benchmarks.gpucheck.scheduler import Scheduler  # noqa: E402
 
-DEADLINE_S = 480.0
-"""The whole check on the GPU: 8 minutes (docs/gpu.md has the estimate)."""
+DEADLINE_S = 420.0
+"""The whole check on the GPU: 7 minutes, so that a second try fits a 15-minute device lease
+(docs/gpu.md has the estimate, catalog.schedule_estimate the arithmetic)."""
+WORKERS = 3
+"""Jobs at once on the GPU (16 cores, under 10 GiB of GPU memory each), exclusive ones alone."""
 DRY_DEADLINE_S = 600.0
 """A dry run's deadline; its jobs have no budgets of their own (CPU timings on a shared machine say
 nothing of the GPU's), so only the deadline cuts them."""
@@ -45,6 +57,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     default_out = REPO / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--dry-run", action="store_true", help="the same sequence on CPU with the tiny model")
+    parser.add_argument(
+        "--bundle",
+        type=Path,
+        metavar="DIR",
+        help="also write results.md, results.json and one archive of the jobs' folders and logs "
+        "(no checkpoints) into DIR after every row, and nothing else",
+    )
     parser.add_argument(
         "--deadline",
         type=float,
@@ -61,7 +80,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--inject-hang", metavar="JOB", help="tests only: JOB runs until the deadline kills it"
     )
     parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the environment job
-    parser.add_argument("--largest-micro-batch", type=Path, help=argparse.SUPPRESS)  # the limit_plan job
+    parser.add_argument("--largest-micro-batch", type=Path, help=argparse.SUPPRESS)  # the plans job
+    parser.add_argument("--advise", type=Path, help=argparse.SUPPRESS)  # the plans job
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -71,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.environment is not None:  # a helper process of the check (catalog.py's jobs)
         args.environment.write_text(json.dumps(environment(setup)))
         return 0
-    if args.largest_micro_batch is not None:
-        micro_batch = largest_fitting_micro_batch(setup, limit_base(setup))
-        args.largest_micro_batch.write_text(json.dumps({"micro_batch": micro_batch}))
+    if args.largest_micro_batch is not None or args.advise is not None:  # the plans job
+        if args.largest_micro_batch is not None:
+            micro_batch = largest_fitting_micro_batch(setup, limit_base(setup))
+            args.largest_micro_batch.write_text(json.dumps({"micro_batch": micro_batch}))
+        if args.advise is not None:
+            args.advise.write_text(json.dumps(advisor_predictions(setup)))
         return 0
     if not args.dry_run:
         import torch
@@ -85,17 +108,24 @@ def main(argv: list[str] | None = None) -> int:
         args.deadline if args.deadline is not None else (DRY_DEADLINE_S if args.dry_run else DEADLINE_S)
     )
     setup.deadline = time.monotonic() + deadline
-    return run_check(setup, args.jobs or (2 if args.dry_run else 3))
+    bundle = args.bundle.resolve() if args.bundle is not None else None
+    if bundle is not None and bundle == setup.out:
+        print(
+            "error: --bundle must be another folder than --out: it holds the three files only",
+            file=sys.stderr,
+        )
+        return 2
+    return run_check(setup, args.jobs or (2 if args.dry_run else WORKERS), bundle)
 
 
-def run_check(setup: Setup, workers: int) -> int:
+def run_check(setup: Setup, workers: int, bundle: Path | None) -> int:
     """Every row in order, each written as soon as its jobs are judged; 0 when every row passed
     (or informs, or needs CUDA in a dry run) and the deadline cut none."""
-    report = Report(setup.out, setup.dry_run)
+    report = Report(setup.out, setup.dry_run, bundle)
     (setup.out / "jobs").mkdir(exist_ok=True)
     scheduler = Scheduler(setup, all_jobs(setup), workers)
     for spec in row_specs():
-        timed(report, spec, lambda spec=spec: evaluate(setup, scheduler, spec))
+        timed(report, spec.name, lambda spec=spec: evaluate(setup, scheduler, spec))
     scheduler.thread.join()
     print(f"results: {setup.out / 'results.md'}", flush=True)
     cut = [r.check for r in report.rows if r.note.startswith(NOT_REACHED)]

@@ -18,7 +18,11 @@ from typing import Any
 from benchmarks.gpucheck.runner import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-"""The command; the environment and limit_plan jobs run it again with a hidden flag."""
+"""The command; the environment and plans jobs run it again with hidden flags."""
+ADVICE_FILE = "advice.json"
+"""The plans job's output under jobs/: each throughput job's predicted tokens/s."""
+LIMIT_FILE = "limit_plan.json"
+"""The plans job's other output under jobs/: the largest micro-batch the plan fits for the limit rows."""
 
 
 @dataclass
@@ -99,36 +103,32 @@ SAVE_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", "s
 def save_jobs(setup: Setup) -> list[JobSpec]:
     """A CPU save resumed on the device (per-tensor AdamW's save under the fused one), and a device
     save resumed on the device: each saves at step 4 and resumes to step 6. Both saves first, so
-    that neither resume holds the other save back."""
+    that neither resume holds the other save back. In a dry run the device is the CPU: the device
+    save and its resume are the CPU save's and its resume's, run once."""
     saves, resumes = [], []
     for name, device in (("cpu_save", "cpu"), ("device_save", setup.device)):
         save = (*SAVE_SHAPE, "steps=4", "save.every=2", "save.keep=1")
-        resume_from = job_dir(setup, name) / "checkpoints" / "step_00000004"
-        saves.append(JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=True))
+        source = "cpu_save" if setup.dry_run else name
+        resume_from = job_dir(setup, source) / "checkpoints" / "step_00000004"
+        saves.append(JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=not setup.dry_run))
         resumes.append(JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"),
-                               budget_s=60, estimate_s=15, after=name))  # fmt: skip
+                               budget_s=60, estimate_s=15, after=source))  # fmt: skip
     return saves + resumes
 
 
 def limit_jobs(setup: Setup) -> list[JobSpec]:
-    """The largest micro-batch the plan says fits the device, and the next one up (plan waived).
-
-    The plan is made in a process of its own (`--largest-micro-batch`): planning for the GPU reads
-    its properties, which creates a CUDA context, and this process must hold none while jobs run.
-    """
-    found = setup.out / "jobs" / "limit_plan.json"
-    plan = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(found),
-            *(["--dry-run"] if setup.dry_run else []))  # fmt: skip
+    """3 steps at the largest micro-batch the plan says fits the device (the plans job found it), and
+    at the next one up (plan waived)."""
 
     def micro_batch(extra: int) -> Callable[[Setup], tuple[str, ...]]:
+        found = setup.out / "jobs" / LIMIT_FILE
         return lambda setup: (
             *limit_base(setup),
             f"micro_batch={json.loads(found.read_text())['micro_batch'] + extra}",
         )
 
     return [
-        JobSpec("limit_plan", command=plan, budget_s=45, estimate_s=8),
-        JobSpec("limit_fits", resolve=micro_batch(0), budget_s=90, estimate_s=30, exclusive=True, after="limit_plan"),
+        JobSpec("limit_fits", resolve=micro_batch(0), budget_s=90, estimate_s=30, exclusive=True, after="plans"),
         JobSpec("limit_next", resolve=lambda s: (*micro_batch(1)(s), "plan.enforce=false"), budget_s=90,
                 estimate_s=25, exclusive=True),
     ]  # fmt: skip
@@ -178,48 +178,156 @@ def largest_fitting_micro_batch(setup: Setup, base: tuple[str, ...], limit: int 
     return max(low, 1)
 
 
+def advisor_predictions(setup: Setup) -> dict[str, dict[str, Any]]:
+    """What mode=advise predicts for each throughput job on an H200 (plan.accelerator=h200: the table's
+    rates, trainer/advise/calibrate.py), its tokens/s and what limits its step; no CUDA is touched."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.advise.advisor import rates_for
+    from trainer.advise.predict import predict_step_tiers
+    from trainer.cli import register_configs
+    from trainer.config import validate
+    from trainer.model.decoder import flops_per_token
+    from trainer.plan import build_plan, plan_comm, planned_device_kind
+
+    register_configs()
+    predictions = {}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for spec in throughput_jobs(setup):
+            overrides = [
+                "logger=none",
+                f"device={setup.device}",
+                "nproc=1",
+                *spec.overrides,
+                "plan.accelerator=h200",
+            ]
+            config = validate(compose("train", overrides=overrides))
+            kind = planned_device_kind(config.plan, config.device)
+            local_numel = max(rank.states.local_numel for rank in build_plan(config, kind, 1).ranks)
+            rates = rates_for(config, 1, [config.micro_batch])
+            flops = flops_per_token(config.model, config.seq_len)
+            step = predict_step_tiers(
+                config, 1, plan_comm(config, 1, backend="nccl"), local_numel, flops, rates, kind
+            )
+            tokens = config.micro_batch * config.grad_accum * config.seq_len
+            predictions[spec.name] = {"tokens_per_s": tokens / step.step_s, "step_s": step.step_s,
+                                      "limiter": step.limiter}  # fmt: skip
+    return predictions
+
+
 def all_jobs(setup: Setup) -> list[JobSpec]:
-    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu tests."""
-    model = setup.model("125m")
-    fault = ("fault.kind=inf_grad", "fault.step=3")
+    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu
+    tests, which run beside the shared jobs rather than hold the exclusive throughput jobs back
+    (their row waits, the table's order stays)."""
+    environment, gpu_tests, probe, plans = helper_jobs(setup)
+    first_save, *saves = save_jobs(setup)
+    return [
+        environment,
+        *throughput_jobs(setup),
+        *([probe] if not setup.dry_run else []),
+        first_save,
+        gpu_tests,
+        plans,
+        *saves,
+        *fault_jobs(setup),
+        *limit_jobs(setup),
+        JobSpec("oom", oom_overrides(setup)),
+        *comparison_jobs(setup),
+    ]
+
+
+def helper_jobs(setup: Setup) -> list[JobSpec]:
+    """The processes that are not training jobs: the environment, the gpu tests, the headroom probe,
+    and one process for the plans (the largest micro-batch the plan fits, the advisor's predictions)."""
+    dry = ["--dry-run"] if setup.dry_run else []
     environment = (
         sys.executable,
         str(SCRIPT),
         "--environment",
         str(setup.out / "jobs" / "environment.json"),
-        *(["--dry-run"] if setup.dry_run else []),
+        *dry,
     )
-    gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
-                 "-p", "no:xdist", "-o", "addopts=-ra")  # fmt: skip
+    gpu_tests = (
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "tests/gpu",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "-o",
+        "addopts=-ra",
+    )
     probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
-    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
-    jobs = [JobSpec("environment", command=environment, budget_s=30, estimate_s=5), *throughput_jobs(setup)]
-    if not setup.dry_run:
-        jobs.append(JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True))
-    first_save, *saves = save_jobs(setup)
-    # The gpu tests (the second row) run beside the shared jobs rather than hold the exclusive
-    # throughput jobs back: their row waits, the table's order stays.
-    jobs += [
-        first_save,
+    # Planning for the GPU reads its properties, which creates a CUDA context: the plans are made in
+    # a process of their own, and the check's process holds none while jobs run.
+    jobs = setup.out / "jobs"
+    plans = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(jobs / LIMIT_FILE), "--advise",
+             str(jobs / ADVICE_FILE), *dry)  # fmt: skip
+    return [
+        JobSpec("environment", command=environment, budget_s=30, estimate_s=5),
         JobSpec("gpu_tests", command=gpu_tests, budget_s=120, estimate_s=60),
-        *saves,
+        JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True),
+        JobSpec("plans", command=plans, budget_s=45, estimate_s=10),
+    ]  # fmt: skip
+
+
+def fault_jobs(setup: Setup) -> list[JobSpec]:
+    """fp16's injected overflow at stage0 and stage3, and a NaN loss skipped under offload=cpu."""
+    model, fault = setup.model("125m"), ("fault.kind=inf_grad", "fault.step=3")
+    return [
         JobSpec("fp16_overflow", (f"model={model}", "precision=fp16", "zero=stage0", *short(setup), *fault)),
         JobSpec("fp16_sharded", (f"model={model}", "precision=fp16", "zero=stage3", *short(setup), *fault)),
         JobSpec("offload", (f"model={model}", "precision=bf16", "zero=stage3", "offload=cpu", "nonfinite=skip",
                             "fault.kind=nan_loss", "fault.step=3", *short(setup)), budget_s=90, estimate_s=25),
-        *limit_jobs(setup),
-        JobSpec("oom", oom_overrides(setup)),
+    ]  # fmt: skip
+
+
+def comparison_jobs(setup: Setup) -> list[JobSpec]:
+    """125m stage0 bf16 (the reference, a throughput job) changed in one setting each; the rows compare
+    their losses with the reference's. Compile comes first and shares the GPU: it is judged on
+    losses, and most of its time is inductor compiling on the host, beside the jobs after it."""
+    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
+    model = setup.model("125m")
+    return [
+        JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
+                estimate_s=90),
         JobSpec("125m_stage0_fp32", (f"model={model}", "precision=fp32", "zero=stage0", *setup.shape())),
         JobSpec("125m_stage0_again", bf16(setup, "125m", "stage0"), unique=True),
         JobSpec("ckpt_full", bf16(setup, "125m", "stage0", "checkpointing=full")),
         JobSpec("ckpt_selective", bf16(setup, "125m", "stage0", "checkpointing=selective")),
+        JobSpec("ckpt_op", bf16(setup, "125m", "stage0", "checkpointing=op")),
+        JobSpec("loss_chunked", bf16(setup, "125m", "stage0", "loss=chunked")),
+        *([JobSpec("attention_efficient", bf16(setup, "125m", "stage0", "attention=efficient"))]
+          if not setup.dry_run else []),  # a CUDA kernel only (trainer/model/attention.py)
+        JobSpec("attention_math", bf16(setup, "125m", "stage0", "attention=math")),
         JobSpec("grad_accum", bf16(setup, "125m", "stage0", *half_micro_batch(setup), "grad_accum=2")),
         JobSpec("stage2", bf16(setup, "125m", "stage2")),
-        JobSpec("125m_stage0_loop", bf16(setup, "125m", "stage0", "optim.fused=false"), exclusive=True),
-        JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
-                estimate_s=90, exclusive=True),
+        *([JobSpec("125m_stage0_loop", bf16(setup, "125m", "stage0", "optim.fused=false"), exclusive=True)]
+          if not setup.dry_run else []),  # a timing: nothing to learn from a shared CPU
     ]  # fmt: skip
-    return jobs
+
+
+def schedule_estimate(specs: list[JobSpec], workers: int) -> float:
+    """The check's wall time from the jobs' estimates, scheduled as Scheduler runs them: in order, up
+    to `workers` at once, an exclusive job alone, a job with `after` once that one ended."""
+    ends: dict[str, float] = {}
+    running: list[tuple[float, bool]] = []  # (end, exclusive)
+    clock = 0.0
+    for spec in specs:
+        while running and (spec.exclusive or any(x for _, x in running) or len(running) >= workers):
+            first = min(running)
+            running.remove(first)
+            clock = max(clock, first[0])
+        if spec.after is not None:  # the scheduler's thread waits for it, holding every later job back
+            clock = max(clock, ends.get(spec.after, 0.0))
+        ends[spec.name] = clock + spec.estimate_s
+        running.append((ends[spec.name], spec.exclusive))
+    return max(ends.values(), default=0.0)
 
 
 def half_micro_batch(setup: Setup) -> tuple[str, ...]:
