@@ -239,33 +239,13 @@ def all_jobs(setup: Setup) -> list[JobSpec]:
 def helper_jobs(setup: Setup) -> list[JobSpec]:
     """The processes that are not training jobs: the environment, the gpu tests, the headroom probe,
     and one process for the plans (the largest micro-batch the plan fits, the advisor's predictions)."""
-    dry = ["--dry-run"] if setup.dry_run else []
-    environment = (
-        sys.executable,
-        str(SCRIPT),
-        "--environment",
-        str(setup.out / "jobs" / "environment.json"),
-        *dry,
-    )
-    gpu_tests = (
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "gpu",
-        "tests/gpu",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
-        "-o",
-        "addopts=-ra",
-    )
+    dry, jobs = (["--dry-run"] if setup.dry_run else []), setup.out / "jobs"
+    environment = (sys.executable, str(SCRIPT), "--environment", str(jobs / "environment.json"), *dry)
+    gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
+                 "-p", "no:xdist", "-o", "addopts=-ra")  # fmt: skip
     probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
     # Planning for the GPU reads its properties, which creates a CUDA context: the plans are made in
     # a process of their own, and the check's process holds none while jobs run.
-    jobs = setup.out / "jobs"
     plans = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(jobs / LIMIT_FILE), "--advise",
              str(jobs / ADVICE_FILE), *dry)  # fmt: skip
     return [
