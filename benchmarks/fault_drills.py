@@ -37,6 +37,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpucheck.runner import kill_group, left_running, start_session, trainer_command  # noqa: E402
 from trainer.saves.dcp import list_saves, save_step  # noqa: E402
 from trainer.saves.integrity import save_problem  # noqa: E402
 
@@ -109,15 +110,21 @@ def code(text: str, limit: int) -> str:
 
 
 def trainer_args(out_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "trainer", *TINY, *overrides, f"hydra.run.dir={out_dir}"]
+    return trainer_command(*TINY, *overrides, f"hydra.run.dir={out_dir}")
 
 
 def run(out_dir: Path, *overrides: str) -> Job:
+    """One job to its end (600 s at most: then it is killed with its fork server and ranks)."""
     start = time.monotonic()
-    proc = subprocess.run(
-        trainer_args(out_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600
+    proc = start_session(
+        trainer_args(out_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    return Job(proc.returncode, proc.stdout, proc.stderr, out_dir, time.monotonic() - start)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+    return Job(proc.returncode, stdout, stderr, out_dir, time.monotonic() - start)
 
 
 def run_and_do(
@@ -127,13 +134,8 @@ def run_and_do(
     action: Callable[[subprocess.Popen[str], threading.Event], None],
 ) -> Job:
     """Start a job in a session of its own, `action` once metrics.jsonl has `at_step` records."""
-    proc = subprocess.Popen(
-        trainer_args(out_dir, *overrides),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    proc = start_session(
+        trainer_args(out_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     stdout: list[str] = []
     stopping = threading.Event()
@@ -151,14 +153,13 @@ def run_and_do(
     if reached_step(out_dir / "metrics.jsonl", at_step, proc, REACH_STEP_S):
         action(proc, stopping)
     else:  # stuck before the fault: end it, and the drill reports what it got (not nothing lost)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     assert proc.stderr is not None
     stderr = proc.stderr.read()
     try:
         proc.wait(timeout=600)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_group(proc)
     seconds = time.monotonic() - start
     reader.join(10)
     time.sleep(5)
@@ -174,17 +175,6 @@ def reached_step(metrics: Path, at_step: int, proc: subprocess.Popen[str], deadl
             return False
         time.sleep(0.02)
     return True
-
-
-def left_running(sid: int) -> int:
-    count = 0
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                count += 1
-        except (psutil.Error, OSError):
-            continue
-    return count
 
 
 def saves(run_dir: Path) -> list[int]:

@@ -4,14 +4,16 @@
 
 The figures trainer/plan/headroom.py assumes, each measured for this process only:
 
-- context_gib: the CUDA context and kernel images, outside the caching allocator: this process's
+- context_gib: the CUDA context and kernel images (after a matmul's forward and backward: kernels
+  load at their first launch), outside the caching allocator: this process's
   device memory (nvidia-smi's per-process figure; where the process is not listed, as in a
   container with its own PID namespace, the device's used memory after this process created its
   context less before) minus what the allocator reserved. Other processes on the device are
   left out (`other_processes_gib` says how much they held).
-- cublas_workspace_gib: cuBLAS workspaces, inside the allocator and inside *allocated*: one per
-  thread that runs matmuls (the forward's and autograd's backward thread) and stream. Measured
-  as what stays allocated after a matmul's forward and backward, beyond the tensors still alive.
+- cublas_workspace_gib: one cuBLAS workspace, inside the allocator and inside *allocated*; there is
+  one per thread that runs matmuls (the forward's and autograd's backward thread) and stream.
+  Measured as what stays allocated after a matmul's forward and backward, beyond the tensors still
+  alive, per thread (cublas_workspaces_gib: both).
 - nccl_world1_gib: NCCL's communicator at world size 1, outside the allocator. One GPU cannot
   show NCCL at 8 ranks (buffers per peer and channel): `nccl_8_ranks` says so, and the plan's
   figure for several ranks stays an assumption.
@@ -32,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 GIB = 2**30
 NOT_MEASURABLE_HERE = "not measurable on one GPU: NCCL's buffers grow with peers and channels"
+MATMUL_THREADS = 2
+"""Threads that run the probe's matmuls, each with a cuBLAS workspace: the forward's and autograd's."""
 
 
 def nvidia_smi(*query: str) -> list[str] | None:
@@ -78,14 +82,14 @@ def measure() -> dict[str, object]:
     set_rank_environment(None)  # what a rank sets before its allocator starts: expandable segments
     before = device_used_bytes(0)
     torch.cuda.init()
-    torch.empty(1, device="cuda")
-    torch.cuda.synchronize()
-    context = own_context_bytes(
-        process_used_bytes(os.getpid()), before, device_used_bytes(0), torch.cuda.memory_reserved()
-    )
     x, w = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "xw")
     (x @ w).float().sum().backward()  # forward on this thread, backward on autograd's
     torch.cuda.synchronize()
+    # The context after kernels ran: CUDA loads a kernel's module at its first launch (lazy loading,
+    # torch's default), so a context measured before any kernel leaves those images out.
+    context = own_context_bytes(
+        process_used_bytes(os.getpid()), before, device_used_bytes(0), torch.cuda.memory_reserved()
+    )
     alive = sum(t.numel() * t.element_size() for t in (x, w, x.grad, w.grad))
     cublas = torch.cuda.memory_allocated() - alive
     segments = torch.cuda.memory_snapshot()
@@ -102,7 +106,8 @@ def measure() -> dict[str, object]:
     dist.destroy_process_group()
     return {
         "context_gib": None if context is None else context / GIB,
-        "cublas_workspace_gib": cublas / GIB,
+        "cublas_workspace_gib": cublas / MATMUL_THREADS / GIB,  # per thread, as the plan assumes one
+        "cublas_workspaces_gib": cublas / GIB,
         "nccl_world1_gib": nccl / GIB,
         "nccl_8_ranks": NOT_MEASURABLE_HERE,
         "expandable_segments": expandable,

@@ -29,8 +29,7 @@ def save_seconds(saves: int) -> tuple[list[float], int]:
     """Seconds of each save, and the bytes one save writes."""
     import torch.distributed as dist
 
-    from tests.unit.fakes import WORLD, tiny_config
-    from tests.unit.test_save import run_steps
+    from tests.helpers import WORLD, run_steps, tiny_config
     from trainer.config import TrainConfig, from_plain, to_plain
     from trainer.rank.loop import build_trainee
     from trainer.saves.dcp import Progress, SaveSpec, save_training_state

@@ -275,3 +275,18 @@ def saved_storage_bytes(
         for t in tables
     }
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
+
+
+def run_steps(trainee: Any, config: Any, first: int, last: int) -> list[float]:
+    """Train steps `first`..`last` in this process (a one-rank group), their losses: a unit test's
+    training, and benchmarks/save_time.py's."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+
+    batches = build_batches(config, 0, 1, start_step=first - 1)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
+    return [
+        train_step(trainee, batches, config, WORLD, step, guard).loss.item()
+        for step in range(first, last + 1)
+    ]

@@ -11,7 +11,7 @@ the process that runs `python -m trainer` (the ranks never see it):
   trainer/faults/stop.py) stops the sweep with that signal's exit status, and with `fail_fast=true` the
   first point that does not end `ok` stops it (exit status 1), each after writing the report of
   the points so far.
-- on_multirun_end: the end-of-sweep report (trainer/report/sweep_report.py write_sweep_report: the memory
+- on_multirun_end: the end-of-sweep report (trainer/report/ write_sweep_report: the memory
   plan's fit table and how each point ran) with its W&B Report, and with logger=wandb its W&B
   run (online: the W&B Report saved, its URL in report.md).
 
@@ -117,7 +117,7 @@ class SweepCallback(Callback):
 
     def end_early(self, config: DictConfig, kind: str, line: str, code: int) -> None:
         """Stop the sweep after this point: the report of the points that ran, `kind: line`, `code`."""
-        from trainer.report.sweep_report import summary_line, write_sweep_report
+        from trainer.report import summary_line, write_sweep_report
 
         report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)
@@ -125,7 +125,7 @@ class SweepCallback(Callback):
         raise SystemExit(code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer.report.sweep_report import mirror_to_wandb, summary_line, write_sweep_report
+        from trainer.report import mirror_to_wandb, summary_line, write_sweep_report
 
         report = write_sweep_report(Path(config.hydra.sweep.dir))
         print(summary_line(report), flush=True)

@@ -3,7 +3,7 @@
 On CUDA, RMSNorm runs torch's fused kernel and SDPA the kernel trainer/model/attention.py chooses;
 trainer/plan/activations.py counts what those save (`fused_norm_saving`, `attention_extra_per_token`).
 This lists every storage autograd saves in one forward + loss of the tiny model on the GPU and
-compares the sum with `activations(config, "cuda")`, as tests/unit/test_plan.py does on CPU.
+compares the sum with `activations(config, "cuda")`, as tests/unit/plan/test_plan.py does on CPU.
 """
 
 from __future__ import annotations

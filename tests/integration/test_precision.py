@@ -19,7 +19,7 @@ FP16 = (
 def test_an_inf_gradient_on_one_rank_skips_the_step_on_both(trainer, stage: str) -> None:
     """The inf is injected on rank 1; the record's scaler figures are rank 0's own (its gradients were
     finite), and on every log step the Meter gathers both ranks' scale and skip count and ends the
-    job unless they are equal (check_ranks_agree, a real check: tests/unit/test_metrics.py)."""
+    job unless they are equal (check_ranks_agree, a real check: tests/unit/telemetry/test_metrics.py)."""
     run = trainer(*FP16, f"zero={stage}", "steps=5", "fault.kind=inf_grad", "fault.step=3", "fault.rank=1")
     by_step = {r["step"]: r for r in run.records}
     assert [by_step[s]["precision/overflow"] for s in range(1, 6)] == [0, 0, 1, 0, 0]

@@ -33,7 +33,7 @@ from tests.helpers import (
     wandb_run,
     wandb_summary,
 )
-from trainer.report.sweep_report import COLUMNS
+from trainer.report import COLUMNS
 from trainer.report.wandb_report import load_report_json
 from trainer.sweep import SweepCallback
 from trainer.telemetry.wandb_logger import sweep_group

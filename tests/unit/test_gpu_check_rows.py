@@ -1,17 +1,21 @@
-"""benchmarks/gpu_check.py's verdicts on CPU, from jobs as the GPU would leave them: the check fails
+"""benchmarks/gpu_check.py's verdicts (benchmarks/gpucheck/rows.py) on CPU, from jobs as the GPU would leave them: the check fails
 when measured memory exceeds what the plan assumes (issue 28, item 1) and says what one GPU cannot
-measure (issue 27, item 9); benchmarks/headroom_probe.py's arithmetic."""
+measure (issue 27, item 9); each row judging what it claims, with a measurement that fails it, the
+bundle and the schedule's estimate (issue 40); benchmarks/headroom_probe.py's arithmetic."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from benchmarks.gpucheck import catalog, memory, report
+from benchmarks.gpucheck import rows as check
 from tests.helpers import REPO
 from trainer.plan.headroom import HEADROOM
 
@@ -25,9 +29,10 @@ def load(name: str) -> ModuleType:
     return module
 
 
-check = load("gpu_check")
 probe = load("headroom_probe")
+gpu_check = load("gpu_check")
 SETUP = check.Setup(dry_run=False, out=Path("unused"), deadline=0.0)
+DRY = check.Setup(dry_run=True, out=Path("unused"), deadline=0.0)
 
 
 def throughput_job(
@@ -97,14 +102,27 @@ def test_headroom_fails_when_a_figure_exceeds_its_assumption_or_is_not_measured(
     assert row.status == "fail" and named in row.note, row.note
 
 
-def test_the_limit_row_fails_when_the_next_micro_batch_does_not_run_out_of_memory() -> None:
-    fits = throughput_job(120.0, 124.0, 125.0)
+def test_the_limit_row_is_judged_on_what_the_single_rank_reserves(tmp_path: Path) -> None:
+    """The plan's largest micro-batch must run within its plan; one more may run (the reserved model
+    is fitted on 8-GPU FSDP2 runs: the room is reported in micro-batches) or end oom, never crash."""
+    setup = check.Setup(dry_run=False, out=tmp_path, deadline=0.0)
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "environment.json").write_text(json.dumps({"memory_gib": 139.8}))
+    fits = throughput_job(120.0, 121.0, 125.0)
     fits.overrides = ("model=1b", "micro_batch=48")
     oom = check.Job("limit_next", "oom")
-    assert check.check_limit(SETUP, {"limit_fits": fits, "limit_next": oom}).status == "pass"
-    row = check.check_limit(SETUP, {"limit_fits": fits, "limit_next": check.Job("limit_next", "ok")})
-    assert row.status == "fail" and row.figures["micro_batch"] == 48
-    assert "more than a micro-batch unused" in row.note
+    assert check.check_limit(setup, {"limit_fits": fits, "limit_next": oom}).status == "pass"
+    ran = check.Job("limit_next", "ok", records=[{"memory/rank0/peak_reserved_gib": 123.5}])
+    row = check.check_limit(setup, {"limit_fits": fits, "limit_next": ran})
+    # (139.8 - 121.0) / (123.5 - 121.0) = 7.5 more micro-batches: 55 fit one rank
+    assert row.status == "pass" and row.figures["measured_largest_micro_batch"] == 55, row.note
+    crashed = check.Job("limit_next", "crashed", summary={"error": "boom"})
+    row = check.check_limit(setup, {"limit_fits": fits, "limit_next": crashed})
+    assert row.status == "fail" and "neither ok nor oom" in row.note
+    over = throughput_job(120.0, 126.0, 125.0)
+    over.overrides = fits.overrides
+    row = check.check_limit(setup, {"limit_fits": over, "limit_next": oom})
+    assert row.status == "fail" and row.figures["reserved_error_pct"] == 0.8, row.note  # 126 / 125
 
 
 def test_the_probe_takes_this_process_own_figure_else_the_devices_growth() -> None:
@@ -118,3 +136,131 @@ def test_headroom_assumptions_are_what_the_row_compares() -> None:
     assert {"context_gib", "nccl_gib", "cublas_workspace_gib", "fragmentation", "stream_cache_gib"} <= set(
         vars(HEADROOM)
     )
+
+
+# ----------------------------------------------------------------------------- issue 40: what each row judges
+
+
+def loss_job(name: str, losses: list[float], **summary: object) -> check.Job:
+    return check.Job(
+        name,
+        "ok",
+        {"status": "ok", **summary},
+        [{"step": i + 1, "loss/train": x} for i, x in enumerate(losses)],
+    )
+
+
+def test_reproducibility_is_judged_at_its_stated_tolerance_with_bitwise_equality_recorded() -> None:
+    reference = loss_job("125m_stage0", [10.0, 9.0, 8.0])
+    same = check.check_reproducible(SETUP, {"a": reference, "b": loss_job("again", [10.0, 9.0, 8.0])})
+    close = check.check_reproducible(
+        SETUP, {"a": reference, "b": loss_job("again", [10.0, 9.0, 8.0 * (1 + 5e-4)])}
+    )
+    apart = check.check_reproducible(
+        SETUP, {"a": reference, "b": loss_job("again", [10.0, 9.0, 8.0 * (1 + 2e-3)])}
+    )
+    assert (same.status, same.figures["bitwise"]) == ("pass", True)
+    assert (close.status, close.figures["bitwise"]) == ("pass", False)
+    assert apart.status == "fail" and "allowed 0.001" in apart.note, apart.note
+
+
+def test_allocated_is_judged_at_3_percent_on_the_gpu_and_reserved_as_a_signed_error() -> None:
+    at_2 = check.check_throughput(SETUP, {"j": throughput_job(10.0, 10.4, 10.6, error_pct=2.0)})
+    at_4 = check.check_throughput(SETUP, {"j": throughput_job(10.0, 10.4, 10.6, error_pct=-4.0)})
+    dry = check.check_throughput(DRY, {"j": throughput_job(0.02, None, None, error_pct=-4.0)})
+    assert at_2.status == "pass" and at_2.figures["reserved_error_pct"] == -1.9  # 10.4 / 10.6 - 1
+    assert at_4.status == "fail" and "off the plan by -4.0% (allowed ±3%)" in at_4.note
+    assert dry.status == "pass", dry.note  # the tiny model on CPU: ±15%
+    over = check.check_throughput(SETUP, {"j": throughput_job(10.0, 10.9, 10.6)})
+    assert over.status == "fail" and "(+2.8%)" in over.note and over.figures["reserved_error_pct"] == 2.8
+
+
+def test_mfu_is_summary_jsons_steady_figure_not_the_last_window() -> None:
+    job = throughput_job(10.0, 10.4, 10.6)
+    job.summary["throughput/mfu_pct"] = 41.04
+    job.records[0]["throughput/mfu_pct"] = 55.0
+    assert check.check_throughput(SETUP, {"j": job}).figures["mfu_pct"] == 41.0
+
+
+def test_compile_is_judged_on_losses_and_its_memory_only_reported() -> None:
+    eager = loss_job("125m_stage0", [10.0, 9.0], **{"throughput/tokens_per_s": 1000.0})
+    memory = {"throughput/tokens_per_s": 1500.0, "memory/max_rank_peak_gib": 8.0, "memory/predicted_peak_gib": 10.0,
+              "memory/prediction_error_pct": 25.0}  # fmt: skip
+    close = check.check_compile(SETUP, {"e": eager, "c": loss_job("compile", [10.01, 9.0], **memory)})
+    apart = check.check_compile(SETUP, {"e": eager, "c": loss_job("compile", [10.5, 9.0], **memory)})
+    assert (
+        close.status == "pass"
+        and close.figures["allocated_error_pct"] == 25.0
+        and close.figures["ratio"] == 1.5
+    )
+    assert apart.status == "fail" and "losses differ by 0.05" in apart.note
+
+
+def fit_job(allocated: float, reserved: float) -> check.Job:
+    return check.Job("j", "ok", records=[{"memory/rank0/peak_allocated_gib": allocated,
+                                          "memory/rank0/peak_reserved_gib": reserved}])  # fmt: skip
+
+
+def test_the_candidate_headroom_fit_is_the_least_squares_line_of_the_jobs_peaks() -> None:
+    fit = memory.headroom_fit([fit_job(10, 11.0), fit_job(20, 21.5), fit_job(30, 32.0)])
+    assert fit == {"fragmentation": 0.05, "constant_gib": 0.5, "points": 3, "worst_residual_gib": 0.0}
+    assert memory.headroom_fit([fit_job(10, 11.0)]) is None  # one point fits no line
+    assert memory.headroom_fit([fit_job(10, 11.0), fit_job(10, 12.0)]) is None  # nor one allocated figure
+    assert headroom_row(probe_job()).figures["candidate_fit"] is None  # the row's jobs: one allocated figure
+
+
+def test_the_advisor_row_compares_predicted_and_measured_tokens_per_s(tmp_path: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    advice = {"125m_stage0": {"tokens_per_s": 1500.0, "step_s": 1.0, "limiter": "compute"}}
+    (tmp_path / "jobs" / "advice.json").write_text(json.dumps(advice))
+    setup = check.Setup(dry_run=False, out=tmp_path, deadline=0.0)
+    plans = check.Job("plans", "ok")
+
+    def row(measured: float, setup: check.Setup = setup) -> check.Row:
+        job = check.Job("125m_stage0", "ok", {"throughput/tokens_per_s": measured})
+        return check.check_advisor(setup, {"plans": plans, "125m_stage0": job})
+
+    assert row(1000.0).status == "pass" and row(1000.0).figures["125m_stage0"]["ratio"] == 1.5
+    assert row(500.0).status == "fail" and "advised 3.00x" in row(500.0).note
+    assert row(500.0, check.Setup(dry_run=True, out=tmp_path, deadline=0.0)).status == "info"
+
+
+def test_the_gpu_schedule_fits_the_deadline_and_docs_gpu_md_gives_it() -> None:
+    gpu = check.Setup(dry_run=False, out=Path("/tmp/unused"), deadline=0.0)
+    estimate = catalog.schedule_estimate(catalog.all_jobs(gpu), gpu_check.WORKERS)
+    assert estimate < gpu_check.DEADLINE_S == 420
+    assert f"**{estimate:.0f} s" in (REPO / "docs" / "gpu.md").read_text()
+    # the scheduler's rules: exclusive alone, `after` waits, else up to `workers` at once
+    spec = catalog.JobSpec
+    jobs = [spec("a", estimate_s=10), spec("b", estimate_s=10), spec("x", estimate_s=5, exclusive=True),
+            spec("c", estimate_s=10, after="x"), spec("d", estimate_s=10)]  # fmt: skip
+    assert catalog.schedule_estimate(jobs, 2) == 10 + 5 + 10
+
+
+def test_the_bundle_holds_the_results_and_one_archive_without_checkpoints(tmp_path: Path) -> None:
+    out, bundle = tmp_path / "out", tmp_path / "bundle"
+    (out / "jobs" / "save" / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (out / "jobs" / "save" / "checkpoints" / "step_00000004" / "model.distcp").write_bytes(b"0" * 1000)
+    (out / "jobs" / "save" / "summary.json").write_text('{"status": "ok"}')
+    (out / "logs").mkdir()
+    (out / "logs" / "save.log").write_text("step 4/4\n")
+    results = report.Report(out, dry_run=True, bundle=bundle)
+    results.add(check.Row("first", "pass"))
+    results.add(check.Row("second", "fail", {"x": 1}, "why"))
+    assert sorted(p.name for p in bundle.iterdir()) == ["gpu_check.tar.gz", "results.json", "results.md"]
+    assert [r["check"] for r in json.loads((bundle / "results.json").read_text())["rows"]] == [
+        "first",
+        "second",
+    ]
+    assert (bundle / "results.md").read_text() == (out / "results.md").read_text()
+    with tarfile.open(bundle / "gpu_check.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["jobs/save/summary.json", "logs/save.log"]
+
+
+def test_the_sync_free_row_informs_with_the_ratio_and_fails_when_a_job_failed() -> None:
+    fused = check.Job("125m_stage0", "ok", {"throughput/tokens_per_s": 1200.0})
+    loop = check.Job("125m_stage0_loop", "ok", {"throughput/tokens_per_s": 1000.0})
+    row = check.check_sync_free(SETUP, {"a": fused, "b": loop})
+    assert row.status == "info" and row.figures["ratio"] == 1.2
+    crashed = check.Job("125m_stage0_loop", "crashed", summary={"error": "boom"})
+    assert check.check_sync_free(SETUP, {"a": fused, "b": crashed}).status == "fail"

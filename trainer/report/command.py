@@ -20,14 +20,10 @@ from pathlib import Path
 
 from trainer.console import error
 from trainer.files import claim_directory
+from trainer.report.markdown import summary_line
 from trainer.report.run_dirs import Point, Report, load_point, load_points
-from trainer.report.sweep_report import (
-    mirror_to_wandb,
-    publish_and_link,
-    summary_line,
-    write_report,
-    write_sweep_report,
-)
+from trainer.report.summary_run import mirror_to_wandb, publish_and_link
+from trainer.report.sweep_report import write_report, write_sweep_report
 
 REPORTS_DIR = Path("outputs/reports")
 

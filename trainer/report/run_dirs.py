@@ -1,7 +1,7 @@
 """Run and sweep directories read back as points, and the Report made of them.
 
-Shared by the report's writers: trainer/report/sweep_report.py (report.md, results.csv, charts) and
-trainer/report/wandb_report.py (the W&B Report), which therefore import this module, not each other.
+Shared by the report's stages (rows.py, markdown.py, charts.py, wandb_report.py, summary_run.py),
+which therefore import this module, and each other only in the order the report is written.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from trainer.telemetry.wandb_run import STEADY_KEYS, STEP_KEY, config_path
 REPORT_FILE = "wandb_report.json"
 STEADY_TOKENS = STEADY_KEYS[keys.TOKENS_PER_S]
 STEADY_MFU = STEADY_KEYS[keys.MFU_PCT]
-RESULTS_TABLE = "sweep/results"  # the report run's table (trainer/report/sweep_report.py log_to_wandb)
+RESULTS_TABLE = "sweep/results"  # the report run's table (trainer/report/summary_run.py log_to_wandb)
 
 
 def report_run_id(out_dir: Path) -> str:

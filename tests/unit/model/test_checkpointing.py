@@ -56,7 +56,7 @@ def test_op_composes_with_half_precision_and_offload(process_group: None, overri
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
 def test_op_compiled_trains_like_no_checkpointing_eager(process_group: None, stage: str) -> None:
     """compile=true around the policy (checkpointing, then compile, then shard), within
-    tests/unit/test_compile.py's tolerance for compiled against eager."""
+    tests/unit/model/test_compile.py's tolerance for compiled against eager."""
     none = losses(tiny_config(steps=8, zero__stage=stage))
     compiled = losses(
         tiny_config(

@@ -1,4 +1,4 @@
-"""The sweep report (trainer/report/sweep_report.py) from point directories laid out as a sweep leaves them."""
+"""The sweep report (trainer/report/: rows, charts, report.md) from point directories laid out as a sweep leaves them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import matplotlib.pyplot as plt
 import pytest
 from omegaconf import OmegaConf
 
+import trainer.report as rpt
 from tests.helpers import CPU_OOM
+from trainer.report import charts
 from trainer.report import command as compare
-from trainer.report import sweep_report as rpt
 
 
 def records_for(rng: random.Random, steps: int, ranks: int = 2, fp16: bool = False) -> list[dict[str, Any]]:
@@ -202,7 +203,7 @@ def test_skipped_steps_count_fp16_overflows_and_nonfinite_skips(tmp_path: Path) 
 def test_throughput_chart_draws_each_stage_against_micro_batch_and_marks_failures(grid: Path) -> None:
     report = rpt.write_report(grid)
     fig, ax = plt.subplots()
-    rpt.plot_throughput(ax, report)
+    charts.plot_throughput(ax, report)
     lines = {line.get_label(): line.get_xydata().tolist() for line in ax.lines}
     for stage in ("stage2", "stage3"):
         expected = [
@@ -220,10 +221,30 @@ def test_throughput_chart_draws_each_stage_against_micro_batch_and_marks_failure
     plt.close(fig)
 
 
+def test_a_run_that_kept_the_default_micro_batch_sits_at_its_configs_micro_batch(
+    grid: Path, tmp_path: Path
+) -> None:
+    """A comparison of a sweep over micro_batch with a run that set none (python -m trainer.report RUN
+    SWEEP): the run's micro-batch is its config's; one that records none at all gives bars, not a crash."""
+    rng = random.Random(3)
+    records = records_for(rng, 5)
+    summary = {**ok_summary(rng, records), "config": {"micro_batch": 8}}
+    run = make_point(tmp_path / "runs", 0, ["device=cpu"], summary, records)
+    for name in ("with_config", "without"):
+        (tmp_path / name).mkdir()
+    report = rpt.write_report(tmp_path / "with_config", compare.load_compared([run, grid]))
+    fig, ax = plt.subplots()
+    assert charts.plot_throughput(ax, report) and sorted(ax.get_xticks()) == [1, 2, 4, 8]
+    plt.close(fig)
+    (run / "summary.json").write_text(json.dumps({**summary, "config": {}}))
+    report = rpt.write_report(tmp_path / "without", compare.load_compared([run, grid]))
+    assert report.charts["throughput"].exists() and report.swept[0] == "micro_batch"
+
+
 def test_memory_chart_has_every_ranks_highest_peak(grid: Path) -> None:
     report = rpt.write_report(grid)
     fig, ax = plt.subplots()
-    rpt.plot_memory(ax, report)
+    charts.plot_memory(ax, report)
     bars = {container.get_label(): [bar.get_height() for bar in container] for container in ax.containers}
     for rank in (0, 1):
         key = f"memory/rank{rank}/peak_allocated_gib"
@@ -242,7 +263,7 @@ def test_loss_scale_chart_appears_only_with_an_fp16_point(tmp_path: Path) -> Non
     report = rpt.write_report(tmp_path)
     assert report.charts["loss_scale"].exists()
     fig, ax = plt.subplots()
-    rpt.plot_loss_scale(ax, report)
+    charts.plot_loss_scale(ax, report)
     (line,) = ax.lines
     assert line.get_label() == "precision=fp16"
     assert list(line.get_ydata()) == [r["precision/loss_scale"] for r in fp16]
@@ -253,7 +274,7 @@ def test_the_throughput_charts_title_speaks_of_failed_points_only_when_there_are
     titles = []
     for report in (rpt.write_report(grid), ok_only(rpt.write_report(grid))):
         fig, ax = plt.subplots()
-        rpt.plot_throughput(ax, report)
+        charts.plot_throughput(ax, report)
         titles.append(ax.get_title())
         plt.close(fig)
     assert titles == ["Throughput per point (✕ at 0: did not end ok)", "Throughput per point"]
@@ -312,7 +333,7 @@ def test_comm_chart_puts_each_point_at_its_bytes_and_the_memory_its_stage_saved(
     assert [float(r["comm_bytes_per_step"]) for r in rows] == [3.5 * mib, 10.0 * mib]
     assert [int(r["predicted_comm_bytes_per_step"]) for r in rows] == [int(3.5 * mib), 10 * mib]
     fig, ax = plt.subplots()
-    assert rpt.plot_comm(ax, report)
+    assert charts.plot_comm(ax, report)
     points = sorted(tuple(xy) for c in ax.collections for xy in c.get_offsets().tolist())
     assert points == [(3.5, 0.0), (10.0, pytest.approx(10.0))]
     plt.close(fig)

@@ -15,8 +15,8 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.reports.v2.interface as wr_interface
 from omegaconf import OmegaConf
 
+import trainer.report as rpt
 from trainer.report import command as compare
-from trainer.report import sweep_report as rpt
 from trainer.report.wandb_report import (
     REPORT_FILE,
     STEADY_MFU,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from tests.helpers import WORLD, fake_save, tiny_config
-from trainer.config import ConfigError, TrainConfig
+from tests.helpers import WORLD, fake_save, run_steps, tiny_config
+from trainer.config import ConfigError
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step
 from trainer.rank.nonfinite import NonFiniteGuard
@@ -59,15 +59,6 @@ def test_a_different_global_batch_is_refused_naming_the_keys() -> None:
         match=r"global batch of 8 sequences; this run has 4 \(micro_batch=2 x grad_accum=1 x 2 ranks\)",
     ):
         check_global_batch(8, SaveSpec.of(tiny_config()), 2, Path("save"))
-
-
-def run_steps(trainee: Trainee, config: TrainConfig, first: int, last: int) -> list[float]:
-    batches = build_batches(config, 0, 1, start_step=first - 1)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
-    return [
-        train_step(trainee, batches, config, WORLD, step, guard).loss.item()
-        for step in range(first, last + 1)
-    ]
 
 
 def full_state(trainee: Trainee) -> dict[str, torch.Tensor]:

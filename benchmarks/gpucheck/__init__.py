@@ -1,0 +1,14 @@
+"""The GPU check (`python benchmarks/gpu_check.py`, docs/gpu.md) as modules the command puts together:
+
+- runner.py: a `python -m trainer` job or any command as a process in a session of its own, killed
+  with its fork server and ranks at its timeout (benchmarks/fault_drills.py runs its jobs with it too);
+- catalog.py: where the check runs (GPU or the dry run's CPU), every job it runs in order with its
+  budget and estimate, the schedule those estimates add up to, and the helpers it runs as processes
+  (the environment, the largest micro-batch the plan fits, the advisor's predictions);
+- scheduler.py: the jobs run under their budgets and the deadline, a few at once, what each left;
+- rows.py: the table of rows and one row's evaluation, with the rows that are neither of:
+- memory.py: the rows that judge memory (against the plan, the headroom, the device limit, the
+  host), and the candidate headroom fit;
+- numerics.py: the rows that judge losses (against a reference run, reproducibility, fp16, NaN);
+- report.py: a row, results.md and results.json rewritten after every row, and the --bundle.
+"""

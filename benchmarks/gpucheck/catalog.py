@@ -1,0 +1,372 @@
+"""The GPU check's jobs: where it runs (Setup), what one job is (JobSpec), every job in the order
+they start, and the two helpers the check runs as processes of their own (the environment, the
+largest micro-batch the plan fits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpucheck.runner import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+"""The command; the environment and plans jobs run it again with hidden flags."""
+ADVICE_FILE = "advice.json"
+"""The plans job's output under jobs/: each throughput job's predicted tokens/s."""
+LIMIT_FILE = "limit_plan.json"
+"""The plans job's other output under jobs/: the largest micro-batch the plan fits for the limit rows."""
+
+
+@dataclass
+class Setup:
+    """Where the check runs: the GPU (world size 1) or, for --dry-run, CPU with the tiny model."""
+
+    dry_run: bool
+    out: Path
+    deadline: float
+    """time.monotonic() after which no job starts and running ones are killed."""
+    hang: str | None = None
+    """--inject-hang: the job that runs far past any deadline (tests prove the kill with it)."""
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry_run else "cuda"
+
+    def model(self, name: str) -> str:
+        return "tiny" if self.dry_run else name
+
+    def shape(self) -> tuple[str, ...]:
+        """Micro-batch, sequence and steps of the throughput rows: a real load on the GPU, seconds on CPU."""
+        if self.dry_run:
+            return ("micro_batch=2", "seq_len=32", "steps=4", "log_every=2", "telemetry.warmup_steps=2")
+        return ("micro_batch=8", "seq_len=1024", "steps=30", "log_every=5", "telemetry.warmup_steps=10")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One process the check runs: a trainer job (overrides) or a command (argv)."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    budget_s: float = 60.0
+    """Its timeout on the GPU (the deadline may cut it shorter)."""
+    estimate_s: float = 20.0
+    """What it is expected to take on one H200 (docs/gpu.md adds these up)."""
+    exclusive: bool = False
+    """Timings or device-wide memory figures: the GPU to itself, no other job beside it."""
+    command: tuple[str, ...] | None = None
+    after: str | None = None
+    """A job that must have ended first (a resume needs its save)."""
+    device: str | None = None
+    """The trainer's device when not the check's (the CPU half of the cpu-save row)."""
+    unique: bool = False
+    """Run even where an earlier job has the same overrides (the second of two identical runs)."""
+    resolve: Callable[[Setup], tuple[str, ...]] | None = None
+    """Overrides known only once `after` has ended (the limit rows' micro-batch), instead of `overrides`."""
+
+
+def job_dir(setup: Setup, name: str) -> Path:
+    return setup.out / "jobs" / name
+
+
+def throughput_jobs(setup: Setup) -> list[JobSpec]:
+    jobs = []
+    for model, estimate in (("125m", 20.0), ("1b", 30.0)):
+        for stage in ("stage0", "stage3"):
+            jobs.append(JobSpec(f"{model}_{stage}", bf16(setup, model, stage), budget_s=3 * estimate,
+                                estimate_s=estimate, exclusive=True))  # fmt: skip
+    return jobs
+
+
+def bf16(setup: Setup, model: str, stage: str, *extra: str) -> tuple[str, ...]:
+    return (f"model={setup.model(model)}", "precision=bf16", f"zero={stage}", *setup.shape(), *extra)
+
+
+def short(setup: Setup) -> tuple[str, ...]:
+    """The functional rows' shape: every step logged, a few steps."""
+    if setup.dry_run:
+        return ("micro_batch=2", "seq_len=32", "steps=6", "log_every=1", "telemetry.warmup_steps=2")
+    return ("micro_batch=4", "seq_len=512", "steps=6", "log_every=1", "telemetry.warmup_steps=2")
+
+
+SAVE_SHAPE = ("model=tiny", "precision=fp32", "zero=stage0", "micro_batch=2", "seq_len=64", "log_every=1")
+
+
+def save_jobs(setup: Setup) -> list[JobSpec]:
+    """A CPU save resumed on the device (per-tensor AdamW's save under the fused one), and a device
+    save resumed on the device: each saves at step 4 and resumes to step 6. Both saves first, so
+    that neither resume holds the other save back. In a dry run the device is the CPU: the device
+    save and its resume are the CPU save's and its resume's, run once."""
+    saves, resumes = [], []
+    for name, device in (("cpu_save", "cpu"), ("device_save", setup.device)):
+        save = (*SAVE_SHAPE, "steps=4", "save.every=2", "save.keep=1")
+        source = "cpu_save" if setup.dry_run else name
+        resume_from = job_dir(setup, source) / "checkpoints" / "step_00000004"
+        saves.append(JobSpec(name, save, budget_s=60, estimate_s=15, device=device, unique=not setup.dry_run))
+        resumes.append(JobSpec(f"{name}_resumed", (*SAVE_SHAPE, "steps=6", f"resume={resume_from}"),
+                               budget_s=60, estimate_s=15, after=source))  # fmt: skip
+    return saves + resumes
+
+
+def limit_jobs(setup: Setup) -> list[JobSpec]:
+    """3 steps at the largest micro-batch the plan says fits the device (the plans job found it), and
+    at the next one up (plan waived)."""
+
+    def micro_batch(extra: int) -> Callable[[Setup], tuple[str, ...]]:
+        found = setup.out / "jobs" / LIMIT_FILE
+        return lambda setup: (
+            *limit_base(setup),
+            f"micro_batch={json.loads(found.read_text())['micro_batch'] + extra}",
+        )
+
+    return [
+        JobSpec("limit_fits", resolve=micro_batch(0), budget_s=90, estimate_s=30, exclusive=True, after="plans"),
+        JobSpec("limit_next", resolve=lambda s: (*micro_batch(1)(s), "plan.enforce=false"), budget_s=90,
+                estimate_s=25, exclusive=True),
+    ]  # fmt: skip
+
+
+def limit_base(setup: Setup) -> tuple[str, ...]:
+    if setup.dry_run:  # CPU has no device limit: a cap stands in for one
+        return (
+            "model=tiny",
+            "precision=bf16",
+            "zero=stage0",
+            "seq_len=256",
+            "steps=2",
+            "device_memory_gib=0.1",
+        )
+    return ("model=1b", "precision=bf16", "zero=stage0", "seq_len=1024", "steps=3", "log_every=1",
+            "telemetry.warmup_steps=1")  # fmt: skip
+
+
+def largest_fitting_micro_batch(setup: Setup, base: tuple[str, ...], limit: int = 4096) -> int:
+    """Doubling, then bisection, on the plan's `fits` (trainer/plan/build.py) for this device."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.cli import register_configs
+    from trainer.config import validate
+    from trainer.plan.build import build_plan
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+
+        def fits(micro_batch: int) -> bool:
+            overrides = [
+                "logger=none",
+                f"device={setup.device}",
+                "nproc=1",
+                *base,
+                f"micro_batch={micro_batch}",
+            ]
+            return bool(build_plan(validate(compose("train", overrides=overrides)), setup.device, 1).fits)
+
+        low, high = 0, 1
+        while high <= limit and fits(high):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+    return max(low, 1)
+
+
+def advisor_predictions(setup: Setup) -> dict[str, dict[str, Any]]:
+    """What mode=advise predicts for each throughput job on an H200 (plan.accelerator=h200: the table's
+    rates, trainer/advise/calibrate.py), its tokens/s and what limits its step; no CUDA is touched."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.advise.advisor import rates_for
+    from trainer.advise.predict import predict_step_tiers
+    from trainer.cli import register_configs
+    from trainer.config import validate
+    from trainer.model.decoder import flops_per_token
+    from trainer.plan import build_plan, plan_comm, planned_device_kind
+
+    register_configs()
+    predictions = {}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for spec in throughput_jobs(setup):
+            overrides = [
+                "logger=none",
+                f"device={setup.device}",
+                "nproc=1",
+                *spec.overrides,
+                "plan.accelerator=h200",
+            ]
+            config = validate(compose("train", overrides=overrides))
+            kind = planned_device_kind(config.plan, config.device)
+            local_numel = max(rank.states.local_numel for rank in build_plan(config, kind, 1).ranks)
+            rates = rates_for(config, 1, [config.micro_batch])
+            flops = flops_per_token(config.model, config.seq_len)
+            step = predict_step_tiers(
+                config, 1, plan_comm(config, 1, backend="nccl"), local_numel, flops, rates, kind
+            )
+            tokens = config.micro_batch * config.grad_accum * config.seq_len
+            predictions[spec.name] = {"tokens_per_s": tokens / step.step_s, "step_s": step.step_s,
+                                      "limiter": step.limiter}  # fmt: skip
+    return predictions
+
+
+def all_jobs(setup: Setup) -> list[JobSpec]:
+    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu
+    tests, which run beside the shared jobs rather than hold the exclusive throughput jobs back
+    (their row waits, the table's order stays)."""
+    environment, gpu_tests, probe, plans = helper_jobs(setup)
+    first_save, *saves = save_jobs(setup)
+    return [
+        environment,
+        *throughput_jobs(setup),
+        *([probe] if not setup.dry_run else []),
+        first_save,
+        gpu_tests,
+        plans,
+        *saves,
+        *fault_jobs(setup),
+        *limit_jobs(setup),
+        JobSpec("oom", oom_overrides(setup)),
+        *comparison_jobs(setup),
+    ]
+
+
+def helper_jobs(setup: Setup) -> list[JobSpec]:
+    """The processes that are not training jobs: the environment, the gpu tests, the headroom probe,
+    and one process for the plans (the largest micro-batch the plan fits, the advisor's predictions)."""
+    dry, jobs = (["--dry-run"] if setup.dry_run else []), setup.out / "jobs"
+    environment = (sys.executable, str(SCRIPT), "--environment", str(jobs / "environment.json"), *dry)
+    gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
+                 "-p", "no:xdist", "-o", "addopts=-ra")  # fmt: skip
+    probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
+    # Planning for the GPU reads its properties, which creates a CUDA context: the plans are made in
+    # a process of their own, and the check's process holds none while jobs run.
+    plans = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(jobs / LIMIT_FILE), "--advise",
+             str(jobs / ADVICE_FILE), *dry)  # fmt: skip
+    return [
+        JobSpec("environment", command=environment, budget_s=30, estimate_s=5),
+        JobSpec("gpu_tests", command=gpu_tests, budget_s=120, estimate_s=60),
+        JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True),
+        JobSpec("plans", command=plans, budget_s=45, estimate_s=10),
+    ]  # fmt: skip
+
+
+def fault_jobs(setup: Setup) -> list[JobSpec]:
+    """fp16's injected overflow at stage0 and stage3, and a NaN loss skipped under offload=cpu."""
+    model, fault = setup.model("125m"), ("fault.kind=inf_grad", "fault.step=3")
+    return [
+        JobSpec("fp16_overflow", (f"model={model}", "precision=fp16", "zero=stage0", *short(setup), *fault)),
+        JobSpec("fp16_sharded", (f"model={model}", "precision=fp16", "zero=stage3", *short(setup), *fault)),
+        JobSpec("offload", (f"model={model}", "precision=bf16", "zero=stage3", "offload=cpu", "nonfinite=skip",
+                            "fault.kind=nan_loss", "fault.step=3", *short(setup)), budget_s=90, estimate_s=25),
+    ]  # fmt: skip
+
+
+def comparison_jobs(setup: Setup) -> list[JobSpec]:
+    """125m stage0 bf16 (the reference, a throughput job) changed in one setting each; the rows compare
+    their losses with the reference's. Compile comes first and shares the GPU: it is judged on
+    losses, and most of its time is inductor compiling on the host, beside the jobs after it."""
+    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
+    model = setup.model("125m")
+    return [
+        JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
+                estimate_s=90),
+        JobSpec("125m_stage0_fp32", (f"model={model}", "precision=fp32", "zero=stage0", *setup.shape())),
+        JobSpec("125m_stage0_again", bf16(setup, "125m", "stage0"), unique=True),
+        JobSpec("ckpt_full", bf16(setup, "125m", "stage0", "checkpointing=full")),
+        JobSpec("ckpt_selective", bf16(setup, "125m", "stage0", "checkpointing=selective")),
+        JobSpec("ckpt_op", bf16(setup, "125m", "stage0", "checkpointing=op")),
+        JobSpec("loss_chunked", bf16(setup, "125m", "stage0", "loss=chunked")),
+        *([JobSpec("attention_efficient", bf16(setup, "125m", "stage0", "attention=efficient"))]
+          if not setup.dry_run else []),  # a CUDA kernel only (trainer/model/attention.py)
+        JobSpec("attention_math", bf16(setup, "125m", "stage0", "attention=math")),
+        JobSpec("grad_accum", bf16(setup, "125m", "stage0", *half_micro_batch(setup), "grad_accum=2")),
+        JobSpec("stage2", bf16(setup, "125m", "stage2")),
+        *([JobSpec("125m_stage0_loop", bf16(setup, "125m", "stage0", "optim.fused=false"), exclusive=True)]
+          if not setup.dry_run else []),  # a timing: nothing to learn from a shared CPU
+    ]  # fmt: skip
+
+
+def schedule_estimate(specs: list[JobSpec], workers: int) -> float:
+    """The check's wall time from the jobs' estimates, scheduled as Scheduler runs them: in order, up
+    to `workers` at once, an exclusive job alone, a job with `after` once that one ended."""
+    ends: dict[str, float] = {}
+    running: list[tuple[float, bool]] = []  # (end, exclusive)
+    clock = 0.0
+    for spec in specs:
+        while running and (spec.exclusive or any(x for _, x in running) or len(running) >= workers):
+            first = min(running)
+            running.remove(first)
+            clock = max(clock, first[0])
+        if spec.after is not None:  # the scheduler's thread waits for it, holding every later job back
+            clock = max(clock, ends.get(spec.after, 0.0))
+        ends[spec.name] = clock + spec.estimate_s
+        running.append((ends[spec.name], spec.exclusive))
+    return max(ends.values(), default=0.0)
+
+
+def half_micro_batch(setup: Setup) -> tuple[str, ...]:
+    """The throughput shape's micro-batch halved: with grad_accum=2, the same global batch."""
+    (micro,) = [o for o in setup.shape() if o.startswith("micro_batch=")]
+    return (f"micro_batch={int(micro.split('=')[1]) // 2}",)
+
+
+def oom_overrides(setup: Setup) -> tuple[str, ...]:
+    """A cap the job cannot fit under, with the plan's refusal waived: GPU, 1b's 16 GiB of states
+    in 2 GiB; dry run, the tiny model's activations at a long sequence in 0.1 GiB."""
+    cap = (
+        ("device_memory_gib=0.1", "micro_batch=32", "seq_len=256")
+        if setup.dry_run
+        else ("device_memory_gib=2",)
+    )
+    return (
+        f"model={setup.model('1b')}",
+        "precision=bf16",
+        "zero=stage0",
+        "plan.enforce=false",
+        "steps=2",
+        *cap,
+    )
+
+
+# ----------------------------------------------------------------------------- helpers run as processes
+
+
+def environment(setup: Setup) -> dict[str, Any]:
+    """Device, torch, CUDA, NCCL, cuDNN, and what the compile row needs: a C compiler, Python's
+    headers, triton (inductor builds C++ on CPU and triton kernels on GPU)."""
+    import importlib.util
+
+    import torch
+
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    triton = importlib.util.find_spec("triton")
+    figures: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "c_compiler": shutil.which(cc.split()[0]) or shutil.which("gcc") or shutil.which("cc"),
+        "python_headers": headers.exists(),
+        "triton": __import__("triton").__version__ if triton is not None else None,
+    }
+    if setup.dry_run:
+        return {**figures, "device": f"cpu ({platform.machine()})"}
+    from trainer.devices import find_device
+
+    name = torch.cuda.get_device_name(0)
+    known = find_device(name)
+    return {
+        **figures,
+        "device": name,
+        "gpus": torch.cuda.device_count(),
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2),
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "cudnn": torch.backends.cudnn.version(),
+        "table": known.short if known else "unknown",
+    }

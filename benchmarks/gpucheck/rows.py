@@ -1,0 +1,189 @@
+"""The GPU check's table of rows in the order they are reported, each a verdict on what its jobs
+left (memory rows in memory.py, loss rows in numerics.py, the rest here), and one row's evaluation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.gpucheck.catalog import ADVICE_FILE, Setup, oom_overrides
+from benchmarks.gpucheck.memory import (
+    check_expandable,
+    check_headroom,
+    check_limit,
+    check_offload_host,
+    check_throughput,
+)
+from benchmarks.gpucheck.numerics import (
+    check_checkpointing,
+    check_compile,
+    check_fp16_overflow,
+    check_offload,
+    check_reproducible,
+    check_same_losses,
+)
+from benchmarks.gpucheck.report import Row
+from benchmarks.gpucheck.scheduler import Job, Scheduler, failed
+
+THROUGHPUT_JOBS = tuple(f"{m}_{s}" for m in ("125m", "1b") for s in ("stage0", "stage3"))
+NOT_REACHED = "not reached by the deadline"
+ADVISOR_FACTOR = 2.0
+"""The advisor's tokens/s may be off the measured by up to this factor either way on the GPU: its
+throughput fit has no point below 7B and none at 700 W, so the row is a data point for the fit
+first; a factor of 2 says a term of the step is missing."""
+
+
+def check_environment(setup: Setup, jobs: dict[str, Job]) -> Row:
+    job = jobs["environment"]
+    if job.status != "ok":
+        return Row("", "fail", {}, failed(job))
+    figures = json.loads((setup.out / "jobs" / "environment.json").read_text())
+    needs = ("c_compiler", "python_headers") + (
+        () if setup.dry_run else ("triton",)
+    )  # inductor on CPU: C++ only
+    missing = [k for k in needs if not figures[k]]
+    note = f"compile needs {', '.join(missing)}" if missing else ""
+    if not setup.dry_run and figures["table"] == "unknown":
+        note = "; ".join(filter(None, [note, "device not in trainer/devices.py: no MFU"]))
+    return Row("", "info", figures, note or ("dry run: CPU" if setup.dry_run else ""))
+
+
+def check_gpu_tests(setup: Setup, jobs: dict[str, Job]) -> Row:
+    job = jobs["gpu_tests"]
+    lines = job.console.splitlines()
+    outcome = lines[-1].strip("= ") if lines else "no output"
+    if setup.dry_run:  # no CUDA: every test is skipped, which is the point of the marker
+        ok = job.status == "ok" and "skipped" in outcome and "failed" not in outcome
+        return Row("", "pass" if ok else "fail", {"pytest": outcome}, "dry run: skipped without CUDA")
+    return Row("", "pass" if job.status == "ok" else "fail", {"pytest": outcome})
+
+
+def check_resumed(setup: Setup, jobs: dict[str, Job]) -> Row:
+    save, resumed = jobs.values()
+    if save.status != "ok":
+        return Row("", "fail", {}, failed(save))
+    figures = {
+        "status": resumed.status,
+        "first_step": resumed.records[0]["step"] if resumed.records else None,
+        "steps_done": resumed.summary.get("steps_done"),
+        "final_loss": round(resumed.losses[-1], 4) if resumed.losses else None,
+    }
+    ok = resumed.status == "ok" and figures["first_step"] == 5 and figures["steps_done"] == 6
+    return Row(
+        "", "pass" if ok else "fail", figures, "resumed at step 5, ended ok" if ok else failed(resumed)
+    )
+
+
+def check_oom(setup: Setup, jobs: dict[str, Job]) -> Row:
+    (job,) = jobs.values()
+    figures = {"status": job.status, "failed_phase": job.summary.get("failed_phase")}
+    cap = next(o for o in oom_overrides(setup) if o.startswith("device_memory_gib"))
+    note = f"{cap}, plan.enforce=false: status oom recorded" if job.status == "oom" else failed(job)
+    return Row("", "pass" if job.status == "oom" else "fail", figures, note)
+
+
+def check_sync_free(setup: Setup, jobs: dict[str, Job]) -> Row:
+    fused, loop = jobs.values()
+    if fused.status != "ok" or loop.status != "ok":
+        return Row("", "fail", {}, failed(loop if loop.status != "ok" else fused))
+    a, b = fused.summary["throughput/tokens_per_s"], loop.summary["throughput/tokens_per_s"]
+    figures = {"fused_deferred_tokens_per_s": round(a, 1), "loop_host_read_tokens_per_s": round(b, 1),
+               "ratio": round(a / b, 3)}  # fmt: skip
+    note = "fused AdamW + device-side skip over per-tensor AdamW + a host read every step"
+    return Row(
+        "",
+        "info",
+        figures,
+        note + ("; dry run: jobs ran side by side, not a timing" if setup.dry_run else ""),
+    )
+
+
+def check_advisor(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """The advisor's predicted tokens/s (plan.accelerator=h200, from the plans job) against each
+    throughput job's measured steady tokens/s; on the GPU each within ADVISOR_FACTOR."""
+    advice = jobs.pop("plans")
+    broken = [failed(job) for job in (advice, *jobs.values()) if job.status != "ok"]
+    if broken:
+        return Row("", "fail", {}, "; ".join(broken))
+    predicted = json.loads((setup.out / "jobs" / ADVICE_FILE).read_text())
+    figures: dict[str, Any] = {}
+    wrong = []
+    for name, job in jobs.items():
+        measured, advised = job.summary["throughput/tokens_per_s"], predicted[name]["tokens_per_s"]
+        ratio = advised / measured
+        figures[name] = {"advised": round(advised, 1), "measured": round(measured, 1), "ratio": round(ratio, 3),
+                         "limiter": predicted[name]["limiter"]}  # fmt: skip
+        if not 1 / ADVISOR_FACTOR <= ratio <= ADVISOR_FACTOR:
+            wrong.append(
+                f"{name}: advised {ratio:.2f}x the measured tokens/s (allowed {ADVISOR_FACTOR:g}x either way)"
+            )
+    if setup.dry_run:  # an H200's figures against a CPU's
+        return Row("", "info", figures, "dry run: an H200's prediction against CPU, not judged")
+    note = "; ".join(wrong) or f"advised tokens/s within {ADVISOR_FACTOR:g}x of measured (h200 table rates)"
+    return Row("", "fail" if wrong else "pass", figures, note)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    jobs: tuple[str, ...]
+    check: Callable[[Setup, dict[str, Job]], Row]
+    gpu_only: bool = False
+
+
+def row_specs() -> list[RowSpec]:
+    """The table, most valuable first (docs/gpu.md says why this order)."""
+    throughput = [
+        RowSpec(f"throughput {n.replace('_', ' bf16 ')}", (n,), check_throughput) for n in THROUGHPUT_JOBS
+    ]
+    return [
+        RowSpec("environment", ("environment",), check_environment),
+        RowSpec("gpu tests", ("gpu_tests",), check_gpu_tests),
+        *throughput,
+        RowSpec("headroom", ("headroom", *THROUGHPUT_JOBS), check_headroom, True),
+        RowSpec("expandable segments", ("headroom",), check_expandable, True),
+        RowSpec("advisor tokens/s (h200)", ("plans", *THROUGHPUT_JOBS), check_advisor),
+        RowSpec("cpu save resumed on the device", ("cpu_save", "cpu_save_resumed"), check_resumed),
+        RowSpec("device save resumed on the device", ("device_save", "device_save_resumed"), check_resumed),
+        RowSpec("fp16 injected overflow", ("fp16_overflow",), check_fp16_overflow),
+        RowSpec("fp16 sharded scaler (stage3)", ("fp16_sharded",), check_fp16_overflow),
+        RowSpec("offload=cpu skips a NaN step", ("offload",), check_offload),
+        RowSpec("offload host memory", ("offload",), check_offload_host),
+        RowSpec("plan at the device limit", ("limit_fits", "limit_next"), check_limit),
+        RowSpec("oom under device_memory_gib", ("oom",), check_oom),
+        RowSpec("fp32 vs bf16 losses", ("125m_stage0", "125m_stage0_fp32"), check_same_losses),
+        RowSpec("bf16 runs reproducible", ("125m_stage0", "125m_stage0_again"), check_reproducible),
+        RowSpec("checkpointing full", ("125m_stage0", "ckpt_full"), check_checkpointing),
+        RowSpec("checkpointing selective", ("125m_stage0", "ckpt_selective"), check_checkpointing),
+        RowSpec("checkpointing op", ("125m_stage0", "ckpt_op"), check_same_losses),
+        RowSpec("loss chunked", ("125m_stage0", "loss_chunked"), check_same_losses),
+        RowSpec("attention efficient (bf16)", ("125m_stage0", "attention_efficient"), check_same_losses, True),
+        RowSpec("attention math (bf16)", ("125m_stage0", "attention_math"), check_same_losses),
+        RowSpec("grad_accum 2", ("125m_stage0", "grad_accum"), check_same_losses),
+        RowSpec("stage2 on one GPU", ("125m_stage0", "stage2"), check_same_losses),
+        RowSpec("sync-free step", ("125m_stage0", "125m_stage0_loop"), check_sync_free, True),
+        RowSpec("compile", ("125m_stage0", "125m_stage0_compile"), check_compile),
+    ]  # fmt: skip
+
+
+def evaluate(setup: Setup, scheduler: Scheduler, spec: RowSpec) -> Row:
+    """One row: skipped when the deadline left a job unstarted, failed with what was killed when a
+    job ran out of time, else the row's own check."""
+    if spec.gpu_only and setup.dry_run:
+        return Row(spec.name, "skip", {}, "dry run: needs CUDA")
+    jobs = {name: scheduler.get(name) for name in spec.jobs}
+    unstarted = [job.name for job in jobs.values() if job.status == "skipped"]
+    if unstarted:
+        return Row(spec.name, "skip", {}, f"{NOT_REACHED}: {', '.join(unstarted)}")
+    for job in jobs.values():
+        if job.status == "timeout":
+            figures = {"job": job.name, "seconds": round(job.seconds, 1), "killed_pids": job.killed,
+                       "survivors": job.survivors}  # fmt: skip
+            last = " / ".join(job.console.splitlines()[-3:])
+            return Row(spec.name, "fail", figures, f"{job.name} killed at its timeout with its {len(job.killed) - 1} "
+                       f"descendants ({len(job.survivors)} survived); last lines: {last}")  # fmt: skip
+    row = spec.check(setup, jobs)
+    row.check = spec.name
+    return row
