@@ -45,6 +45,12 @@ class ReduceDType(str, Enum):
     bf16 = "bf16"
 
 
+class Compression(str, Enum):
+    none = "none"
+    powersgd = "powersgd"
+    topk = "topk"
+
+
 class ReduceEvery(str, Enum):
     micro_batch = "micro_batch"
     step = "step"
@@ -297,10 +303,25 @@ class ZeroConfig:
     """stage2/3 with grad_accum > 1: false keeps every FSDP2 group's parameters unsharded from a micro-batch's
     backward to the next forward (FSDPModule.set_reshard_after_backward(False) on every micro-batch but the
     last), which skips that forward's all-gathers for the memory of the unsharded parameters; true: torch's default."""
+    compression: Compression = Compression.none
+    """stage0/1: DDP communication hook compressing the gradient all-reduce (trainer/rank/compression.py): none,
+    powersgd (torch's powerSGD_hook) or topk (the largest zero.topk_ratio of each gradient, with error feedback)."""
+    powersgd_rank: int = 1
+    """PowerSGDState.matrix_approximation_rank: the rank of each gradient matrix's approximation."""
+    powersgd_start_step: int = 10
+    """PowerSGDState.start_powerSGD_iter: gradient reductions all-reduced exactly before compression starts (>= 2)."""
+    topk_ratio: float = 0.01
+    """Share of each gradient tensor's elements zero.compression=topk sends, in (0, 1]."""
+    sync_every: int = 1
+    """stage0: local SGD (torch's post_localSGD_hook and PeriodicModelAverager) when > 1: after zero.sync_warmup_steps
+    synchronous steps each rank steps on its own gradients and parameters are averaged every this many steps."""
+    sync_warmup_steps: int = 10
+    """zero.sync_every > 1: the first optimizer steps, with gradients all-reduced as usual (start_localSGD_iter)."""
 
     def __post_init__(self) -> None:
         self.check_groups()
         self.check_reshard_after_backward()
+        self.check_compression()
         if self.bucket_cap_mb is None:
             return
         _require(self.bucket_cap_mb > 0, f"zero.bucket_cap_mb must be > 0 or null, got {self.bucket_cap_mb}")
@@ -336,6 +357,51 @@ class ZeroConfig:
             self.hpz_ranks is None,
             "zero.reshard_after_backward=false with zero.hpz_ranks is not planned: hpZ's secondary shards and blocks "
             "kept whole between micro-batches are not modelled together; use zero.hpz_ranks=null or zero.reshard_after_backward=true",
+        )
+
+    def check_compression(self) -> None:
+        """The ranges of the compression keys, then what composes: each method is a DDP communication hook,
+        and DDP takes one (zero.reduce_dtype=bf16 is torch's bf16_compress_hook)."""
+        _require(0 < self.topk_ratio <= 1, f"zero.topk_ratio must be in (0, 1], got {self.topk_ratio}")
+        _require(self.powersgd_rank >= 1, f"zero.powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        _require(
+            self.powersgd_start_step >= 2,
+            f"zero.powersgd_start_step must be >= 2 (torch's PowerSGD with error feedback starts after DDP rebuilds "
+            f"its buckets), got {self.powersgd_start_step}",
+        )
+        _require(self.sync_every >= 1, f"zero.sync_every must be >= 1, got {self.sync_every}")
+        _require(
+            self.sync_warmup_steps >= 0, f"zero.sync_warmup_steps must be >= 0, got {self.sync_warmup_steps}"
+        )
+        methods = (
+            [f"zero.compression={self.compression.value}"] if self.compression != Compression.none else []
+        )
+        methods += [f"zero.sync_every={self.sync_every}"] if self.sync_every > 1 else []
+        if not methods:
+            return
+        _require(
+            not self.uses_fsdp,
+            f"{methods[0]} hooks DDP's gradient all-reduce (zero=stage0 or stage1), got zero={self.stage.value}; "
+            "allowed there: zero.compression=none, zero.sync_every=1",
+        )
+        hooks = methods + (["zero.reduce_dtype=bf16"] if self.reduce_dtype == ReduceDType.bf16 else [])
+        _require(
+            len(hooks) == 1,
+            f"{' and '.join(hooks)} are each a DDP communication hook and DDP takes one: choose one",
+        )
+        if self.sync_every > 1:
+            self.check_local_sgd()
+
+    def check_local_sgd(self) -> None:
+        _require(
+            self.stage == Stage.stage0,
+            f"zero.sync_every={self.sync_every} (local SGD) needs zero=stage0: under stage1 each rank steps one "
+            "partition and broadcasts it, so no rank ever steps alone; use zero.sync_every=1",
+        )
+        _require(
+            self.reduce_every == ReduceEvery.step,
+            f"zero.sync_every={self.sync_every} needs zero.reduce_every=step: post_localSGD_hook counts its warm-up in "
+            "reductions, PeriodicModelAverager in optimizer steps",
         )
 
     @property

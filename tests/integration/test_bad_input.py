@@ -27,6 +27,15 @@ CASES = [
     (["zero=stage3", "zero.shard_ranks=4", "nproc=2"], "zero.shard_ranks=4 is larger than the world", "1, 2"),
     (["zero=stage3", "zero.shard_ranks=3", "nproc=4"], "zero.shard_ranks=3 must divide", "1, 2, 4"),
     (["zero=stage2", "zero.hpz_ranks=2"], "zero.hpz_ranks", "needs zero=stage3"),
+    (["zero=stage3", "zero.compression=powersgd"], "zero.compression=powersgd", "zero.compression=none"),
+    (["zero.topk_ratio=0"], "zero.topk_ratio", "(0, 1]"),
+    (["zero.topk_ratio=2"], "zero.topk_ratio", "(0, 1]"),
+    (["zero.compression=gzip"], "zero.compression=gzip", "none, powersgd, topk"),
+    (
+        ["zero.compression=topk", "zero.sync_every=4"],
+        "zero.compression=topk and zero.sync_every=4",
+        "choose one",
+    ),
     (
         ["zero=stage1", "zero.reshard_after_backward=false"],
         "zero.reshard_after_backward=false",

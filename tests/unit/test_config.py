@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import (
     CheckpointingConfig,
+    Compression,
     ConfigError,
     DataConfig,
     DataKind,
@@ -14,6 +15,8 @@ from trainer.config import (
     ModelConfig,
     OffloadConfig,
     OffloadTarget,
+    ReduceDType,
+    ReduceEvery,
     Stage,
     TrainConfig,
     ZeroConfig,
@@ -52,6 +55,19 @@ def test_bad_top_level_values_name_the_key(kwargs: dict, key: str) -> None:
         (lambda: DataConfig(kind=DataKind.tokens, path=None), "data.path"),
         (lambda: ZeroConfig(bucket_cap_mb=0.0), "zero.bucket_cap_mb must be > 0"),
         (lambda: ZeroConfig(stage=Stage.stage3, bucket_cap_mb=10.0), "zero.bucket_cap_mb applies to DDP"),
+        (lambda: ZeroConfig(powersgd_rank=0), "zero.powersgd_rank must be >= 1"),
+        (lambda: ZeroConfig(powersgd_start_step=1), "zero.powersgd_start_step must be >= 2"),
+        (lambda: ZeroConfig(sync_every=0), "zero.sync_every must be >= 1"),
+        (lambda: ZeroConfig(stage=Stage.stage2, sync_every=4), "zero.sync_every=4 hooks DDP"),
+        (lambda: ZeroConfig(stage=Stage.stage1, sync_every=4), "needs zero=stage0: under stage1"),
+        (
+            lambda: ZeroConfig(sync_every=4, reduce_every=ReduceEvery.micro_batch),
+            "zero.sync_every=4 needs zero.reduce_every=step",
+        ),
+        (
+            lambda: ZeroConfig(compression=Compression.powersgd, reduce_dtype=ReduceDType.bf16),
+            "zero.compression=powersgd and zero.reduce_dtype=bf16",
+        ),
     ],
 )
 def test_bad_group_values_name_the_key(build, key: str) -> None:

@@ -52,7 +52,15 @@ from trainer.plan.build import (
     summary_fields,
     write_plan,
 )
-from trainer.plan.comm import COLLECTIVES, CommPlan, forward_gathers, plan_comm, reductions
+from trainer.plan.comm import (
+    COLLECTIVES,
+    MIN_COMPRESSION_RATE,
+    CommPlan,
+    forward_gathers,
+    plan_comm,
+    reductions,
+    topk_count,
+)
 from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
@@ -88,6 +96,8 @@ __all__ = [
     "host_refusal",
     "model_shape",
     "plan_comm",
+    "topk_count",
+    "MIN_COMPRESSION_RATE",
     "planned_device_kind",
     "planned_world_size",
     "refusal",

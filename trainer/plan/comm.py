@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import DType, ReduceDType, ReduceEvery, Stage, TrainConfig
+from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
@@ -58,6 +58,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 PARAM_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
 REDUCE_BYTES = {ReduceDType.fp32: 4, ReduceDType.bf16: 2}
 MASTER_BYTES = 4  # fp32 master weights, what ZeroRedundancyOptimizer broadcasts
+MIN_COMPRESSION_RATE = 2.0
+"""PowerSGDState's default min_compression_rate, which trainer/rank/compression.py passes: a matrix is
+compressed only where (n + m) * rank * rate < n * m (powerSGD_hook.py `_should_compress`)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     if config.zero.uses_fsdp:
         by_group = fsdp_group_moves(config, shape, groups)
     else:
-        by_group = {"world": ddp_moves(config, shape)}
+        by_group = {"world": ddp_moves(config, shape, world_size)}
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     plans = {}
     for name, moves in by_group.items():
@@ -160,7 +163,7 @@ def forward_gathers(config: TrainConfig) -> int:
     return 1 if not config.zero.reshard_after_backward else config.grad_accum
 
 
-def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
+def ddp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
     """DDP's bucketed all-reduce per reduction; ZeRO-1 adds one broadcast per parameter."""
     numel = shape.num_params
     # How many all-reduces (to size the flight recorder): DDP fills its small first bucket, then
@@ -169,7 +172,10 @@ def ddp_moves(config: TrainConfig, shape: ModelShape) -> list[Move]:
     cap_mb = config.zero.bucket_cap_mb or ddp_default_bucket_cap_mb()
     buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
     times = reductions(config)
-    moves = [("all_reduce", times * numel * REDUCE_BYTES[config.zero.reduce_dtype], times * buckets)]
+    moves = [
+        (kind, times * payload, times * calls * buckets)
+        for kind, payload, calls in gradient_moves(config, shape, world_size)
+    ]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
     return moves
@@ -211,3 +217,38 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
             )
         ]
     return moves
+
+
+def gradient_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
+    """DDP's gradient communication of one reduction, per bucket calls, after any warm-up (trainer/rank/compression.py).
+
+    none: every gradient all-reduced in zero.reduce_dtype. powersgd: per bucket three all-reduces (the
+    uncompressed tensors, concatenated; every compressed matrix's P, n x r; then its Q, m x r). topk: per
+    bucket one all-gather of each rank's values and int32 indices, ceil(ratio * numel) of each gradient.
+    sync_every=N: no gradient traffic; the parameters' fp32 all-reduce every N steps, here per step
+    (rounded; one call, not per bucket, counted per bucket here only to size the recorder).
+    """
+    zero, numel = config.zero, shape.num_params
+    if zero.compression == Compression.powersgd:
+        kept = sum(powersgd_elements(s, zero) for s in shape.order)
+        return [("all_reduce", 4 * kept, 3)]
+    if zero.compression == Compression.topk:
+        sent = sum(topk_count(math.prod(s), zero.topk_ratio) for s in shape.order)
+        return [("all_gather", world_size * 2 * 4 * sent, 1)]
+    if zero.sync_every > 1:
+        return [("all_reduce", round(4 * numel / zero.sync_every), 1)]
+    return [("all_reduce", numel * REDUCE_BYTES[zero.reduce_dtype], 1)]
+
+
+def powersgd_elements(tensor: tuple[int, ...], zero: ZeroConfig) -> int:
+    """Elements powerSGD_hook all-reduces for one gradient: viewed as n x m (dim 0 by the rest), P and Q
+    (n * r + m * r, r = min(n, m, rank)) where that pays by MIN_COMPRESSION_RATE, else the tensor itself."""
+    n = tensor[0]
+    m = math.prod(tensor) // n
+    r = min(n, m, zero.powersgd_rank)
+    return (n + m) * r if (n + m) * r * MIN_COMPRESSION_RATE < n * m else n * m
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """Elements TopK sends of a gradient of `numel` (the hook calls this too): at least one."""
+    return max(1, math.ceil(ratio * numel))

@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, Stage, ZeroConfig
 from trainer.private_apis.of_torch import found_inf_per_device, set_last_lr
+from trainer.rank.compression import apply_local_sgd
 from trainer.rank.trainee import local_optimizer
 
 
@@ -30,7 +31,7 @@ def build_optimizer(
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
-    return torch.optim.AdamW(model.parameters(), **kwargs)
+    return apply_local_sgd(torch.optim.AdamW(model.parameters(), **kwargs), zero)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from trainer.config import (
 )
 from trainer.model.decoder import materialize
 from trainer.plan import ShardGroups, shard_groups
+from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
 from trainer.world import World
 
@@ -61,6 +62,7 @@ def apply_zero(
     if zero.reduce_dtype == ReduceDType.bf16:
         # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
         ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    apply_compression(ddp, zero)  # zero.compression or local SGD: another hook (never with bf16's)
     return ddp
 
 

@@ -25,7 +25,8 @@ class Trainee:
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's `.optim`, else itself.
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer's or PostLocalSGDOptimizer's
+    (zero.sync_every > 1) `.optim`, else itself.
 
     `.optim` is a plain AdamW over this rank's partition, holding the same Parameter objects as
     the model: what tensor tracking (trainer/telemetry/memory.py), the state-bytes figures
@@ -34,6 +35,7 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
     # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    wrappers = (ZeroRedundancyOptimizer, PostLocalSGDOptimizer)
+    return optimizer.optim if isinstance(optimizer, wrappers) else optimizer

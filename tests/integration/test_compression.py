@@ -1,0 +1,157 @@
+"""Gradient compression and local SGD on 2 gloo ranks at stage0: the flight recorder's bytes equal the
+plan's (trainer/plan/comm.py) for each method, and the identities a wrong hook breaks.
+
+One 2-rank process group runs every case in turn (a fresh trainee each); rank 0 writes what it
+measured to a JSON file the tests below read.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.helpers import free_port, torchrun_env
+from trainer.config import Compression, DeviceKind, Stage, TrainConfig, ZeroConfig
+from trainer.plan.comm import plan_comm
+from trainer.plan.states import model_shape
+from trainer.telemetry.comm import WindowReader, window_figures
+
+WORLD = 2
+START = 2  # zero.powersgd_start_step and zero.sync_warmup_steps: the first two reductions are exact
+SYNC_EVERY = 4
+LOSS_STEPS = 8
+FULL_RANK = 4096  # no lower than any matrix's smaller side in the tiny model (dim 128, vocab 512)
+METHODS = {
+    "none": {},
+    "powersgd": {"compression": Compression.powersgd, "powersgd_rank": 2},
+    "topk": {"compression": Compression.topk, "topk_ratio": 0.01},
+    "sync_every": {"sync_every": SYNC_EVERY},
+}
+
+
+def make_config(steps: int = 8, **zero: Any) -> TrainConfig:
+    zero = {"powersgd_start_step": START, "sync_warmup_steps": START, **zero}
+    return TrainConfig(
+        zero=ZeroConfig(stage=Stage.stage0, **zero),
+        micro_batch=2,
+        seq_len=16,
+        steps=steps,
+        device=DeviceKind.cpu,
+        nproc=str(WORLD),
+        log_every=1,
+    )
+
+
+def run_case(config: TrainConfig, world: Any, warm: int, measured: int) -> dict[str, Any]:
+    """`warm` steps, then `measured` steps read back from the flight recorder; every step's loss."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    losses = [
+        train_step(trainee, batches, config, world, step, guard).loss.item() for step in range(1, warm + 1)
+    ]
+    reader = WindowReader()
+    for step in range(warm + 1, warm + measured + 1):
+        losses.append(train_step(trainee, batches, config, world, step, guard).loss.item())
+    result = {"figures": window_figures(reader.take()), "losses": losses}
+    del trainee
+    gc.collect()
+    return result
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(torchrun_env(rank, WORLD, port))
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "4000"  # every collective of a case's measured steps
+    import trainer.rank.compression as compression
+    from trainer.world import init_world, shutdown_world
+
+    world = init_world("cpu")
+    results: dict[str, Any] = {}
+    # DDP rebuilds its buckets after the first step: three steps before measuring, as in test_comm.py.
+    for name, zero in METHODS.items():
+        results[name] = run_case(make_config(**zero), world, warm=3, measured=1)
+    results["sync_every window"] = run_case(
+        make_config(**METHODS["sync_every"]), world, warm=START, measured=4
+    )
+    results["none long"] = run_case(make_config(), world, warm=0, measured=LOSS_STEPS)
+    results["topk full"] = run_case(
+        make_config(compression=Compression.topk, topk_ratio=1.0), world, warm=0, measured=LOSS_STEPS
+    )
+    # Every matrix compressed, 1-D tensors too (as n x 1): otherwise a rank this high never pays and
+    # powerSGD_hook would all-reduce every tensor uncompressed.
+    compression.MIN_COMPRESSION_RATE = 0.0
+    full = make_config(compression=Compression.powersgd, powersgd_rank=FULL_RANK)
+    results["powersgd full"] = run_case(full, world, warm=0, measured=LOSS_STEPS)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    shutdown_world()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("compression") / "measured.json"
+    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD)
+    return json.loads(out.read_text())
+
+
+LOOP_BYTES = 4 * (WORLD + 2)  # the loop's non-finite and stop agreement per step (test_comm.py loop_bytes)
+
+
+@pytest.mark.parametrize("method", ["none", "powersgd", "topk"])
+def test_measured_bytes_are_the_plans(measured: dict[str, Any], method: str) -> None:
+    """Acceptance 1: one step after the warm-up moves what the plan says, by kind of collective."""
+    planned = plan_comm(make_config(**METHODS[method]), WORLD, backend="gloo").bytes_by_collective
+    got = measured[method]["figures"]
+    assert got["all_reduce"] - LOOP_BYTES == planned["all_reduce"]
+    assert (got["all_gather"], got["broadcast"], got["other"]) == (planned["all_gather"], 0, 0)
+
+
+def test_compression_moves_fewer_bytes(measured: dict[str, Any]) -> None:
+    """PowerSGD at rank 2 and TopK at 1% move a small part of the fp32 gradient's bytes."""
+    gradient = 4 * model_shape(make_config().model).num_params
+    powersgd = measured["powersgd"]["figures"]["all_reduce"] - LOOP_BYTES
+    topk = measured["topk"]["figures"]["all_gather"]
+    assert measured["none"]["figures"]["all_reduce"] - LOOP_BYTES == gradient
+    assert powersgd < gradient / 10 and topk < gradient / 10
+
+
+def test_sync_every_4_moves_a_quarter_of_the_parameter_bytes(measured: dict[str, Any]) -> None:
+    """Acceptance 4: after the warm-up, four steps of local SGD all-reduce the fp32 parameters once:
+    a quarter of synchronous training's gradient bytes per step, and the plan's per-step figure."""
+    config = make_config(**METHODS["sync_every"])
+    params = 4 * model_shape(config.model).num_params
+    window = measured["sync_every window"]["figures"]
+    moved = window["all_reduce"] - SYNC_EVERY * LOOP_BYTES
+    assert moved == params
+    assert moved == SYNC_EVERY * plan_comm(config, WORLD, backend="gloo").bytes_by_collective["all_reduce"]
+    assert measured["sync_every"]["figures"]["all_reduce"] == LOOP_BYTES  # a step without the average
+
+
+def test_topk_of_everything_is_the_all_reduce(measured: dict[str, Any]) -> None:
+    """Acceptance 3: zero.topk_ratio=1.0 sends every element: the losses of `none` within 1e-6."""
+    none = measured["none long"]["losses"]
+    topk = measured["topk full"]["losses"]
+    assert len(topk) == LOSS_STEPS and none[-1] < none[0]
+    assert max(abs(a - b) for a, b in zip(none, topk)) < 1e-6
+
+
+def test_powersgd_at_full_rank_is_the_all_reduce(measured: dict[str, Any]) -> None:
+    """Acceptance 3: every matrix approximated at a rank no lower than its smaller side (from step 3)
+    reproduces the gradient: the losses of `none` within 1e-4; it did compress (P and Q of full rank
+    are more bytes than the gradient)."""
+    none = measured["none long"]["losses"]
+    full = measured["powersgd full"]
+    assert max(abs(a - b) for a, b in zip(none, full["losses"])) < 1e-4
+    assert full["figures"]["all_reduce"] > LOSS_STEPS * 4 * model_shape(make_config().model).num_params
