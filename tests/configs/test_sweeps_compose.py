@@ -48,7 +48,10 @@ def test_every_point_of_the_sweep_composes_and_validates(name: str) -> None:
         assert to_plain(validate(cfg)) == OmegaConf.to_container(cfg, resolve=True)
         for override in point:  # a group's option was chosen, a key's value set
             key, value = override.split("=")
-            assert (choices[key] if key in choices else str(cfg[key])) == value
+            got = (
+                choices[key] if key in choices else OmegaConf.select(cfg, key)
+            )  # a dotted key: zero.compression
+            assert str(getattr(got, "value", got)) == value  # an enum key's value is its member
 
 
 @pytest.mark.parametrize("name", SWEEPS)
