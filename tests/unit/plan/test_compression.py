@@ -1,0 +1,42 @@
+"""The plan's bytes of gradient compression and local SGD (trainer/plan/comm.py), against the rules of
+torch's powerSGD_hook and our TopK hook worked by hand on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+from trainer.config import Compression, DeviceKind, TrainConfig, ZeroConfig
+from trainer.plan.comm import plan_comm, powersgd_elements, topk_count
+from trainer.plan.states import model_shape
+
+
+def config(**zero: object) -> TrainConfig:
+    return TrainConfig(zero=ZeroConfig(**zero), device=DeviceKind.cpu, nproc="2")
+
+
+def test_powersgd_compresses_a_matrix_only_where_it_pays_twice() -> None:
+    rank1 = ZeroConfig(compression=Compression.powersgd, powersgd_rank=1)
+    assert powersgd_elements((512, 128), rank1) == 512 + 128  # P (512 x 1) and Q (128 x 1)
+    assert powersgd_elements((128,), rank1) == 128  # 1-D: n x 1, (n + 1) * 2 > n: sent whole
+    at_par = ZeroConfig(compression=Compression.powersgd, powersgd_rank=32)
+    assert (
+        powersgd_elements((128, 128), at_par) == 128 * 128
+    )  # 256 * 32 * 2 = 128 * 128: not below, sent whole
+    assert powersgd_elements((128, 128), ZeroConfig(powersgd_rank=31)) == 256 * 31
+
+
+def test_topk_sends_at_least_one_element_of_each_gradient() -> None:
+    assert (topk_count(128, 0.01), topk_count(65536, 0.01), topk_count(10, 1.0)) == (2, 656, 10)
+
+
+def test_topk_gathers_values_and_indices_from_every_rank() -> None:
+    shapes = model_shape(config().model).order
+    sent = sum(math.ceil(0.01 * math.prod(s)) for s in shapes)
+    planned = plan_comm(config(compression=Compression.topk), 2, backend="gloo").bytes_by_collective
+    assert planned == {"all_reduce": 0, "all_gather": 2 * 8 * sent, "reduce_scatter": 0, "broadcast": 0}
+
+
+def test_local_sgd_plans_the_parameter_average_spread_over_its_period() -> None:
+    exact = plan_comm(config(), 2, backend="gloo").bytes_by_collective["all_reduce"]
+    local = plan_comm(config(sync_every=4), 2, backend="gloo").bytes_by_collective["all_reduce"]
+    assert 4 * local == exact == 4 * model_shape(config().model).num_params
