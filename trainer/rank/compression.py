@@ -51,8 +51,9 @@ def apply_compression(ddp: DistributedDataParallel, zero: ZeroConfig) -> None:
 def serial_powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """powerSGD_hook, finished before the next bucket's hook starts (gloo).
 
-    powerSGD_hook issues its P and Q all-reduces from the callbacks of the one before. NCCL's futures
-    run those callbacks in the issuing thread, so every rank issues in bucket order; gloo's run them
+    powerSGD_hook issues its P and Q all-reduces from the callbacks of the one before. NCCL marks its
+    futures complete once a collective is enqueued on the stream, so those callbacks run at once in the
+    issuing thread and every rank issues in bucket order; gloo completes them, and runs the callbacks,
     on its worker threads, racing the next bucket's first all-reduce from autograd, so two ranks can
     issue different collectives under the same sequence number (gloo aborts: size mismatch).
     """
