@@ -556,9 +556,19 @@ class PlanConfig:
     host_memory_gib: float | None = None
     """Host memory of each node, for a plan made for another machine (null: this host's available memory
     when the job runs here, else unknown and only the need is printed)."""
+    network_bus_gbps: float | None = None
+    """mode=advise with plan.accelerator: a cluster's own bus bandwidth across nodes, GB/s, as nccl-tests'
+    all_reduce_perf reports it over whole nodes (null: the node's NICs, trainer/advise/calibrate.py)."""
+    nvlink_bus_gbps: float | None = None
+    """mode=advise with plan.accelerator: the bus bandwidth inside a node, GB/s, as nccl-tests reports it on
+    one node (null: trainer/advise/calibrate.py's figure for the accelerator)."""
 
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
+
+        for key in ("network_bus_gbps", "nvlink_bus_gbps"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"plan.{key} must be > 0 (GB/s) or null, got {value}")
 
         _require(
             self.cpu_rank_runtime_gib >= 0,

@@ -258,6 +258,16 @@ def union_window(phases: set[str], windows: dict[str, float]) -> float:
     return sum(windows[phase] for phase in phases)
 
 
+def group_ranks_per_node(name: str, comm: CommPlan, config: TrainConfig, world_size: int) -> int:
+    """How many of a node's ranks a group holds (trainer/plan/groups.py): shard, hpz and world groups are
+    consecutive ranks, a replicate group takes one rank of each shard group (one a node unless a shard
+    group is smaller than a node)."""
+    per_node = world_size // config.nodes
+    if name == "replicate":
+        return max(1, per_node // comm.groups["shard"].ranks)
+    return min(comm.groups[name].ranks, per_node)
+
+
 def predict_step_tiers(
     config: TrainConfig,
     world_size: int,
@@ -268,10 +278,12 @@ def predict_step_tiers(
     device_kind: str = "cpu",
 ) -> StepTime:
     """The step time with each process group's collectives on its own link (comm.groups: intra-node at
-    NVLink's bandwidth, network at the network's, where `rates.link_bus_bytes_per_s` has both), and the
-    collectives that share a link serialised on it before overlap is credited (module docstring):
+    NVLink's bandwidth, network at the node's NICs' share the group holds, where `rates.link_bus_bytes_per_s`
+    has both), and the collectives that share a link serialised on it before overlap is credited (module
+    docstring):
 
-        W_c   = B_c · f(n_group) / busbw(link)           each collective in its group of n_group ranks
+        W_c   = B_c · f(n_group) / busbw(link, g)        each collective in its group of n_group ranks, g of
+                them on each node: across nodes busbw = min(NVLink, node NICs' busbw · g / ranks per node)
         E_l   = max(Σ_c max(W_c / L, W_c − window_c),  Σ_c W_c − window_l)   per link l (window_l: the
                 union of its collectives' windows; without overlap E_l = Σ_c W_c)
         E     = Σ_l E_l
@@ -302,7 +314,7 @@ def predict_step_tiers(
                 continue
             factor, kind = wire_factor(collective, group.ranks)
             bus = (
-                rates.link_bus_bytes_per_s[group.link]
+                rates.group_bus_bytes_per_s(group.link, group_ranks_per_node(name, comm, config, world_size))
                 if rates.link_bus_bytes_per_s
                 else bandwidth(rates, kind, collective, config.zero, config.precision)
             )
