@@ -43,6 +43,7 @@ from trainer.config import (
 from trainer.model.decoder import flops_per_token
 from trainer.plan import Plan, build_plan, device_memory, plan_comm
 from trainer.plan.groups import LINKS, shard_groups
+from trainer.plan.refusal import cause_of
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
@@ -85,6 +86,8 @@ class Candidate:
         0  # what must fit: on a GPU the allocator's reserved memory (trainer/plan/headroom.py)
     )
     tie: bool = False  # within the model's error of the fastest that fits (`rank`)
+    device_fits: bool | None = None  # the device alone, with headroom
+    peak_parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the worst rank's peak by kind
 
     def moving_parts(self) -> tuple[str, ...]:
         """What the configuration adds to plain FSDP2/DDP that can go wrong or change the result: a tie
@@ -316,6 +319,8 @@ def evaluate(
         plan.host.need_bytes,
         plan.host_fits,
         reserved,
+        device_fits=device_fits,
+        peak_parts=dict(plan.worst.peak.parts),
     )
 
 
@@ -453,10 +458,21 @@ def format_advice(
         smallest = min(candidates, key=lambda c: c.reserved_bytes)
         lines.append(
             f"    nothing fits: the smallest is {smallest.reserved_bytes / GIB:.1f} GiB {reserved} ({smallest.label()}); "
-            "try a smaller model, more ranks, a global batch with fewer sequences per rank, or advise.headroom"
+            f"{nothing_fits_cause(candidates)}; or advise.headroom"
         )
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines)
+
+
+def nothing_fits_cause(candidates: list[Candidate]) -> str:
+    """What binds when nothing fits: the node's host where some candidate fits its devices, else the
+    largest part of the smallest candidate's peak (trainer/plan/refusal.py `cause_of`)."""
+    host_bound = [c for c in candidates if c.device_fits is not False and c.host_fits is False]
+    if host_bound:
+        least = min(host_bound, key=lambda c: c.host_bytes)
+        return cause_of(least.peak_parts, True, False, least.host_bytes)
+    smallest = min(candidates, key=lambda c: c.reserved_bytes)
+    return cause_of(smallest.peak_parts, False, smallest.host_fits, smallest.host_bytes)
 
 
 def host_note(candidates: list[Candidate]) -> str:
