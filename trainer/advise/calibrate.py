@@ -66,6 +66,8 @@ class Rates:
     its process group crosses; None: every group at `bus_bytes_per_s` (this host: one link, measured).
     The network's is a collective's over whole nodes; a group with fewer of a node's ranks gets its share
     (`group_bus_bytes_per_s`)."""
+    host_memory_bytes_per_s: float | None = None
+    """The host's memory rate for offload=cpu's gradient accumulation on the CPU (None: HOST_MEMORY_BYTES_PER_S)."""
     gpus_per_node: int = 1
     tie_tolerance: float = 0.10
     """How far apart two predicted tokens/s may be and still be a tie (fractions of the faster): a named
@@ -196,6 +198,9 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
 ADAM_BYTES_PER_PARAM = 28  # fused/foreach AdamW reads fp32 param, grad, m, v and writes param, m, v
 HBM_EFFICIENCY = 0.8
 HOST_ADAM_PARAMS_PER_S = 5e8  # assumption: torch's CPU AdamW on a GPU server's host, for offload=cpu
+HOST_MEMORY_BYTES_PER_S = (
+    1e10  # assumption: a rank's CPU add (read two fp32, write one) on a GPU server's host
+)
 
 
 def advisor_accelerator(name: str) -> str:

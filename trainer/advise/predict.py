@@ -26,7 +26,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/test_pre
         trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
         at least one block's share (W_c / L) is always exposed (the first gather, the last bucket)
     optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
-    offload transfers          X = (B_all_gather + B_reduce_scatter) / n / pcie   (each rank's shards, once per collective)
+    offload transfers          X = (4/p · B_all_gather + 4/r · B_reduce_scatter) / n / pcie + (k − 1) · 12 · local_numel / host
+        (each rank's fp32 shards, once per collective: p, r the bytes of the compute and reduce dtypes;
+        k reductions a step, each after the first a blocking copy and a CPU add, FSDP2's foreach_reduce)
     step                       S = C + E + O + X;  tokens/s = global_batch · seq_len / S
     MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
 """
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trainer.advise.calibrate import Rates
+from trainer.advise.calibrate import HOST_MEMORY_BYTES_PER_S, Rates
 from trainer.config import (
     CheckpointingConfig,
     CheckpointMode,
@@ -52,7 +54,7 @@ from trainer.config import (
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan import LINKS, CommPlan, model_shape
-from trainer.plan.comm import forward_gathers, reductions
+from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES, forward_gathers, reductions
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -223,14 +225,28 @@ def predict_step(
     adam_rate = (
         rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
     )
-    offload_s = (
-        (comm_bytes.get("all_gather", 0) + comm_bytes.get("reduce_scatter", 0))
-        / world_size
-        / rates.offload_bytes_per_s
-        if offload
-        else 0.0
-    )  # type: ignore[operator]
+    offload_s = offload_seconds(config, comm_bytes, world_size, local_numel, rates) if offload else 0.0
     return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)
+
+
+def offload_seconds(
+    config: TrainConfig, comm_bytes: dict[str, int], world_size: int, local_numel: int, rates: Rates
+) -> float:
+    """offload=cpu as FSDP2's CPUOffloadPolicy runs it (torch/distributed/fsdp/_fully_shard): every
+    all-gather first copies the rank's fp32 shard to the GPU (_fsdp_param.py `all_gather_inputs`), every
+    reduction copies the fp32 gradient shard back (foreach_reduce casts the reduce-scatter output to the
+    parameter dtype first), and every reduction after the first in a step, a blocking copy, is added to
+    the held gradient on the CPU: 12 bytes per element at the host's memory rate."""
+    assert rates.offload_bytes_per_s is not None
+    up = comm_bytes.get("all_gather", 0) * 4 / PARAM_BYTES[config.precision.compute_dtype]
+    down = comm_bytes.get("reduce_scatter", 0) * 4 / REDUCE_BYTES[config.zero.reduce_dtype]
+    adds = (
+        (reductions(config) - 1)
+        * local_numel
+        * 12
+        / (rates.host_memory_bytes_per_s or HOST_MEMORY_BYTES_PER_S)
+    )
+    return (up + down) / world_size / rates.offload_bytes_per_s + adds
 
 
 # ----------------------------------------------------------------------------- tiers and shared links

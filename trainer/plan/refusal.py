@@ -120,7 +120,8 @@ def fitting_changes(plan: Plan, bases: list[tuple[str, dict[str, Any]]]) -> list
         for text, changes, world_size in single_changes(
             _changed(c, **base), plan.world_size, plan.device_kind
         ):
-            kind = text.split("=")[0]
+            # The first micro-batch or world size that fits is enough, and a pair is one either way round.
+            kind = frozenset(word.split("=")[0] for word in f"{base_text}{text}".split())
             if kind in seen or text in base_text:
                 continue
             option = build_plan(_changed(c, **base, **changes), plan.device_kind, world_size)

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from trainer.advise.advisor import Candidate, advise, rank
 from trainer.advise.calibrate import accelerator_rates
-from trainer.advise.predict import StepTime
+from trainer.advise.predict import StepTime, predict_step
 from trainer.cli import register_configs
 from trainer.config import ConfigError, DType, PlanConfig, TrainConfig, validate
 from trainer.plan import INTRA_NODE, NETWORK, device_memory, plan_comm
@@ -113,3 +113,18 @@ def test_one_rank_plans_no_collectives() -> None:
         config = composed("mode=plan", f"zero={stage}", "nproc=1")
         assert plan_comm(config, 1).total == 0
     assert plan_comm(composed("mode=plan", "zero=stage3", "nproc=2"), 2).total > 0
+
+
+def test_offload_moves_fp32_shards_and_adds_every_accumulated_reduction_on_the_host() -> None:
+    """bf16 compute, bf16 reduction, 4 micro-batches each reducing: the fp32 shards move both ways (twice
+    the bf16 payloads), and 3 of the 4 reductions are added to the held gradient on the CPU."""
+    config = composed(
+        "mode=plan", "zero=stage3", "precision=bf16", "zero.reduce_dtype=bf16", "offload=cpu", "grad_accum=4",
+        "zero.reduce_every=micro_batch", "nproc=4",
+    )  # fmt: skip
+    rates = dataclasses.replace(
+        accelerator_rates("h100", DType.bfloat16, 4), offload_bytes_per_s=5e10, host_memory_bytes_per_s=1e10
+    )
+    comm = {"all_gather": 8 * 10**8, "reduce_scatter": 4 * 10**8}
+    step = predict_step(config, 4, comm, 10**7, 1e6, rates, "cuda")
+    assert step.offload_s == pytest.approx((2 * 8e8 + 2 * 4e8) / 4 / 5e10 + 3 * 12 * 1e7 / 1e10)
