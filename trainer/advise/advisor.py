@@ -82,9 +82,8 @@ class Candidate:
     limiter: str
     host_bytes: int = 0  # host memory of a node (trainer/plan/host.py)
     host_fits: bool | None = None  # None: the host's memory is unknown
-    reserved_bytes: int = (
-        0  # what must fit: on a GPU the allocator's reserved memory (trainer/plan/headroom.py)
-    )
+    # What must fit: on a GPU the allocator's reserved memory (trainer/plan/headroom.py), else the peak.
+    reserved_bytes: int = 0
     tie: bool = False  # within the model's error of the fastest that fits (`rank`)
     device_fits: bool | None = None  # the device alone, with headroom
     peak_parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the worst rank's peak by kind

@@ -232,7 +232,8 @@ def accelerator_rates(
     cluster's own figures where `network_bus_gbps` / `nvlink_bus_gbps` are given: plan.*); the matmul
     rate per micro-batch from the fitted efficiency and the model's GEMM shapes (trainer/advise/throughput.py;
     without a model, the family's large-GEMM figure)."""
-    from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor
+    from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor, validation_note
+    from trainer.plan.states import model_shape
 
     name = advisor_accelerator(name)
     spec = ACCELERATORS[name]
@@ -249,10 +250,11 @@ def accelerator_rates(
             for mb in micro_batches or [1]
         }
     dtype = "tf32" if compute_dtype == DType.float32 and tf32 else compute_dtype.value
+    validation = "" if model is None else validation_note(model_shape(model).num_params)
     return Rates(
         source=(
             f"published fit: {name}, dense {dtype} {dense / 1e12:.1f} TFLOPS x {efficiency} ({spec.family} fit, "
-            f"expected error: {FIT_ERROR[spec.family]}) x the GEMM-shape factor; "
+            f"expected error: {FIT_ERROR[spec.family]}{validation}) x the GEMM-shape factor; "
             f"{link_note(spec, nvlink, network, network_bus_gbps, nvlink_bus_gbps)}; sources: {spec.sources}"
         ),
         peak_flops=dense,

@@ -63,6 +63,22 @@ FIT_ERROR = {
 (`fit_errors`); the script fails when these figures and its output differ."""
 
 
+VALIDATED_PARAMS = (6_738_415_616, 70_553_706_496)
+"""The smallest and largest model of benchmarks/plan_vs_published.py's tokens/s points (Llama-2-7B,
+Llama-3-70B): outside them a prediction is extrapolated, and the advice says "unvalidated"."""
+
+
+def validation_note(num_params: int) -> str:
+    """Empty inside the published models' sizes, else why the figure is unvalidated."""
+    low, high = VALIDATED_PARAMS
+    if low <= num_params <= high:
+        return ""
+    return (
+        f"; unvalidated: {num_params / 1e9:.2f}B parameters, the published runs are {low / 1e9:.2f}B-{high / 1e9:.2f}B "
+        "(a small model's norms, rotary and vocabulary cost more than its GEMM shapes show)"
+    )
+
+
 def gemms(m: ModelConfig, rows: int, seq_len: int) -> list[tuple[float, tuple[int, int, int]]]:
     """(training FLOPs per token, (m, n, k)) of every GEMM of one token's step, as flops_per_token counts them."""
     heads = m.n_heads * m.head_width  # H·Q: dim unless model.head_dim sets the width (Qwen3)

@@ -94,3 +94,12 @@ def test_mode_advise_predicts_torchtitans_64_a100_runs_and_none_network_bound() 
         assert plain.step.links["network"].wire_s < plain.step.compute_s
     assert sum(abs(e) <= 0.20 for e in errors) >= 0.8 * len(errors), errors
     assert max(abs(e) for e in errors) < 0.10
+
+
+def test_the_validated_sizes_are_the_published_points_models() -> None:
+    from trainer.plan.states import model_shape
+
+    sizes = [model_shape(PUBLISHED.point_config(p).model).num_params for p in PUBLISHED.THROUGHPUT]
+    assert (min(sizes), max(sizes)) == throughput.VALIDATED_PARAMS
+    assert throughput.validation_note(8_030_261_248) == ""
+    assert throughput.validation_note(596_049_920).startswith("; unvalidated: 0.60B parameters")
