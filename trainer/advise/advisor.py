@@ -90,7 +90,8 @@ class Candidate:
 
     def moving_parts(self) -> tuple[str, ...]:
         """What the configuration adds to plain FSDP2/DDP that can go wrong or change the result: a tie
-        goes to the one with fewer (then to the smaller reserved memory, then to speed)."""
+        goes to the one with fewer (then to the smaller reserved memory, then to speed). The chunked loss
+        is not one: the same loss and gradients, a memory saver like checkpointing."""
         c = self.choice
         parts = {
             "offload=cpu": c["offload"] != "none",
@@ -98,7 +99,6 @@ class Candidate:
             "HSDP": c.get("zero.shard_ranks") is not None,
             "keep": c.get("zero.reshard_after_backward") is False,
             "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
-            "loss=chunked": c["loss"] == "chunked",
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -441,7 +441,7 @@ def format_advice(
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
             f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
-            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction, chunked loss), then smaller reserved memory, then speed"
+            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction), then smaller reserved memory, then speed"
         )
     if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
         lines.append(
