@@ -190,7 +190,7 @@ def test_when_nothing_fits_the_advice_names_the_smallest_and_what_binds(
     smallest = min(candidates, key=lambda c: c.reserved_bytes)
     assert (
         f"nothing fits: the smallest is {smallest.reserved_bytes / 2**30:.1f} GiB reserved ({smallest.label()}); "
-        "model states bind" in capsys.readouterr().out
+        "what binds: model states" in capsys.readouterr().out
     )
 
 

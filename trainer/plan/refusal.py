@@ -149,24 +149,30 @@ def cause_of(parts: dict[str, int], device_fits: bool | None, host_fits: bool | 
     """One clause naming what binds a configuration that does not fit (mode=plan's refusal and mode=advise)."""
     if device_fits is not False and host_fits is False:
         return (
-            f"host memory binds: a node needs {host_need / GIB:.0f} GiB of it (plan.host_memory_gib); more nodes "
-            "share the offloaded states"
+            f"what binds: host memory (a node needs {host_need / GIB:.0f} GiB of it, plan.host_memory_gib: more "
+            "nodes share the offloaded states)"
         )
     states = parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0)
-    largest = max(
-        ("model states", states),
-        ("activations", parts.get("activations", 0)),
-        ("temporary", parts.get("temporary", 0)),
-        key=lambda item: item[1],
-    )[0]
-    return {
-        "model states": f"model states bind ({states / GIB:.1f} GiB a rank at the least): more ranks or nodes shard them",
-        "activations": f"activations bind ({parts.get('activations', 0) / GIB:.1f} GiB at micro_batch 1 with full "
-        "checkpointing): a shorter seq_len",
-        "temporary": f"per-block buffers bind ({parts.get('temporary', 0) / GIB:.1f} GiB: FSDP2's gathered blocks, "
-        "a block's unsharded gradient and the loss's temporaries, which more ranks do not shrink): a device with more "
-        "memory, or a model with smaller blocks",
-    }[largest]
+    activations, temporary = parts.get("activations", 0), parts.get("temporary", 0)
+    clauses = [
+        (
+            states,
+            f"model states ({states / GIB:.1f} GiB a rank at the least: more ranks or nodes shard them)",
+        ),
+        (
+            activations,
+            f"activations ({activations / GIB:.1f} GiB at micro_batch 1 with full checkpointing: a shorter seq_len)",
+        ),
+        (
+            temporary,
+            f"per-block buffers ({temporary / GIB:.1f} GiB: FSDP2's gathered blocks, a block's unsharded gradient "
+            "and the loss's temporaries, which more ranks do not shrink: a device with more memory, or smaller blocks)",
+        ),
+    ]
+    clauses.sort(key=lambda clause: -clause[0])
+    # The largest part binds; a second one at least half its size binds too (removing one is not enough).
+    binding = [text for size, text in clauses[:2] if size >= clauses[0][0] / 2]
+    return "what binds: " + ", and ".join(binding)
 
 
 # ----------------------------------------------------------------------------- the host

@@ -46,7 +46,7 @@ def test_405b_nothing_fits_names_the_per_block_buffers() -> None:
     )
     line = refusal(build_plan(config, "cuda", 16))
     assert line is not None
-    assert "Nothing simple fits: per-block buffers bind (39.0 GiB: FSDP2's gathered blocks" in line
+    assert "Nothing simple fits: what binds: per-block buffers (39.0 GiB: FSDP2's gathered blocks" in line
 
 
 def test_a_pair_of_changes_is_tried_before_giving_up() -> None:
@@ -69,4 +69,4 @@ def test_the_offloaded_70b_under_mode_advise_names_host_memory() -> None:
     assert not any(c.fits for c in ranked)
     text = format_advice(config, ranked, rates, [], 8, "h100")
     assert "nothing fits: the smallest is" in text
-    assert "host memory binds: a node needs 1104 GiB of it (plan.host_memory_gib)" in text
+    assert "what binds: host memory (a node needs 1104 GiB of it, plan.host_memory_gib" in text
