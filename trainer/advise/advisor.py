@@ -270,17 +270,23 @@ def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) ->
 
 
 def predict_config(
-    config: TrainConfig, plan: Plan, device_kind: str, world_size: int, rates: Rates
+    config: TrainConfig,
+    plan: Plan,
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float | None = None,
 ) -> StepTime:
     """The step time mode=advise ranks `config` by (benchmarks/plan_vs_published.py validates this very
     function): its plan's largest local shard for the optimizer, its communication plan by group and
-    link, and the FLOPs it runs."""
+    link, and the FLOPs it runs (`flops`: the model's per token, where the caller has them; counting
+    them builds the model on meta)."""
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
     comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
     # (MFU still counts the model's own FLOPs).
     m = config.model
-    run_flops = flops_per_token(m, config.seq_len) + (
+    run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
     return predict_step_tiers(config, world_size, comm, local_numel, run_flops, rates, device_kind)
@@ -304,7 +310,7 @@ def evaluate(
         if plan.memory.per_rank_bytes is None
         else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
     )
-    step = predict_config(candidate, plan, device_kind, world_size, rates)
+    step = predict_config(candidate, plan, device_kind, world_size, rates, flops)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
     device_fits = None if budget is None else reserved <= budget
     return Candidate(

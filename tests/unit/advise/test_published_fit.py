@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import REPO
 from trainer.advise import advisor, throughput
 from trainer.advise.advisor import advise
+from trainer.model.decoder import flops_per_token
 
 
 def published() -> ModuleType:
@@ -54,7 +55,9 @@ def test_evaluate_ranks_with_predict_config(monkeypatch: pytest.MonkeyPatch) -> 
     }  # fmt: skip
     config = PUBLISHED.compose_config(*point.overrides, "mode=advise", "global_batch=8", "nproc=8",
                                       f"plan.accelerator={point.accelerator}")  # fmt: skip
-    candidate = advisor.evaluate(config, choice, "cuda", 8, rates, 0.0)
+    candidate = advisor.evaluate(
+        config, choice, "cuda", 8, rates, flops_per_token(config.model, config.seq_len)
+    )
     assert candidate is not None and len(calls) == 1
     assert candidate.tokens_per_s == pytest.approx(PUBLISHED.predicted_tokens_per_s(point) * 8)
 
