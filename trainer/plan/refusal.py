@@ -109,7 +109,10 @@ def way_out(plan: Plan) -> str:
         fitting = fitting_changes(plan, savers)
     if fitting:
         return f"Try {', or '.join(fitting)}, or plan.enforce=false to try anyway."
-    return f"Nothing simple fits: {binding_cause(plan)}; or plan.enforce=false to try anyway."
+    return (
+        f"Nothing simple fits ({binding_cause(plan)}): a smaller model or more memory per rank, or "
+        "plan.enforce=false to try anyway."
+    )
 
 
 def fitting_changes(plan: Plan, bases: list[tuple[str, dict[str, Any]]]) -> list[str]:

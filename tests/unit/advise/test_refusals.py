@@ -46,7 +46,7 @@ def test_405b_nothing_fits_names_the_per_block_buffers() -> None:
     )
     line = refusal(build_plan(config, "cuda", 16))
     assert line is not None
-    assert "Nothing simple fits: what binds: per-block buffers (39.0 GiB: FSDP2's gathered blocks" in line
+    assert "Nothing simple fits (what binds: per-block buffers (39.0 GiB: FSDP2's gathered blocks" in line
 
 
 def test_a_pair_of_changes_is_tried_before_giving_up() -> None:
