@@ -4,8 +4,8 @@
 
 Every published figure below was read from its source (repository, commit or pull request; the
 citation is in each row) with the configuration and hardware as it was run. The script plans
-each point with zerolab's own APIs (trainer.plan.build_plan, trainer.advise.predict.predict_step
-with trainer.advise.calibrate.accelerator_rates), refits the headroom model
+each point with zerolab's own APIs (trainer.plan.build_plan, trainer.advise.advisor.predict_config
+with trainer.advise.advisor.rates_for: the very functions mode=advise ranks with), refits the headroom model
 (trainer/plan/headroom.py) and the matmul-efficiency model (trainer/advise/throughput.py) on
 their fit points, checks that the constants in those modules are that fit, and prints one table
 per kind with every point's error. Pass rule (exit 1 otherwise): on the validation points,
@@ -30,12 +30,11 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from trainer.advise import throughput  # noqa: E402
-from trainer.advise.calibrate import accelerator_rates  # noqa: E402
-from trainer.advise.predict import predict_step  # noqa: E402
+from trainer.advise.advisor import predict_config, rates_for  # noqa: E402
+from trainer.advise.calibrate import ACCELERATORS  # noqa: E402
 from trainer.cli import register_configs  # noqa: E402
 from trainer.config import TrainConfig, validate  # noqa: E402
-from trainer.model.decoder import flops_per_token  # noqa: E402
-from trainer.plan import build_plan, plan_comm  # noqa: E402
+from trainer.plan import build_plan  # noqa: E402
 from trainer.plan.headroom import HEADROOM, Headroom  # noqa: E402
 from trainer.units import GIB  # noqa: E402
 
@@ -500,27 +499,25 @@ def compose_config(*overrides: str) -> TrainConfig:
         return validate(compose("train", overrides=["logger=none", "mode=plan", *overrides]))
 
 
+def point_config(point: Published) -> TrainConfig:
+    """The point as it ran: whole nodes of the accelerator's GPUs per node (the network between them)."""
+    per_node = min(point.world, ACCELERATORS[point.accelerator].gpus_per_node)
+    nodes = f"nodes={point.world // per_node}"
+    return compose_config(
+        *point.overrides, f"plan.accelerator={point.accelerator}", nodes, f"nproc={per_node}"
+    )
+
+
 def planned_peak_gib(point: Published) -> float:
-    config = compose_config(*point.overrides, f"plan.accelerator={point.accelerator}", f"nproc={point.world}")
-    return build_plan(config, "cuda", point.world).peak_bytes / GIB
+    return build_plan(point_config(point), "cuda", point.world).peak_bytes / GIB
 
 
 def predicted_tokens_per_s(point: Published) -> float:
-    config = compose_config(*point.overrides, f"plan.accelerator={point.accelerator}", f"nproc={point.world}")
+    """mode=advise's own prediction: its rates (advisor.rates_for) and its step function (advisor.predict_config)."""
+    config = point_config(point)
     plan = build_plan(config, "cuda", point.world)
-    rates = accelerator_rates(
-        point.accelerator,
-        config.precision.compute_dtype,
-        point.world,
-        model=config.model,
-        seq_len=config.seq_len,
-        micro_batches=[config.micro_batch],
-        tf32=config.precision.tf32,
-    )
-    comm = plan_comm(config, point.world, backend="nccl")
-    local_numel = max(rank.states.local_numel for rank in plan.ranks)
-    flops = flops_per_token(config.model, config.seq_len)
-    step = predict_step(config, point.world, comm.bytes_by_collective, local_numel, flops, rates)
+    rates = rates_for(config, point.world, [config.micro_batch])
+    step = predict_config(config, plan, "cuda", point.world, rates)
     return config.micro_batch * config.grad_accum * config.seq_len / step.step_s
 
 
@@ -568,9 +565,27 @@ def fit_throughput() -> tuple[float, dict[str, float]]:
 
 
 def fit_points(family: str) -> list[Published]:
-    from trainer.advise.calibrate import ACCELERATORS
-
     return [p for p in THROUGHPUT if p.role == "fit" and ACCELERATORS[p.accelerator].family == family]
+
+
+def fit_errors(errors: list[tuple[Published, float]]) -> dict[str, throughput.FitError]:
+    """What each family's validation points measured, as throughput.FIT_ERROR states it (the rates
+    line of every advice prints it), and how far apart the errors of one model on one cluster lie
+    (fit points too): the advisor's tie tolerance."""
+    out = {}
+    for family in dict.fromkeys(ACCELERATORS[p.accelerator].family for p, _ in errors):
+        mine = [(p, e) for p, e in errors if ACCELERATORS[p.accelerator].family == family]
+        checked = [e for p, e in mine if p.role == "validation"]
+        within = sum(abs(e) <= TOKENS_TOLERANCE for e in checked)
+        runs: dict[tuple[str, ...], list[float]] = {}
+        for p, e in mine:
+            model = tuple(o for o in p.overrides if o.startswith("model"))
+            runs.setdefault((p.accelerator, str(p.world), *model), []).append(e)
+        between = max(max(es) - min(es) for es in runs.values())
+        out[family] = throughput.FitError(
+            round(min(checked), 3), round(max(checked), 3), len(checked), within, round(between, 3)
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -621,9 +636,15 @@ def main() -> int:
     print("\nreserved from published peak active, GiB per GPU (the headroom model alone)")
     print(header)
     errors += [row(p, HEADROOM.reserved(int(p.active * GIB)) / GIB, "GiB") for p in ALLOCATOR]
-    print("\ntokens/s per GPU (zerolab: mode=advise's predict_step with the published-fit rates)")
+    print("\ntokens/s per GPU (zerolab: mode=advise's predict_config with the published-fit rates)")
     print(header)
     tokens = [row(p, predicted_tokens_per_s(p), "tokens/s") for p in THROUGHPUT]
+    stated = fit_errors([(p, error) for p, (_, error) in zip(THROUGHPUT, tokens)])
+    print("\nvalidation error per family (trainer/advise/throughput.py FIT_ERROR):")
+    for family, error in stated.items():
+        print(f"- {family}: {error} ({error!r})")
+    if stated != throughput.FIT_ERROR:
+        drift.append(f"trainer/advise/throughput.py: FIT_ERROR should read {stated}")
     print("\npublished points zerolab cannot express:")
     for what, why in CANNOT_EXPRESS:
         print(f"- {what}: {why}")

@@ -177,6 +177,10 @@ class ModelConfig:
     above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
 
     def __post_init__(self) -> None:
+        _require(
+            self.name != "hf" or self.config is not None,
+            "model=hf needs model.config=<a Hugging Face config.json, or a directory holding one>",
+        )
         if self.config is not None:
             self._apply_hf_config()
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
@@ -208,13 +212,34 @@ class ModelConfig:
         """model=hf: the config.json's shapes replace these keys (trainer/model/hf_config.py). Read once, in
         the job: `config` is emptied and `name` becomes hf:<path>, so ranks neither read it nor import
         transformers, and the run's config records where its shapes came from."""
-        from trainer.model.hf_config import HfConfigError, config_path, model_fields  # transformers, lazily
+        from trainer.console import warn
+        from trainer.model.hf_config import (  # transformers, lazily
+            SHAPE_FIELDS,
+            HfConfigError,
+            absent_shape_fields,
+            config_path,
+            model_fields,
+        )
 
         try:
             path = config_path(self.config or "")
             fields = model_fields(path)
+            absent = absent_shape_fields(path)
         except HfConfigError as err:
             raise ConfigError(str(err)) from None
+        # The file is the model: a shape key set beside it would be dropped, so it is refused instead.
+        defaults = ModelConfig.__dataclass_fields__
+        for key in sorted(set(fields) & {*SHAPE_FIELDS.values(), "head_dim"}):
+            _require(
+                getattr(self, key) == defaults[key].default,
+                f"model.{key}={getattr(self, key)} beside model=hf: the shapes come from model.config={self.config}; "
+                "edit that config.json, or drop the override",
+            )
+        if absent:
+            warn(
+                f"model.config={path}: {', '.join(absent)} absent: transformers' defaults taken "
+                f"({', '.join(f'{k}={fields[SHAPE_FIELDS[k]]}' for k in absent)}), likely not the checkpoint's model"
+            )
         for key, value in fields.items():
             setattr(self, key, value)
         self.rope_scaling = RopeScaling(self.rope_scaling)
@@ -622,9 +647,19 @@ class PlanConfig:
     host_memory_gib: float | None = None
     """Host memory of each node, for a plan made for another machine (null: this host's available memory
     when the job runs here, else unknown and only the need is printed)."""
+    network_bus_gbps: float | None = None
+    """mode=advise with plan.accelerator: a cluster's own bus bandwidth across nodes, GB/s, as nccl-tests'
+    all_reduce_perf reports it over whole nodes (null: the node's NICs, trainer/advise/calibrate.py)."""
+    nvlink_bus_gbps: float | None = None
+    """mode=advise with plan.accelerator: the bus bandwidth inside a node, GB/s, as nccl-tests reports it on
+    one node (null: trainer/advise/calibrate.py's figure for the accelerator)."""
 
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
+
+        for key in ("network_bus_gbps", "nvlink_bus_gbps"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"plan.{key} must be > 0 (GB/s) or null, got {value}")
 
         _require(
             self.cpu_rank_runtime_gib >= 0,

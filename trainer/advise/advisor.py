@@ -41,7 +41,7 @@ from trainer.config import (
 )
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
-from trainer.plan import LINKS, build_plan, device_memory, plan_comm, shard_groups
+from trainer.plan import LINKS, Plan, build_plan, cause_of, device_memory, plan_comm, shard_groups
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
@@ -80,6 +80,31 @@ class Candidate:
     limiter: str
     host_bytes: int = 0  # host memory of a node (trainer/plan/host.py)
     host_fits: bool | None = None  # None: the host's memory is unknown
+    # What must fit: on a GPU the allocator's reserved memory (trainer/plan/headroom.py), else the peak.
+    reserved_bytes: int = 0
+    tie: bool = False  # within the model's error of the fastest that fits (`rank`)
+    device_fits: bool | None = None  # the device alone, with headroom
+    peak_parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the worst rank's peak by kind
+
+    def moving_parts(self) -> tuple[str, ...]:
+        """What the configuration adds to plain FSDP2/DDP that can go wrong or change the result: a tie
+        goes to the one with fewer (then to the smaller reserved memory, then to speed). The chunked loss
+        is not one: the same loss and gradients, a memory saver like checkpointing."""
+        c = self.choice
+        parts = {
+            "offload=cpu": c["offload"] != "none",
+            "hpZ": c.get("zero.hpz_ranks") is not None,
+            "HSDP": c.get("zero.shard_ranks") is not None,
+            "keep": c.get("zero.reshard_after_backward") is False,
+            "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
+        }
+        return tuple(name for name, present in parts.items() if present)
+
+    def numerics_note(self) -> str:
+        """Rows whose choice changes the numbers the job computes say so."""
+        if self.choice["zero.reduce_dtype"] == "bf16":
+            return "; changes numerics: bf16 gradient reduction (torchtitan and Megatron reduce in fp32)"
+        return ""
 
     def label(self) -> str:
         c = self.choice
@@ -236,8 +261,33 @@ def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) ->
             seq_len=config.seq_len,
             micro_batches=micro_batches,
             tf32=config.precision.tf32,
+            network_bus_gbps=config.plan.network_bus_gbps,
+            nvlink_bus_gbps=config.plan.nvlink_bus_gbps,
         )
     return host_rates(config, world_size, micro_batches)
+
+
+def predict_config(
+    config: TrainConfig,
+    plan: Plan,
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float | None = None,
+) -> StepTime:
+    """The step time mode=advise ranks `config` by (benchmarks/plan_vs_published.py validates this very
+    function): its plan's largest local shard for the optimizer, its communication plan by group and
+    link, and the FLOPs it runs (`flops`: the model's per token, where the caller has them; counting
+    them builds the model on meta)."""
+    local_numel = max(rank.states.local_numel for rank in plan.ranks)
+    comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
+    # (MFU still counts the model's own FLOPs).
+    m = config.model
+    run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
+        2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
+    )
+    return predict_step_tiers(config, world_size, comm, local_numel, run_flops, rates, device_kind)
 
 
 def evaluate(
@@ -252,20 +302,15 @@ def evaluate(
         return None
     plan = build_plan(candidate, device_kind, world_size)
     peak = plan.peak_bytes  # a max over every rank's moments: once
+    reserved = plan.required_bytes(plan.worst)  # the allocator's reserved memory on a GPU, else the peak
     budget = (
         None
         if plan.memory.per_rank_bytes is None
         else plan.memory.per_rank_bytes * (1 - config.advise.headroom)
     )
-    local_numel = max(rank.states.local_numel for rank in plan.ranks)
-    comm = plan_comm(candidate, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
-    # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
-    # (MFU still counts the model's own FLOPs).
-    m = candidate.model
-    run_flops = flops + (2.0 * m.vocab_size * m.dim if candidate.loss.kind == LossKind.chunked else 0.0)
-    step = predict_step_tiers(candidate, world_size, comm, local_numel, run_flops, rates, device_kind)
+    step = predict_config(candidate, plan, device_kind, world_size, rates, flops)
     tokens_per_s = config.global_batch * config.seq_len / step.step_s  # type: ignore[operator]
-    device_fits = None if budget is None else peak <= budget
+    device_fits = None if budget is None else reserved <= budget
     return Candidate(
         choice,
         peak,
@@ -276,6 +321,9 @@ def evaluate(
         step.limiter,
         plan.host.need_bytes,
         plan.host_fits,
+        reserved,
+        device_fits=device_fits,
+        peak_parts=dict(plan.worst.peak.parts),
     )
 
 
@@ -314,7 +362,7 @@ def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
 
 
 def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list[Candidate], Rates]:
-    """Every candidate, the fitting ones first by predicted tokens/s (ties: the smaller peak)."""
+    """Every candidate, the fitting ones first (`rank`: ties within the model's error, then by speed)."""
     options = choices(config, world_size, device_kind)
     rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options}))
     flops = flops_per_token(config.model, config.seq_len)
@@ -329,10 +377,27 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
         if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
     ]
     evaluated += [c for c in chunked if c is not None]
-    ranked = sorted(
-        with_memory_limits(evaluated), key=lambda c: (c.fits is False, -c.tokens_per_s, c.peak_bytes)
+    return rank(with_memory_limits(evaluated), rates.tie_tolerance), rates
+
+
+def rank(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
+    """What fits, best first: the candidates whose predicted tokens/s lie within `tolerance` (the model's
+    error, Rates.tie_tolerance) of the fastest are a tie, ordered by fewer moving parts, then smaller
+    reserved memory, then speed, and marked; the rest by speed; then what does not fit, smallest first."""
+    fitting = [c for c in candidates if c.fits is not False]
+    refused = sorted((c for c in candidates if c.fits is False), key=lambda c: c.reserved_bytes)
+    if not fitting:
+        return refused
+    best = max(c.tokens_per_s for c in fitting)
+    tied = [c for c in fitting if c.tokens_per_s >= best * (1 - tolerance)]
+    tied.sort(key=lambda c: (len(c.moving_parts()), c.reserved_bytes, -c.tokens_per_s))
+    if len(tied) > 1:
+        tied = [dataclasses.replace(c, tie=True) for c in tied]
+    rest = sorted(
+        (c for c in fitting if c.tokens_per_s < best * (1 - tolerance)),
+        key=lambda c: (-c.tokens_per_s, c.reserved_bytes),
     )
-    return ranked, rates
+    return tied + rest + refused
 
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -362,19 +427,25 @@ def format_advice(
     memory: str,
 ) -> str:
     fitting = [c for c in candidates if c.fits is not False]
+    reserved = "reserved" if any(c.reserved_bytes != c.peak_bytes for c in candidates) else "peak"
     lines = [
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
-        f"with {config.advise.headroom:.0%} headroom ({memory}){host_note(candidates)}",
+        f"with {config.advise.headroom:.0%} headroom on {reserved} memory ({memory}){host_note(candidates)}",
         f"rates: {rates.source}",
-        f"{'#':>3} {'configuration':<62} {'peak GiB':>9} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
+        f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20}  limited by",
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(
-            f"{i:>3} {c.label():<62} {c.peak_bytes / GIB:>9.2f} {c.host_bytes / GIB:>9.1f} "
-            f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20}  {c.limiter}"
+            f"{i:>3}{'=' if c.tie else ' '} {c.label():<72} {c.reserved_bytes / GIB:>12.2f} {c.host_bytes / GIB:>9.1f} "
+            f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20}  {c.limiter}{c.numerics_note()}"
+        )
+    if any(c.tie for c in fitting[: config.advise.top]):
+        lines.append(
+            f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
+            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction), then smaller reserved memory, then speed"
         )
     if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
         lines.append(
@@ -387,13 +458,24 @@ def format_advice(
             "to the next forward: one forward's all-gathers per step instead of grad_accum"
         )
     if not fitting and candidates:
-        smallest = min(candidates, key=lambda c: c.peak_bytes)
+        smallest = min(candidates, key=lambda c: c.reserved_bytes)
         lines.append(
-            f"    nothing fits: the smallest peak is {smallest.peak_bytes / GIB:.1f} GiB ({smallest.label()}); "
-            "try a smaller model, more ranks, a global batch with fewer sequences per rank, or advise.headroom"
+            f"    nothing fits: the smallest is {smallest.reserved_bytes / GIB:.1f} GiB {reserved} ({smallest.label()}); "
+            f"{nothing_fits_cause(candidates)}; or advise.headroom"
         )
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines)
+
+
+def nothing_fits_cause(candidates: list[Candidate]) -> str:
+    """What binds when nothing fits: the node's host where some candidate fits its devices, else the
+    largest part of the smallest candidate's peak (trainer/plan/refusal.py `cause_of`)."""
+    host_bound = [c for c in candidates if c.device_fits is not False and c.host_fits is False]
+    if host_bound:
+        least = min(host_bound, key=lambda c: c.host_bytes)
+        return cause_of(least.peak_parts, True, False, least.host_bytes)
+    smallest = min(candidates, key=lambda c: c.reserved_bytes)
+    return cause_of(smallest.peak_parts, False, smallest.host_fits, smallest.host_bytes)
 
 
 def host_note(candidates: list[Candidate]) -> str:
@@ -440,6 +522,9 @@ def advice_json(
                 **c.choice,
                 "fits": c.fits,
                 "predicted_peak_gib": c.peak_bytes / GIB,
+                "predicted_reserved_gib": c.reserved_bytes / GIB,
+                "tie": c.tie,
+                "moving_parts": list(c.moving_parts()),
                 "host_gib_per_node": c.host_bytes / GIB,
                 "host_fits": c.host_fits,
                 "predicted_tokens_per_s": c.tokens_per_s,

@@ -63,7 +63,26 @@ class Rates:
     """AdamW on the host CPU (offload=cpu steps the optimizer there)."""
     link_bus_bytes_per_s: dict[str, float] | None = None
     """Bus bandwidth of each link (trainer/plan/groups.py: intra-node, network), for a collective by the link
-    its process group crosses; None: every group at `bus_bytes_per_s` (this host: one link, measured)."""
+    its process group crosses; None: every group at `bus_bytes_per_s` (this host: one link, measured).
+    The network's is a collective's over whole nodes; a group with fewer of a node's ranks gets its share
+    (`group_bus_bytes_per_s`)."""
+    host_memory_bytes_per_s: float | None = None
+    """The host's memory rate for offload=cpu's gradient accumulation on the CPU (None: HOST_MEMORY_BYTES_PER_S)."""
+    gpus_per_node: int = 1
+    tie_tolerance: float = 0.10
+    """How far apart two predicted tokens/s may be and still be a tie (fractions of the faster): a named
+    accelerator's error between two configurations of one model (throughput.FIT_ERROR); on this host the 10% its ranking is held to
+    (benchmarks/advisor_accuracy.py: the top pick within 10% of the fastest measured point)."""
+
+    def group_bus_bytes_per_s(self, link: str, ranks_per_node: int) -> float:
+        """A group's bus bandwidth on its link: across nodes, `ranks_per_node` of the node's ranks use
+        that share of its NICs (the other groups of the node run at the same time on the rest)."""
+        assert self.link_bus_bytes_per_s is not None
+        bus = self.link_bus_bytes_per_s[link]
+        if link == NETWORK:
+            share = min(1.0, ranks_per_node / self.gpus_per_node)
+            bus = min(self.link_bus_bytes_per_s[INTRA_NODE], bus * share)
+        return bus
 
     def flops_at(self, rows: int) -> float:
         """The rate measured at these tokens per micro-batch, else at the nearest measured."""
@@ -79,12 +98,19 @@ class Rates:
 class AcceleratorSpec:
     datasheet: str  # the device of trainer/devices.py whose dense peaks these are
     family: str  # the throughput.FAMILY_EFFICIENCY fit its matmuls follow
-    nvlink_bus_gbps: float  # GB/s per GPU per direction inside a node, times an assumed 0.8 bus efficiency
-    network_bus_gbps: float  # GB/s per GPU per direction between nodes, times 0.8
+    nvlink_bus_gbps: float  # nccl-tests bus bandwidth inside a node (GB/s per rank, NVLink/NVSwitch)
+    nics_per_node: int  # the node's network cards, one rail each
+    nic_bus_gbps: float  # nccl-tests bus bandwidth one NIC carries between nodes (GB/s)
     gpus_per_node: int
     pcie_gbps: float  # host link per direction (offload)
     hbm_tbps: float  # memory bandwidth (AdamW is memory-bound)
     sources: str
+
+    @property
+    def network_bus_gbps(self) -> float:
+        """A collective over whole nodes: every NIC of the node carries its own channels (rings or trees),
+        so the bus bandwidth is the node's NICs together, capped by the NVLink the rings cross inside."""
+        return min(self.nvlink_bus_gbps, self.nics_per_node * self.nic_bus_gbps)
 
 
 # Dense peaks are trainer/devices.py's datasheet figures (the MFU denominator of every run; fp32
@@ -92,56 +118,76 @@ class AcceleratorSpec:
 # published runs (trainer/advise/throughput.py: one figure per family, times a GEMM-shape factor).
 # The SXM H100/H200 (700 W) take the fit of the 500 W HBM2e H100 torchtitan measured, the A100 40GB
 # the 80GB's: no published run zerolab can express exists for them (a lower bound for the 700 W
-# parts). Assumptions, not measurements: 0.8 of a link's rate as nccl-tests bus bandwidth, 0.8 of
-# HBM for AdamW.
+# parts).
+#
+# Bus bandwidth, in nccl-tests' convention (the time of a collective is payload x f / busbw), as NCCL
+# achieves it rather than a link's datasheet rate:
+# - Across nodes NCCL runs its channels over every NIC of a rail-optimised node at once, so a ring or
+#   tree over whole nodes moves the node's NICs together: NVIDIA measures 192 GB/s all-reduce busbw
+#   between DGX A100s with 8 x 200 Gb/s HDR (NVIDIA/nccl#812, 2023-03-31: 24 GB/s a NIC), and the same
+#   ~24 GB/s with one HDR NIC for the node's 8 GPUs (NVIDIA/nccl#412, 2023-04-24); 4 HDR NICs reach
+#   84.8-96 GB/s (NVIDIA/nccl-tests#119); a 400 Gb/s NDR NIC 46-48 GB/s (NVIDIA/nccl-tests#290,
+#   2025-03-03), 8 of them ~350 GB/s over 248 H200 nodes (NVIDIA/nccl-tests#283). A process group with
+#   g of a node's ranks shares the NICs with the node's other groups: g / gpus_per_node of them each
+#   (an HSDP replicate group, one rank a node, runs on its rank's rail alone).
+# - Inside a node: 232.5 GB/s all-reduce busbw on 8 A100 SXM over NVSwitch (NVIDIA/nccl-tests#175),
+#   0.78 of NVLink 3's 300 GB/s a direction; H100/H200 NVLink 4 at the same 0.8 of 450 GB/s, 360 GB/s
+#   (NVLink SHARP lifts all-reduce to 476 GB/s, NVIDIA/nccl-tests#290, but FSDP's all-gathers and
+#   reduce-scatters run as rings). AdamW at 0.8 of HBM is an assumption.
+# `plan.network_bus_gbps` / `plan.nvlink_bus_gbps` replace both with a cluster's own nccl-tests figures.
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     "h100": AcceleratorSpec(
         "h100-sxm",
         "h100-hbm2e",
         0.8 * 450,
-        0.8 * 50,
+        8,
+        47,
         8,
         64,
         3.35,
         "NVIDIA H100 SXM5 datasheet (dense bf16 989 TFLOPS, NVLink 4 900 GB/s bidirectional, HBM3 3.35 TB/s, "
-        "PCIe Gen5 128 GB/s bidirectional); DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU",
+        "PCIe Gen5 128 GB/s bidirectional); DGX H100: 8 x 400 Gb/s ConnectX-7 NICs, one per GPU",
     ),
     "h200": AcceleratorSpec(
         "h200",
         "h100-hbm2e",
         0.8 * 450,
-        0.8 * 50,
+        8,
+        47,
         8,
         64,
         4.8,
-        "NVIDIA H200 SXM datasheet (the H100's compute and NVLink 4, HBM3e 4.8 TB/s); DGX H200: 400 Gb/s NIC per GPU",
+        "NVIDIA H200 SXM datasheet (the H100's compute and NVLink 4, HBM3e 4.8 TB/s); DGX H200: 8 x 400 Gb/s NICs",
     ),
     "a100-80gb": AcceleratorSpec(
         "a100-80gb",
         "a100",
-        0.8 * 300,
-        0.8 * 25,
+        232,
+        8,
+        24,
         8,
         32,
         2.04,
         "NVIDIA A100 SXM4 80GB datasheet (dense bf16 312 TFLOPS, NVLink 3 600 GB/s bidirectional, HBM2e 2.04 TB/s, "
-        "PCIe Gen4 64 GB/s bidirectional); DGX A100: one 200 Gb/s HDR NIC per GPU",
+        "PCIe Gen4 64 GB/s bidirectional); DGX A100: 8 x 200 Gb/s HDR NICs, one per GPU",
     ),
     "a100-40gb": AcceleratorSpec(
         "a100-40gb",
         "a100",
-        0.8 * 300,
-        0.8 * 25,
+        232,
+        8,
+        24,
         8,
         32,
         1.56,
-        "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: one 200 Gb/s HDR NIC per GPU",
+        "NVIDIA A100 SXM4 40GB datasheet (as the 80GB, HBM2 1.56 TB/s); DGX A100: 8 x 200 Gb/s HDR NICs",
     ),
     "h100-hbm2e": AcceleratorSpec(
         "h100-hbm2e",
         "h100-hbm2e",
         0.8 * 450,
-        0.8 * 50,
+        8,
+        47,
         8,
         64,
         2.4,
@@ -152,6 +198,9 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
 ADAM_BYTES_PER_PARAM = 28  # fused/foreach AdamW reads fp32 param, grad, m, v and writes param, m, v
 HBM_EFFICIENCY = 0.8
 HOST_ADAM_PARAMS_PER_S = 5e8  # assumption: torch's CPU AdamW on a GPU server's host, for offload=cpu
+HOST_MEMORY_BYTES_PER_S = (
+    1e10  # assumption: a rank's CPU add (read two fp32, write one) on a GPU server's host
+)
 
 
 def advisor_accelerator(name: str) -> str:
@@ -176,23 +225,23 @@ def accelerator_rates(
     seq_len: int = 0,
     micro_batches: list[int] | None = None,
     tf32: bool = True,
+    network_bus_gbps: float | None = None,
+    nvlink_bus_gbps: float | None = None,
 ) -> Rates:
-    """The table's rates for `world_size` GPUs: NVLink within a node, the network beyond one; the
-    matmul rate per micro-batch from the fitted efficiency and the model's GEMM shapes
-    (trainer/advise/throughput.py; without a model, the family's large-GEMM figure)."""
-    from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor
+    """The table's rates for `world_size` GPUs: NVLink within a node, the node's NICs beyond one (a
+    cluster's own figures where `network_bus_gbps` / `nvlink_bus_gbps` are given: plan.*); the matmul
+    rate per micro-batch from the fitted efficiency and the model's GEMM shapes (trainer/advise/throughput.py;
+    without a model, the family's large-GEMM figure)."""
+    from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor, validation_note
+    from trainer.plan.states import model_shape
 
     name = advisor_accelerator(name)
     spec = ACCELERATORS[name]
     dense = dense_peak_flops(spec.datasheet, compute_dtype, tf32)
     efficiency = FAMILY_EFFICIENCY[spec.family]
-    inside = world_size <= spec.gpus_per_node  # a ring over several nodes runs at its slowest link
-    bus = (spec.nvlink_bus_gbps if inside else spec.network_bus_gbps) * GB
-    link = (
-        f"NVLink {spec.nvlink_bus_gbps:.0f} GB/s"
-        if inside
-        else f"network {spec.network_bus_gbps:.0f} GB/s ({world_size} GPUs > {spec.gpus_per_node} per node)"
-    )
+    nvlink = nvlink_bus_gbps or spec.nvlink_bus_gbps
+    network = network_bus_gbps or min(nvlink, spec.network_bus_gbps)  # a measured figure as it is
+    inside = world_size <= spec.gpus_per_node
     if model is None:
         compute = {0: dense * efficiency}
     else:
@@ -201,20 +250,39 @@ def accelerator_rates(
             for mb in micro_batches or [1]
         }
     dtype = "tf32" if compute_dtype == DType.float32 and tf32 else compute_dtype.value
+    validation = "" if model is None else validation_note(model_shape(model).num_params)
     return Rates(
         source=(
             f"published fit: {name}, dense {dtype} {dense / 1e12:.1f} TFLOPS x {efficiency} ({spec.family} fit, "
-            f"expected error: {FIT_ERROR[spec.family]}) x the GEMM-shape factor; {link} bus bandwidth; "
-            f"sources: {spec.sources}; link and HBM efficiencies assumed (docs/advisor.md)"
+            f"expected error: {FIT_ERROR[spec.family]}{validation}) x the GEMM-shape factor; "
+            f"{link_note(spec, nvlink, network, network_bus_gbps, nvlink_bus_gbps)}; sources: {spec.sources}"
         ),
         peak_flops=dense,
         compute_flops=compute,
-        bus_bytes_per_s={"all_reduce": bus, "all_gather": bus},
+        bus_bytes_per_s=dict.fromkeys(("all_reduce", "all_gather"), (nvlink if inside else network) * GB),
         adam_params_per_s=spec.hbm_tbps * 1e12 * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
         overlap=True,
         offload_bytes_per_s=spec.pcie_gbps * GB,
         host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
-        link_bus_bytes_per_s={INTRA_NODE: spec.nvlink_bus_gbps * GB, NETWORK: spec.network_bus_gbps * GB},
+        link_bus_bytes_per_s={INTRA_NODE: nvlink * GB, NETWORK: network * GB},
+        gpus_per_node=spec.gpus_per_node,
+        tie_tolerance=FIT_ERROR[spec.family].between,
+    )
+
+
+def link_note(
+    spec: AcceleratorSpec, nvlink: float, network: float, network_set: float | None, nvlink_set: float | None
+) -> str:
+    """The bus bandwidths the table uses and where they come from (nccl-tests figures, calibrate.py)."""
+    inside = f"plan.nvlink_bus_gbps={nvlink_set:g}" if nvlink_set else "nccl-tests"
+    across = (
+        f"plan.network_bus_gbps={network_set:g}"
+        if network_set
+        else f"{spec.nics_per_node} NICs x {spec.nic_bus_gbps:g} GB/s, nccl-tests"
+    )
+    return (
+        f"bus bandwidth inside a node {nvlink:g} GB/s ({inside}), across nodes {network:g} GB/s a node "
+        f"({across}; a group with g of a node's {spec.gpus_per_node} ranks gets g/{spec.gpus_per_node} of it)"
     )
 
 

@@ -26,7 +26,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
         trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
         at least one block's share (W_c / L) is always exposed (the first gather, the last bucket)
     optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
-    offload transfers          X = (B_all_gather + B_reduce_scatter) / n / pcie   (each rank's shards, once per collective)
+    offload transfers          X = (4/p · B_all_gather + 4/r · B_reduce_scatter) / n / pcie + (k − 1) · 12 · local_numel / host
+        (each rank's fp32 shards, once per collective: p, r the bytes of the compute and reduce dtypes;
+        k reductions a step, each after the first a blocking copy and a CPU add, FSDP2's foreach_reduce)
     step                       S = C + E + O + X;  tokens/s = global_batch · seq_len / S
     MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
 """
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trainer.advise.calibrate import Rates
+from trainer.advise.calibrate import HOST_MEMORY_BYTES_PER_S, Rates
 from trainer.config import (
     CheckpointingConfig,
     CheckpointMode,
@@ -51,7 +53,7 @@ from trainer.config import (
 )
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
-from trainer.plan import LINKS, CommPlan, forward_gathers, model_shape, reductions
+from trainer.plan import LINKS, PARAM_BYTES, REDUCE_BYTES, CommPlan, forward_gathers, model_shape, reductions
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -222,14 +224,28 @@ def predict_step(
     adam_rate = (
         rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
     )
-    offload_s = (
-        (comm_bytes.get("all_gather", 0) + comm_bytes.get("reduce_scatter", 0))
-        / world_size
-        / rates.offload_bytes_per_s
-        if offload
-        else 0.0
-    )  # type: ignore[operator]
+    offload_s = offload_seconds(config, comm_bytes, world_size, local_numel, rates) if offload else 0.0
     return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)
+
+
+def offload_seconds(
+    config: TrainConfig, comm_bytes: dict[str, int], world_size: int, local_numel: int, rates: Rates
+) -> float:
+    """offload=cpu as FSDP2's CPUOffloadPolicy runs it (torch/distributed/fsdp/_fully_shard): every
+    all-gather first copies the rank's fp32 shard to the GPU (_fsdp_param.py `all_gather_inputs`), every
+    reduction copies the fp32 gradient shard back (foreach_reduce casts the reduce-scatter output to the
+    parameter dtype first), and every reduction after the first in a step, a blocking copy, is added to
+    the held gradient on the CPU: 12 bytes per element at the host's memory rate."""
+    assert rates.offload_bytes_per_s is not None
+    up = comm_bytes.get("all_gather", 0) * 4 / PARAM_BYTES[config.precision.compute_dtype]
+    down = comm_bytes.get("reduce_scatter", 0) * 4 / REDUCE_BYTES[config.zero.reduce_dtype]
+    adds = (
+        (reductions(config) - 1)
+        * local_numel
+        * 12
+        / (rates.host_memory_bytes_per_s or HOST_MEMORY_BYTES_PER_S)
+    )
+    return (up + down) / world_size / rates.offload_bytes_per_s + adds
 
 
 # ----------------------------------------------------------------------------- tiers and shared links
@@ -257,6 +273,16 @@ def union_window(phases: set[str], windows: dict[str, float]) -> float:
     return sum(windows[phase] for phase in phases)
 
 
+def group_ranks_per_node(name: str, comm: CommPlan, config: TrainConfig, world_size: int) -> int:
+    """How many of a node's ranks a group holds (trainer/plan/groups.py): shard, hpz and world groups are
+    consecutive ranks, a replicate group takes one rank of each shard group (one a node unless a shard
+    group is smaller than a node)."""
+    per_node = world_size // config.nodes
+    if name == "replicate":
+        return max(1, per_node // comm.groups["shard"].ranks)
+    return min(comm.groups[name].ranks, per_node)
+
+
 def predict_step_tiers(
     config: TrainConfig,
     world_size: int,
@@ -267,10 +293,12 @@ def predict_step_tiers(
     device_kind: str = "cpu",
 ) -> StepTime:
     """The step time with each process group's collectives on its own link (comm.groups: intra-node at
-    NVLink's bandwidth, network at the network's, where `rates.link_bus_bytes_per_s` has both), and the
-    collectives that share a link serialised on it before overlap is credited (module docstring):
+    NVLink's bandwidth, network at the node's NICs' share the group holds, where `rates.link_bus_bytes_per_s`
+    has both), and the collectives that share a link serialised on it before overlap is credited (module
+    docstring):
 
-        W_c   = B_c · f(n_group) / busbw(link)           each collective in its group of n_group ranks
+        W_c   = B_c · f(n_group) / busbw(link, g)        each collective in its group of n_group ranks, g of
+                them on each node: across nodes busbw = min(NVLink, node NICs' busbw · g / ranks per node)
         E_l   = max(Σ_c max(W_c / L, W_c − window_c),  Σ_c W_c − window_l)   per link l (window_l: the
                 union of its collectives' windows; without overlap E_l = Σ_c W_c)
         E     = Σ_l E_l
@@ -301,7 +329,7 @@ def predict_step_tiers(
                 continue
             factor, kind = wire_factor(collective, group.ranks)
             bus = (
-                rates.link_bus_bytes_per_s[group.link]
+                rates.group_bus_bytes_per_s(group.link, group_ranks_per_node(name, comm, config, world_size))
                 if rates.link_bus_bytes_per_s
                 else bandwidth(rates, kind, collective, config.zero, config.precision)
             )

@@ -114,11 +114,54 @@ def max_seq_len(hf: Any, name: str) -> int:
     return min(limit, window) if window else limit
 
 
+SHAPE_FIELDS = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "vocab_size": "vocab_size",
+    "intermediate_size": "ffn_dim",
+    "max_position_embeddings": "max_seq_len",
+}
+"""config.json's shape fields and the ModelConfig keys they set: each an integer >= 1 where present."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The file as a JSON object; malformed JSON or a mistyped shape field in one line naming both."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HfConfigError(
+            f"model.config={path}: not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from None
+    except UnicodeDecodeError:
+        raise HfConfigError(f"model.config={path}: not a UTF-8 text file") from None
+    if not isinstance(raw, dict):
+        raise HfConfigError(
+            f"model.config={path}: a JSON object of fields expected, got {type(raw).__name__}"
+        )
+    for key in SHAPE_FIELDS:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HfConfigError(f"model.config={path}: {key} must be an integer >= 1, got {value!r}")
+    return raw
+
+
+def absent_shape_fields(path: Path) -> list[str]:
+    """Shape fields config.json leaves out: transformers' defaults fill them (a different model, likely)."""
+    raw = read_json(path)
+    return [key for key in SHAPE_FIELDS if key != "max_position_embeddings" and raw.get(key) is None]
+
+
 def model_fields(path: Path) -> dict[str, Any]:
     """The ModelConfig keys a config.json sets, read by transformers' class of its architecture."""
-    raw = json.loads(path.read_text())
+    raw = read_json(path)
     name = architecture(raw, path)
-    hf = hf_config_class(name).from_json_file(str(path))
+    try:
+        hf = hf_config_class(name).from_json_file(str(path))
+    except (TypeError, ValueError, KeyError) as err:  # transformers' own checks of the fields
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HfConfigError(f"model.config={path}: transformers refuses it: {line}") from None
     refuse_unsupported(hf, name, path)
     heads = hf.num_attention_heads
     return {

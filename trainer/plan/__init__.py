@@ -55,6 +55,8 @@ from trainer.plan.build import (
 from trainer.plan.comm import (
     COLLECTIVES,
     MIN_COMPRESSION_RATE,
+    PARAM_BYTES,
+    REDUCE_BYTES,
     CommPlan,
     forward_gathers,
     plan_comm,
@@ -64,7 +66,7 @@ from trainer.plan.comm import (
 from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
-from trainer.plan.refusal import host_refusal, refusal, way_out
+from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out
 from trainer.plan.states import model_shape
 from trainer.plan.table import format_plan, verdict
 from trainer.plan.target import planned_device_kind, planned_world_size
@@ -98,6 +100,9 @@ __all__ = [
     "plan_comm",
     "topk_count",
     "MIN_COMPRESSION_RATE",
+    "PARAM_BYTES",
+    "REDUCE_BYTES",
+    "cause_of",
     "planned_device_kind",
     "planned_world_size",
     "refusal",

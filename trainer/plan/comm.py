@@ -26,6 +26,9 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   blocks still re-shard after each forward. Per reduction (every micro-batch's under zero.reduce_every=micro_batch,
   else the last one's), one reduce-scatter of the root and of each block in zero.reduce_dtype, on
   the same padded sizes.
+- FSDP2 on one rank issues no collective: unshard copies the sharded parameter into the unsharded
+  one and foreach_reduce copies the reduce-scatter input to its output (torch/distributed/fsdp/
+  _fully_shard/_fsdp_param_group.py and _fsdp_collectives.py, `world_size == 1`), so it plans 0 bytes.
 - HSDP (zero.shard_ranks) pads to the shard group and adds, per reduction, an all-reduce of each
   gradient shard across the groups; hpZ (zero.hpz_ranks) moves stage3 backward's all-gathers into
   the secondary groups. `CommPlan.groups` gives the bytes per process group and the link each
@@ -190,6 +193,10 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     1/hpz of the all-gather output, _fsdp_param.py). replicate (HSDP): one all-reduce of each reduce-
     scatter output, the gradient shard, across shard groups (_fsdp_collectives.py foreach_reduce).
     """
+    if (
+        groups.world == 1
+    ):  # FSDP2 on one rank copies instead of communicating (_fsdp_param_group.py, foreach_reduce)
+        return {"shard": []}
     root = sum(padded_numel(s, groups.shard) for s in shape.root)
     block = sum(padded_numel(s, groups.shard) for s in shape.block)
     layers, accum = config.model.n_layers, config.grad_accum

@@ -19,15 +19,14 @@ def refusal(plan: Plan) -> str | None:
         return None
     worst, c = plan.worst, plan.config
     parts = " + ".join(f"{name} {value / GIB:.2f}" for name, value in worst.peak.parts.items() if value)
-    reserved = (
-        f", {plan.required_bytes(worst) / GIB:.2f} GiB reserved with headroom"
+    # On a GPU the verdict is on the allocator's reserved memory: that figure leads.
+    figure = (
+        f"{plan.required_bytes(worst) / GIB:.2f} GiB reserved on rank {worst.rank} (tensors {plan.peak_bytes / GIB:.2f} "
+        f"GiB at {worst.peak.name}: {parts})"
         if plan.device_kind == "cuda"
-        else ""
+        else f"{plan.peak_bytes / GIB:.2f} GiB on rank {worst.rank} at {worst.peak.name} ({parts})"
     )
-    need = (
-        f"{describe(c, plan.world_size, plan.device_kind)} ({plan.num_params / 1e9:.2f}B params) needs "
-        f"{plan.peak_bytes / GIB:.2f} GiB on rank {worst.rank} at {worst.peak.name} ({parts}{reserved})"
-    )
+    need = f"{describe(c, plan.world_size, plan.device_kind)} ({plan.num_params / 1e9:.2f}B params) needs {figure}"
     assert plan.memory.per_rank_bytes is not None
     have = f"each rank has {plan.memory.per_rank_bytes / GIB:.2f} GiB ({plan.memory.source})"
     return f"does not fit: {need}, but {have}. {way_out(plan)}"
@@ -77,41 +76,106 @@ def single_changes(
                 "zero__reduce_every": every,
             }
             options.append((text, changes, world_size))
-        options += [
-            (f"zero=stage3 nproc={n}", stage3 if c.zero.stage != Stage.stage3 else {}, n)
-            for n in (2**k for k in range(13))
-            if n > world_size
-        ]
+        more = stage3 if c.zero.stage != Stage.stage3 else {}
+        if c.nodes > 1:  # whole nodes of the same ranks each: more of them
+            per_node = world_size // c.nodes
+            options += [
+                (f"zero=stage3 nodes={m}", {**more, "nodes": m}, m * per_node)
+                for m in (c.nodes * 2**k for k in range(1, 8))
+            ]
+        else:
+            options += [
+                (f"zero=stage3 nproc={n}", more, n) for n in (2**k for k in range(13)) if n > world_size
+            ]
     return options
 
 
+def fits_text(plan: Plan) -> str:
+    """The figure an option is judged by: reserved memory on a GPU, the tensor peak on CPU."""
+    if plan.device_kind == "cuda":
+        return f"{plan.required_bytes(plan.worst) / GIB:.2f} GiB reserved"
+    return f"peak {plan.peak_bytes / GIB:.2f} GiB"
+
+
 def way_out(plan: Plan) -> str:
-    """The first few changes that fit (alone, else on top of checkpointing=full), with their peaks."""
+    """The first few single changes that fit, else pairs of them; else what binds (`binding_cause`)."""
+    fitting = fitting_changes(plan, [("", {})])
+    if not fitting:  # pairs: each memory saver under every other change
+        savers = [
+            (f"{text} ", changes)
+            for text, changes, world in single_changes(plan.config, plan.world_size, plan.device_kind)
+            if world == plan.world_size and not text.startswith("micro_batch")
+        ]
+        fitting = fitting_changes(plan, savers)
+    if fitting:
+        return f"Try {', or '.join(fitting)}, or plan.enforce=false to try anyway."
+    return (
+        f"Nothing simple fits ({binding_cause(plan)}): a smaller model or more memory per rank, or "
+        "plan.enforce=false to try anyway."
+    )
+
+
+def fitting_changes(plan: Plan, bases: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Up to three changes, each on top of one of `bases`, whose plans fit (the first micro-batch and
+    world size that fit are enough)."""
     c, fitting, seen = plan.config, [], set()
-    bases: list[tuple[str, dict[str, Any]]] = [("", {})]
-    if c.checkpointing.mode != CheckpointMode.full:
-        bases.append(("checkpointing=full ", {"checkpointing__mode": CheckpointMode.full}))
     for base_text, base in bases:
         for text, changes, world_size in single_changes(
             _changed(c, **base), plan.world_size, plan.device_kind
         ):
-            kind = text.split("=")[0]  # the smallest micro-batch / world size that fits is enough
-            if kind in seen:
+            # The first micro-batch or world size that fits is enough, and a pair is one either way round.
+            kind = frozenset(word.split("=")[0] for word in f"{base_text}{text}".split())
+            if kind in seen or text in base_text:
                 continue
             option = build_plan(_changed(c, **base, **changes), plan.device_kind, world_size)
-            if option.fits:
-                fitting.append(f"{base_text}{text} (peak {option.peak_bytes / GIB:.2f} GiB)")
+            if option.fits and option.host_fits is not False:
+                fitting.append(f"{base_text}{text} ({fits_text(option)})")
                 seen.add(kind)
             if len(fitting) == 3:
-                break
-        if fitting:
-            break
-    tried = (
-        "Try " + ", or ".join(fitting) + ", or"
-        if fitting
-        else "Nothing simple fits: a smaller model or more memory per rank, or"
-    )
-    return f"{tried} plan.enforce=false to try anyway."
+                return fitting
+    return fitting
+
+
+def binding_cause(plan: Plan) -> str:
+    """What stops every change: planned with every memory saver at once (stage3, full checkpointing,
+    micro_batch 1, offload=cpu on a GPU), the largest part of the peak, or the node's host."""
+    c = plan.config
+    least = {"zero__stage": Stage.stage3, "checkpointing__mode": CheckpointMode.full}
+    least |= {"micro_batch": 1, "grad_accum": c.grad_accum * c.micro_batch}
+    if plan.device_kind == "cuda":
+        least["offload__target"] = OffloadTarget.cpu
+    floor = build_plan(_changed(c, **least), plan.device_kind, plan.world_size)
+    return cause_of(floor.worst.peak.parts, floor.fits, floor.host_fits, floor.host.need_bytes)
+
+
+def cause_of(parts: dict[str, int], device_fits: bool | None, host_fits: bool | None, host_need: int) -> str:
+    """One clause naming what binds a configuration that does not fit (mode=plan's refusal and mode=advise)."""
+    if device_fits is not False and host_fits is False:
+        return (
+            f"what binds: host memory (a node needs {host_need / GIB:.0f} GiB of it, plan.host_memory_gib: more "
+            "nodes share the offloaded states)"
+        )
+    states = parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0)
+    activations, temporary = parts.get("activations", 0), parts.get("temporary", 0)
+    clauses = [
+        (
+            states,
+            f"model states ({states / GIB:.1f} GiB a rank at the least: more ranks or nodes shard them)",
+        ),
+        (
+            activations,
+            f"activations ({activations / GIB:.1f} GiB at micro_batch 1 with full checkpointing: a shorter seq_len)",
+        ),
+        (
+            temporary,
+            f"per-block buffers ({temporary / GIB:.1f} GiB: FSDP2's gathered blocks, a block's unsharded gradient "
+            "and the loss's temporaries, which more ranks do not shrink: a device with more memory, or smaller blocks)",
+        ),
+    ]
+    clauses.sort(key=lambda clause: -clause[0])
+    # The largest part binds; a second one at least half its size binds too (removing one is not enough).
+    binding = [text for size, text in clauses[:2] if size >= clauses[0][0] / 2]
+    return "what binds: " + ", and ".join(binding)
 
 
 # ----------------------------------------------------------------------------- the host

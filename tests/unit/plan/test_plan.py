@@ -316,7 +316,7 @@ def test_13b_accumulation_costs_the_gradient_shard_not_the_gradient() -> None:
     shard = one.ranks[0].states.grads
     assert one.peak_bytes < sixteen.peak_bytes <= one.peak_bytes + shard
     assert sixteen.fits and not step.fits
-    assert "Try zero.reduce_every=micro_batch (peak" in (refusal(step) or "")
+    assert "Try zero.reduce_every=micro_batch (" in (refusal(step) or "")
 
 
 def test_adam_temporaries_follow_the_optimizer_implementation() -> None:
@@ -353,7 +353,7 @@ def test_refusal_names_the_figures_and_a_way_out_that_fits() -> None:
         and "78.65 GiB (h100-sxm, 79.6 GiB less 1 GiB CUDA context and 1 NCCL communicator)" in message
     )
     assert "plan.enforce=false" in message
-    suggestion = message.split("Try ", 1)[1].split(" (peak ")[0]  # e.g. "checkpointing=full zero=stage3"
+    suggestion = message.split("Try ", 1)[1].split(" (")[0]  # e.g. "checkpointing=full zero=stage3"
     fixed = compose_config(*[o for o in config_overrides(config)], *suggestion.split())
     assert build_plan(fixed, "cuda", 8).fits
 
