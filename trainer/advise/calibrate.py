@@ -233,7 +233,7 @@ def accelerator_rates(
     rate per micro-batch from the fitted efficiency and the model's GEMM shapes (trainer/advise/throughput.py;
     without a model, the family's large-GEMM figure)."""
     from trainer.advise.throughput import FAMILY_EFFICIENCY, FIT_ERROR, shape_factor, validation_note
-    from trainer.plan.states import model_shape
+    from trainer.plan import model_shape
 
     name = advisor_accelerator(name)
     spec = ACCELERATORS[name]
