@@ -13,6 +13,14 @@ CPU: there is no allocator counter, so two figures stand in:
 - the process's peak resident set (host memory, VmHWM), reset per window through
   /proc/self/clear_refs. It shows what the process really held, but at small scale the
   runtime dominates it and ZeRO's savings do not show (docs/design.md, pitfalls).
+
+Memory outside the allocator (`outside_allocator`), on every device: on a GPU, what the device
+holds beyond the caching allocator's reserved memory at the window's end (the CUDA context and
+kernel images, NCCL's buffers, cuBLAS handles: what trainer/plan/headroom.py assumes), from
+`torch.cuda.mem_get_info`, which counts every process on the device (a rank has its GPU to
+itself); on a CPU, the window's peak resident set less its tensor peak where tensors were
+tracked (the runtime, gloo's buffers, the allocator's slack; the two peaks may fall at
+different moments, so it is an estimate of the runtime's share, not an exact split).
 """
 
 from __future__ import annotations
@@ -39,8 +47,21 @@ TENSOR_CATEGORIES = {
     "temp": "Temp",
     "optimizer": "Optstate",
 }
-CPU_FIELDS = ("peak_allocated", "peak_rss", *(f"peak_{name}" for name in TENSOR_CATEGORIES))
-CUDA_FIELDS = ("peak_allocated", "peak_reserved", "peak_active", "alloc_retries", "num_ooms", "peak_rss")
+CPU_FIELDS = (
+    "peak_allocated",
+    "peak_rss",
+    *(f"peak_{name}" for name in TENSOR_CATEGORIES),
+    "outside_allocator",
+)
+CUDA_FIELDS = (
+    "peak_allocated",
+    "peak_reserved",
+    "peak_active",
+    "alloc_retries",
+    "num_ooms",
+    "peak_rss",
+    "outside_allocator",
+)
 COUNT_FIELDS = ("alloc_retries", "num_ooms")  # counts, not bytes
 NAN = float("nan")
 
@@ -143,10 +164,20 @@ class MemoryProbe:
                 peak_active=float(stats.get("active_bytes.all.peak", 0)),
                 alloc_retries=float(stats.get("num_alloc_retries", 0) - self._retries_before),
                 num_ooms=float(stats.get("num_ooms", 0) - self._ooms_before),
+                outside_allocator=float(cuda_outside_allocator_bytes(self.device)),
             )
         else:
             values.update(self._tensor_peak)
+            if "peak_allocated" in self._tensor_peak:
+                values["outside_allocator"] = values["peak_rss"] - self._tensor_peak["peak_allocated"]
         return [values.get(field, NAN) for field in self.fields]
+
+
+def cuda_outside_allocator_bytes(device: torch.device) -> int:
+    """Device memory in use that the caching allocator has not reserved: the CUDA context, NCCL's
+    buffers and the like (every process on the device counts: one rank per GPU)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
 
 
 def reset_peak_rss() -> None:

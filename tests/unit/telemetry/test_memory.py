@@ -11,7 +11,9 @@ from torch import nn
 
 from trainer.telemetry.memory import (
     CPU_FIELDS,
+    TENSOR_CATEGORIES,
     MemoryProbe,
+    cuda_outside_allocator_bytes,
     peak_rss_bytes,
     reset_peak_rss,
     should_track_tensors,
@@ -49,8 +51,10 @@ def test_tracked_step_counts_parameters_gradients_and_adam_state() -> None:
     # Two fp32 moments per parameter; the peak falls inside optimizer.step, whose temporaries
     # MemTracker files as optimizer state too (at most one moment's worth here, per-tensor Adam).
     assert 2 * param_bytes <= figures["peak_optimizer"] <= 3 * param_bytes + 4 * len(list(model.parameters()))
-    categories = [figures[f] for f in CPU_FIELDS if f not in ("peak_allocated", "peak_rss")]
+    categories = [figures[f"peak_{name}"] for name in TENSOR_CATEGORIES]
     assert figures["peak_allocated"] == sum(categories)
+    # What the process held beyond its tensors: the window's peak RSS less the tensor peak.
+    assert figures["outside_allocator"] == figures["peak_rss"] - figures["peak_allocated"]
 
 
 def test_untracked_window_reports_no_tensor_peak_but_a_host_peak() -> None:
@@ -62,6 +66,15 @@ def test_untracked_window_reports_no_tensor_peak_but_a_host_peak() -> None:
     figures = dict(zip(CPU_FIELDS, probe.read()))
     assert np.isnan(figures["peak_allocated"])
     assert figures["peak_rss"] > 0
+    assert np.isnan(figures["outside_allocator"])  # no tensor peak, so no split
+
+
+def test_a_gpu_ranks_memory_outside_the_allocator_is_device_use_less_reserved(monkeypatch) -> None:
+    """On CUDA: in use on the device (total - free) less the caching allocator's reserved bytes."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 39 * gib)
+    assert cuda_outside_allocator_bytes(torch.device("cuda", 0)) == 2 * gib
 
 
 def adam_step_small(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

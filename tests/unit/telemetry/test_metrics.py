@@ -52,11 +52,13 @@ def test_gpu_counts_are_counts_and_bytes_are_gib() -> None:
         "alloc_retries": 2,
         "num_ooms": 1,
         "peak_rss": GIB,
+        "outside_allocator": GIB / 2,
     }
     record = memory_fields(
         CUDA_FIELDS, torch.tensor([[row[f] for f in CUDA_FIELDS]], dtype=torch.float64), None
     )
     assert record["memory/rank0/peak_reserved_gib"] == 3.0
+    assert record["memory/rank0/outside_allocator_gib"] == 0.5
     assert record["memory/rank0/alloc_retries"] == 2 and record["memory/rank0/num_ooms"] == 1
 
 
