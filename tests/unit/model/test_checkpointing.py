@@ -7,16 +7,14 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from tests.helpers import WORLD, tiny_config
+from tests.helpers import WORLD, run_steps, tiny_config
 from trainer.config import ConfigError
-from trainer.data import build_batches
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing, op_saved_matmuls
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
 from trainer.plan.activations import activations, precisions
 from trainer.plan.states import model_shape
-from trainer.rank.loop import build_trainee, train_step
-from trainer.rank.nonfinite import NonFiniteGuard
+from trainer.rank.loop import build_trainee
 
 pytestmark = pytest.mark.torch_versions  # torch 2.11 calls the op policy in recompute too
 
@@ -25,12 +23,7 @@ CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
 
 def losses(config, steps: int = 8) -> list[float]:
     torch.manual_seed(config.seed)
-    trainee = build_trainee(config, WORLD)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
-    batches = build_batches(config, 0, 1, start_step=0)
-    return [
-        train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(1, steps + 1)
-    ]
+    return run_steps(build_trainee(config, WORLD), config, 1, steps)
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])

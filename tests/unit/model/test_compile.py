@@ -7,23 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import WORLD, tiny_config
-from trainer.data import build_batches
+from tests.helpers import WORLD, run_steps, tiny_config
 from trainer.model.decoder import build_model, init_weights
 from trainer.plan import COMPILE_NOTE, build_plan
-from trainer.rank.loop import build_trainee, train_step
-from trainer.rank.nonfinite import NonFiniteGuard
+from trainer.rank.loop import build_trainee
 from trainer.saves.dcp import Progress, SaveSpec, load_training_state, save_training_state, saved_keys
 
 
 def losses(config, steps: int) -> tuple[list[float], object]:
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, WORLD)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, WORLD, fp16=config.precision.is_fp16)
-    batches = build_batches(config, 0, 1, start_step=0)
-    return [
-        train_step(trainee, batches, config, WORLD, step, guard).loss.item() for step in range(1, steps + 1)
-    ], trainee
+    return run_steps(trainee, config, 1, steps), trainee
 
 
 @pytest.mark.parametrize(
