@@ -23,6 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import Compression, ZeroConfig
 from trainer.plan import MIN_COMPRESSION_RATE, topk_count
 
+# One all-gather into one tensor: torch 2.13 names it all_gather_single (its old name warns there),
+# torch 2.11, pyproject's lower bound, has only all_gather_into_tensor. The same collective either way.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def apply_compression(ddp: DistributedDataParallel, zero: ZeroConfig) -> None:
     """Register the hook of zero.compression, or local SGD's, on the DDP model (none: DDP's own all-reduce)."""
@@ -98,7 +102,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     sent = torch.cat([values.float(), indices.view(torch.float32)])
     world = dist.get_world_size()
     gathered = torch.empty(world * sent.numel(), dtype=sent.dtype, device=sent.device)
-    work = dist.all_gather_single(gathered, sent, async_op=True)
+    work = all_gather_single(gathered, sent, async_op=True)
 
     def unpack(_: torch.futures.Future) -> torch.Tensor:
         per_rank = gathered.view(world, 2, -1)
