@@ -41,7 +41,7 @@ from trainer.config import (
 )
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
-from trainer.plan import LINKS, Plan, build_plan, cause_of, device_memory, plan_comm, shard_groups
+from trainer.plan import LINKS, Plan, build_plan, cause_of, device_memory, shard_groups
 from trainer.rank.sharding import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
@@ -276,18 +276,17 @@ def predict_config(
     flops: float | None = None,
 ) -> StepTime:
     """The step time mode=advise ranks `config` by (benchmarks/plan_vs_published.py validates this very
-    function): its plan's largest local shard for the optimizer, its communication plan by group and
-    link, and the FLOPs it runs (`flops`: the model's per token, where the caller has them; counting
+    function): its plan's largest local shard for the optimizer, the plan's communication by group and
+    link (plan.comm), and the FLOPs it runs (`flops`: the model's per token, where the caller has them; counting
     them builds the model on meta)."""
     local_numel = max(rank.states.local_numel for rank in plan.ranks)
-    comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     # loss=chunked computes the output projection again in backward: 2·V·D more FLOPs per token to run
     # (MFU still counts the model's own FLOPs).
     m = config.model
     run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
-    return predict_step_tiers(config, world_size, comm, local_numel, run_flops, rates, device_kind)
+    return predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
 
 
 def evaluate(
