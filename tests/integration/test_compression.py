@@ -19,7 +19,9 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port, torchrun_env
 from trainer.config import Compression, DeviceKind, Stage, TrainConfig, ZeroConfig
+from trainer.plan import build_plan
 from trainer.plan.comm import plan_comm
+from trainer.plan.ddp_walk import hook_state
 from trainer.plan.states import model_shape
 from trainer.telemetry.comm import WindowReader, window_figures
 
@@ -75,6 +77,33 @@ def run_case(config: TrainConfig, world: Any, warm: int, measured: int) -> dict[
     return result
 
 
+def measure_memory(config: TrainConfig, world: Any, steps: int) -> dict[str, float]:
+    """The highest of steps 2..`steps`' peaks (step 1 creates Adam's state; local SGD's first average
+    comes at step START + 1), and the bytes the compression hook holds after the last (unique storages)."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.telemetry.memory import MemoryProbe, hook_tensors
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    train_step(trainee, batches, config, world, 1, guard)
+    peaks = []
+    for step in range(2, steps + 1):
+        probe = MemoryProbe(world.device, memory_every=0, last_step=step)  # tracks this step alone
+        with probe.measure(step, trainee.model, trainee.optimizer):
+            train_step(trainee, batches, config, world, step, guard)
+        peaks.append(probe.read()[probe.fields.index("peak_allocated")])
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in hook_tensors(trainee.model)
+    }
+    del trainee
+    gc.collect()
+    return {"peak": max(peaks), "hook_state": sum(storages.values())}
+
+
 def worker(rank: int, port: int, out: str) -> None:
     os.environ.update(torchrun_env(rank, WORLD, port))
     os.environ["TORCH_FR_BUFFER_SIZE"] = "4000"  # every collective of a case's measured steps
@@ -93,6 +122,8 @@ def worker(rank: int, port: int, out: str) -> None:
     results["topk full"] = run_case(
         make_config(compression=Compression.topk, topk_ratio=1.0), world, warm=0, measured=LOSS_STEPS
     )
+    for name in ("none", "topk", "sync_every", "powersgd"):
+        results[f"{name} memory"] = measure_memory(make_config(**METHODS[name]), world, MEMORY_STEPS)
     # Every matrix compressed, 1-D tensors too (as n x 1): otherwise a rank this high never pays and
     # powerSGD_hook would all-reduce every tensor uncompressed.
     compression.MIN_COMPRESSION_RATE = 0.0
@@ -110,6 +141,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+MEMORY_STEPS = START + SYNC_EVERY  # steps 2..6: local SGD averages at step 3, PowerSGD compresses from 3
+PEAK_TOLERANCE = 0.005  # the issue's 0.5%
 LOOP_BYTES = 4 * (WORLD + 2)  # the loop's non-finite and stop agreement per step (test_comm.py loop_bytes)
 
 
@@ -159,3 +192,24 @@ def test_powersgd_at_full_rank_is_the_all_reduce(measured: dict[str, Any]) -> No
     full = measured["powersgd full"]
     assert max(abs(a - b) for a, b in zip(none, full["losses"])) < 1e-4
     assert full["figures"]["all_reduce"] > LOSS_STEPS * 4 * model_shape(make_config().model).num_params
+
+
+@pytest.mark.parametrize("method", ["none", "topk", "sync_every"])
+def test_the_plan_is_the_measured_peak(measured: dict[str, Any], method: str) -> None:
+    """Acceptance 2: the highest peak of steps 2-6 within 0.5% of the plan: TopK's residual and the
+    dense gradient DDP keeps from its hook, local SGD's flat copy of the parameters when it averages.
+    (PowerSGD is left out: its error feedback is written in callbacks that run on gloo's worker
+    threads, which the memory tracker, a thread-local dispatch mode, does not see; docs/memory_plan.md.)"""
+    plan = build_plan(make_config(**METHODS[method]), "cpu", WORLD).ranks[0].peak
+    got = measured[f"{method} memory"]["peak"]
+    assert abs(plan.total - got) / got < PEAK_TOLERANCE, (
+        f"planned {plan.total} at {plan.name}, measured {got}"
+    )
+
+
+@pytest.mark.parametrize("method", ["none", "powersgd", "topk"])
+def test_the_hooks_state_is_the_plans(measured: dict[str, Any], method: str) -> None:
+    """What each hook keeps between steps, to the byte: PowerSGD's error feedback of every bucket and
+    the P and Q of every compressed matrix, TopK's residual of every gradient (trainer/plan/ddp_walk.py)."""
+    config = make_config(**METHODS[method])
+    assert measured[f"{method} memory"]["hook_state"] == hook_state(config.zero, model_shape(config.model))

@@ -1,9 +1,14 @@
 """The walk of a DDP step (zero=stage0, and stage1 with ZeroRedundancyOptimizer): replicated fp32
-parameters and gradient buckets all step long, autocast's cached casts (docs/memory_plan.md)."""
+parameters and gradient buckets all step long, autocast's cached casts, and what a gradient
+compression hook or local SGD holds (docs/memory_plan.md)."""
 
 from __future__ import annotations
 
-from trainer.config import LossKind
+import dataclasses
+import math
+
+from trainer.config import Compression, LossKind, ZeroConfig
+from trainer.plan.comm import powersgd_elements
 from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
 from trainer.plan.moments import (
     Moment,
@@ -12,6 +17,7 @@ from trainer.plan.moments import (
     block_backward_temporary,
     optimizer_temporary,
 )
+from trainer.plan.states import ModelShape
 
 
 def ddp_moments(ctx: StepContext) -> list[Moment]:
@@ -27,7 +33,8 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
     # one AccumulateGrad) through every block's backward; then the two and their sum are alive at once.
     tied = 4 * vd if m.tie_embeddings else 0
     embedding = 12 * vd if m.tie_embeddings else 4 * vd + prec.residual * n * m.dim
-    return [
+    held = hook_results(ctx)
+    moments = [
         ctx.moment(
             "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
         ),
@@ -37,9 +44,36 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
             activations=acts.before_last_block + acts.in_backward,
             temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
         ),
-        ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
+        ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding + held),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + held),
     ]
+    if ctx.config.zero.sync_every > 1:
+        # PeriodicModelAverager's average_parameters all-reduces one flat fp32 copy of every parameter
+        # (torch.cat), made after the optimizer's step while the gradients are still held.
+        moments.append(ctx.moment("local SGD: parameter average", temporary=4 * ctx.shape.num_params))
+    state = hook_state(ctx.config.zero, ctx.shape)
+    return [dataclasses.replace(mo, parts={**mo.parts, "other": mo.parts["other"] + state}) for mo in moments]
+
+
+def hook_state(zero: ZeroConfig, shape: ModelShape) -> int:
+    """What a compression hook keeps from one step to the next (trainer/rank/compression.py), fp32:
+    TopK's residual of every gradient; PowerSGD's error feedback (one per bucket, every gradient) and
+    the P and Q of every compressed matrix (warm start). Counted as `other`, as the memory tracker
+    counts state registered from outside the step."""
+    numel = shape.num_params
+    if zero.compression == Compression.topk:
+        return 4 * numel
+    if zero.compression == Compression.powersgd:
+        compressed = [s for s in shape.order if powersgd_elements(s, zero) < math.prod(s)]
+        return 4 * numel + 4 * sum(powersgd_elements(s, zero) for s in compressed)
+    return 0
+
+
+def hook_results(ctx: StepContext) -> int:
+    """TopK's decompressed gradient: each bucket's hook returns a new dense tensor, which DDP's reducer
+    keeps (its views are the bucket's output) until the next backward: every gradient again, fp32
+    (measured: it is alive at the optimizer step). DDP's own all-reduce returns the bucket itself."""
+    return 4 * ctx.shape.num_params if ctx.config.zero.compression == Compression.topk else 0
 
 
 def ddp_loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:

@@ -11,6 +11,7 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `torch._ops.OpOverload`, `OpOverloadPacket`, `HigherOrderOperator` | the types of `torch.ops` entries; torch exports them from `torch._ops` only | `of_torch.OpOverload`, `of_torch.OpOverloadPacket`, `of_torch.HigherOrderOperator` |
 | `torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB` | DDP's default bucket cap, a module constant (guarded: 25 where absent) | `of_torch.ddp_default_bucket_cap_mb` |
 | `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
+| `DistributedDataParallel._comm_hooks` | the (hook, state) pairs register_comm_hook appended, so the memory tracker can count the state a compression hook keeps between steps; DDP has no public getter | `of_torch.comm_hook_states` |
 | `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
 | `GradScaler._get_scale_async` | the scale without a host sync (`get_scale()` syncs) | `of_torch.scale_on_device` |

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 __all__ = [
     "CheckpointImpl",
     "checkpoint_wrapper",
+    "comm_hook_states",
     "ddp_default_bucket_cap_mb",
     "FLIGHT_RECORDER_DUMPS",
     "flight_recorder_dumps",
@@ -45,6 +46,12 @@ def flight_recorder_json(name: str = "_dump_fr_trace_json") -> str | None:
     None where this torch build has no such dump. Raises what the dump raises (RuntimeError)."""
     dump = getattr(getattr(torch._C, "_distributed_c10d", None), name, None)
     return None if dump is None else dump(True, False)
+
+
+def comm_hook_states(model: torch.nn.Module) -> list[object]:
+    """The states of the communication hooks registered on a DDP model (DistributedDataParallel's
+    `_comm_hooks`, appended by register_comm_hook); none for any other module."""
+    return [state for _, state in getattr(model, "_comm_hooks", [])]
 
 
 def new_mem_tracker() -> Any:

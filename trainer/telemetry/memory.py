@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.private_apis.of_torch import new_mem_tracker
+from trainer.private_apis.of_torch import comm_hook_states, new_mem_tracker
 from trainer.rank.trainee import local_optimizer
 
 # Our names for MemTracker's categories (the values of its _MemRefType enum).
@@ -135,9 +135,10 @@ class MemoryProbe:
         # A fresh tracker per step: its peak starts at what exists when it is entered, and a
         # module seen in an earlier step would otherwise need reset_mod_stats().
         tracker = new_mem_tracker()
-        # What exists before the step (parameters, their gradients, optimizer moments) is
-        # invisible to a dispatch mode until an op touches it; register it up front.
-        tracker.track_external(model, local_optimizer(optimizer))
+        # What exists before the step (parameters, their gradients, optimizer moments, a compression
+        # hook's error feedback) is invisible to a dispatch mode until an op creates it anew;
+        # register it up front.
+        tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model))
         with tracker:
             _ACTIVE_TRACKER.append(tracker)
             try:
@@ -171,6 +172,18 @@ class MemoryProbe:
             if "peak_allocated" in self._tensor_peak:
                 values["outside_allocator"] = values["peak_rss"] - self._tensor_peak["peak_allocated"]
         return [values.get(field, NAN) for field in self.fields]
+
+
+def hook_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a DDP communication hook keeps from step to step (PowerSGD's error feedback and
+    its P and Q, TopK's residuals: trainer/rank/compression.py), found in the hooks' states."""
+    held = []
+    for state in comm_hook_states(model):
+        names = getattr(state, "__slots__", None) or list(vars(state))  # PowerSGDState has __slots__
+        for value in (getattr(state, name, None) for name in names):  # a tensor, or a dict of them
+            values = value.values() if isinstance(value, dict) else [value]
+            held += [v for v in values if isinstance(v, torch.Tensor)]
+    return held
 
 
 def cuda_outside_allocator_bytes(device: torch.device) -> int:

@@ -7,6 +7,7 @@ import math
 
 from trainer.config import Compression, DeviceKind, TrainConfig, ZeroConfig
 from trainer.plan.comm import plan_comm, powersgd_elements, topk_count
+from trainer.plan.ddp_walk import hook_state
 from trainer.plan.states import model_shape
 
 
@@ -40,3 +41,39 @@ def test_local_sgd_plans_the_parameter_average_spread_over_its_period() -> None:
     exact = plan_comm(config(), 2, backend="gloo").bytes_by_collective["all_reduce"]
     local = plan_comm(config(sync_every=4), 2, backend="gloo").bytes_by_collective["all_reduce"]
     assert 4 * local == exact == 4 * model_shape(config().model).num_params
+
+
+def test_the_memory_each_method_holds_by_hand() -> None:
+    """The tiny model (dim 128, 4 blocks, 2 of 4 heads for k and v, ffn 384, vocab 512; 918,656
+    parameters): TopK keeps a fp32 residual of every gradient, and its hook's dense result until the next
+    backward; PowerSGD at rank 2 keeps its error feedback of every gradient plus P and Q of every matrix
+    (per block wq, wo 128x128, wk, wv 64x128, w1, w3 384x128, w2 128x384; the embedding and head 512x128:
+    (n + m) * 2 each; the norms are not compressed); local SGD averages a flat fp32 copy of the parameters."""
+    from trainer.plan import build_plan
+
+    numel = 918_656
+    per_block = (256 + 192 + 192 + 256 + 512 + 512 + 512) * 2
+    p_and_q = 4 * (4 * per_block + 2 * 640 * 2)
+    assert p_and_q == 88_064
+    shape = model_shape(config().model)
+    assert shape.num_params == numel
+    assert (
+        hook_state(ZeroConfig(compression=Compression.powersgd, powersgd_rank=2), shape)
+        == 4 * numel + p_and_q
+    )
+    assert hook_state(ZeroConfig(compression=Compression.topk), shape) == 4 * numel
+    assert hook_state(ZeroConfig(sync_every=4), shape) == hook_state(ZeroConfig(), shape) == 0
+
+    def moments(**zero: object) -> dict[str, int]:
+        return {m.name: m.total for m in build_plan(config(**zero), "cpu", 2).ranks[0].moments}
+
+    none, topk = moments(), moments(compression=Compression.topk)
+    assert topk["forward: last block"] - none["forward: last block"] == 4 * numel
+    assert topk["optimizer step"] - none["optimizer step"] == 8 * numel
+    average = {m.name: m for m in build_plan(config(sync_every=4), "cpu", 2).ranks[0].moments}
+    parts = average["local SGD: parameter average"].parts
+    # at rest: fp32 parameters, gradients and Adam's two moments (16 bytes a parameter), and the flat copy
+    assert (parts["params"] + parts["grads"] + parts["optimizer"], parts["temporary"]) == (
+        16 * numel,
+        4 * numel,
+    )

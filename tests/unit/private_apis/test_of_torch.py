@@ -18,6 +18,7 @@ from trainer.private_apis.of_torch import (
     OpOverload,
     OpOverloadPacket,
     checkpoint_wrapper,
+    comm_hook_states,
     ddp_default_bucket_cap_mb,
     flight_recorder_dumps,
     flight_recorder_json,
@@ -99,3 +100,14 @@ def test_the_operator_types_are_those_of_torch_ops() -> None:
 
 def test_ddps_default_bucket_cap_is_25_mib() -> None:
     assert ddp_default_bucket_cap_mb() == 25
+
+
+def test_comm_hook_states_are_what_register_comm_hook_was_given(process_group: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(nn.Linear(4, 4))
+    assert comm_hook_states(ddp) == [] and comm_hook_states(nn.Linear(4, 4)) == []
+    state = object()
+    ddp.register_comm_hook(state, allreduce_hook)
+    assert len(comm_hook_states(ddp)) == 1 and comm_hook_states(ddp)[0] is state
