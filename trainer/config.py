@@ -699,6 +699,10 @@ class AdviseConfig:
     reshard_after_backward: list[bool] = field(default_factory=lambda: [True, False])
     """zero.reshard_after_backward choices to consider where stage2/3 accumulate (grad_accum > 1); elsewhere
     only true (it changes nothing there)."""
+    compression: list[Compression] = field(default_factory=lambda: [Compression.powersgd, Compression.topk])
+    """Gradient compression (zero.compression, with zero.powersgd_rank and zero.topk_ratio as set) to list
+    beside each stage0/1 candidate whose step waits on the network; marked as changing the optimisation
+    and never ranked in the leading tie ([] or [none]: none listed)."""
     micro_batches: list[int] | None = None
     """Micro-batches to consider; None: every power of two dividing global_batch / ranks."""
     headroom: float = 0.2

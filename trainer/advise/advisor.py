@@ -31,6 +31,7 @@ from trainer.advise.verify import Proposal, verify
 from trainer.config import (
     STAGE_REDUCE_EVERY,
     CheckpointMode,
+    Compression,
     ConfigError,
     LossKind,
     OffloadTarget,
@@ -58,6 +59,7 @@ CHOSEN_KEYS = (
     "loss",
     "zero.shard_ranks",
     "zero.hpz_ranks",
+    "zero.compression",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
 """What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
@@ -100,8 +102,15 @@ class Candidate:
         }
         return tuple(name for name, present in parts.items() if present)
 
+    @property
+    def lossy(self) -> bool:
+        """Gradient compression: a different optimisation, not the same one faster (never in a tie)."""
+        return self.choice.get("zero.compression") is not None
+
     def numerics_note(self) -> str:
         """Rows whose choice changes the numbers the job computes say so."""
+        if self.lossy:
+            return f"; ~ changes the optimisation: {self.choice['zero.compression']} gradient compression"
         if self.choice["zero.reduce_dtype"] == "bf16":
             return "; changes numerics: bf16 gradient reduction (torchtitan and Megatron reduce in fp32)"
         return ""
@@ -116,6 +125,7 @@ class Candidate:
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
         every += " keep" if c.get("zero.reshard_after_backward") is False else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
+        loss += f" ~{c['zero.compression']}" if self.lossy else ""
         return f"{c['zero']}{groups} ckpt={c['checkpointing']} offload={c['offload']} reduce={c['zero.reduce_dtype']}{every} mb={c['micro_batch']}x{c['grad_accum']}{loss}"
 
     def overrides(self) -> list[str]:
@@ -195,6 +205,7 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                     config.loss.kind.value,
                     shard,
                     hpz,
+                    None,  # zero.compression: exact; compressed variants come from `compressed_variants`
                 )
                 out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
@@ -242,6 +253,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
             hpz_ranks=choice.get("zero.hpz_ranks"),
             reduce_every=ReduceEvery(choice["zero.reduce_every"]),
             reshard_after_backward=choice.get("zero.reshard_after_backward", True),
+            compression=Compression(choice.get("zero.compression") or Compression.none),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
         offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
@@ -376,24 +388,54 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
         if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
     ]
     evaluated += [c for c in chunked if c is not None]
+    evaluated += compressed_variants(config, evaluated, device_kind, world_size, rates, flops)
     return rank(with_memory_limits(evaluated), rates.tie_tolerance), rates
 
 
+def compressed_variants(
+    config: TrainConfig,
+    candidates: list[Candidate],
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float,
+) -> list[Candidate]:
+    """advise.compression's variants of every fitting stage0/1 candidate whose step waits on the network
+    (exposed time there): fewer gradient bytes (trainer/plan/comm.py) at the price of another optimisation. The
+    hooks' own compute (PowerSGD's matmuls, TopK's selection) is not in the step time."""
+    methods = [m for m in config.advise.compression if m != Compression.none]
+    waiting = [
+        c
+        for c in candidates
+        if c.choice["zero"] in (Stage.stage0.value, Stage.stage1.value)
+        and c.exposed_by_link().get("network", 0) > 0
+    ]
+    variants = (
+        evaluate(config, {**c.choice, "zero.compression": m.value}, device_kind, world_size, rates, flops)
+        for c in waiting
+        for m in methods
+    )
+    return [v for v in variants if v is not None]
+
+
 def rank(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
-    """What fits, best first: the candidates whose predicted tokens/s lie within `tolerance` (the model's
-    error, Rates.tie_tolerance) of the fastest are a tie, ordered by fewer moving parts, then smaller
-    reserved memory, then speed, and marked; the rest by speed; then what does not fit, smallest first."""
+    """What fits, best first: the exact candidates whose predicted tokens/s lie within `tolerance` (the
+    model's error, Rates.tie_tolerance) of the fastest exact one are a tie, ordered by fewer moving parts,
+    then smaller reserved memory, then speed, and marked; the rest by speed, compressed ones (marked `~`)
+    among them; then what does not fit, smallest first."""
     fitting = [c for c in candidates if c.fits is not False]
     refused = sorted((c for c in candidates if c.fits is False), key=lambda c: c.reserved_bytes)
     if not fitting:
         return refused
-    best = max(c.tokens_per_s for c in fitting)
-    tied = [c for c in fitting if c.tokens_per_s >= best * (1 - tolerance)]
+    exact = [c for c in fitting if not c.lossy] or fitting
+    best = max(c.tokens_per_s for c in exact)
+    tied = [c for c in exact if c.tokens_per_s >= best * (1 - tolerance)]
     tied.sort(key=lambda c: (len(c.moving_parts()), c.reserved_bytes, -c.tokens_per_s))
+    in_tie = {id(c) for c in tied}
     if len(tied) > 1:
         tied = [dataclasses.replace(c, tie=True) for c in tied]
     rest = sorted(
-        (c for c in fitting if c.tokens_per_s < best * (1 - tolerance)),
+        (c for c in fitting if id(c) not in in_tie),
         key=lambda c: (-c.tokens_per_s, c.reserved_bytes),
     )
     return tied + rest + refused
@@ -445,6 +487,11 @@ def format_advice(
         lines.append(
             f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
             "moving parts (offload, hpZ, HSDP, keep, bf16 reduction), then smaller reserved memory, then speed"
+        )
+    if any(c.lossy for c in fitting[: config.advise.top]):
+        lines.append(
+            "    ~<method>: zero.compression, fewer gradient bytes but another optimisation (the loss after N steps "
+            "differs: docs/communication.md); never in the tie, whatever its speed; its own compute is not timed"
         )
     if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
         lines.append(

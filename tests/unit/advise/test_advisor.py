@@ -221,3 +221,46 @@ def test_a_kept_candidate_says_keep_and_its_command_sets_the_key() -> None:
     assert "zero.reshard_after_backward=false" in kept.overrides()
     assert " keep" not in default.label()
     assert not any(o.startswith("zero.reshard_after_backward") for o in default.overrides())
+
+
+def test_compressed_variants_where_the_network_waits_are_marked_and_never_lead() -> None:
+    """Issue 38: a stage0/1 candidate whose step waits on the network (4 nodes of 8 H100s, a 1b model)
+    is listed again with each advise.compression method: fewer planned gradient bytes, its command line
+    sets zero.compression, its row says it changes the optimisation, and it is never in the leading tie,
+    nor above an exact candidate without that mark."""
+    from trainer.advise.advisor import format_advice
+
+    overrides = (
+        "mode=advise",
+        "model=1b",
+        "nodes=4",
+        "nproc=8",
+        "plan.accelerator=h100",
+        "seq_len=2048",
+        "precision=bf16",
+        "global_batch=64",
+        "advise.stages=[stage0,stage1]",
+        "advise.checkpointing=[none]",
+        "advise.reduce_dtypes=[fp32]",
+        "advise.top=30",
+    )
+    config = compose_config(*overrides)
+    ranked, rates = advise(config, "cuda", 32)
+    exact = {json.dumps({**c.choice, "zero.compression": None}): c for c in ranked if not c.lossy}
+    lossy = [c for c in ranked if c.lossy]
+    assert sorted({c.choice["zero.compression"] for c in lossy}) == ["powersgd", "topk"]
+    assert len(lossy) == 2 * len(exact)  # every exact candidate here waits on the network
+    for variant in lossy:
+        base = exact[json.dumps({**variant.choice, "zero.compression": None})]
+        # the gradient's collective: PowerSGD all-reduces P and Q; TopK all-gathers 8 bytes per kept element
+        # from each of the 32 ranks (stage1's parameter broadcast stays as it is)
+        method = variant.choice["zero.compression"]
+        kind, saving = {"powersgd": ("world/all_reduce", 100), "topk": ("world/all_gather", 2)}[method]
+        assert variant.step.wire_s[kind] < base.step.wire_s["world/all_reduce"] / saving
+        assert f"zero.compression={variant.choice['zero.compression']}" in variant.overrides()
+        assert "~ changes the optimisation" in variant.numerics_note() and not variant.tie
+    first_lossy = next(i for i, c in enumerate(ranked) if c.lossy)
+    assert all(c.tie for c in ranked[:first_lossy]) and not any(c.lossy for c in ranked if c.tie)
+    assert all(not c.lossy or "~" in c.label() for c in ranked)
+    table = format_advice(config, ranked, rates, list(overrides), 32, "h100")
+    assert "~<method>: zero.compression" in table
