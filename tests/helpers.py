@@ -290,3 +290,52 @@ def run_steps(trainee: Any, config: Any, first: int, last: int) -> list[float]:
         train_step(trainee, batches, config, WORLD, step, guard).loss.item()
         for step in range(first, last + 1)
     ]
+
+
+# ----------------------------------------------------------------------------- Hugging Face checkpoints
+
+HF_FAMILIES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "MistralForCausalLM": {"sliding_window": 64},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 32, "tie_word_embeddings": True},
+}
+"""Tiny random checkpoints of each family model=hf reads: what sets each apart beside the shapes below."""
+HF_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+HF_SEQUENCES = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+"""The 4 fixed sequences zerolab's logits are compared on."""
+
+
+def hf_checkpoint(directory: Path, architecture: str, seed: int = 0) -> Path:
+    """A tiny random `architecture` saved by transformers' save_pretrained in `directory`. Every
+    parameter drawn at random (norm weights about 1, biases non-zero) so that none of them, q/k norms
+    and biases included, could be loaded wrongly and go unseen."""
+    import transformers
+
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(
+        **HF_SHAPES, **HF_FAMILIES[architecture]
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2 if param.ndim == 1 else 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_logits(directory: Path, tokens: torch.Tensor = HF_SEQUENCES) -> torch.Tensor:
+    """transformers' own fp32 logits of the checkpoint in `directory` (AutoModelForCausalLM.from_pretrained)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits

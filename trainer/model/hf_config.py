@@ -179,3 +179,38 @@ def model_fields(path: Path) -> dict[str, Any]:
         "qkv_bias": name == "Qwen2ForCausalLM",
         **rope_fields(hf, path),
     }
+
+
+def export_config(model: Any, dtype: str) -> Any:
+    """transformers' configuration of zerolab model `model` (a ModelConfig), the inverse of
+    `model_fields`: Qwen3 where it has q/k norms, Qwen2 where it has q/k/v biases, else Llama
+    (a Mistral is a Llama with a sliding window no shorter than max_seq_len, which it becomes)."""
+    name = (
+        "Qwen3ForCausalLM" if model.qk_norm else "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+    )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    scaling = getattr(model.rope_scaling, "value", model.rope_scaling)
+    if scaling == "llama3":
+        rope |= {
+            "rope_type": "llama3",
+            "factor": model.rope_factor,
+            "low_freq_factor": model.rope_low_freq_factor,
+            "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_max_seq_len,
+        }
+    config = hf_config_class(name)(
+        architectures=[name],
+        hidden_size=model.dim,
+        intermediate_size=model.ffn_dim,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        head_dim=model.head_width,
+        vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_seq_len,
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+        rope_parameters=rope,  # transformers 5 (4.x took rope_theta and rope_scaling apart)
+    )
+    config.dtype = dtype
+    return config
