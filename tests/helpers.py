@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -339,3 +340,29 @@ def hf_logits(directory: Path, tokens: torch.Tensor = HF_SEQUENCES) -> torch.Ten
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def rank_logits(
+    rank: int, port: int, configs: dict[str, ModelConfig], stages: tuple[str, ...], out: Path
+) -> None:
+    """One of two ranks (torch.multiprocessing's entry: importable, and without transformers): each
+    checkpoint of `configs` loaded at each stage, rank 0 saves the logits of HF_SEQUENCES to `out`."""
+    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
+    from trainer.rank.sharding import apply_zero
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    logits = {}
+    for family, config in configs.items():
+        for stage in stages:
+            zero = ZeroConfig(stage=Stage(stage))
+            model = apply_zero(
+                build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights
+            )
+            with torch.no_grad():
+                logits[family, stage] = model(HF_SEQUENCES)
+    if rank == 0:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()

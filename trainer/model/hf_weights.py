@@ -178,15 +178,14 @@ def check_config_json(config: ModelConfig, weights: Path) -> None:
         fields = model_fields(weights / "config.json")
     except HfConfigError as err:
         raise ConfigError(f"model.weights={weights}: {err}") from None
+    here = {key: _value(getattr(config, key)) for key in fields} | {"head_dim": config.head_width}
     differing = [
-        f"{key} ({value} there, {_value(getattr(config, key))} here)"
-        for key, value in fields.items()
-        if value != _value(getattr(config, key))
+        f"{key} ({value} there, {here[key]} here)" for key, value in fields.items() if value != here[key]
     ]
     if differing:
         raise ConfigError(
             f"model.weights={weights}: its config.json is another model than model={config.name}: "
-            f"{', '.join(differing)}; give model=hf model.config={weights}, or drop model.config"
+            f"{', '.join(differing)}; model=hf model.weights={weights} alone builds the model its config.json describes"
         )
 
 

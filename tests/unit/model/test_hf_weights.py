@@ -128,8 +128,8 @@ def test_a_config_json_of_another_model_names_the_fields(
     (tmp_path / "config.json").write_text(json.dumps(other))
     assert refusal(weights, config=str(tmp_path)) == (
         f"model.weights={weights}: its config.json is another model than model=hf:{tmp_path / 'config.json'}: "
-        f"n_layers (2 there, 3 here), norm_eps (1e-06 there, 1e-05 here); give model=hf model.config={weights}, "
-        "or drop model.config"
+        f"n_layers (2 there, 3 here), norm_eps (1e-06 there, 1e-05 here); model=hf model.weights={weights} alone "
+        "builds the model its config.json describes"
     )
 
 
