@@ -16,12 +16,14 @@ Anything else (mixture-of-experts, encoder-decoder, other activations, biases el
 rope scalings) is refused in one line naming what is not supported, before any rank starts.
 This module imports nothing of trainer/ (trainer/config.py calls it): its HfConfigError becomes the
 schema's ConfigError there, its `rope_scaling` a RopeScaling name.
-Weights are not loaded: zerolab trains from its own initialisation (and rotates adjacent pairs
-of each head, Meta's layout, where transformers rotates halves of permuted weights).
+Weights are loaded only with `model.weights` (trainer/model/hf_weights.py, which permutes each
+head between transformers' rotary layout and zerolab's); `export_config` writes the config.json
+of an export (trainer/saves/hf_export.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -198,7 +200,13 @@ def export_config(model: Any, dtype: str) -> Any:
             "high_freq_factor": model.rope_high_freq_factor,
             "original_max_position_embeddings": model.rope_original_max_seq_len,
         }
-    config = hf_config_class(name)(
+    cls = hf_config_class(name)
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:  # transformers 5
+        rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
+    else:  # transformers 4.x: the theta and the scaling apart, as rope_fields reads them
+        theta = rope.pop("rope_theta")
+        rope_kwargs = {"rope_theta": theta, "rope_scaling": None if rope["rope_type"] == "default" else rope}
+    config = cls(
         architectures=[name],
         hidden_size=model.dim,
         intermediate_size=model.ffn_dim,
@@ -210,7 +218,7 @@ def export_config(model: Any, dtype: str) -> Any:
         max_position_embeddings=model.max_seq_len,
         rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_embeddings,
-        rope_parameters=rope,  # transformers 5 (4.x took rope_theta and rope_scaling apart)
+        **rope_kwargs,
     )
     config.dtype = dtype
     return config
