@@ -28,6 +28,7 @@ from trainer.faults.stop import (
     stopped_at_once,
 )
 from trainer.model.attention import run_choice
+from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
@@ -109,7 +110,7 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             nproc = planned_world_size(config.nproc, device_kind)
         else:
             config, device_kind, nproc = check_this_host(config)
-        check_model_weights(config)  # model.weights: the files' headers against the model
+        weights = check_model_weights(config)  # model.weights: the files' headers against the model
         world_size = config.nodes * nproc
         shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
         if config.mode == Mode.advise:
@@ -120,6 +121,9 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             from trainer.saves.resume import prepare_resume
 
             config, out_dir = prepare_resume(config, out_dir, world_size)
+        if config.mode == Mode.train and weights:
+            # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
+            config.model.weights_sha256 = fingerprint(weights)
         run_choice(
             config.attention, config.model, config.precision.compute_dtype, device_kind
         )  # an attention kernel this device cannot run: one line, exit 2
@@ -150,16 +154,14 @@ def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
     return config, device_kind, nproc
 
 
-def check_model_weights(config: TrainConfig) -> None:
+def check_model_weights(config: TrainConfig) -> list[Path]:
     """model.weights before any rank starts: one line for what does not fit the model
-    (trainer/model/hf_weights.py); a job that trains records the weights' fingerprint."""
+    (trainer/model/hf_weights.py); the checkpoint's files (none without model.weights)."""
     if config.model.weights is None:
-        return
-    from trainer.model.hf_weights import check_weights, fingerprint
+        return []
+    from trainer.model.hf_weights import check_weights
 
-    files = check_weights(config.model)
-    if config.mode == Mode.train:
-        config.model.weights_sha256 = fingerprint(files)
+    return check_weights(config.model)
 
 
 def advise_job(job: Job) -> None:

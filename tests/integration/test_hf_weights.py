@@ -29,7 +29,7 @@ from tests.helpers import (
     rank_logits,
     run_trainer,
 )
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, from_plain
 from trainer.data import build_batches
 from trainer.model.decoder import build_model, materialize
 
@@ -110,8 +110,7 @@ def test_the_run_names_its_weights_and_their_fingerprint(checkpoints: dict[str, 
 
 def trained_logits(run: Run) -> torch.Tensor:
     """zerolab's logits of the run's last save (its model entry, loaded in this process)."""
-    config = ModelConfig(**{k: v for k, v in run.summary["config"]["model"].items() if k != "rope_scaling"})
-    model = build_model(config)
+    model = build_model(from_plain(run.summary["config"]).model)
     materialize(model, "cpu", seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no process group: intended

@@ -17,6 +17,9 @@ from trainer.model.decoder import build_model
 from trainer.model.hf_weights import check_weights, expected_tensors, to_hf_layout, to_meta_layout
 from trainer.rank.sharding import apply_zero
 
+pytestmark = (
+    pytest.mark.torch_versions
+)  # DCP's HuggingFaceStorageReader into DTensor shards: torch 2.11 and 2.13
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
