@@ -17,7 +17,8 @@ safetensors files only the slice of each tensor that the rank's parameter holds 
 shard under FSDP2, the whole tensor under DDP). A permuted tensor's shard is not one slice of
 the file's tensor (the permutation moves rows within each head, and a shard boundary may cut a
 head), so those are read one whole tensor at a time with safetensors' `safe_open`, permuted,
-and only the rank's slice kept: a rank holds at most its shard plus the largest such tensor.
+and only the rank's slice kept: besides its shard, a rank holds for a moment one such tensor
+twice (as read and permuted), or one slice DCP reads.
 
 The checks (`check_weights`, in the job process before any rank starts) read only the files'
 headers: missing, unexpected and mis-shaped tensors, and a config.json that is not the model.
@@ -209,8 +210,8 @@ def check_shapes(config: ModelConfig, weights: Path, found: dict[str, tuple[list
     extra = [key for key in found if key not in expected and not _IGNORED.match(key)]
     if extra:
         raise ConfigError(
-            f"model.weights={weights}: tensor {extra[0]} {found[extra[0]][0]} is not in the model "
-            f"(shape none there; {len(extra)} unexpected in all): another architecture or options"
+            f"model.weights={weights}: tensor {extra[0]} of shape {found[extra[0]][0]} in {found[extra[0]][1].name} "
+            f"is not in the model (no such tensor there; {len(extra)} unexpected in all): another architecture or options"
         )
 
 

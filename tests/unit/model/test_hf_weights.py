@@ -123,6 +123,17 @@ def test_a_missing_tensor_is_named_with_its_shape(
     )
 
 
+def test_an_unexpected_tensor_is_named_with_its_shape(
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    key = "model.layers.0.self_attn.o_proj.bias"  # a bias zerolab's decoder does not have
+    bad = copy_checkpoint(checkpoints["Qwen3ForCausalLM"][0], tmp_path / "bad", {key: torch.zeros(64)})
+    assert refusal(bad) == (
+        f"model.weights={bad}: tensor {key} of shape [64] in model.safetensors is not in the model (no such "
+        "tensor there; 1 unexpected in all): another architecture or options"
+    )
+
+
 def test_a_config_json_of_another_model_names_the_fields(
     checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
