@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -290,3 +291,78 @@ def run_steps(trainee: Any, config: Any, first: int, last: int) -> list[float]:
         train_step(trainee, batches, config, WORLD, step, guard).loss.item()
         for step in range(first, last + 1)
     ]
+
+
+# ----------------------------------------------------------------------------- Hugging Face checkpoints
+
+HF_FAMILIES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "MistralForCausalLM": {"sliding_window": 64},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 32, "tie_word_embeddings": True},
+}
+"""Tiny random checkpoints of each family model=hf reads: what sets each apart beside the shapes below."""
+HF_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+HF_SEQUENCES = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+"""The 4 fixed sequences zerolab's logits are compared on."""
+
+
+def hf_checkpoint(directory: Path, architecture: str, seed: int = 0) -> Path:
+    """A tiny random `architecture` saved by transformers' save_pretrained in `directory`. Every
+    parameter drawn at random (norm weights about 1, biases non-zero) so that none of them, q/k norms
+    and biases included, could be loaded wrongly and go unseen."""
+    import transformers
+
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(
+        **HF_SHAPES, **HF_FAMILIES[architecture]
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2 if param.ndim == 1 else 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_logits(directory: Path, tokens: torch.Tensor = HF_SEQUENCES) -> torch.Tensor:
+    """transformers' own fp32 logits of the checkpoint in `directory` (AutoModelForCausalLM.from_pretrained)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def rank_logits(
+    rank: int, port: int, configs: dict[str, ModelConfig], stages: tuple[str, ...], out: Path
+) -> None:
+    """One of two ranks (torch.multiprocessing's entry: importable, and without transformers): each
+    checkpoint of `configs` loaded at each stage, rank 0 saves the logits of HF_SEQUENCES to `out`."""
+    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
+    from trainer.rank.sharding import apply_zero
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    logits = {}
+    for family, config in configs.items():
+        for stage in stages:
+            zero = ZeroConfig(stage=Stage(stage))
+            model = apply_zero(
+                build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights
+            )
+            with torch.no_grad():
+                logits[family, stage] = model(HF_SEQUENCES)
+    if rank == 0:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -4,7 +4,8 @@ A job flows config -> plan -> launch -> each rank's loop -> telemetry -> report;
 saves, faults and the cluster stand beside that flow. The packages are layers, each importing
 only the layers below it and the leaves (tests/unit/test_imports.py holds the order):
 
-- `__main__.py`, `cli.py`: `python -m trainer`: compose, check, dispatch (the entry);
+- `__main__.py`, `cli.py`: `python -m trainer`: compose, check, dispatch (the entry); `export.py`:
+  `python -m trainer.export`, a save written as a Hugging Face checkpoint;
 - `job.py`, `launch.py`, `cluster.py`, `sweep.py`: the job process (check -> plan -> train, plan
   or advise), starting and joining its ranks, multi-node placement, the Hydra sweep callbacks;
 - `advise/`: `mode=advise`: candidates, predicted step time, rates, verification;

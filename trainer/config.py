@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -121,6 +122,11 @@ class LossKind(str, Enum):
     chunked = "chunked"
 
 
+class HfExport(str, Enum):
+    none = "none"
+    last = "last"
+
+
 class FaultKind(str, Enum):
     none = "none"
     inf_grad = "inf_grad"
@@ -175,8 +181,17 @@ class ModelConfig:
     config: str | None = None
     """model=hf only: a Hugging Face config.json (or a directory holding one) whose shapes replace the keys
     above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    weights: str | None = None
+    """A Hugging Face checkpoint directory (safetensors) loaded in place of the initialisation before step 1
+    (trainer/model/hf_weights.py); with model=hf, model.config defaults to it."""
+    weights_sha256: str | None = None
+    """Set by the job, not by hand: the first 16 hex digits of sha256 over model.weights' safetensors files."""
 
     def __post_init__(self) -> None:
+        if self.weights is not None:
+            self.weights = str(Path(self.weights).expanduser().resolve())
+            if self.name == "hf" and self.config is None:
+                self.config = self.weights  # the checkpoint's own config.json
         _require(
             self.name != "hf" or self.config is not None,
             "model=hf needs model.config=<a Hugging Face config.json, or a directory holding one>",
@@ -571,10 +586,17 @@ class SaveConfig:
     """Save every N optimizer steps (and at the end); 0 disables saving."""
     keep: int = 2
     """How many saves to keep."""
+    hf: HfExport = HfExport.none
+    """last: when the run ends ok, its last save exported to <run>/hf as a Hugging Face checkpoint
+    (trainer/saves/hf_export.py, what `python -m trainer.export` writes)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"save.every must be >= 0, got {self.every}")
         _require(self.keep >= 1, f"save.keep must be >= 1, got {self.keep}")
+        _require(
+            self.hf == HfExport.none or self.every >= 1,
+            "save.hf=last exports the run's last save: needs save.every >= 1 (save=default), got save.every=0",
+        )
 
 
 @dataclass

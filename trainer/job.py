@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
+from trainer.config import ConfigError, HfExport, Mode, OffloadTarget, TrainConfig, to_plain, validate
 from trainer.console import BAD_INPUT, error_line, say, warn
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
@@ -28,6 +28,7 @@ from trainer.faults.stop import (
     stopped_at_once,
 )
 from trainer.model.attention import run_choice
+from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
@@ -109,6 +110,7 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             nproc = planned_world_size(config.nproc, device_kind)
         else:
             config, device_kind, nproc = check_this_host(config)
+        weights = check_model_weights(config)  # model.weights: the files' headers against the model
         world_size = config.nodes * nproc
         shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
         if config.mode == Mode.advise:
@@ -119,6 +121,9 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             from trainer.saves.resume import prepare_resume
 
             config, out_dir = prepare_resume(config, out_dir, world_size)
+        if config.mode == Mode.train and weights:
+            # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
+            config.model.weights_sha256 = fingerprint(weights)
         run_choice(
             config.attention, config.model, config.precision.compute_dtype, device_kind
         )  # an attention kernel this device cannot run: one line, exit 2
@@ -149,6 +154,16 @@ def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
     return config, device_kind, nproc
 
 
+def check_model_weights(config: TrainConfig) -> list[Path]:
+    """model.weights before any rank starts: one line for what does not fit the model
+    (trainer/model/hf_weights.py); the checkpoint's files (none without model.weights)."""
+    if config.model.weights is None:
+        return []
+    from trainer.model.hf_weights import check_weights
+
+    return check_weights(config.model)
+
+
 def advise_job(job: Job) -> None:
     """mode=advise (trainer/advise/advisor.py): rank configurations, run none unless advise.verify."""
     from trainer.advise.advisor import run_advice
@@ -176,7 +191,9 @@ def train_job(job: Job, refusal: str | None, meta: dict[str, Any]) -> None:
             config,
             out_dir,
             meta,
-            lambda: train_ranks(config, out_dir, job.device_kind, job.nproc, predicted, job_stop),
+            lambda: export_if_asked(
+                config, out_dir, train_ranks(config, out_dir, job.device_kind, job.nproc, predicted, job_stop)
+            ),
         )
     end_job(config, out_dir, status, extra, meta, summary)
 
@@ -237,6 +254,20 @@ def train_ranks(
         return stopped_at_once(job_stop)
     status, extra = ranks_outcome(result, config.save.every > 0)
     return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
+
+
+def export_if_asked(
+    config: TrainConfig, out_dir: Path, outcome: tuple[Status, dict[str, Any]]
+) -> tuple[Status, dict[str, Any]]:
+    """save.hf=last: a run that ended ok has its last save exported to <run>/hf (trainer/saves/hf_export.py)."""
+    status, extra = outcome
+    if status != Status.ok or config.save.hf != HfExport.last:
+        return outcome
+    from trainer.saves.hf_export import export_save, find_save
+
+    exported = export_save(find_save(out_dir), out_dir / "hf", config.model)
+    print(f"exported the last save as a Hugging Face checkpoint: {exported}", flush=True)
+    return status, {**extra, "hf_export": str(exported)}
 
 
 def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:

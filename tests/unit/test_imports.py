@@ -31,7 +31,7 @@ NEVER_ON_THE_RANK_PATH = ("wandb", "wandb_workspaces", "hydra")
 ELASTIC_LAUNCHER = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trainer.__main__", "trainer.cli"),  # the entry: compose, check, dispatch
+    ("trainer.__main__", "trainer.cli", "trainer.export"),  # the entries: compose, check, dispatch; export
     ("trainer.job", "trainer.launch", "trainer.cluster", "trainer.sweep"),  # the job process
     ("trainer.advise",),
     ("trainer.rank",),

@@ -3,6 +3,7 @@
 - decoder.py: the Llama-style decoder, its sharding-invariant initialisation, FLOPs per token;
 - loss.py: next-token cross-entropy in fp32, over all logits at once or by chunks of tokens;
 - hf_config.py: `model=hf`: the shapes of a Hugging Face config.json (a leaf: config.py reads it);
+- hf_weights.py: `model.weights`: a Hugging Face checkpoint checked, loaded into each rank's shard, its key map;
 - attention.py: the explicit SDPA kernel (`attention=`) and what it keeps for backward;
 - checkpointing.py: activation checkpointing around chosen blocks;
 - compile.py: `torch.compile` per block, in place;

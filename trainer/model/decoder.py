@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -262,7 +263,7 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def _find_transformer(model: nn.Module) -> Transformer:
+def find_transformer(model: nn.Module) -> Transformer:
     for module in model.modules():
         if isinstance(module, Transformer):
             return module
@@ -291,7 +292,7 @@ def _draw_full(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy `full` into `param`, or only this rank's slice of it when `param` is sharded."""
     from torch.distributed.tensor import DTensor, distribute_tensor  # ranks only: the plan builds no storage
 
@@ -314,23 +315,29 @@ def init_weights(model: nn.Module, seed: int) -> None:
     of ranks) or on parameter order, and the transient memory is one parameter, never the model.
     Linear and embedding weights ~ N(0, 0.02), wo and w2 scaled by 1/sqrt(2 * n_layers); norms 1.
     """
-    n_layers = _find_transformer(model).config.n_layers
+    n_layers = find_transformer(model).config.n_layers
     for name, param in model.named_parameters():
-        _copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
+        copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
 
 
-def materialize(model: nn.Module, device: str | torch.device, seed: int) -> None:
-    """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it."""
+def materialize(
+    model: nn.Module, device: str | torch.device, seed: int, load: Callable[[nn.Module], None] | None = None
+) -> None:
+    """Allocate the (possibly sharded) meta model's storage on `device`, then initialise it, or fill
+    it with `load` instead (model.weights: trainer/model/hf_weights.py `load_weights`)."""
     model.to_empty(device=device)
     retie_embeddings(model)
-    init_weights(model, seed)
+    if load is None:
+        init_weights(model, seed)
+    else:
+        load(model)
 
 
 def retie_embeddings(model: nn.Module) -> None:
     """Tie the output head to the embedding again: `to_empty` replaces each module's parameters one by
     one (meta to real storage cannot be swapped in place), which leaves a tied head a second tensor.
     FSDP2 keeps shared parameters shared itself; there this assigns the one parameter to itself."""
-    transformer = _find_transformer(model)
+    transformer = find_transformer(model)
     if (
         transformer.config.tie_embeddings
         and transformer.output.weight is not transformer.tok_embeddings.weight

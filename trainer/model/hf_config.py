@@ -16,12 +16,14 @@ Anything else (mixture-of-experts, encoder-decoder, other activations, biases el
 rope scalings) is refused in one line naming what is not supported, before any rank starts.
 This module imports nothing of trainer/ (trainer/config.py calls it): its HfConfigError becomes the
 schema's ConfigError there, its `rope_scaling` a RopeScaling name.
-Weights are not loaded: zerolab trains from its own initialisation (and rotates adjacent pairs
-of each head, Meta's layout, where transformers rotates halves of permuted weights).
+Weights are loaded only with `model.weights` (trainer/model/hf_weights.py, which permutes each
+head between transformers' rotary layout and zerolab's); `export_config` writes the config.json
+of an export (trainer/saves/hf_export.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,44 @@ def model_fields(path: Path) -> dict[str, Any]:
         "qkv_bias": name == "Qwen2ForCausalLM",
         **rope_fields(hf, path),
     }
+
+
+def export_config(model: Any, dtype: str) -> Any:
+    """transformers' configuration of zerolab model `model` (a ModelConfig), the inverse of
+    `model_fields`: Qwen3 where it has q/k norms, Qwen2 where it has q/k/v biases, else Llama
+    (a Mistral is a Llama with a sliding window no shorter than max_seq_len, which it becomes)."""
+    name = (
+        "Qwen3ForCausalLM" if model.qk_norm else "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+    )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    scaling = getattr(model.rope_scaling, "value", model.rope_scaling)
+    if scaling == "llama3":
+        rope |= {
+            "rope_type": "llama3",
+            "factor": model.rope_factor,
+            "low_freq_factor": model.rope_low_freq_factor,
+            "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_max_seq_len,
+        }
+    cls = hf_config_class(name)
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:  # transformers 5
+        rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
+    else:  # transformers 4.x: the theta and the scaling apart, as rope_fields reads them
+        theta = rope.pop("rope_theta")
+        rope_kwargs = {"rope_theta": theta, "rope_scaling": None if rope["rope_type"] == "default" else rope}
+    config = cls(
+        architectures=[name],
+        hidden_size=model.dim,
+        intermediate_size=model.ffn_dim,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        head_dim=model.head_width,
+        vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_seq_len,
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+        **rope_kwargs,
+    )
+    config.dtype = dtype
+    return config

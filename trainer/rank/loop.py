@@ -61,8 +61,8 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
         model, config.compile, config.compile_backend
     )  # after checkpointing, before sharding: in place
     model = apply_zero(
-        model, config.zero, config.precision, config.offload, world, config.seed
-    )  # shard, then materialise only this rank's part
+        model, config.zero, config.precision, config.offload, world, config.seed, config.model.weights
+    )  # shard, then materialise (or load model.weights into) only this rank's part
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
     )

@@ -11,7 +11,9 @@ zero.shard_ranks (HSDP) and zero.hpz_ranks (hpZ) choose FSDP2's mesh and reshard
 from __future__ import annotations
 
 import contextlib
+import functools
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.model.decoder import materialize
+from trainer.model.hf_weights import load_weights
 from trainer.plan import ShardGroups, shard_groups
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
@@ -44,17 +47,20 @@ def apply_zero(
     offload: OffloadConfig,
     world: World,
     seed: int,
+    weights: str | None = None,
 ) -> nn.Module:
-    """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds.
+    """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds,
+    initialised, or filled from `weights` (model.weights: each rank reads what it holds).
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
     DDP wraps real parameters, so it comes after.
     """
+    load = None if weights is None else functools.partial(load_weights, weights=Path(weights))
     if zero.uses_fsdp:
         apply_fsdp(model, zero, precision, offload, world)
-        materialize(model, state_device(offload, world), seed=seed)
+        materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
-    materialize(model, world.device, seed=seed)
+    materialize(model, world.device, seed=seed, load=load)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     buckets = {} if zero.bucket_cap_mb is None else {"bucket_cap_mb": zero.bucket_cap_mb}
     # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.

@@ -2,5 +2,6 @@
 
 - dcp.py: what a rank does to save and load (DCP, atomic rename, resharding) (rank);
 - resume.py: where a run starts: the save to resume from, the directory, the history to rewind;
+- hf_export.py: a save written as a Hugging Face checkpoint (`python -m trainer.export`, save.hf=last);
 - integrity.py: a save that cannot be written, and one that is not whole when a run resumes.
 """

@@ -172,6 +172,9 @@ def build_summary(
 def summary_table(summary: dict[str, Any]) -> str:
     """The end-of-run table on the console: one row per figure that the run produced."""
     rows = [("status", summary["status"])]
+    model = summary.get("config", {}).get("model", {})
+    if model.get("weights"):  # model.weights: where the run started from
+        rows.append(("weights", f"{model['weights']} (sha256 {model['weights_sha256']})"))
     if "failed_rank" in summary:
         rows.append(("failed rank", str(summary["failed_rank"])))
     if keys.LOSS_FIRST in summary:

@@ -1,0 +1,179 @@
+"""Issue 35 on two ranks: a Hugging Face checkpoint of each family loaded at stages 0 and 3 gives
+transformers' logits; `model=hf model.weights=DIR` starts from transformers' loss; after 5 steps at
+stage3 the run's export (save.hf=last) loads in transformers with zerolab's logits, and
+`python -m trainer.export --dtype bf16` halves the tensors; bad weights are one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from tests.helpers import (
+    HF_FAMILIES,
+    HF_SEQUENCES,
+    Run,
+    compose_config,
+    free_port,
+    hf_checkpoint,
+    hf_logits,
+    rank_logits,
+    run_trainer,
+)
+from trainer.config import ModelConfig, from_plain
+from trainer.data import build_batches
+from trainer.model.decoder import build_model, materialize
+
+transformers = pytest.importorskip("transformers")
+
+STAGES = ("stage0", "stage3")
+JOB = ("nproc=2", "device=cpu", "zero=stage3", "seq_len=32", "micro_batch=2", "logger=none", "log_every=1")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: hf_checkpoint(root / name, name) for name in HF_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def expected_logits(checkpoints: dict[str, Path]) -> dict[str, torch.Tensor]:
+    return {name: hf_logits(path) for name, path in checkpoints.items()}
+
+
+# ----------------------------------------------------------------------------- two ranks, every family
+
+
+@pytest.fixture(scope="module")
+def two_rank_logits(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], torch.Tensor]:
+    """Every family at both stages in one two-rank process group (one start of two processes)."""
+    out = tmp_path_factory.mktemp("logits") / "logits.pt"
+    configs = {family: ModelConfig(name="hf", weights=str(path)) for family, path in checkpoints.items()}
+    # Forked, not spawned: the two ranks share this process's imports (about 50 s less on 2 busy cores).
+    # Safe here: no process group or CUDA in this process, and each rank computes on one thread
+    # (rank_logits), so no OpenMP pool is used across the fork.
+    mp.start_processes(rank_logits, args=(free_port(), configs, STAGES, out), nprocs=2, start_method="fork")
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_two_ranks_give_transformers_logits(
+    expected_logits: dict[str, torch.Tensor],
+    two_rank_logits: dict[tuple[str, str], torch.Tensor],
+    family: str,
+    stage: str,
+) -> None:
+    difference = (two_rank_logits[family, stage] - expected_logits[family]).abs().max().item()
+    assert difference < 1e-5
+
+
+# ----------------------------------------------------------------------------- a run from the weights
+
+
+@pytest.fixture(scope="module")
+def run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """5 steps at stage3 on 2 ranks from the Llama checkpoint, its last save exported (save.hf=last)."""
+    weights = checkpoints["LlamaForCausalLM"]
+    out = tmp_path_factory.mktemp("run") / "run"
+    return run_trainer(
+        out, "model=hf", f"model.weights={weights}", *JOB, "steps=5", "save.every=5", "save.hf=last"
+    )
+
+
+def test_the_first_loss_is_transformers_loss_on_the_same_batch(
+    checkpoints: dict[str, Path], run: Run
+) -> None:
+    weights = checkpoints["LlamaForCausalLM"]
+    config = compose_config("model=hf", f"model.weights={weights}", *JOB)
+    model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    losses = []
+    for rank in range(2):  # the logged loss is the mean of the ranks' losses
+        inputs, targets = next(build_batches(config, rank, 2))
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item())
+    assert abs(run.losses[0] - sum(losses) / 2) < 1e-5
+
+
+def test_the_run_names_its_weights_and_their_fingerprint(checkpoints: dict[str, Path], run: Run) -> None:
+    import hashlib
+
+    weights = checkpoints["LlamaForCausalLM"]
+    sha256 = hashlib.sha256((weights / "model.safetensors").read_bytes()).hexdigest()[:16]
+    model = run.summary["config"]["model"]
+    assert (model["weights"], model["weights_sha256"]) == (str(weights), sha256)
+    assert f"weights              {weights} (sha256 {sha256})" in run.stdout
+
+
+def trained_logits(run: Run) -> torch.Tensor:
+    """zerolab's logits of the run's last save (its model entry, loaded in this process)."""
+    model = build_model(from_plain(run.summary["config"]).model)
+    materialize(model, "cpu", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no process group: intended
+        dcp.load(
+            {"model": model.state_dict()},
+            checkpoint_id=run.out_dir / "checkpoints" / "step_00000005",
+            no_dist=True,
+        )
+    with torch.no_grad():
+        return model(HF_SEQUENCES)
+
+
+def test_the_export_loads_in_transformers_with_zerolabs_logits(run: Run) -> None:
+    assert sorted(p.name for p in (run.out_dir / "hf").iterdir()) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert (hf_logits(run.out_dir / "hf") - trained_logits(run)).abs().max().item() < 1e-5
+
+
+def tensor_bytes(path: Path) -> int:
+    """A safetensors file's size less its header (an 8-byte length, then the JSON header)."""
+    with path.open("rb") as f:
+        return path.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+
+
+def test_a_bf16_export_halves_the_tensors(run: Run, tmp_path: Path) -> None:
+    from trainer.export import main  # the command's own entry, in this process (transformers imported once)
+
+    main([str(run.out_dir), str(tmp_path), "--dtype", "bf16"])
+    name = "model-00001-of-00001.safetensors"
+    assert 2 * tensor_bytes(tmp_path / name) == tensor_bytes(run.out_dir / "hf" / name)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert exported.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- bad weights, before any rank
+
+
+def test_bad_weights_are_one_line_exit_2_before_the_plan(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """One job; the other refusals take the same path (their lines: tests/unit/model/test_hf_weights.py)."""
+    from safetensors.torch import load_file, save_file
+
+    source, weights = checkpoints["MistralForCausalLM"], tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors") | {"model.norm.weight": torch.ones(63)}
+    save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
+    run = run_trainer(
+        tmp_path / "run", "model=hf", f"model.weights={weights}", *JOB, "mode=plan", check=False
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        f"error: model.weights={weights}: tensor model.norm.weight has shape [63] in model.safetensors, "
+        "the model needs [64]"
+    ]
+    assert not (tmp_path / "run" / "plan.json").exists()

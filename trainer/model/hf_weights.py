@@ -1,0 +1,254 @@
+"""`model.weights=<dir>`: a Hugging Face checkpoint's weights in zerolab's decoder, and back out.
+
+The key map is torchtitan's (torchtitan/models/llama3/model/state_dict_adapter.py, and its qwen3
+adapter for q_norm / k_norm): one Hugging Face name per decoder parameter, the same for the
+four families `model=hf` reads (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+
+Rotary layouts differ. zerolab rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's
+layout); transformers rotates the two halves (x[i], x[i + Q/2]) (`rotate_half`), and Meta's
+weights are converted to it by permuting each head's output rows (transformers'
+convert_llama_weights_to_hf.py `permute`). So every tensor whose rows are query or key head
+features is permuted back within each head: wq, wk, their Qwen2 biases and Qwen3's q/k norm
+weights (one head's worth). Everything else is copied as it is.
+
+What each rank reads (`load_weights`): the tensors that are not permuted go through
+torch.distributed.checkpoint with its `HuggingFaceStorageReader`, which reads from the
+safetensors files only the slice of each tensor that the rank's parameter holds (a DTensor
+shard under FSDP2, the whole tensor under DDP). A permuted tensor's shard is not one slice of
+the file's tensor (the permutation moves rows within each head, and a shard boundary may cut a
+head), so those are read one whole tensor at a time with safetensors' `safe_open`, permuted,
+and only the rank's slice kept: besides its shard, a rank holds for a moment one such tensor
+twice (as read and permuted), or one slice DCP reads.
+
+The checks (`check_weights`, in the job process before any rank starts) read only the files'
+headers: missing, unexpected and mis-shaped tensors, and a config.json that is not the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, ModelConfig
+from trainer.model.decoder import build_model, canonical_name, copy_full_into, find_transformer
+
+INDEX = "model.safetensors.index.json"
+
+# zerolab's name -> Hugging Face's, `{}` the layer (torchtitan's from_hf_map, inverted).
+_TO_HF = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.attention.wq.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "layers.{}.attention.wk.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "layers.{}.attention.wv.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+    "layers.{}.attention.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+}
+
+# Tensors a checkpoint may carry that the model does not need: transformers' old rotary buffers,
+# and a tied head written out anyway (transformers ignores it when tie_word_embeddings is set).
+_IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|lm_head\.weight)$")
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """Where a decoder parameter lives in a Hugging Face checkpoint."""
+
+    key: str
+    heads: int | None
+    """Heads whose rows are permuted between the rotary layouts (None: copied as is)."""
+
+
+def hf_tensor(name: str, config: ModelConfig) -> HfTensor:
+    """The Hugging Face tensor of zerolab parameter `name` (canonical, no wrapper segments)."""
+    layer = re.match(r"layers\.(\d+)\.", name)
+    abstract = name.replace(f"layers.{layer.group(1)}.", "layers.{}.", 1) if layer else name
+    if abstract not in _TO_HF:
+        raise KeyError(f"{name} has no Hugging Face counterpart")
+    key = _TO_HF[abstract].format(layer.group(1)) if layer else _TO_HF[abstract]
+    heads = None
+    if ".wq." in name:
+        heads = config.n_heads
+    elif ".wk." in name:
+        heads = config.n_kv_heads
+    elif name.endswith(("q_norm.weight", "k_norm.weight")):
+        heads = 1  # one head's weight, shared by every head
+    return HfTensor(key, heads)
+
+
+def to_meta_layout(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's rotary layout (halves) -> zerolab's (adjacent pairs), within each head's rows.
+
+    The inverse of transformers' convert_llama_weights_to_hf.py `permute` (and torchtitan's
+    `_reverse_permute`): rows (h, 2, Q/2) become (h, Q/2, 2)."""
+    rows, rest = tensor.shape[0], tensor.shape[1:]
+    return tensor.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(tensor.shape)
+
+
+def to_hf_layout(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """zerolab's rotary layout -> Hugging Face's: transformers' `permute`, rows (h, Q/2, 2) -> (h, 2, Q/2)."""
+    rows, rest = tensor.shape[0], tensor.shape[1:]
+    return tensor.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(tensor.shape)
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[HfTensor, torch.Size]]:
+    """Every parameter of the decoder `config` builds (on meta): its canonical name, Hugging Face
+    tensor and shape. A tied head is the embedding's one parameter, so lm_head.weight is not asked for."""
+    model = build_model(config, device="meta")
+    return {name: (hf_tensor(name, config), p.shape) for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- the files
+
+
+def safetensors_files(weights: Path) -> list[Path]:
+    """The checkpoint's safetensors files (one `model.safetensors`, or the shards its index names)."""
+    index = weights / INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [weights / name for name in names]
+    return sorted(weights.glob("*.safetensors"))
+
+
+def header_shapes(files: list[Path]) -> dict[str, tuple[list[int], Path]]:
+    """Each tensor's shape and file, from the safetensors headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[list[int], Path]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = (list(f.get_slice(key).get_shape()), path)
+    return shapes
+
+
+def fingerprint(files: list[Path]) -> str:
+    """sha256 of the safetensors files' bytes in order, its first 16 hex digits: which weights a run
+    started from (read once, in the job process; about a second per GB)."""
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- checks (the job)
+
+
+def check_weights(config: ModelConfig) -> list[Path]:
+    """`model.weights` against the model, from headers only: one ConfigError line for a directory
+    without safetensors, a config.json that is another model (naming the differing keys), and the
+    first missing, mis-shaped or unexpected tensor (naming it and both shapes). Its files on success."""
+    weights = Path(config.weights or "")
+    files = safetensors_files(weights) if weights.is_dir() else []
+    if not files:
+        raise ConfigError(
+            f"model.weights={weights}: no safetensors files there (model.safetensors, or shards with "
+            f"{INDEX}); give a directory written by transformers' save_pretrained"
+        )
+    check_config_json(config, weights)
+    check_shapes(config, weights, header_shapes(files))
+    return files
+
+
+def check_config_json(config: ModelConfig, weights: Path) -> None:
+    """The weights' own config.json, where they have one, must describe the model being built."""
+    from trainer.model.hf_config import HfConfigError, model_fields
+
+    if not (weights / "config.json").is_file():
+        return
+    try:
+        fields = model_fields(weights / "config.json")
+    except HfConfigError as err:
+        raise ConfigError(f"model.weights={weights}: {err}") from None
+    here = {key: _value(getattr(config, key)) for key in fields} | {"head_dim": config.head_width}
+    differing = [
+        f"{key} ({value} there, {here[key]} here)" for key, value in fields.items() if value != here[key]
+    ]
+    if differing:
+        raise ConfigError(
+            f"model.weights={weights}: its config.json is another model than model={config.name}: "
+            f"{', '.join(differing)}; model=hf model.weights={weights} alone builds the model its config.json describes"
+        )
+
+
+def _value(value: Any) -> Any:
+    return getattr(value, "value", value)  # an Enum's name, as config.json's fields have it
+
+
+def check_shapes(config: ModelConfig, weights: Path, found: dict[str, tuple[list[int], Path]]) -> None:
+    expected = {tensor.key: list(shape) for tensor, shape in expected_tensors(config).values()}
+    for key, shape in expected.items():
+        if key not in found:
+            raise ConfigError(
+                f"model.weights={weights}: tensor {key} missing (the model needs {shape}, the checkpoint "
+                f"has none; {len(set(expected) - set(found))} missing in all)"
+            )
+        if found[key][0] != shape:
+            raise ConfigError(
+                f"model.weights={weights}: tensor {key} has shape {found[key][0]} in {found[key][1].name}, "
+                f"the model needs {shape}"
+            )
+    extra = [key for key in found if key not in expected and not _IGNORED.match(key)]
+    if extra:
+        raise ConfigError(
+            f"model.weights={weights}: tensor {extra[0]} of shape {found[extra[0]][0]} in {found[extra[0]][1].name} "
+            f"is not in the model (no such tensor there; {len(extra)} unexpected in all): another architecture or options"
+        )
+
+
+# ----------------------------------------------------------------------------- loading (each rank)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: Path) -> None:
+    """Fill this rank's (possibly sharded) materialised parameters from the checkpoint: every rank
+    calls it (DCP's load plans collectively). See the module docstring for what a rank reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    config = find_transformer(model).config
+    direct: dict[str, torch.Tensor] = {}
+    permuted: dict[str, tuple[torch.Tensor, int]] = {}
+    for name, param in model.named_parameters():
+        tensor = hf_tensor(canonical_name(name), config)
+        if tensor.heads is None:
+            direct[tensor.key] = param  # DCP fills a DTensor's local shard, reading only that slice
+        else:
+            permuted[tensor.key] = (param, tensor.heads)
+    dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(weights)))
+    load_permuted(permuted, weights)
+
+
+def load_permuted(permuted: dict[str, tuple[torch.Tensor, int]], weights: Path) -> None:
+    """Read each permuted tensor whole (safe_open reads one tensor at a time), into zerolab's
+    rotary layout, and keep this rank's slice: DCP's reader can only copy slices as stored."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key, (_, path) in header_shapes(safetensors_files(weights)).items():
+        if key in permuted:
+            by_file.setdefault(path, []).append(key)
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                param, heads = permuted[key]
+                copy_full_into(param, to_meta_layout(f.get_tensor(key), heads))
