@@ -101,6 +101,26 @@ def test_plan_accuracy_fails_past_1pct_peak_error_or_at_any_model_state_byte() -
     ]
 
 
+def test_plan_accuracy_compares_the_plan_with_what_the_ranks_measured(tmp_path: Path) -> None:
+    """The measured side comes from metrics.jsonl, never from plan.json: a rank that measured one
+    more optimizer byte than planned (and a peak 2% over) fails, whatever the plan says."""
+    gib = 2**30
+    planned = {"rank": 0, "params_gib": 1000 / gib, "grads_gib": 1000 / gib, "optimizer_gib": 2000 / gib,
+               "peak_gib": 1.0, "peak_moment": "backward: loss"}  # fmt: skip
+    measured = {"memory/rank0/params_gib": 1000 / gib, "memory/rank0/grads_gib": 1000 / gib,
+                "memory/rank0/optimizer_gib": 2001 / gib}  # fmt: skip
+    lines = [{"memory/rank0/peak_allocated_gib": 1.0}, {"memory/rank0/peak_allocated_gib": 1.02, **measured}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ranks = plan_accuracy.measurements(tmp_path, world_size=1)
+    assert ranks == [{"peak_bytes": round(1.02 * gib), "params": 1000, "grads": 1000, "optimizer": 2001}]
+    (row,) = plan_accuracy.rows({"plan": {"ranks": [planned]}, "measured": ranks}, "p")
+    assert row["states_predicted"] == STATES and row["states_measured"] == {**STATES, "optimizer": 2001}
+    assert plan_accuracy.misses([row], 1.0) == [
+        "p rank 0: peak -1.96% (tolerance 1%)",
+        "p rank 0: optimizer 2,000 bytes planned, 2,001 measured",
+    ]
+
+
 def test_plan_accuracy_runs_fresh_and_reuses_only_this_trees_results(tmp_path: Path) -> None:
     assert plan_accuracy.parse_args([]).reuse is False
     results = tmp_path / "results.jsonl"
