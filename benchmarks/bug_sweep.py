@@ -1,7 +1,7 @@
 """The tests' power to catch bugs: one-line bugs put into the code one at a time, the tests run on each.
 
 Each bug (BUGS) replaces one exact piece of source with a wrong one, runs the tests named for it
-(`pytest -n 0 -x`, the unit tier unless stated), records whether they failed, and puts the file
+(`pytest -n 0 -x`, the unit tier unless stated), records which failed, and puts the file
 back byte for byte before the next; the tree is as it was at the end (`git diff` empty), also when
 the run is interrupted. Exit 1 when a bug survives its tests, or a piece of source is no longer
 found (the code moved: update the bug).
@@ -69,6 +69,9 @@ BUGS = [
         "    return 0 if report.passed else 1\n", "    return 0\n", ("tests/unit/test_benchmarks.py",)),
     Bug("flash SDPA op dropped from the save list", "trainer/config.py",
         '    "aten._scaled_dot_product_flash_attention",\n', "", ("tests/unit/test_config.py",)),
+    Bug("a second save list, without the flash SDPA op, in conf/checkpointing/op.yaml", "conf/checkpointing/op.yaml",
+        "mode: op\n", "mode: op\nsave_ops: [aten.mm, aten._scaled_dot_product_flash_attention_for_cpu]\n",
+        ("tests/unit/test_config.py",)),
     Bug("original context from max_position_embeddings", "trainer/model/hf_config.py",
         'int(params["original_max_position_embeddings"])', "int(hf.max_position_embeddings)",
         ("tests/unit/model/test_families.py",)),
@@ -85,8 +88,22 @@ BUGS = [
 ]  # fmt: skip
 
 
-def caught(bug: Bug) -> tuple[bool, float]:
-    """Whether the bug's tests fail with it in place, and their seconds; the file restored after."""
+def failing(tests: tuple[str, ...]) -> list[str]:
+    """The tests that fail (pytest's FAILED and ERROR lines; a run that failed naming none: its exit status)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *tests],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    named = [
+        line.split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))
+    ]
+    return named or ([f"pytest exited {proc.returncode}"] if proc.returncode else [])
+
+
+def caught(bug: Bug) -> list[str]:
+    """The tests that fail with the bug in place; the file restored after, byte for byte."""
     path = REPO / bug.path
     original = path.read_bytes()
     source = original.decode()
@@ -94,14 +111,7 @@ def caught(bug: Bug) -> tuple[bool, float]:
         raise LookupError(f"{bug.path}: the source of '{bug.name}' is not there once: {bug.right!r}")
     try:
         path.write_text(source.replace(bug.right, bug.wrong))
-        start = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-p", "no:cacheprovider", *bug.tests],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        )
-        return proc.returncode != 0, time.perf_counter() - start
+        return failing(bug.tests)
     finally:
         path.write_bytes(original)
 
@@ -112,16 +122,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", default="", help="run the bugs whose name contains this")
     args = parser.parse_args(argv)
+    bugs = [b for b in BUGS if args.only in b.name]
+    # A bug is caught only by tests that pass without it.
+    broken = {t: f for t in dict.fromkeys(b.tests for b in bugs) if (f := failing(t))}
+    if broken:
+        print(f"the tests fail without any bug: {broken}")
+        return 1
     survived = []
-    for bug in (b for b in BUGS if args.only in b.name):
+    for bug in bugs:
+        start = time.perf_counter()
         try:
-            found, seconds = caught(bug)
+            found = caught(bug)
         except LookupError as err:
             print(f"MOVED  {err}")
             survived.append(bug.name)
             continue
         print(
-            f"{'caught' if found else 'MISSED'}  {bug.name} ({bug.path}) by {' '.join(bug.tests)} in {seconds:.0f} s"
+            f"{'caught' if found else 'MISSED'}  {bug.name} ({bug.path}): "
+            f"{', '.join(found) or 'no test failed'} ({time.perf_counter() - start:.0f} s)"
         )
         if not found:
             survived.append(bug.name)
