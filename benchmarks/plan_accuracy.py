@@ -165,19 +165,26 @@ def run_point(point: list[str], job_dir: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(point)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     plan = json.loads((job_dir / "plan.json").read_text())
+    measured = measurements(job_dir, plan["world_size"])
+    return {"overrides": point, "plan": plan, "measured": measured, "seconds": time.perf_counter() - start}
+
+
+def measurements(job_dir: Path, world_size: int) -> list[dict[str, int]]:
+    """What each rank measured (metrics.jsonl, bytes): its highest peak allocated and, at the last
+    record, its model states; never the plan's figures, which rows() compares them with."""
     records = [
         json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
     ]
     measured = []
-    for rank in range(plan["world_size"]):
+    for rank in range(world_size):
         key = f"memory/rank{rank}/peak_allocated_gib"
         peaks = [r[key] for r in records if key in r]
         if not peaks:
-            raise RuntimeError(f"{' '.join(point)}: no {key} in {job_dir}/metrics.jsonl")
+            raise RuntimeError(f"no {key} in {job_dir}/metrics.jsonl")
         last = records[-1]
         states = {kind: round(last[f"memory/rank{rank}/{kind}_gib"] * GIB) for kind in STATES}
         measured.append({"peak_bytes": round(max(peaks) * GIB), **states})
-    return {"overrides": point, "plan": plan, "measured": measured, "seconds": time.perf_counter() - start}
+    return measured
 
 
 def rows(result: dict[str, Any], name: str) -> list[dict[str, Any]]:

@@ -588,22 +588,65 @@ def fit_errors(errors: list[tuple[Published, float]]) -> dict[str, throughput.Fi
     return out
 
 
-# ----------------------------------------------------------------------------- the tables
+# ----------------------------------------------------------------------------- the check
 
 
-def row(point: Published, predicted: float, unit: str) -> tuple[str, float]:
-    error = predicted / point.figure - 1
-    print(
-        f"| {point.name} | {point.accelerator} x{point.world} | {point.kind} | {point.role} | "
-        f"{point.figure:,.2f} | {predicted:,.2f} | {error:+.1%} | {point.citation} |"
-    )
-    return point.role, error
+@dataclass(frozen=True)
+class Row:
+    """One point's prediction against its published figure."""
+
+    point: Published
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.point.figure - 1
 
 
-def main() -> int:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+@dataclass(frozen=True)
+class Verdict:
+    """A pass rule's count over the validation rows of one kind."""
+
+    label: str
+    within: int
+    checked: int
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.within >= SHARE * self.checked
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every figure the script prints and its verdicts (tests/unit/test_benchmarks.py asserts them)."""
+
+    fitted: Headroom
+    half: float
+    efficiency: dict[str, float]
+    memory: list[Row]  # the plan's tensor peak through the headroom model
+    active: list[
+        tuple[Published, float]
+    ]  # (point, the plan's tensor peak, GiB) where peak active is published
+    allocator: list[Row]  # the headroom model alone, from published peak active
+    tokens: list[Row]
+    stated: dict[str, throughput.FitError]
+    verdicts: list[Verdict]
+    drift: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts) and not self.drift
+
+
+def verdict(label: str, rows: list[Row], tolerance: float) -> Verdict:
+    """SHARE of the validation rows within `tolerance` (fit rows and fit runs are not counted)."""
+    validation = [r.error for r in rows if r.point.role == "validation"]
+    return Verdict(label, sum(abs(e) <= tolerance for e in validation), len(validation), tolerance)
+
+
+def check() -> Report:
+    """Refit, predict every point, and judge (prints nothing)."""
     fitted = fit_headroom()
     half, efficiency = fit_throughput()
     drift = []
@@ -617,54 +660,76 @@ def main() -> int:
         drift.append(
             f"trainer/advise/throughput.py: fit gives GEMM_HALF_SIZE={half}, FAMILY_EFFICIENCY={efficiency}"
         )
+    memory = [Row(p, HEADROOM.reserved(int(planned_peak_gib(p) * GIB)) / GIB) for p in MEMORY]
+    active = [(p, planned_peak_gib(p)) for p in MEMORY if p.active is not None]
+    allocator = [Row(p, HEADROOM.reserved(int(p.active * GIB)) / GIB) for p in ALLOCATOR if p.active]
+    tokens = [Row(p, predicted_tokens_per_s(p)) for p in THROUGHPUT]
+    stated = fit_errors([(r.point, r.error) for r in tokens])
+    if stated != throughput.FIT_ERROR:
+        drift.append(f"trainer/advise/throughput.py: FIT_ERROR should read {stated}")
+    verdicts = [
+        verdict("reserved", memory + allocator, RESERVED_TOLERANCE),
+        verdict("tokens/s", tokens, TOKENS_TOLERANCE),
+    ]
+    return Report(fitted, half, efficiency, memory, active, allocator, tokens, stated, verdicts, drift)
+
+
+# ----------------------------------------------------------------------------- the tables
+
+
+def print_rows(rows: list[Row]) -> None:
+    print(
+        "| point | hardware | figure | role | published | zerolab | error | source |\n|---|---|---|---|---:|---:|---:|---|"
+    )
+    for r in rows:
+        p = r.point
+        print(
+            f"| {p.name} | {p.accelerator} x{p.world} | {p.kind} | {p.role} | "
+            f"{p.figure:,.2f} | {r.predicted:,.2f} | {r.error:+.1%} | {p.citation} |"
+        )
+
+
+def print_report(report: Report) -> None:
+    fitted = report.fitted
     print(
         f"headroom fit: reserved = {1 + fitted.fragmentation:.4f} x allocated + "
         f"{fitted.cublas_workspace_gib + fitted.stream_cache_gib:.3f} GiB"
     )
-    print(f"throughput fit: X0 = {half:g}, E = {efficiency}\n")
-
-    header = "| point | hardware | figure | role | published | zerolab | error | source |\n|---|---|---|---|---:|---:|---:|---|"
+    print(f"throughput fit: X0 = {report.half:g}, E = {report.efficiency}\n")
     print("reserved memory, GiB per GPU (zerolab: the plan's tensor peak through trainer/plan/headroom.py)")
-    print(header)
-    errors = [row(p, HEADROOM.reserved(int(planned_peak_gib(p) * GIB)) / GIB, "GiB") for p in MEMORY]
-    for p in MEMORY:
-        if p.active is not None:
-            print(
-                f"|   (peak active of the same run: published {p.active:.2f} GiB, zerolab's tensor peak "
-                f"{planned_peak_gib(p):.2f} GiB, {planned_peak_gib(p) / p.active - 1:+.1%}) ||||||||"
-            )
+    print_rows(report.memory)
+    for p, peak in report.active:
+        assert p.active is not None
+        print(
+            f"|   (peak active of the same run: published {p.active:.2f} GiB, zerolab's tensor peak "
+            f"{peak:.2f} GiB, {peak / p.active - 1:+.1%}) ||||||||"
+        )
     print("\nreserved from published peak active, GiB per GPU (the headroom model alone)")
-    print(header)
-    errors += [row(p, HEADROOM.reserved(int(p.active * GIB)) / GIB, "GiB") for p in ALLOCATOR]
+    print_rows(report.allocator)
     print("\ntokens/s per GPU (zerolab: mode=advise's predict_config with the published-fit rates)")
-    print(header)
-    tokens = [row(p, predicted_tokens_per_s(p), "tokens/s") for p in THROUGHPUT]
-    stated = fit_errors([(p, error) for p, (_, error) in zip(THROUGHPUT, tokens)])
+    print_rows(report.tokens)
     print("\nvalidation error per family (trainer/advise/throughput.py FIT_ERROR):")
-    for family, error in stated.items():
+    for family, error in report.stated.items():
         print(f"- {family}: {error} ({error!r})")
-    if stated != throughput.FIT_ERROR:
-        drift.append(f"trainer/advise/throughput.py: FIT_ERROR should read {stated}")
     print("\npublished points zerolab cannot express:")
     for what, why in CANNOT_EXPRESS:
         print(f"- {what}: {why}")
-
-    verdicts = []
-    for label, rows, tolerance in (
-        ("reserved", errors, RESERVED_TOLERANCE),
-        ("tokens/s", tokens, TOKENS_TOLERANCE),
-    ):
-        validation = [e for role, e in rows if role == "validation"]
-        within = sum(abs(e) <= tolerance for e in validation)
-        ok = within >= SHARE * len(validation)
-        verdicts.append(ok)
+    for v in report.verdicts:
         print(
-            f"{label}: {within} of {len(validation)} validation points within {tolerance:.0%} "
-            f"(need {SHARE:.0%}): {'pass' if ok else 'FAIL'}"
+            f"{v.label}: {v.within} of {v.checked} validation points within {v.tolerance:.0%} "
+            f"(need {SHARE:.0%}): {'pass' if v.passed else 'FAIL'}"
         )
-    for line in drift:
+    for line in report.drift:
         print(f"FAIL: constants drifted from the fit: {line}")
-    return 0 if all(verdicts) and not drift else 1
+
+
+def main() -> int:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    report = check()
+    print_report(report)
+    return 0 if report.passed else 1
 
 
 if __name__ == "__main__":

@@ -449,9 +449,11 @@ class ZeroConfig:
         return self.stage in (Stage.stage2, Stage.stage3)
 
 
-# torchtitan's per-op save list for Llama 3 (pytorch/torchtitan@1f02964, torchtitan/models/llama3/
-# parallelize.py lines 45-61, `_op_sac_save_list`), less its ops this model never runs (flex
-# attention, varlen attention, inductor-compiled code), plus the SDPA op CPU runs.
+# torchtitan's per-op save list for Llama 3 (pytorch/torchtitan@1f029641b5caeb4df18ac094263e8bcc674b3686,
+# torchtitan/models/llama3/parallelize.py lines 45-61, `_op_sac_save_list`: the last per-model list before
+# 114151ad4 centralised the policy), less its ops this model never runs (flex attention, varlen attention,
+# inductor-compiled code), plus the SDPA op CPU runs. The one source of checkpointing.save_ops's default
+# (conf/checkpointing/op.yaml sets no list); tests/unit/test_config.py holds it against a copy of that list.
 TORCHTITAN_SAVE_OPS = (
     "aten.mm",
     "aten.linear",

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.gpucheck import catalog
 from tests.helpers import REPO
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -91,7 +92,9 @@ def test_dry_run_produces_every_row_and_passes(
     assert rows["cpu save resumed on the device"]["figures"]["first_step"] == 5
     assert rows["offload=cpu skips a NaN step"]["figures"]["nonfinite_skipped"] == 1
     host = rows["offload host memory"]["figures"]
-    assert host["peak_rss_gib"] > 0 and host["planned_parts_gib"]["runtime"] == 0.4  # a CPU rank's runtime
+    assert host["planned_parts_gib"]["runtime"] == 0.4  # a CPU rank's runtime, plan.cpu_rank_runtime_gib
+    # what the rank's RSS says its runtime was: about the 0.3-0.45 GiB trainer/plan/host.py states
+    assert 0.2 <= host["measured_runtime_gib"] <= 0.8, host
     assert rows["bf16 runs reproducible"]["figures"]["bitwise"] is True  # CPU: bitwise equal
     for name in (
         "checkpointing op",
@@ -99,10 +102,20 @@ def test_dry_run_produces_every_row_and_passes(
         "attention math (bf16)",
     ):  # losses and peak against the plan
         assert rows[name]["status"] == "pass" and rows[name]["figures"]["max_rel_diff"] <= 0.02, rows[name]
+    # The advisor row's figures are the advice file's prediction and the job's own measurement.
     advised = rows["advisor tokens/s (h200)"]["figures"]["125m_stage0"]
-    assert advised["advised"] > 0 and advised["measured"] > 0
-    assert rows["plan at the device limit"]["figures"]["micro_batch"] >= 1
-    assert rows["throughput 125m bf16 stage3"]["figures"]["predicted_allocated_gib"] > 0
+    advice = json.loads((tmp_path / "jobs" / catalog.ADVICE_FILE).read_text())["125m_stage0"]
+    stage0 = json.loads((tmp_path / "jobs" / "125m_stage0" / "summary.json").read_text())
+    assert advised["advised"] == round(advice["tokens_per_s"], 1)
+    assert advised["measured"] == round(stage0["throughput/tokens_per_s"], 1)
+    # The limit row runs the largest micro-batch the plan fits under the dry run's cap; the
+    # throughput row judges the job's own plan.
+    setup = catalog.Setup(dry_run=True, out=tmp_path, deadline=0.0)
+    largest = catalog.largest_fitting_micro_batch(setup, catalog.limit_base(setup))
+    assert rows["plan at the device limit"]["figures"]["micro_batch"] == largest
+    stage3_plan = json.loads((tmp_path / "jobs" / "125m_stage3" / "plan.json").read_text())
+    predicted = rows["throughput 125m bf16 stage3"]["figures"]["predicted_allocated_gib"]
+    assert predicted == round(stage3_plan["peak_gib"], 3)
     # What explains each job stays under the output folder: its files, its console, its failure records.
     jobs = tmp_path / "jobs"
     assert (jobs / "125m_stage3" / "summary.json").exists() and (

@@ -1,6 +1,6 @@
 """Llama-3.x / Qwen / Mistral shapes as real 2-rank CPU jobs: a config.json of each supported family
 plans and trains, another architecture is refused in one line, the chunked loss matches the full one
-step for step, and the plan's peak is within 0.5% of what the ranks measure for tied embeddings,
+step for step, and the plan's peak is within 0.005% of what the ranks measure for tied embeddings,
 q/k norms with a separate head width, and the chunked loss, at every ZeRO stage."""
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ QK_NORM = (
 )
 UNTIED = TIED[:-1]
 BATCH = ("seq_len=64", "micro_batch=2")
-PLAN_TOLERANCE = 0.005
+# docs/memory_plan.md states 0.002% for these shapes and the runs measure 0.000-0.002%; 0.005% leaves room
+# for the allocator's rounding and still fails a term as small as the q/k norms' rstd per head (0.012%).
+PLAN_TOLERANCE = 0.00005
 FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
         "tie_word_embeddings": True,
@@ -230,7 +232,7 @@ def test_chunked_loss_plans_fewer_activations_than_the_full_loss(
 
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
 @pytest.mark.parametrize(("shape", "overrides"), [("tied", TIED), ("qk_norm", QK_NORM)])
-def test_plan_is_within_half_a_percent(
+def test_plan_is_within_the_stated_accuracy(
     tmp_path: Path, tokens: str, shape: str, overrides: tuple[str, ...], stage: str
 ) -> None:
     run = run_trainer(

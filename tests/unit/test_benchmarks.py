@@ -3,6 +3,7 @@ the figure the docs publish is missed, without running a benchmark."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shlex
@@ -27,6 +28,57 @@ def benchmark(name: str) -> ModuleType:
     return module
 
 
+# ----------------------------------------------------------------------------- plan_vs_published.py
+
+plan_vs_published = benchmark("plan_vs_published")
+
+
+@pytest.fixture(scope="module")
+def published() -> Any:
+    """The script's whole check, in-process (about 15 s of CPU: every point planned and predicted)."""
+    return plan_vs_published.check()
+
+
+def test_plan_vs_published_figures_and_verdicts(published: Any) -> None:
+    """What docs/ and the script print: every prediction (GiB per GPU, tokens/s per GPU) to the figure
+    shown, the fits unchanged, and the pass counts (8 of 10 reserved points within 10%, 13 of 14
+    tokens/s points within 20%). Dropping an op from the save list moves several memory rows by points."""
+    assert [round(r.predicted, 2) for r in published.memory] == [
+        24.77, 78.82, 81.05, 68.71, 48.9, 48.9, 64.15, 56.23, 48.9
+    ]  # fmt: skip
+    assert [round(peak, 2) for _, peak in published.active] == [20.02, 46.83, 40.59]
+    assert [round(r.predicted, 2) for r in published.allocator] == [59.41, 49.59, 27.95, 57.17, 86.58]
+    assert [round(r.predicted) for r in published.tokens] == [
+        2160, 353, 6341, 1909, 2720, 315, 7412, 2812, 1942, 390, 5915, 5943, 2800, 2800, 5835, 5839, 8350
+    ]  # fmt: skip
+    verdicts = [(v.label, v.within, v.checked, v.passed) for v in published.verdicts]
+    assert verdicts == [("reserved", 8, 10, True), ("tokens/s", 13, 14, True)]
+    assert published.drift == [] and published.passed
+
+
+def test_plan_vs_published_exits_1_when_a_prediction_misses_or_a_constant_drifts(
+    published: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["plan_vs_published.py"])
+    monkeypatch.setattr(plan_vs_published, "check", lambda: published)
+    assert plan_vs_published.main() == 0
+    # One more reserved point past 10%: 7 of 10 is under the 80% the rule needs.
+    first = next(
+        i for i, r in enumerate(published.memory) if r.point.role == "validation" and abs(r.error) <= 0.1
+    )
+    missed = list(published.memory)
+    missed[first] = plan_vs_published.Row(missed[first].point, missed[first].point.figure * 1.11)
+    failing = plan_vs_published.verdict("reserved", missed + published.allocator, 0.10)
+    assert (failing.within, failing.checked, failing.passed) == (7, 10, False)
+    for broken in (
+        dataclasses.replace(published, verdicts=[failing, published.verdicts[1]]),
+        dataclasses.replace(published, drift=["trainer/plan/headroom.py: fit gives ..."]),
+    ):
+        monkeypatch.setattr(plan_vs_published, "check", lambda broken=broken: broken)
+        assert plan_vs_published.main() == 1
+    assert "reserved: 7 of 10 validation points within 10% (need 80%): FAIL" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- plan_accuracy.py
 
 plan_accuracy = benchmark("plan_accuracy")
@@ -46,6 +98,26 @@ def test_plan_accuracy_fails_past_1pct_peak_error_or_at_any_model_state_byte() -
     one_byte = {**STATES, "optimizer": 2001}
     assert plan_accuracy.misses([plan_row(0.0, one_byte)], 1.0) == [
         "p rank 0: optimizer 2,000 bytes planned, 2,001 measured"
+    ]
+
+
+def test_plan_accuracy_compares_the_plan_with_what_the_ranks_measured(tmp_path: Path) -> None:
+    """The measured side comes from metrics.jsonl, never from plan.json: a rank that measured one
+    more optimizer byte than planned (and a peak 2% over) fails, whatever the plan says."""
+    gib = 2**30
+    planned = {"rank": 0, "params_gib": 1000 / gib, "grads_gib": 1000 / gib, "optimizer_gib": 2000 / gib,
+               "peak_gib": 1.0, "peak_moment": "backward: loss"}  # fmt: skip
+    measured = {"memory/rank0/params_gib": 1000 / gib, "memory/rank0/grads_gib": 1000 / gib,
+                "memory/rank0/optimizer_gib": 2001 / gib}  # fmt: skip
+    lines = [{"memory/rank0/peak_allocated_gib": 1.0}, {"memory/rank0/peak_allocated_gib": 1.02, **measured}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ranks = plan_accuracy.measurements(tmp_path, world_size=1)
+    assert ranks == [{"peak_bytes": round(1.02 * gib), "params": 1000, "grads": 1000, "optimizer": 2001}]
+    (row,) = plan_accuracy.rows({"plan": {"ranks": [planned]}, "measured": ranks}, "p")
+    assert row["states_predicted"] == STATES and row["states_measured"] == {**STATES, "optimizer": 2001}
+    assert plan_accuracy.misses([row], 1.0) == [
+        "p rank 0: peak -1.96% (tolerance 1%)",
+        "p rank 0: optimizer 2,000 bytes planned, 2,001 measured",
     ]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from tests.helpers import CONF, compose_config
 from trainer.config import (
+    TORCHTITAN_SAVE_OPS,
     CheckpointingConfig,
     Compression,
     ConfigError,
@@ -112,3 +114,38 @@ def test_keeping_parameters_after_backward_needs_fsdp2_and_no_hpz() -> None:
         zero = ZeroConfig(stage=stage, shard_ranks=2, reshard_after_backward=False)
         config = TrainConfig(zero=zero, offload=OffloadConfig(target=OffloadTarget.cpu), grad_accum=1)
         assert config.zero.reshard_after_backward is False
+
+
+# pytorch/torchtitan@1f029641b5caeb4df18ac094263e8bcc674b3686, torchtitan/models/llama3/parallelize.py
+# lines 45-61, `_op_sac_save_list`, copied op by op (`torch.ops.` and `.default` dropped; the tests run
+# without a network).
+TORCHTITAN_1F02964 = {
+    "aten.mm",
+    "aten.linear",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_attention_math",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+    "_c10d_functional.reduce_scatter_tensor",
+    "aten.max",
+    "torch._higher_order_ops.flex_attention",
+    "torch_attn._varlen_attn",
+    "torch._higher_order_ops.inductor_compiled_code",
+}
+NEVER_RUN = {  # flex and varlen attention and inductor's code: zerolab's model runs none of them
+    "torch._higher_order_ops.flex_attention",
+    "torch_attn._varlen_attn",
+    "torch._higher_order_ops.inductor_compiled_code",
+}
+
+
+def test_the_default_save_ops_are_torchtitans_list_and_defined_once() -> None:
+    """checkpointing=op keeps torchtitan's ops (less those the model never runs, plus the SDPA op CPU
+    runs), and conf/checkpointing/op.yaml names no list of its own: the schema's default is the one source."""
+    assert sorted(TORCHTITAN_SAVE_OPS) == sorted(
+        (TORCHTITAN_1F02964 - NEVER_RUN) | {"aten._scaled_dot_product_flash_attention_for_cpu"}
+    )
+    assert len(set(TORCHTITAN_SAVE_OPS)) == len(TORCHTITAN_SAVE_OPS)
+    assert "save_ops" not in OmegaConf.load(CONF / "checkpointing" / "op.yaml")
+    assert compose_config("checkpointing=op").checkpointing.save_ops == list(TORCHTITAN_SAVE_OPS)

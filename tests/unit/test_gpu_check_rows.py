@@ -132,10 +132,24 @@ def test_the_probe_takes_this_process_own_figure_else_the_devices_growth() -> No
     assert probe.own_context_bytes(process=None, before=None, after=12 * gib, reserved=gib) is None
 
 
-def test_headroom_assumptions_are_what_the_row_compares() -> None:
-    assert {"context_gib", "nccl_gib", "cublas_workspace_gib", "fragmentation", "stream_cache_gib"} <= set(
-        vars(HEADROOM)
-    )
+@pytest.mark.parametrize(
+    ("measured_key", "assumed"),
+    [
+        ("context_gib", HEADROOM.context_gib),
+        ("nccl_world1_gib", HEADROOM.nccl_gib),
+        ("cublas_workspace_gib", HEADROOM.cublas_workspace_gib),
+    ],
+)
+def test_headroom_assumptions_are_what_the_row_compares(measured_key: str, assumed: float) -> None:
+    """Each measured figure is held against its own assumption: at it passes, a MiB above it fails."""
+    at = {"context_gib": HEADROOM.context_gib, "nccl_world1_gib": HEADROOM.nccl_gib,
+          "cublas_workspace_gib": HEADROOM.cublas_workspace_gib, "reserved_over_model_gib": 0.0}  # fmt: skip
+    assert memory.headroom_verdict(at) == []
+    over = memory.headroom_verdict({**at, measured_key: assumed + 2**-10})
+    assert over == [f"{measured_key} {assumed + 2**-10:.3f} > assumed {assumed:g}"]
+    assert memory.headroom_verdict({**at, "reserved_over_model_gib": 0.001}) == [
+        "reserved_over_model_gib 0.001 > 0: reserved above the fitted model"
+    ]
 
 
 # ----------------------------------------------------------------------------- issue 40: what each row judges
@@ -264,3 +278,116 @@ def test_the_sync_free_row_informs_with_the_ratio_and_fails_when_a_job_failed() 
     assert row.status == "info" and row.figures["ratio"] == 1.2
     crashed = check.Job("125m_stage0_loop", "crashed", summary={"error": "boom"})
     assert check.check_sync_free(SETUP, {"a": fused, "b": crashed}).status == "fail"
+
+
+# ----------------------------------------------------------------------------- every verdict, from recorded jobs
+
+
+def memory_job(name: str, losses: list[float], error_pct: float, reserved_gib: float = 10.4) -> check.Job:
+    """A job whose summary and records say its losses, peak allocated 10 GiB off its plan by
+    `error_pct`, and reserved `reserved_gib` against the plan's 10.6."""
+    job = throughput_job(10.0, reserved_gib, 10.6, error_pct=error_pct)
+    job.name = name
+    job.records = [{**job.records[0], "step": i + 1, "loss/train": x} for i, x in enumerate(losses)]
+    return job
+
+
+def test_a_loss_row_judges_losses_and_the_jobs_peak_allocated_against_its_plan() -> None:
+    reference = memory_job("125m_stage0", [10.0, 9.0], 0.0)
+    row = check.check_same_losses(SETUP, {"a": reference, "b": memory_job("ckpt_op", [10.1, 9.0], 2.0)})
+    assert row.status == "pass", row.note
+    off_plan = check.check_same_losses(SETUP, {"a": reference, "b": memory_job("ckpt_op", [10.1, 9.0], 3.5)})
+    assert off_plan.status == "fail" and off_plan.note == "peak allocated off the plan by 3.5% (allowed ±3%)"
+    assert (
+        check.check_same_losses(DRY, {"a": reference, "b": memory_job("b", [10.1, 9.0], 3.5)}).status
+        == "pass"
+    )
+    over = check.check_same_losses(SETUP, {"a": reference, "b": memory_job("b", [10.1, 9.0], 1.0, 10.9)})
+    assert over.status == "fail" and "over the plan's predicted_reserved_gib 10.6" in over.note
+    apart = check.check_same_losses(SETUP, {"a": reference, "b": memory_job("b", [10.3, 9.0], 1.0)})
+    assert apart.status == "fail" and apart.note == "losses differ by 0.03 relative (allowed 0.02)"
+    crashed = check.Job("b", "crashed", {"error": "boom"})
+    assert check.check_same_losses(SETUP, {"a": reference, "b": crashed}).note == "b: status crashed: boom"
+
+
+def test_checkpointing_must_also_lower_the_peak() -> None:
+    reference = memory_job("125m_stage0", [10.0, 9.0], 0.0)
+    lower = memory_job("ckpt_full", [10.0, 9.0], 0.0)
+    lower.summary["memory/max_rank_peak_gib"] = 6.0
+    lower.summary["memory/predicted_peak_gib"] = 6.0
+    assert check.check_checkpointing(SETUP, {"a": reference, "b": lower}).status == "pass"
+    same = memory_job("ckpt_full", [10.0, 9.0], 0.0)
+    row = check.check_checkpointing(SETUP, {"a": reference, "b": same})
+    assert (row.status, row.note) == ("fail", "checkpointing did not lower the peak")
+
+
+def test_the_fp16_and_offload_rows_judge_the_steps_they_name() -> None:
+    def scaled(scales: list[float], skipped: int) -> check.Job:
+        records = [{"precision/loss_scale": x} for x in scales]
+        return check.Job("fp16_overflow", "ok", {"precision/skipped_steps": skipped}, records)
+
+    assert check.check_fp16_overflow(SETUP, {"j": scaled([8.0, 8.0, 4.0], 1)}).status == "pass"
+    assert check.check_fp16_overflow(SETUP, {"j": scaled([8.0, 8.0, 8.0], 1)}).status == "fail"
+    assert check.check_fp16_overflow(SETUP, {"j": scaled([8.0, 8.0, 4.0], 2)}).status == "fail"
+
+    def offloaded(losses: list[float], skipped: int) -> check.Job:
+        return loss_job("offload", losses, **{"train/nonfinite_skipped": skipped})
+
+    nan = float("nan")
+    assert check.check_offload(SETUP, {"j": offloaded([3.0, 2.9, nan, 2.8], 1)}).status == "pass"
+    assert check.check_offload(SETUP, {"j": offloaded([3.0, nan, nan, 2.8], 1)}).status == "fail"
+    assert check.check_offload(SETUP, {"j": offloaded([3.0, 2.9, nan, 2.8], 0)}).status == "fail"
+    assert check.check_offload(SETUP, {"j": check.Job("offload", "crashed")}).status == "fail"
+
+
+def test_the_offload_host_row_holds_the_measured_rss_against_the_plans_host_figure(tmp_path: Path) -> None:
+    setup = check.Setup(dry_run=False, out=tmp_path, deadline=0.0)
+    plan_json = tmp_path / "jobs" / "offload" / "plan.json"
+    plan_json.parent.mkdir(parents=True)
+    parts = {"runtime": 2.0, "tensors": 0.0, "pinned": 5.0, "pageable": 3.0}  # 10 GiB planned
+    plan_json.write_text(json.dumps({"host": {"per_rank_gib": parts}}))
+
+    def rss(gib: float | None) -> check.Job:
+        return check.Job("offload", "ok", {} if gib is None else {"memory/max_rank_peak_rss_gib": gib})
+
+    within = check.check_offload_host(setup, {"j": rss(10.9)})
+    assert within.status == "pass" and within.figures["measured_runtime_gib"] == 2.9
+    assert check.check_offload_host(setup, {"j": rss(11.1)}).figures["error_pct"] == 11.0
+    assert check.check_offload_host(setup, {"j": rss(11.1)}).status == "fail"
+    assert check.check_offload_host(setup, {"j": rss(None)}).note == "no host RSS was measured"
+    dry = check.Setup(dry_run=True, out=tmp_path, deadline=0.0)
+    assert check.check_offload_host(dry, {"j": rss(20.0)}).status == "info"
+
+
+def test_the_resume_oom_and_gpu_tests_rows_fail_on_the_wrong_ending(tmp_path: Path) -> None:
+    save = check.Job("cpu_save", "ok")
+
+    def resumed(first: int, done: int, status: str = "ok") -> check.Job:
+        return check.Job("resumed", status, {"steps_done": done}, [{"step": first, "loss/train": 2.0}])
+
+    assert check.check_resumed(SETUP, {"s": save, "r": resumed(5, 6)}).status == "pass"
+    assert check.check_resumed(SETUP, {"s": save, "r": resumed(1, 6)}).status == "fail"
+    assert check.check_resumed(SETUP, {"s": save, "r": resumed(5, 6, "crashed")}).status == "fail"
+    assert (
+        check.check_resumed(SETUP, {"s": check.Job("cpu_save", "crashed"), "r": resumed(5, 6)}).status
+        == "fail"
+    )
+    setup = check.Setup(dry_run=False, out=tmp_path, deadline=0.0)
+    assert check.check_oom(setup, {"j": check.Job("oom", "oom")}).status == "pass"
+    assert check.check_oom(setup, {"j": check.Job("oom", "ok")}).status == "fail"
+    tests = {"pass": "== 12 passed in 3.0s ==", "fail": "== 1 failed, 11 passed in 3.0s =="}
+    assert (
+        check.check_gpu_tests(SETUP, {"gpu_tests": check.Job("t", "ok", console=tests["pass"])}).status
+        == "pass"
+    )
+    assert (
+        check.check_gpu_tests(SETUP, {"gpu_tests": check.Job("t", "failed", console=tests["fail"])}).status
+        == "fail"
+    )
+    skipped = check.Job("t", "ok", console="== 12 skipped in 1.0s ==")
+    assert check.check_gpu_tests(DRY, {"gpu_tests": skipped}).status == "pass"
+    assert (
+        check.check_gpu_tests(DRY, {"gpu_tests": check.Job("t", "ok", console=tests["fail"])}).status
+        == "fail"
+    )
+    assert check.check_throughput(SETUP, {"j": check.Job("125m_stage0", "crashed")}).status == "fail"

@@ -83,11 +83,30 @@ def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+COMPUTED = "<a module name computed at run time>"
+"""What a dynamic import whose name is not a literal counts as (no module may be judged by it)."""
+DYNAMIC_IMPORTS = ("import_module", "__import__")
+"""importlib.import_module (or a bare import_module imported from it) and __import__ (builtins' or importlib's)."""
+
+
+def dynamic_import(node: ast.Call) -> str | None:
+    """The module a call imports (`importlib.import_module("wandb")`, `__import__("hydra")`), COMPUTED
+    where its name is not a string literal; None for any other call."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if called not in DYNAMIC_IMPORTS:
+        return None
+    first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else COMPUTED
+
+
 def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> Imports:
-    """Everything module `name` (its `source`) imports anywhere in its body."""
+    """Everything module `name` (its `source`) imports anywhere in its body, dynamic imports too."""
     found = Imports()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (dynamic := dynamic_import(node)) is not None:
+            (found.modules if dynamic in known else found.external).add(dynamic)
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 (found.modules if alias.name in known else found.external).add(alias.name)
         elif isinstance(node, ast.ImportFrom):
@@ -285,6 +304,22 @@ def test_every_import_is_counted() -> None:
     assert found.modules == {"trainer.c"} and found.external == {"a.b", "e", "h"}
 
 
+def test_dynamic_imports_are_counted() -> None:
+    """importlib.import_module and __import__, however importlib is reached, with a literal name or not."""
+    source = (
+        "import importlib\nfrom importlib import import_module\nimport importlib as il\n"
+        'def f(name):\n    importlib.import_module("wandb")\n    import_module("hydra.core")\n'
+        '    __import__("wandb_workspaces")\n    il.import_module(name="trainer.c")\n'
+        "    importlib.import_module(name)\n    print(len(name))\n"
+    )
+    found = imports_of(source, "trainer.x", is_package=False, known={"trainer.x", "trainer.c"})
+    assert found.modules == {"trainer.c"}
+    assert found.external == {"importlib", "wandb", "hydra.core", "wandb_workspaces", COMPUTED}
+    graph = import_graph()
+    graph["trainer.rank.loop"].external.add("wandb")  # as importlib.import_module("wandb") there would
+    assert offenders(graph, rank_path(graph), NEVER_ON_THE_RANK_PATH) == {"trainer.rank.loop": ["wandb"]}
+
+
 def test_the_import_graph_has_no_cycle() -> None:
     graph = {name: imports.modules for name, imports in import_graph().items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
@@ -299,6 +334,8 @@ def test_the_rank_path_never_imports_wandb_or_hydra() -> None:
     graph = import_graph()
     ranks = rank_path(graph)
     assert offenders(graph, ranks, NEVER_ON_THE_RANK_PATH) == {}
+    # a dynamic import of a computed name could be either: none on the rank path
+    assert offenders(graph, ranks, (COMPUTED,)) == {}
     assert {"trainer.launch", "trainer.rank.loop", "trainer.config", "trainer.saves.dcp"} <= ranks
 
 

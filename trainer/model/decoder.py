@@ -15,9 +15,11 @@ holds no buffers: the rotary tables are computed on first use and cached per dev
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -349,8 +351,14 @@ def retie_embeddings(model: nn.Module) -> None:
 
 
 def num_params(config: ModelConfig) -> int:
-    """Exact parameter count, counted on a meta-device build (allocates nothing)."""
-    return sum(p.numel() for p in build_model(config, device="meta").parameters())
+    """Exact parameter count, counted on a meta-device build (allocates nothing; cached per shape: the
+    advisor and benchmarks/plan_vs_published.py count the same model hundreds of times)."""
+    return _num_params(tuple(sorted(vars(config).items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _num_params(key: tuple[Any, ...]) -> int:
+    return sum(p.numel() for p in build_model(ModelConfig(**dict(key)), device="meta").parameters())
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -127,9 +127,17 @@ SHAPE_KEYS = (
     "tie_embeddings",
     "qk_norm",
     "qkv_bias",
-    "rope_scaling",
-    "rope_factor",
+    *(f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("rope_")),  # every rope field
 )
+# What the files set of those rope fields (ModelConfig's names): Llama-3.x's rope_scaling block, Qwen3's theta.
+FILE_ROPE = {
+    "llama3-8b": dict(rope_theta=500000.0, rope_scaling=RopeScaling.llama3, rope_factor=8.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192),
+    "llama3.2-1b": dict(rope_theta=500000.0, rope_scaling=RopeScaling.llama3, rope_factor=32.0,
+                        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192),
+    "qwen3-0.6b": dict(rope_theta=1000000.0, rope_scaling=RopeScaling.none),
+    "qwen3-8b": dict(rope_theta=1000000.0, rope_scaling=RopeScaling.none),
+}  # fmt: skip
 
 
 def write_config(directory: Path, fields: dict[str, Any]) -> Path:
@@ -217,6 +225,23 @@ def test_a_config_json_gives_the_presets_shapes(tmp_path: Path, preset: str) -> 
     assert {k: getattr(from_json, k) for k in SHAPE_KEYS} == {k: getattr(config, k) for k in SHAPE_KEYS}
     assert from_json.name == f"hf:{(tmp_path / 'config.json').resolve()}" and from_json.config is None
     assert model_shape(from_json).num_params == COUNTS[preset]
+    for key, value in FILE_ROPE.get(preset, {}).items():
+        assert (key, getattr(from_json, key)) == (key, value)
+        assert (key, getattr(config, key)) == (key, value)
+
+
+def test_every_llama3_rope_field_comes_from_its_own_key(tmp_path: Path) -> None:
+    """Values no default shares, so a field read from another key (the original context from
+    max_position_embeddings, a factor from another factor) or left at its default shows."""
+    rope = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 4096}  # fmt: skip
+    fields = {**HF_CONFIGS["llama3.2-1b"], "rope_theta": 250000.0, "rope_scaling": rope}
+    from_json = ModelConfig(config=str(write_config(tmp_path, fields)))
+    rope_keys = [k for k in SHAPE_KEYS if k.startswith("rope_")]
+    assert {k: getattr(from_json, k) for k in rope_keys} == dict(
+        rope_theta=250000.0, rope_scaling=RopeScaling.llama3, rope_factor=16.0, rope_low_freq_factor=2.0,
+        rope_high_freq_factor=8.0, rope_original_max_seq_len=4096
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "qwen3-0.6b", "mistral-7b"])

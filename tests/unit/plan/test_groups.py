@@ -210,3 +210,24 @@ def test_without_overlap_every_link_exposes_all_its_wire_time() -> None:
     comm = plan_comm(config, 64, backend="nccl")
     step = predict_step_tiers(config, 64, comm, 10**9, flops_per_token(config.model, config.seq_len), rates)
     assert step.exposed_comm_s == pytest.approx(sum(step.wire_s.values()))
+
+
+@pytest.mark.parametrize(("world", "hpz"), [(8, 2), (8, 4), (64, 2), (64, 4)])
+def test_hpz_groups_are_hpz_ranks_wide_whatever_the_shard_group(world: int, hpz: int) -> None:
+    """hpZ's group is zero.hpz_ranks consecutive ranks (torch's mesh.view(-1, H)), not shard / hpz:
+    at 2 over 64 ranks, 8 a node, 2 ranks inside a node, where shard / hpz would be 32 across the network."""
+    groups = shard_groups(ZeroConfig(stage=Stage.stage3, hpz_ranks=hpz), world, 8)
+    assert (groups.size("hpz"), groups.link("hpz")) == (hpz, INTRA_NODE)
+    comm = plan_comm(compose_config("model=tiny", "zero=stage3", f"zero.hpz_ranks={hpz}"), world, "nccl")
+    assert comm.groups["hpz"].ranks == hpz
+
+
+def test_hpz_2_over_8_ranks_keeps_half_of_each_blocks_all_gather() -> None:
+    """The secondary shard is 1/hpz of a block's all-gather output: at hpz=2 over 8 ranks, half of the
+    tiny model's fp32 block (196,864 elements, every dim 0 divisible by 8), from each block's forward
+    to its backward."""
+    base = ("model=tiny", "zero=stage3")
+    flat, hpz = (build_plan(compose_config(*base, *extra), "cpu", 8) for extra in ((), ("zero.hpz_ranks=2",)))
+    (flat_loss,) = [m.total for m in flat.ranks[0].moments if m.name == "forward: loss"]
+    (hpz_loss,) = [m.total for m in hpz.ranks[0].moments if m.name == "forward: loss"]
+    assert hpz_loss - flat_loss == 4 * 4 * 196_864 // 2  # 4 blocks

@@ -97,3 +97,43 @@ def test_an_unknown_host_is_said_to_be_unknown() -> None:
     plan = build_plan(config, "cuda", 8)
     assert plan.host.available_bytes is None and plan.host_fits is None
     assert "set plan.host_memory_gib" in plan.host.describe()
+
+
+def test_hsdp_offload_sizes_each_ranks_states_over_its_shard_group() -> None:
+    """70b, stage3 HSDP 8 x 8 (a shard group per node) offloading: each rank holds 1/8 of every tensor,
+    not 1/64. Per rank (every dim 0 of 70b divides by 8, so no padding): pinned fp32 parameter shards
+    wq, wo 32 MiB; wk, wv 4 MiB; w1, w2, w3 112 MiB each, pinned as 128 MiB; two norms 4 KiB; so a
+    block 456 MiB + 8 KiB, 80 of them, and the root's embedding and output 125 MiB each (pinned 128) and
+    norm 4 KiB: 36,736 MiB + 644 KiB, as much again for the gradients; Adam's moments 8P / 8 = P bytes
+    and 723 step counters; the 2 GiB runtime. Eight such ranks need 1,103.9 GiB: refused on 1,024."""
+    config = compose_config(
+        "model=70b",
+        "zero=stage3",
+        "zero.shard_ranks=8",
+        "offload=cpu",
+        "nodes=8",
+        "nproc=8",
+        "precision=bf16",
+        "plan.host_memory_gib=1024",
+        "mode=plan",
+    )
+    plan = build_plan(config, "cuda", 64)
+    pinned = 2 * (36_736 * 2**20 + 644 * 2**10)
+    pageable = 68_976_648_192 + 723 * 4  # Llama 2 70b's parameter count, times 8 bytes over 8 ranks
+    assert [r.total for r in plan.host.ranks] == [RUNTIME + pinned + pageable] * 8
+    assert plan.host.need_bytes == 1_185_331_436_128  # 1,103.9 GiB
+    assert plan.host_fits is False
+    assert "= 1103.9 GiB per node, but the host has 1024.0 GiB" in (host_refusal(plan) or "")
+
+
+def test_three_ranks_pad_parameter_shards_but_not_gradient_shards() -> None:
+    """tiny on 3 ranks, unpinned: FSDP2 pads each parameter's dim 0 to a multiple of 3 (512 -> 171
+    rows a rank, 128 -> 43, 64 -> 22, 384 -> 128), 307,843 elements a rank; gradient shards and Adam's
+    moments are torch.chunk's unpadded rows: the same on ranks 0 and 1, and on rank 2 170, 42, 20 and
+    128 rows: 302,970 elements."""
+    config = compose_config("model=tiny", "zero=stage3", "offload=cpu", "offload.pin_memory=false", "nproc=3")
+    plan = build_plan(config, "cuda", 3)
+    padded, last = 307_843, 302_970
+    steps = 39 * 4
+    full = RUNTIME + 4 * padded + 4 * padded + 8 * padded + steps
+    assert [r.total for r in plan.host.ranks] == [full, full, RUNTIME + 4 * padded + 12 * last + steps]

@@ -118,10 +118,10 @@ def test_fsdp2_shards_are_the_plans(fake_group) -> None:
 # ----------------------------------------------------------------------------- activations
 
 
-def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
-    """Bytes of the distinct storages autograd saves in one forward + loss of the tiny model,
-    parameters and rotary tables excluded (they are model states and `other`)."""
-    config = ModelConfig()
+def saved_bytes(regime: str, micro_batch: int, seq_len: int, config: ModelConfig | None = None) -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss of the model (the tiny one
+    unless given), parameters and rotary tables excluded (they are model states and `other`)."""
+    config = config or ModelConfig()
     model = build_model(config, device="cpu")
     init_weights(model, seed=0)
     inputs, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len)) for _ in range(2))
@@ -134,6 +134,9 @@ def saved_bytes(regime: str, micro_batch: int, seq_len: int) -> int:
         ("fp32", ["precision=fp32"]),
         ("autocast", ["precision=bf16", "zero=stage1"]),
         ("fsdp_mp", ["precision=bf16", "zero=stage3"]),
+        # q/k RMSNorm with head_dim apart from dim / n_heads: its width and its rstd per head (the
+        # other regimes' q/k terms: tests/unit/plan/test_fsdp_terms.py, by hand)
+        ("fsdp_mp", ["precision=bf16", "zero=stage2", "model.qk_norm=true", "model.head_dim=48"]),
     ],
 )
 def test_planned_activations_are_what_autograd_saves(regime: str, overrides: list[str]) -> None:
@@ -147,7 +150,7 @@ def test_planned_activations_are_what_autograd_saves(regime: str, overrides: lis
         expected += 2 * (
             shape.block_linear_numel * config.model.n_layers + config.model.vocab_size * config.model.dim
         )
-    assert saved_bytes(regime, micro_batch=3, seq_len=40) == expected
+    assert saved_bytes(regime, micro_batch=3, seq_len=40, config=config.model) == expected
 
 
 def test_full_checkpointing_keeps_each_blocks_input_only() -> None:
