@@ -138,6 +138,8 @@ def define_metrics(run: Any) -> None:
     run.define_metric(STEP_KEY, hidden=True)
     run.define_metric("*", step_metric=STEP_KEY)
     run.define_metric(keys.LOSS, summary="min,last")
+    run.define_metric(keys.LOSS_VAL, summary="min,last")
+    run.define_metric(keys.PERPLEXITY_VAL, summary="min,last")
     run.define_metric(keys.EVERY_MEMORY_KEY, summary="max")
 
 
