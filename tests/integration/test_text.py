@@ -67,8 +67,6 @@ def test_one_rank_and_two_give_the_same_losses(runs: dict[str, Run]) -> None:
     one, two = runs["one"], runs["two"]
     assert len(one.losses) == len(two.losses) == 20
     assert max(abs(a - b) for a, b in zip(one.losses, two.losses)) < 1e-5
-    print("max |loss one - loss two|", max(abs(a - b) for a, b in zip(one.losses, two.losses)))
-    print("loss/val one, two", val_losses(one), val_losses(two))
     assert sorted(val_losses(one)) == sorted(val_losses(two)) == [10, 20]
     assert all(abs(val_losses(one)[s] - val_losses(two)[s]) < 1e-6 for s in (10, 20))
 
