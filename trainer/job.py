@@ -15,7 +15,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
+from trainer.config import (
+    ConfigError,
+    DataKind,
+    Mode,
+    OffloadTarget,
+    Packing,
+    TrainConfig,
+    to_plain,
+    validate,
+)
 from trainer.console import BAD_INPUT, error_line, say, warn
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
@@ -27,7 +36,7 @@ from trainer.faults.stop import (
     stopped,
     stopped_at_once,
 )
-from trainer.model.attention import run_choice
+from trainer.model.attention import check_document_mask, run_choice
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
@@ -119,9 +128,11 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             from trainer.saves.resume import prepare_resume
 
             config, out_dir = prepare_resume(config, out_dir, world_size)
-        run_choice(
+        choice = run_choice(
             config.attention, config.model, config.precision.compute_dtype, device_kind
         )  # an attention kernel this device cannot run: one line, exit 2
+        if config.data.kind == DataKind.text and config.data.packing == Packing.document:
+            check_document_mask(choice, device_kind)
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(
                 int(os.environ["LOCAL_WORLD_SIZE"])

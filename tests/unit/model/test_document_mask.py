@@ -9,9 +9,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.helpers import materialized, tiny_config
-from trainer.model.attention import SdpaChoice
+from trainer.config import ConfigError
+from trainer.model.attention import SdpaChoice, check_document_mask
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, block_causal_mask
 from trainer.text.packed import IGNORE_INDEX, document_batch
+
+# The CPU flash kernel has taken an attn_mask since torch 2.x; checked under 2.11 and 2.13.
+pytestmark = pytest.mark.torch_versions
 
 LENGTHS = (7, 12, 5, 9)  # one row of 33 tokens: 32 inputs and their targets
 
@@ -72,3 +76,12 @@ def test_without_documents_the_row_attends_across_them() -> None:
         masked = F.cross_entropy(model(inputs, None, numbers).flatten(0, 1), targets.flatten())
         causal = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     assert abs(masked.item() - causal.item()) > 1e-3
+
+
+def test_cudas_flash_kernel_is_refused_for_document_masks() -> None:
+    check_document_mask(SdpaChoice(SDPBackend.FLASH_ATTENTION), "cpu")  # the CPU kernel takes a mask
+    check_document_mask(SdpaChoice(SDPBackend.EFFICIENT_ATTENTION), "cuda")
+    with pytest.raises(
+        ConfigError, match=r"^data.packing=document needs .* attention=efficient or attention=math"
+    ):
+        check_document_mask(SdpaChoice(SDPBackend.FLASH_ATTENTION), "cuda")
