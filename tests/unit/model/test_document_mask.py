@@ -14,7 +14,7 @@ from trainer.model.attention import SdpaChoice, check_document_mask
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, block_causal_mask
 from trainer.text.packed import IGNORE_INDEX, document_batch
 
-# The CPU flash kernel has taken an attn_mask since torch 2.x; checked under 2.11 and 2.13.
+# Whether the CPU flash kernel takes an attn_mask depends on torch's version: run under 2.11 and 2.13.
 pytestmark = pytest.mark.torch_versions
 
 LENGTHS = (7, 12, 5, 9)  # one row of 33 tokens: 32 inputs and their targets
