@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -557,10 +558,6 @@ class DataConfig:
                 bool(self.files),
                 "data.files must list at least one file (txt, json, jsonl, parquet) when data=text",
             )
-            _require(
-                bool(self.tokenizer),
-                "data.tokenizer must name a tokenizer.json or a model directory when data=text",
-            )
         _require(
             0 <= self.validation_fraction < 1,
             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
@@ -899,6 +896,15 @@ class TrainConfig:
             f"compile_backend must be one of {', '.join(backends)}, got {self.compile_backend}",
         )
         self._check_global_batch()
+        if self.data.kind == DataKind.text and not self.data.tokenizer and self.model.name.startswith("hf:"):
+            self.data.tokenizer = str(
+                Path(self.model.name[3:]).parent
+            )  # model=hf's directory: its own tokenizer
+        _require(
+            self.data.kind != DataKind.text or bool(self.data.tokenizer),
+            "data.tokenizer must name a tokenizer.json or a model directory when data=text "
+            "(model=hf: the directory of model.config, by default)",
+        )
         _require(
             self.eval.every == 0 or self.data.kind != DataKind.tokens,
             "eval.every needs held-out data: data=text (data.validation_files or data.validation_fraction) or data=synthetic",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import train_tokenizer, write_documents
+from tests.helpers import compose_config, train_tokenizer, write_documents
 from trainer.config import ConfigError
 from trainer.data import main
 from trainer.text.cache import ensure_entry, read_meta, token_dtype
@@ -140,3 +140,14 @@ def test_windows_documents_and_the_held_out_split(
     first_held = int(np.flatnonzero(apart)[0])
     assert validation[0].tolist() == stream[starts[first_held] : starts[first_held] + 17].tolist()
     assert np.array_equal(held_out(len(texts), 0.25, seed=1234), apart)  # the same documents every run
+
+
+def test_model_hf_lends_data_text_the_tokenizer_of_its_directory() -> None:
+    pytest.importorskip("transformers")
+    config_json = Path(__file__).parents[2] / "configs" / "llama_config.json"
+    config = compose_config(
+        "model=hf", f"model.config={config_json}", "data=text", "data.files=[corpus.jsonl]"
+    )
+    assert config.data.tokenizer == str(config_json.resolve().parent)
+    with pytest.raises(ConfigError, match=r"^data.tokenizer must name a tokenizer.json or a model directory"):
+        compose_config("data=text", "data.files=[corpus.jsonl]")
