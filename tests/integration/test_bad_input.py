@@ -82,7 +82,7 @@ CASES = [
     (["hydra/launcher=pbs"], "hydra/launcher=pbs", "basic, local, slurm, submitit_local, submitit_slurm"),
     # data=text (trainer/text/): the files `write_text_inputs` puts in {tmp}
     ([*TEXT, "data.files=[{tmp}/missing.jsonl]"], "data.files", "missing.jsonl does not exist"),
-    ([*TEXT, "data.files=[{tmp}/empty.jsonl]"], "data.files", "hold no text"),
+    ([*TEXT, "data.files=[{tmp}/empty.jsonl]"], "data.files", "empty.jsonl holds no text"),
     ([*TEXT, "data.files=[{tmp}/body.jsonl]"], "data.text_field", "without field 'text'"),
     (
         [*TEXT, "data.files=[{tmp}/corpus.jsonl]", "data.tokenizer={tmp}/wide"],

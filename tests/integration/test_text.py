@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, Run, run_trainer, train_tokenizer, wandb_file, wandb_records, write_documents
+from tests.helpers import (
+    TINY,
+    Run,
+    run_trainer,
+    train_tokenizer,
+    wandb_file,
+    wandb_records,
+    wandb_summary,
+    write_documents,
+)
 from trainer.report.command import write_comparison
 
 pytest.importorskip("tokenizers")  # the `data` extra
@@ -87,6 +96,8 @@ def test_loss_val_reaches_the_summary_wandb_and_the_report(runs: dict[str, Run],
     ]
     logged = {int(item["_step"]): float(item["loss/val"]) for item in history if "loss/val" in item}
     assert logged == val_losses(one)
+    summary = wandb_summary(wandb_file(one.out_dir))["summary"]  # define_metric's min and last
+    assert summary["loss/val"] == {"min": min(logged.values()), "last": val}
     report = write_comparison([one.out_dir, two.out_dir], tmp_path / "report")
     with (report.sweep_dir / "results.csv").open() as f:
         assert [float(row["val_loss"]) for row in csv.DictReader(f)] == [val, two.summary["loss/val"]]

@@ -97,7 +97,8 @@ def encoded(
     texts: Iterator[str], files: TokenizerFiles, tokenizer: Any, workers: int
 ) -> Iterator[list[list[int]]]:
     """Each batch's ids, in order: in this process (tokenizers' own threads), or over `workers`
-    processes (forked before this process has used a tokenizer, so each keeps its threads)."""
+    processes. They fork before this process has encoded anything: tokenizers turns its thread pool
+    off in a child forked after the parent used it."""
     if workers == 0:
         for batch in batches(texts):
             yield [encoding.ids for encoding in tokenizer.encode_batch(batch)]
@@ -125,7 +126,7 @@ def tokenize(
     chunks, lengths = [], []
     # tqdm's default (progress=None) draws the bar only on a terminal.
     with tqdm(
-        desc="tokenizing", unit=" docs", disable=progress is False if progress is not None else None
+        desc="tokenizing", unit=" docs", disable=None if progress is None else not progress
     ) as bar:
         for batch in encoded(
             documents(paths, text_field, key), files, tokenizer if workers == 0 else None, workers
@@ -135,7 +136,8 @@ def tokenize(
                 lengths.append(len(doc) + 1)
             bar.update(len(batch))
     if not chunks:
-        raise ConfigError(f"{key}: {', '.join(map(str, paths))} hold no text (every document is empty)")
+        verb = "holds" if len(paths) == 1 else "hold"
+        raise ConfigError(f"{key}: {', '.join(map(str, paths))} {verb} no text (every document is empty)")
     starts = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=starts[1:])
     tokens = np.concatenate(chunks)
