@@ -59,12 +59,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, text: tuple[str, ...]) -> dic
     killed at step 13, then resumed from its step-10 save."""
     day = tmp_path_factory.mktemp("runs") / "day"
     common = (*TINY, *text, *STEPS)
-    one = run_trainer(day / "one", *common, "nproc=1", "grad_accum=2", "save=off", "logger=wandb")
-    two = run_trainer(day / "two", *common, "nproc=2", "save=off")
+    one = run_trainer(
+        day / "one", *common, "nproc=1", "grad_accum=2", "save=off", "logger=wandb", timeout=600
+    )
+    two = run_trainer(day / "two", *common, "nproc=2", "save=off", timeout=600)
     saving = (*common, "nproc=2", "save.every=5")
-    killed = run_trainer(day / "killed", *saving, *KILL_RANK1_AT_13, check=False)
+    killed = run_trainer(day / "killed", *saving, *KILL_RANK1_AT_13, check=False, timeout=600)
     assert killed.returncode == 1 and killed.summary["status"] == "crashed"
-    run_trainer(day / "resumed", *saving, f"resume={killed.out_dir}")
+    run_trainer(day / "resumed", *saving, f"resume={killed.out_dir}", timeout=600)
     return {"one": one, "two": two, "killed": killed}
 
 
