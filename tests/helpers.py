@@ -366,3 +366,43 @@ def rank_logits(
         torch.save(logits, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- text corpora (data=text)
+WORDS = ("the", "a", "cat", "dog", "runs", "sleeps", "over", "under", "red", "blue", "and", "quickly")
+
+
+def write_documents(path: Path, count: int, seed: int = 0) -> list[str]:
+    """`count` documents of 5-60 random words written as jsonl ({"text": ...} per line); returns them."""
+    g = torch.Generator().manual_seed(seed)
+    documents = []
+    for _ in range(count):
+        length = int(torch.randint(5, 61, (), generator=g))
+        documents.append(" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (length,), generator=g)))
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))
+    return documents
+
+
+def train_tokenizer(
+    directory: Path, texts: list[str], vocab_size: int = 64, word_level: bool = False
+) -> Path:
+    """A tokenizer trained here by tokenizers' own trainer (BPE, or WordLevel: one id per distinct
+    word), saved as `directory`/tokenizer.json beside a tokenizer_config.json naming <s> and </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    if word_level:
+        tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        trainer: Any = trainers.WordLevelTrainer(
+            vocab_size=vocab_size, special_tokens=specials, show_progress=False
+        )
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}}  # both forms tokenizer_config.json uses
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

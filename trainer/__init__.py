@@ -18,6 +18,7 @@ only the layers below it and the leaves (tests/unit/test_imports.py holds the or
 - `plan/`: the memory and communication plan, known before any rank starts;
 - `model/`: the decoder and what wraps its blocks (attention kernel, checkpointing, compile);
 - `data.py`: the global sample stream (`python -m trainer.data make-tokens`);
+- `text/`: local text through a model's tokenizer: the token cache and packed rows (`data=text`);
 - `world.py`, `cuda.py`: where a process stands (rank, device, process group) and its CUDA setup;
 - `config.py`: the typed schema;
 - leaves, which any layer may import: `console.py`, `devices.py`, `units.py`, `jsonl.py`,

@@ -82,6 +82,12 @@ class OffloadTarget(str, Enum):
 class DataKind(str, Enum):
     synthetic = "synthetic"
     tokens = "tokens"
+    text = "text"
+
+
+class Packing(str, Enum):
+    concat = "concat"
+    document = "document"
 
 
 class LoggerBackend(str, Enum):
@@ -534,18 +540,63 @@ class DataConfig:
     """conf/data/*.yaml: where training tokens come from."""
 
     kind: DataKind = DataKind.synthetic
-    """synthetic (a learnable Markov stream) or tokens (a memory-mapped .npy of token ids)."""
+    """synthetic (a learnable Markov stream), tokens (a memory-mapped .npy of token ids) or text (local
+    files through a model's tokenizer, trainer/text/)."""
     path: str | None = None
     """tokens only: the .npy file made by `python -m trainer.data make-tokens`."""
     branching: int = 4
     """synthetic only: how many next tokens each token may be followed by."""
     data_seed: int = 1234
-    """synthetic only: seed of the Markov chain's transition table (fixed across runs)."""
+    """synthetic: seed of the Markov chain's transition table (fixed across runs); text: of the held-out split."""
+    files: list[str] = field(default_factory=list)
+    """text only: .txt (one document per blank-line-separated paragraph), .json/.jsonl, .parquet files."""
+    text_field: str = "text"
+    """text only: the field of a json/jsonl/parquet record that holds the document."""
+    tokenizer: str | None = None
+    """text only: a tokenizer.json, or a model directory holding one (BOS/EOS from its tokenizer_config.json)."""
+    packing: Packing = Packing.concat
+    """text only: concat (documents joined with EOS, attending across) or document (block-causal: a row's
+    documents do not attend to each other, and no target crosses a document boundary)."""
+    validation_files: list[str] = field(default_factory=list)
+    """text only: held-out files for eval (loss/val); else `validation_fraction` of the documents."""
+    validation_fraction: float = 0.0
+    """text only: the fraction of documents set apart for eval, chosen by `data_seed`; 0 with no
+    validation_files: no held-out text."""
+    cache_dir: str = "~/.cache/zerolab/tokens"
+    """text only: where token streams are cached, keyed by the files' content and the tokenizer."""
 
     def __post_init__(self) -> None:
         _require(self.branching >= 1, f"data.branching must be >= 1, got {self.branching}")
         if self.kind == DataKind.tokens:
             _require(bool(self.path), "data.path must name a token file (.npy) when data=tokens")
+        if self.kind == DataKind.text:
+            _require(
+                bool(self.files),
+                "data.files must list at least one file (txt, json, jsonl, parquet) when data=text",
+            )
+        _require(
+            0 <= self.validation_fraction < 1,
+            f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
+        )
+
+    @property
+    def has_validation(self) -> bool:
+        """Held-out text: validation files or a fraction of the documents (synthetic: always, trainer/data.py)."""
+        return bool(self.validation_files) or self.validation_fraction > 0
+
+
+@dataclass
+class EvalConfig:
+    """conf/train.yaml `eval:`: the held-out loss (`loss/val`), on the same batches every time (trainer/rank/evaluate.py)."""
+
+    every: int = 0
+    """Optimizer steps between evaluations (and after the last step); 0: none."""
+    batches: int = 4
+    """Global batches (micro_batch * grad_accum * ranks sequences each) of held-out data per evaluation."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        _require(self.batches >= 1, f"eval.batches must be >= 1, got {self.batches}")
 
 
 @dataclass
@@ -781,6 +832,7 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     micro_batch: int = 8
     """Sequences per rank per forward pass."""
@@ -871,6 +923,23 @@ class TrainConfig:
             f"compile_backend must be one of {', '.join(backends)}, got {self.compile_backend}",
         )
         self._check_global_batch()
+        if self.data.kind == DataKind.text and not self.data.tokenizer and self.model.name.startswith("hf:"):
+            self.data.tokenizer = str(
+                Path(self.model.name[3:]).parent
+            )  # model=hf's directory: its own tokenizer
+        _require(
+            self.data.kind != DataKind.text or bool(self.data.tokenizer),
+            "data.tokenizer must name a tokenizer.json or a model directory when data=text "
+            "(model=hf: the directory of model.config, by default)",
+        )
+        _require(
+            self.eval.every == 0 or self.data.kind != DataKind.tokens,
+            "eval.every needs held-out data: data=text (data.validation_files or data.validation_fraction) or data=synthetic",
+        )
+        _require(
+            self.eval.every == 0 or self.data.kind != DataKind.text or self.data.has_validation,
+            "eval.every with data=text needs data.validation_files or data.validation_fraction > 0",
+        )
 
     def _check_global_batch(self) -> None:
         if self.mode != Mode.advise:

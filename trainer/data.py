@@ -16,6 +16,11 @@ Data kinds (conf/data/*.yaml):
   entropy rate (`SyntheticTokens.entropy_rate`, nats per token) is the loss floor.
 - tokens: `TokenFile`, a memory-mapped .npy of token ids, made from text with
   `python -m trainer.data make-tokens INPUT.txt OUTPUT.npy` (byte-level, vocab 256).
+- text: `PackedText` (trainer/text/), local files through a model's tokenizer, tokenised once into a
+  cache (`python -m trainer.data make-tokens --tokenizer T FILES... CACHE_DIR` fills it by hand).
+
+Held-out data (eval.every, trainer/rank/evaluate.py) is read the same way, from its own stream:
+text's validation files or set-apart documents, synthetic's samples from VALIDATION_SHIFT on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import bisect
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,9 +47,14 @@ from trainer.config import (
     DataKind,
     DataloaderConfig,
     DeviceKind,
+    Packing,
     TrainConfig,
     global_batch,
 )
+from trainer.text.cache import ensure_entry, entry_dir, read_meta, vocab_of
+from trainer.text.corpus import check_files
+from trainer.text.packed import PackedText, document_batch, held_out
+from trainer.text.tokenizer import TokenizerFiles
 
 BYTE_VOCAB = 256
 """Vocabulary of `make_tokens`: one token per byte value."""
@@ -265,27 +277,101 @@ class StepSampler(Sampler[int]):
         return (self.num_steps - self.start_step) * self.grad_accum * self.micro_batch
 
 
-def split_inputs_targets(samples: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """collate_fn: samples of seq_len + 1 -> (inputs_BT, targets_BT), both contiguous."""
+def split_inputs_targets(samples: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """collate_fn: samples of seq_len + 1 -> (inputs_BT, targets_BT), both contiguous; samples of
+    packing=document (2 x seq_len + 1, document numbers below the tokens) -> (inputs_BT, targets_BT,
+    documents_BT)."""
     # Split in the worker so pin_memory pins two contiguous tensors the caller can copy
     # to the device with non_blocking=True (a strided view would be copied synchronously).
     tokens_BT1 = torch.stack(list(samples))
+    if tokens_BT1.dim() == 3:
+        return document_batch(tokens_BT1)
     return tokens_BT1[:, :-1].contiguous(), tokens_BT1[:, 1:].contiguous()
 
 
-def build_dataset(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> Dataset[Tensor]:
-    """SyntheticTokens over the model's vocabulary, or the TokenFile at data.path."""
+VALIDATION_SHIFT = 1 << 62
+"""Synthetic held-out samples are indices from here on: a training run never reads that far."""
+
+
+class Shifted(Dataset[Tensor]):
+    """Sample i of `base` is sample i + shift: a stream's far part, held out."""
+
+    def __init__(self, base: Dataset[Tensor], shift: int) -> None:
+        self.base, self.shift = base, shift
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.base[index + self.shift]
+
+
+def text_entries(data: DataConfig) -> tuple[Path, Path | None]:
+    """The cache entries of data.files and data.validation_files (None without)."""
+    files = TokenizerFiles.of(data.tokenizer or "")
+    train = entry_dir(data.cache_dir, check_files(data.files, "data.files"), data.text_field, files)
+    if not data.validation_files:
+        return train, None
+    paths = check_files(data.validation_files, "data.validation_files")
+    return train, entry_dir(data.cache_dir, paths, data.text_field, files)
+
+
+def text_dataset(data: DataConfig, seq_len: int, validation: bool) -> PackedText:
+    """The training or held-out stream of data=text, from the cache the job process filled."""
+    train, held = text_entries(data)
+    for entry in (train, held):
+        if entry is not None and not (entry / "meta.json").is_file():
+            raise ConfigError(f"data.cache_dir: no cached tokens at {entry}; the job process makes them")
+    document = data.packing == Packing.document
+    if validation and held is not None:
+        return PackedText(held, seq_len, document, key="data.validation_files")
+    keep = None
+    if data.validation_fraction > 0:  # documents set apart: the same ones every run
+        apart = held_out(read_meta(train).documents, data.validation_fraction, data.data_seed)
+        keep = apart if validation else ~apart
+    return PackedText(
+        train, seq_len, document, keep, key="data.validation_fraction" if validation else "data.files"
+    )
+
+
+def build_dataset(
+    data: DataConfig, vocab_size: int, seq_len: int, seed: int, validation: bool = False
+) -> Dataset[Tensor]:
+    """SyntheticTokens over the model's vocabulary, the TokenFile at data.path, or data=text's
+    PackedText; `validation`: the held-out stream instead."""
     if data.kind == DataKind.tokens:
         assert data.path is not None  # DataConfig.__post_init__ requires it
         return TokenFile(data.path, seq_len, vocab_size)
-    return SyntheticTokens(vocab_size, seq_len, data.branching, data.data_seed, seed)
+    if data.kind == DataKind.text:
+        return text_dataset(data, seq_len, validation)
+    synthetic = SyntheticTokens(vocab_size, seq_len, data.branching, data.data_seed, seed)
+    return Shifted(synthetic, VALIDATION_SHIFT) if validation else synthetic
 
 
 def check_data(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> None:
     """In the job process, before any rank starts: the token file is a 1-D integer .npy whose ids fit
-    the model's vocabulary (the checks TokenFile makes when a rank opens it); ConfigError otherwise."""
+    the model's vocabulary (the checks TokenFile makes when a rank opens it); data=text's tokenizer
+    fits the model's vocabulary, its files are tokenised (once: the cache) and hold enough tokens.
+    ConfigError otherwise."""
     if data.kind == DataKind.tokens:
         build_dataset(data, vocab_size, seq_len, seed)
+    if data.kind != DataKind.text:
+        return
+    files = TokenizerFiles.of(data.tokenizer or "")
+    paths = check_files(data.files, "data.files")
+    held = check_files(data.validation_files, "data.validation_files")
+    tokenizer_vocab = vocab_of(files).vocab_size
+    if tokenizer_vocab > vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: {files.tokenizer} has {tokenizer_vocab} tokens, more than model.vocab_size="
+            f"{vocab_size}; pick a model with vocab_size >= {tokenizer_vocab}"
+        )
+    ensure_entry(data.cache_dir, paths, data.text_field, files, "data.files")
+    if held:
+        ensure_entry(data.cache_dir, held, data.text_field, files, "data.validation_files")
+    text_dataset(data, seq_len, validation=False)  # enough tokens, after the held-out documents too
+    if data.has_validation:
+        text_dataset(data, seq_len, validation=True)
 
 
 def should_pin_memory(dataloader: DataloaderConfig, device: DeviceKind) -> bool:
@@ -312,6 +398,20 @@ def build_loader(config: TrainConfig, rank: int, world_size: int, start_step: in
     )
 
 
+def validation_batches(config: TrainConfig, rank: int, world_size: int) -> list[tuple[Tensor, ...]]:
+    """This rank's held-out micro-batches: `eval.batches` global batches, partitioned as training's
+    steps 0 .. eval.batches - 1 are, so every evaluation and every world size reads the same
+    sequences. Read once and kept (eval.batches * micro_batch * grad_accum sequences of ids)."""
+    dataset = build_dataset(
+        config.data, config.model.vocab_size, config.seq_len, config.seed, validation=True
+    )
+    sampler = StepSampler(config.micro_batch, config.grad_accum, world_size, rank, 0, config.eval.batches)
+    loader = DataLoader(
+        dataset, batch_size=config.micro_batch, sampler=sampler, collate_fn=split_inputs_targets
+    )
+    return list(loader)
+
+
 def to_device(batch: Tensor, device: torch.device) -> Tensor:
     """A micro-batch on the rank's device, without the host waiting for the device.
 
@@ -335,19 +435,52 @@ def build_batches(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`."""
+    """`python -m trainer.data make-tokens INPUT.txt OUTPUT.npy`, or with `--tokenizer T FILES... CACHE_DIR`."""
     parser = argparse.ArgumentParser(prog="python -m trainer.data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser(
-        "make-tokens", help="byte-level tokenize a text file into a uint16 .npy (vocab 256)"
+        "make-tokens",
+        help="byte-level tokenize a text file into a uint16 .npy (vocab 256); with --tokenizer, "
+        "tokenize FILES into data=text's cache at CACHE_DIR",
     )
-    make.add_argument("input", help="text file to read")
-    make.add_argument("output", help=".npy file to write")
+    make.add_argument(
+        "input", nargs="+", help="text file to read (with --tokenizer: txt, json, jsonl, parquet files)"
+    )
+    make.add_argument(
+        "output", help=".npy file to write (with --tokenizer: the cache directory, data.cache_dir)"
+    )
+    make.add_argument("--tokenizer", help="a tokenizer.json or a model directory (data.tokenizer)")
+    make.add_argument(
+        "--text-field", default="text", help="json/jsonl/parquet field of the text (data.text_field)"
+    )
+    make.add_argument(
+        "--workers", type=int, default=0, help="tokenizing processes (0: this one, tokenizers' threads)"
+    )
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.input):
-        parser.error(f"input text file {args.input} does not exist")
-    count = make_tokens(args.input, args.output)
+    if args.tokenizer is not None:
+        return make_text_tokens(parser, args)
+    if len(args.input) != 1:
+        parser.error("byte-level make-tokens reads one INPUT.txt; give --tokenizer for several files")
+    if not os.path.isfile(args.input[0]):
+        parser.error(f"input text file {args.input[0]} does not exist")
+    count = make_tokens(args.input[0], args.output)
     print(f"wrote {count} tokens (byte-level, vocab {BYTE_VOCAB}) to {args.output}")
+    return 0
+
+
+def make_text_tokens(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """make-tokens --tokenizer: fill data=text's cache (the entry a job with these files would use)."""
+    try:
+        files = TokenizerFiles.of(args.tokenizer)
+        paths = check_files(args.input, "FILES")
+        start = time.perf_counter()
+        entry, existed = ensure_entry(args.output, paths, args.text_field, files, "FILES", args.workers)
+    except ConfigError as err:
+        parser.error(str(err))
+    meta = read_meta(entry)
+    seconds = time.perf_counter() - start
+    verb = "reused" if existed else f"wrote ({meta.tokens / seconds:,.0f} tokens/s)"
+    print(f"{verb} {meta.tokens} tokens of {meta.documents} documents (vocab {meta.vocab_size}) at {entry}")
     return 0
 
 

@@ -15,7 +15,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, HfExport, Mode, OffloadTarget, TrainConfig, to_plain, validate
+from trainer.config import (
+    ConfigError,
+    DataKind,
+    HfExport,
+    Mode,
+    OffloadTarget,
+    Packing,
+    TrainConfig,
+    to_plain,
+    validate,
+)
 from trainer.console import BAD_INPUT, error_line, say, warn
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
@@ -27,7 +37,7 @@ from trainer.faults.stop import (
     stopped,
     stopped_at_once,
 )
-from trainer.model.attention import run_choice
+from trainer.model.attention import check_document_mask, run_choice
 from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
@@ -124,9 +134,11 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         if config.mode == Mode.train and weights:
             # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
             config.model.weights_sha256 = fingerprint(weights)
-        run_choice(
+        choice = run_choice(
             config.attention, config.model, config.precision.compute_dtype, device_kind
         )  # an attention kernel this device cannot run: one line, exit 2
+        if config.data.kind == DataKind.text and config.data.packing == Packing.document:
+            check_document_mask(choice, device_kind)
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(
                 int(os.environ["LOCAL_WORLD_SIZE"])

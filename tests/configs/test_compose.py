@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from tests.helpers import CONF, compose_config
@@ -64,6 +65,7 @@ MECHANISM = re.compile(
 PARTNERS = {
     ("offload", "cpu"): ["zero=stage3"],
     ("data", "tokens"): ["data.path=tokens.npy"],
+    ("data", "text"): ["data.files=[corpus.jsonl]", "data.tokenizer=tokenizer.json"],
     # A Llama config.json (LlamaConfig's defaults fill the rest); skipped without transformers.
     ("model", "hf"): [f"model.config={Path(__file__).parent / 'llama_config.json'}"],
 }
@@ -90,7 +92,7 @@ def test_every_option_composes(group: str, option: str) -> None:
         return
     chosen = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")) or {}
     by_partner = {
-        o.split("=")[0].removeprefix(f"{group}."): o.split("=")[1]
+        o.split("=")[0].removeprefix(f"{group}."): yaml.safe_load(o.split("=")[1])  # `[a]` is a list
         for o in partners
         if o.startswith(f"{group}.")
     }

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, run_trainer
+from tests.helpers import REPO, run_trainer, train_tokenizer, write_documents
 
+TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cache")
 CASES = [
     (["zero=stage5"], "zero=stage5", "stage0, stage1, stage2, stage3"),
     (["precision=fp17"], "precision=fp17", "bf16, fp16, fp32"),
@@ -79,6 +80,15 @@ CASES = [
     (["nodes=2"], "nodes=2 needs rdzv_endpoint=host:port", "hydra/launcher=slurm"),
     (["nodes=2", "rdzv_endpoint=somehost"], "rdzv_endpoint", "host:port"),
     (["hydra/launcher=pbs"], "hydra/launcher=pbs", "basic, local, slurm, submitit_local, submitit_slurm"),
+    # data=text (trainer/text/): the files `write_text_inputs` puts in {tmp}
+    ([*TEXT, "data.files=[{tmp}/missing.jsonl]"], "data.files", "missing.jsonl does not exist"),
+    ([*TEXT, "data.files=[{tmp}/empty.jsonl]"], "data.files", "empty.jsonl holds no text"),
+    ([*TEXT, "data.files=[{tmp}/body.jsonl]"], "data.text_field", "without field 'text'"),
+    (
+        [*TEXT, "data.files=[{tmp}/corpus.jsonl]", "data.tokenizer={tmp}/wide"],
+        "data.tokenizer",
+        "model.vocab_size=512",
+    ),
 ]
 
 
@@ -108,8 +118,14 @@ with open(results_path, "w") as f:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Each case's exit status, stdout and stderr, by case id, with its output directory."""
     tmp = tmp_path_factory.mktemp("bad_input")
+    write_text_inputs(tmp)
     argvs = [
-        ["device=cpu", "logger=none", *overrides, f"hydra.run.dir={tmp / str(n)}"]
+        [
+            "device=cpu",
+            "logger=none",
+            *(o.replace("{tmp}", str(tmp)) for o in overrides),
+            f"hydra.run.dir={tmp / str(n)}",
+        ]
         for n, (overrides, _, _) in enumerate(CASES)
     ]
     results = tmp / "results.json"
@@ -125,6 +141,16 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         case_id(case): {**result, "out": tmp / str(n)}
         for n, (case, result) in enumerate(zip(CASES, json.loads(results.read_text())))
     }
+
+
+def write_text_inputs(tmp: Path) -> None:
+    """A corpus and its tokenizer, a corpus without text, one without the `text` field, and a
+    tokenizer of 603 tokens (the tiny model has 512)."""
+    texts = write_documents(tmp / "corpus.jsonl", 20)
+    train_tokenizer(tmp / "tokenizer", texts)
+    (tmp / "empty.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    (tmp / "body.jsonl").write_text('{"body": "a document under another field"}\n')
+    train_tokenizer(tmp / "wide", [" ".join(f"w{i}" for i in range(600))], vocab_size=603, word_level=True)
 
 
 def case_id(case: tuple[list[str], str, str]) -> str:

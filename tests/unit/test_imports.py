@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.saves", "trainer.report", "trainer.faults"),
     ("trainer.telemetry",),
     ("trainer.plan",),
-    ("trainer.model", "trainer.data", "trainer.world", "trainer.cuda"),
+    ("trainer.model", "trainer.data", "trainer.text", "trainer.world", "trainer.cuda"),
     ("trainer.config",),
 )
 """The layers, top to bottom; a name is a module or a package with every module under it."""

@@ -68,6 +68,16 @@ def run_choice(kernel: AttentionKernel, model: ModelConfig, dtype: DType, device
     return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads)
 
 
+def check_document_mask(choice: SdpaChoice, device_kind: str) -> None:
+    """data.packing=document hands SDPA a block-causal attn_mask, which CUDA's flash kernel does not take
+    (the CPU one does); ConfigError before any rank starts."""
+    if device_kind == "cuda" and choice.backend == SDPBackend.FLASH_ATTENTION:
+        raise ConfigError(
+            "data.packing=document needs an attention kernel that takes a mask on CUDA: attention=efficient "
+            "or attention=math (flash takes none)"
+        )
+
+
 def sdpa_op(choice: SdpaChoice, device_kind: str) -> str | None:
     """The aten op the chosen kernel runs as, as a dispatch mode (checkpointing=op's policy) sees it;
     None for math, whose op is composite: it decomposes into matmuls and a softmax first."""

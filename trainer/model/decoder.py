@@ -108,7 +108,14 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.sdpa = SdpaChoice()  # the run's kernel (apply_sdpa_choice below)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_TF: torch.Tensor,
+        sin_TF: torch.Tensor,
+        mask_B1TT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`mask_B1TT` (data.packing=document): True where a query may attend a key; None: causal."""
         B, T, _ = x_BTD.shape
         q_BTHQ = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTKQ = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
@@ -128,7 +135,7 @@ class Attention(nn.Module):
         # fused CUDA kernels do not take the flag at all.
         with sdpa_kernel(self.sdpa.backend) if self.sdpa.backend is not None else contextlib.nullcontext():
             o_BHTQ = F.scaled_dot_product_attention(
-                q_BHTQ, k_BKTQ, v_BKTQ, is_causal=True, enable_gqa=grouped
+                q_BHTQ, k_BKTQ, v_BKTQ, attn_mask=mask_B1TT, is_causal=mask_B1TT is None, enable_gqa=grouped
             )
         return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
 
@@ -157,8 +164,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TF, sin_TF)
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_TF: torch.Tensor,
+        sin_TF: torch.Tensor,
+        mask_B1TT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TF, sin_TF, mask_B1TT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -194,16 +207,22 @@ class Transformer(nn.Module):
             self._rope_cache[device] = tables
         return self._rope_cache[device]
 
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        targets_BT: torch.Tensor | None = None,
+        documents_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Next-token logits in the compute dtype, for the caller to take the loss in fp32; or, given
         `targets_BT`, the mean loss by chunks (`loss_chunk_tokens`, trainer/model/loss.py), inside
-        forward so that FSDP2's root hooks see the output head's use."""
-        hidden_BTD = self.hidden(tokens_BT)
+        forward so that FSDP2's root hooks see the output head's use. `documents_BT` (data.packing=
+        document): each token's document; a token attends only to earlier tokens of its own."""
+        hidden_BTD = self.hidden(tokens_BT, documents_BT)
         if targets_BT is None:
             return self.output(hidden_BTD)
         return chunked_cross_entropy(hidden_BTD, self.output.weight, targets_BT, self.loss_chunk_tokens)
 
-    def hidden(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens_BT: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, what the output head projects."""
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:
@@ -211,9 +230,22 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({max_len}); lower seq_len")
         cos_TF, sin_TF = (table[:T] for table in self.rope_tables(tokens_BT.device))
         x_BTD = self.tok_embeddings(tokens_BT)
+        mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
         for layer in self.layers:
-            x_BTD = layer(x_BTD, cos_TF, sin_TF)
+            x_BTD = layer(x_BTD, cos_TF, sin_TF, mask_B1TT)
         return self.norm(x_BTD)
+
+
+def block_causal_mask(documents_BT: torch.Tensor) -> torch.Tensor:
+    """SDPA's boolean attn_mask for packed documents: query t attends key s <= t of the same document.
+
+    Rotary positions stay the row's: attention scores depend on q - k positions only, so a document
+    placed later in a row scores as it would alone. The mask is B·T·T bools, made once per forward
+    and shared by every layer."""
+    T = documents_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=documents_BT.device).tril()
+    same_BTT = documents_BT[:, :, None] == documents_BT[:, None, :]
+    return (same_BTT & causal_TT)[:, None]
 
 
 # ----------------------------------------------------------------------------- build and initialise

@@ -35,4 +35,5 @@ def chunked_cross_entropy(
         total = total + checkpoint(
             chunk_loss_sum, hidden_CD, weight_VD, targets_C, use_reentrant=False, preserve_rng_state=False
         )
-    return total / targets_N.numel()
+    # The mean over the targets that count, as F.cross_entropy's (data.packing=document ignores some).
+    return total / (targets_N != -100).sum()

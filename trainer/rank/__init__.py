@@ -7,6 +7,7 @@
 - compression.py: DDP's gradient compression hooks (PowerSGD, TopK) and local SGD;
 - precision.py: autocast, FSDP2's MixedPrecisionPolicy, the loss scaler;
 - optim.py: AdamW, its ZeRO-1 sharding, the schedule, clipping;
+- evaluate.py: the held-out loss (`loss/val`) every eval.every steps;
 - nonfinite.py: the non-finite policy, agreed by every rank before each step;
 - preload.py: what the fork server imports before it forks the ranks.
 """

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.amp import GradScaler
 
 from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
-from trainer.data import build_batches, to_device
+from trainer.data import build_batches, to_device, validation_batches
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
 from trainer.model.attention import run_choice
@@ -23,6 +23,7 @@ from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
+from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -47,7 +48,8 @@ from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
 from trainer.world import World
 
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+Batches = Iterator[tuple[torch.Tensor, ...]]
+"""(inputs_BT, targets_BT), and documents_BT under data.packing=document (trainer/data.py)."""
 
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
@@ -89,6 +91,7 @@ def train(
     batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
+    held_out = validation_batches(config, world.rank, world.world_size) if config.eval.every else []
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
     guard = NonFiniteGuard(
         config.nonfinite,
@@ -112,6 +115,8 @@ def train(
             raise
         stopping = bool(stop.agreed) and step < config.steps  # agreed with the non-finite flags
         meter.update(dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
+        if evaluates_now(config, step):  # a log step too (Meter.should_log): the record carries it
+            meter.val_loss = evaluate(trainee.model, held_out, config, world, compute_loss)
         if meter.should_log(step) or stopping:
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,
@@ -149,7 +154,7 @@ def train_step(
         if micro > 0:
             next_micro_batch()  # lets the tensor-level memory tracker see the next forward
         start = time.perf_counter()
-        inputs, targets = (to_device(t, world.device) for t in next(batches))  # host time only
+        batch = [to_device(t, world.device) for t in next(batches)]  # host time only
         data_s += time.perf_counter() - start
         is_last = micro == config.grad_accum - 1
         # Backward runs inside autocast, against PyTorch's AMP guidance (and nanoGPT's habit) of
@@ -168,9 +173,7 @@ def train_step(
             build_autocast(config.precision, config.zero, world.device),
         ):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
-            loss = inject_fault(
-                compute_loss(model, inputs, targets, config), config.fault, world, step, is_last
-            )
+            loss = inject_fault(compute_loss(model, batch, config), config.fault, world, step, is_last)
             loss_sum += loss.detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
@@ -198,14 +201,14 @@ def train_step(
     )
 
 
-def compute_loss(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, config: TrainConfig
-) -> torch.Tensor:
+def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: TrainConfig) -> torch.Tensor:
     """loss=full: the logits, then their loss; loss=chunked: the model takes the targets and returns the
-    loss by chunks (trainer/model/loss.py), so that the whole logits never exist."""
+    loss by chunks (trainer/model/loss.py), so that the whole logits never exist. A third tensor of
+    the batch is each token's document (data.packing=document: block-causal attention)."""
+    inputs, targets, *documents = batch
     if config.loss.kind == LossKind.chunked:
-        return model(inputs, targets)
-    return cross_entropy(model(inputs), targets)
+        return model(inputs, targets, *documents)
+    return cross_entropy(model(inputs, None, *documents), targets)
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ def write_charts(report: Report) -> dict[str, Path]:
         "memory": plot_memory,
         "comm": plot_comm,
         "losses": plot_losses,
+        "val_losses": plot_val_losses,
         "loss_scale": plot_loss_scale,
     }
     for name, draw in drawers.items():
@@ -251,6 +252,29 @@ def plot_losses(ax: plt.Axes, report: Report) -> bool:
         ax.legend(
             fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=2 if len(report.points) > 12 else 1
         )
+    return drawn
+
+
+def plot_val_losses(ax: plt.Axes, report: Report) -> bool:
+    """The held-out loss at every evaluation (eval.every), where points evaluated."""
+    drawn = False
+    for index, point in enumerate(report.points):
+        records = [r for r in point.records if keys.LOSS_VAL in r]
+        if records:
+            ax.plot(
+                [r["step"] for r in records],
+                [r[keys.LOSS_VAL] for r in records],
+                linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+                marker="o",
+                label=label(point, report.swept),
+            )
+            drawn = True
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out loss (loss/val)")
+    ax.set_title("Held-out loss per point, on the same batches at every evaluation")
+    if drawn:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return drawn
 
 

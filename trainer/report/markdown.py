@@ -64,6 +64,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
         "by group MiB/step (measured / plan)",
         "skipped steps",
         "final loss",
+        "val loss",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -83,6 +84,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
             row["comm_by_group"] or "-",
             number(row["skipped_steps"], "{}"),
             number(row["final_loss"], "{:.4f}"),
+            number(row["val_loss"], "{:.4f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -113,6 +115,7 @@ def markdown_charts(charts: dict[str, Path]) -> list[str]:
         "throughput": "Throughput",
         "memory": "Peak tensor memory per rank",
         "losses": "Training loss",
+        "val_losses": "Held-out loss",
         "loss_scale": "fp16 loss scale",
         "comm": "Memory saved against bytes moved",
     }

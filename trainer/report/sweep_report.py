@@ -12,6 +12,7 @@ directories together (trainer/report/command.py), into `--out` or a new director
     memory.png       every rank's peak tensor memory per point, with the predicted peak and the cap
     comm.png         memory each stage saved over stage0 against the bytes it moved per step, per point
     losses.png       training loss against step, per point
+    val_losses.png   the held-out loss (loss/val) at every evaluation, per point that evaluated
     loss_scale.png   the fp16 loss scale against step of every fp16 point (only when there is one)
     wandb_report.json  the W&B Report of the same points (trainer/report/wandb_report.py), ready to publish
 

@@ -198,6 +198,10 @@ def memory_panels(wr: Any, report: Report) -> list[Any]:
 
 def training_panels(wr: Any, report: Report) -> list[Any]:
     panels = [wr.LinePlot(title="training loss", x=STEP_KEY, y=[keys.LOSS], layout=wr.Layout(w=12, h=8))]
+    if any(keys.LOSS_VAL in record for point in report.points for record in point.records):
+        panels.append(
+            wr.LinePlot(title="held-out loss", x=STEP_KEY, y=[keys.LOSS_VAL], layout=wr.Layout(w=12, h=8))
+        )
     if any(keys.LOSS_SCALE in record for point in report.points for record in point.records):
         panels.append(
             wr.LinePlot(

@@ -75,6 +75,8 @@ class Meter:
         self.path = out_dir / "metrics.jsonl"
         self.skipped_steps = 0
         self.last_record: dict[str, Any] | None = None
+        self.val_loss: float | None = None
+        """The held-out loss of this step (eval steps only), written with its record."""
         telemetry = config.telemetry
         self.memory = (
             MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
@@ -138,7 +140,9 @@ class Meter:
         self.last = stats
 
     def should_log(self, step: int) -> bool:
-        return step % self.config.log_every == 0 or step == self.config.steps
+        every = self.config.eval.every
+        evaluates = every > 0 and step % every == 0  # evaluation steps log their loss/val
+        return step % self.config.log_every == 0 or step == self.config.steps or evaluates
 
     def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Gather this window from every rank (a collective: every rank calls it) and write it."""
@@ -204,6 +208,10 @@ class Meter:
                     self.predicted_groups,
                 )
             )
+        if self.val_loss is not None:
+            record[keys.LOSS_VAL] = self.val_loss
+            record[keys.PERPLEXITY_VAL] = math.exp(self.val_loss) if self.val_loss < 700 else math.inf
+            self.val_loss = None
         if self.config.precision.is_fp16:
             record[keys.LOSS_SCALE] = self.last.loss_scale
             record[keys.OVERFLOW] = self.window_overflows

@@ -161,6 +161,10 @@ def build_summary(
             if value is not None:
                 summary[key] = value
         summary.update(worst_memory(records))
+        evaluated = [r for r in records if keys.LOSS_VAL in r]
+        if evaluated:  # the last evaluation's held-out loss (eval.every)
+            summary[keys.LOSS_VAL] = evaluated[-1][keys.LOSS_VAL]
+            summary[keys.PERPLEXITY_VAL] = evaluated[-1][keys.PERPLEXITY_VAL]
         summary.update(steady_comm(records, after))
         if keys.SKIPPED_STEPS in records[-1]:
             summary[keys.SKIPPED_STEPS] = records[-1][keys.SKIPPED_STEPS]
@@ -183,6 +187,10 @@ def summary_table(summary: dict[str, Any]) -> str:
                 "loss",
                 f"{summary[keys.LOSS_FIRST]:.4f} -> {summary[keys.LOSS_FINAL]:.4f} over {summary['steps_done']} steps",
             )
+        )
+    if keys.LOSS_VAL in summary:
+        rows.append(
+            ("held-out loss", f"{summary[keys.LOSS_VAL]:.4f} (perplexity {summary[keys.PERPLEXITY_VAL]:.2f})")
         )
     if summary.get(keys.TOKENS_PER_S):
         rows.append(

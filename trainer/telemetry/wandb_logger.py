@@ -25,7 +25,7 @@ from trainer.jsonl import parse_line
 from trainer.private_apis.of_wandb import generate_run_id
 from trainer.telemetry.keys import Status
 from trainer.telemetry.summary import redact_secrets
-from trainer.telemetry.wandb_run import define_metrics, describe_job, steady_figures
+from trainer.telemetry.wandb_run import SUMMARIZED_BY_WANDB, define_metrics, describe_job, steady_figures
 
 PROVENANCE_KEYS = (
     "world_size",
@@ -80,9 +80,10 @@ class WandbLogger:
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         """Write the summary and end the run with the job's exit code (0 when ok: state `finished`,
         else `failed`), which the job decides (trainer/faults/stop.py exit_code_for)."""
-        figures = {k: v for k, v in summary.items() if k not in ("config", "overrides")} | steady_figures(
-            summary
-        )
+        # W&B keeps its own min and last of the held-out loss (define_metrics): summary.json's last
+        # value would replace them.
+        left_out = ("config", "overrides", *SUMMARIZED_BY_WANDB)
+        figures = {k: v for k, v in summary.items() if k not in left_out} | steady_figures(summary)
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
         if summary["status"] == Status.preempted:
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped

@@ -133,11 +133,17 @@ def describe_job(plain_config: dict[str, Any]) -> JobLabels:
     return build_labels(plain_config, choices, keys, overrides, multirun)
 
 
+SUMMARIZED_BY_WANDB = (keys.LOSS_VAL, keys.PERPLEXITY_VAL)
+"""History keys whose W&B summary is define_metrics' min and last rather than summary.json's value."""
+
+
 def define_metrics(run: Any) -> None:
     """The x-axis of every chart is the optimizer step; the summaries W&B keeps while records arrive."""
     run.define_metric(STEP_KEY, hidden=True)
     run.define_metric("*", step_metric=STEP_KEY)
     run.define_metric(keys.LOSS, summary="min,last")
+    for key in SUMMARIZED_BY_WANDB:
+        run.define_metric(key, summary="min,last")
     run.define_metric(keys.EVERY_MEMORY_KEY, summary="max")
 
 

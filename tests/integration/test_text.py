@@ -1,0 +1,107 @@
+"""data=text end to end (issue 36, acceptances 2 and 4): a test-trained tokenizer over a jsonl corpus,
+packing=document, a held-out tenth of the documents evaluated every 10 steps. The same global batch
+on 1 rank and on 2 gives the same losses; a 2-rank run killed at step 13 and resumed gives bitwise
+the uninterrupted run's; loss/val reaches metrics.jsonl, summary.json, the W&B run and the report."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    TINY,
+    Run,
+    run_trainer,
+    train_tokenizer,
+    wandb_file,
+    wandb_records,
+    wandb_summary,
+    write_documents,
+)
+from trainer.report.command import write_comparison
+
+pytest.importorskip("tokenizers")  # the `data` extra
+pytest.importorskip("datasets")
+
+STEPS = (
+    "steps=20",
+    "eval.every=10",
+    "eval.batches=4",
+    "precision=fp32",
+    "optim.warmup_steps=2",
+    "seq_len=32",
+)
+KILL_RANK1_AT_13 = ("fault.kind=kill", "fault.step=13", "fault.rank=1")  # saved at step 10
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    """data=text's overrides: 300 documents, a 64-token BPE tokenizer, one cache every job shares."""
+    tmp = tmp_path_factory.mktemp("text")
+    texts = write_documents(tmp / "corpus.jsonl", 300)
+    tokenizer = train_tokenizer(tmp / "tokenizer", texts)
+    return (
+        "data=text",
+        f"data.files=[{tmp / 'corpus.jsonl'}]",
+        f"data.tokenizer={tokenizer}",
+        f"data.cache_dir={tmp / 'cache'}",
+        "data.packing=document",
+        "data.validation_fraction=0.1",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, text: tuple[str, ...]) -> dict[str, Run]:
+    """One global batch of 4 sequences: 1 rank x 2 micro-batches, 2 ranks x 1; and the 2-rank run
+    killed at step 13, then resumed from its step-10 save."""
+    day = tmp_path_factory.mktemp("runs") / "day"
+    common = (*TINY, *text, *STEPS)
+    one = run_trainer(
+        day / "one", *common, "nproc=1", "grad_accum=2", "save=off", "logger=wandb", timeout=600
+    )
+    two = run_trainer(day / "two", *common, "nproc=2", "save=off", timeout=600)
+    saving = (*common, "nproc=2", "save.every=5")
+    killed = run_trainer(day / "killed", *saving, *KILL_RANK1_AT_13, check=False, timeout=600)
+    assert killed.returncode == 1 and killed.summary["status"] == "crashed"
+    run_trainer(day / "resumed", *saving, f"resume={killed.out_dir}", timeout=600)
+    return {"one": one, "two": two, "killed": killed}
+
+
+def val_losses(run: Run) -> dict[int, float]:
+    return {r["step"]: r["loss/val"] for r in run.records if "loss/val" in r}
+
+
+def test_one_rank_and_two_give_the_same_losses(runs: dict[str, Run]) -> None:
+    one, two = runs["one"], runs["two"]
+    assert len(one.losses) == len(two.losses) == 20
+    assert max(abs(a - b) for a, b in zip(one.losses, two.losses)) < 1e-5
+    assert sorted(val_losses(one)) == sorted(val_losses(two)) == [10, 20]
+    assert all(abs(val_losses(one)[s] - val_losses(two)[s]) < 1e-6 for s in (10, 20))
+
+
+def test_a_killed_run_resumes_with_bitwise_equal_losses(runs: dict[str, Run]) -> None:
+    killed, two = runs["killed"], runs["two"]
+    assert [r["step"] for r in killed.records] == list(range(1, 21))  # rewound to step 10, then 11-20
+    assert killed.losses == two.losses and val_losses(killed) == val_losses(two)
+    assert killed.summary["status"] == "ok"
+
+
+def test_loss_val_reaches_the_summary_wandb_and_the_report(runs: dict[str, Run], tmp_path: Path) -> None:
+    one, two = runs["one"], runs["two"]
+    val = val_losses(one)[20]
+    assert one.summary["loss/val"] == val and one.summary["loss/val_perplexity"] == math.exp(val)
+    history = [
+        r["history"]["item"] for r in wandb_records(wandb_file(one.out_dir)) if r.get("type") == "history"
+    ]
+    logged = {int(item["_step"]): float(item["loss/val"]) for item in history if "loss/val" in item}
+    assert logged == val_losses(one)
+    summary = wandb_summary(wandb_file(one.out_dir))["summary"]  # define_metric's min and last
+    assert summary["loss/val"] == {"min": min(logged.values()), "last": val}
+    report = write_comparison([one.out_dir, two.out_dir], tmp_path / "report")
+    with (report.sweep_dir / "results.csv").open() as f:
+        assert [float(row["val_loss"]) for row in csv.DictReader(f)] == [val, two.summary["loss/val"]]
+    assert (report.sweep_dir / "val_losses.png").is_file()
+    assert "| val loss |" in (report.sweep_dir / "report.md").read_text()

@@ -1,0 +1,50 @@
+"""The held-out loss (`loss/val`): the same validation batches every `eval.every` steps, under no_grad.
+
+The batches are `eval.batches` global batches of the held-out stream, partitioned over ranks and
+micro-batches as training's first steps are (trainer/data.py `validation_batches`), read once and
+kept. Each micro-batch's mean loss is summed over the ranks (one all-reduce) and divided by their
+count: the mean training would report for those batches, the same on 1 rank or N.
+
+Memory: under no_grad no activation is kept for backward and no gradient is made, so an evaluation's
+peak is a forward's working set on top of the states the step already holds, within the training
+step's peak (which holds those states, the saved activations and the gradients at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import TrainConfig
+from trainer.data import to_device
+from trainer.rank.precision import build_autocast
+from trainer.world import World
+
+
+def evaluates_now(config: TrainConfig, step: int) -> bool:
+    """Every eval.every steps, and after the last."""
+    every = config.eval.every
+    return every > 0 and (step % every == 0 or step == config.steps)
+
+
+LossFn = Callable[[torch.nn.Module, list[torch.Tensor], TrainConfig], torch.Tensor]
+
+
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, ...]],
+    config: TrainConfig,
+    world: World,
+    compute_loss: LossFn,
+) -> float:
+    """The mean loss over every rank's held-out micro-batches (a collective: every rank calls it);
+    `compute_loss` is the loop's own (trainer/rank/loop.py), so eval takes training's loss."""
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    with torch.no_grad(), build_autocast(config.precision, config.zero, world.device):
+        for batch in batches:
+            total += compute_loss(model, [to_device(t, world.device) for t in batch], config).double()
+    if world.world_size > 1:
+        dist.all_reduce(total)
+    return total.item() / (len(batches) * world.world_size)
