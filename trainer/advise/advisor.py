@@ -286,7 +286,9 @@ def predict_config(
     run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
-    return predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
+    # Each rank of a TP group runs 1/tp of its replica's FLOPs (the column- and row-parallel GEMMs).
+    tp_flops = run_flops / config.parallel.tp
+    return predict_step_tiers(config, world_size, plan.comm, local_numel, tp_flops, rates, device_kind)
 
 
 def evaluate(

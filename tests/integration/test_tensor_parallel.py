@@ -1,0 +1,51 @@
+"""Tensor parallelism (parallel.tp=2, sequence parallelism on) composed with ZeRO, on CPU ranks.
+
+One job per configuration, shared by the module: tp=2 on 2 ranks (dp 1) at stage0, and on 4 ranks (dp 2)
+at stage2 and stage3, each against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
+per-step losses within 1e-5; the bytes of every collective in the tp and dp (shard) groups as planned.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import TINY, Run, run_trainer
+
+STEPS = ("steps=8", "precision=fp32", "optim.warmup_steps=2", "save=off")
+CONFIGS = {
+    "tp2 dp1 stage0": ("nproc=2", "micro_batch=8", "zero=stage0"),
+    "tp2 dp2 stage2": ("nproc=4", "micro_batch=4", "zero=stage2"),
+    "tp2 dp2 stage3": ("nproc=4", "micro_batch=4", "zero=stage3"),
+}
+
+
+def job(out_dir: Path, *overrides: str) -> Run:
+    return run_trainer(out_dir, *TINY, *STEPS, *overrides, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return job(tmp_path_factory.mktemp("ref") / "run", "nproc=1", "micro_batch=8")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
+    out = tmp_path_factory.mktemp("tp") / "run"
+    return request.param, job(out, "parallel.tp=2", *CONFIGS[request.param])
+
+
+def test_losses_equal_one_rank_of_the_same_global_batch(tp_run: tuple[str, Run], reference: Run) -> None:
+    name, run = tp_run
+    assert len(run.losses) == len(reference.losses) == 8
+    worst = max(abs(a - b) for a, b in zip(run.losses, reference.losses))
+    assert worst < 1e-5, (name, run.losses, reference.losses)
+
+
+def test_plan_json_names_the_tp_group(tp_run: tuple[str, Run]) -> None:
+    name, run = tp_run
+    groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
+    assert groups["tp"]["ranks"] == 2 and groups["tp"]["link"] == "intra-node", name
