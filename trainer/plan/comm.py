@@ -51,8 +51,8 @@ from typing import Any
 from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
-from trainer.plan.tensor_parallel import tp_local, tp_moves
 from trainer.plan.target import planned_device_kind
+from trainer.plan.tensor_parallel import tp_local, tp_moves
 from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
 from trainer.units import MIB
 
