@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import TINY, Run, run_trainer
+from trainer.config import ModelConfig
+from trainer.plan.states import model_shape
 
 STEPS = ("steps=8", "precision=fp32", "optim.warmup_steps=2", "save=off")
 CONFIGS = {
@@ -49,3 +51,29 @@ def test_plan_json_names_the_tp_group(tp_run: tuple[str, Run]) -> None:
     name, run = tp_run
     groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
     assert groups["tp"]["ranks"] == 2 and groups["tp"]["link"] == "intra-node", name
+
+
+def loop_bytes(group: str, default_group: str, world: int) -> int:
+    """The loop's own all-reduces (docs/communication.md), by group: the non-finite and stop agreement
+    (world + 2 fp32 flags) on the default group; clipping's fp32 norm per parameter tensor in each group
+    the DTensor parameters are sharded over (tp, and dp's `shard` under FSDP2)."""
+    tensors = len(model_shape(ModelConfig()).order)
+    return 4 * tensors + (4 * (world + 2) if group == default_group else 0)
+
+
+def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) -> None:
+    """Step 1 (its window holds no metric gather): every rank's bytes in the tp and shard groups, by kind."""
+    name, run = tp_run
+    groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
+    world = int(CONFIGS[name][0].removeprefix("nproc="))
+    default_group = "tp" if world == 2 else "shard"
+    assert set(groups) == ({"tp"} if world == 2 else {"tp", "shard"}), name
+    first = run.records[0]
+    assert first["step"] == 1
+    for rank in range(world):
+        for group, planned in groups.items():
+            for kind, payload in planned["bytes_by_collective"].items():
+                extra = loop_bytes(group, default_group, world) if kind == "all_reduce" else 0
+                measured = first.get(f"comm/rank{rank}/{group}/{kind}_bytes_per_step", 0)
+                assert measured == payload + extra, (name, rank, group, kind, measured, payload)
+            assert first[f"comm/{group}/predicted_bytes_per_step"] == planned["bytes_per_step"]

@@ -137,7 +137,7 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     else:
         by_group = {"world": ddp_moves(config, shape, world_size)}
     if tp > 1:
-        by_group["tp"] = tp_moves(config, PARAM_BYTES[config.precision.compute_dtype])
+        by_group["tp"] = tp_moves(config, PARAM_BYTES[config.precision.compute_dtype], backend)
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     plans = {}
     for name, moves in by_group.items():

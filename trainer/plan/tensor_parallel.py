@@ -15,9 +15,11 @@ Communication in the tp group, per micro-batch, with B·T·D activations of `b` 
 
     per block, SP:      forward  all-gather (attention's input) + reduce-scatter (wo's output)
                                  + all-gather (the MLP's input) + reduce-scatter (w2's output)
-                        backward the same four, each one's adjoint (reduce-scatter <-> all-gather)
-    per block, no SP:   forward  all-reduce (wo) + all-reduce (w1/w3's input gradient in backward: f's adjoint)
-                        i.e. 2 all-reduces forward and 2 backward (Megatron-LM's f and g)
+                        backward the same four, each one's adjoint (reduce-scatter <-> all-gather; wq, wk
+                        and wv share one gathered input, PrepareModuleInput's, so one adjoint for the three)
+    per block, no SP:   forward  all-reduce (wo's output) + all-reduce (w2's output)
+                        backward all-reduce of each column-parallel layer's input gradient (wq, wk, wv, w1, w3:
+                        each layer converts its input on its own, Megatron-LM's f, so five)
     root:               the embedding's reduce-scatter (SP; all-reduce without) and its backward's all-gather,
                         the output head's all-gather of the final norm (SP) and its backward's reduce-scatter
 
@@ -73,26 +75,43 @@ def recomputed_blocks(config: TrainConfig) -> int:
     return sum(should_checkpoint(i, config.checkpointing) for i in range(config.model.n_layers))
 
 
-def tp_moves(config: TrainConfig, compute_bytes: int) -> list[Move]:
-    """The tp group's collectives per optimizer step (module docstring), `compute_bytes` the compute dtype's. Under autocast the residual stream,
-    the norms' outputs and their gradients stay fp32 (4 bytes); wo's and w2's outputs, and their gradients,
-    are in the compute dtype."""
+def tp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move]:
+    """The tp group's collectives per optimizer step (module docstring), `compute_bytes` the compute dtype's.
+
+    Under autocast the residual stream, the norms' outputs and the gradients of fp32 tensors stay fp32
+    (4 bytes); wo's and w2's outputs, and their gradients, are in the compute dtype. Besides the activations:
+    with SP each norm's weight gradient is partial over the sequence shards and all-reduced (fp32, D each);
+    loss_parallel all-reduces three fp32 values per token (the logits' max, the sum of exponentials, the
+    target's logit).
+    """
     if config.parallel.tp == 1:
         return []
-    tokens = config.micro_batch * config.seq_len * config.model.dim
-    fp32, compute = tokens * ACTIVATION_BYTES, tokens * compute_bytes
-    blocks = config.model.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
-    layers, accum = config.model.n_layers, config.grad_accum
+    m, tp = config.model, config.parallel.tp
+    tokens = config.micro_batch * config.seq_len
+    fp32, compute = tokens * m.dim * ACTIVATION_BYTES, tokens * m.dim * compute_bytes
+    blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
+    layers, accum = m.n_layers, config.grad_accum
+    reduces = [(3 * 4 * tokens, 3)]  # loss_parallel
     if config.parallel.sp:
-        # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: each one's adjoint;
+        reduces.append((4 * m.dim * (2 * layers + 1), 2 * layers + 1))  # the norms' weight gradients
+        # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: the adjoints;
         # the root: the embedding's scatter (its backward's gather) and the head's gather (its backward's scatter)
-        gathers = (2 * blocks * fp32 + 2 * layers * compute + 2 * fp32, 2 * blocks + 2 * layers + 2)
-        scatters = (2 * blocks * compute + 2 * layers * fp32 + 2 * fp32, 2 * blocks + 2 * layers + 2)
-        return [
-            ("all_gather", accum * gathers[0], accum * gathers[1]),
-            ("reduce_scatter", accum * scatters[0], accum * scatters[1]),
+        gathered = 2 * blocks * fp32 + 2 * layers * compute + 2 * fp32
+        # ProcessGroupGloo's flight-recorder entry of a functional all_gather_into_tensor lists its output as
+        # one rank's chunk ([1, *input]), measured with torch 2.13 at tp=2; NCCL's lists the whole output.
+        gathered //= tp if backend == "gloo" else 1
+        gathers = [("all_gather", gathered, 2 * blocks + 2 * layers + 2)]
+        scatters = [
+            (
+                "reduce_scatter",
+                2 * blocks * compute + 2 * layers * fp32 + 2 * fp32,
+                2 * blocks + 2 * layers + 2,
+            )
         ]
-    # forward: wo's and w2's outputs all-reduced and the embedding's; backward: the column-parallel layers'
-    # input gradients (Megatron-LM's f) in fp32, and the head's
-    reduces = (2 * blocks * compute + fp32 + 2 * layers * fp32 + fp32, 2 * blocks + 2 * layers + 2)
-    return [("all_reduce", accum * reduces[0], accum * reduces[1])]
+    else:
+        # forward: wo's and w2's outputs and the embedding's; backward: each column-parallel layer's input
+        # gradient (wq, wk, wv, w1, w3: Megatron-LM's f, one per layer) and the head's, fp32
+        gathers, scatters = [], []
+        reduces.append((2 * blocks * compute + fp32 + 5 * layers * fp32 + fp32, 2 * blocks + 5 * layers + 2))
+    moves = [*gathers, *scatters, ("all_reduce", sum(b for b, _ in reduces), sum(c for _, c in reduces))]
+    return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves]
