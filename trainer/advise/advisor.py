@@ -58,6 +58,7 @@ CHOSEN_KEYS = (
     "loss",
     "zero.shard_ranks",
     "zero.hpz_ranks",
+    "parallel.tp",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
 """What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
@@ -97,6 +98,7 @@ class Candidate:
             "HSDP": c.get("zero.shard_ranks") is not None,
             "keep": c.get("zero.reshard_after_backward") is False,
             "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
+            "TP": c.get("parallel.tp") is not None,
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -110,7 +112,7 @@ class Candidate:
         c = self.choice
         groups = "".join(
             f" {name}={c[key]}"
-            for name, key in (("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
+            for name, key in (("tp", "parallel.tp"), ("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
             if c.get(key) is not None
         )
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
@@ -168,15 +170,21 @@ def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
 def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict[str, Any]]:
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
-    a, per_rank, out = config.advise, config.global_batch // world_size, []  # type: ignore[operator]
+    a, out = config.advise, []
     options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
-    for stage, checkpointing, offload in itertools.product(*options):
+    for (stage, checkpointing, offload), tp in itertools.product(
+        itertools.product(*options), tp_options(config, world_size)
+    ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
+        if tp is not None and (stage not in (Stage.stage2, Stage.stage3) or offload != OffloadTarget.none):
+            continue  # what tensor parallelism composes with here (ParallelConfig.check_composition)
+        dp = world_size // (tp or 1)
+        per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
         splits = itertools.product(
             dict.fromkeys(a.reduce_dtypes),
-            group_options(config, stage, world_size),
-            micro_batches(config, world_size),
+            group_options(config, stage, world_size) if tp is None else [(None, None)],
+            micro_batches(config, dp),
         )
         for reduce_dtype, (shard, hpz), mb in splits:
             accum = per_rank // mb
@@ -195,9 +203,18 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                     config.loss.kind.value,
                     shard,
                     hpz,
+                    tp,
                 )
                 out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
+
+
+def tp_options(config: TrainConfig, world_size: int) -> list[int | None]:
+    """parallel.tp to consider: none (None), and every divisor > 1 of nproc (a TP group inside one node) that
+    divides the heads, kv heads, MLP width and vocabulary (ParallelConfig.check_model)."""
+    nproc, m = world_size // config.nodes, config.model
+    sizes = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
+    return [None, *(tp for tp in range(2, nproc + 1) if nproc % tp == 0 and all(n % tp == 0 for n in sizes))]
 
 
 def group_options(config: TrainConfig, stage: Stage, world_size: int) -> list[tuple[int | None, int | None]]:
@@ -248,6 +265,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
         loss=replace(config.loss, kind=LossKind(choice["loss"])),
+        parallel=replace(config.parallel, tp=choice.get("parallel.tp") or 1, sp=None),
     )
 
 
@@ -446,7 +464,7 @@ def format_advice(
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
             f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
-            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction), then smaller reserved memory, then speed"
+            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction, TP), then smaller reserved memory, then speed"
         )
     if any(c.choice["grad_accum"] > 1 for c in fitting[: config.advise.top]):
         lines.append(
