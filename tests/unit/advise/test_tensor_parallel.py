@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import compose_config
+from trainer.advise.advisor import choices, tp_options
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step_tiers
 from trainer.config import DType
@@ -38,6 +39,8 @@ def test_tp_bytes_per_block_are_the_activations_gathered_and_scattered() -> None
     assert tp.ranks == 8 and tp.link == INTRA_NODE
     assert tp.bytes_by_collective["all_gather"] == 2 * blocks * fp32 + 2 * layers * bf16 + 2 * fp32
     assert tp.bytes_by_collective["reduce_scatter"] == 2 * blocks * bf16 + 2 * layers * fp32 + 2 * fp32
+    # loss_parallel's three fp32 values per token; SP's norm weight gradients (2 per block and the final norm)
+    assert tp.bytes_by_collective["all_reduce"] == 3 * 4 * T + 4 * D * (2 * layers + 1)
     assert plan.comm.groups["shard"].ranks == 4  # zero shards over dp = 32 / 8
 
 
@@ -58,7 +61,21 @@ def test_tp_exposed_time_is_its_nvlink_wire_time() -> None:
     step = predict_step_tiers(config, WORLD, plan.comm, 1, 1e9, rates, "cuda")
     tp = plan.comm.groups["tp"]
     nvlink = rates.link_bus_bytes_per_s[INTRA_NODE]
-    wire = sum(payload * 7 / 8 / nvlink for payload in tp.bytes_by_collective.values())
+    ring = {"all_reduce": 2 * 7 / 8, "all_gather": 7 / 8, "reduce_scatter": 7 / 8}  # bytes sent per payload byte
+    wire = sum(payload * ring[kind] / nvlink for kind, payload in tp.bytes_by_collective.items() if payload)
     assert plan.comm.groups["shard"].link != INTRA_NODE
     assert step.links[INTRA_NODE].exposed_s == pytest.approx(wire, rel=1e-12)
     assert step.links[INTRA_NODE].wire_s == pytest.approx(wire, rel=1e-12)
+
+
+def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
+    """Acceptance 5's candidate space: tp inside one node (a divisor of nproc) that splits heads evenly."""
+    llama405 = compose_config("mode=advise", "global_batch=1024", "model=llama3-405b", "nodes=64", "nproc=8")
+    assert tp_options(llama405, 512) == [None, 2, 4, 8]
+    tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=8")  # 4 heads, 2 kv heads
+    assert tp_options(tiny, 8) == [None, 2]
+    rows = choices(tiny, 8, "cuda")
+    tp_rows = [row for row in rows if row["parallel.tp"] == 2]
+    assert {row["zero"] for row in tp_rows} == {"stage2", "stage3"}  # DDP's stages refuse TP on several replicas
+    assert {row["offload"] for row in tp_rows} == {"none"}
+    assert {row["micro_batch"] * row["grad_accum"] for row in tp_rows} == {16}  # 64 sequences over dp = 4
