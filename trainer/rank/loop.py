@@ -41,6 +41,7 @@ from trainer.rank.tensor_parallel import (
     local_loss,
     loss_context,
     parallel_mesh,
+    replicate_partial_grads,
 )
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
@@ -81,6 +82,8 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
         config.seed,
         None if mesh is None else mesh[DP],
     )  # shard, then materialise only this rank's part
+    if mesh is not None and not config.zero.uses_fsdp:
+        replicate_partial_grads(model)
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
     )

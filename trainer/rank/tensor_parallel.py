@@ -130,3 +130,19 @@ def loss_context(tp: int) -> AbstractContextManager:
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor (loss_parallel's is a replicated DTensor), for the loop's sums."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def replicate_partial_grads(model: nn.Module) -> None:
+    """Without FSDP2 (zero=stage0 on one replica): reduce each sequence-parallel norm's gradient once, in
+    backward. Autograd leaves it Partial (each rank's sequence shard contributes), and every later use of a
+    Partial gradient (the norm for clipping, each of AdamW's ops) would all-reduce it again; FSDP2's
+    reduction does this conversion itself."""
+
+    def to_replicate(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(to_replicate)

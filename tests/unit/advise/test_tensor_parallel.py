@@ -61,7 +61,11 @@ def test_tp_exposed_time_is_its_nvlink_wire_time() -> None:
     step = predict_step_tiers(config, WORLD, plan.comm, 1, 1e9, rates, "cuda")
     tp = plan.comm.groups["tp"]
     nvlink = rates.link_bus_bytes_per_s[INTRA_NODE]
-    ring = {"all_reduce": 2 * 7 / 8, "all_gather": 7 / 8, "reduce_scatter": 7 / 8}  # bytes sent per payload byte
+    ring = {
+        "all_reduce": 2 * 7 / 8,
+        "all_gather": 7 / 8,
+        "reduce_scatter": 7 / 8,
+    }  # bytes sent per payload byte
     wire = sum(payload * ring[kind] / nvlink for kind, payload in tp.bytes_by_collective.items() if payload)
     assert plan.comm.groups["shard"].link != INTRA_NODE
     assert step.links[INTRA_NODE].exposed_s == pytest.approx(wire, rel=1e-12)
@@ -76,6 +80,9 @@ def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
     assert tp_options(tiny, 8) == [None, 2]
     rows = choices(tiny, 8, "cuda")
     tp_rows = [row for row in rows if row["parallel.tp"] == 2]
-    assert {row["zero"] for row in tp_rows} == {"stage2", "stage3"}  # DDP's stages refuse TP on several replicas
+    assert {row["zero"] for row in tp_rows} == {
+        "stage2",
+        "stage3",
+    }  # DDP's stages refuse TP on several replicas
     assert {row["offload"] for row in tp_rows} == {"none"}
     assert {row["micro_batch"] * row["grad_accum"] for row in tp_rows} == {16}  # 64 sequences over dp = 4
