@@ -210,9 +210,13 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
 
 
 def tp_options(config: TrainConfig, world_size: int) -> list[int | None]:
-    """parallel.tp to consider: none (None), and every divisor > 1 of nproc (a TP group inside one node) that
-    divides the heads, kv heads, MLP width and vocabulary (ParallelConfig.check_model)."""
+    """parallel.tp to consider: none (None), and on several nodes every divisor > 1 of nproc (a TP group inside
+    one node) that divides the heads, kv heads, MLP width and vocabulary (ParallelConfig.check_model). On one
+    node ZeRO's collectives already stay on NVLink and overlap compute, while TP's are exposed on the same
+    link (docs/communication.md, "Tensor parallelism"), so TP is offered where it takes traffic off the network."""
     nproc, m = world_size // config.nodes, config.model
+    if config.nodes == 1:
+        return [None]
     sizes = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
     return [None, *(tp for tp in range(2, nproc + 1) if nproc % tp == 0 and all(n % tp == 0 for n in sizes))]
 

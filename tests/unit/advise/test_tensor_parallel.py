@@ -76,7 +76,9 @@ def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
     """Acceptance 5's candidate space: tp inside one node (a divisor of nproc) that splits heads evenly."""
     llama405 = compose_config("mode=advise", "global_batch=1024", "model=llama3-405b", "nodes=64", "nproc=8")
     assert tp_options(llama405, 512) == [None, 2, 4, 8]
-    tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=8")  # 4 heads, 2 kv heads
+    one_node = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=8")
+    assert tp_options(one_node, 8) == [None]  # ZeRO's collectives stay on NVLink there already
+    tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2")  # 4 heads, 2 kv
     assert tp_options(tiny, 8) == [None, 2]
     rows = choices(tiny, 8, "cuda")
     tp_rows = [row for row in rows if row["parallel.tp"] == 2]
