@@ -135,7 +135,12 @@ class SaveSpec:
     @classmethod
     def of(cls, config: TrainConfig) -> SaveSpec:
         return cls(
-            config.save, config.fault, config.zero.stage, config.micro_batch, config.grad_accum, config.parallel.tp
+            config.save,
+            config.fault,
+            config.zero.stage,
+            config.micro_batch,
+            config.grad_accum,
+            config.parallel.tp,
         )
 
 

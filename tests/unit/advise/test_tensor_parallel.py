@@ -78,7 +78,9 @@ def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
     assert tp_options(llama405, 512) == [None, 2, 4, 8]
     one_node = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=8")
     assert tp_options(one_node, 8) == [None]  # ZeRO's collectives stay on NVLink there already
-    tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2")  # 4 heads, 2 kv
+    tiny = compose_config(
+        "mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2"
+    )  # 4 heads, 2 kv
     assert tp_options(tiny, 8) == [None, 2]
     rows = choices(tiny, 8, "cuda")
     tp_rows = [row for row in rows if row["parallel.tp"] == 2]
