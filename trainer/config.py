@@ -632,6 +632,104 @@ class OptimConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """conf/parallel/*.yaml: model parallelism inside each data-parallel replica (trainer/rank/tensor_parallel.py).
+
+    The world is `nodes * nproc = dp * tp` (and `* pp` once pipeline parallelism joins: the mesh's dims are
+    ordered dp, pp, tp, tp innermost, so a TP group is consecutive ranks inside one node); `zero` shards over dp.
+    """
+
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (Megatron-LM's column- and row-parallel layers, torch's
+    parallelize_module); a divisor of nproc and of the attention heads."""
+    sp: bool | None = None
+    """Sequence parallelism: norms and the residual stream sharded over the sequence between blocks
+    (reduce-scatter + all-gather in place of all-reduce); null: on whenever tp > 1."""
+
+    def __post_init__(self) -> None:
+        _require(self.tp >= 1, f"parallel.tp must be an integer >= 1, got {self.tp}")
+        if self.sp is None:
+            self.sp = self.tp > 1
+        _require(
+            not self.sp or self.tp > 1,
+            "parallel.sp=true shards the sequence over the tensor-parallel group: it needs parallel.tp > 1",
+        )
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel replicas: the ranks zero shards over, and the batch is split over."""
+        return world_size // self.tp
+
+    def check_model(self, model: ModelConfig, seq_len: int) -> None:
+        """Every rank must hold whole heads and equal slices (ColwiseParallel / RowwiseParallel shard evenly here)."""
+        if self.tp == 1:
+            return
+        tp, keys = self.tp, ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        values = [getattr(model, key) for key in keys]
+        allowed = ", ".join(str(d) for d in range(1, min(values) + 1) if all(v % d == 0 for v in values))
+        for key, value in zip(keys, values):
+            _require(
+                value % tp == 0,
+                f"parallel.tp={tp} must divide model.{key}={value} of model={model.name} "
+                f"(each rank holds whole heads and equal slices); allowed: {allowed}",
+            )
+        _require(
+            not self.sp or seq_len % tp == 0,
+            f"parallel.sp=true shards the sequence: seq_len={seq_len} must divide by parallel.tp={tp}",
+        )
+        _require(
+            not model.tie_embeddings,
+            f"parallel.tp={tp} with model.tie_embeddings=true is not supported: the embedding (row-wise) and the "
+            "output head (column-wise) shard the one tied weight two ways; use parallel.tp=1",
+        )
+
+    def check_composition(self, config: TrainConfig) -> None:
+        """What tensor parallelism does not compose with here: one line naming both keys."""
+        if self.tp == 1:
+            return
+        tp = f"parallel.tp={self.tp}"
+        refusals = (
+            (config.offload.target != OffloadTarget.none, "offload=cpu", "use offload=none"),
+            (
+                config.loss.kind == LossKind.chunked,
+                "loss=chunked",
+                "use loss=full (loss_parallel shards the logits)",
+            ),
+            (config.zero.stage == Stage.stage1, "zero=stage1", "use zero=stage0, stage2 or stage3"),
+            (config.zero.shard_ranks is not None, "zero.shard_ranks", "use zero.shard_ranks=null"),
+            (config.zero.hpz_ranks is not None, "zero.hpz_ranks", "use zero.hpz_ranks=null"),
+            (config.zero.compression != Compression.none, "zero.compression", "use zero.compression=none"),
+            (config.zero.sync_every > 1, "zero.sync_every", "use zero.sync_every=1"),
+            (config.compile, "compile=true", "use compile=false"),
+            # Not yet proven: the weights' reader slices FSDP2's shards, not tensor-parallel ones; and
+            # the block-causal mask's attention under sequence parallelism.
+            (config.model.weights is not None, "model.weights", "use model.weights=null"),
+            (
+                config.data.kind == DataKind.text and config.data.packing == Packing.document,
+                "data.packing=document",
+                "use data.packing=concat",
+            ),
+        )
+        for refused, key, way_out in refusals:
+            _require(not refused, f"{tp} with {key} is not supported; {way_out} or parallel.tp=1")
+
+    def check_world(self, nproc: int, nodes: int, zero: ZeroConfig) -> None:
+        """A TP group is consecutive ranks inside one node: tp divides nproc. DDP replicates no DTensor
+        parameters here (trainer/rank/sharding.py), so stage0 only with one data-parallel replica."""
+        allowed = ", ".join(str(d) for d in range(1, nproc + 1) if nproc % d == 0)
+        _require(
+            nproc % self.tp == 0,
+            f"parallel.tp={self.tp} must divide nproc={nproc} (a tensor-parallel group stays inside one node "
+            f"of {nproc} ranks); allowed: {allowed}",
+        )
+        dp = self.dp(nodes * nproc)
+        _require(
+            self.tp == 1 or zero.uses_fsdp or dp == 1,
+            f"parallel.tp={self.tp} with zero={zero.stage.value} on {dp} data-parallel replicas is not supported (torch's "
+            f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3, or parallel.tp={nodes * nproc}",
+        )
+
+
+@dataclass
 class SaveConfig:
     """conf/save/*.yaml: full training state saved with torch.distributed.checkpoint."""
 
@@ -833,6 +931,7 @@ class TrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     micro_batch: int = 8
     """Sequences per rank per forward pass."""
@@ -940,6 +1039,8 @@ class TrainConfig:
             self.eval.every == 0 or self.data.kind != DataKind.text or self.data.has_validation,
             "eval.every with data=text needs data.validation_files or data.validation_fraction > 0",
         )
+        self.parallel.check_model(self.model, self.seq_len)
+        self.parallel.check_composition(self)
 
     def _check_global_batch(self) -> None:
         if self.mode != Mode.advise:
@@ -958,7 +1059,7 @@ class TrainConfig:
     def sequences_per_step(self, world_size: int) -> int:
         """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
         key, which mode=advise reads to choose micro_batch and grad_accum)."""
-        return global_batch(self.micro_batch, self.grad_accum, world_size)
+        return global_batch(self.micro_batch, self.grad_accum, self.parallel.dp(world_size))
 
 
 def is_endpoint(value: str) -> bool:

@@ -122,6 +122,9 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             config, device_kind, nproc = check_this_host(config)
         weights = check_model_weights(config)  # model.weights: the files' headers against the model
         world_size = config.nodes * nproc
+        config.parallel.check_world(
+            nproc, config.nodes, config.zero
+        )  # a tensor-parallel group inside one node
         shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
         if config.mode == Mode.advise:
             from trainer.advise.advisor import check_advice_inputs

@@ -89,6 +89,26 @@ CASES = [
         "data.tokenizer",
         "model.vocab_size=512",
     ),
+    # Tensor parallelism (trainer/rank/tensor_parallel.py): heads, nodes, what it does not compose with
+    (
+        ["mode=plan", "model=7b", "model.n_heads=8", "model.n_kv_heads=8", "parallel.tp=3"],
+        "parallel.tp=3 must divide model.n_heads=8",
+        "1, 2, 4",
+    ),
+    (
+        ["mode=plan", "model=7b", "nproc=8", "parallel.tp=16"],
+        "parallel.tp=16 must divide nproc=8",
+        "1, 2, 4, 8",
+    ),
+    (["zero=stage3", "offload=cpu", "parallel.tp=2"], "parallel.tp=2 with offload=cpu", "offload=none"),
+    (["loss=chunked", "parallel.tp=2"], "parallel.tp=2 with loss=chunked", "loss=full"),
+    (["model.n_kv_heads=1", "parallel.tp=2"], "parallel.tp=2 must divide model.n_kv_heads=1", "allowed: 1"),
+    (
+        ["nproc=4", "parallel.tp=2"],
+        "parallel.tp=2 with zero=stage0 on 2 data-parallel replicas",
+        "zero=stage2 or stage3",
+    ),
+    (["parallel.sp=true"], "parallel.sp=true", "parallel.tp > 1"),
 ]
 
 

@@ -59,6 +59,7 @@ CHOSEN_KEYS = (
     "loss",
     "zero.shard_ranks",
     "zero.hpz_ranks",
+    "parallel.tp",
     "zero.compression",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
@@ -99,6 +100,7 @@ class Candidate:
             "HSDP": c.get("zero.shard_ranks") is not None,
             "keep": c.get("zero.reshard_after_backward") is False,
             "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
+            "TP": c.get("parallel.tp") is not None,
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -119,7 +121,7 @@ class Candidate:
         c = self.choice
         groups = "".join(
             f" {name}={c[key]}"
-            for name, key in (("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
+            for name, key in (("tp", "parallel.tp"), ("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
             if c.get(key) is not None
         )
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
@@ -178,15 +180,21 @@ def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
 def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict[str, Any]]:
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
-    a, per_rank, out = config.advise, config.global_batch // world_size, []  # type: ignore[operator]
+    a, out = config.advise, []
     options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
-    for stage, checkpointing, offload in itertools.product(*options):
+    for (stage, checkpointing, offload), tp in itertools.product(
+        itertools.product(*options), tp_options(config, world_size)
+    ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
+        if tp is not None and (stage not in (Stage.stage2, Stage.stage3) or offload != OffloadTarget.none):
+            continue  # what tensor parallelism composes with here (ParallelConfig.check_composition)
+        dp = world_size // (tp or 1)
+        per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
         splits = itertools.product(
             dict.fromkeys(a.reduce_dtypes),
-            group_options(config, stage, world_size),
-            micro_batches(config, world_size),
+            group_options(config, stage, world_size) if tp is None else [(None, None)],
+            micro_batches(config, dp),
         )
         for reduce_dtype, (shard, hpz), mb in splits:
             accum = per_rank // mb
@@ -205,10 +213,23 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
                     config.loss.kind.value,
                     shard,
                     hpz,
+                    tp,
                     None,  # zero.compression: exact; compressed variants come from `compressed_variants`
                 )
                 out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
+
+
+def tp_options(config: TrainConfig, world_size: int) -> list[int | None]:
+    """parallel.tp to consider: none (None), and on several nodes every divisor > 1 of nproc (a TP group inside
+    one node) that divides the heads, kv heads, MLP width and vocabulary (ParallelConfig.check_model). On one
+    node ZeRO's collectives already stay on NVLink and overlap compute, while TP's are exposed on the same
+    link (docs/communication.md, "Tensor parallelism"), so TP is offered where it takes traffic off the network."""
+    nproc, m = world_size // config.nodes, config.model
+    if config.nodes == 1:
+        return [None]
+    sizes = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
+    return [None, *(tp for tp in range(2, nproc + 1) if nproc % tp == 0 and all(n % tp == 0 for n in sizes))]
 
 
 def group_options(config: TrainConfig, stage: Stage, world_size: int) -> list[tuple[int | None, int | None]]:
@@ -260,6 +281,7 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
         loss=replace(config.loss, kind=LossKind(choice["loss"])),
+        parallel=replace(config.parallel, tp=choice.get("parallel.tp") or 1, sp=None),
     )
 
 
@@ -298,7 +320,9 @@ def predict_config(
     run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
-    return predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
+    # Each rank of a TP group runs 1/tp of its replica's FLOPs (the column- and row-parallel GEMMs).
+    tp_flops = run_flops / config.parallel.tp
+    return predict_step_tiers(config, world_size, plan.comm, local_numel, tp_flops, rates, device_kind)
 
 
 def evaluate(
@@ -486,7 +510,7 @@ def format_advice(
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
             f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
-            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction), then smaller reserved memory, then speed"
+            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction, TP), then smaller reserved memory, then speed"
         )
     if any(c.lossy for c in fitting[: config.advise.top]):
         lines.append(

@@ -255,7 +255,11 @@ def group_window(
     group: str, collective: str, config: TrainConfig, hpz: bool, windows: dict[str, float]
 ) -> tuple[str, ...]:
     """The compute phases a group's collective overlaps: `forward`, `backward` (every micro-batch's),
-    `last_backward` (those that reduce: the last, or every one under zero.reduce_every=micro_batch). hpZ moves stage3 backward's all-gathers to the hpz group."""
+    `last_backward` (those that reduce: the last, or every one under zero.reduce_every=micro_batch). hpZ moves stage3 backward's all-gathers to the hpz group.
+    tp: none. Each tensor-parallel collective feeds or drains the very GEMM beside it (no async TP here), so
+    it sits on the critical path."""
+    if group == "tp":
+        return ()
     if collective == "all_gather":
         if group == "hpz":
             return ("backward",)
@@ -299,8 +303,9 @@ def predict_step_tiers(
 
         W_c   = B_c · f(n_group) / busbw(link, g)        each collective in its group of n_group ranks, g of
                 them on each node: across nodes busbw = min(NVLink, node NICs' busbw · g / ranks per node)
-        E_l   = max(Σ_c max(W_c / L, W_c − window_c),  Σ_c W_c − window_l)   per link l (window_l: the
-                union of its collectives' windows; without overlap E_l = Σ_c W_c)
+        E_l   = T_l + max(Σ_c max(W_c / L, W_c − window_c),  Σ_c W_c − window_l)   per link l (window_l: the
+                union of its collectives' windows; T_l: the tp group's wire time on it, never hidden;
+                without overlap E_l = Σ_c W_c)
         E     = Σ_l E_l
     """
     # Each rank offloads its own shards: 1/shard-group of every payload (HSDP shards over fewer ranks).
@@ -342,9 +347,11 @@ def predict_step_tiers(
             continue
         total = sum(seconds for seconds, _ in moves)
         window = union_window({phase for _, phases in moves for phase in phases}, windows)
+        critical = sum(seconds for seconds, phases in moves if not phases)  # tp: exposed whole
         if rates.overlap:
-            alone = sum(max(w / layers, w - sum(windows[p] for p in phases)) for w, phases in moves)
-            exposed = max(alone, total - window)
+            hidden = [(w, phases) for w, phases in moves if phases]
+            alone = sum(max(w / layers, w - sum(windows[p] for p in phases)) for w, phases in hidden)
+            exposed = critical + max(alone, total - critical - window)
         else:
             exposed = total
         links[link] = LinkTime(link, total, window, exposed)

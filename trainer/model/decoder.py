@@ -117,13 +117,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`mask_B1TT` (data.packing=document): True where a query may attend a key; None: causal."""
         B, T, _ = x_BTD.shape
-        q_BTHQ = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
-        k_BTKQ = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism the projections give this rank's H / tp and K / tp heads.
+        q_BTHQ = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTKQ = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q_BTHQ, k_BTKQ = self.q_norm(q_BTHQ), self.k_norm(k_BTKQ)
         q_BTHQ = apply_rope(q_BTHQ, cos_TF, sin_TF)
         k_BTKQ = apply_rope(k_BTKQ, cos_TF, sin_TF)
-        v_BTKQ = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        v_BTKQ = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         q_BHTQ, k_BKTQ, v_BKTQ = q_BTHQ.transpose(1, 2), k_BTKQ.transpose(1, 2), v_BTKQ.transpose(1, 2)
         grouped = self.n_kv_heads != self.n_heads
         if grouped and self.sdpa.repeat_kv:  # the chosen kernel cannot group heads: give it H of them

@@ -28,6 +28,7 @@ The planner is this package; each module's docstring is its part of the design n
 - headroom.py: a CUDA rank's memory beyond its tensors (context, NCCL, allocator), assumed
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
+- tensor_parallel.py: parallel.tp in the plan: the layers one TP rank holds, the tp group's bytes;
 - groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
   and which link each one crosses;
 - target.py: the device kind and world size a plan is for;

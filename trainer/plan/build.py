@@ -24,6 +24,7 @@ from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan
 from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.states import RankStates, model_shape, rank_states
+from trainer.plan.tensor_parallel import tp_local
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
@@ -213,16 +214,22 @@ class Plan:
 
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     """Plan every rank of a job; shapes come from the model built on meta, nothing is allocated."""
+    num_params = model_shape(config.model).num_params
+    tp, full = config.parallel.tp, config
+    config = tp_local(
+        config
+    )  # one TP rank's layers (trainer/plan/tensor_parallel.py); the job itself at tp=1
     shape = model_shape(config.model)
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
-    # FSDP2 shards over the shard group (the world unless HSDP); rank r holds shard r mod its size.
-    groups = shard_groups(config.zero, world_size, world_size // config.nodes)
-    sharded_over = groups.shard if config.zero.uses_fsdp else world_size
+    # FSDP2 shards over the shard group (the dp ranks unless HSDP); rank r holds shard (r // tp) mod its size.
+    dp = config.parallel.dp(world_size)
+    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // tp), tp)
+    sharded_over = groups.shard if config.zero.uses_fsdp else dp
     shards = rank_states(shape, config.zero.stage, sharded_over)
     for rank in range(world_size):
-        states = shards[rank % sharded_over]
+        states = shards[(rank // tp) % sharded_over]
         if states not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
                 config,
@@ -241,9 +248,9 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
     )
-    comm = plan_comm(config, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    comm = plan_comm(full, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     host = build_host_plan(config, device_kind, world_size, shape, ranks, shard_size=sharded_over)
-    return Plan(config, device_kind, world_size, shape.num_params, tuple(ranks), memory, comm, host)
+    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host)
 
 
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:

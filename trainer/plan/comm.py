@@ -52,6 +52,7 @@ from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, 
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
+from trainer.plan.tensor_parallel import tp_local, tp_moves
 from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
 from trainer.units import MIB
 
@@ -124,12 +125,19 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     """Bytes per rank per optimizer step; backend None: nccl when the job plans for a GPU, else gloo."""
     if backend is None:
         backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
+    tp = config.parallel.tp
+    config = tp_local(config)  # one TP rank's layers; zero works over the dp ranks
     shape = model_shape(config.model)
-    groups = shard_groups(config.zero, world_size, world_size // config.nodes)
+    dp = config.parallel.dp(world_size)
+    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // tp), tp)
     if config.zero.uses_fsdp:
         by_group = fsdp_group_moves(config, shape, groups)
+    elif tp > 1:  # one data-parallel replica (ParallelConfig.check_world): DDP is not applied
+        by_group = {}
     else:
         by_group = {"world": ddp_moves(config, shape, world_size)}
+    if tp > 1:
+        by_group["tp"] = tp_moves(config, PARAM_BYTES[config.precision.compute_dtype], backend)
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     plans = {}
     for name, moves in by_group.items():

@@ -19,6 +19,8 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
     replicate  HSDP's all-reduce of each gradient shard across shard groups
     hpz        stage3 backward's all-gathers from the secondary shards
     world      every rank: DDP's collectives (stages 0-1) and, under HSDP, the loop's own flags
+    tp         parallel.tp: the tensor-parallel layers' all-gathers, reduce-scatters and all-reduces of
+               activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
 A group lies inside one node when its ranks all sit on one (ranks are numbered node by node,
 `nproc` per node); else it crosses the network, the slowest link it uses.
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from trainer.config import ConfigError, ZeroConfig
 
-GROUPS = ("world", "shard", "replicate", "hpz")
+GROUPS = ("world", "shard", "replicate", "hpz", "tp")
 """Every group name, in the order metrics list them."""
 INTRA_NODE, NETWORK = "intra-node", "network"
 LINKS = (INTRA_NODE, NETWORK)
@@ -43,6 +45,8 @@ class ShardGroups:
     ranks_per_node: int
     shard: int
     hpz: int | None = None
+    tp: int = 1
+    """parallel.tp: `world` counts data-parallel replicas then, each `tp` consecutive ranks."""
 
     @property
     def replicate(self) -> int:
@@ -54,7 +58,7 @@ class ShardGroups:
 
     def size(self, group: str) -> int:
         sizes = {"world": self.world, "shard": self.shard, "replicate": self.replicate, "hpz": self.hpz or 1}
-        return sizes[group]
+        return self.tp if group == "tp" else sizes[group]
 
     def link(self, group: str) -> str:
         """intra-node when every rank of the group is on one node, else network.
@@ -64,6 +68,8 @@ class ShardGroups:
         world to the other, so it crosses the network whenever the world does.
         """
         size, per_node = self.size(group), self.ranks_per_node
+        if group == "tp":  # parallel.tp divides nproc: consecutive ranks of one node
+            return INTRA_NODE
         if size <= 1 or self.world <= per_node:
             return INTRA_NODE
         if group == "replicate":  # rank k and rank k + world - shard: different nodes once world > per_node
@@ -81,17 +87,22 @@ class ShardGroups:
         its own (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_get_post_forward_mesh_info`),
         whose hpz dimension carries backward's all-gathers.
         """
+        tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
         if self.world <= 1:
-            return 0
-        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0)
+            return tp
+        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shard_groups(zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None) -> ShardGroups:
-    """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses."""
+def shard_groups(
+    zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None, tp: int = 1
+) -> ShardGroups:
+    """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses.
+    Under parallel.tp, `world_size` and `ranks_per_node` count data-parallel replicas (a TP group is one
+    node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node)."""
     per_node = ranks_per_node or world_size
     shard = world_size if zero.shard_ranks is None or not zero.uses_fsdp else zero.shard_ranks
     if shard > world_size:
@@ -111,4 +122,4 @@ def shard_groups(zero: ZeroConfig, world_size: int, ranks_per_node: int | None =
             f"zero.hpz_ranks={hpz} must divide the shard group of {shard} ranks, other than 1 and {shard} "
             f"(FSDP2 reshard_after_forward=<int>); allowed: {', '.join(map(str, allowed)) or 'none (hpZ needs a shard group of 4 or more ranks)'}"
         )
-    return ShardGroups(world_size, per_node, shard, hpz)
+    return ShardGroups(world_size, per_node, shard, hpz, tp)

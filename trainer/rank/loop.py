@@ -34,6 +34,16 @@ from trainer.rank.optim import (
 )
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
+from trainer.rank.tensor_parallel import (
+    DP,
+    TP,
+    apply_tensor_parallel,
+    dp_coordinates,
+    local_loss,
+    loss_context,
+    parallel_mesh,
+    replicate_partial_grads,
+)
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     Progress,
@@ -54,6 +64,9 @@ Batches = Iterator[tuple[torch.Tensor, ...]]
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
+    mesh = parallel_mesh(world, config.parallel) if config.parallel.tp > 1 else None
+    if mesh is not None:  # before checkpointing and sharding (torchtitan's order): the layers' own names
+        apply_tensor_parallel(model, mesh[TP], config.parallel.sp)
     apply_sdpa_choice(
         model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
     )  # the attention kernel, explicit
@@ -63,8 +76,17 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
         model, config.compile, config.compile_backend
     )  # after checkpointing, before sharding: in place
     model = apply_zero(
-        model, config.zero, config.precision, config.offload, world, config.seed, config.model.weights
+        model,
+        config.zero,
+        config.precision,
+        config.offload,
+        world,
+        config.seed,
+        config.model.weights,
+        None if mesh is None else mesh[DP],
     )  # shard, then materialise (or load model.weights into) only this rank's part
+    if mesh is not None and not config.zero.uses_fsdp:
+        replicate_partial_grads(model)
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
     )
@@ -88,7 +110,7 @@ def train(
     start = resume_training(
         trainee, spec, config.resume, world, out_dir
     )  # step 0 unless resuming or restarted
-    batches = build_batches(config, world.rank, world.world_size, start_step=start.step)
+    batches = build_batches(config, *dp_coordinates(world, config.parallel), start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
     held_out = validation_batches(config, world.rank, world.world_size) if config.eval.every else []
@@ -171,10 +193,11 @@ def train_step(
         with (
             gradient_sync(model, enabled=reduces_now(config.zero, is_last)),
             build_autocast(config.precision, config.zero, world.device),
+            loss_context(config.parallel.tp),  # vocabulary-sharded logits: forward and backward
         ):
             mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
             loss = inject_fault(compute_loss(model, batch, config), config.fault, world, step, is_last)
-            loss_sum += loss.detach()
+            loss_sum += local_loss(loss).detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
     mark_phase(step, "optimizer")

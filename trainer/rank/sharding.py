@@ -48,19 +48,26 @@ def apply_zero(
     world: World,
     seed: int,
     weights: str | None = None,
+    dp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds,
     initialised, or filled from `weights` (model.weights: each rank reads what it holds).
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
-    DDP wraps real parameters, so it comes after.
+    DDP wraps real parameters, so it comes after. `dp_mesh`: the data-parallel dim of a tensor-parallel
+    job's mesh (trainer/rank/tensor_parallel.py), which zero shards or replicates over; None: every rank.
     """
     load = None if weights is None else functools.partial(load_weights, weights=Path(weights))
     if zero.uses_fsdp:
-        apply_fsdp(model, zero, precision, offload, world)
+        apply_fsdp(model, zero, precision, offload, world, dp_mesh)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
     materialize(model, world.device, seed=seed, load=load)
+    if dp_mesh is not None:
+        # One data-parallel replica (ParallelConfig.check_world refuses stage0 with dp > 1): nothing to
+        # replicate over. torch's DDP would swap the DTensor parameters for local tensors
+        # (_pre_dp_module_transform), which hides them from model.parameters() and the global gradient norm.
+        return model
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     buckets = {} if zero.bucket_cap_mb is None else {"bucket_cap_mb": zero.bucket_cap_mb}
     # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
@@ -88,11 +95,17 @@ def state_device(offload: OffloadConfig, world: World) -> torch.device:
 
 
 def apply_fsdp(
-    model: nn.Module, zero: ZeroConfig, precision: PrecisionConfig, offload: OffloadConfig, world: World
+    model: nn.Module,
+    zero: ZeroConfig,
+    precision: PrecisionConfig,
+    offload: OffloadConfig,
+    world: World,
+    dp_mesh: DeviceMesh | None = None,
 ) -> None:
-    """fully_shard each transformer block, then the root (embeddings, final norm, output head)."""
-    groups = shard_groups(zero, world.world_size)
-    mesh = fsdp_mesh(world, groups)
+    """fully_shard each transformer block, then the root (embeddings, final norm, output head); over
+    `dp_mesh` under tensor parallelism (FSDP2 shards the TP layers' DTensors again over dp)."""
+    groups = shard_groups(zero, world.world_size if dp_mesh is None else dp_mesh.size())
+    mesh = fsdp_mesh(world, groups) if dp_mesh is None else dp_mesh
     reshard = block_reshard(zero, groups)
     common = dict(
         mesh=mesh,

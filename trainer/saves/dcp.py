@@ -126,13 +126,22 @@ class SaveSpec:
     """The ZeRO stage, recorded in `progress` (a save loads into any stage)."""
     micro_batch: int
     grad_accum: int
+    tp: int = 1
+    """parallel.tp: the ranks of a TP group read one batch, so the global batch counts world / tp ranks."""
 
     def global_batch(self, world_size: int) -> int:
-        return global_batch(self.micro_batch, self.grad_accum, world_size)
+        return global_batch(self.micro_batch, self.grad_accum, world_size // self.tp)
 
     @classmethod
     def of(cls, config: TrainConfig) -> SaveSpec:
-        return cls(config.save, config.fault, config.zero.stage, config.micro_batch, config.grad_accum)
+        return cls(
+            config.save,
+            config.fault,
+            config.zero.stage,
+            config.micro_batch,
+            config.grad_accum,
+            config.parallel.tp,
+        )
 
 
 # ----------------------------------------------------------------------------- state

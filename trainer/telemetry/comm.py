@@ -58,7 +58,15 @@ FIELDS = (*KINDS, "time_s", "time_covered_pct", "exposed_pct", "profiled_step_s"
 # `mesh_<dim name>` (torch/distributed/device_mesh.py): zerolab's HSDP mesh names its dims replicate
 # and shard, and the post-forward mesh FSDP2 builds for reshard_after_forward=<int> has none (its
 # second dim: `mesh_dim_1`, _fsdp_init.py). A 1-D mesh over every rank is the default group.
-GROUP_DESCRIPTIONS = {"mesh_shard": "shard", "mesh_replicate": "replicate", "mesh_dim_1": "hpz"}
+# A tensor-parallel job's (dp, tp) mesh (trainer/rank/tensor_parallel.py): FSDP2 shards over dp, its
+# `shard` group; the layers' collectives run in tp.
+GROUP_DESCRIPTIONS = {
+    "mesh_shard": "shard",
+    "mesh_replicate": "replicate",
+    "mesh_dim_1": "hpz",
+    "mesh_dp": "shard",
+    "mesh_tp": "tp",
+}
 
 LOOP_COLLECTIVES = {
     "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/rank/nonfinite.py)",

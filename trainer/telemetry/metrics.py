@@ -396,6 +396,9 @@ def format_gib(gib: float) -> str:
 
 
 def default_group(config: TrainConfig, world: World) -> str:
-    """What the default process group is to the plan: FSDP2's shard group when it shards over every rank."""
+    """What the default process group is to the plan: FSDP2's shard group when it shards over every rank;
+    the tp group when it spans every rank (DeviceMesh then reuses the default group for its dim)."""
+    if config.parallel.tp > 1 and config.parallel.tp == world.world_size:
+        return "tp"
     sharded_over_all = config.zero.uses_fsdp and not shard_groups(config.zero, world.world_size).hsdp
     return "shard" if sharded_over_all else "world"

@@ -1,0 +1,117 @@
+"""Tensor parallelism in the plan (parallel.tp, parallel.sp; the layout is trainer/rank/tensor_parallel.py's).
+
+Model states: each TP rank holds a model whose column-parallel layers (wq, wk, wv, w1, w3, the output head)
+have dim 0 divided by tp, whose row-parallel layers (wo, w2) have dim 1 divided by tp, whose embedding holds
+vocab / tp rows, and whose norms are whole (replicated). That is the decoder of `tp_local_model`: the same
+width D, H / tp and K / tp heads of the same head width, ffn_dim / tp, vocab / tp. The rest of the plan
+(states, FSDP2's buffers over dp, the walk) is planned on it and on the dp ranks zero shards over.
+
+Activations are those of the same local model (its H / tp heads, M / tp hidden, V / tp logits); without SP
+that is exact for the tensors the layers save, since the residual stream and the norms are replicated.
+With SP the norms and residual hold T / tp positions, but each column-parallel layer saves the all-gathered
+T positions of its input; the plan keeps the local model's count there (not modelled: SP's smaller norm inputs).
+
+Communication in the tp group, per micro-batch, with B·T·D activations of `b` bytes (fp32: 4):
+
+    per block, SP:      forward  all-gather (attention's input) + reduce-scatter (wo's output)
+                                 + all-gather (the MLP's input) + reduce-scatter (w2's output)
+                        backward the same four, each one's adjoint (reduce-scatter <-> all-gather; wq, wk
+                        and wv share one gathered input, PrepareModuleInput's, so one adjoint for the three)
+    per block, no SP:   forward  all-reduce (wo's output) + all-reduce (w2's output)
+                        backward all-reduce of each column-parallel layer's input gradient (wq, wk, wv, w1, w3:
+                        each layer converts its input on its own, Megatron-LM's f, so five)
+    root:               the embedding's reduce-scatter (SP; all-reduce without) and its backward's all-gather,
+                        the output head's all-gather of the final norm (SP) and its backward's reduce-scatter
+
+each payload B·T·D·b bytes (a gather's output, a scatter's input); recomputed blocks (checkpointing) run
+their forward's collectives again. gloo runs a reduce-scatter as an all-reduce (trainer/plan/comm.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from trainer.config import CheckpointMode, ModelConfig, TrainConfig
+from trainer.model.checkpointing import should_checkpoint
+
+Move = tuple[
+    str, int, int
+]  # as trainer/plan/comm.py: kind of collective, payload bytes per step, calls per step
+
+ACTIVATION_BYTES = 4
+"""The residual stream's bytes: fp32 (the embedding's output, and the sums it feeds, stay fp32 under autocast)."""
+
+
+def tp_local_model(model: ModelConfig, tp: int) -> ModelConfig:
+    """The decoder one TP rank holds (module docstring); the model itself at tp = 1."""
+    if tp == 1:
+        return model
+    return dataclasses.replace(
+        model,
+        n_heads=model.n_heads // tp,
+        n_kv_heads=model.n_kv_heads // tp,
+        ffn_dim=model.ffn_dim // tp,
+        vocab_size=model.vocab_size // tp,
+        head_dim=model.head_width,
+    )
+
+
+def tp_local(config: TrainConfig) -> TrainConfig:
+    """The job as one TP rank sees it: its local model (the config itself at tp = 1)."""
+    if config.parallel.tp == 1:
+        return config
+    local = copy.copy(
+        config
+    )  # not dataclasses.replace: the local model must not meet the job's own checks again
+    local.model = tp_local_model(config.model, config.parallel.tp)
+    return local
+
+
+def recomputed_blocks(config: TrainConfig) -> int:
+    """Blocks whose forward runs again in backward (checkpointing full, selective, op)."""
+    if config.checkpointing.mode == CheckpointMode.none:
+        return 0
+    return sum(should_checkpoint(i, config.checkpointing) for i in range(config.model.n_layers))
+
+
+def tp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move]:
+    """The tp group's collectives per optimizer step (module docstring), `compute_bytes` the compute dtype's.
+
+    Under autocast the residual stream, the norms' outputs and the gradients of fp32 tensors stay fp32
+    (4 bytes); wo's and w2's outputs, and their gradients, are in the compute dtype. Besides the activations:
+    with SP each norm's weight gradient is partial over the sequence shards and all-reduced (fp32, D each);
+    loss_parallel all-reduces three fp32 values per token (the logits' max, the sum of exponentials, the
+    target's logit).
+    """
+    if config.parallel.tp == 1:
+        return []
+    m, tp = config.model, config.parallel.tp
+    tokens = config.micro_batch * config.seq_len
+    fp32, compute = tokens * m.dim * ACTIVATION_BYTES, tokens * m.dim * compute_bytes
+    blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
+    layers, accum = m.n_layers, config.grad_accum
+    reduces = [(3 * 4 * tokens, 3)]  # loss_parallel
+    if config.parallel.sp:
+        reduces.append((4 * m.dim * (2 * layers + 1), 2 * layers + 1))  # the norms' weight gradients
+        # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: the adjoints;
+        # the root: the embedding's scatter (its backward's gather) and the head's gather (its backward's scatter)
+        gathered = 2 * blocks * fp32 + 2 * layers * compute + 2 * fp32
+        # ProcessGroupGloo's flight-recorder entry of a functional all_gather_into_tensor lists its output as
+        # one rank's chunk ([1, *input]), measured with torch 2.13 at tp=2; NCCL's lists the whole output.
+        gathered //= tp if backend == "gloo" else 1
+        gathers = [("all_gather", gathered, 2 * blocks + 2 * layers + 2)]
+        scatters = [
+            (
+                "reduce_scatter",
+                2 * blocks * compute + 2 * layers * fp32 + 2 * fp32,
+                2 * blocks + 2 * layers + 2,
+            )
+        ]
+    else:
+        # forward: wo's and w2's outputs and the embedding's; backward: each column-parallel layer's input
+        # gradient (wq, wk, wv, w1, w3: Megatron-LM's f, one per layer) and the head's, fp32
+        gathers, scatters = [], []
+        reduces.append((2 * blocks * compute + fp32 + 5 * layers * fp32 + fp32, 2 * blocks + 5 * layers + 2))
+    moves = [*gathers, *scatters, ("all_reduce", sum(b for b, _ in reduces), sum(c for _, c in reduces))]
+    return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves]

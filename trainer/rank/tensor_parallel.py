@@ -1,0 +1,148 @@
+"""Tensor parallelism (Megatron-LM's column- and row-parallel layers) and sequence parallelism, on torch's
+own `parallelize_module`, laid out as torchtitan lays out Llama 3 (pytorch/torchtitan,
+torchtitan/models/llama3/infra/parallelize.py `apply_tp`):
+
+- attention wq, wk, wv and MLP w1, w3: ColwiseParallel (each rank computes H / tp heads, M / tp hidden);
+- attention wo and MLP w2: RowwiseParallel (partial sums reduced: all-reduce, or with SP reduce-scatter
+  over the sequence);
+- the norms: SequenceParallel (with SP each rank normalises T / tp positions; the block's input is
+  all-gathered by PrepareModuleInput before attention and the MLP);
+- the embedding: RowwiseParallel over the vocabulary; the output head: ColwiseParallel over the vocabulary,
+  its logits left sharded (Shard(-1)) for `loss_parallel`, which takes the cross-entropy without
+  gathering them.
+
+Without SP (parallel.sp=false) the residual stream is replicated over the TP group and the norms hold a
+replicated DTensor weight (`distribute_module`), so that every parameter lives on the TP mesh.
+
+The mesh: dims ordered (dp, tp), `tp` innermost, so a TP group is `tp` consecutive ranks (inside one
+node: parallel.tp divides nproc); a later `pp` dim goes between them. zero shards over `dp`.
+Applied on the meta-device model, before activation checkpointing and FSDP2 (torchtitan's order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from trainer.config import ParallelConfig
+from trainer.world import World
+
+DP, TP = "dp", "tp"
+"""The mesh's dim names; DeviceMesh describes each dim's process group as `mesh_<name>`."""
+
+
+def parallel_mesh(world: World, parallel: ParallelConfig) -> DeviceMesh:
+    """The (dp, tp) mesh: rank = dp_index * tp + tp_index."""
+    dp = parallel.dp(world.world_size)
+    return init_device_mesh(world.device.type, (dp, parallel.tp), mesh_dim_names=(DP, TP))
+
+
+def dp_coordinates(world: World, parallel: ParallelConfig) -> tuple[int, int]:
+    """This rank's data-parallel index and the dp size: the ranks of one TP group read the same batch."""
+    return world.rank // parallel.tp, parallel.dp(world.world_size)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Shard the meta model's layers over `tp_mesh` (torchtitan's apply_tp, with or without SP)."""
+    between = Shard(1) if sp else Replicate()  # the residual stream between the layers
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "output": ColwiseParallel(
+                input_layouts=between, output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan(block, sp))
+    norms = [model.norm, *(n for b in model.layers for n in (b.attention_norm, b.ffn_norm))]
+    if sp:
+        for norm in norms:
+            parallelize_module(norm, tp_mesh, SequenceParallel())
+    else:
+        for norm in norms:
+            replicate_norm(norm, tp_mesh)
+
+
+def block_plan(block: nn.Module, sp: bool) -> dict[str, Any]:
+    """One block's layers (the norms are apply_tensor_parallel's)."""
+    plan: dict[str, Any] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sp:  # the norm's sequence shard is gathered whole before the column-parallel layers
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+    if hasattr(
+        block.attention, "q_norm"
+    ):  # Qwen3: per-head norms of the rank's local heads (torchtitan's plan)
+        plan["attention.q_norm"] = SequenceParallel(use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def replicate_norm(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Without SP: the norm's weight a Replicate DTensor (torch's distribute_module replicates what no
+    partition_fn shards), its input and output plain replicated tensors as the layers around it expect."""
+
+    def to_dtensor(
+        _module: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh
+    ) -> tuple[DTensor, ...]:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_module: nn.Module, output: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+    distribute_module(norm, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def loss_context(tp: int) -> AbstractContextManager:
+    """Around the loss and its backward: `loss_parallel` takes the cross-entropy of the vocabulary-sharded
+    logits without gathering them (torch.distributed.tensor.parallel.loss_parallel)."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (loss_parallel's is a replicated DTensor), for the loop's sums."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def replicate_partial_grads(model: nn.Module) -> None:
+    """Without FSDP2 (zero=stage0 on one replica): reduce each sequence-parallel norm's gradient once, in
+    backward. Autograd leaves it Partial (each rank's sequence shard contributes), and every later use of a
+    Partial gradient (the norm for clipping, each of AdamW's ops) would all-reduce it again; FSDP2's
+    reduction does this conversion itself."""
+
+    def to_replicate(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(to_replicate)
