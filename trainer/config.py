@@ -648,12 +648,15 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, f"parallel.tp must be an integer >= 1, got {self.tp}")
-        if self.sp is None:
-            self.sp = self.tp > 1
         _require(
             not self.sp or self.tp > 1,
             "parallel.sp=true shards the sequence over the tensor-parallel group: it needs parallel.tp > 1",
         )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """parallel.sp as set, or (null) whether tp > 1: the key keeps the value its file gave it."""
+        return self.tp > 1 if self.sp is None else self.sp
 
     def dp(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks zero shards over, and the batch is split over."""
@@ -673,7 +676,7 @@ class ParallelConfig:
                 f"(each rank holds whole heads and equal slices); allowed: {allowed}",
             )
         _require(
-            not self.sp or seq_len % tp == 0,
+            not self.sequence_parallel or seq_len % tp == 0,
             f"parallel.sp=true shards the sequence: seq_len={seq_len} must divide by parallel.tp={tp}",
         )
         _require(

@@ -92,7 +92,7 @@ def tp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move
     blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
     layers, accum = m.n_layers, config.grad_accum
     reduces = [(3 * 4 * tokens, 3)]  # loss_parallel
-    if config.parallel.sp:
+    if config.parallel.sequence_parallel:
         reduces.append((4 * m.dim * (2 * layers + 1), 2 * layers + 1))  # the norms' weight gradients
         # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: the adjoints;
         # the root: the embedding's scatter (its backward's gather) and the head's gather (its backward's scatter)

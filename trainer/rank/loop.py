@@ -66,7 +66,7 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
     mesh = parallel_mesh(world, config.parallel) if config.parallel.tp > 1 else None
     if mesh is not None:  # before checkpointing and sharding (torchtitan's order): the layers' own names
-        apply_tensor_parallel(model, mesh[TP], config.parallel.sp)
+        apply_tensor_parallel(model, mesh[TP], config.parallel.sequence_parallel)
     apply_sdpa_choice(
         model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
     )  # the attention kernel, explicit
