@@ -34,14 +34,8 @@ from trainer.rank.optim import (
 from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
 from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
 from trainer.rank.trainee import Trainee
-from trainer.saves.dcp import (
-    Progress,
-    SaveSpec,
-    first_attempt,
-    save_last_good,
-    save_training_state,
-    should_save,
-)
+from trainer.saves.background import Saves
+from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
 from trainer.saves.resume import resume_training
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
@@ -98,7 +92,9 @@ def train(
         skipped=start.nonfinite_skipped,
         defer=uses_fused(config.optim, world.device.type),
     )
+    saves = Saves(spec, world, out_dir)  # in place or in the background (save.async_mode)
     for step in range(start.step + 1, config.steps + 1):
+        saves.poll()  # a background write that has completed becomes a save (rank 0 lists it)
         try:
             with meter.measure(
                 step, trainee.model, trainee.optimizer
@@ -107,6 +103,7 @@ def train(
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
         except NonFiniteError as err:  # every rank raises together: they agreed on the flags
+            saves.close()  # the save in flight first: it is of an earlier, good step
             rewind_scheduler(trainee.scheduler, err.step - 1)  # weights were held since err.step
             save_last_good(trainee, spec, world, out_dir, progress(err.step - 1, guard, meter))
             raise
@@ -116,13 +113,16 @@ def train(
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,
             # trainer/rank/nonfinite.py) on every step as well; with the fused one it does not.
-            meter.log(step, trainee.model, trainee.optimizer)
+            meter.log(step, trainee.model, trainee.optimizer, extra=saves.record_fields())
         save = None
         if should_save(config.save, config.steps, step) or (stopping and config.save.every > 0):
-            save = save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
+            save = saves.save(trainee, progress(step, guard, meter))
         if stopping:
-            return stop.ending(step, save)
-    return meter.finish()
+            saves.close()  # the stop's save written and listed before the rank returns
+            return {**stop.ending(step, save), **saves.summary()}
+    saves.close()  # the last step's save too
+    result = meter.finish()
+    return None if result is None else {**result, **saves.summary()}
 
 
 def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
