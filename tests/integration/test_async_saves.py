@@ -43,13 +43,14 @@ def saved(run_dir: Path, step: int, scratch: Path) -> dict[str, Any]:
 
 
 def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
-    """Every entry equal; Python's own generator aside: it reseeds itself in every forked process
-    (random's register_at_fork), so it differs between any two runs, and training never draws from it."""
+    """Every entry equal; Python's and NumPy's global generators aside: each job seeds them from the
+    OS's entropy (random reseeds in every forked process, NumPy at import), so they differ between
+    any two runs, and training never draws from them."""
     assert type(a) is type(b), where
     if isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            if not (where.startswith(".rng.") and key == "python"):
+            if not (where.startswith(".rng.") and key in ("python", "numpy")):
                 assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
     elif torch.is_tensor(a):
         assert torch.equal(a, b), where

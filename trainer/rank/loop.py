@@ -236,7 +236,7 @@ def inject_fault(
 ) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
     if (
-        fault.kind in (FaultKind.none, FaultKind.kill_during_save)
+        fault.kind in (FaultKind.none, FaultKind.kill_during_save, FaultKind.term_during_save)
         or fault.step != step
         or fault.rank != world.rank
     ):
