@@ -238,6 +238,9 @@ def train_ranks(
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
         where.update({"failed_node": failure.node} if failure.node is not None else {})
+        if failure.who is not None:  # not a rank: the ranks' fork server (trainer/launch.py)
+            del where["failed_rank"]
+            where["failed_process"] = failure.who
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return Status.oom if failure.oom else Status.crashed, {"error": error, **where}

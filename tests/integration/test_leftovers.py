@@ -4,6 +4,7 @@ an elastic restart: tests/integration/test_resume.py; Ctrl-C and SIGTERM: test_s
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -42,4 +43,7 @@ def test_a_killed_fork_server_takes_its_ranks_with_it_and_is_named(tmp_path: Pat
         "or kill); every rank died with it"
     )
     assert "Traceback" not in stderr
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["status"] == "crashed" and "failed_rank" not in summary
+    assert summary["failed_process"] == f"the ranks' fork server (pid {server.pid})"
     assert_nothing_left(env[JOB_MARKER])
