@@ -2,10 +2,11 @@
 
 Each drill runs `python -m trainer` as a user does, does the fault to it (a signal, a host too
 small, a bad token file, a broken or unwritable save, W&B's service killed, a rank killed, a
-kill during a save, an elastic restart, an out-of-memory rank, a non-finite loss), reads back
-what the job reported (exit status, summary.json, its one error line) and checks that nothing
-was lost: the losses after a resume equal an uninterrupted run's bit for bit, the saves left are
-whole, the local files are complete, no process is left behind.
+kill during a save or during a background write, an elastic restart, an out-of-memory rank, a
+non-finite loss), reads back what the job reported (exit status, summary.json, its one error line)
+and checks that nothing was lost: the losses after a resume equal an uninterrupted run's bit for
+bit, the saves left are whole, the local files are complete, and no process of any of its jobs
+(each marked with its own ZEROLAB_JOB_ID, trainer/faults/leftovers.py) is alive 30 s after the job.
 
     .venv/bin/python benchmarks/fault_drills.py            # every drill, a few minutes here
     .venv/bin/python benchmarks/fault_drills.py --only sigint wandb
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,14 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpucheck.runner import kill_group, left_running, start_session, trainer_command  # noqa: E402
+from benchmarks.gpucheck.runner import (  # noqa: E402
+    kill_group,
+    left_running,
+    session_env,
+    start_session,
+    trainer_command,
+)
+from trainer.faults.leftovers import JOB_MARKER, describe, marked  # noqa: E402
 from trainer.saves.dcp import list_saves, save_step  # noqa: E402
 from trainer.saves.integrity import save_problem  # noqa: E402
 
@@ -54,6 +63,22 @@ STEPS = 16
 SAVING = ("nproc=2", f"steps={STEPS}", "save.every=4", "save.keep=3", "logger=none")
 NO_SAVE = ("nproc=2", f"steps={STEPS}", "save=off", "logger=none")
 REACH_STEP_S = 300  # how long a drill waits for its job to reach the step its fault is done at
+LEFT_WITHIN_S = 30  # every process of a drill's job must be gone this long after the job ended
+LEFT: list[str] = []
+"""The processes of the current drill's jobs alive LEFT_WITHIN_S after their job ended (found by ZEROLAB_JOB_ID)."""
+
+
+def marked_session() -> dict[str, str]:
+    """The environment of one job: this one, the repository first on the path, a fresh mark."""
+    return session_env(**{JOB_MARKER: uuid.uuid4().hex})
+
+
+def note_leftovers(env: dict[str, str]) -> None:
+    """Wait up to LEFT_WITHIN_S for the job's processes to be gone; note those that are not."""
+    deadline = time.monotonic() + LEFT_WITHIN_S
+    while (left := marked(env[JOB_MARKER])) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    LEFT.extend(f"{describe(p)} (pid {p.pid})" for p in left)
 
 
 @dataclass
@@ -115,16 +140,18 @@ def trainer_args(out_dir: Path, *overrides: str) -> list[str]:
 
 def run(out_dir: Path, *overrides: str) -> Job:
     """One job to its end (600 s at most: then it is killed with its fork server and ranks)."""
-    start = time.monotonic()
+    start, env = time.monotonic(), marked_session()
     proc = start_session(
-        trainer_args(out_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        trainer_args(out_dir, *overrides), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         stdout, stderr = proc.communicate()
-    return Job(proc.returncode, stdout, stderr, out_dir, time.monotonic() - start)
+    seconds = time.monotonic() - start
+    note_leftovers(env)
+    return Job(proc.returncode, stdout, stderr, out_dir, seconds)
 
 
 def run_and_do(
@@ -134,8 +161,9 @@ def run_and_do(
     action: Callable[[subprocess.Popen[str], threading.Event], None],
 ) -> Job:
     """Start a job in a session of its own, `action` once metrics.jsonl has `at_step` records."""
+    env = marked_session()
     proc = start_session(
-        trainer_args(out_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        trainer_args(out_dir, *overrides), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     stdout: list[str] = []
     stopping = threading.Event()
@@ -163,7 +191,9 @@ def run_and_do(
     seconds = time.monotonic() - start
     reader.join(10)
     time.sleep(5)
-    return Job(proc.returncode, "".join(stdout), stderr, out_dir, seconds, left_running(proc.pid))
+    left = left_running(proc.pid)
+    note_leftovers(env)
+    return Job(proc.returncode, "".join(stdout), stderr, out_dir, seconds, left)
 
 
 def reached_step(metrics: Path, at_step: int, proc: subprocess.Popen[str], deadline_s: float) -> bool:
@@ -370,6 +400,21 @@ class Drills:
             how,
         )
 
+    def kill_during_background_save(self) -> Row:
+        """SIGKILL rank 0 while its save process writes the step-8 save (save.async_mode=process)."""
+        day = self.day("killasync")
+        fault = ("fault.kind=kill_during_save", "fault.step=8", "fault.rank=0")
+        job = run(day / "t1", *SAVING, "save.async_mode=process", *fault)
+        kept, status = saves(job.out_dir), job.summary.get("status")  # before the resume
+        whole, ended = all_whole(job.out_dir), job.ended(1, "crashed")
+        equal, how = self.resumed_equal(job, day)
+        return Row(
+            "rank 0 SIGKILLed during the step-8 background write (save.async_mode=process)",
+            f"exit {job.returncode}, {status}, saves listed {kept}, every one whole: {whole}",
+            equal and kept == [4] and whole and ended,
+            how,
+        )
+
     def elastic_restart(self) -> Row:
         job = run(
             self.root / "restart" / "run",
@@ -443,6 +488,7 @@ DRILLS = {
     "wandb": Drills.wandb_killed,
     "rank_kill": Drills.rank_killed,
     "kill_during_save": Drills.kill_during_save,
+    "kill_during_async_save": Drills.kill_during_background_save,
     "restart": Drills.elastic_restart,
     "oom": Drills.oom,
     "nonfinite": Drills.nonfinite,
@@ -468,7 +514,12 @@ def main() -> int:
     drills, rows, start = Drills(root), [], time.monotonic()
     try:
         for name in args.only or list(DRILLS):
+            LEFT.clear()
             row = DRILLS[name](drills)
+            if LEFT:  # a process of one of its jobs outlived it: something was left behind
+                row.nothing_lost, row.how = False, f"{row.how}; LEFT RUNNING: {', '.join(LEFT)}"
+            else:
+                row.how = f"{row.how}; no process of its jobs alive {LEFT_WITHIN_S} s after them"
             print(
                 f"{name}: {'nothing lost' if row.nothing_lost else 'LOST SOMETHING'} ({time.monotonic() - start:.0f} s so far)",
                 flush=True,

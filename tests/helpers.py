@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import ModelConfig, TrainConfig, from_plain, to_plain, validate
+from trainer.faults.leftovers import JOB_MARKER, describe, marked
 from trainer.jsonl import read_jsonl
 from trainer.model.decoder import Transformer, build_model, materialize
 from trainer.world import World
@@ -43,6 +47,8 @@ class Run:
     stdout: str
     stderr: str
     out_dir: Path
+    marker: str = ""
+    """The job's ZEROLAB_JOB_ID, which every process it started inherits (assert_nothing_left)."""
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -70,15 +76,32 @@ def run_trainer(
     cwd: Path = REPO,
     env: dict[str, str] | None = None,
 ) -> Run:
-    """`python -m trainer OVERRIDES hydra.run.dir=out_dir` in a fresh process."""
+    """`python -m trainer OVERRIDES hydra.run.dir=out_dir` in a fresh process, marked (job_env)."""
     args = trainer_args(*overrides, f"hydra.run.dir={out_dir}")
+    env = job_env(env)
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    run = Run(proc.returncode, proc.stdout, proc.stderr, out_dir)
+    run = Run(proc.returncode, proc.stdout, proc.stderr, out_dir, env[JOB_MARKER])
     if check and proc.returncode != 0:
         raise AssertionError(
             f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
         )
     return run
+
+
+def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this one) with a fresh ZEROLAB_JOB_ID: the mark of every process the job starts."""
+    return {**(os.environ if env is None else env), JOB_MARKER: uuid.uuid4().hex}
+
+
+def assert_nothing_left(marker: str, within_s: float = 30) -> None:
+    """No process carrying the job's mark (/proc/*/environ) is alive `within_s` seconds from now
+    (call it once the job process has ended)."""
+    deadline = time.monotonic() + within_s
+    while (left := marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running {within_s:g} s after the job: " + ", ".join(
+        f"{describe(p)} (pid {p.pid})" for p in left
+    )
 
 
 def run_sweep(

@@ -140,6 +140,15 @@ class FaultKind(str, Enum):
     raise_error = "raise_error"
     kill = "kill"
     kill_during_save = "kill_during_save"
+    term_during_save = "term_during_save"
+
+
+class SaveAsync(str, Enum):
+    """save.async_mode: how a save is written (torch.distributed.checkpoint.async_save's AsyncCheckpointerType)."""
+
+    off = "off"
+    thread = "thread"
+    process = "process"
 
 
 @dataclass
@@ -743,6 +752,10 @@ class SaveConfig:
     hf: HfExport = HfExport.none
     """last: when the run ends ok, its last save exported to <run>/hf as a Hugging Face checkpoint
     (trainer/saves/hf_export.py, what `python -m trainer.export` writes)."""
+    async_mode: SaveAsync = SaveAsync.off
+    """off: every rank writes, then training goes on; thread or process: the state is staged (a copy
+    in host memory, pinned on CUDA, shared with the writer in process mode) and written in the
+    background by a thread or a process of each rank (`async` itself is a Python keyword)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"save.every must be >= 0, got {self.every}")
@@ -770,8 +783,10 @@ class FaultConfig:
     """Fault injection for tests and rehearsals: what goes wrong, on which rank, at which step."""
 
     kind: FaultKind = FaultKind.none
-    """none, inf_grad, nan_loss, raise_error, kill, or kill_during_save (SIGKILL once the save of
-    `step` is written, before it is renamed into place). Fires in the launcher's first attempt only."""
+    """none, inf_grad, nan_loss, raise_error, kill, kill_during_save (SIGKILL once the save of
+    `step` is written, before it is renamed into place; with save.async_mode, while it is written in
+    the background) or term_during_save (the rank sends itself SIGTERM while the background write
+    of `step` runs). Fires in the launcher's first attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""
     rank: int = 0

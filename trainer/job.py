@@ -54,8 +54,16 @@ from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
+from trainer.telemetry import keys
 from trainer.telemetry.keys import Status
-from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
+from trainer.telemetry.summary import (
+    build_summary,
+    provenance,
+    read_metrics,
+    save_means,
+    summary_table,
+    write_summary,
+)
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
@@ -262,6 +270,9 @@ def train_ranks(
         failure = job_failure(out_dir, own, config.nodes)  # in a multi-node job: the node where it began
         where = {"failed_rank": failure.rank, "failed_step": failure.step, "failed_phase": failure.phase}
         where.update({"failed_node": failure.node} if failure.node is not None else {})
+        if failure.who is not None:  # not a rank: the ranks' fork server (trainer/launch.py)
+            del where["failed_rank"]
+            where["failed_process"] = failure.who
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         return Status.oom if failure.oom else Status.crashed, {"error": error, **where}
@@ -297,9 +308,11 @@ def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[Status, 
     after a signal (trainer/faults/stop.py)."""
     if result is not None and result.get("status") == Status.diverged:
         return Status.diverged, {"error": result["error"]}
+    # Every save's figures (trainer/saves/background.py): the last one's come after the last record.
+    saves = save_means(result[keys.SAVES]) if result is not None and result.get(keys.SAVES) else {}
     if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
-        return Status(result["status"]), stopped(result, saving)
-    return Status.ok, {}
+        return Status(result["status"]), {**stopped(result, saving), **saves}
+    return Status.ok, saves
 
 
 def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:

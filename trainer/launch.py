@@ -8,16 +8,19 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
+import psutil
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.console import first_line, one_line
+from trainer.console import first_line, one_line, warn
 from trainer.cuda import set_launcher_environment
 from trainer.faults.failures import explain, killed_by
+from trainer.faults.leftovers import Leftover, mark_job, reap
 from trainer.faults.stop import AGENT_SIGNALS
 from trainer.rank.main import fork_server, rank_main
 
@@ -34,11 +37,14 @@ class RankFailure(Exception):
     phase: str | None = None
     node: int | None = None
     """The node the rank ran on, in a multi-node job (None: a one-node job)."""
+    who: str | None = None
+    """What failed when it was not one rank (the ranks' fork server); None: rank `rank`."""
 
     def __str__(self) -> str:
         where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
         on = f" on node {self.node}" if self.node is not None else ""
-        return f"rank {self.rank}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
+        who = self.who or f"rank {self.rank}"
+        return f"{who}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
 
 
 def launch_local(
@@ -85,9 +91,13 @@ def launch_local(
     # store instead. Without restarts the shared store (no port race) stays.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
     set_launcher_environment()  # NCCL's error handling, which the agent would otherwise set for the ranks
+    marker = mark_job()  # before the fork server starts: it and every process below it inherit it
+    server = start_fork_server()
     try:
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:
+        if not is_alive(server):  # its ranks died with it (trainer/faults/leftovers.py)
+            raise fork_server_failure(server, reap(marker)) from None
         failure = with_record(first_failure(err), err, out_dir, capped=plain["device_memory_gib"] is not None)
         raise dataclasses.replace(failure, node=plain["node_rank"]) if nodes > 1 else failure from None
     except RendezvousConnectionError as err:
@@ -95,9 +105,44 @@ def launch_local(
         # ranks were still running (they are stopped now): which rank failed is that node's to say.
         cause = one_line(err)
         raise RankFailure(rank=-1, exitcode=1, cause=cause, node=plain["node_rank"]) from None
+    finally:
+        if leftovers := reap(marker):  # none when the launcher stopped every rank, as it should
+            warn(f"ended {len(leftovers)} processes that outlived the launcher: {killed_list(leftovers)}")
     return results[
         min(results)
     ]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
+
+
+def start_fork_server() -> psutil.Process | None:
+    """Start multiprocessing's fork server now (the launcher would at its first rank) and find it
+    among this process's children, to tell later whether it is the process that died."""
+    forkserver.ensure_running()
+    servers = [
+        child
+        for child in psutil.Process().children()
+        if "multiprocessing.forkserver" in " ".join(child.cmdline())
+    ]
+    return servers[-1] if servers else None
+
+
+def is_alive(proc: psutil.Process | None) -> bool:
+    """Whether `proc` runs (a zombie has ended; None: not known, taken as alive)."""
+    try:
+        return proc is None or proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def killed_list(leftovers: list[Leftover]) -> str:
+    return ", ".join(f"{left.what} (pid {left.pid})" for left in leftovers)
+
+
+def fork_server_failure(server: psutil.Process, leftovers: list[Leftover]) -> RankFailure:
+    """The job's account when the fork server died under its ranks (the launcher only sees every
+    rank's line to it break, as exit code 255)."""
+    cause = "killed from outside (the OOM killer, or kill)"
+    after = f"; ended what it left: {killed_list(leftovers)}" if leftovers else "; every rank died with it"
+    return RankFailure(-1, 255, cause + after, who=f"the ranks' fork server (pid {server.pid})")
 
 
 def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capped: bool) -> RankFailure:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import TINY, Run, run_trainer, wandb_records
+from tests.helpers import TINY, Run, assert_nothing_left, run_trainer, wandb_records
 from trainer.saves.dcp import list_saves, read_progress
 
 # 12 steps saving every 4 (keep 2); warmup 2 so that the schedule turns within the run.
@@ -43,6 +43,7 @@ def test_a_killed_run_resumes_with_bitwise_equal_losses(tmp_path: Path, referenc
     )
     assert killed.losses == reference.losses[:6]
     assert [save_step(p) for p in list_saves(killed.out_dir)] == [4]
+    assert_nothing_left(killed.marker)  # the surviving rank was stopped, nothing outlived the job
 
     # A new invocation, as a user types it: Hydra gives it a new directory; resume=true finds the
     # newest save of this config (the fault.* keys aside) and continues the killed run's directory.
@@ -77,6 +78,7 @@ def test_a_kill_during_a_save_leaves_the_previous_save_to_resume_from(tmp_path: 
 def test_an_elastic_restart_finishes_the_run_by_itself(tmp_path: Path, reference: Run) -> None:
     run = job(tmp_path / "runs" / "day" / "t1", *RUN, STAGE, *KILL_RANK1_AT_7, "max_restarts=1")
     assert run.summary["status"] == "ok" and run.summary["restarts"] == 1
+    assert_nothing_left(run.marker)  # neither attempt's ranks outlived the job
     assert "restart 1: the launcher restarted all ranks; resuming from" in run.stdout
     assert [r["step"] for r in run.records] == list(range(1, 13))
     assert run.summary["loss/final"] == reference.summary["loss/final"]

@@ -18,7 +18,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, TINY, Run, error_lines, run_trainer, trainer_args, wandb_file, wandb_records
+from tests.helpers import (
+    REPO,
+    TINY,
+    Run,
+    assert_nothing_left,
+    error_lines,
+    job_env,
+    run_trainer,
+    trainer_args,
+    wandb_file,
+    wandb_records,
+)
+from trainer.faults.leftovers import JOB_MARKER
 from trainer.saves.dcp import list_saves, save_step
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,9 +55,15 @@ def signal_job(
     """Start `python -m trainer` in its own session, send `sig` once metrics.jsonl has `at_step`
     records (to the process group, as a terminal does, or to the job process, as SLURM does);
     with `again`, send it a second time as soon as the job says it is stopping."""
-    args = trainer_args(*TINY, *overrides, f"hydra.run.dir={out_dir}")
+    args, env = trainer_args(*TINY, *overrides, f"hydra.run.dir={out_dir}"), job_env()
     proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        args,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     send = (lambda s: os.killpg(proc.pid, s)) if group else (lambda s: os.kill(proc.pid, s))
     stdout: list[str] = []
@@ -78,7 +96,9 @@ def signal_job(
     reader.join(10)
     time.sleep(5)
     left = [" ".join(p.cmdline()) for p in session_processes(proc.pid)]
-    return Signalled(Run(proc.returncode, "".join(stdout), stderr, out_dir), signalled_after, exited_s, left)
+    assert_nothing_left(env[JOB_MARKER])  # also what left the session
+    run = Run(proc.returncode, "".join(stdout), stderr, out_dir, env[JOB_MARKER])
+    return Signalled(run, signalled_after, exited_s, left)
 
 
 def session_processes(sid: int) -> list[psutil.Process]:

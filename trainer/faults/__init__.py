@@ -2,5 +2,7 @@
 
 - failures.py: every rank failure recorded (out of memory, a crash, a lost peer) and the one that
   explains the job; memory caps for a rank;
+- leftovers.py: nothing left behind: ranks die with their fork server, every process of a job
+  carries its mark, and what outlives the launcher is ended;
 - stop.py: a signal (Ctrl-C, preemption) stops every rank after an agreed step, saved.
 """

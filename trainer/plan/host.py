@@ -11,6 +11,13 @@ row measures it). On top of that:
   fp32 parameters and gradients, pinned when `offload.pin_memory` is on, and Adam's moments
   (`torch.zeros_like` of a pinned tensor is not pinned), plus Adam's per-tensor temporaries
   when the optimizer is not fused.
+- `save.async_mode=thread|process` keeps a staging copy of each rank's saved state for the whole
+  run (torch's DefaultStager copies every tensor's storage once and reuses it at every save): the
+  rank's fp32 parameters as it holds them (whole under stage0/1, padded shards under stage2/3),
+  Adam's moments and step counters; pinned on CUDA with cudaHostRegister (no power-of-two
+  rounding: torch/distributed/checkpoint/_state_dict_stager.py), in shared memory in `process`
+  mode, where each rank also has a save process of its own (torch spawns it: a CPU rank's
+  runtime, `plan.cpu_rank_runtime_gib`). The rng and progress entries (a few KiB) are left out.
 
 Pinned tensors cost more than their bytes: torch's caching host allocator rounds every pinned
 allocation up to the next power of two (torch 2.13, include/ATen/core/CachingHostAllocator.h:302-305,
@@ -29,6 +36,7 @@ available): nothing is measured there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +44,7 @@ from typing import Protocol
 
 import psutil
 
-from trainer.config import OffloadTarget, TrainConfig, uses_fused
+from trainer.config import OffloadTarget, SaveAsync, TrainConfig, uses_fused
 from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
 from trainer.units import GIB
 from trainer.world import is_under_torchrun, usable_cores
@@ -61,10 +69,14 @@ class HostRank:
     """offload=cpu with pinning: parameter and gradient shards, each rounded up to a power of two."""
     pageable: int = 0
     """offload=cpu: the rest of the offloaded states (Adam's moments, unpinned shards, step temporaries)."""
+    staging: int = 0
+    """save.async_mode=thread|process: the staging copy of the rank's saved state."""
+    writer: int = 0
+    """save.async_mode=process: the runtime of the rank's save process."""
 
     @property
     def total(self) -> int:
-        return self.runtime + self.tensors + self.pinned + self.pageable
+        return self.runtime + self.tensors + self.pinned + self.pageable + self.staging + self.writer
 
 
 def offloaded_host_rank(
@@ -115,6 +127,8 @@ class HostPlan:
                 "tensors": worst.tensors / GIB,
                 "pinned": worst.pinned / GIB,
                 "pageable": worst.pageable / GIB,
+                "staging": worst.staging / GIB,
+                "writer": worst.writer / GIB,
             },
         }
 
@@ -126,6 +140,8 @@ class HostPlan:
             ("tensors", worst.tensors),
             ("pinned offloaded states", worst.pinned),
             ("pageable offloaded states", worst.pageable),
+            ("staging copy of the save", worst.staging),
+            ("save process runtime", worst.writer),
         )
         parts = " + ".join(f"{n / GIB:.3g} GiB {name}" for name, n in named if n)
         have = (
@@ -190,7 +206,27 @@ def offload_shards(shape: ModelShape, shard_size: int, rank: int) -> tuple[list[
     return params, grads
 
 
+def staging_bytes(config: TrainConfig, states: RankStates) -> int:
+    """The staging copy of a rank's saved state under save.async_mode=thread|process (else 0)."""
+    if config.save.async_mode == SaveAsync.off or config.save.every == 0:
+        return 0
+    return states.params + states.optimizer + states.step_counters
+
+
 def host_rank(
+    config: TrainConfig, device_kind: str, shard_size: int, shape: ModelShape, planned: PlannedRank
+) -> HostRank:
+    """A rank's host memory: its states and tensors (at_rest), and what saving in the background adds."""
+    rank = at_rest(config, device_kind, shard_size, shape, planned)
+    writer = config.save.async_mode == SaveAsync.process and config.save.every > 0
+    return dataclasses.replace(
+        rank,
+        staging=staging_bytes(config, planned.states),
+        writer=int(config.plan.cpu_rank_runtime_gib * GIB) if writer else 0,
+    )
+
+
+def at_rest(
     config: TrainConfig, device_kind: str, shard_size: int, shape: ModelShape, planned: PlannedRank
 ) -> HostRank:
     runtime = runtime_bytes(config, device_kind)

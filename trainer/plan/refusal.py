@@ -8,7 +8,15 @@ import copy
 import functools
 from typing import Any
 
-from trainer.config import STAGE_REDUCE_EVERY, CheckpointMode, OffloadTarget, ReduceEvery, Stage, TrainConfig
+from trainer.config import (
+    STAGE_REDUCE_EVERY,
+    CheckpointMode,
+    OffloadTarget,
+    ReduceEvery,
+    SaveAsync,
+    Stage,
+    TrainConfig,
+)
 from trainer.plan.build import Plan, build_plan, describe
 from trainer.units import GIB
 
@@ -200,6 +208,8 @@ def host_refusal(plan: Plan, way_out: bool = True) -> str | None:
             f"+ {(worst.pinned + worst.pageable) / GIB:.2f} GiB of offloaded states ({worst.pinned / GIB:.2f} GiB pinned, "
             "rounded up to powers of two)"
         )
+    if worst.staging:
+        held += f" + {(worst.staging + worst.writer) / GIB:.2f} GiB to save in the background (save.async_mode={plan.config.save.async_mode.value})"
     line = (
         f"does not fit this host: {held} = {host.need_bytes / GIB:.1f} GiB per node, but the host has "
         f"{host.available_bytes / GIB:.1f} GiB ({host.source})."
@@ -210,10 +220,12 @@ def host_refusal(plan: Plan, way_out: bool = True) -> str | None:
 def host_changes(plan: Plan) -> list[tuple[str, TrainConfig, int]]:
     """Changes that lower a node's host memory: fewer CPU ranks; more nodes, no offload, no pinning."""
     c, ranks = plan.config, len(plan.host.ranks)
+    options = []
+    if plan.host.worst.staging:  # saving in place needs no staging copy
+        options.append(("save.async_mode=off", _changed(c, save__async_mode=SaveAsync.off), plan.world_size))
     if plan.device_kind == "cpu":  # every CPU rank holds about the same: the most that fit here
         most = min(ranks - 1, plan.host.available_bytes // plan.host.worst.total)  # type: ignore[operator]
-        return [(f"nproc={most}", c, most * c.nodes)] if most >= 1 else []
-    options = []
+        return options + ([(f"nproc={most}", c, most * c.nodes)] if most >= 1 else [])
     if c.offload.target == OffloadTarget.cpu:
         no_offload = {"offload__target": OffloadTarget.none}
         options.append(("offload=none", _changed(c, **no_offload), plan.world_size))

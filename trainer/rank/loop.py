@@ -45,14 +45,8 @@ from trainer.rank.tensor_parallel import (
     replicate_partial_grads,
 )
 from trainer.rank.trainee import Trainee
-from trainer.saves.dcp import (
-    Progress,
-    SaveSpec,
-    first_attempt,
-    save_last_good,
-    save_training_state,
-    should_save,
-)
+from trainer.saves.background import Saves
+from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
 from trainer.saves.resume import resume_training
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
@@ -123,7 +117,9 @@ def train(
         skipped=start.nonfinite_skipped,
         defer=uses_fused(config.optim, world.device.type),
     )
+    saves = Saves(spec, world, out_dir)  # in place or in the background (save.async_mode)
     for step in range(start.step + 1, config.steps + 1):
+        saves.poll()  # a background write that has completed becomes a save (rank 0 lists it)
         try:
             with meter.measure(
                 step, trainee.model, trainee.optimizer
@@ -132,6 +128,7 @@ def train(
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
         except NonFiniteError as err:  # every rank raises together: they agreed on the flags
+            saves.close()  # the save in flight first: it is of an earlier, good step
             rewind_scheduler(trainee.scheduler, err.step - 1)  # weights were held since err.step
             save_last_good(trainee, spec, world, out_dir, progress(err.step - 1, guard, meter))
             raise
@@ -143,13 +140,16 @@ def train(
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,
             # trainer/rank/nonfinite.py) on every step as well; with the fused one it does not.
-            meter.log(step, trainee.model, trainee.optimizer)
+            meter.log(step, trainee.model, trainee.optimizer, extra=saves.record_fields())
         save = None
         if should_save(config.save, config.steps, step) or (stopping and config.save.every > 0):
-            save = save_training_state(trainee, spec, world, out_dir, progress(step, guard, meter))
+            save = saves.save(trainee, progress(step, guard, meter))
         if stopping:
-            return stop.ending(step, save)
-    return meter.finish()
+            saves.close()  # the stop's save written and listed before the rank returns
+            return {**stop.ending(step, save), **saves.summary()}
+    saves.close()  # the last step's save too
+    result = meter.finish()
+    return None if result is None else {**result, **saves.summary()}
 
 
 def progress(step: int, guard: NonFiniteGuard, meter: Meter) -> Progress:
@@ -262,7 +262,7 @@ def inject_fault(
 ) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
     if (
-        fault.kind in (FaultKind.none, FaultKind.kill_during_save)
+        fault.kind in (FaultKind.none, FaultKind.kill_during_save, FaultKind.term_during_save)
         or fault.step != step
         or fault.rank != world.rank
     ):

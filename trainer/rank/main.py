@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.config import OffloadTarget, from_plain
 from trainer.cuda import apply_tf32
 from trainer.faults.failures import apply_memory_cap, recording_failures
+from trainer.faults.leftovers import die_with_parent
 from trainer.faults.stop import RankStop
 from trainer.telemetry.comm import enable_recording
 from trainer.telemetry.keys import Status
@@ -42,6 +43,10 @@ def rank_main(
     from trainer.rank.loop import train  # imported in the rank: the job process never builds a model
     from trainer.rank.nonfinite import NonFiniteError
 
+    if (
+        multiprocessing.parent_process() is not None
+    ):  # launched here (not under torchrun): the fork server's child
+        die_with_parent()  # a fork server that is killed takes its ranks with it (trainer/faults/leftovers.py)
     # Before anything slow: from here a signal is a request to stop at a step boundary (trainer/faults/stop.py).
     stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)

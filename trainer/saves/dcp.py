@@ -290,6 +290,18 @@ def kill_if_rehearsing(fault: FaultConfig, world: World, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def term_if_rehearsing(fault: FaultConfig, world: World, step: int) -> None:
+    """fault.kind=term_during_save: this rank sends itself SIGTERM while the save of `step` is
+    written in the background (a scheduler's preemption arriving then: trainer/faults/stop.py)."""
+    if (
+        fault.kind == FaultKind.term_during_save
+        and fault.step == step
+        and fault.rank == world.rank
+        and first_attempt()
+    ):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def restart_count() -> int:
     """How many times the elastic launcher has restarted the ranks of this job (0: first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

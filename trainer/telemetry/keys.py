@@ -48,6 +48,20 @@ PERPLEXITY_VAL = "loss/val_perplexity"
 NONFINITE_SKIPPED = "train/nonfinite_skipped"
 """Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py)."""
 
+# ----------------------------------------------------------------------------- saves (trainer/saves/background.py)
+SAVE_STEP = "save/step"
+"""The step of the save whose figures a record carries (the latest completed since the record before)."""
+SAVE_BLOCKING_S = "time/save_blocking_s"
+"""What the step loop waited for that save (staging, and the wait for the save before it)."""
+SAVE_TOTAL_S = "time/save_total_s"
+"""From that save's start until it was complete and listed."""
+SAVE_WRITING = "save/writing"
+"""1 when a background write ran during the record's steps (save.async_mode thread or process)."""
+SAVES = "saves"
+"""summary.json: every save's step, blocking_s and total_s."""
+TOKENS_PER_S_WRITING = "throughput/tokens_per_s_while_writing"
+"""summary.json: the mean throughput of the steady records whose steps overlapped a background write."""
+
 # ----------------------------------------------------------------------------- memory
 MAX_RANK_PEAK = "memory/max_rank_peak_gib"
 ARGMAX_RANK = "memory/argmax_rank"

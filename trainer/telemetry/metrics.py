@@ -144,8 +144,15 @@ class Meter:
         evaluates = every > 0 and step % every == 0  # evaluation steps log their loss/val
         return step % self.config.log_every == 0 or step == self.config.steps or evaluates
 
-    def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Gather this window from every rank (a collective: every rank calls it) and write it."""
+    def log(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Gather this window from every rank (a collective: every rank calls it) and write it,
+        with rank 0's `extra` fields (its saves' figures, trainer/saves/background.py)."""
         assert self.last is not None
         if self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)  # the window's time must include its kernels
@@ -169,7 +176,7 @@ class Meter:
             row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
         if self.world.is_main:
-            self.last_record = self.build_record(step, per_rank)
+            self.last_record = {**self.build_record(step, per_rank), **(extra or {})}
             self.write(self.last_record)
         self._open_window()
 

@@ -33,8 +33,11 @@ def warmup_end(records: list[dict[str, Any]], total_steps: int, warmup_steps: in
     return max(records[0]["step"], total_steps // 10) if records else 0
 
 
-def steady_mean(records: list[dict[str, Any]], key: str, after_step: int) -> float | None:
-    """Time-weighted mean of a per-window rate over the windows after `after_step`.
+def steady_mean(
+    records: list[dict[str, Any]], key: str, after_step: int, only: str | None = None
+) -> float | None:
+    """Time-weighted mean of a per-window rate over the windows after `after_step` (and, with
+    `only`, those whose record has that key true).
 
     Weighting each window by its wall time makes the mean of tokens/s equal total tokens over
     total seconds. With no window past the warm-up, the last window's value stands in.
@@ -43,7 +46,7 @@ def steady_mean(records: list[dict[str, Any]], key: str, after_step: int) -> flo
     previous_step = 0
     for record in records:
         steps, previous_step = record["step"] - previous_step, record["step"]
-        if record["step"] <= after_step or key not in record:
+        if record["step"] <= after_step or key not in record or (only and not record.get(only)):
             continue
         window_s = record[keys.STEP_S] * steps
         weighted += record[key] * window_s
@@ -166,11 +169,38 @@ def build_summary(
             summary[keys.LOSS_VAL] = evaluated[-1][keys.LOSS_VAL]
             summary[keys.PERPLEXITY_VAL] = evaluated[-1][keys.PERPLEXITY_VAL]
         summary.update(steady_comm(records, after))
+        summary.update(save_figures(records, after))
         if keys.SKIPPED_STEPS in records[-1]:
             summary[keys.SKIPPED_STEPS] = records[-1][keys.SKIPPED_STEPS]
             summary[keys.LOSS_SCALE] = records[-1][keys.LOSS_SCALE]
     summary.update(extra)
     return summary
+
+
+def save_figures(records: list[dict[str, Any]], after_step: int) -> dict[str, Any]:
+    """The saves' mean blocking and total times (the records that carry them; rank 0's list of every
+    save, in the job's `extra`, replaces these where the ranks returned one) and the steady
+    throughput of the steps that overlapped a background write."""
+    figures: dict[str, Any] = {}
+    for key in (keys.SAVE_BLOCKING_S, keys.SAVE_TOTAL_S):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            figures[key] = sum(values) / len(values)
+    if any(r["step"] > after_step and r.get(keys.SAVE_WRITING) for r in records):
+        figures[keys.TOKENS_PER_S_WRITING] = steady_mean(
+            records, keys.TOKENS_PER_S, after_step, keys.SAVE_WRITING
+        )
+    return figures
+
+
+def save_means(saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's figures of every save (trainer/saves/background.py SaveTimes, from rank 0)."""
+    figures: dict[str, Any] = {keys.SAVES: saves}
+    for key, name in ((keys.SAVE_BLOCKING_S, "blocking_s"), (keys.SAVE_TOTAL_S, "total_s")):
+        values = [save[name] for save in saves if save[name] is not None]
+        if values:
+            figures[key] = sum(values) / len(values)
+    return figures
 
 
 def summary_table(summary: dict[str, Any]) -> str:

@@ -137,3 +137,40 @@ def test_three_ranks_pad_parameter_shards_but_not_gradient_shards() -> None:
     steps = 39 * 4
     full = RUNTIME + 4 * padded + 4 * padded + 8 * padded + steps
     assert [r.total for r in plan.host.ranks] == [full, full, RUNTIME + 4 * padded + 12 * last + steps]
+
+
+# Saving in the background (save.async_mode): each rank's staging copy is its saved state, as it
+# holds it: stage0 the whole fp32 parameters (918,656 elements: 3,674,624 B), Adam's moments
+# (7,349,248 B) and step counters (156 B); stage3 on 2 ranks the unpadded halves of both (PARAMS and
+# ADAM above). process mode adds a save process per rank (plan.cpu_rank_runtime_gib, 0.4 GiB).
+STAGING_STAGE0 = 3_674_624 + 7_349_248 + 156
+STAGING_STAGE3 = PARAMS + ADAM
+WRITER = int(0.4 * GIB)
+
+
+def test_saving_in_a_thread_holds_a_staging_copy_of_each_ranks_state() -> None:
+    plan = build_plan(compose_config("model=tiny", "zero=stage0", "save.async_mode=thread"), "cuda", 2)
+    assert [(r.staging, r.writer) for r in plan.host.ranks] == [(STAGING_STAGE0, 0)] * 2
+    assert plan.host.need_bytes == 2 * (RUNTIME + 11_024_028)
+    assert "0.0103 GiB staging copy of the save" in plan.host.describe()
+
+
+def test_saving_in_a_process_adds_the_save_process_of_every_rank() -> None:
+    plan = build_plan(compose_config("model=tiny", "zero=stage3", "save.async_mode=process"), "cuda", 2)
+    assert [(r.staging, r.writer) for r in plan.host.ranks] == [(STAGING_STAGE3, WRITER)] * 2
+    assert plan.host.need_bytes == 2 * (RUNTIME + 5_512_092 + WRITER)
+    in_place = build_plan(
+        compose_config("model=tiny", "zero=stage3", "save.async_mode=process", "save=off"), "cuda", 2
+    )
+    assert in_place.host.need_bytes == 2 * RUNTIME  # nothing saved, nothing staged
+
+
+def test_a_host_too_small_for_the_staging_copy_is_refused_with_saving_in_place_as_the_way_out() -> None:
+    # 4.005 GiB holds the two runtimes (4 GiB) but not their staging copies as well (21.0 MiB).
+    config = compose_config(
+        "model=tiny", "zero=stage0", "save.async_mode=thread", "plan.host_memory_gib=4.005"
+    )
+    line = host_refusal(build_plan(config, "cuda", 2))
+    assert line is not None and "\n" not in line
+    assert "+ 0.01 GiB to save in the background (save.async_mode=thread) = 4.0 GiB per node" in line
+    assert "Try save.async_mode=off (4.0 GiB per node)" in line
