@@ -754,8 +754,10 @@ class TrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
 
-    micro_batch: int = 8
-    """Sequences per rank per forward pass."""
+    micro_batch: Any = 8
+    """Sequences per rank per forward pass (an integer), or `auto`: the largest the plan says fits,
+    confirmed by probe runs (trainer/job.py `choose_micro_batch`), with grad_accum from global_batch
+    where that is given; the job replaces it by the integer before anything is planned or run."""
     grad_accum: int = 1
     """Micro-batches per optimizer step; the global batch is micro_batch * grad_accum * world size."""
     seq_len: int = 128
@@ -771,8 +773,9 @@ class TrainConfig:
     mode: Mode = Mode.train
     """train; plan: print the memory plan and train nothing; advise: rank configurations for global_batch."""
     global_batch: int | None = None
-    """mode=advise only: sequences per optimizer step, over all ranks (the advisor chooses micro_batch
-    and grad_accum); train and plan take micro_batch and grad_accum instead and refuse it."""
+    """mode=advise, or micro_batch=auto: sequences per optimizer step, over all ranks (the advisor, or
+    auto, chooses micro_batch and grad_accum); otherwise train and plan take micro_batch and grad_accum
+    and refuse it."""
     resume: str = "false"
     """false, true (the newest save of this config) or a path to a save."""
     max_restarts: int = 0
@@ -801,7 +804,11 @@ class TrainConfig:
     """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/model/attention.py says; math materialises the scores."""
 
     def __post_init__(self) -> None:
-        for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
+        _require(
+            self.micro_batch == AUTO or (type(self.micro_batch) is int and self.micro_batch >= 1),
+            f"micro_batch must be an integer >= 1 or auto, got {self.micro_batch}",
+        )
+        for key in ("grad_accum", "seq_len", "steps", "log_every"):
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.resume.lower() in ("true", "false"):
@@ -845,6 +852,13 @@ class TrainConfig:
         self._check_global_batch()
 
     def _check_global_batch(self) -> None:
+        if self.micro_batch == AUTO:
+            _require(self.mode != Mode.advise, "mode=advise chooses micro_batch itself: drop micro_batch=auto")
+            _require(
+                self.global_batch is None or self.global_batch >= 1,
+                f"global_batch must be >= 1, got {self.global_batch}",
+            )
+            return
         if self.mode != Mode.advise:
             _require(
                 self.global_batch is None,
@@ -862,6 +876,10 @@ class TrainConfig:
         """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
         key, which mode=advise reads to choose micro_batch and grad_accum)."""
         return global_batch(self.micro_batch, self.grad_accum, world_size)
+
+
+AUTO = "auto"
+"""micro_batch=auto (TrainConfig.micro_batch)."""
 
 
 def is_endpoint(value: str) -> bool:

@@ -16,7 +16,7 @@ from torch.amp import GradScaler
 
 from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
 from trainer.data import build_batches, to_device
-from trainer.faults.failures import mark_phase
+from trainer.faults.failures import mark_phase, watch_blocks
 from trainer.faults.stop import RankStop
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
@@ -60,6 +60,8 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     apply_compile(
         model, config.compile, config.compile_backend
     )  # after checkpointing, before sharding: in place
+    if not config.compile:  # a compiled block would trace the hooks' side effects into its graph
+        watch_blocks(model.layers)  # an out-of-memory failure names its block (trainer/faults/failures.py)
     model = apply_zero(
         model, config.zero, config.precision, config.offload, world, config.seed
     )  # shard, then materialise only this rank's part
@@ -167,7 +169,7 @@ def train_step(
             gradient_sync(model, enabled=reduces_now(config.zero, is_last)),
             build_autocast(config.precision, config.zero, world.device),
         ):
-            mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
+            mark_phase(step, "forward", micro)  # where an out-of-memory failure is reported to have happened
             loss = inject_fault(
                 compute_loss(model, inputs, targets, config), config.fault, world, step, is_last
             )

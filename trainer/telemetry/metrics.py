@@ -77,7 +77,11 @@ class Meter:
         self.last_record: dict[str, Any] | None = None
         telemetry = config.telemetry
         self.memory = (
-            MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+            MemoryProbe(
+                world.device, telemetry.memory_every, config.steps, track_first=config.device_memory_gib is not None
+            )
+            if telemetry.enabled
+            else None
         )
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = (
