@@ -5,8 +5,9 @@ saves, faults and the cluster stand beside that flow. The packages are layers, e
 only the layers below it and the leaves (tests/unit/test_imports.py holds the order):
 
 - `__main__.py`, `cli.py`: `python -m trainer`: compose, check, dispatch (the entry);
-- `job.py`, `launch.py`, `cluster.py`, `sweep.py`: the job process (check -> plan -> train, plan
-  or advise), starting and joining its ranks, multi-node placement, the Hydra sweep callbacks;
+- `job.py`, `launch.py`, `cluster.py`, `sweep.py`, `autobatch.py`: the job process (check -> plan ->
+  train, plan or advise), starting and joining its ranks, multi-node placement, the Hydra sweep
+  callbacks, `micro_batch=auto`'s proposal and probe runs;
 - `advise/`: `mode=advise`: candidates, predicted step time, rates, verification;
 - `rank/`: one rank's training: its entry point, sharding, precision, optimizer, the loop;
 - `saves/`: saving, loading and resuming the training state (DCP);

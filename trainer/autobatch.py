@@ -122,7 +122,11 @@ def probe(
     except RankFailure as failure:
         status, error = ("oom" if failure.oom else "crashed"), str(failure)
     metrics = probe_dir / "metrics.jsonl"
-    peaks = [r[keys.MAX_RANK_PEAK] for r in read_jsonl(metrics) if keys.MAX_RANK_PEAK in r] if metrics.exists() else []
+    peaks = (
+        [r[keys.MAX_RANK_PEAK] for r in read_jsonl(metrics) if keys.MAX_RANK_PEAK in r]
+        if metrics.exists()
+        else []
+    )
     result = {
         "micro_batch": micro_batch,
         "status": status,

@@ -128,6 +128,7 @@ class FaultKind(str, Enum):
     raise_error = "raise_error"
     kill = "kill"
     kill_during_save = "kill_during_save"
+    oom = "oom"
 
 
 @dataclass
@@ -594,8 +595,9 @@ class FaultConfig:
     """Fault injection for tests and rehearsals: what goes wrong, on which rank, at which step."""
 
     kind: FaultKind = FaultKind.none
-    """none, inf_grad, nan_loss, raise_error, kill, or kill_during_save (SIGKILL once the save of
-    `step` is written, before it is renamed into place). Fires in the launcher's first attempt only."""
+    """none, inf_grad, nan_loss, raise_error, kill, kill_during_save (SIGKILL once the save of
+    `step` is written, before it is renamed into place), or oom (an allocation no device can hold, which
+    the allocator refuses: a real out-of-memory error on one rank). Fires in the launcher's first attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""
     rank: int = 0
@@ -853,7 +855,9 @@ class TrainConfig:
 
     def _check_global_batch(self) -> None:
         if self.micro_batch == AUTO:
-            _require(self.mode != Mode.advise, "mode=advise chooses micro_batch itself: drop micro_batch=auto")
+            _require(
+                self.mode != Mode.advise, "mode=advise chooses micro_batch itself: drop micro_batch=auto"
+            )
             _require(
                 self.global_batch is None or self.global_batch >= 1,
                 f"global_batch must be >= 1, got {self.global_batch}",

@@ -43,7 +43,8 @@ from trainer.plan import refusal as plan_refusal
 from trainer.plan import summary_fields as plan_summary_fields
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
-from trainer.telemetry.keys import MICRO_BATCH_AUTO, Status
+from trainer.telemetry.creep import creep_line, find_creep
+from trainer.telemetry.keys import MEMORY_CREEP, MICRO_BATCH_AUTO, PREDICTED_PEAK, WARMUP_STEPS, Status
 from trainer.telemetry.summary import build_summary, provenance, read_metrics, summary_table, write_summary
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
@@ -147,7 +148,9 @@ def with_chosen_micro_batch(job: Job) -> Job | None:
     try:
         if is_under_torchrun():
             raise ConfigError("micro_batch=auto launches probe runs itself: under torchrun set micro_batch=N")
-        config, record = choose_micro_batch(job.config, job.out_dir, job.device_kind, job.nproc, job.world_size)
+        config, record = choose_micro_batch(
+            job.config, job.out_dir, job.device_kind, job.nproc, job.world_size
+        )
     except ConfigError as err:
         error_line(str(err))
         exit_unless_sweep(BAD_INPUT)
@@ -263,7 +266,9 @@ def train_ranks(
     return status, {**extra, "restarts": count_restarts(out_dir) - restarts_before}
 
 
-def explain_out_of_memory(config: TrainConfig, device_kind: str, world_size: int, record_path: Path) -> dict[str, Any]:
+def explain_out_of_memory(
+    config: TrainConfig, device_kind: str, world_size: int, record_path: Path
+) -> dict[str, Any]:
     """The rank's moment, plan beside measured by category (trainer/faults/oom.py) and the remedies that
     fit (trainer/advise/fit.py): printed, added to the rank's failure record, returned for summary.json."""
     import json
@@ -277,7 +282,9 @@ def explain_out_of_memory(config: TrainConfig, device_kind: str, world_size: int
     found = remedies(config, device_kind, world_size, overrides)
     explained["remedies"] = [dataclasses.asdict(r) for r in found]
     lines = explanation_lines(explained)
-    lines.append("fits, as the plan says (nearest first; run as printed):" if found else "nothing nearby fits the plan")
+    lines.append(
+        "fits, as the plan says (nearest first; run as printed):" if found else "nothing nearby fits the plan"
+    )
     lines += [f"  {r.command}    # {r.changes}: peak {r.peak_gib:.4f} GiB" for r in found]
     print("\n".join(lines), flush=True)
     record_path.write_text(json.dumps({**record, "explained": explained}) + "\n")
@@ -385,6 +392,14 @@ def end_summary(
         **nonfinite_summary(records),
         **meta,
     )
+    if records and config.telemetry.enabled:
+        summary[MEMORY_CREEP] = find_creep(
+            records,
+            summary.get(WARMUP_STEPS, 0),
+            meta.get("plan", {}).get("device_memory_gib"),
+            meta.get(PREDICTED_PEAK),
+            resolve_device_kind(config.device, must_be_visible=False),
+        )
     write_summary(out_dir, summary)
     return summary
 
@@ -417,8 +432,9 @@ def end_job(
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:
-    """A short end-of-run account on the console."""
-    print(f"{summary_table(summary)}\n  outputs: {out_dir}", flush=True)
+    """A short end-of-run account on the console (and a line where memory crept: trainer/telemetry/creep.py)."""
+    creep = f"\n{creep_line(summary[MEMORY_CREEP])}" if summary.get(MEMORY_CREEP) else ""
+    print(f"{summary_table(summary)}\n  outputs: {out_dir}{creep}", flush=True)
 
 
 def exit_unless_sweep(code: int) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.console import first_line, one_line
 from trainer.cuda import set_launcher_environment
 from trainer.faults.failures import explain, killed_by
+from trainer.faults.failures import where as failure_where
 from trainer.faults.stop import AGENT_SIGNALS
 from trainer.rank.main import fork_server, rank_main
 
@@ -34,9 +35,13 @@ class RankFailure(Exception):
     phase: str | None = None
     node: int | None = None
     """The node the rank ran on, in a multi-node job (None: a one-node job)."""
+    record: dict[str, Any] | None = None
+    """The rank's failure record (trainer/faults/failures.py), where it left one."""
 
     def __str__(self) -> str:
         where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
+        if self.oom and self.record and self.step is not None:  # the block and micro-batch too
+            where = f" at {failure_where(self.record)}"
         on = f" on node {self.node}" if self.node is not None else ""
         return f"rank {self.rank}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
 
@@ -108,7 +113,13 @@ def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capp
         return failure
     exitcode = exitcodes.get(record["rank"], failure.exitcode)
     return RankFailure(
-        record["rank"], exitcode, record["message"], record["oom"], record["step"], record["phase"]
+        record["rank"],
+        exitcode,
+        record["message"],
+        record["oom"],
+        record["step"],
+        record["phase"],
+        record=record,
     )
 
 

@@ -75,9 +75,7 @@ def distance(keys: list[str]) -> int:
     )
 
 
-def remedies(
-    config: TrainConfig, device_kind: str, world_size: int, overrides: list[str]
-) -> list[Remedy]:
+def remedies(config: TrainConfig, device_kind: str, world_size: int, overrides: list[str]) -> list[Remedy]:
     """The advisor's candidates for this job's global batch that the plan says fit, nearest first
     (fewest changes, then the largest peak: the least memory given up), as runnable command lines."""
     sequences = config.sequences_per_step(world_size)
@@ -90,7 +88,9 @@ def remedies(
         keys = changed_keys(now, choice)
         if not keys or not (peak := fitting_peak(config, choice, device_kind, world_size, budget)):
             continue
-        args = [arg for arg in command_args(overrides, _Choice(choice)) if not arg.startswith("micro_batch=auto")]
+        args = [
+            arg for arg in command_args(overrides, _Choice(choice)) if not arg.startswith("micro_batch=auto")
+        ]
         changes = " ".join(f"{key}={_value(choice[key])}" for key in keys)
         found.append(
             Remedy(changes, shlex.join(["python", "-m", "trainer", *args]), peak / GIB, distance(keys))

@@ -87,6 +87,9 @@ def explain_oom(plan: Plan, record: dict[str, Any]) -> dict[str, Any]:
     tried = failed_allocation_bytes(record.get("message", ""))
     if tried is not None:
         explained["failed_allocation_gib"] = tried / GIB
+        if "held_gib" in explained and explained["limit_gib"] is not None and plan.device_kind == "cpu":
+            # The cap counts the process's data segment: what tensors and the failed allocation leave of it.
+            explained["outside_tensors_gib"] = explained["limit_gib"] - explained["held_gib"] - tried / GIB
     return explained
 
 
@@ -100,22 +103,30 @@ def explanation_lines(explained: dict[str, Any]) -> list[str]:
     lines.append(f"  {'category':<44}{'plan GiB':>10}{'held GiB':>10}{'over GiB':>10}")
     for part, (words, _) in CATEGORIES.items():
         plan = explained["plan_gib"][part]
-        cells = f"{measured[part]:>10.4f}{measured[part] - plan:>+10.4f}" if measured else f"{'-':>10}{'-':>10}"
+        cells = (
+            f"{measured[part]:>10.4f}{measured[part] - plan:>+10.4f}" if measured else f"{'-':>10}{'-':>10}"
+        )
         lines.append(f"  {words:<44}{plan:>10.4f}{cells}")
     held = explained.get("held_gib")
     lines.append(
         f"  {'total':<44}{explained['plan_total_gib']:>10.4f}{'-' if held is None else f'{held:.4f}':>10}"
     )
-    if measured:
+    if measured and explained["most_over_gib"] > 0:
         words = CATEGORIES[explained["most_over"]][0]
         lines.append(f"  most over its plan: {words} ({explained['most_over_gib']:+.4f} GiB)")
+    elif measured:
+        lines.append("  no category over its plan: the plan's own figure does not fit (see the remedies)")
     else:
-        lines.append("  held by category: not measured at this step (CPU: the tracked steps; CUDA: the snapshot)")
+        lines.append(
+            "  held by category: not measured at this step (CPU: the tracked steps; CUDA: the snapshot)"
+        )
     tail = []
     if "failed_allocation_gib" in explained:
         tail.append(f"the allocation that failed: {explained['failed_allocation_gib']:.4f} GiB")
     if explained["limit_gib"] is not None:
         tail.append(f"each rank may use {explained['limit_gib']:.4f} GiB ({explained['limit_source']})")
+    if "outside_tensors_gib" in explained:
+        tail.append(f"held outside tensors: {explained['outside_tensors_gib']:.4f} GiB (runtime, allocator)")
     if tail:
         lines.append("  " + "; ".join(tail))
     return lines

@@ -48,6 +48,9 @@ from trainer.telemetry.metrics import Meter, StepStats
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+LEAK_ENV = "ZEROLAB_TEST_LEAK_MIB"
+"""Tests only (tests/integration/test_memory_creep.py): a rank keeps one tensor of this many MiB per
+step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to find. Unset in real runs."""
 
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
@@ -100,7 +103,10 @@ def train(
         skipped=start.nonfinite_skipped,
         defer=uses_fused(config.optim, world.device.type),
     )
+    leak_mib, leaked = int(os.environ.get(LEAK_ENV, "0")), []
     for step in range(start.step + 1, config.steps + 1):
+        if leak_mib:
+            leaked.append(torch.ones(leak_mib * 2**20, dtype=torch.uint8, device=world.device))
         try:
             with meter.measure(
                 step, trainee.model, trainee.optimizer
@@ -254,5 +260,7 @@ def inject_fault(
         return loss * float("nan")
     if fault.kind == FaultKind.raise_error:
         raise RuntimeError(f"injected fault at step {step}")
+    if fault.kind == FaultKind.oom:  # 2**60 bytes: the allocator itself refuses, nothing is taken
+        torch.empty(2**60, dtype=torch.uint8, device=world.device)
     os.kill(os.getpid(), signal.SIGKILL)
     return loss

@@ -78,7 +78,10 @@ class Meter:
         telemetry = config.telemetry
         self.memory = (
             MemoryProbe(
-                world.device, telemetry.memory_every, config.steps, track_first=config.device_memory_gib is not None
+                world.device,
+                telemetry.memory_every,
+                config.steps,
+                track_first=config.device_memory_gib is not None,
             )
             if telemetry.enabled
             else None

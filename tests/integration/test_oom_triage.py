@@ -1,0 +1,129 @@
+"""OOM triage on 2 capped CPU ranks (docs/faults.md, "Out of memory, explained"): micro_batch=auto picks
+what the plan says fits and probes confirm; twice that runs out and is explained by moment and
+category with remedies, one of which, run as printed, ends ok; an OOM on one rank names that rank.
+
+At device_memory_gib=0.5, seq_len=256, model=tiny the plan's largest micro-batch within
+advise.headroom=0.35 (0.325 GiB) is 25 (0.316 GiB planned); 50 plans 0.619 GiB. The headroom is the
+capped CPU process's own growth beyond its tensors (docs/faults.md): at the default 20%, 31 was
+proposed and ran out with 0.38 GiB of tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Run, compose_config, run_trainer
+from trainer.advise.fit import propose_micro_batch
+
+pytestmark = pytest.mark.timeout(600)
+
+CAP = (
+    "model=tiny",
+    "device=cpu",
+    "nproc=2",
+    "seq_len=256",
+    "steps=2",
+    "log_every=1",
+    "device_memory_gib=0.5",
+)
+QUIET = ("logger=none", "save=off")
+M = 25
+
+
+def test_the_plan_puts_the_largest_fitting_micro_batch_at_m() -> None:
+    """The same choice as a sweep over 1..32 of the plan: every micro-batch up to M fits the budget, none above."""
+    proposal = propose_micro_batch(compose_config(*CAP, "micro_batch=auto"), "cpu", 2)
+    assert proposal.budget_gib == pytest.approx(0.325)
+    assert [mb for mb, peak in proposal.peaks_gib.items() if peak <= proposal.budget_gib] == list(
+        range(1, M + 1)
+    )
+    assert proposal.micro_batch == M
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_trainer(tmp_path_factory.mktemp("auto") / "run", *CAP, *QUIET, "micro_batch=auto")
+
+
+def test_micro_batch_auto_trains_with_m_after_at_most_four_probes(auto: Run) -> None:
+    record = auto.summary["micro_batch_auto"]
+    assert auto.summary["status"] == "ok" and record["chosen"] == M and record["grad_accum"] == 1
+    tried = record["tried"]
+    assert 1 <= len(tried) <= 4
+    assert (tried[0]["micro_batch"], tried[0]["status"]) == (M, "ok")
+    assert tried[0]["measured_peak_gib"] == max(
+        r["memory/max_rank_peak_gib"] for r in Run(0, "", "", Path(tried[0]["dir"])).records
+    )
+    assert auto.summary["config"]["micro_batch"] == M  # the ranks trained with it
+    assert (
+        f"micro_batch=auto: chose micro_batch={M} grad_accum=1 (the plan proposed {M} of 1..32" in auto.stdout
+    )
+
+
+@pytest.fixture(scope="module")
+def too_big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, float]:
+    start = time.monotonic()
+    run = run_trainer(
+        tmp_path_factory.mktemp("oom") / "run",
+        *CAP,
+        *QUIET,
+        f"micro_batch={2 * M}",
+        "plan.enforce=false",
+        check=False,
+    )
+    return run, time.monotonic() - start
+
+
+def test_twice_m_runs_out_and_is_explained(too_big: tuple[Run, float]) -> None:
+    run, seconds = too_big
+    assert run.returncode == 1 and run.summary["status"] == "oom" and seconds < 60
+    rank = run.summary["failed_rank"]
+    record = json.loads((run.out_dir / "failures" / f"rank{rank}.json").read_text())
+    explained = record["explained"]
+    assert explained == run.summary["oom"]
+    assert (record["step"], record["phase"], record["micro_batch"]) == (1, "forward", 0)
+    assert explained["moment"] == f"step 1 (forward, block {record['block']}, micro-batch 0)"
+    assert explained["plan_moment"] == "forward: last block"
+    assert set(explained["plan_gib"]) == set(explained["measured_gib"]) == {
+        "params", "grads", "optimizer", "activations", "temporary", "other",
+    }  # fmt: skip
+    held = record["measured_bytes"]
+    assert explained["measured_gib"]["activations"] * 2**30 == held["activations"]
+    assert explained["held_gib"] * 2**30 == held["held"]
+    assert explained["remedies"][0]["changes"] == f"micro_batch=2 grad_accum={M}"
+    lines = run.stdout.splitlines()
+    assert (
+        f"out of memory on rank {rank} at {explained['moment']}; the plan's nearest moment: forward: last block"
+        in lines
+    )
+    assert any(line.startswith("  activations ") for line in lines)
+    assert f"  {explained['remedies'][0]['command']}    # micro_batch=2 grad_accum={M}" in run.stdout
+    assert run.stderr.splitlines()[-1].startswith(
+        f"error: rank {rank} ran out of memory at {explained['moment']}: "
+    )
+
+
+def test_the_first_remedy_run_as_printed_ends_ok(too_big: tuple[Run, float], tmp_path: Path) -> None:
+    run, _ = too_big
+    command = shlex.split(run.summary["oom"]["remedies"][0]["command"])
+    assert command[:3] == ["python", "-m", "trainer"]
+    remedy = run_trainer(tmp_path / "remedy", *command[3:])
+    assert remedy.summary["status"] == "ok" and remedy.summary["config"]["micro_batch"] == 2
+
+
+def test_an_oom_on_one_rank_ends_the_job_naming_that_rank(tmp_path: Path) -> None:
+    """No hang: the launcher stops rank 0 once rank 1 fails (run_trainer's timeout would raise)."""
+    args = ("model=tiny", "device=cpu", "nproc=2", "seq_len=64", "micro_batch=2", "steps=3", *QUIET)
+    run = run_trainer(
+        tmp_path / "run", *args, "fault.kind=oom", "fault.rank=1", "fault.step=2", check=False, timeout=120
+    )
+    assert run.returncode == 1
+    assert (run.summary["status"], run.summary["failed_rank"], run.summary["failed_step"]) == ("oom", 1, 2)
+    assert (
+        "error: rank 1 ran out of memory at step 2 (forward, outside the blocks, micro-batch 0)" in run.stderr
+    )
