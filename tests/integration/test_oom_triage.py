@@ -30,6 +30,7 @@ CAP = (
     "steps=2",
     "log_every=1",
     "device_memory_gib=0.5",
+    "advise.headroom=0.35",
 )
 QUIET = ("logger=none", "save=off")
 M = 25
