@@ -631,6 +631,40 @@ class TelemetryConfig:
         )
 
 
+class SnapshotMode(str, Enum):
+    off = "off"
+    oom = "oom"
+    steps = "steps"
+
+
+@dataclass
+class MemoryConfig:
+    """`memory.*`: the CUDA allocator's history (trainer/telemetry/snapshot.py, docs/faults.md)."""
+
+    snapshot: SnapshotMode = SnapshotMode.off
+    """off; oom: each rank records the allocator's history and dumps it when it runs out; steps: dumps it
+    after each of `snapshot_steps`. CUDA only (torch.cuda.memory._record_memory_history); on CPU one
+    line says so and the tensor tracker's figures by category are written instead."""
+    snapshot_steps: list[int] = field(default_factory=list)
+    """memory.snapshot=steps: the optimizer steps (1-based) after which each rank dumps a snapshot."""
+    snapshot_max_entries: int = 100_000
+    """Allocator events kept (a ring): bounds the recording's memory and the dump's size."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.snapshot_max_entries >= 1,
+            f"memory.snapshot_max_entries must be >= 1, got {self.snapshot_max_entries}",
+        )
+        _require(
+            all(step >= 1 for step in self.snapshot_steps),
+            f"memory.snapshot_steps must be steps >= 1, got {self.snapshot_steps}",
+        )
+        _require(
+            self.snapshot != SnapshotMode.steps or bool(self.snapshot_steps),
+            "memory.snapshot=steps needs memory.snapshot_steps=[N,...]",
+        )
+
+
 @dataclass
 class PlanConfig:
     """conf/train.yaml `plan:`: the memory plan made before launch (trainer/plan)."""
@@ -753,6 +787,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
 

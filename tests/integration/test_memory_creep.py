@@ -5,7 +5,6 @@ summary.json; the same run without it reports none."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +28,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
 def test_a_leak_is_reported_as_growth_per_step(runs: tuple[Run, Run]) -> None:
     leaking, _ = runs
     creep = leaking.summary["memory/creep"]
-    assert creep["figure"] == "peak_rss" and creep["first_step"] == leaking.summary["throughput/warmup_steps"] + 1
+    assert (
+        creep["figure"] == "peak_rss"
+        and creep["first_step"] == leaking.summary["throughput/warmup_steps"] + 1
+    )
     assert abs(creep["gib_per_step"] * 1024 - LEAK_MIB) < 0.5  # the host peak grows by the tensor kept
     assert creep["reaches_limit_at_step"] > creep["at_step"] == 8
     assert f"memory creeps on rank {creep['rank']}: peak_rss grows" in leaking.stdout

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import Run, compose_config, run_trainer
+from tests.helpers import REPO, Run, compose_config, run_trainer
 from trainer.advise.fit import propose_micro_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -109,12 +111,32 @@ def test_twice_m_runs_out_and_is_explained(too_big: tuple[Run, float]) -> None:
     )
 
 
-def test_the_first_remedy_run_as_printed_ends_ok(too_big: tuple[Run, float], tmp_path: Path) -> None:
-    run, _ = too_big
-    command = shlex.split(run.summary["oom"]["remedies"][0]["command"])
+@pytest.fixture(scope="module")
+def remedy(too_big: tuple[Run, float], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    command = shlex.split(too_big[0].summary["oom"]["remedies"][0]["command"])
     assert command[:3] == ["python", "-m", "trainer"]
-    remedy = run_trainer(tmp_path / "remedy", *command[3:])
+    return run_trainer(tmp_path_factory.mktemp("remedy") / "run", *command[3:])
+
+
+def test_the_first_remedy_run_as_printed_ends_ok(remedy: Run) -> None:
     assert remedy.summary["status"] == "ok" and remedy.summary["config"]["micro_batch"] == 2
+
+
+def test_the_report_says_where_the_memory_went(
+    too_big: tuple[Run, float], remedy: Run, tmp_path: Path
+) -> None:
+    run, _ = too_big
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.report", str(run.out_dir), str(remedy.out_dir), "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "(2 points: 1 ok, 1 oom)" in proc.stdout
+    report = (tmp_path / "report.md").read_text()
+    oom = run.summary["oom"]
+    cells = " | ".join(f"{oom['plan_gib'][p]:.4f} / {oom['measured_gib'][p]:.4f}" for p in oom["plan_gib"])
+    assert f"| 0 | {oom['rank']} | oom, {oom['moment']} | {cells} |" in report
+    assert report.count("| 1 | ") == 2 and "![Where the memory went](where_memory.png)" in report
+    assert (tmp_path / "where_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_an_oom_on_one_rank_ends_the_job_naming_that_rank(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from trainer.console import one_line
 from trainer.telemetry.memory import AT_FAILURE
+from trainer.telemetry.snapshot import ACTIVE
 from trainer.units import GIB
 
 FAILURES_DIR = "failures"
@@ -185,6 +186,8 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
             "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
             **({"measured_bytes": held_at_failure()} if oom else {}),
         }
+        if oom and ACTIVE:  # memory.snapshot: the allocator's history (CUDA) or the held split (CPU)
+            record["snapshot"] = str(ACTIVE[0].on_oom(record["measured_bytes"]))
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
         if lost_peer(record["message"]):

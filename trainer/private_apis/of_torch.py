@@ -22,6 +22,9 @@ __all__ = [
     "found_inf_per_device",
     "HigherOrderOperator",
     "new_mem_tracker",
+    "dump_memory_snapshot",
+    "record_memory_history",
+    "stop_memory_history",
     "OpOverload",
     "OpOverloadPacket",
     "scale_on_device",
@@ -45,6 +48,23 @@ def flight_recorder_json(name: str = "_dump_fr_trace_json") -> str | None:
     None where this torch build has no such dump. Raises what the dump raises (RuntimeError)."""
     dump = getattr(getattr(torch._C, "_distributed_c10d", None), name, None)
     return None if dump is None else dump(True, False)
+
+
+def record_memory_history(max_entries: int) -> None:
+    """Start the CUDA caching allocator's history: every allocation and free with its Python stack
+    (`stacks="python"`: C++ frames make a dump take minutes, pytorch/torchtitan#3628), at most
+    `max_entries` events kept."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
+def stop_memory_history() -> None:
+    """Stop recording the allocator's history (and drop what was kept)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocator's state and recorded history as a pickle for pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def new_mem_tracker() -> Any:

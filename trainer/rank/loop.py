@@ -45,6 +45,7 @@ from trainer.saves.dcp import (
 from trainer.saves.resume import resume_training
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
+from trainer.telemetry.snapshot import Snapshots
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -86,6 +87,8 @@ def train(
     what the ranks measure.
     """
     torch.manual_seed(config.seed)
+    # memory.snapshot: recording starts before the model exists, so its allocations are in the history.
+    snapshots = Snapshots(config.memory, world.device, out_dir, world.rank)
     trainee = build_trainee(config, world)
     spec = SaveSpec.of(config)
     start = resume_training(
@@ -112,6 +115,7 @@ def train(
                 step, trainee.model, trainee.optimizer
             ):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
+            snapshots.after_step(step, meter.memory.step_peak if meter.memory else None)
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
         except NonFiniteError as err:  # every rank raises together: they agreed on the flags

@@ -15,7 +15,6 @@ import math
 import re
 from typing import Any
 
-from trainer.telemetry import keys
 from trainer.units import GIB
 
 CREEP_MIN_BYTES = 2**20

@@ -114,9 +114,16 @@ class MemoryProbe:
     """
 
     def __init__(
-        self, device: torch.device, memory_every: int, last_step: int, track_first: bool = False
+        self,
+        device: torch.device,
+        memory_every: int,
+        last_step: int,
+        track_first: bool = False,
+        also: frozenset[int] = frozenset(),
     ) -> None:
         self.device = device
+        self.also = also  # steps tracked besides (memory.snapshot=steps on CPU)
+        self.step_peak: dict[str, float] | None = None  # the last tracked step's peak by category
         # Under a memory cap the first step is tracked too: that is where an activation-bound OOM
         # happens, and its failure record then has the split of what the rank held.
         self.track_first = track_first
@@ -147,7 +154,11 @@ class MemoryProbe:
         first = self._anchor is None
         if self._anchor is None:
             self._anchor = min(step + 1, self.last_step)
-        chosen = should_track_tensors(step, self._anchor, self.memory_every) or (first and self.track_first)
+        chosen = (
+            should_track_tensors(step, self._anchor, self.memory_every)
+            or (first and self.track_first)
+            or step in self.also
+        )
         if self.device.type != "cpu" or not chosen:
             return contextlib.nullcontext()
         return self._track_tensors(model, optimizer)
@@ -173,6 +184,7 @@ class MemoryProbe:
             finally:
                 _ACTIVE_TRACKER.clear()
         peak = category_bytes(tracker.get_tracker_snapshot("peak"), "peak_allocated", "peak_")
+        self.step_peak = peak
         if peak["peak_allocated"] > self._tensor_peak.get("peak_allocated", -1.0):
             self._tensor_peak = peak  # several tracked steps in a window: keep the worst one
 

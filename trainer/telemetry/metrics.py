@@ -82,6 +82,9 @@ class Meter:
                 telemetry.memory_every,
                 config.steps,
                 track_first=config.device_memory_gib is not None,
+                also=frozenset(
+                    config.memory.snapshot_steps if config.memory.snapshot.value == "steps" else ()
+                ),
             )
             if telemetry.enabled
             else None

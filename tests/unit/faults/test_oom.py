@@ -30,6 +30,7 @@ def test_the_block_of_a_forward_and_of_a_backward_is_noted() -> None:
             return x
 
     blocks[1].register_forward_hook(lambda module, args, out: Probe()(out))
+
     def backward_of_block_1(grad: torch.Tensor) -> None:
         seen["backward"] = POSITION.block
 
