@@ -89,7 +89,9 @@ def explain_oom(plan: Plan, record: dict[str, Any]) -> dict[str, Any]:
         explained["failed_allocation_gib"] = tried / GIB
         if "held_gib" in explained and explained["limit_gib"] is not None and plan.device_kind == "cpu":
             # The cap counts the process's data segment: what tensors and the failed allocation leave of it.
-            explained["outside_tensors_gib"] = explained["limit_gib"] - explained["held_gib"] - tried / GIB
+            outside = explained["limit_gib"] - explained["held_gib"] - tried / GIB
+            if outside >= 0:  # else the allocation alone was past the limit
+                explained["outside_tensors_gib"] = outside
     return explained
 
 
