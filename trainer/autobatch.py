@@ -49,6 +49,7 @@ def choose_micro_batch(
         )
     record: dict[str, Any] = {
         "proposed": proposal.micro_batch,
+        "global_batch": config.global_batch,
         "budget_gib": proposal.budget_gib,
         "planned_peak_gib": {str(mb): peak for mb, peak in proposal.peaks_gib.items()},
         "tried": [],

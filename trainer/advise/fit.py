@@ -178,12 +178,16 @@ def propose_micro_batch(config: TrainConfig, device_kind: str, world_size: int) 
     peaks: dict[int, float] = {}
     for mb in auto_candidates(config, world_size, config.global_batch):
         plan = build_plan(
-            dataclasses.replace(config, micro_batch=mb, grad_accum=grad_accum_for(mb, config, world_size)),
+            dataclasses.replace(
+                config, micro_batch=mb, grad_accum=grad_accum_for(mb, config, world_size), global_batch=None
+            ),
             device_kind,
             world_size,
         )
         peaks[mb] = plan.required_bytes(plan.worst) / GIB
-    budget = budget_bytes(dataclasses.replace(config, micro_batch=1), device_kind, world_size)
+    budget = budget_bytes(
+        dataclasses.replace(config, micro_batch=1, global_batch=None), device_kind, world_size
+    )
     if budget is None:
         raise ConfigError(
             "micro_batch=auto needs the rank's memory: set device_memory_gib or plan.accelerator"
