@@ -34,9 +34,11 @@ def memory_rows(points: list[Point]) -> list[dict[str, Any]]:
             rank = rank_plan["rank"]
             if oom.get("rank") == rank:
                 at, plan, measured = f"oom, {oom['moment']}", oom["plan_gib"], oom.get("measured_gib")
-            else:
+            elif all(f"{part}_gib" in rank_plan for part in CATEGORIES):
                 at, plan = "peak", {part: rank_plan[f"{part}_gib"] for part in CATEGORIES}
                 measured = tracked_split(point.records, rank)
+            else:  # a plan.json of an older version, without the split
+                continue
             rows.append({"point": point.num, "rank": rank, "at": at, "plan": plan, "measured": measured})
     return rows
 
