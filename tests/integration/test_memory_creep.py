@@ -4,6 +4,7 @@ summary.json; the same run without it reports none."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -28,12 +29,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
 def test_a_leak_is_reported_as_growth_per_step(runs: tuple[Run, Run]) -> None:
     leaking, _ = runs
     creep = leaking.summary["memory/creep"]
+    assert (creep["figure"], creep["first_step"], creep["at_step"]) == (
+        "peak_rss",
+        5,
+        8,
+    )  # steps 2-8's later half
     assert (
-        creep["figure"] == "peak_rss"
-        and creep["first_step"] == leaking.summary["throughput/warmup_steps"] + 1
-    )
-    assert abs(creep["gib_per_step"] * 1024 - LEAK_MIB) < 0.5  # the host peak grows by the tensor kept
-    assert creep["reaches_limit_at_step"] > creep["at_step"] == 8
+        abs(creep["gib_per_step"] * 1024 - LEAK_MIB) < 0.5
+    )  # the host peak grows by the tensor kept: 8.17 seen
+    room = leaking.summary["plan"]["device_memory_gib"] - leaking.summary["memory/predicted_peak_gib"]
+    assert creep["reaches_limit_at_step"] == 5 + math.ceil(room / creep["gib_per_step"])
     assert f"memory creeps on rank {creep['rank']}: peak_rss grows" in leaking.stdout
 
 

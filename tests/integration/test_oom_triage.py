@@ -145,7 +145,7 @@ def test_the_report_says_where_the_memory_went(
     cells = " | ".join(f"{oom['plan_gib'][p]:.4f} / {oom['measured_gib'][p]:.4f}" for p in oom["plan_gib"])
     assert f"| 0 | {oom['rank']} | oom, {oom['moment']} | {cells} |" in report
     assert [
-        line[:15] for line in report.splitlines() if line.startswith("| 1 | ") and "| peak |" in line
+        line[:16] for line in report.splitlines() if line.startswith("| 1 | ") and "| peak |" in line
     ] == [
         "| 1 | 0 | peak |",
         "| 1 | 1 | peak |",

@@ -4,9 +4,11 @@ fragmentation is not in it).
 
 The figure is what a rank's window measured on every log step at no cost: on a GPU the allocator's
 peak allocated bytes, on a CPU the process's peak resident set (host memory: the tensor tracker runs
-on chosen steps only). A rank creeps when its figure rises in every post-warm-up window but at most
-one and the least-squares slope is at least CREEP_MIN_BYTES per step; summary.json then carries the
-growth per step and the step at which it would reach the rank's memory (the cap, else the device).
+on chosen steps only). The first windows after warm-up still carry the process's own growth (a normal
+tiny CPU run's host peak rose 18 MiB over steps 2-4, then 0.3 MiB a step), so only the later half of
+the post-warm-up windows is judged: a rank creeps when its figure rises in every one of them and
+their least-squares slope is at least CREEP_MIN_BYTES per step. summary.json then carries the growth
+per step and the step at which it would reach the rank's memory (the cap, else the device).
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from typing import Any
 from trainer.units import GIB
 
 CREEP_MIN_BYTES = 2**20
-"""1 MiB per step: below it a rise is the allocator's or Python's noise (a normal tiny CPU run's host
-peak moves by tens of KiB per step after warm-up)."""
-MIN_WINDOWS = 4
-"""Post-warm-up windows needed before a slope means anything."""
+"""1 MiB per step: below it a rise is the allocator's or Python's noise (0.3 MiB per step above)."""
+MIN_WINDOWS = 3
+"""Windows judged (the later half of those after warm-up) needed before a slope means anything."""
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -63,12 +64,14 @@ def find_creep(
     """
     figure = "peak_allocated" if device_kind == "cuda" else "peak_rss"
     worst = None
-    for rank, (steps, values) in rank_series(records, after, figure).items():
+    for rank, (all_steps, all_values) in rank_series(records, after, figure).items():
+        half = len(all_values) // 2
+        steps, values = all_steps[half:], all_values[half:]  # the later half: past the process's own growth
         if len(values) < MIN_WINDOWS:
             continue
-        rises = sum(b > a for a, b in zip(values, values[1:]))
+        rising = all(b > a for a, b in zip(values, values[1:]))
         per_step = slope([float(s) for s in steps], values)
-        if rises < len(values) - 2 or per_step * GIB < CREEP_MIN_BYTES:
+        if not rising or per_step * GIB < CREEP_MIN_BYTES:
             continue
         if worst is None or per_step > worst["gib_per_step"]:
             worst = {"rank": rank, "figure": figure, "gib_per_step": per_step, "last_gib": values[-1]}
