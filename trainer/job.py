@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer.config import AUTO, ConfigError, Mode, OffloadTarget, TrainConfig, to_plain, validate
-from trainer.console import BAD_INPUT, error_line, say, warn
+from trainer.console import BAD_INPUT, error_line, one_line, say, warn
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
 from trainer.faults.stop import (
@@ -258,7 +259,10 @@ def train_ranks(
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
         if failure.oom and details.exists():
-            where["oom"] = explain_out_of_memory(config, device_kind, config.nodes * nproc, details)
+            try:
+                where["oom"] = explain_out_of_memory(config, device_kind, config.nodes * nproc, details)
+            except Exception as err:  # the job still ends `oom`: its explanation is an addition
+                warn(f"the out-of-memory failure could not be explained: {one_line(err)}")
         return Status.oom if failure.oom else Status.crashed, {"error": error, **where}
     except SignalException:  # a second signal: the agent killed the ranks (trainer/faults/stop.py)
         return stopped_at_once(job_stop)
@@ -271,8 +275,6 @@ def explain_out_of_memory(
 ) -> dict[str, Any]:
     """The rank's moment, plan beside measured by category (trainer/faults/oom.py) and the remedies that
     fit (trainer/advise/fit.py): printed, added to the rank's failure record, returned for summary.json."""
-    import json
-
     from trainer.advise.fit import remedies
     from trainer.faults.oom import explain_oom, explanation_lines
 
