@@ -6,8 +6,9 @@ only the layers below it and the leaves (tests/unit/test_imports.py holds the or
 
 - `__main__.py`, `cli.py`: `python -m trainer`: compose, check, dispatch (the entry); `export.py`:
   `python -m trainer.export`, a save written as a Hugging Face checkpoint;
-- `job.py`, `launch.py`, `cluster.py`, `sweep.py`: the job process (check -> plan -> train, plan
-  or advise), starting and joining its ranks, multi-node placement, the Hydra sweep callbacks;
+- `job.py`, `launch.py`, `cluster.py`, `sweep.py`, `autobatch.py`: the job process (check -> plan ->
+  train, plan or advise), starting and joining its ranks, multi-node placement, the Hydra sweep
+  callbacks, `micro_batch=auto`'s proposal and probe runs;
 - `advise/`: `mode=advise`: candidates, predicted step time, rates, verification;
 - `rank/`: one rank's training: its entry point, sharding, precision, optimizer, the loop;
 - `saves/`: saving, loading and resuming the training state (DCP);

@@ -141,6 +141,7 @@ class FaultKind(str, Enum):
     kill = "kill"
     kill_during_save = "kill_during_save"
     term_during_save = "term_during_save"
+    oom = "oom"
 
 
 class SaveAsync(str, Enum):
@@ -785,8 +786,9 @@ class FaultConfig:
     kind: FaultKind = FaultKind.none
     """none, inf_grad, nan_loss, raise_error, kill, kill_during_save (SIGKILL once the save of
     `step` is written, before it is renamed into place; with save.async_mode, while it is written in
-    the background) or term_during_save (the rank sends itself SIGTERM while the background write
-    of `step` runs). Fires in the launcher's first attempt only."""
+    the background), term_during_save (the rank sends itself SIGTERM while the background write
+    of `step` runs), or oom (an allocation no device can hold, which the allocator refuses: a real
+    out-of-memory error on one rank). Fires in the launcher's first attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""
     rank: int = 0
@@ -817,6 +819,40 @@ class TelemetryConfig:
         _require(
             self.warmup_steps is None or self.warmup_steps >= 0,
             f"telemetry.warmup_steps must be >= 0 or null, got {self.warmup_steps}",
+        )
+
+
+class SnapshotMode(str, Enum):
+    off = "off"
+    oom = "oom"
+    steps = "steps"
+
+
+@dataclass
+class MemoryConfig:
+    """`memory.*`: the CUDA allocator's history (trainer/telemetry/snapshot.py, docs/faults.md)."""
+
+    snapshot: SnapshotMode = SnapshotMode.off
+    """off; oom: each rank records the allocator's history and dumps it when it runs out; steps: dumps it
+    after each of `snapshot_steps`. CUDA only (torch.cuda.memory._record_memory_history); on CPU one
+    line says so and the tensor tracker's figures by category are written instead."""
+    snapshot_steps: list[int] = field(default_factory=list)
+    """memory.snapshot=steps: the optimizer steps (1-based) after which each rank dumps a snapshot."""
+    snapshot_max_entries: int = 100_000
+    """Allocator events kept (a ring): bounds the recording's memory and the dump's size."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.snapshot_max_entries >= 1,
+            f"memory.snapshot_max_entries must be >= 1, got {self.snapshot_max_entries}",
+        )
+        _require(
+            all(step >= 1 for step in self.snapshot_steps),
+            f"memory.snapshot_steps must be steps >= 1, got {self.snapshot_steps}",
+        )
+        _require(
+            self.snapshot != SnapshotMode.steps or bool(self.snapshot_steps),
+            "memory.snapshot=steps needs memory.snapshot_steps=[N,...]",
         )
 
 
@@ -946,13 +982,16 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    micro_batch: int = 8
-    """Sequences per rank per forward pass."""
+    micro_batch: Any = 8
+    """Sequences per rank per forward pass (an integer), or `auto`: the largest the plan says fits,
+    confirmed by probe runs (trainer/job.py `choose_micro_batch`), with grad_accum from global_batch
+    where that is given; the job replaces it by the integer before anything is planned or run."""
     grad_accum: int = 1
     """Micro-batches per optimizer step; the global batch is micro_batch * grad_accum * world size."""
     seq_len: int = 128
@@ -968,8 +1007,9 @@ class TrainConfig:
     mode: Mode = Mode.train
     """train; plan: print the memory plan and train nothing; advise: rank configurations for global_batch."""
     global_batch: int | None = None
-    """mode=advise only: sequences per optimizer step, over all ranks (the advisor chooses micro_batch
-    and grad_accum); train and plan take micro_batch and grad_accum instead and refuse it."""
+    """mode=advise, or micro_batch=auto: sequences per optimizer step, over all ranks (the advisor, or
+    auto, chooses micro_batch and grad_accum); otherwise train and plan take micro_batch and grad_accum
+    and refuse it."""
     resume: str = "false"
     """false, true (the newest save of this config) or a path to a save."""
     max_restarts: int = 0
@@ -998,7 +1038,11 @@ class TrainConfig:
     """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/model/attention.py says; math materialises the scores."""
 
     def __post_init__(self) -> None:
-        for key in ("micro_batch", "grad_accum", "seq_len", "steps", "log_every"):
+        _require(
+            self.micro_batch == AUTO or (type(self.micro_batch) is int and self.micro_batch >= 1),
+            f"micro_batch must be an integer >= 1 or auto, got {self.micro_batch}",
+        )
+        for key in ("grad_accum", "seq_len", "steps", "log_every"):
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.resume.lower() in ("true", "false"):
@@ -1061,6 +1105,15 @@ class TrainConfig:
         self.parallel.check_composition(self)
 
     def _check_global_batch(self) -> None:
+        if self.micro_batch == AUTO:
+            _require(
+                self.mode != Mode.advise, "mode=advise chooses micro_batch itself: drop micro_batch=auto"
+            )
+            _require(
+                self.global_batch is None or self.global_batch >= 1,
+                f"global_batch must be >= 1, got {self.global_batch}",
+            )
+            return
         if self.mode != Mode.advise:
             _require(
                 self.global_batch is None,
@@ -1078,6 +1131,10 @@ class TrainConfig:
         """The global batch: sequences per optimizer step, over all ranks (not the `global_batch`
         key, which mode=advise reads to choose micro_batch and grad_accum)."""
         return global_batch(self.micro_batch, self.grad_accum, self.parallel.dp(world_size))
+
+
+AUTO = "auto"
+"""micro_batch=auto (TrainConfig.micro_batch)."""
 
 
 def is_endpoint(value: str) -> bool:

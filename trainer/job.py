@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer.config import (
+    AUTO,
     ConfigError,
     DataKind,
     HfExport,
@@ -26,7 +28,7 @@ from trainer.config import (
     to_plain,
     validate,
 )
-from trainer.console import BAD_INPUT, error_line, say, warn
+from trainer.console import BAD_INPUT, error_line, one_line, say, warn
 from trainer.cuda import check_local_ranks
 from trainer.data import check_data
 from trainer.faults.stop import (
@@ -55,7 +57,8 @@ from trainer.plan import summary_fields as plan_summary_fields
 from trainer.rank.nonfinite import summarize as nonfinite_summary
 from trainer.sweep import finished_ok
 from trainer.telemetry import keys
-from trainer.telemetry.keys import Status
+from trainer.telemetry.creep import creep_line, find_creep
+from trainer.telemetry.keys import MEMORY_CREEP, MICRO_BATCH_AUTO, PREDICTED_PEAK, WARMUP_STEPS, Status
 from trainer.telemetry.summary import (
     build_summary,
     provenance,
@@ -84,6 +87,8 @@ class Job:
     nproc: int
     """Ranks per node."""
     world_size: int
+    auto: dict[str, Any] | None = None
+    """micro_batch=auto: how the micro-batch was chosen (trainer/autobatch.py)."""
 
 
 class EndRole(Enum):
@@ -104,6 +109,8 @@ def run_job(cfg: DictConfig) -> None:
         print(f"skipped: {out_dir} already finished with status ok", flush=True)
         return
     job = check_job(cfg, out_dir)
+    if job is not None and job.config.micro_batch == AUTO:
+        job = with_chosen_micro_batch(job)
     if job is None:  # bad input, reported in one line
         return
     if job.config.mode == Mode.advise:  # plans every candidate itself (trainer/advise/advisor.py)
@@ -114,6 +121,8 @@ def run_job(cfg: DictConfig) -> None:
         # Plan before launching (trainer/plan): the table and plan.json for every job, and a
         # refusal of what cannot fit, recorded as status `refused` without starting a rank.
         refusal, meta = plan_job(job.config, job.out_dir, job.device_kind, job.world_size)
+        if job.auto is not None and meta:
+            meta[MICRO_BATCH_AUTO] = job.auto
         if job.config.mode == Mode.train:
             train_job(job, refusal, meta)
 
@@ -159,6 +168,24 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         exit_unless_sweep(BAD_INPUT)
         return None
     return Job(config, out_dir, device_kind, nproc, world_size)
+
+
+def with_chosen_micro_batch(job: Job) -> Job | None:
+    """micro_batch=auto replaced by the micro-batch the plan proposes and probe runs confirm
+    (trainer/autobatch.py); None after one `error:` line."""
+    from trainer.autobatch import choose_micro_batch
+
+    try:
+        if is_under_torchrun():
+            raise ConfigError("micro_batch=auto launches probe runs itself: under torchrun set micro_batch=N")
+        config, record = choose_micro_batch(
+            job.config, job.out_dir, job.device_kind, job.nproc, job.world_size
+        )
+    except ConfigError as err:
+        error_line(str(err))
+        exit_unless_sweep(BAD_INPUT)
+        return None
+    return dataclasses.replace(job, config=config, auto=record)
 
 
 def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
@@ -275,6 +302,11 @@ def train_ranks(
             where["failed_process"] = failure.who
         details = failure_path(out_dir, failure.rank)
         error = f"{failure} (traceback: {details})" if details.exists() else str(failure)
+        if failure.oom and details.exists():
+            try:
+                where["oom"] = explain_out_of_memory(config, device_kind, config.nodes * nproc, details)
+            except Exception as err:  # the job still ends `oom`: its explanation is an addition
+                warn(f"the out-of-memory failure could not be explained: {one_line(err)}")
         return Status.oom if failure.oom else Status.crashed, {"error": error, **where}
     except SignalException:  # a second signal: the agent killed the ranks (trainer/faults/stop.py)
         return stopped_at_once(job_stop)
@@ -294,6 +326,29 @@ def export_if_asked(
     exported = export_save(find_save(out_dir), out_dir / "hf", config.model)
     print(f"exported the last save as a Hugging Face checkpoint: {exported}", flush=True)
     return status, {**extra, "hf_export": str(exported)}
+
+
+def explain_out_of_memory(
+    config: TrainConfig, device_kind: str, world_size: int, record_path: Path
+) -> dict[str, Any]:
+    """The rank's moment, plan beside measured by category (trainer/faults/oom.py) and the remedies that
+    fit (trainer/advise/fit.py): printed, added to the rank's failure record, returned for summary.json."""
+    from trainer.advise.fit import remedies
+    from trainer.faults.oom import explain_oom, explanation_lines
+
+    record = json.loads(record_path.read_text())
+    explained = explain_oom(build_plan(config, device_kind, world_size), record)
+    overrides = list(HydraConfig.get().overrides.task)
+    found = remedies(config, device_kind, world_size, overrides)
+    explained["remedies"] = [dataclasses.asdict(r) for r in found]
+    lines = explanation_lines(explained)
+    lines.append(
+        "fits, as the plan says (nearest first; run as printed):" if found else "nothing nearby fits the plan"
+    )
+    lines += [f"  {r.command}    # {r.changes}: peak {r.peak_gib:.4f} GiB" for r in found]
+    print("\n".join(lines), flush=True)
+    record_path.write_text(json.dumps({**record, "explained": explained}) + "\n")
+    return explained
 
 
 def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
@@ -399,6 +454,14 @@ def end_summary(
         **nonfinite_summary(records),
         **meta,
     )
+    if records and config.telemetry.enabled:
+        summary[MEMORY_CREEP] = find_creep(
+            records,
+            summary.get(WARMUP_STEPS, 0),
+            meta.get("plan", {}).get("device_memory_gib"),
+            meta.get(PREDICTED_PEAK),
+            resolve_device_kind(config.device, must_be_visible=False),
+        )
     write_summary(out_dir, summary)
     return summary
 
@@ -431,8 +494,9 @@ def end_job(
 
 
 def report_end(summary: dict[str, Any], out_dir: Path) -> None:
-    """A short end-of-run account on the console."""
-    print(f"{summary_table(summary)}\n  outputs: {out_dir}", flush=True)
+    """A short end-of-run account on the console (and a line where memory crept: trainer/telemetry/creep.py)."""
+    creep = f"\n{creep_line(summary[MEMORY_CREEP])}" if summary.get(MEMORY_CREEP) else ""
+    print(f"{summary_table(summary)}\n  outputs: {out_dir}{creep}", flush=True)
 
 
 def exit_unless_sweep(code: int) -> None:

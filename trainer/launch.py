@@ -20,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.console import first_line, one_line, warn
 from trainer.cuda import set_launcher_environment
 from trainer.faults.failures import explain, killed_by
+from trainer.faults.failures import where as failure_where
 from trainer.faults.leftovers import Leftover, mark_job, reap
 from trainer.faults.stop import AGENT_SIGNALS
 from trainer.rank.main import fork_server, rank_main
@@ -39,9 +40,13 @@ class RankFailure(Exception):
     """The node the rank ran on, in a multi-node job (None: a one-node job)."""
     who: str | None = None
     """What failed when it was not one rank (the ranks' fork server); None: rank `rank`."""
+    record: dict[str, Any] | None = None
+    """The rank's failure record (trainer/faults/failures.py), where it left one."""
 
     def __str__(self) -> str:
         where = f" at step {self.step} ({self.phase})" if self.step is not None else ""
+        if self.oom and self.record and self.step is not None:  # the block and micro-batch too
+            where = f" at {failure_where(self.record)}"
         on = f" on node {self.node}" if self.node is not None else ""
         who = self.who or f"rank {self.rank}"
         return f"{who}{on} {'ran out of memory' if self.oom else 'failed'}{where}: {self.cause}"
@@ -153,7 +158,13 @@ def with_record(failure: RankFailure, err: ChildFailedError, out_dir: Path, capp
         return failure
     exitcode = exitcodes.get(record["rank"], failure.exitcode)
     return RankFailure(
-        record["rank"], exitcode, record["message"], record["oom"], record["step"], record["phase"]
+        record["rank"],
+        exitcode,
+        record["message"],
+        record["oom"],
+        record["step"],
+        record["phase"],
+        record=record,
     )
 
 

@@ -232,6 +232,7 @@ def all_jobs(setup: Setup) -> list[JobSpec]:
         *fault_jobs(setup),
         *limit_jobs(setup),
         JobSpec("oom", oom_overrides(setup)),
+        JobSpec("auto_batch", auto_batch_overrides(setup), budget_s=150, estimate_s=45),
         *comparison_jobs(setup),
     ]
 
@@ -330,8 +331,21 @@ def oom_overrides(setup: Setup) -> tuple[str, ...]:
         "zero=stage0",
         "plan.enforce=false",
         "steps=2",
+        "memory.snapshot=oom",  # the allocator's history dumped when it runs out (CPU: the held split)
         *cap,
     )
+
+
+def auto_batch_overrides(setup: Setup) -> tuple[str, ...]:
+    """micro_batch=auto under a cap where the plan's choice is inside 1..32: GPU, 1b at seq_len 1024 in
+    40 GiB (3: 30.25 GiB reserved planned, 32 GiB allowed less advise.headroom); dry run, the tiny model
+    of tests/integration/test_oom_triage.py (25)."""
+    cap = (
+        ("model=tiny", "seq_len=256", "device_memory_gib=0.5", "advise.headroom=0.35")
+        if setup.dry_run
+        else ("model=1b", "seq_len=1024", "device_memory_gib=40")
+    )
+    return (*cap, "precision=bf16", "zero=stage0", "micro_batch=auto", "steps=2")
 
 
 # ----------------------------------------------------------------------------- helpers run as processes

@@ -4,11 +4,13 @@ left (memory rows in memory.py, loss rows in numerics.py, the rest here), and on
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from benchmarks.gpucheck.catalog import ADVICE_FILE, Setup, oom_overrides
+from benchmarks.gpucheck.catalog import ADVICE_FILE, Setup, job_dir, oom_overrides
 from benchmarks.gpucheck.memory import (
     check_expandable,
     check_headroom,
@@ -77,11 +79,54 @@ def check_resumed(setup: Setup, jobs: dict[str, Job]) -> Row:
 
 
 def check_oom(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """Status oom, explained (moment, the category most over its plan), and a snapshot that loads:
+    the allocator's pickle on the GPU, the held split's JSON on a dry run."""
     (job,) = jobs.values()
-    figures = {"status": job.status, "failed_phase": job.summary.get("failed_phase")}
+    explained = job.summary.get("oom") or {}
+    figures = {"status": job.status, "failed_phase": job.summary.get("failed_phase"),
+               "moment": explained.get("moment"), "most_over": explained.get("most_over")}  # fmt: skip
+    if job.status != "oom":
+        return Row("", "fail", figures, failed(job))
+    snapshot = (
+        job_dir(setup, job.name)
+        / "memory_snapshots"
+        / ("rank0_oom.json" if setup.dry_run else "rank0_oom.pickle")
+    )
+    loaded = snapshot_loads(snapshot)
+    figures["snapshot"] = str(snapshot) if loaded else None
     cap = next(o for o in oom_overrides(setup) if o.startswith("device_memory_gib"))
-    note = f"{cap}, plan.enforce=false: status oom recorded" if job.status == "oom" else failed(job)
-    return Row("", "pass" if job.status == "oom" else "fail", figures, note)
+    note = f"{cap}, plan.enforce=false: status oom recorded, {'snapshot loads' if loaded else 'no loadable snapshot'}"
+    return Row("", "pass" if loaded else "fail", figures, note)
+
+
+def snapshot_loads(path: Path) -> bool:
+    """A memory snapshot that reads back: the allocator's segments (pickle) or the held split (JSON)."""
+    try:
+        if path.suffix == ".json":
+            return "gib" in json.loads(path.read_text())
+        return "segments" in pickle.loads(path.read_bytes())
+    except (OSError, ValueError, pickle.UnpicklingError):
+        return False
+
+
+def check_auto_batch(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """micro_batch=auto trains with the plan's proposal, confirmed by at most 4 probes."""
+    (job,) = jobs.values()
+    auto = job.summary.get("micro_batch_auto") or {}
+    tried = [(t["micro_batch"], t["status"], t.get("measured_peak_gib")) for t in auto.get("tried", [])]
+    figures = {
+        "status": job.status,
+        "proposed": auto.get("proposed"),
+        "chosen": auto.get("chosen"),
+        "probes": tried,
+    }
+    good = job.status == "ok" and auto.get("chosen") == auto.get("proposed") and 1 <= len(tried) <= 4
+    return Row(
+        "",
+        "pass" if good else "fail",
+        figures,
+        "the plan's proposal confirmed by probes" if good else failed(job),
+    )
 
 
 def check_sync_free(setup: Setup, jobs: dict[str, Job]) -> Row:
@@ -153,6 +198,7 @@ def row_specs() -> list[RowSpec]:
         RowSpec("offload host memory", ("offload",), check_offload_host),
         RowSpec("plan at the device limit", ("limit_fits", "limit_next"), check_limit),
         RowSpec("oom under device_memory_gib", ("oom",), check_oom),
+        RowSpec("micro_batch=auto", ("auto_batch",), check_auto_batch),
         RowSpec("fp32 vs bf16 losses", ("125m_stage0", "125m_stage0_fp32"), check_same_losses),
         RowSpec("bf16 runs reproducible", ("125m_stage0", "125m_stage0_again"), check_reproducible),
         RowSpec("checkpointing full", ("125m_stage0", "ckpt_full"), check_checkpointing),

@@ -68,7 +68,7 @@ CASES = [
     ),
     (["precision=bf16", "zero=stage3", "model=13b"], "model=13b", "a smaller model"),
     # Mistakes Hydra and OmegaConf catch while composing (trainer/cli.py one_line_config_errors)
-    (["micro_batch=abc"], "micro_batch=abc", "converted to Integer"),
+    (["micro_batch=abc"], "micro_batch", "an integer >= 1 or auto"),
     (["zero.stage=stage9"], "zero.stage=stage9", "expected one of [stage0, stage1, stage2, stage3]"),
     (["optim.lr=fast"], "optim.lr=fast", "converted to Float"),
     (["lr=0.1"], "lr is not a config key", "--cfg job"),

@@ -28,7 +28,7 @@ ROWS = [
     "throughput 125m bf16 stage0", "throughput 125m bf16 stage3", "throughput 1b bf16 stage0", "throughput 1b bf16 stage3",
     "headroom", "expandable segments", "advisor tokens/s (h200)", "cpu save resumed on the device", "device save resumed on the device",
     "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "offload host memory", "plan at the device limit",
-    "oom under device_memory_gib", "fp32 vs bf16 losses", "bf16 runs reproducible", "checkpointing full",
+    "oom under device_memory_gib", "micro_batch=auto", "fp32 vs bf16 losses", "bf16 runs reproducible", "checkpointing full",
     "checkpointing selective", "checkpointing op", "loss chunked", "attention efficient (bf16)", "attention math (bf16)",
     "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile",
 ]  # fmt: skip

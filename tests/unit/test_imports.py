@@ -32,7 +32,13 @@ ELASTIC_LAUNCHER = ("torch.distributed.elastic", "torch.distributed.run", "torch
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.__main__", "trainer.cli", "trainer.export"),  # the entries: compose, check, dispatch; export
-    ("trainer.job", "trainer.launch", "trainer.cluster", "trainer.sweep"),  # the job process
+    (
+        "trainer.job",
+        "trainer.launch",
+        "trainer.cluster",
+        "trainer.sweep",
+        "trainer.autobatch",
+    ),  # the job process
     ("trainer.advise",),
     ("trainer.rank",),
     ("trainer.saves", "trainer.report", "trainer.faults"),

@@ -4,5 +4,7 @@
 - predict.py: the predicted step time of one configuration (compute, exposed communication, optimizer);
 - throughput.py: the fraction of a GPU's dense peak a step's matmuls reach, fitted to published runs;
 - calibrate.py: the rates that turn FLOPs and bytes into seconds (this host measured, or a table);
-- verify.py: `advise.verify=K`: run the K best as jobs and set measured beside predicted.
+- verify.py: `advise.verify=K`: run the K best as jobs and set measured beside predicted;
+- fit.py: what the plan says fits a rank: the remedies after an out-of-memory failure (the candidates,
+  nearest first) and the micro-batch `micro_batch=auto` proposes.
 """

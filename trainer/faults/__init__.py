@@ -4,5 +4,7 @@
   explains the job; memory caps for a rank;
 - leftovers.py: nothing left behind: ranks die with their fork server, every process of a job
   carries its mark, and what outlives the launcher is ended;
+- oom.py: an out-of-memory failure explained: its moment, the plan's figure there by category beside
+  what the rank held, the category most over its plan;
 - stop.py: a signal (Ctrl-C, preemption) stops every rank after an agreed step, saved.
 """

@@ -15,14 +15,17 @@ import resource
 import signal
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainer.console import one_line
+from trainer.telemetry.memory import AT_FAILURE
+from trainer.telemetry.snapshot import ACTIVE
 from trainer.units import GIB
 
 FAILURES_DIR = "failures"
@@ -45,19 +48,68 @@ LOST_PEER_LINGER_S = 1.0  # ten of the launcher's monitor intervals (trainer/lau
 
 @dataclass
 class Position:
-    """Where this rank's training is: the optimizer step (1-based, 0 before the first) and its phase."""
+    """Where this rank's training is: the optimizer step (1-based, 0 before the first), its phase, the
+    transformer block running (None: outside the blocks, the embedding, output head and loss) and the
+    micro-batch (0-based) within the step."""
 
     step: int = 0
     phase: str = "setup"
+    block: int | None = None
+    micro_batch: int = 0
 
 
 POSITION = Position()  # one per rank process; the loop moves it, a failure reads it
 _capped_rlimit: tuple[int, int] | None = None  # the RLIMIT_DATA this process had before the cap
 
 
-def mark_phase(step: int, phase: str) -> None:
-    """Note the step and phase the loop enters (two assignments: free on every step)."""
+def mark_phase(step: int, phase: str, micro_batch: int | None = None) -> None:
+    """Note the step and phase the loop enters (a few assignments: free on every step)."""
     POSITION.step, POSITION.phase = step, phase
+    if micro_batch is not None:
+        POSITION.micro_batch = micro_batch
+    if phase != "backward":  # backward starts at the loss, outside the blocks, until a block's hook says
+        POSITION.block = None
+
+
+def watch_blocks(blocks: Sequence[nn.Module]) -> None:
+    """Let POSITION name the block an out-of-memory failure happened in: a forward pre-hook marks block i
+    on entry, the last block's forward hook marks leaving the blocks (the norm, head and loss follow), and
+    a hook on each block's output marks block i when its gradient arrives, where the block's backward
+    begins. Hooks, not code in the model: the block is the model's, the position is the rank's."""
+
+    def entering(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            POSITION.block = index
+
+        return hook
+
+    def left(index: int, last: bool) -> Callable[..., None]:
+        def mark_backward(grad: torch.Tensor) -> None:
+            POSITION.block = index
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(mark_backward)
+            if last:
+                POSITION.block = None
+
+        return hook
+
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(entering(index))
+        block.register_forward_hook(left(index, last=index == len(blocks) - 1))
+
+
+def where(record: dict[str, Any]) -> str:
+    """A failure record's moment in words: `step 3 (backward, block 1, micro-batch 2)`."""
+    if record.get("step") is None:
+        return "an unknown step"
+    parts = [record["phase"]]
+    if record.get("phase") in ("forward", "backward"):
+        block = record.get("block")
+        parts.append("outside the blocks" if block is None else f"block {block}")
+        parts.append(f"micro-batch {record.get('micro_batch', 0)}")
+    return f"step {record['step']} ({', '.join(parts)})"
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -124,14 +176,18 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
         yield
     except Exception as err:
         lift_memory_cap()
+        oom = is_out_of_memory(err)
         record = {
             **asdict(POSITION),
             "rank": rank,
-            "oom": is_out_of_memory(err),
+            "oom": oom,
             "message": one_line(err),
             "time": time.time(),  # torch's failure timestamps are whole seconds; see explain()
             "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
+            **({"measured_bytes": held_at_failure()} if oom else {}),
         }
+        if oom and ACTIVE:  # memory.snapshot: the allocator's history (CUDA) or the held split (CPU)
+            record["snapshot"] = str(ACTIVE[0].on_oom(record["measured_bytes"]))
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record) + "\n")
         if lost_peer(record["message"]):
@@ -140,6 +196,20 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
             # exit code is all there is to say) is seen to end first: see explain().
             time.sleep(LOST_PEER_LINGER_S)
         raise
+
+
+def held_at_failure() -> dict[str, float]:
+    """What this rank's tensors held when it ran out, by category where the tensor tracker ran that step
+    (CPU, trainer/telemetry/memory.py), else the CUDA allocator's own figures (no split); empty when
+    neither was measured."""
+    if AT_FAILURE:
+        return dict(AT_FAILURE)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "held": float(torch.cuda.memory_allocated()),
+            "reserved": float(torch.cuda.memory_reserved()),
+        }
+    return {}
 
 
 def read_failures(out_dir: Path) -> dict[int, dict[str, Any]]:

@@ -13,6 +13,7 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
 | `DistributedDataParallel._comm_hooks` | the (hook, state) pairs register_comm_hook appended, so the memory tracker can count the state a compression hook keeps between steps; DDP has no public getter | `of_torch.comm_hook_states` |
 | `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |
+| `torch.cuda.memory._record_memory_history`, `_dump_snapshot` | the allocator's history and its snapshot for pytorch.org/memory_viz; torch documents them (docs "Understanding CUDA Memory Usage") but names them private | `of_torch.record_memory_history`, `of_torch.dump_memory_snapshot` |
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
 | `GradScaler._get_scale_async` | the scale without a host sync (`get_scale()` syncs) | `of_torch.scale_on_device` |
 | `LRScheduler._last_lr` | what `get_last_lr()` returns after a rewind; LambdaLR has no setter | `of_torch.set_last_lr` |

@@ -23,6 +23,9 @@ __all__ = [
     "found_inf_per_device",
     "HigherOrderOperator",
     "new_mem_tracker",
+    "dump_memory_snapshot",
+    "record_memory_history",
+    "stop_memory_history",
     "OpOverload",
     "OpOverloadPacket",
     "scale_on_device",
@@ -52,6 +55,23 @@ def comm_hook_states(model: torch.nn.Module) -> list[object]:
     """The states of the communication hooks registered on a DDP model (DistributedDataParallel's
     `_comm_hooks`, appended by register_comm_hook); none for any other module."""
     return [state for _, state in getattr(model, "_comm_hooks", [])]
+
+
+def record_memory_history(max_entries: int) -> None:
+    """Start the CUDA caching allocator's history: every allocation and free with its Python stack
+    (`stacks="python"`: C++ frames make a dump take minutes, pytorch/torchtitan#3628), at most
+    `max_entries` events kept."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
+def stop_memory_history() -> None:
+    """Stop recording the allocator's history (and drop what was kept)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocator's state and recorded history as a pickle for pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def new_mem_tracker() -> Any:

@@ -16,7 +16,7 @@ from torch.amp import GradScaler
 
 from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
 from trainer.data import build_batches, to_device, validation_batches
-from trainer.faults.failures import mark_phase
+from trainer.faults.failures import mark_phase, watch_blocks
 from trainer.faults.stop import RankStop
 from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
@@ -50,10 +50,14 @@ from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good,
 from trainer.saves.resume import resume_training
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
+from trainer.telemetry.snapshot import Snapshots
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, ...]]
 """(inputs_BT, targets_BT), and documents_BT under data.packing=document (trainer/data.py)."""
+LEAK_ENV = "ZEROLAB_TEST_LEAK_MIB"
+"""Tests only (tests/integration/test_memory_creep.py): a rank keeps one tensor of this many MiB per
+step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to find. Unset in real runs."""
 
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
@@ -69,6 +73,8 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     apply_compile(
         model, config.compile, config.compile_backend
     )  # after checkpointing, before sharding: in place
+    if not config.compile:  # a compiled block would trace the hooks' side effects into its graph
+        watch_blocks(model.layers)  # an out-of-memory failure names its block (trainer/faults/failures.py)
     model = apply_zero(
         model,
         config.zero,
@@ -99,6 +105,8 @@ def train(
     what the ranks measure.
     """
     torch.manual_seed(config.seed)
+    # memory.snapshot: recording starts before the model exists, so its allocations are in the history.
+    snapshots = Snapshots(config.memory, world.device, out_dir, world.rank)
     trainee = build_trainee(config, world)
     spec = SaveSpec.of(config)
     start = resume_training(
@@ -118,13 +126,17 @@ def train(
         defer=uses_fused(config.optim, world.device.type),
     )
     saves = Saves(spec, world, out_dir)  # in place or in the background (save.async_mode)
+    leak_mib, leaked = int(os.environ.get(LEAK_ENV, "0")), []
     for step in range(start.step + 1, config.steps + 1):
         saves.poll()  # a background write that has completed becomes a save (rank 0 lists it)
+        if leak_mib:
+            leaked.append(torch.ones(leak_mib * 2**20, dtype=torch.uint8, device=world.device))
         try:
             with meter.measure(
                 step, trainee.model, trainee.optimizer
             ):  # tensor-level memory, on chosen steps
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
+            snapshots.after_step(step, meter.memory.step_peak if meter.memory else None)
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
         except NonFiniteError as err:  # every rank raises together: they agreed on the flags
@@ -195,7 +207,7 @@ def train_step(
             build_autocast(config.precision, config.zero, world.device),
             loss_context(config.parallel.tp),  # vocabulary-sharded logits: forward and backward
         ):
-            mark_phase(step, "forward")  # where an out-of-memory failure is reported to have happened
+            mark_phase(step, "forward", micro)  # where an out-of-memory failure is reported to have happened
             loss = inject_fault(compute_loss(model, batch, config), config.fault, world, step, is_last)
             loss_sum += local_loss(loss).detach()
             mark_phase(step, "backward")
@@ -278,5 +290,7 @@ def inject_fault(
         return loss * float("nan")
     if fault.kind == FaultKind.raise_error:
         raise RuntimeError(f"injected fault at step {step}")
+    if fault.kind == FaultKind.oom:  # 2**60 bytes: the allocator itself refuses, nothing is taken
+        torch.empty(2**60, dtype=torch.uint8, device=world.device)
     os.kill(os.getpid(), signal.SIGKILL)
     return loss

@@ -7,6 +7,7 @@
 - charts.py: the PNG charts (throughput, peak memory per rank, memory saved against bytes moved,
   losses, the fp16 loss scale);
 - markdown.py: report.md, and the summary line printed at the end;
+- where_memory.py: where the memory went, plan against measured by category per point and rank;
 - fit_table.py: a sweep's fit table (plan_table.md), every point's plan and how it ended;
 - wandb_report.py: the W&B Report built from what was swept (wandb-workspaces);
 - summary_run.py: with logger=wandb, the W&B summary run and the Report published and linked.

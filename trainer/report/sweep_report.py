@@ -13,6 +13,7 @@ directories together (trainer/report/command.py), into `--out` or a new director
     comm.png         memory each stage saved over stage0 against the bytes it moved per step, per point
     losses.png       training loss against step, per point
     val_losses.png   the held-out loss (loss/val) at every evaluation, per point that evaluated
+    where_memory.png plan against measured memory by category, per point and rank (where_memory.py)
     loss_scale.png   the fp16 loss scale against step of every fp16 point (only when there is one)
     wandb_report.json  the W&B Report of the same points (trainer/report/wandb_report.py), ready to publish
 
@@ -31,6 +32,7 @@ from trainer.report.markdown import markdown
 from trainer.report.rows import build_rows, swept_keys, write_csv
 from trainer.report.run_dirs import Point, Report, load_points
 from trainer.report.summary_run import report_logger
+from trainer.report.where_memory import markdown_where, memory_rows, plot_where
 
 
 def write_report(sweep_dir: Path, points: list[Point] | None = None) -> Report:
@@ -47,7 +49,9 @@ def write_report(sweep_dir: Path, points: list[Point] | None = None) -> Report:
     logger = report_logger(report)
     wandb_json = write_wandb_report(report, logger.get("project") or "zerolab", logger.get("entity"))
     published = wandb_json if logger.get("backend") == "wandb" else None  # no runs in W&B: nothing to publish
-    (sweep_dir / "report.md").write_text(markdown(report, published))
+    split = memory_rows(points)  # where the memory went, plan against measured by category
+    where = markdown_where(split, plot_where(report, split))
+    (sweep_dir / "report.md").write_text(markdown(report, published) + "".join(f"{line}\n" for line in where))
     return report
 
 

@@ -100,6 +100,11 @@ MAX_RANK_PEAK_RSS = "memory/max_rank_peak_rss_gib"
 # summary of a history key is its last value, so the steady means go under names of their own.
 STEADY_TOKENS_PER_S = "throughput/steady_tokens_per_s"
 STEADY_MFU_PCT = "throughput/steady_mfu_pct"
+# OOM triage (trainer/autobatch.py, trainer/faults/oom.py, trainer/telemetry/creep.py): summary.json's records.
+MICRO_BATCH_AUTO = "micro_batch_auto"
+"""micro_batch=auto: proposed, every probe's status and peaks, chosen (summary.json and the W&B config)."""
+MEMORY_CREEP = "memory/creep"
+"""Per-step growth of the per-step peak beyond the plan's steady state, and when it would reach the limit."""
 
 
 # ----------------------------------------------------------------------------- per rank

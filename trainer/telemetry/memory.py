@@ -79,6 +79,21 @@ def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:
 
 
 _ACTIVE_TRACKER: list = []  # the MemTracker of the step being tracked, if any (one per rank process)
+AT_FAILURE: dict[str, float] = {}
+"""Bytes by category (`held`, then `params`, `grads`, ... of TENSOR_CATEGORIES) that this rank's tensors
+held when a tracked step raised; empty when the failing step was not tracked."""
+
+
+def category_bytes(snapshot: dict, total_name: str, prefix: str = "") -> dict[str, float]:
+    """A MemTracker snapshot (per device, bytes by its _MemRefType) as our categories (`prefix`ed),
+    summed over devices."""
+    out = {total_name: 0.0, **{f"{prefix}{name}": 0.0 for name in TENSOR_CATEGORIES}}
+    for per_kind in snapshot.values():
+        by_name = {getattr(kind, "value", kind): nbytes for kind, nbytes in per_kind.items()}
+        out[total_name] += by_name.get("Total", 0)
+        for name, kind in TENSOR_CATEGORIES.items():
+            out[f"{prefix}{name}"] += by_name.get(kind, 0)
+    return out
 
 
 def next_micro_batch() -> None:
@@ -98,8 +113,20 @@ class MemoryProbe:
     one tensor; a figure not measured in the window is NaN.
     """
 
-    def __init__(self, device: torch.device, memory_every: int, last_step: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        memory_every: int,
+        last_step: int,
+        track_first: bool = False,
+        also: frozenset[int] = frozenset(),
+    ) -> None:
         self.device = device
+        self.also = also  # steps tracked besides (memory.snapshot=steps on CPU)
+        self.step_peak: dict[str, float] | None = None  # the last tracked step's peak by category
+        # Under a memory cap the first step is tracked too: that is where an activation-bound OOM
+        # happens, and its failure record then has the split of what the rank held.
+        self.track_first = track_first
         self.memory_every = memory_every
         self.last_step = last_step
         self.fields = CUDA_FIELDS if device.type == "cuda" else CPU_FIELDS
@@ -124,9 +151,15 @@ class MemoryProbe:
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> AbstractContextManager:
         """Wrap one training step: tensor-level tracking on chosen CPU steps, nothing otherwise."""
+        first = self._anchor is None
         if self._anchor is None:
             self._anchor = min(step + 1, self.last_step)
-        if self.device.type != "cpu" or not should_track_tensors(step, self._anchor, self.memory_every):
+        chosen = (
+            should_track_tensors(step, self._anchor, self.memory_every)
+            or (first and self.track_first)
+            or step in self.also
+        )
+        if self.device.type != "cpu" or not chosen:
             return contextlib.nullcontext()
         return self._track_tensors(model, optimizer)
 
@@ -143,14 +176,16 @@ class MemoryProbe:
             _ACTIVE_TRACKER.append(tracker)
             try:
                 yield
+            except BaseException:
+                # What the rank held when the step failed (an allocation that did not fit is not in
+                # it): the failure record's measured split (trainer/faults/failures.py).
+                AT_FAILURE.clear()
+                AT_FAILURE.update(category_bytes(tracker.get_tracker_snapshot("current"), "held"))
+                raise
             finally:
                 _ACTIVE_TRACKER.clear()
-        peak = {"peak_allocated": 0.0, **{f"peak_{name}": 0.0 for name in TENSOR_CATEGORIES}}
-        for per_kind in tracker.get_tracker_snapshot("peak").values():
-            by_name = {getattr(kind, "value", kind): nbytes for kind, nbytes in per_kind.items()}
-            peak["peak_allocated"] += by_name.get("Total", 0)
-            for name, kind in TENSOR_CATEGORIES.items():
-                peak[f"peak_{name}"] += by_name.get(kind, 0)
+        peak = category_bytes(tracker.get_tracker_snapshot("peak"), "peak_allocated", "peak_")
+        self.step_peak = peak
         if peak["peak_allocated"] > self._tensor_peak.get("peak_allocated", -1.0):
             self._tensor_peak = peak  # several tracked steps in a window: keep the worst one
 

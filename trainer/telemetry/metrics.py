@@ -79,7 +79,17 @@ class Meter:
         """The held-out loss of this step (eval steps only), written with its record."""
         telemetry = config.telemetry
         self.memory = (
-            MemoryProbe(world.device, telemetry.memory_every, config.steps) if telemetry.enabled else None
+            MemoryProbe(
+                world.device,
+                telemetry.memory_every,
+                config.steps,
+                track_first=config.device_memory_gib is not None,
+                also=frozenset(
+                    config.memory.snapshot_steps if config.memory.snapshot.value == "steps" else ()
+                ),
+            )
+            if telemetry.enabled
+            else None
         )
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = (

@@ -23,7 +23,7 @@ from trainer.config import LoggerBackend, LoggerConfig
 from trainer.console import warn
 from trainer.jsonl import parse_line
 from trainer.private_apis.of_wandb import generate_run_id
-from trainer.telemetry.keys import Status
+from trainer.telemetry.keys import MICRO_BATCH_AUTO, Status
 from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import SUMMARIZED_BY_WANDB, define_metrics, describe_job, steady_figures
 
@@ -276,7 +276,8 @@ def wandb_config(meta: dict[str, Any]) -> dict[str, Any]:
     overwrite the config's `device` (auto, cpu or cuda).
     """
     provenance = {k: meta[k] for k in PROVENANCE_KEYS if k in meta}  # the plan's figures go to the summary
-    return {**meta["config"], "overrides": meta["overrides"], "provenance": provenance}
+    auto = {MICRO_BATCH_AUTO: meta[MICRO_BATCH_AUTO]} if MICRO_BATCH_AUTO in meta else {}
+    return {**meta["config"], "overrides": meta["overrides"], "provenance": provenance, **auto}
 
 
 def run_name() -> str:

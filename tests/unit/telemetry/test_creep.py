@@ -1,0 +1,45 @@
+"""Memory that creeps (trainer/telemetry/creep.py): the slope of the per-window peak and when it reaches the limit."""
+
+from __future__ import annotations
+
+from trainer.telemetry.creep import creep_line, find_creep
+
+MIB = 1 / 1024  # GiB
+
+
+def records(per_step_mib: float, noise: list[float] | None = None, figure: str = "peak_rss") -> list[dict]:
+    """Two ranks' windows at steps 1..8; rank 1 grows by `per_step_mib` from 1 GiB."""
+    noise = noise or [0.0] * 8
+    return [
+        {
+            "step": step,
+            f"memory/rank0/{figure}_gib": 1.0,
+            f"memory/rank1/{figure}_gib": 1.0 + (step * per_step_mib + noise[step - 1]) * MIB,
+        }
+        for step in range(1, 9)
+    ]
+
+
+def test_a_leak_is_its_growth_per_step_and_the_step_it_reaches_the_limit() -> None:
+    creep = find_creep(records(8.0), after=1, limit_gib=0.5, planned_gib=0.25, device_kind="cpu")
+    assert creep is not None
+    # the later half of the windows after step 1: steps 5-8
+    assert (creep["rank"], creep["figure"], creep["first_step"], creep["at_step"]) == (1, "peak_rss", 5, 8)
+    assert abs(creep["gib_per_step"] - 8 * MIB) < 1e-12
+    # CPU: the room the plan's peak leaves under the cap, 0.25 GiB = 32 steps of 8 MiB, from step 5
+    assert creep["reaches_limit_at_step"] == 5 + 32
+    assert creep_line(creep).startswith("memory creeps on rank 1: peak_rss grows 8.00 MiB per step")
+
+
+def test_on_a_gpu_the_growth_runs_on_from_the_last_peak() -> None:
+    creep = find_creep(records(8.0, figure="peak_allocated"), 1, 1.0 + 64 * MIB + 16 * MIB, None, "cuda")
+    assert creep is not None and creep["reaches_limit_at_step"] == 8 + 2
+
+
+def test_flat_or_noisy_peaks_are_no_creep() -> None:
+    assert find_creep(records(0.0), 1, 0.5, 0.25, "cpu") is None
+    assert find_creep(records(0.5), 1, 0.5, 0.25, "cpu") is None  # below 1 MiB per step
+    wobble = [0.0, 3.0, -3.0, 3.0, -3.0, 3.0, -3.0, 3.0]
+    assert find_creep(records(2.0, wobble), 1, 0.5, 0.25, "cpu") is None  # not rising window after window
+    settling = [0.0, 30.0, 50.0, 60.0, 60.0, 60.0, 60.0, 60.0]  # the process's own growth, then flat
+    assert find_creep(records(0.0, settling), 1, 0.5, 0.25, "cpu") is None
