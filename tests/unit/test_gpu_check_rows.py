@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickle
 import sys
 import tarfile
 from pathlib import Path
@@ -373,6 +374,10 @@ def test_the_resume_oom_and_gpu_tests_rows_fail_on_the_wrong_ending(tmp_path: Pa
         == "fail"
     )
     setup = check.Setup(dry_run=False, out=tmp_path, deadline=0.0)
+    assert check.check_oom(setup, {"j": check.Job("oom", "oom")}).status == "fail"  # no snapshot left
+    snapshots = catalog.job_dir(setup, "oom") / "memory_snapshots"
+    snapshots.mkdir(parents=True)
+    (snapshots / "rank0_oom.pickle").write_bytes(pickle.dumps({"segments": []}))
     assert check.check_oom(setup, {"j": check.Job("oom", "oom")}).status == "pass"
     assert check.check_oom(setup, {"j": check.Job("oom", "ok")}).status == "fail"
     tests = {"pass": "== 12 passed in 3.0s ==", "fail": "== 1 failed, 11 passed in 3.0s =="}
