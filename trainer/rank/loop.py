@@ -22,6 +22,7 @@ from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
+from trainer.model.fp8 import apply_fp8
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
@@ -31,7 +32,12 @@ from trainer.rank.optim import (
     rewind_scheduler,
     step_unless,
 )
-from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.rank.precision import (
+    build_autocast,
+    build_grad_scaler,
+    precompute_fp8_scales,
+    update_loss_scale,
+)
 from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
@@ -52,6 +58,7 @@ Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
+    apply_fp8(model, config.precision, world.device.type)  # precision=fp8: first, as torchtitan converts
     apply_sdpa_choice(
         model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
     )  # the attention kernel, explicit
@@ -186,6 +193,7 @@ def train_step(
         scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
     update_loss_scale(scaler, config.precision.min_loss_scale)
+    precompute_fp8_scales(model, config.precision)  # fp8 all-gather: the next forward's scales, at once
     trainee.scheduler.step()
     return StepStats(
         loss=loss_sum / config.grad_accum,
