@@ -67,6 +67,42 @@ def fp8_split(m: ModelConfig) -> Fp8Split:
     return Fp8Split(tuple(converted), tuple(kept))
 
 
+def converted_numel(m: ModelConfig) -> int:
+    """Weights and biases of one block's converted linears: what autocast no longer caches a cast of
+    (Float8Linear hands its fp32 weight to torchao's matmul, which casts it to float8 per call)."""
+    linears = block_linears(m)
+    biases = {"attention.wq", "attention.wk", "attention.wv"} if m.qkv_bias else set()
+    return sum(
+        linears[name][0] * linears[name][1] + (linears[name][1] if name in biases else 0)
+        for name in fp8_split(m).converted
+    )
+
+
+NORM_READERS = (
+    ("attention.wq", "attention.wk", "attention.wv"),  # read attention_norm's output
+    ("feed_forward.w1", "feed_forward.w3"),  # read ffn_norm's output
+)
+
+
+def autocast_input_saving(m: ModelConfig, device_kind: str) -> int:
+    """Bytes per token a block saves less under autocast (stages 0-1) with fp8 than with bf16.
+
+    Under bf16 autocast every linear reading an RMSNorm's fp32 output saves its own bf16 cast of it
+    (2·D each). Float8Linear casts its input to the autocast dtype only where
+    `torch.is_autocast_enabled()` says so, which asks about CUDA: on CUDA it saves the same bf16
+    casts, on CPU the readers of one norm save the fp32 output itself, once (4·D). The other
+    linears read bf16 already (SDPA's output, the SwiGLU product): the same in both.
+    """
+    if device_kind == "cuda":
+        return 0
+    converted = set(fp8_split(m).converted)
+    saving = 0
+    for readers in NORM_READERS:
+        n = sum(name in converted for name in readers)
+        saving += 2 * m.dim * n - (4 * m.dim if n else 0)
+    return saving
+
+
 def converts(fqn: str, converted: tuple[str, ...]) -> bool:
     """Whether the linear at `fqn` (`layers.3.attention.wq`, `layers.3._checkpoint_wrapped_module...`
     never: conversion comes before checkpointing) is one of a block's converted linears."""
