@@ -115,12 +115,17 @@ def import_float8() -> ModuleType:
     optional kernel library it cannot load (CUDA's, absent from a CPU host) and torch warns of an
     Enum torchao registers with pytree; neither concerns Float8Linear, and every rank would print them."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree = logging.getLogger("torch.utils._pytree")  # torch logs its Enum notice, not warnings.warn
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return importlib.import_module("torchao.float8")
     except ImportError:
         raise ConfigError(FP8_EXTRA) from None
+    finally:
+        pytree.setLevel(level)
 
 
 def float8_config(precision: PrecisionConfig, device_kind: str) -> Any:
