@@ -34,6 +34,15 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class Fp8Recipe(str, Enum):
+    """precision.fp8_recipe: none, or one of torchao's named recipes (Float8LinearRecipeName)."""
+
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
+
+
 class Stage(str, Enum):
     stage0 = "stage0"
     stage1 = "stage1"
@@ -315,6 +324,11 @@ class PrecisionConfig:
     """fp16 only: the scale never backs off below this."""
     tf32: bool = True
     """CUDA: fp32 matmuls and convolutions may use TF32 tensor cores (torch.backends fp32_precision "tf32"; false: "ieee")."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.none
+    """precision=fp8: the block linears become torchao's Float8Linear with this named recipe (none: no fp8)."""
+    fp8_all_gather: bool = False
+    """fp8, tensorwise, zero=stage2/3 on CUDA: FSDP2 all-gathers the converted weights in fp8 (torchao's
+    enable_fsdp_float8_all_gather)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -329,10 +343,36 @@ class PrecisionConfig:
             f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}",
         )
         _require(self.min_loss_scale > 0, f"precision.min_loss_scale must be > 0, got {self.min_loss_scale}")
+        self.check_fp8()
+
+    def check_fp8(self) -> None:
+        """fp8 runs its matmuls' other half in bf16 (torchao's training recipes are for bf16 autocast
+        or bf16 FSDP2 parameters); fp8 all-gather casts a whole tensor with one scale: tensorwise only."""
+        if not self.is_fp8:
+            _require(
+                not self.fp8_all_gather,
+                "precision.fp8_all_gather=true needs precision=fp8 (precision.fp8_recipe=tensorwise)",
+            )
+            return
+        _require(
+            self.compute_dtype == DType.bfloat16,
+            f"precision.fp8_recipe={self.fp8_recipe.value} needs precision.compute_dtype=bfloat16 "
+            f"(got {self.compute_dtype.value}): use precision=fp8",
+        )
+        _require(
+            not self.fp8_all_gather or self.fp8_recipe == Fp8Recipe.tensorwise,
+            f"precision.fp8_all_gather=true with precision.fp8_recipe={self.fp8_recipe.value}: "
+            "fp8 all-gather is tensorwise only (one scale per weight); use precision.fp8_recipe=tensorwise "
+            "or precision.fp8_all_gather=false",
+        )
 
     @property
     def is_fp16(self) -> bool:
         return self.compute_dtype == DType.float16
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_recipe != Fp8Recipe.none
 
 
 @dataclass
@@ -716,6 +756,7 @@ class ParallelConfig:
             # Not yet proven: the weights' reader slices FSDP2's shards, not tensor-parallel ones; and
             # the block-causal mask's attention under sequence parallelism.
             (config.model.weights is not None, "model.weights", "use model.weights=null"),
+            (config.precision.is_fp8, "precision=fp8", "use precision=bf16"),
             (
                 config.data.kind == DataKind.text and config.data.packing == Packing.document,
                 "data.packing=document",

@@ -192,11 +192,13 @@ def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
     """A job that trains here: its device and ranks as this host has them, the stage on that
     device, the data, and this node's place in a multi-node job."""
     from trainer.cluster import place_node
+    from trainer.rank.precision import check_fp8_support
     from trainer.rank.sharding import check_device_support
 
     device_kind = resolve_device_kind(config.device)
     nproc = resolve_nproc(config.nproc, device_kind)
     check_device_support(config.zero, device_kind)
+    check_fp8_support(config.precision, config.zero, device_kind)  # torchao, fp8 all-gather's backend
     check_data(
         config.data, config.model.vocab_size, config.seq_len, config.seed
     )  # a bad token file: before any rank starts

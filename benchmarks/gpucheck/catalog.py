@@ -278,6 +278,7 @@ def comparison_jobs(setup: Setup) -> list[JobSpec]:
         JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
                 estimate_s=90),
         JobSpec("125m_stage0_fp32", (f"model={model}", "precision=fp32", "zero=stage0", *setup.shape())),
+        *fp8_jobs(setup, backend),
         JobSpec("125m_stage0_again", bf16(setup, "125m", "stage0"), unique=True),
         JobSpec("ckpt_full", bf16(setup, "125m", "stage0", "checkpointing=full")),
         JobSpec("ckpt_selective", bf16(setup, "125m", "stage0", "checkpointing=selective")),
@@ -290,6 +291,16 @@ def comparison_jobs(setup: Setup) -> list[JobSpec]:
         JobSpec("stage2", bf16(setup, "125m", "stage2")),
         *([JobSpec("125m_stage0_loop", bf16(setup, "125m", "stage0", "optim.fused=false"), exclusive=True)]
           if not setup.dry_run else []),  # a timing: nothing to learn from a shared CPU
+    ]  # fmt: skip
+
+
+def fp8_jobs(setup: Setup, backend: str) -> list[JobSpec]:
+    """125m compiled in fp8 (tensorwise) beside the compile row's bf16 job: fp8 pays only compiled; the
+    row sets their tokens/s ratio beside the advisor's prediction (trainer/advise/fp8.py). 125m, not 1b:
+    two compiled 1b jobs would not fit the 420 s (this one shares the GPU as the compile job does)."""
+    return [
+        JobSpec("125m_fp8_compiled", (*bf16(setup, "125m", "stage0", "compile=true", backend), "precision=fp8"),
+                budget_s=150, estimate_s=90),
     ]  # fmt: skip
 
 

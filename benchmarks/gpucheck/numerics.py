@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.gpucheck.catalog import Setup
+from benchmarks.gpucheck.catalog import REPO, Setup
 from benchmarks.gpucheck.memory import memory_figures, memory_verdict
 from benchmarks.gpucheck.report import Row
 from benchmarks.gpucheck.scheduler import Job, failed
@@ -105,6 +105,56 @@ def check_compile(setup: Setup, jobs: dict[str, Job]) -> Row:
         "; ".join(wrong) or f"per-step losses within {LOSS_TOLERANCE:g} of eager; memory reported, not judged"
     )
     return Row("", "fail" if wrong else "pass", figures, note)
+
+
+FP8_LOSS_TOLERANCE = 0.02
+"""fp8 against bf16, per step: the bound bf16 is held to against fp32 (CPU: within 0.24% over 6 steps)."""
+FP8_RATIO_BAND = 0.15
+"""The measured fp8/bf16 tokens/s may differ from the advisor's predicted ratio by this much either way:
+the fit has one published model (Llama-3.1-8B on 8 H100) and is held there to 1.5 points; 125m on one
+H200 is the first point off it (small GEMMs, where the casts weigh most), a data point for the fit first."""
+
+
+def check_fp8(setup: Setup, jobs: dict[str, Job]) -> Row:
+    """125m compiled, fp8 (tensorwise) against bf16: the losses track, and the tokens/s ratio is set
+    beside trainer/advise/fp8.py's prediction for the same shapes on an H200."""
+    if (row := both_ok(jobs)) is not None:
+        return row
+    bf16, fp8 = jobs.values()
+    figures, wrong = compare_losses(jobs, FP8_LOSS_TOLERANCE)
+    measured = fp8.summary["throughput/tokens_per_s"] / bf16.summary["throughput/tokens_per_s"]
+    predicted = predicted_fp8_ratio(bf16.overrides)
+    figures = {"measured_ratio": round(measured, 3), "predicted_ratio": round(predicted, 3), **figures,
+               **memory_figures(fp8)}  # fmt: skip
+    if setup.dry_run:  # CPU runs the emulated path: its speed is not fp8's
+        return Row("", "info", figures, "dry run: emulated fp8 on CPU, speed not judged")
+    if abs(measured - predicted) > FP8_RATIO_BAND:
+        wrong.append(
+            f"fp8/bf16 tokens/s {measured:.3f}, the advisor predicted {predicted:.3f} (band {FP8_RATIO_BAND})"
+        )
+    note = (
+        "; ".join(wrong)
+        or f"losses within {FP8_LOSS_TOLERANCE:g}; ratio within {FP8_RATIO_BAND} of the advisor's"
+    )
+    return Row("", "fail" if wrong else "pass", figures, note)
+
+
+def predicted_fp8_ratio(overrides: tuple[str, ...]) -> float:
+    """trainer/advise/fp8.py's tensorwise speed-up for a job's model, micro-batch and sequence on an H200,
+    taking its step as compute (one GPU: no collectives)."""
+    from omegaconf import OmegaConf
+
+    from trainer.advise.calibrate import ACCELERATORS
+    from trainer.advise.fp8 import LLAMA31_8B, compute_factor, fit_cast_cost
+    from trainer.config import ModelConfig
+
+    given = dict(o.split("=", 1) for o in overrides)
+    preset = OmegaConf.load(REPO / "conf" / "model" / f"{given['model']}.yaml")
+    dims = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
+    model = ModelConfig(**{k: preset[k] for k in dims})
+    cost = fit_cast_cost(LLAMA31_8B, ACCELERATORS["h100"].hbm_tbps, "tensorwise")
+    h200 = ACCELERATORS["h200"].hbm_tbps
+    return 1 / compute_factor(model, int(given["seq_len"]), int(given["micro_batch"]), "h200", h200, cost)
 
 
 def check_fp16_overflow(setup: Setup, jobs: dict[str, Job]) -> Row:

@@ -21,6 +21,7 @@ from benchmarks.gpucheck.memory import (
 from benchmarks.gpucheck.numerics import (
     check_checkpointing,
     check_compile,
+    check_fp8,
     check_fp16_overflow,
     check_offload,
     check_reproducible,
@@ -211,6 +212,7 @@ def row_specs() -> list[RowSpec]:
         RowSpec("stage2 on one GPU", ("125m_stage0", "stage2"), check_same_losses),
         RowSpec("sync-free step", ("125m_stage0", "125m_stage0_loop"), check_sync_free, True),
         RowSpec("compile", ("125m_stage0", "125m_stage0_compile"), check_compile),
+        RowSpec("fp8 vs bf16 compiled (125m)", ("125m_stage0_compile", "125m_fp8_compiled"), check_fp8),
     ]  # fmt: skip
 
 

@@ -46,7 +46,7 @@ REQUIRED_OPTIONS = {
         "hf",
     },
     "loss": {"full", "chunked"},
-    "precision": {"fp32", "bf16", "fp16"},
+    "precision": {"fp32", "bf16", "fp16", "fp8"},
     "zero": {"stage0", "stage1", "stage2", "stage3"},
     "checkpointing": {"none", "full", "selective"},
     "offload": {"none", "cpu"},

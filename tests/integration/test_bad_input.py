@@ -16,6 +16,13 @@ TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cac
 CASES = [
     (["zero=stage5"], "zero=stage5", "stage0, stage1, stage2, stage3"),
     (["precision=fp17"], "precision=fp17", "bf16, fp16, fp32"),
+    (["precision=fp8", "precision.fp8_all_gather=true"], "precision.fp8_all_gather=true", "gloo backend"),
+    (
+        ["precision=fp8", "precision.fp8_recipe=rowwise", "precision.fp8_all_gather=true"],
+        "precision.fp8_all_gather=true with precision.fp8_recipe=rowwise",
+        "precision.fp8_recipe=tensorwise",
+    ),
+    (["precision=fp8", "precision.fp8_recipe=bogus"], "precision.fp8_recipe=bogus", "tensorwise, rowwise"),
     (["micro_batch=0"], "micro_batch", ">= 1"),
     (["steps=-1"], "steps", ">= 1"),
     (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),

@@ -396,3 +396,24 @@ def test_the_resume_oom_and_gpu_tests_rows_fail_on_the_wrong_ending(tmp_path: Pa
         == "fail"
     )
     assert check.check_throughput(SETUP, {"j": check.Job("125m_stage0", "crashed")}).status == "fail"
+
+
+def test_the_fp8_row_sets_the_measured_ratio_beside_the_advisors_and_judges_it() -> None:
+    from benchmarks.gpucheck.numerics import FP8_RATIO_BAND, check_fp8, predicted_fp8_ratio
+
+    overrides = ("model=125m", "precision=bf16", "zero=stage0", "micro_batch=8", "seq_len=1024")
+    predicted = predicted_fp8_ratio(overrides)
+    assert round(predicted, 3) == 0.913  # 125m's 768-wide GEMMs: fp8 does not pay
+
+    def job(name: str, tokens_per_s: float, loss: float = 5.0) -> check.Job:
+        summary = {"status": "ok", "throughput/tokens_per_s": tokens_per_s}
+        return check.Job(name, "ok", summary, [{"loss/train": loss, "step": 1}], overrides=overrides)
+
+    near = {"bf16": job("bf16", 1000.0), "fp8": job("fp8", 1000.0 * (predicted + FP8_RATIO_BAND - 0.01))}
+    row = check_fp8(SETUP, near)
+    assert row.status == "pass" and row.figures["predicted_ratio"] == 0.913, row.note
+    far = {"bf16": job("bf16", 1000.0), "fp8": job("fp8", 1000.0 * (predicted + FP8_RATIO_BAND + 0.01))}
+    assert check_fp8(SETUP, far).status == "fail"
+    assert check_fp8(DRY, far).status == "info"
+    diverged = {"bf16": job("bf16", 1000.0), "fp8": job("fp8", 913.0, loss=5.2)}
+    assert check_fp8(SETUP, diverged).status == "fail"  # 4% off bf16's loss

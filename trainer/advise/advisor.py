@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.advise.calibrate import Rates, accelerator_rates, advisor_accelerator, host_rates
+from trainer.advise.calibrate import ACCELERATORS, Rates, accelerator_rates, advisor_accelerator, host_rates
+from trainer.advise.fp8 import FIT_ERROR_PP, NO_FP8_REASON, Fp8Prediction, offers_fp8, predict_fp8
 from trainer.advise.predict import StepTime, predict_step_tiers
 from trainer.advise.verify import Proposal, verify
 from trainer.config import (
@@ -33,6 +34,7 @@ from trainer.config import (
     CheckpointMode,
     Compression,
     ConfigError,
+    DType,
     LossKind,
     OffloadTarget,
     ReduceDType,
@@ -496,7 +498,8 @@ def format_advice(
     lines = [
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
-        f"with {config.advise.headroom:.0%} headroom on {reserved} memory ({memory}){host_note(candidates)}",
+        f"with {config.advise.headroom:.0%} headroom on {reserved} memory ({memory}){host_note(candidates)}"
+        f"{fp8_summary(config)}",
         f"rates: {rates.source}",
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20}  limited by",
@@ -534,7 +537,73 @@ def format_advice(
             f"{nothing_fits_cause(candidates)}; or advise.headroom"
         )
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
-    return "\n".join(lines)
+    return "\n".join(lines + fp8_lines(config, fitting[:FP8_ROWS], base))
+
+
+FP8_ROWS = 3
+"""How many of the best bf16 candidates get fp8 rows."""
+
+
+def fp8_considered(config: TrainConfig) -> bool:
+    """fp8 rows are for a bf16 job planned for a named accelerator."""
+    return (
+        config.plan.accelerator is not None
+        and config.precision.compute_dtype == DType.bfloat16
+        and not config.precision.is_fp8
+    )
+
+
+def fp8_summary(config: TrainConfig) -> str:
+    if not fp8_considered(config):
+        return ""
+    name = advisor_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
+    if not offers_fp8(name):
+        return f"; fp8: none offered, {config.plan.accelerator} has {NO_FP8_REASON}"
+    return f"; fp8: predicted for the {FP8_ROWS} best below (compiled, torchao Float8Linear)"
+
+
+def fp8_predictions(config: TrainConfig, candidate: Candidate) -> list[Fp8Prediction]:
+    name = advisor_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
+    return predict_fp8(
+        config.model,
+        config.seq_len,
+        candidate.choice["micro_batch"],
+        name,
+        ACCELERATORS[name].hbm_tbps,
+        candidate.step.compute_s,
+        candidate.step.step_s,
+    )
+
+
+def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> list[str]:
+    """fp8 rows for the best bf16 candidates: each recipe's predicted tokens/s and its command (compiled,
+    as the published points were), or, where it does not pay, that it does not."""
+    if not fp8_considered(config) or not offers_fp8(advisor_accelerator(config.plan.accelerator)):  # type: ignore[arg-type]
+        return []
+    lines = [
+        f"fp8: predicted from the GEMM shapes, fitted to torchtitan's Llama-3.1-8B points on 8 H100 within "
+        f"{FIT_ERROR_PP} percentage points (trainer/advise/fp8.py); memory as bf16 (torchao keeps no fp8 casts)"
+    ]
+    for i, c in enumerate(best, 1):
+        for p in fp8_predictions(config, c):
+            if not p.pays:
+                lines.append(
+                    f"{i:>3} {p.recipe:<10} does not pay: x{p.speedup:.3f} (M={c.choice['micro_batch'] * config.seq_len} "
+                    "tokens per GEMM: the casts cost more than the fp8 GEMMs save)"
+                )
+                continue
+            gather = (
+                ["precision.fp8_all_gather=true"]
+                if p.recipe == "tensorwise" and c.choice["zero"] in ("stage2", "stage3")
+                else []
+            )
+            extra = ["precision=fp8", f"precision.fp8_recipe={p.recipe}", *gather, "compile=true"]
+            args = [a for a in command_args(base, c) if split_override(a)[0] not in ("precision", "compile")]
+            lines.append(
+                f"{i:>3} {p.recipe:<10} x{p.speedup:.3f} {c.tokens_per_s * p.speedup:>12,.0f} tokens/s: "
+                + shlex.join(["python", "-m", "trainer", *args, *extra])
+            )
+    return lines
 
 
 def nothing_fits_cause(candidates: list[Candidate]) -> str:
@@ -587,6 +656,7 @@ def advice_json(
             **dataclasses.asdict(rates),
             "compute_flops": {str(k): v for k, v in rates.compute_flops.items()},
         },
+        **({"fp8": fp8_json(config, candidates)} if fp8_considered(config) else {}),
         "candidates": [
             {
                 **c.choice,
@@ -612,6 +682,22 @@ def advice_json(
                 "command": command_line(base, c),
             }
             for c in candidates
+        ],
+    }
+
+
+def fp8_json(config: TrainConfig, candidates: list[Candidate]) -> dict[str, Any]:
+    name = advisor_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
+    if not offers_fp8(name):
+        return {"offered": False, "why": f"{config.plan.accelerator} has {NO_FP8_REASON}"}
+    best = [c for c in candidates if c.fits is not False][:FP8_ROWS]
+    return {
+        "offered": True,
+        "fit_error_pp": FIT_ERROR_PP,
+        "rows": [
+            {"configuration": c.label(), "recipe": p.recipe, "speedup": p.speedup, "pays": p.pays}
+            for c in best
+            for p in fp8_predictions(config, c)
         ],
     }
 

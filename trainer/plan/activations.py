@@ -21,6 +21,7 @@ from trainer.config import (
 )
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
+from trainer.model.fp8 import autocast_input_saving
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 NLL_TOTAL_WEIGHT = 4  # nll_loss's fp32 total weight, saved for its backward
@@ -159,6 +160,16 @@ def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> in
     return kept
 
 
+def fp8_saving_per_token(config: TrainConfig, prec: Precisions, device_kind: str) -> int:
+    """precision=fp8: what a block saves less than under bf16, per token. torchao's Float8Linear saves
+    its high-precision input and weight for backward, not their fp8 casts (trainer/model/fp8.py), so
+    under FSDP2's bf16 parameters it saves exactly what nn.Linear does; under autocast it differs
+    only in which casts of the norms' outputs it keeps (`autocast_input_saving`)."""
+    if not config.precision.is_fp8 or prec.regime != "autocast":
+        return 0
+    return autocast_input_saving(config.model, device_kind)
+
+
 def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
     """Bytes per element of a checkpointed block's input that stay alive beside its recomputed set:
     the checkpoint's frame keeps the input for the recompute, which saves that same tensor except
@@ -171,7 +182,9 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     full = (
-        block_bytes_per_token(m, prec.regime, device_kind) + attention_extra_per_token(config, device_kind)
+        block_bytes_per_token(m, prec.regime, device_kind)
+        + attention_extra_per_token(config, device_kind)
+        - fp8_saving_per_token(config, prec, device_kind)
     ) * tokens
     # non-reentrant checkpoint keeps the block's input
     checkpointed, unread = prec.residual * m.dim * tokens, 0

@@ -15,6 +15,7 @@ import torch
 
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig
 from trainer.devices import find_accelerator
+from trainer.model.fp8 import fp8_split
 from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.ddp_walk import ddp_moments
@@ -32,6 +33,28 @@ COMPILE_NOTE = (
     "compile=true: the plan is of the eager step; inductor fuses pointwise ops and chooses what to save "
     "for backward itself, which changes activations and temporaries in ways the plan does not model"
 )
+
+
+FP8_NOTE = (
+    "fp8 is fast only compiled: eager, torchao's casts to float8 (amax, scale, cast) run as separate kernels "
+    "and cost more than the fp8 GEMMs save (torchao's and torchtitan's float8 benchmarks are all compiled)"
+)
+
+
+def fp8_fields(c: TrainConfig, device_kind: str) -> dict[str, Any]:
+    """precision=fp8 in plan.json: the recipe, the linears converted per block and those left in bf16 (why),
+    whether the emulated path runs, and what fp8 adds to memory (nothing it keeps: trainer/model/fp8.py)."""
+    split = fp8_split(c.model)
+    return {
+        "recipe": c.precision.fp8_recipe.value,
+        "all_gather": "fp8" if c.precision.fp8_all_gather else "bf16",
+        "converted_per_block": list(split.converted),
+        "converted": len(split.converted) * c.model.n_layers,
+        "left_in_bf16": {name: why for name, why in split.kept},
+        "emulated": device_kind != "cuda",
+        "saved_for_backward": "the high-precision input and weight of each fp8 linear, as nn.Linear does; no fp8 casts, no scales",
+        **({} if c.compile else {"note": FP8_NOTE}),
+    }
 
 
 # ----------------------------------------------------------------------------- the plan of a job
@@ -194,6 +217,7 @@ class Plan:
             "peak_gib": self.peak_bytes / GIB,
             **self.reserved_fields(),
             **({"compile": COMPILE_NOTE} if c.compile else {}),
+            **({"fp8": fp8_fields(c, self.device_kind)} if c.precision.is_fp8 else {}),
             "peak_rank": self.worst.rank,
             "peak_moment": self.worst.peak.name,
             "fits": self.fits,

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from trainer.config import Compression, LossKind, ZeroConfig
+from trainer.model.fp8 import converted_numel
 from trainer.plan.comm import powersgd_elements
 from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
 from trainer.plan.moments import (
@@ -24,9 +25,10 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
     """Stages 0-1: DDP holds replicated fp32 params and its gradient buckets all step long."""
     m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
     vd = m.vocab_size * m.dim
-    linear = ctx.shape.block_linear_numel * m.n_layers + vd  # blocks' matmuls + output head
     # Autocast caches its cast of every weight from first use until the autocast region (which
-    # wraps forward and backward in loop.py) exits.
+    # wraps forward and backward in loop.py) exits; under fp8 not of the block linears torchao converted.
+    converted = converted_numel(m) if ctx.config.precision.is_fp8 else 0
+    linear = (ctx.shape.block_linear_numel - converted) * m.n_layers + vd  # blocks' matmuls + output head
     fixed = (2 * linear if prec.regime == "autocast" else 0) + accumulation_grads(ctx)
     weight_grad = 6 if prec.regime == "autocast" else 4
     # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,

@@ -8,7 +8,7 @@ report: trainer/report/fit_table.py.
 from __future__ import annotations
 
 from trainer.devices import accelerator_names
-from trainer.plan.build import COMPILE_NOTE, Plan, describe
+from trainer.plan.build import COMPILE_NOTE, Plan, describe, fp8_fields
 from trainer.plan.refusal import host_refusal, refusal
 from trainer.units import GIB, KIB, MIB
 
@@ -57,7 +57,25 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         lines.append(host_verdict)
     if plan.config.compile:
         lines.append(f"note: {COMPILE_NOTE}")
+    if plan.config.precision.is_fp8:
+        lines.append(fp8_line(plan))
     return "\n".join(lines)
+
+
+def fp8_line(plan: Plan) -> str:
+    """precision=fp8: what runs in fp8, what stays bf16 and why, and whether the emulated path runs."""
+    f = fp8_fields(plan.config, plan.device_kind)
+    kept = "; ".join(f"{name} ({why})" for name, why in f["left_in_bf16"].items())
+    emulated = (
+        f"emulated on {plan.device_kind} (torchao's emulate=True: real float8 casts and scales, matmuls in fp32)"
+        if f["emulated"]
+        else "torch._scaled_mm on CUDA"
+    )
+    note = f"; {f['note']}" if "note" in f else ""
+    return (
+        f"fp8: {f['recipe']} scaling in {f['converted']} block linears, {emulated}; left in bf16: {kept}; "
+        f"memory as bf16: backward keeps {f['saved_for_backward']}{note}"
+    )
 
 
 def comm_line(plan: Plan) -> str:

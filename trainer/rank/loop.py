@@ -22,6 +22,7 @@ from trainer.model.attention import run_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
+from trainer.model.fp8 import apply_fp8
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
@@ -32,7 +33,12 @@ from trainer.rank.optim import (
     rewind_scheduler,
     step_unless,
 )
-from trainer.rank.precision import build_autocast, build_grad_scaler, update_loss_scale
+from trainer.rank.precision import (
+    build_autocast,
+    build_grad_scaler,
+    precompute_fp8_scales,
+    update_loss_scale,
+)
 from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
 from trainer.rank.tensor_parallel import (
     DP,
@@ -62,6 +68,7 @@ step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to fin
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
     model = build_model(config.model, device="meta")
+    apply_fp8(model, config.precision, world.device.type)  # precision=fp8: first, as torchtitan converts
     mesh = parallel_mesh(world, config.parallel) if config.parallel.tp > 1 else None
     if mesh is not None:  # before checkpointing and sharding (torchtitan's order): the layers' own names
         apply_tensor_parallel(model, mesh[TP], config.parallel.sequence_parallel)
@@ -224,6 +231,7 @@ def train_step(
         scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
     overflow = found_overflow(scaler, optimizer)
     update_loss_scale(scaler, config.precision.min_loss_scale)
+    precompute_fp8_scales(model, config.precision)  # fp8 all-gather: the next forward's scales, at once
     trainee.scheduler.step()
     return StepStats(
         loss=loss_sum / config.grad_accum,

@@ -1,0 +1,148 @@
+"""mode=advise under bf16: whether precision=fp8 pays, per candidate, from the shapes of its GEMMs.
+
+An fp8 GEMM runs at twice bf16's dense peak on Hopper (H100/H200 SXM datasheets: 1,979 against 989
+TFLOPS), but each of a linear's three GEMMs (forward, input gradient, weight gradient) first casts
+its operands: the input, the weight and the output gradient, each twice (torchao keeps the
+high-precision tensors for backward and casts them again there), reading 2 bytes and writing 1
+per element. The casts cost memory traffic, the GEMM saves compute time, so fp8 pays on large
+GEMMs and loses on small ones (torchao's README shows the same break-even by shape). Per block
+linear of shape (M tokens, K in, N out):
+
+    t_bf16 = 2MKN / bf16_peak        t_fp8 = 2MKN / fp8_peak + c_recipe * 6(MK + KN + MN) / hbm
+
+per GEMM triple summed over a block; the block linears' share f of the step's FLOPs (the output head
+stays bf16, attention is not a linear) turns it into the step's compute time,
+compute_fp8 = compute_bf16 * (1 - f + f * sum t_fp8 / sum t_bf16). The one constant per recipe,
+c_recipe, is fitted to the published points (PUBLISHED), all Llama-3.1-8B on 8 H100s at
+seq_len 8192, one sequence per rank, compiled (fp8 is fast only compiled: the advisor's fp8 rows run
+with compile=true). The tensorwise points disagree by 3 percentage points, so the fit is held to
+FIT_ERROR_PP either way (tests/unit/advise/test_fp8_advice.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.advise.calibrate import ACCELERATORS
+from trainer.config import ModelConfig
+from trainer.model.decoder import flops_per_token
+from trainer.model.fp8 import block_linears, fp8_split
+
+FP8_DENSE_TFLOPS = {"h100": 1978.9, "h200": 1978.9}
+"""Dense fp8 (e4m3) tensor-core peaks, the NVIDIA H100 SXM5 and H200 SXM datasheets (3,958 with sparsity).
+b200 joins when the advisor has its rates (trainer/advise/calibrate.py)."""
+BF16_DENSE_TFLOPS = {"h100": 989.4, "h200": 989.4}  # the same datasheets; trainer/devices.py's figures
+NO_FP8_REASON = "no fp8 tensor cores (fp8 GEMMs need compute capability 8.9 or later: Ada, Hopper, Blackwell)"
+CAST_BYTES = 6  # per element of each operand: two casts (forward, backward) of 2 bytes read + 1 written
+
+
+@dataclass(frozen=True)
+class Published:
+    recipe: str
+    speedup: float  # tokens/s over compiled bf16
+    source: str
+
+
+PUBLISHED = (
+    Published(
+        "tensorwise",
+        1.25,
+        "torchtitan docs/float8.md and torchao's float8 README: Llama-3.1-8B, 8 H100, tensorwise with fp8 "
+        "all-gather, compiled, +25% tokens/s over bf16, peak memory +0.3%",
+    ),
+    Published(
+        "tensorwise", 1.28, "torchtitan docs/float8.md: the same with torch.compile, +28% over compiled bf16"
+    ),
+    Published(
+        "rowwise", 1.10, "torchtitan docs/float8.md and torchao's float8 README: rowwise, +10% over bf16"
+    ),
+)
+LLAMA31_8B = ModelConfig(
+    name="llama3-8b",
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    vocab_size=128256,
+    ffn_dim=14336,
+    max_seq_len=131072,
+)  # conf/model/llama3-8b.yaml's GEMM shapes (rope settings change no GEMM; tests/unit/advise checks they agree)
+PUBLISHED_SHAPE: dict[str, Any] = dict(accelerator="h100", seq_len=8192, micro_batch=1)  # llama3-8b, 8 ranks
+FIT_ERROR_PP = 1.5  # percentage points: half the spread of the two tensorwise figures
+
+
+def offers_fp8(accelerator: str | None) -> bool:
+    return accelerator in FP8_DENSE_TFLOPS
+
+
+def gemm_ratio(m: ModelConfig, tokens: int, accelerator: str, hbm_tbps: float, cast_cost: float) -> float:
+    """sum t_fp8 / sum t_bf16 over one block's converted linears, `tokens` = M per GEMM."""
+    hbm = hbm_tbps * 1e12
+    bf16, fp8 = BF16_DENSE_TFLOPS[accelerator] * 1e12, FP8_DENSE_TFLOPS[accelerator] * 1e12
+    t_bf16 = t_fp8 = 0.0
+    linears = block_linears(m)
+    for name in fp8_split(m).converted:
+        k, n = linears[name]
+        flops = 6.0 * tokens * k * n
+        t_bf16 += flops / bf16
+        t_fp8 += flops / fp8 + cast_cost * CAST_BYTES * (tokens * k + k * n + tokens * n) / hbm
+    return t_fp8 / t_bf16 if t_bf16 else 1.0
+
+
+def linear_share(m: ModelConfig, seq_len: int) -> float:
+    """The converted block linears' share of a step's FLOPs (6 per parameter and token)."""
+    linears = block_linears(m)
+    converted = sum(linears[name][0] * linears[name][1] for name in fp8_split(m).converted)
+    return 6.0 * converted * m.n_layers / flops_per_token(m, seq_len)
+
+
+def compute_factor(
+    m: ModelConfig, seq_len: int, micro_batch: int, accelerator: str, hbm_tbps: float, cast_cost: float
+) -> float:
+    """compute_fp8 / compute_bf16 of one step."""
+    f = linear_share(m, seq_len)
+    return 1.0 - f + f * gemm_ratio(m, micro_batch * seq_len, accelerator, hbm_tbps, cast_cost)
+
+
+def fit_cast_cost(m: ModelConfig, hbm_tbps: float, recipe: str) -> float:
+    """c_recipe: the mean published speed-up of `recipe` at PUBLISHED_SHAPE, solved for (the model is
+    linear in c, so one division), taking the step as compute (torchtitan's 8B run on one node hides
+    FSDP's collectives behind compute)."""
+    points = [p.speedup for p in PUBLISHED if p.recipe == recipe]
+    target = sum(points) / len(points)
+    s = PUBLISHED_SHAPE
+    f = linear_share(m, s["seq_len"])
+    ratio = (1.0 / target - (1.0 - f)) / f  # the sum t_fp8 / sum t_bf16 the target needs
+    tokens = s["micro_batch"] * s["seq_len"]
+    free = gemm_ratio(m, tokens, s["accelerator"], hbm_tbps, 0.0)  # casts cost nothing
+    per_unit = gemm_ratio(m, tokens, s["accelerator"], hbm_tbps, 1.0) - free
+    return (ratio - free) / per_unit
+
+
+@dataclass(frozen=True)
+class Fp8Prediction:
+    recipe: str
+    speedup: float  # tokens/s over the same configuration in bf16, compiled
+    pays: bool
+
+
+def predict_fp8(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    accelerator: str,
+    hbm_tbps: float,
+    compute_s: float,
+    step_s: float,
+) -> list[Fp8Prediction]:
+    """Each recipe's predicted speed-up for one candidate: its compute time scaled by `compute_factor`,
+    its communication, optimizer and offload time as in bf16."""
+    out = []
+    for recipe in ("tensorwise", "rowwise"):
+        cost = fit_cast_cost(LLAMA31_8B, ACCELERATORS[PUBLISHED_SHAPE["accelerator"]].hbm_tbps, recipe)
+        factor = compute_factor(m, seq_len, micro_batch, accelerator, hbm_tbps, cost)
+        fp8_step = step_s - compute_s * (1.0 - factor)
+        speedup = step_s / fp8_step
+        out.append(Fp8Prediction(recipe, speedup, speedup > 1.0))
+    return out

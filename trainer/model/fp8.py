@@ -1,0 +1,151 @@
+"""precision=fp8: the block linears as torchao's Float8Linear (`convert_to_float8_training`).
+
+torchao is an optional extra (`pip install 'zerolab[fp8]'`), imported only where a model is converted.
+Which linears convert is arithmetic on the model's shapes (`fp8_split`), so the plan lists the
+modules left in bf16 without torchao: the output head (torchtitan leaves it out too: its
+`filter_fqns = ["output"]`, the logits feed an fp32 loss) and any linear whose dims fp8 GEMMs
+cannot take (torch._scaled_mm needs both dims divisible by 16; torchao's own filter refuses the
+rest). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
+scales are real, the matmul is done in high precision on the dequantized values.
+
+torchao's matmul (`matmul_with_hp_or_float8_args`, torchao/float8/float8_linear.py) saves its
+high-precision input and weight for backward, not their fp8 casts, and casts again in backward:
+fp8 saves no activation memory (pytorch/ao#2262, pytorch/torchtitan#820). The plan's terms:
+trainer/plan/activations.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from trainer.config import ConfigError, Fp8Recipe, ModelConfig, PrecisionConfig
+
+FP8_EXTRA = "precision=fp8 needs torchao: pip install 'zerolab[fp8]' (torchao>=0.18)"
+GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 GEMM's weight divisible by 16
+KEPT_BY_NAME = {"output": "the output head: logits feed the fp32 loss (torchtitan's filter_fqns)"}
+
+
+@dataclass(frozen=True)
+class Fp8Split:
+    """Which linears of the model run fp8 (per block, by name in the block) and which stay bf16, and why."""
+
+    converted: tuple[str, ...]  # names inside a block, e.g. attention.wq
+    kept: tuple[tuple[str, str], ...]  # (fully qualified name or block-relative name, why)
+
+
+def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every linear of one block by its name in the block: (in_features, out_features)."""
+    HQ, KQ = m.n_heads * m.head_width, m.n_kv_heads * m.head_width
+    return {
+        "attention.wq": (m.dim, HQ),
+        "attention.wk": (m.dim, KQ),
+        "attention.wv": (m.dim, KQ),
+        "attention.wo": (HQ, m.dim),
+        "feed_forward.w1": (m.dim, m.ffn_dim),
+        "feed_forward.w3": (m.dim, m.ffn_dim),
+        "feed_forward.w2": (m.ffn_dim, m.dim),
+    }
+
+
+def fp8_split(m: ModelConfig) -> Fp8Split:
+    converted, kept = [], [("output", KEPT_BY_NAME["output"])]
+    for name, (n_in, n_out) in block_linears(m).items():
+        if n_in % GEMM_MULTIPLE == 0 and n_out % GEMM_MULTIPLE == 0:
+            converted.append(name)
+        else:
+            kept.append(
+                (f"layers.*.{name}", f"{n_in}x{n_out}: fp8 GEMMs need dims divisible by {GEMM_MULTIPLE}")
+            )
+    return Fp8Split(tuple(converted), tuple(kept))
+
+
+def converted_numel(m: ModelConfig) -> int:
+    """Weights and biases of one block's converted linears: what autocast no longer caches a cast of
+    (Float8Linear hands its fp32 weight to torchao's matmul, which casts it to float8 per call)."""
+    linears = block_linears(m)
+    biases = {"attention.wq", "attention.wk", "attention.wv"} if m.qkv_bias else set()
+    return sum(
+        linears[name][0] * linears[name][1] + (linears[name][1] if name in biases else 0)
+        for name in fp8_split(m).converted
+    )
+
+
+NORM_READERS = (
+    ("attention.wq", "attention.wk", "attention.wv"),  # read attention_norm's output
+    ("feed_forward.w1", "feed_forward.w3"),  # read ffn_norm's output
+)
+
+
+def autocast_input_saving(m: ModelConfig, device_kind: str) -> int:
+    """Bytes per token a block saves less under autocast (stages 0-1) with fp8 than with bf16.
+
+    Under bf16 autocast every linear reading an RMSNorm's fp32 output saves its own bf16 cast of it
+    (2·D each). Float8Linear casts its input to the autocast dtype only where
+    `torch.is_autocast_enabled()` says so, which asks about CUDA: on CUDA it saves the same bf16
+    casts, on CPU the readers of one norm save the fp32 output itself, once (4·D). The other
+    linears read bf16 already (SDPA's output, the SwiGLU product): the same in both.
+    """
+    if device_kind == "cuda":
+        return 0
+    converted = set(fp8_split(m).converted)
+    saving = 0
+    for readers in NORM_READERS:
+        n = sum(name in converted for name in readers)
+        saving += 2 * m.dim * n - (4 * m.dim if n else 0)
+    return saving
+
+
+def converts(fqn: str, converted: tuple[str, ...]) -> bool:
+    """Whether the linear at `fqn` (`layers.3.attention.wq`, `layers.3._checkpoint_wrapped_module...`
+    never: conversion comes before checkpointing) is one of a block's converted linears."""
+    parts = fqn.split(".")
+    return len(parts) >= 3 and parts[0] == "layers" and ".".join(parts[2:]) in converted
+
+
+def import_float8() -> ModuleType:
+    """torchao.float8, or one line naming the extra. Quietly: importing torchao logs a warning per
+    optional kernel library it cannot load (CUDA's, absent from a CPU host) and torch warns of an
+    Enum torchao registers with pytree; neither concerns Float8Linear, and every rank would print them."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree = logging.getLogger("torch.utils._pytree")  # torch logs its Enum notice, not warnings.warn
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module("torchao.float8")
+    except ImportError:
+        raise ConfigError(FP8_EXTRA) from None
+    finally:
+        pytree.setLevel(level)
+
+
+def float8_config(precision: PrecisionConfig, device_kind: str) -> Any:
+    """torchao's Float8LinearConfig of the named recipe; emulated off CUDA; fp8 all-gather as asked."""
+    config = import_float8().Float8LinearConfig.from_recipe_name(precision.fp8_recipe.value)
+    return dataclasses.replace(
+        config, emulate=device_kind != "cuda", enable_fsdp_float8_all_gather=precision.fp8_all_gather
+    )
+
+
+def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_kind: str) -> int:
+    """Swap the block linears `fp8_split` names for Float8Linear (on the meta model, before
+    checkpointing, compile and sharding: torchtitan's order); returns how many (0 without fp8)."""
+    if precision.fp8_recipe == Fp8Recipe.none:
+        return 0
+    converted = fp8_split(model.config).converted
+    float8 = import_float8()
+    float8.convert_to_float8_training(
+        model,
+        config=float8_config(precision, device_kind),
+        module_filter_fn=lambda module, fqn: converts(fqn, converted),
+    )
+    return sum(type(module).__name__ == "Float8Linear" for module in model.modules())
