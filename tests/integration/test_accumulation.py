@@ -2,8 +2,9 @@
 (2 gloo ranks), and the losses are a 1-rank run's.
 
 One 2-rank process group runs every configuration in turn (a fresh trainee each; step 1 untracked,
-step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job), so
-the whole grid costs one process group. Each rank writes its peaks to a JSON file the tests read.
+step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job, and
+below 4 x 128 tokens later steps too: tracked_steps), so the whole grid costs one process group.
+Each rank writes every tracked step's peak to a JSON file the tests read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
 from tests.helpers import free_port, torchrun_env
 from trainer.config import (
@@ -29,6 +31,7 @@ from trainer.config import (
     TrainConfig,
     ZeroConfig,
 )
+from trainer.model.decoder import build_model
 from trainer.plan import build_plan
 
 WORLD = 2
@@ -76,6 +79,7 @@ PEAK_TOLERANCE = 0.005  # the issue's 0.5%
 # with fewer tokens it can come at a block's reduce-scatter, where gloo sometimes frees its copy of the
 # reduce-scatter input late (docs/memory_plan.md, "Not exact"; tracked_steps).
 MICRO_BATCH, SEQ_LEN = 4, 128
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def key(case: tuple) -> str:
@@ -113,20 +117,43 @@ def make_config(
 
 def tracked_steps(micro_batch: int, seq_len: int, reduce_dtype: str = "fp32") -> tuple[int, ...]:
     """The steps whose peak is measured (step 1 creates Adam's state and is not tracked): step 2, and
-    below MICRO_BATCH x SEQ_LEN tokens, where the peak sits at a block's reduce-scatter, step 3 too.
+    below MICRO_BATCH x SEQ_LEN tokens, where the peak sits at a block's reduce-scatter, later ones too.
     There gloo's worker thread now and then drops its copy of the reduce-scatter input only after the
-    main thread has moved on (a race, docs/memory_plan.md: it moves between runs and ranks), so the
-    lower of two identical steps is kept: one late free is not the plan's miss, while a miss of the
-    plan, present in every step, still fails. With bf16 reduction foreach_reduce allocates its fp32 cast
+    main thread has moved on (a race, docs/memory_plan.md: it moves between runs and ranks), and that
+    step measures up to one copy more (reduce_scatter_copy). The steps are identical, so the lowest is
+    held to the plan: a late free is not the plan's miss, while a miss of the plan, present in every
+    step, still fails; every step is held below the plan plus one copy. The lowest is the plan's as
+    long as one step escapes the race: with fp32 reduction one case of the grid once hit it in both of
+    two steps (-1.74%), so four are tracked; with bf16 reduction foreach_reduce allocates its fp32 cast
     of the output as soon as the collective returns, and the late free lands far more often (18 of 64
-    steps, 8 steps x 4 cases x 2 ranks at 1 x 32, at most 3 in a row): the lowest of six steps is kept."""
+    steps, 8 steps x 4 cases x 2 ranks at 1 x 32, at most 3 in a row): eight."""
     if micro_batch * seq_len >= MICRO_BATCH * SEQ_LEN:
         return (2,)
-    return tuple(range(2, 8)) if reduce_dtype == "bf16" else (2, 3)
+    return tuple(range(2, 10)) if reduce_dtype == "bf16" else tuple(range(2, 6))
 
 
-def measure_peak(config: TrainConfig, world: Any) -> float:
-    """This rank's peak tensor bytes: the lowest of its tracked steps' (tracked_steps)."""
+def reduce_scatter_copy(config: TrainConfig) -> int:
+    """Bytes of gloo's copy of the largest reduce-scatter input (FSDP2, stages 2-3): one sharding
+    group's parameters (a block, or the root: the embedding, the final norm and the output head),
+    each padded in dim 0 to a multiple of the world size, in the reduce dtype. DDP (stages 0-1)
+    reduce-scatters nothing: 0. Counted here from the model itself, not taken from the plan."""
+    if config.zero.stage in (Stage.stage0, Stage.stage1):
+        return 0
+    with torch.device("meta"):
+        model = build_model(config.model)
+
+    def padded(module: nn.Module, skip: nn.Module | None = None) -> int:
+        held = {id(p) for p in skip.parameters()} if skip is not None else set()
+        return sum(
+            -(-p.shape[0] // WORLD) * WORLD * p[0].numel() for p in module.parameters() if id(p) not in held
+        )
+
+    largest = max(padded(model.layers[0]), padded(model, skip=model.layers))
+    return REDUCE_BYTES[config.zero.reduce_dtype.value] * largest
+
+
+def measure_peaks(config: TrainConfig, world: Any) -> list[float]:
+    """This rank's peak tensor bytes in each of its tracked steps (tracked_steps)."""
     from trainer.data import build_batches
     from trainer.rank.loop import build_trainee, train_step
     from trainer.rank.nonfinite import NonFiniteGuard
@@ -146,10 +173,9 @@ def measure_peak(config: TrainConfig, world: Any) -> float:
         with probe.measure(step, trainee.model, trainee.optimizer):
             train_step(trainee, batches, config, world, step, guard)
         peaks.append(probe.read()[probe.fields.index("peak_allocated")])
-    peak = min(peaks)
     del trainee
     gc.collect()
-    return peak
+    return peaks
 
 
 def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
@@ -158,26 +184,34 @@ def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
 
     world = init_world("cpu")
     torch.set_num_threads(1)
-    peaks = {key(case): measure_peak(make_config(*case), world) for case in cases}
+    peaks = {key(case): measure_peaks(make_config(*case), world) for case in cases}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
     shutdown_world()
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[float]]]:
     out = tmp_path_factory.mktemp("accumulation")
     mp.spawn(worker, args=(free_port(), str(out), CASES), nprocs=WORLD)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=key)
-def test_the_plan_is_each_ranks_measured_peak(measured: list[dict[str, float]], case: tuple) -> None:
-    """Acceptance 3: measured peak within 0.5% of the plan on every rank, both choices."""
-    plan = build_plan(make_config(*case), "cpu", WORLD)
+def test_the_plan_is_each_ranks_measured_peak(measured: list[dict[str, list[float]]], case: tuple) -> None:
+    """Acceptance 3: on every rank, both choices, the lowest tracked step's peak within 0.5% of the plan,
+    and no tracked step above the plan plus one gloo reduce-scatter copy (tracked_steps)."""
+    config = make_config(*case)
+    plan, copy = build_plan(config, "cpu", WORLD), reduce_scatter_copy(config)
     for rank in plan.ranks:
-        got, want = measured[rank.rank][key(case)], rank.peak.total
+        peaks, want = measured[rank.rank][key(case)], rank.peak.total
+        got, highest = min(peaks), max(peaks)
         assert abs(want - got) / got < PEAK_TOLERANCE, (
-            f"rank {rank.rank}: planned {want} at {rank.peak.name}, measured {got} ({(want - got) / got:+.2%})"
+            f"rank {rank.rank}: planned {want} at {rank.peak.name}, measured {got} ({(want - got) / got:+.2%}); "
+            f"steps {peaks}"
+        )
+        assert highest <= want * (1 + PEAK_TOLERANCE) + copy, (
+            f"rank {rank.rank}: a step measured {highest}, over the plan {want} plus one reduce-scatter copy "
+            f"{copy} ({(highest - want - copy) / want:+.2%}); steps {peaks}"
         )
 
 

@@ -94,8 +94,13 @@ def signal_job(
     proc.wait(timeout=120)
     exited_s = time.monotonic() - sent
     reader.join(10)
-    time.sleep(5)
-    left = [" ".join(p.cmdline()) for p in session_processes(proc.pid)]
+    # Nothing of the job may be alive 5 s after it ended. The wait ends sooner once the session is
+    # empty: nothing can join it then (a new member is forked by a live one).
+    settled = time.monotonic() + 5
+    while (
+        left := [" ".join(p.cmdline()) for p in session_processes(proc.pid)]
+    ) and time.monotonic() < settled:
+        time.sleep(0.1)
     assert_nothing_left(env[JOB_MARKER])  # also what left the session
     run = Run(proc.returncode, "".join(stdout), stderr, out_dir, env[JOB_MARKER])
     return Signalled(run, signalled_after, exited_s, left)

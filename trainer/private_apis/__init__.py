@@ -10,8 +10,10 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `torch._C._distributed_c10d._dump_nccl_trace_json` | ProcessGroupNCCL's own flight recorder, the same format (CUDA wheels only; guarded) | `of_torch.flight_recorder_json`, `of_torch.flight_recorder_dumps` |
 | `torch._ops.OpOverload`, `OpOverloadPacket`, `HigherOrderOperator` | the types of `torch.ops` entries; torch exports them from `torch._ops` only | `of_torch.OpOverload`, `of_torch.OpOverloadPacket`, `of_torch.HigherOrderOperator` |
 | `torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB` | DDP's default bucket cap, a module constant (guarded: 25 where absent) | `of_torch.ddp_default_bucket_cap_mb` |
+| `torch._dynamo`, `torch.distributed._tools.mem_tracker` (the modules, imported) | the fork server imports what every rank would import on first use; no public module imports them | `of_torch.import_rank_lazy_modules` |
 | `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
 | `DistributedDataParallel._comm_hooks` | the (hook, state) pairs register_comm_hook appended, so the memory tracker can count the state a compression hook keeps between steps; DDP has no public getter | `of_torch.comm_hook_states` |
+| `MemTracker._update_peak_stats`, `MemTracker.memory_tracking` | its per-module peaks, which cost a walk over every module after every op, cannot be switched off | `of_torch.global_peak_mem_tracker` |
 | `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |
 | `torch.cuda.memory._record_memory_history`, `_dump_snapshot` | the allocator's history and its snapshot for pytorch.org/memory_viz; torch documents them (docs "Understanding CUDA Memory Usage") but names them private | `of_torch.record_memory_history`, `of_torch.dump_memory_snapshot` |
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ __all__ = [
     "flight_recorder_json",
     "found_inf_per_device",
     "HigherOrderOperator",
+    "import_rank_lazy_modules",
     "new_mem_tracker",
     "dump_memory_snapshot",
     "record_memory_history",
@@ -75,10 +78,41 @@ def dump_memory_snapshot(path: str) -> None:
 
 
 def new_mem_tracker() -> Any:
-    """A fresh MemTracker (imported here, when first used: it pulls in FSDP's modules)."""
+    """A fresh MemTracker that keeps the global peak only (`global_peak_mem_tracker`)."""
+    return global_peak_mem_tracker()()
+
+
+@functools.cache
+def global_peak_mem_tracker() -> type:
+    """MemTracker without its per-module peaks, which zerolab never reads (it reads the global
+    `get_tracker_snapshot("peak")`). After every op torch's `_update_peak_stats` walks every module
+    seen so far (its `memory_tracking` table) to raise each active one's own peak, then raises the
+    global peak: on the tiny model the walk was most of a tracked CPU step's time. Here the table is
+    hidden during that call, so torch's own code updates the global peak alone; the module hooks,
+    categories and snapshots are untouched. (Imported when first used: it pulls in FSDP's modules.)"""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    class GlobalPeakMemTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            modules, self.memory_tracking = self.memory_tracking, {}
+            try:
+                super()._update_peak_stats(peak_state)
+            finally:
+                self.memory_tracking = modules
+
+    return GlobalPeakMemTracker
+
+
+RANK_LAZY_MODULES = ("torch._dynamo", "torch.distributed._tools.mem_tracker")
+"""Modules torch imports on first use inside every rank, not when the loop's modules are imported:
+DDP's and FSDP2's constructors import torch._dynamo (about half a CPU-second), and MemTracker
+(`new_mem_tracker`) pulls in its module at a CPU rank's first tracked step."""
+
+
+def import_rank_lazy_modules() -> None:
+    """Import RANK_LAZY_MODULES now: the fork server does, once, so no rank forked from it does."""
+    for name in RANK_LAZY_MODULES:
+        importlib.import_module(name)
 
 
 def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:

@@ -79,6 +79,32 @@ def test_the_mem_tracker_counts_a_parameter_and_its_gradient() -> None:
     assert peak["Total"] == sum(v for k, v in peak.items() if k != "Total")
 
 
+def test_the_global_peak_tracker_peaks_where_torchs_mem_tracker_does() -> None:
+    """Hiding the module table from `_update_peak_stats` leaves every global figure as torch's
+    MemTracker has it: the peak snapshot, byte for byte and by category, over a decoder's forward,
+    backward and AdamW step (two forwards of the same modules, as with grad_accum 2)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tests.helpers import materialized, tiny_config
+
+    def peak(tracker: MemTracker) -> dict[str, int]:
+        model = materialized(tiny_config(model__n_layers=1).model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for _ in range(2):
+                model(tokens).float().sum().backward()
+                tracker.reset_mod_stats()
+            optimizer.step()
+        snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        return {getattr(k, "name", k): v for k, v in snapshot.items()}
+
+    ours, torchs = peak(new_mem_tracker()), peak(MemTracker())
+    assert type(new_mem_tracker()).__mro__[1] is MemTracker
+    assert ours == torchs and ours["Total"] == sum(v for k, v in ours.items() if k != "Total")
+
+
 def test_the_checkpoint_wrapper_recomputes_to_the_same_gradient() -> None:
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
