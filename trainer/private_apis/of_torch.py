@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 import torch
@@ -103,16 +102,14 @@ def global_peak_mem_tracker() -> type:
     return GlobalPeakMemTracker
 
 
-RANK_LAZY_MODULES = ("torch._dynamo", "torch.distributed._tools.mem_tracker")
-"""Modules torch imports on first use inside every rank, not when the loop's modules are imported:
-DDP's and FSDP2's constructors import torch._dynamo (about half a CPU-second), and MemTracker
-(`new_mem_tracker`) pulls in its module at a CPU rank's first tracked step."""
-
-
 def import_rank_lazy_modules() -> None:
-    """Import RANK_LAZY_MODULES now: the fork server does, once, so no rank forked from it does."""
-    for name in RANK_LAZY_MODULES:
-        importlib.import_module(name)
+    """Import now what torch imports on first use inside every rank, not when the loop's modules are
+    imported: DDP's and FSDP2's constructors import torch._dynamo (about half a CPU-second), and
+    MemTracker (`new_mem_tracker`) pulls in its module at a CPU rank's first tracked step. The fork
+    server does, once, so no rank forked from it does. (Plain imports: the rank path's import rules,
+    tests/unit/test_imports.py, read every module it loads.)"""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed._tools.mem_tracker  # noqa: F401
 
 
 def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
