@@ -136,10 +136,15 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def table_rows(report_md: Path) -> list[str]:
-    """The point rows of a sweep report's markdown table."""
-    return [
-        line for line in report_md.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()
-    ]
+    """The point rows of a sweep report's first markdown table (the points; later tables, such as where
+    the memory went, have rows per point and rank)."""
+    rows: list[str] = []
+    for line in report_md.read_text().splitlines():
+        if line.startswith("| ") and line[2].isdigit():
+            rows.append(line)
+        elif rows and not line.startswith("|"):
+            break
+    return rows
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -30,7 +30,7 @@ ROWS = [
     "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "offload host memory", "plan at the device limit",
     "oom under device_memory_gib", "micro_batch=auto", "fp32 vs bf16 losses", "bf16 runs reproducible", "checkpointing full",
     "checkpointing selective", "checkpointing op", "loss chunked", "attention efficient (bf16)", "attention math (bf16)",
-    "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile",
+    "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile", "fp8 vs bf16 compiled (125m)",
 ]  # fmt: skip
 NO_XDIST = {**os.environ, "PYTEST_ADDOPTS": "-p no:xdist"}
 """The GPU host has no pytest-xdist: every pytest the check starts runs with the plugin blocked, so

@@ -4,6 +4,7 @@ hosts of 1 and 2 TiB, `mode=advise` whose offload candidates cannot fit a small 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -93,4 +94,8 @@ def test_advise_on_8_nodes_of_8_a100s_weighs_hsdp_and_hpz_per_tier(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     header, *rows = [line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()]
     assert "on 64 ranks" in proc.stdout and "exposed s intra/net" in proc.stdout
-    assert any(" hpz=8 " in row or " shard=8 " in row for row in [header, *rows])
+    # HSDP and hpZ (a node per group) are planned and timed per tier; with tensor parallelism among the
+    # candidates they rank below the printed rows, so advice.json, which keeps every candidate, is read.
+    advice = json.loads(next(tmp_path.rglob("advice.json")).read_text())["candidates"]
+    grouped = [c for c in advice if c["fits"] and 8 in (c["zero.shard_ranks"], c["zero.hpz_ranks"])]
+    assert grouped and all(set(c["exposed_by_link_s"]) == {"intra-node", "network"} for c in grouped)

@@ -97,7 +97,8 @@ def test_twice_m_runs_out_and_is_explained(too_big: tuple[Run, float]) -> None:
     record = json.loads((run.out_dir / "failures" / f"rank{rank}.json").read_text())
     explained = record["explained"]
     assert explained == run.summary["oom"]
-    assert (record["step"], record["micro_batch"]) == (1, 0)  # activations fill up in the first step
+    # activations fill up in the first step's forward, or the second's, once Adam's states exist
+    assert record["step"] in (1, 2) and record["micro_batch"] == 0
     assert explained["moment"] == where(record)
     plan = build_plan(compose_config(*CAP, f"micro_batch={2 * M}"), "cpu", 2)
     assert explained["plan_moment"] == plan_moment(plan.ranks[rank], record["phase"], record["block"])

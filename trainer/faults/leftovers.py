@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -97,12 +98,26 @@ def marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def is_wandb_service(proc: psutil.Process) -> bool:
+    """The job process's own W&B service (wandb-core): started by the job, not by the launcher, and
+    reparented away from it, so not among its children; the job still writes to it after the ranks end
+    (docs/design.md section 3: the job process owns the W&B run), and wandb ends it at `finish`."""
+    try:
+        return any(
+            "wandb" in Path(arg).parts or Path(arg).name.startswith("wandb-") for arg in proc.cmdline()[:1]
+        )
+    except psutil.Error:
+        return False
+
+
 def reap(marker: str, grace_s: float = REAP_GRACE_S) -> list[Leftover]:
     """End every process of the job left below this one (its own children aside): wait up to
     `grace_s` for them to end, then SIGKILL; returns those killed."""
     own = {child.pid for child in psutil.Process().children()}
     deadline = time.monotonic() + grace_s
-    while (left := [p for p in marked(marker) if p.pid not in own]) and time.monotonic() < deadline:
+    while (left := [p for p in marked(marker) if p.pid not in own and not is_wandb_service(p)]) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     killed = []
     for proc in left:
