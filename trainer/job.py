@@ -457,13 +457,16 @@ def end_summary(
         **meta,
     )
     if records and config.telemetry.enabled:
-        summary[MEMORY_CREEP] = find_creep(
+        # Absent where memory did not creep: W&B's summary keeps no null, and the run's summary is summary.json's.
+        creep = find_creep(
             records,
             summary.get(WARMUP_STEPS, 0),
             meta.get("plan", {}).get("device_memory_gib"),
             meta.get(PREDICTED_PEAK),
             resolve_device_kind(config.device, must_be_visible=False),
         )
+        if creep is not None:
+            summary[MEMORY_CREEP] = creep
     write_summary(out_dir, summary)
     return summary
 

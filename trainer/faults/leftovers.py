@@ -38,9 +38,17 @@ REAP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+LAUNCH_MARKER = "ZEROLAB_LAUNCH_ID"
+"""One launch's own mark, new at every launch: what the launcher reaps. JOB_MARKER is kept from the
+caller (tests and drills set it to find everything a command left), so the jobs of one sweep, or a
+job and the advise.verify jobs it starts, can share it, and must not reap each other."""
+
+
 def mark_job() -> str:
-    """This invocation's mark (kept when the caller set one, as tests and drills do)."""
-    return os.environ.setdefault(JOB_MARKER, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    """This launch's mark, set for everything started below it; JOB_MARKER too, where the caller set none."""
+    os.environ.setdefault(JOB_MARKER, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.environ[LAUNCH_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return os.environ[LAUNCH_MARKER]
 
 
 def die_with_parent() -> None:
@@ -79,10 +87,10 @@ def describe(proc: psutil.Process) -> str:
     return line[:60]
 
 
-def marked(marker: str) -> list[psutil.Process]:
+def marked(marker: str, variable: str = JOB_MARKER) -> list[psutil.Process]:
     """Live processes (zombies aside) whose environment carries `marker`, this one excluded."""
     found = []
-    needle = f"{JOB_MARKER}={marker}".encode()
+    needle = f"{variable}={marker}".encode()
     for pid in psutil.pids():
         if pid == os.getpid():
             continue
@@ -113,11 +121,14 @@ def is_wandb_service(proc: psutil.Process) -> bool:
 def reap(marker: str, grace_s: float = REAP_GRACE_S) -> list[Leftover]:
     """End every process of the job left below this one (its own children aside): wait up to
     `grace_s` for them to end, then SIGKILL; returns those killed."""
-    own = {child.pid for child in psutil.Process().children()}
+    # Its own children, and its ancestors: a job started by another of the same mark (mode=advise's
+    # advise.verify jobs) must not end the job that started it.
+    me = psutil.Process()
+    own = {child.pid for child in me.children()} | {parent.pid for parent in me.parents()}
     deadline = time.monotonic() + grace_s
-    while (left := [p for p in marked(marker) if p.pid not in own and not is_wandb_service(p)]) and (
-        time.monotonic() < deadline
-    ):
+    while (
+        left := [p for p in marked(marker, LAUNCH_MARKER) if p.pid not in own and not is_wandb_service(p)]
+    ) and (time.monotonic() < deadline):
         time.sleep(0.1)
     killed = []
     for proc in left:
