@@ -132,12 +132,13 @@ def test_dry_run_produces_every_row_and_passes(
     assert not any("checkpoints" in name for name in names) and (jobs / "cpu_save" / "checkpoints").exists()
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[2] == "| check | status | figures | note | s |" and len(table) == 4 + len(ROWS)
-    # At most 270 CPU-seconds (about 2 minutes 15 s on 2 idle cores): 240 held the dry run before
-    # issue 40 added the op, chunked-loss, math-attention and advisor rows (250 CPU-s measured with
-    # them on 2 idle cores). The wall time on a shared machine says more about the neighbours than
-    # about the check, so it is printed, not asserted.
+    # At most 360 CPU-seconds (about 3 minutes on 2 idle cores): 240 held the dry run before issue 40
+    # added the op, chunked-loss, math-attention and advisor rows (250 CPU-s measured with them on 2
+    # idle cores); issues 37 and 34 added micro_batch=auto's probes and the compiled fp8 pair (335 CPU-s
+    # measured with them). The wall time on a shared machine says more about the neighbours than about
+    # the check, so it is printed, not asserted.
     print(f"dry run: {elapsed:.0f} s wall, {cpu_s:.0f} CPU-s")
-    assert cpu_s <= 270
+    assert cpu_s <= 360
 
 
 def alive(pid: int) -> bool:
