@@ -34,6 +34,11 @@ FAILURES_DIR = "failures"
 # ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that
 # allocates with new raises std::bad_alloc, CUDA raises torch.OutOfMemoryError.
 OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "bad_alloc")
+# What oneDNN (CPU bf16 matmuls) says when creating a primitive or its memory fails. Its error
+# carries dnnl_out_of_memory as a status torch drops from the message, so the words alone are
+# ambiguous: they count as out of memory only in a rank under the CPU cap (device_memory_gib),
+# where a malloc past RLIMIT_DATA is what makes a primitive that builds uncapped fail.
+CAPPED_CPU_OOM_MARKERS = ("could not create a primitive", "could not create a memory")
 # What gloo and NCCL say when the process at the other end of a connection is gone.
 # (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
 LOST_PEER_MARKERS = (
@@ -112,11 +117,13 @@ def where(record: dict[str, Any]) -> str:
     return f"step {record['step']} ({', '.join(parts)})"
 
 
-def is_out_of_memory(err: BaseException) -> bool:
-    """Whether an exception is an allocation failure (CPU or GPU), by type or by the allocator's words."""
+def is_out_of_memory(err: BaseException, capped: bool = False) -> bool:
+    """Whether an exception is an allocation failure (CPU or GPU), by type or by the allocator's words;
+    `capped`: the rank ran under the CPU cap, where oneDNN's failures are allocation failures too."""
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in OOM_MARKERS)
+    markers = OOM_MARKERS + (CAPPED_CPU_OOM_MARKERS if capped else ())
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in markers)
 
 
 def apply_memory_cap(cap_gib: float | None, device: torch.device) -> None:
@@ -175,8 +182,9 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
     try:
         yield
     except Exception as err:
+        capped = _capped_rlimit is not None
         lift_memory_cap()
-        oom = is_out_of_memory(err)
+        oom = is_out_of_memory(err, capped)
         record = {
             **asdict(POSITION),
             "rank": rank,

@@ -31,6 +31,13 @@ def test_out_of_memory_is_told_from_other_errors(error: BaseException, oom: bool
     assert is_out_of_memory(error) is oom
 
 
+def test_onednns_failure_is_out_of_memory_only_under_the_cpu_cap() -> None:
+    """A bf16 matmul's oneDNN primitive that cannot allocate says only "could not create a primitive"
+    (its out-of-memory status is dropped): out of memory under device_memory_gib, a crash without it."""
+    error = RuntimeError("could not create a primitive")
+    assert (is_out_of_memory(error, capped=True), is_out_of_memory(error, capped=False)) == (True, False)
+
+
 def test_a_failing_rank_records_its_step_and_phase(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), recording_failures(tmp_path, rank=1):
         mark_phase(4, "backward")
