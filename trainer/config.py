@@ -681,6 +681,12 @@ class OptimConfig:
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
+# parallel.pp_schedule: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+# ScheduleInterleaved1F1B. A str, not an Enum: OmegaConf matches Enum members by name, and "1f1b"
+# cannot be a Python name.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 @dataclass
 class ParallelConfig:
     """conf/parallel/*.yaml: model parallelism inside each data-parallel replica (trainer/rank/tensor_parallel.py).
@@ -695,9 +701,26 @@ class ParallelConfig:
     sp: bool | None = None
     """Sequence parallelism: norms and the residual stream sharded over the sequence between blocks
     (reduce-scatter + all-gather in place of all-reduce); null: on whenever tp > 1."""
+    pp: int = 1
+    """Pipeline stages (ranks) per model replica: consecutive blocks on consecutive stages, the
+    embedding on the first, the norm, head and loss on the last (torch.distributed.pipelining)."""
+    pp_schedule: str = "1f1b"
+    """gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one backward after
+    the warm-up; interleaved_1f1b: 1F1B over pp_virtual_stages stages per rank."""
+    pp_virtual_stages: int = 2
+    """Stages per rank under interleaved_1f1b (the blocks are split into pp * pp_virtual_stages stages)."""
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, f"parallel.tp must be an integer >= 1, got {self.tp}")
+        _require(self.pp >= 1, f"parallel.pp must be an integer >= 1, got {self.pp}")
+        _require(
+            self.pp_schedule in PIPELINE_SCHEDULES,
+            f"parallel.pp_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pp_schedule}",
+        )
+        _require(
+            self.pp_virtual_stages >= 1,
+            f"parallel.pp_virtual_stages must be an integer >= 1, got {self.pp_virtual_stages}",
+        )
         _require(
             not self.sp or self.tp > 1,
             "parallel.sp=true shards the sequence over the tensor-parallel group: it needs parallel.tp > 1",
@@ -710,7 +733,32 @@ class ParallelConfig:
 
     def dp(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks zero shards over, and the batch is split over."""
-        return world_size // self.tp
+        return world_size // (self.tp * self.pp)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages over all ranks of a replica: pp, times pp_virtual_stages when interleaved."""
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        return self.pp * (self.pp_virtual_stages if interleaved else 1)
+
+    def check_pipeline(self, model: ModelConfig, grad_accum: int) -> None:
+        """Every stage holds at least one block; 1F1B's warm-up needs a micro-batch per stage in flight."""
+        if self.pp == 1:
+            return
+        _require(
+            self.stages <= model.n_layers,
+            f"parallel.pp={self.pp} makes {self.stages} pipeline stages but model={model.name} has "
+            f"{model.n_layers} blocks (model.n_layers); allowed: parallel.pp * stages per rank <= {model.n_layers}",
+        )
+        _require(
+            self.pp_schedule == "gpipe" or grad_accum >= self.pp,
+            f"parallel.pp_schedule={self.pp_schedule} streams grad_accum={grad_accum} micro-batches through "
+            f"parallel.pp={self.pp} stages; allowed: grad_accum >= {self.pp}",
+        )
+        _require(
+            self.pp_schedule != "interleaved_1f1b" or grad_accum % self.pp == 0,
+            f"parallel.pp_schedule=interleaved_1f1b needs grad_accum={grad_accum} a multiple of parallel.pp={self.pp}",
+        )
 
     def check_model(self, model: ModelConfig, seq_len: int) -> None:
         """Every rank must hold whole heads and equal slices (ColwiseParallel / RowwiseParallel shard evenly here)."""
@@ -770,6 +818,12 @@ class ParallelConfig:
         """A TP group is consecutive ranks inside one node: tp divides nproc. DDP replicates no DTensor
         parameters here (trainer/rank/sharding.py), so stage0 only with one data-parallel replica."""
         allowed = ", ".join(str(d) for d in range(1, nproc + 1) if nproc % d == 0)
+        world = nodes * nproc
+        _require(
+            world % (self.tp * self.pp) == 0,
+            f"parallel.pp={self.pp} * parallel.tp={self.tp} must divide the world of {world} ranks (nodes * nproc); "
+            f"allowed parallel.pp: {', '.join(str(d) for d in range(1, world // self.tp + 1) if (world // self.tp) % d == 0)}",
+        )
         _require(
             nproc % self.tp == 0,
             f"parallel.tp={self.tp} must divide nproc={nproc} (a tensor-parallel group stays inside one node "
@@ -1144,6 +1198,7 @@ class TrainConfig:
         )
         self.parallel.check_model(self.model, self.seq_len)
         self.parallel.check_composition(self)
+        self.parallel.check_pipeline(self.model, self.grad_accum)
 
     def _check_global_batch(self) -> None:
         if self.micro_batch == AUTO:
