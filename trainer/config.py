@@ -355,6 +355,12 @@ class PrecisionConfig:
             )
             return
         _require(
+            self.name == "fp8",
+            f"precision.fp8_recipe={self.fp8_recipe.value} needs precision=fp8 (got precision={self.name}: logs, "
+            "W&B groups and the sweep report would name an fp8 run after it); use precision=fp8 "
+            f"precision.fp8_recipe={self.fp8_recipe.value}",
+        )
+        _require(
             self.compute_dtype == DType.bfloat16,
             f"precision.fp8_recipe={self.fp8_recipe.value} needs precision.compute_dtype=bfloat16 "
             f"(got {self.compute_dtype.value}): use precision=fp8",

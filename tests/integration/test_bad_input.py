@@ -23,6 +23,11 @@ CASES = [
         "precision.fp8_recipe=tensorwise",
     ),
     (["precision=fp8", "precision.fp8_recipe=bogus"], "precision.fp8_recipe=bogus", "tensorwise, rowwise"),
+    (
+        ["precision=bf16", "precision.fp8_recipe=rowwise"],
+        "precision.fp8_recipe=rowwise needs precision=fp8",
+        "use precision=fp8",
+    ),
     (["micro_batch=0"], "micro_batch", ">= 1"),
     (["steps=-1"], "steps", ">= 1"),
     (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),

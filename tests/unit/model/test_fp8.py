@@ -97,7 +97,7 @@ def saved_bytes(recipe: str, autocast: bool) -> tuple[int, int]:
     under autocast (stages 0-1) or FSDP2's bf16 parameters (stages 2-3, no autocast)."""
     config = tiny_config()
     precision = dataclasses.replace(
-        config.precision, compute_dtype=DType.bfloat16, fp8_recipe=Fp8Recipe(recipe)
+        config.precision, name="fp8", compute_dtype=DType.bfloat16, fp8_recipe=Fp8Recipe(recipe)
     )
     model = build_model(config.model, device="meta")
     apply_fp8(model, precision, "cpu")
