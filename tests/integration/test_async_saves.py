@@ -76,8 +76,11 @@ def test_every_save_is_timed_in_metrics_and_summary(in_place: Run, threaded: Run
         assert all(s["total_s"] >= s["blocking_s"] for s in saves)
         timed = [r for r in run.records if "save/step" in r]
         # The step-4 save's figures in a record after it; the last save's come after the last record.
-        assert [r["save/step"] for r in timed] == [4] and timed[0]["step"] > 4
-        assert timed[0]["time/save_blocking_s"] == saves[0]["blocking_s"]
+        # A background write is noticed at the first step boundary after it ends: on a loaded machine
+        # the step-4 write can outlast steps 5-8, and then only the summary has it (CI saw this once).
+        if run is in_place or timed:
+            assert [r["save/step"] for r in timed] == [4] and timed[0]["step"] > 4
+            assert timed[0]["time/save_blocking_s"] == saves[0]["blocking_s"]
         assert run.summary["time/save_blocking_s"] == sum(s["blocking_s"] for s in saves) / 2
     assert in_place.summary["saves"][0]["blocking_s"] == in_place.summary["saves"][0]["total_s"]
     assert "save/writing" not in in_place.records[0] and threaded.records[4]["save/writing"] == 1
