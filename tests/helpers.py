@@ -343,14 +343,14 @@ HF_SEQUENCES = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual
 """The 4 fixed sequences zerolab's logits are compared on."""
 
 
-def hf_checkpoint(directory: Path, architecture: str, seed: int = 0) -> Path:
-    """A tiny random `architecture` saved by transformers' save_pretrained in `directory`. Every
-    parameter drawn at random (norm weights about 1, biases non-zero) so that none of them, q/k norms
-    and biases included, could be loaded wrongly and go unseen."""
+def hf_checkpoint(directory: Path, architecture: str, seed: int = 0, **shapes: int) -> Path:
+    """A tiny random `architecture` (HF_SHAPES, or `shapes` over them) saved by transformers'
+    save_pretrained in `directory`. Every parameter drawn at random (norm weights about 1, biases
+    non-zero) so that none of them, q/k norms and biases included, could be loaded wrongly and go unseen."""
     import transformers
 
     config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(
-        **HF_SHAPES, **HF_FAMILIES[architecture]
+        **(HF_SHAPES | shapes), **HF_FAMILIES[architecture]
     )
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config)

@@ -6,6 +6,7 @@ stage3 the run's export (save.hf=last) loads in transformers with zerolab's logi
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tests.helpers import (
 from trainer.config import ModelConfig, from_plain
 from trainer.data import build_batches
 from trainer.model.decoder import build_model, materialize
+from trainer.units import GIB
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,20 +81,27 @@ def test_two_ranks_give_transformers_logits(
 # ----------------------------------------------------------------------------- a run from the weights
 
 
+LOADED_SHAPES = dict(hidden_size=256, intermediate_size=2048)
+"""The run's Llama: 14 MiB of fp32 tensors, the largest 2 MiB (each MLP matrix), so that what a rank
+holds while loading stands out from what the runtime itself takes meanwhile (DCP's planning: about
+1 MiB measured). The tiny shapes' 0.3 MiB would not."""
+
+
 @pytest.fixture(scope="module")
-def run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """5 steps at stage3 on 2 ranks from the Llama checkpoint, its last save exported (save.hf=last)."""
-    weights = checkpoints["LlamaForCausalLM"]
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "LlamaForCausalLM", **LOADED_SHAPES)
+
+
+@pytest.fixture(scope="module")
+def run(weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """5 steps at stage3 on 2 ranks from a Llama checkpoint, its last save exported (save.hf=last)."""
     out = tmp_path_factory.mktemp("run") / "run"
     return run_trainer(
         out, "model=hf", f"model.weights={weights}", *JOB, "steps=5", "save.every=5", "save.hf=last"
     )
 
 
-def test_the_first_loss_is_transformers_loss_on_the_same_batch(
-    checkpoints: dict[str, Path], run: Run
-) -> None:
-    weights = checkpoints["LlamaForCausalLM"]
+def test_the_first_loss_is_transformers_loss_on_the_same_batch(weights: Path, run: Run) -> None:
     config = compose_config("model=hf", f"model.weights={weights}", *JOB)
     model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     losses = []
@@ -103,14 +112,33 @@ def test_the_first_loss_is_transformers_loss_on_the_same_batch(
     assert abs(run.losses[0] - sum(losses) / 2) < 1e-5
 
 
-def test_the_run_names_its_weights_and_their_fingerprint(checkpoints: dict[str, Path], run: Run) -> None:
+def test_the_run_names_its_weights_and_their_fingerprint(weights: Path, run: Run) -> None:
     import hashlib
 
-    weights = checkpoints["LlamaForCausalLM"]
     sha256 = hashlib.sha256((weights / "model.safetensors").read_bytes()).hexdigest()[:16]
     model = run.summary["config"]["model"]
     assert (model["weights"], model["weights_sha256"]) == (str(weights), sha256)
     assert f"weights              {weights} (sha256 {sha256})" in run.stdout
+
+
+def test_each_ranks_host_memory_while_loading_is_its_shard_and_at_most_one_tensor(
+    weights: Path, run: Run
+) -> None:
+    """Acceptance 4: each rank's measured host memory while loading (summary.json) stays below its
+    shard plus the checkpoint's largest tensor, and within the plan's load figure (plan.json), which
+    is that; a rank holding the whole state dict would exceed it (the model is larger than both)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights / "model.safetensors"), framework="pt") as f:
+        shapes = [f.get_slice(key).get_shape() for key in f.keys()]
+    tensors = [4 * math.prod(shape) for shape in shapes]  # fp32, as saved
+    shard = sum(4 * -(-shape[0] // 2) * math.prod(shape[1:]) for shape in shapes)  # dim 0 halved (padded)
+    bound = shard + max(tensors)
+    planned = json.loads((run.out_dir / "plan.json").read_text())["host"]["loading_gib"] * GIB
+    assert planned == bound and sum(tensors) > bound
+    for rank in range(2):  # (below the shard where the allocator reuses pages the rank had already)
+        measured = run.summary[f"memory/rank{rank}/load_host_peak_gib"] * GIB
+        assert measured < bound, (rank, measured, shard, bound)
 
 
 def trained_logits(run: Run) -> torch.Tensor:
