@@ -396,6 +396,26 @@ def rank_logits(
     dist.destroy_process_group()
 
 
+def rank_load_memory(rank: int, port: int, config: ModelConfig, stage: str, out: Path) -> None:
+    """One of two ranks (torch.multiprocessing's entry): `config`'s weights loaded at `stage` as a job's
+    rank loads them (apply_zero, measured there: trainer/telemetry/memory.py measure_load); rank 0
+    writes every rank's figures (LOADED, bytes) to `out` as JSON."""
+    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
+    from trainer.rank.sharding import apply_zero
+    from trainer.telemetry.memory import LOADED
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    zero = ZeroConfig(stage=Stage(stage))
+    apply_zero(build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights)
+    figures: list[dict[str, float] | None] = [None, None]
+    dist.all_gather_object(figures, dict(LOADED))
+    if rank == 0:
+        out.write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- text corpora (data=text)
 WORDS = ("the", "a", "cat", "dog", "runs", "sleeps", "over", "under", "red", "blue", "and", "quickly")
 

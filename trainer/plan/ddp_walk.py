@@ -85,7 +85,7 @@ def powersgd_hook_moments(ctx: StepContext, moments: list[Moment]) -> list[Momen
     zero = ctx.config.zero
     if zero.compression != Compression.powersgd:
         return []
-    transients = [
+    transients = [  # per tensor: its copy and its new error; an uncompressed one is concatenated too
         4 * sum((2 if powersgd_elements(s, zero) < math.prod(s) else 3) * math.prod(s) for s in bucket)
         for bucket in ddp_buckets(ctx.shape, zero)
     ]

@@ -37,6 +37,7 @@ available): nothing is measured there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -252,7 +253,14 @@ def loading_bytes(config: TrainConfig, device_kind: str, states: RankStates) -> 
     if config.model.weights is None:
         return 0
     shard = states.params if device_kind == "cpu" or offload_applies(config, device_kind) else 0
-    return shard + largest_tensor_bytes(safetensors_files(Path(config.model.weights)))
+    return shard + checkpoint_largest_tensor(config.model.weights)
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_largest_tensor(weights: str) -> int:
+    """The largest tensor of the checkpoint in `weights`, its headers read once per process (the
+    advisor plans hundreds of candidates from one checkpoint)."""
+    return largest_tensor_bytes(safetensors_files(Path(weights)))
 
 
 def at_rest(

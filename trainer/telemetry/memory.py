@@ -21,6 +21,10 @@ kernel images, NCCL's buffers, cuBLAS handles: what trainer/plan/headroom.py ass
 itself); on a CPU, the window's peak resident set less its tensor peak where tensors were
 tracked (the runtime, gloo's buffers, the allocator's slack; the two peaks may fall at
 different moments, so it is an estimate of the runtime's share, not an exact split).
+
+Loading model.weights (`measure_load`, around each rank's load): the growth of the process's
+private resident memory to its peak, sampled, and of its resident set (VmHWM), which also counts
+the checkpoint's pages the readers map; the first window's row carries them.
 """
 
 from __future__ import annotations
