@@ -343,14 +343,14 @@ HF_SEQUENCES = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual
 """The 4 fixed sequences zerolab's logits are compared on."""
 
 
-def hf_checkpoint(directory: Path, architecture: str, seed: int = 0) -> Path:
-    """A tiny random `architecture` saved by transformers' save_pretrained in `directory`. Every
-    parameter drawn at random (norm weights about 1, biases non-zero) so that none of them, q/k norms
-    and biases included, could be loaded wrongly and go unseen."""
+def hf_checkpoint(directory: Path, architecture: str, seed: int = 0, **shapes: int) -> Path:
+    """A tiny random `architecture` (HF_SHAPES, or `shapes` over them) saved by transformers'
+    save_pretrained in `directory`. Every parameter drawn at random (norm weights about 1, biases
+    non-zero) so that none of them, q/k norms and biases included, could be loaded wrongly and go unseen."""
     import transformers
 
     config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(
-        **HF_SHAPES, **HF_FAMILIES[architecture]
+        **(HF_SHAPES | shapes), **HF_FAMILIES[architecture]
     )
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config)
@@ -393,6 +393,26 @@ def rank_logits(
     if rank == 0:
         torch.save(logits, out)
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_load_memory(rank: int, port: int, config: ModelConfig, stage: str, out: Path) -> None:
+    """One of two ranks (torch.multiprocessing's entry): `config`'s weights loaded at `stage` as a job's
+    rank loads them (apply_zero, measured there: trainer/telemetry/memory.py measure_load); rank 0
+    writes every rank's figures (LOADED, bytes) to `out` as JSON."""
+    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
+    from trainer.rank.sharding import apply_zero
+    from trainer.telemetry.memory import LOADED
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    zero = ZeroConfig(stage=Stage(stage))
+    apply_zero(build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights)
+    figures: list[dict[str, float] | None] = [None, None]
+    dist.all_gather_object(figures, dict(LOADED))
+    if rank == 0:
+        out.write_text(json.dumps(figures))
     dist.destroy_process_group()
 
 

@@ -194,12 +194,12 @@ def test_powersgd_at_full_rank_is_the_all_reduce(measured: dict[str, Any]) -> No
     assert full["figures"]["all_reduce"] > LOSS_STEPS * 4 * model_shape(make_config().model).num_params
 
 
-@pytest.mark.parametrize("method", ["none", "topk", "sync_every"])
+@pytest.mark.parametrize("method", ["none", "powersgd", "topk", "sync_every"])
 def test_the_plan_is_the_measured_peak(measured: dict[str, Any], method: str) -> None:
     """Acceptance 2: the highest peak of steps 2-6 within 0.5% of the plan: TopK's residual and the
-    dense gradient DDP keeps from its hook, local SGD's flat copy of the parameters when it averages.
-    (PowerSGD is left out: its error feedback is written in callbacks that run on gloo's worker
-    threads, which the memory tracker, a thread-local dispatch mode, does not see; docs/memory_plan.md.)"""
+    dense gradient DDP keeps from its hook, local SGD's flat copy of the parameters when it averages,
+    PowerSGD's copy of a bucket and its new error feedback while its hook works on it (its callbacks
+    run under the tracker, trainer/rank/compression.py; docs/communication.md)."""
     plan = build_plan(make_config(**METHODS[method]), "cpu", WORLD).ranks[0].peak
     got = measured[f"{method} memory"]["peak"]
     assert abs(plan.total - got) / got < PEAK_TOLERANCE, (

@@ -1,11 +1,13 @@
 """Issue 35 on two ranks: a Hugging Face checkpoint of each family loaded at stages 0 and 3 gives
-transformers' logits; `model=hf model.weights=DIR` starts from transformers' loss; after 5 steps at
-stage3 the run's export (save.hf=last) loads in transformers with zerolab's logits, and
+transformers' logits; each rank's host memory while loading stays below its shard and the largest
+tensor, the plan's figure; `model=hf model.weights=DIR` starts from transformers' loss; after 5 steps
+at stage3 the run's export (save.hf=last) loads in transformers with zerolab's logits, and
 `python -m trainer.export --dtype bf16` halves the tensors; bad weights are one line, exit 2."""
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -23,12 +25,15 @@ from tests.helpers import (
     free_port,
     hf_checkpoint,
     hf_logits,
+    rank_load_memory,
     rank_logits,
     run_trainer,
 )
 from trainer.config import ModelConfig, from_plain
 from trainer.data import build_batches
 from trainer.model.decoder import build_model, materialize
+from trainer.plan import build_plan
+from trainer.units import GIB
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,6 +81,45 @@ def test_two_ranks_give_transformers_logits(
     assert difference < 1e-5
 
 
+# ----------------------------------------------------------------------------- host memory while loading
+
+LOADED_SHAPES = dict(hidden_size=256, intermediate_size=2048)
+"""A Llama of 14 MiB of fp32 tensors, the largest 2 MiB (each MLP matrix), so that what a rank holds
+while loading stands out from what the runtime takes meanwhile (DCP's planning: about 1 MiB
+measured); the tiny shapes' 0.3 MiB would not."""
+
+
+def shard_and_largest(weights: Path) -> tuple[int, int, int]:
+    """Bytes of one rank's stage3 shard of 2 (dim 0 halved, padded), of the largest tensor and of all
+    (fp32, as saved), from the file's shapes."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights / "model.safetensors"), framework="pt") as f:
+        shapes = [f.get_slice(key).get_shape() for key in f.keys()]
+    tensors = [4 * math.prod(shape) for shape in shapes]
+    shard = sum(4 * -(-shape[0] // 2) * math.prod(shape[1:]) for shape in shapes)
+    return shard, max(tensors), sum(tensors)
+
+
+def test_each_ranks_host_memory_while_loading_is_below_its_shard_and_the_largest_tensor(
+    tmp_path: Path,
+) -> None:
+    """Acceptance 4: loaded at stage3 on 2 ranks (forked, as the logits above), each rank's measured
+    host memory while loading stays below its shard plus the largest tensor, which is the plan's load
+    figure; a rank holding the whole state dict would exceed it."""
+    weights = hf_checkpoint(tmp_path / "llama", "LlamaForCausalLM", **LOADED_SHAPES)
+    out = tmp_path / "loaded.json"
+    config = ModelConfig(name="hf", weights=str(weights))
+    mp.start_processes(
+        rank_load_memory, args=(free_port(), config, "stage3", out), nprocs=2, start_method="fork"
+    )
+    shard, largest, whole = shard_and_largest(weights)
+    plan = build_plan(compose_config("model=hf", f"model.weights={weights}", *JOB), "cpu", 2)
+    assert [rank.loading for rank in plan.host.ranks] == [shard + largest] * 2 and whole > shard + largest
+    for rank, figures in enumerate(json.loads(out.read_text())):
+        assert figures["load_host_peak"] < shard + largest, (rank, figures, shard, largest)
+
+
 # ----------------------------------------------------------------------------- a run from the weights
 
 
@@ -111,6 +155,20 @@ def test_the_run_names_its_weights_and_their_fingerprint(checkpoints: dict[str, 
     model = run.summary["config"]["model"]
     assert (model["weights"], model["weights_sha256"]) == (str(weights), sha256)
     assert f"weights              {weights} (sha256 {sha256})" in run.stdout
+
+
+def test_the_run_reports_each_ranks_host_memory_while_loading_and_the_plan_its_own(
+    checkpoints: dict[str, Path], run: Run
+) -> None:
+    """summary.json carries both ranks' figures (from their first record) and plan.json the plan's:
+    the tiny checkpoint's shard and largest tensor (too small for the bound to say more than the
+    runtime's own growth: the test above holds a larger one to it)."""
+    shard, largest, _ = shard_and_largest(checkpoints["LlamaForCausalLM"])
+    plan = json.loads((run.out_dir / "plan.json").read_text())["host"]
+    assert plan["loading_gib"] * GIB == shard + largest
+    for rank in range(2):
+        for figure in ("load_host_peak_gib", "load_rss_peak_gib"):
+            assert math.isfinite(run.summary[f"memory/rank{rank}/{figure}"])
 
 
 def trained_logits(run: Run) -> torch.Tensor:

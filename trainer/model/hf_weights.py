@@ -139,6 +139,20 @@ def header_shapes(files: list[Path]) -> dict[str, tuple[list[int], Path]]:
     return shapes
 
 
+def largest_tensor_bytes(files: list[Path]) -> int:
+    """The bytes of the checkpoint's largest tensor as stored, from the headers only: each entry's
+    `data_offsets` (the safetensors format: an 8-byte little-endian header length, then the JSON
+    header; safe_open gives shapes and dtype names, not sizes)."""
+    largest = 0
+    for path in files:
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                largest = max(largest, entry["data_offsets"][1] - entry["data_offsets"][0])
+    return largest
+
+
 def fingerprint(files: list[Path]) -> str:
     """sha256 of the safetensors files' bytes in order, its first 16 hex digits: which weights a run
     started from (read once, in the job process; about a second per GB)."""
@@ -216,6 +230,13 @@ def check_shapes(config: ModelConfig, weights: Path, found: dict[str, tuple[list
 
 
 # ----------------------------------------------------------------------------- loading (each rank)
+
+
+def import_readers() -> None:
+    """Import what `load_weights` reads with, so that a measurement of the load (trainer/telemetry/
+    memory.py measure_load) does not count the modules' code and objects as what loading holds."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
 
 
 @torch.no_grad()

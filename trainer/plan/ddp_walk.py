@@ -19,6 +19,7 @@ from trainer.plan.moments import (
     optimizer_temporary,
 )
 from trainer.plan.states import ModelShape
+from trainer.private_apis.of_torch import ddp_bucket_assignment
 
 
 def ddp_moments(ctx: StepContext) -> list[Moment]:
@@ -49,6 +50,7 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
         ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding + held),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + held),
     ]
+    moments += powersgd_hook_moments(ctx, moments)
     if ctx.config.zero.sync_every > 1:
         # PeriodicModelAverager's average_parameters all-reduces one flat fp32 copy of every parameter
         # (torch.cat), made after the optimizer's step while the gradients are still held.
@@ -69,6 +71,45 @@ def hook_state(zero: ZeroConfig, shape: ModelShape) -> int:
         compressed = [s for s in shape.order if powersgd_elements(s, zero) < math.prod(s)]
         return 4 * numel + 4 * sum(powersgd_elements(s, zero) for s in compressed)
     return 0
+
+
+def powersgd_hook_moments(ctx: StepContext, moments: list[Moment]) -> list[Moment]:
+    """PowerSGD's hook at work on one bucket (torch's powerSGD_hook.py): a copy of the bucket
+    (`input_tensor_cp`, to compute the error later), the uncompressed tensors concatenated for their
+    all-reduce, and, made in its last callback while the previous one is still held, the new error
+    feedback (`input_tensor_cp - input_tensor`): 4 * (2 * bucket + uncompressed) bytes beyond the
+    state (hook_state) until the hook returns. P and Q are written in place (warm start), the
+    decompression into the bucket too. The last bucket, the embedding's, runs at the end of backward
+    (`backward: embedding`); every other one during the blocks' backward, planned at the last block's
+    moment: an upper bound, as less activation memory is left when a later block finishes."""
+    zero = ctx.config.zero
+    if zero.compression != Compression.powersgd:
+        return []
+    transients = [  # per tensor: its copy and its new error; an uncompressed one is concatenated too
+        4 * sum((2 if powersgd_elements(s, zero) < math.prod(s) else 3) * math.prod(s) for s in bucket)
+        for bucket in ddp_buckets(ctx.shape, zero)
+    ]
+    at = {mo.name: mo for mo in moments}
+    hooks = [("backward: embedding", transients[-1])]
+    if len(transients) > 1:
+        hooks.append(("backward: last block", max(transients[:-1])))
+    return [
+        dataclasses.replace(
+            at[name],
+            name=f"{name} + PowerSGD hook",
+            parts={**at[name].parts, "temporary": at[name].parts["temporary"] + extra},
+        )
+        for name, extra in hooks
+    ]
+
+
+def ddp_buckets(shape: ModelShape, zero: ZeroConfig) -> list[list[tuple[int, ...]]]:
+    """The shapes in each of DDP's buckets after its rebuild, in the order their hooks run. The rebuilt
+    buckets follow the order gradients became ready in the first backward, which the plan takes as
+    the reverse of the parameters' (measured on the tiny model: the same first bucket but for the last
+    block's attention norm, 128 elements), filled by torch's own assignment."""
+    ready = list(reversed(shape.order))
+    return [[ready[i] for i in bucket] for bucket in ddp_bucket_assignment(ready, zero.bucket_cap_mb)]
 
 
 def hook_results(ctx: StepContext) -> int:

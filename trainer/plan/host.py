@@ -37,14 +37,17 @@ available): nothing is measured there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import psutil
 
 from trainer.config import OffloadTarget, SaveAsync, TrainConfig, uses_fused
+from trainer.model.hf_weights import largest_tensor_bytes, safetensors_files
 from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
 from trainer.units import GIB
 from trainer.world import is_under_torchrun, usable_cores
@@ -73,10 +76,14 @@ class HostRank:
     """save.async_mode=thread|process: the staging copy of the rank's saved state."""
     writer: int = 0
     """save.async_mode=process: the runtime of the rank's save process."""
+    loading: int = 0
+    """model.weights: what loading the checkpoint holds before training, beyond the runtime (`loading_bytes`)."""
 
     @property
     def total(self) -> int:
-        return self.runtime + self.tensors + self.pinned + self.pageable + self.staging + self.writer
+        """The runtime and the larger of training's parts (together) and loading's, which comes before."""
+        training = self.tensors + self.pinned + self.pageable + self.staging + self.writer
+        return self.runtime + max(training, self.loading)
 
 
 def offloaded_host_rank(
@@ -130,6 +137,7 @@ class HostPlan:
                 "staging": worst.staging / GIB,
                 "writer": worst.writer / GIB,
             },
+            "loading_gib": max(rank.loading for rank in self.ranks) / GIB,
         }
 
     def describe(self) -> str:
@@ -150,8 +158,10 @@ class HostPlan:
             else f"needed; {self.source}"
         )
         cores = f"; {self.cores} cores" if self.cores is not None else ""
+        loading = max(rank.loading for rank in self.ranks)
+        load = f" ({loading / GIB:.3g} GiB while loading model.weights)" if loading else ""
         return (
-            f"host: {len(self.ranks)} ranks per node, each up to {parts}: "
+            f"host: {len(self.ranks)} ranks per node, each up to {parts}{load}: "
             f"{self.need_bytes / GIB:.2f} GiB per node {have}{cores}"
         )
 
@@ -223,7 +233,34 @@ def host_rank(
         rank,
         staging=staging_bytes(config, planned.states),
         writer=int(config.plan.cpu_rank_runtime_gib * GIB) if writer else 0,
+        loading=loading_bytes(config, device_kind, planned.states),
     )
+
+
+def loading_bytes(config: TrainConfig, device_kind: str, states: RankStates) -> int:
+    """model.weights: what a rank holds in host memory while it loads (trainer/model/hf_weights.py
+    load_weights; measured: trainer/telemetry/memory.py measure_load): its parameter shard, where
+    that lives in host memory (a CPU rank, or offload=cpu), and the checkpoint's largest tensor.
+
+    Besides the shard a rank holds at most one whole tensor of the file at a time: the rotary-permuted
+    ones (wq, wk, their biases, q/k norms) are read whole and laid out in one copy, then sliced
+    (`load_permuted`). DCP's reader copies the rank's slice straight into its parameter
+    (torch/distributed/checkpoint/hf_storage.py:226-234, `f.get_slice(fqn)[slices]`, then
+    `target_tensor.copy_`): in safetensors 0.8 that slice is a view of the whole tensor's mapping of
+    the file, page cache shared by the node's ranks rather than memory the rank holds. The largest
+    tensor of all, not only of the permuted ones, is planned: it covers that copy and DCP's own
+    planning objects (about 1 MiB measured; docs/pretrained.md)."""
+    if config.model.weights is None:
+        return 0
+    shard = states.params if device_kind == "cpu" or offload_applies(config, device_kind) else 0
+    return shard + checkpoint_largest_tensor(config.model.weights)
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_largest_tensor(weights: str) -> int:
+    """The largest tensor of the checkpoint in `weights`, its headers read once per process (the
+    advisor plans hundreds of candidates from one checkpoint)."""
+    return largest_tensor_bytes(safetensors_files(Path(weights)))
 
 
 def at_rest(

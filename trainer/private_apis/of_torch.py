@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.amp import GradScaler
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import distributed as ddp_module
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainer.units import MIB
+
 __all__ = [
     "CheckpointImpl",
     "checkpoint_wrapper",
     "comm_hook_states",
+    "ddp_bucket_assignment",
     "ddp_default_bucket_cap_mb",
     "FLIGHT_RECORDER_DUMPS",
     "flight_recorder_dumps",
@@ -30,6 +35,7 @@ __all__ = [
     "stop_memory_history",
     "OpOverload",
     "OpOverloadPacket",
+    "powersgd_hook_in_this_thread",
     "scale_on_device",
     "set_last_lr",
 ]
@@ -127,7 +133,52 @@ def set_last_lr(scheduler: LRScheduler, lrs: list[float]) -> None:
     scheduler._last_lr = lrs
 
 
+def ddp_bucket_assignment(shapes: list[tuple[int, ...]], cap_mb: float | None) -> list[list[int]]:
+    """The buckets DDP's reducer makes of fp32 gradients of `shapes` ready in this order, as indices into
+    `shapes`: torch's own assignment (`_compute_bucket_assignment_by_size`, run on meta tensors), its
+    first bucket capped at `_DEFAULT_FIRST_BUCKET_BYTES` where no cap is set, else at the cap, as
+    DistributedDataParallel and the reducer's rebuild after the first step do (nn/parallel/distributed.py)."""
+    cap = int((cap_mb or ddp_default_bucket_cap_mb()) * MIB)
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", MIB) if cap_mb is None else cap
+    tensors = [torch.empty(shape, device="meta") for shape in shapes]
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
+    return indices
+
+
 def ddp_default_bucket_cap_mb() -> float:
     """DDP's bucket cap where `bucket_cap_mb` is not given (25 MiB in torch 2.13, taken as that
     where a torch release drops the constant)."""
     return getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
+
+
+class CompletedCollectives:
+    """torch.distributed, but an all_reduce returns its work once the collective has completed."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        work = dist.all_reduce(*args, **kwargs)
+        if work is not None:  # async_op=True: wait for it before the caller chains a callback on it
+            work.get_future().wait()
+        return work
+
+
+def powersgd_hook_in_this_thread(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook, every callback of it run in the calling thread, which it returns after.
+
+    The hook chains its P and Q all-reduces, the new error feedback and the decompression in
+    `fut.then(...)` callbacks of its first all-reduce. A callback runs where its future completes:
+    gloo completes it on a worker thread, where neither the memory tracker (a thread-local dispatch
+    mode) sees what the callbacks allocate nor autograd's next bucket waits for them (two ranks can
+    then issue different collectives under one sequence number: gloo aborts, size mismatch).
+    `Future.then` does not carry the caller's thread-local state into a callback (c10 has
+    `at::wrapPropagateTLSState`; the Python binding's `then` does not use it, and Python has no handle
+    on that state), and the callbacks are closures inside the hook; so, for the call, the hook's module sees an all_reduce that returns its work
+    completed: `then` on a completed future runs the callback at once, in this thread. The hook
+    computes the same in the same order; only the thread its callbacks run on changes."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as module
+
+    with mock.patch.object(module, "dist", CompletedCollectives()):
+        return module.powerSGD_hook(state, bucket)

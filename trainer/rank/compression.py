@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Compression, ZeroConfig
 from trainer.plan import MIN_COMPRESSION_RATE, topk_count
+from trainer.private_apis.of_torch import powersgd_hook_in_this_thread
 
 # One all-gather into one tensor: torch 2.13 names it all_gather_single (its old name warns there),
 # torch 2.11, pyproject's lower bound, has only all_gather_into_tensor. The same collective either way.
@@ -53,17 +54,17 @@ def apply_compression(ddp: DistributedDataParallel, zero: ZeroConfig) -> None:
 
 
 def serial_powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """powerSGD_hook, finished before the next bucket's hook starts (gloo).
+    """powerSGD_hook (gloo), its callbacks run in this thread before the next bucket's hook starts.
 
     powerSGD_hook issues its P and Q all-reduces from the callbacks of the one before. NCCL marks its
     futures complete once a collective is enqueued on the stream, so those callbacks run at once in the
-    issuing thread and every rank issues in bucket order; gloo completes them, and runs the callbacks,
-    on its worker threads, racing the next bucket's first all-reduce from autograd, so two ranks can
-    issue different collectives under the same sequence number (gloo aborts: size mismatch).
+    issuing thread and every rank issues in bucket order; gloo completes them, and would run the
+    callbacks, on its worker threads, racing the next bucket's first all-reduce from autograd (two
+    ranks can issue different collectives under the same sequence number: gloo aborts, size mismatch)
+    and out of the memory tracker's sight (a thread-local dispatch mode, trainer/telemetry/memory.py),
+    which then misses the new error feedback each bucket's last callback makes.
     """
-    future = powerSGD_hook(state, bucket)
-    future.wait()
-    return future
+    return powersgd_hook_in_this_thread(state, bucket)
 
 
 def apply_local_sgd(optimizer: torch.optim.Optimizer, zero: ZeroConfig) -> torch.optim.Optimizer:

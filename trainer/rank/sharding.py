@@ -37,6 +37,7 @@ from trainer.model.hf_weights import load_weights
 from trainer.plan import ShardGroups, shard_groups
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
+from trainer.telemetry.memory import measured_load
 from trainer.world import World
 
 
@@ -57,7 +58,8 @@ def apply_zero(
     DDP wraps real parameters, so it comes after. `dp_mesh`: the data-parallel dim of a tensor-parallel
     job's mesh (trainer/rank/tensor_parallel.py), which zero shards or replicates over; None: every rank.
     """
-    load = None if weights is None else functools.partial(load_weights, weights=Path(weights))
+    # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
+    load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
     if zero.uses_fsdp:
         apply_fsdp(model, zero, precision, offload, world, dp_mesh)
         materialize(model, state_device(offload, world), seed=seed, load=load)

@@ -74,6 +74,9 @@ EVERY_MEMORY_KEY = "memory/*"
 """W&B's pattern of every memory key (its summary keeps their maximum)."""
 PEAK_RSS_SUFFIX = "/peak_rss_gib"
 """How every rank's host-memory key ends (`memory/rank{r}/peak_rss_gib`)."""
+LOAD_SUFFIXES = ("/load_host_peak_gib", "/load_rss_peak_gib")
+"""model.weights: how a rank's figures of host memory while loading end (trainer/telemetry/memory.py
+measure_load), in the first record and summary.json."""
 
 # ----------------------------------------------------------------------------- fp16 loss scaling
 LOSS_SCALE = "precision/loss_scale"
@@ -96,6 +99,8 @@ WARMUP_STEPS = "throughput/warmup_steps"
 PEAK_STEP = "memory/peak_step"
 """The log step whose window had the worst rank's peak."""
 MAX_RANK_PEAK_RSS = "memory/max_rank_peak_rss_gib"
+MAX_RANK_LOAD_HOST = "memory/max_rank_load_host_peak_gib"
+"""summary.json: the largest rank's anonymous host memory while loading model.weights."""
 # The W&B summary's names of the steady-state figures (trainer/telemetry/wandb_run.py): W&B's own
 # summary of a history key is its last value, so the steady means go under names of their own.
 STEADY_TOKENS_PER_S = "throughput/steady_tokens_per_s"

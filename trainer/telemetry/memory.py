@@ -21,6 +21,10 @@ kernel images, NCCL's buffers, cuBLAS handles: what trainer/plan/headroom.py ass
 itself); on a CPU, the window's peak resident set less its tensor peak where tensors were
 tracked (the runtime, gloo's buffers, the allocator's slack; the two peaks may fall at
 different moments, so it is an estimate of the runtime's share, not an exact split).
+
+Loading model.weights (`measure_load`, around each rank's load): the growth of the process's
+private resident memory to its peak, sampled, and of its resident set (VmHWM), which also counts
+the checkpoint's pages the readers map; the first window's row carries them.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from trainer.model.hf_weights import import_readers
 from trainer.private_apis.of_torch import comm_hook_states, new_mem_tracker
 from trainer.rank.trainee import local_optimizer
 
@@ -47,11 +53,14 @@ TENSOR_CATEGORIES = {
     "temp": "Temp",
     "optimizer": "Optstate",
 }
+LOAD_FIELDS = ("load_host_peak", "load_rss_peak")
+"""model.weights: what loading took of the host (`measure_load`), in the first window's row only."""
 CPU_FIELDS = (
     "peak_allocated",
     "peak_rss",
     *(f"peak_{name}" for name in TENSOR_CATEGORIES),
     "outside_allocator",
+    *LOAD_FIELDS,
 )
 CUDA_FIELDS = (
     "peak_allocated",
@@ -61,6 +70,7 @@ CUDA_FIELDS = (
     "num_ooms",
     "peak_rss",
     "outside_allocator",
+    *LOAD_FIELDS,
 )
 COUNT_FIELDS = ("alloc_retries", "num_ooms")  # counts, not bytes
 NAN = float("nan")
@@ -191,7 +201,8 @@ class MemoryProbe:
 
     def read(self) -> list[float]:
         """This window's figures in `self.fields` order (bytes, or counts for COUNT_FIELDS)."""
-        values = {"peak_rss": float(peak_rss_bytes())}
+        values = {"peak_rss": float(peak_rss_bytes()), **LOADED}
+        LOADED.clear()  # the first window's row carries the load's figures, once
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             values.update(
@@ -228,14 +239,78 @@ def cuda_outside_allocator_bytes(device: torch.device) -> int:
     return total - free - torch.cuda.memory_reserved(device)
 
 
-def reset_peak_rss() -> None:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0).
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0); whether it could.
 
     Where /proc/self/clear_refs is missing or not writable the peak stays the process's
     lifetime peak; peak_rss_bytes still answers, just not per window.
     """
-    with contextlib.suppress(OSError):
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def status_bytes(*names: str) -> list[int]:
+    """Fields of /proc/self/status in bytes (VmRSS, RssAnon, VmHWM: reported in kB); -1 where absent."""
+    with contextlib.suppress(OSError):
+        found = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return [int(found[name].split()[0]) * 1024 if name in found else -1 for name in names]
+    return [-1] * len(names)
+
+
+LOADED: dict[str, float] = {}
+"""The last `measure_load`'s figures (LOAD_FIELDS), until the memory probe's first row takes them."""
+SAMPLE_EVERY_S = 0.001
+
+
+@contextlib.contextmanager
+def measure_load() -> Iterator[None]:
+    """What loading model.weights takes of this rank's host memory, into LOADED:
+
+    - load_host_peak: the growth of the process's anonymous resident memory (RssAnon: its private
+      pages, tensors and all) from the load's start to its peak. The kernel keeps no peak of it,
+      and torch keeps no CPU allocator statistics (torch 2.13: only CUDA, XPU, MPS and MTIA have
+      them), so a thread samples it every SAMPLE_EVERY_S while the load runs (a peak shorter than
+      that can be missed: the figure is a lower bound of the true peak, to the sampling);
+    - load_rss_peak: the growth of the resident set to its peak (VmHWM, reset at the start through
+      /proc/self/clear_refs; NaN where that is not allowed). Exact, but it also counts the file's
+      pages the safetensors readers map (safetensors 0.8 hands out views of an mmap of the file,
+      whole tensors or slices; they stay mapped until the file is closed): page cache that every
+      rank on the node shares and the kernel can drop, not memory the rank holds.
+    """
+    (anon_start,) = status_bytes("RssAnon")
+    reset = reset_peak_rss()
+    (rss_start,) = status_bytes("VmRSS")
+    peak = [anon_start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(SAMPLE_EVERY_S):
+            peak[0] = max(peak[0], *status_bytes("RssAnon"))
+
+    sampler = threading.Thread(target=sample, name="load memory", daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+        anon_end, hwm = status_bytes("RssAnon", "VmHWM")
+        LOADED["load_host_peak"] = float(max(peak[0], anon_end) - anon_start) if anon_start >= 0 else NAN
+        LOADED["load_rss_peak"] = float(hwm - rss_start) if reset and hwm >= 0 else NAN
+
+
+def measured_load(load: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """`load` (trainer/model/hf_weights.py load_weights) under `measure_load`, its readers imported first."""
+
+    def measured(model: nn.Module) -> None:
+        import_readers()
+        with measure_load():
+            load(model)
+
+    return measured
 
 
 def peak_rss_bytes() -> int:

@@ -84,7 +84,14 @@ def worst_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
     rss = [value for r in records for key, value in r.items() if key.endswith(keys.PEAK_RSS_SUFFIX)]
     if rss:
         figures[keys.MAX_RANK_PEAK_RSS] = max(rss)
-    return figures
+    return figures | load_memory(records)
+
+
+def load_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """model.weights: every rank's host memory while loading (the first record carries it) and the largest."""
+    loaded = {k: v for r in records[:1] for k, v in r.items() if k.endswith(keys.LOAD_SUFFIXES)}
+    anon = [v for k, v in loaded.items() if k.endswith(keys.LOAD_SUFFIXES[0])]
+    return loaded | ({keys.MAX_RANK_LOAD_HOST: max(anon)} if anon else {})
 
 
 def steady_comm(records: list[dict[str, Any]], after_step: int) -> dict[str, Any]:

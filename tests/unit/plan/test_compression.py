@@ -77,3 +77,23 @@ def test_the_memory_each_method_holds_by_hand() -> None:
         16 * numel,
         4 * numel,
     )
+
+
+def test_powersgds_hook_holds_a_copy_of_its_bucket_and_the_new_error_by_hand() -> None:
+    """The tiny model's gradients, ready in reverse order, fill DDP's 1 MiB first bucket with the head
+    (65,536), the final norm and the last block (262,528 elements, 3 norms uncompressed), the other
+    with the rest (656,128, 6 norms). While its hook works on a bucket of B with U uncompressed,
+    PowerSGD holds 4 * (2B + U) bytes more: the last bucket's at the end of backward, the first's at the
+    last block's. (DDP's own first bucket, measured, leaves out the last block's attention norm:
+    262,400 and 656,256 elements, 4 * (2B + U) = 2,100,224 and 5,253,632 bytes at its two hooks.)"""
+    from trainer.plan import build_plan
+
+    moments = {
+        m.name: m.total
+        for m in build_plan(config(compression=Compression.powersgd, powersgd_rank=2), "cpu", 2)
+        .ranks[0]
+        .moments
+    }
+    last = moments["backward: embedding + PowerSGD hook"] - moments["backward: embedding"]
+    first = moments["backward: last block + PowerSGD hook"] - moments["backward: last block"]
+    assert (first, last) == (4 * (2 * 262_528 + 384), 4 * (2 * 656_128 + 768)) == (2_101_760, 5_252_096)

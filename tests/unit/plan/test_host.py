@@ -18,7 +18,10 @@ elements = 3,674,624 B, and 39 step counters of 4 B.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.helpers import compose_config as compose_for_any_host
 from trainer.config import TrainConfig
@@ -174,3 +177,27 @@ def test_a_host_too_small_for_the_staging_copy_is_refused_with_saving_in_place_a
     assert line is not None and "\n" not in line
     assert "+ 0.01 GiB to save in the background (save.async_mode=thread) = 4.0 GiB per node" in line
     assert "Try save.async_mode=off (4.0 GiB per node)" in line
+
+
+@pytest.mark.parametrize(
+    ("device", "overrides", "shard"),
+    [
+        ("cpu", ("zero=stage3",), PARAMS),  # a CPU rank's shard is in host memory
+        ("cuda", ("zero=stage3",), 0),  # on the GPU
+        ("cuda", ("zero=stage3", "offload=cpu"), PARAMS),  # offloaded: in host memory again
+    ],
+)
+def test_loading_holds_the_shard_where_it_lives_and_the_largest_tensor(
+    tmp_path: Path, device: str, overrides: tuple[str, ...], shard: int
+) -> None:
+    """The largest tensor by its stored bytes (the headers' data offsets): 1,000 bf16 elements, 2,000 B,
+    over 300 fp32 (1,200 B). The shard: one rank's fp32 parameters (PARAMS, unpadded halves)."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {"a": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.zeros(3, 100)},
+        tmp_path / "model.safetensors",
+    )
+    plan = build_plan(compose_config("model=tiny", f"model.weights={tmp_path}", *overrides), device, 2)
+    assert [r.loading for r in plan.host.ranks] == [shard + 2_000] * 2
+    assert plan.host.to_json()["loading_gib"] == (shard + 2_000) / GIB

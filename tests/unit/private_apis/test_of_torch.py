@@ -5,6 +5,8 @@ a private API is what a torch release changes without notice."""
 from __future__ import annotations
 
 import json
+import math
+import threading
 
 import pytest
 import torch
@@ -19,11 +21,13 @@ from trainer.private_apis.of_torch import (
     OpOverloadPacket,
     checkpoint_wrapper,
     comm_hook_states,
+    ddp_bucket_assignment,
     ddp_default_bucket_cap_mb,
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
     new_mem_tracker,
+    powersgd_hook_in_this_thread,
     scale_on_device,
     set_last_lr,
 )
@@ -137,3 +141,56 @@ def test_comm_hook_states_are_what_register_comm_hook_was_given(process_group: N
     state = object()
     ddp.register_comm_hook(state, allreduce_hook)
     assert len(comm_hook_states(ddp)) == 1 and comm_hook_states(ddp)[0] is state
+
+
+def test_the_bucket_assignment_is_ddps_after_its_rebuild(process_group: None) -> None:
+    """Three 512 x 512 fp32 weights (1 MiB each) and their biases, ready in reverse order: the buckets
+    DDP's hook is given after its rebuild, at a 1.5 MiB cap and at the default (a 1 MiB first one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(3)))
+    ready = [tuple(p.shape) for p in reversed(list(model.parameters()))]
+    sizes: list[int] = []
+
+    # Unannotated: register_comm_hook compares annotations with objects, and this module's are strings.
+    def record(_, bucket):  # noqa: ANN001, ANN202
+        sizes.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    for cap in (1.5, None):
+        ddp = DistributedDataParallel(model, **({} if cap is None else {"bucket_cap_mb": cap}))
+        ddp.register_comm_hook(None, record)
+        for _ in range(2):  # the reducer rebuilds its buckets after the first backward
+            sizes.clear()
+            ddp(torch.ones(1, 512)).sum().backward()
+        planned = [sum(math.prod(ready[i]) for i in b) for b in ddp_bucket_assignment(ready, cap)]
+        assert sizes == planned == ([525312, 262656] if cap else [262656, 525312])
+
+
+def test_the_powersgd_hooks_callbacks_run_under_the_callers_dispatch_mode(process_group: None) -> None:
+    """The error feedback, made in the hook's last callback (`input_tensor_cp - input_tensor`), is an op
+    that a dispatch mode entered around backward sees, in this thread."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.seen.append((str(func), threading.get_ident()))
+            return func(*args, **(kwargs or {}))
+
+    ddp = DistributedDataParallel(nn.Linear(32, 64))
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, lambda state, bucket: powersgd_hook_in_this_thread(state, bucket))
+    for _ in range(2):  # two exact reductions, then PowerSGD
+        ddp(torch.ones(1, 32)).sum().backward()
+    with Ops() as ops:
+        ddp(torch.ones(1, 32)).sum().backward()
+    assert ("aten.sub.Tensor", threading.get_ident()) in ops.seen
+    assert state.error_dict[0].numel() == 64 * 32 + 64

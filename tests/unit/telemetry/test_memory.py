@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,9 +12,11 @@ from torch import nn
 
 from trainer.telemetry.memory import (
     CPU_FIELDS,
+    LOAD_FIELDS,
     TENSOR_CATEGORIES,
     MemoryProbe,
     cuda_outside_allocator_bytes,
+    measure_load,
     peak_rss_bytes,
     reset_peak_rss,
     should_track_tensors,
@@ -95,3 +98,20 @@ def test_peak_rss_resets_each_window() -> None:
     reset_peak_rss()
     assert high - before >= 60 * 2**20
     assert peak_rss_bytes() < high - 60 * 2**20
+
+
+def test_a_load_counts_the_private_memory_it_held_at_its_peak_once() -> None:
+    """What a load held at its peak and freed before it ended: a 32 MiB tensor, written (so resident)
+    and held for 0.2 s, some two hundred samples. The resident-set figure (VmHWM) sees it too. Within 1 MiB
+    below (pages the process returned meanwhile: seen, some 40 KiB) and 2 MiB above (the runtime's
+    own). The probe's next row carries both figures, the one after it neither."""
+    mib = 2**20
+    with measure_load():
+        held = torch.ones(8 * mib)  # 32 MiB of fp32
+        time.sleep(0.2)
+        del held
+    probe = MemoryProbe(CPU, memory_every=0, last_step=10)
+    figures = dict(zip(CPU_FIELDS, probe.read()))
+    assert 31 * mib < figures["load_host_peak"] < 34 * mib
+    assert 31 * mib < figures["load_rss_peak"] < 34 * mib
+    assert all(np.isnan(v) for f, v in zip(CPU_FIELDS, probe.read()) if f in LOAD_FIELDS)

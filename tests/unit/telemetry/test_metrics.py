@@ -53,9 +53,14 @@ def test_gpu_counts_are_counts_and_bytes_are_gib() -> None:
         "num_ooms": 1,
         "peak_rss": GIB,
         "outside_allocator": GIB / 2,
+        "load_host_peak": GIB / 4,  # model.weights, in the first row only
+        "load_rss_peak": NAN,
     }
     record = memory_fields(
         CUDA_FIELDS, torch.tensor([[row[f] for f in CUDA_FIELDS]], dtype=torch.float64), None
+    )
+    assert (
+        record["memory/rank0/load_host_peak_gib"] == 0.25 and "memory/rank0/load_rss_peak_gib" not in record
     )
     assert record["memory/rank0/peak_reserved_gib"] == 3.0
     assert record["memory/rank0/outside_allocator_gib"] == 0.5

@@ -55,6 +55,15 @@ def test_summary_keeps_the_worst_window_of_the_worst_rank() -> None:
     assert summary["memory/predicted_peak_gib"] == 2.5
 
 
+def test_summary_carries_every_ranks_host_memory_while_loading_and_the_largest() -> None:
+    loaded = {"memory/rank0/load_host_peak_gib": 0.5, "memory/rank1/load_host_peak_gib": 0.75}
+    loaded |= {"memory/rank0/load_rss_peak_gib": 1.0, "memory/rank1/load_rss_peak_gib": 1.25}
+    summary = build_summary("ok", [window(10, 100.0, 1.0, **loaded), window(20, 100.0, 1.0)], total_steps=20)
+    assert {k: v for k, v in summary.items() if "load" in k} == loaded | {
+        "memory/max_rank_load_host_peak_gib": 0.75
+    }
+
+
 def test_secrets_from_the_environment_are_redacted_everywhere(monkeypatch) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
     nested = {
