@@ -125,6 +125,11 @@ CASES = [
     ),
     (["parallel.pp_schedule=zero_bubble"], "parallel.pp_schedule", "gpipe, 1f1b, interleaved_1f1b"),
     (["parallel.pp=2", "grad_accum=2", "loss=chunked"], "parallel.pp=2 with loss=chunked", "loss=full"),
+    (
+        ["parallel.pp=3", "grad_accum=3", "nproc=2"],
+        "parallel.pp=3 * parallel.tp=1 must divide the world of 2",
+        "1, 2",
+    ),
 ]
 
 
