@@ -25,6 +25,10 @@ step does), torch.profiler records the step; the time some collective was runnin
 rank computed nothing (CPU: no aten op on a computing thread; GPU: no non-NCCL kernel) over the
 step's wall time is the exposed share.
 
+Pipeline parallelism's point-to-point sends (parallel.pp > 1) are not in gloo's recorder (a pp=2 job's
+windows hold its collectives only); the stages count what they send themselves (trainer/rank/pipeline.py,
+`comm/pp/...`).
+
 The loop's own collectives (LOOP_COLLECTIVES) are recorded too: they are part of what a rank
 moves, and the plan leaves them out (docs/communication.md).
 """
