@@ -77,6 +77,8 @@ LOOP_COLLECTIVES = {
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
+    "pipeline loss and norm": "parallel.pp > 1: all_reduce of the step's fp32 loss and of the squared gradient norm "
+    "over the pp group, every step (trainer/rank/pipeline.py, trainer/rank/optim.py)",
 }
 """The collectives the training loop issues besides ZeRO's, which the plan leaves out."""
 
