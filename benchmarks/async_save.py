@@ -4,7 +4,10 @@ Runs the same 2-rank CPU job three times, save.async_mode=off, thread and proces
 `--every` steps, and prints each save's blocking time (what the step loop waited:
 `time/save_blocking_s`) and total time (until the save was complete and listed:
 `time/save_total_s`), from summary.json, beside the steady throughput and that of the steps that
-overlapped a background write. Exits 1 when thread's or process's mean blocking time is above
+overlapped a background write, and the one-time preparation of the background modes after the
+first step (`time/save_prepare_blocking_s`, what the step loop waited to start it, and
+`time/save_prepare_total_s`, until the staging copy was allocated and, in process mode, torch's
+save process ready: trainer/saves/background.py). Exits 1 when thread's or process's mean blocking time is above
 `--max-ratio` of off's (the issue's acceptance: 25%), or when a process of a job outlived it.
 
     .venv/bin/python benchmarks/async_save.py                       # model=125m, 30 steps, every 10
@@ -73,8 +76,10 @@ def row(mode: str, summary: dict[str, Any], wall: float, left: int) -> str:
     blocking = ", ".join(f"{s['blocking_s']:.2f}" for s in saves)
     total = ", ".join(f"{s['total_s']:.2f}" for s in saves)
     writing = summary.get("throughput/tokens_per_s_while_writing")
+    prepare = [summary.get(f"time/save_prepare_{name}_s") for name in ("blocking", "total")]
+    prepared = "-" if None in prepare else f"{prepare[0]:.2f}, {prepare[1]:.2f}"
     return (
-        f"| {mode} | {blocking} | {summary.get('time/save_blocking_s', 0):.3f} | {total} | "
+        f"| {mode} | {blocking} | {summary.get('time/save_blocking_s', 0):.3f} | {total} | {prepared} | "
         f"{summary.get('throughput/tokens_per_s', 0):.0f} | {'-' if writing is None else f'{writing:.0f}'} | "
         f"{wall:.0f} | {left} |"
     )
@@ -103,9 +108,10 @@ def main() -> int:
     )
     print(
         "| save.async_mode | blocking per save (s) | mean blocking (s) | total per save (s) | "
-        "steady tokens/s | tokens/s while writing | job (s) | processes left after 30 s |"
+        "preparation: blocking, total (s) | steady tokens/s | tokens/s while writing | job (s) | "
+        "processes left after 30 s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in MODES:
         print(row(mode, *results[mode]))
     off = results["off"][0]["time/save_blocking_s"]

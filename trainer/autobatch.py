@@ -8,6 +8,14 @@ that runs out ends the probe through the elastic launcher, which stops the other
 in a collective for one that died (Composer's in-process halving deadlocked on exactly that:
 mosaicml/composer#2117). At most MAX_PROBES probes: the proposal, smaller ones the plan says fit
 while a probe fails, then the next larger one where probes are left (expected to run out).
+
+Why no all-reduced OOM flag: a flag reduced after each probe step needs every rank to survive its
+own OOM and reach that collective, and a rank that runs out inside one (a gradient all-reduce, an
+all-gather) never does: its peers would wait there. Here no rank goes on after an OOM; the launcher
+sees every rank's exit and its verdict is the probe's, the one place all ranks' outcomes meet. A
+peer blocked in a collective leaves it when the dead rank's connection breaks (gloo: "Connection
+reset by peer"; NCCL: the watchdog's timeout), or at the launcher's SIGTERM then SIGKILL
+(tests/integration/test_oom_triage.py: one rank runs out in a probe, the other does not).
 """
 
 from __future__ import annotations

@@ -366,7 +366,7 @@ def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[Status, 
     if result is not None and result.get("status") == Status.diverged:
         return Status.diverged, {"error": result["error"]}
     # Every save's figures (trainer/saves/background.py): the last one's come after the last record.
-    saves = save_means(result[keys.SAVES]) if result is not None and result.get(keys.SAVES) else {}
+    saves = save_means(result) if result is not None and result.get(keys.SAVES) else {}
     if result is not None and result.get("status") in STOP_STATUSES:  # every rank stopped after one step
         return Status(result["status"]), {**stopped(result, saving), **saves}
     return Status.ok, saves

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, Run, compose_config, run_trainer
+from tests.helpers import REPO, Run, assert_nothing_left, compose_config, job_env, run_trainer
 from trainer.advise.fit import propose_micro_batch
 from trainer.faults.failures import where
+from trainer.faults.leftovers import JOB_MARKER
 from trainer.faults.oom import plan_moment
 from trainer.plan import build_plan
 
@@ -166,3 +167,38 @@ def test_an_oom_on_one_rank_ends_the_job_naming_that_rank(tmp_path: Path) -> Non
     assert (
         "error: rank 1 ran out of memory at step 2 (forward, outside the blocks, micro-batch 0)" in run.stderr
     )
+
+
+# One probe of micro_batch=auto (trainer/autobatch.py probe) in a process of its own, as the job runs it.
+PROBE = """
+import json, sys
+from pathlib import Path
+from tests.helpers import compose_config
+from trainer.advise.fit import propose_micro_batch
+from trainer.autobatch import probe
+config = compose_config(*sys.argv[2:])
+print(json.dumps(probe(config, propose_micro_batch(config, "cpu", 2), 2, Path(sys.argv[1]), "cpu", 2, 2)))
+"""
+
+
+def test_a_probe_in_which_one_rank_runs_out_is_an_oom_probe_and_no_rank_waits(tmp_path: Path) -> None:
+    """The probe's ranks agree by construction: rank 1 runs out in step 1's forward; rank 0, in the
+    backward's all-reduce, loses its peer's connection and leaves too, and the launcher ends the probe
+    (subprocess.run's timeout would raise on a hang). No rank of a probe retries in process, so none
+    can disagree with the others about the outcome: the launcher's is the one verdict."""
+    args = ("model=tiny", "device=cpu", "nproc=2", "seq_len=64", "steps=2", "micro_batch=auto", *QUIET)
+    fault = ("fault.kind=oom", "fault.rank=1", "fault.step=1")
+    env = job_env()
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path), *args, *fault],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env, check=True,
+    )  # fmt: skip
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["micro_batch"], result["status"], result["measured_peak_gib"]) == (2, "oom", None)
+    assert result["error"].startswith(
+        "rank 1 ran out of memory at step 1 (forward, outside the blocks, micro-batch 0): "
+    )
+    failures = Path(result["dir"]) / "failures"
+    records = {r: json.loads((failures / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert [(r["rank"], r["step"], r["oom"]) for r in records.values()] == [(0, 1, False), (1, 1, True)]
+    assert_nothing_left(env[JOB_MARKER])

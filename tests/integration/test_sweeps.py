@@ -33,6 +33,7 @@ from tests.helpers import (
     wandb_run,
     wandb_summary,
 )
+from trainer.faults.oom import CATEGORIES
 from trainer.report import COLUMNS
 from trainer.report.wandb_report import load_report_json
 from trainer.sweep import SweepCallback
@@ -247,10 +248,18 @@ def test_rerunning_into_the_same_directory_runs_no_job_and_rewrites_the_same_rep
     assert len(report_runs) == 1  # the same W&B report run, continued
 
 
-def test_a_point_that_runs_out_of_memory_is_a_result(tmp_path: Path) -> None:
-    """Acceptance 2: micro_batch=64 cannot fit the cap; the sweep records it as oom and exits 0."""
-    proc = run_sweep(tmp_path, "micro_batch=1,64", "plan.enforce=false", *CAPPED, "logger=wandb")
+@pytest.fixture(scope="module")
+def oom_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """micro_batch=64 cannot fit the cap; micro_batch=1 does."""
+    sweep_dir = tmp_path_factory.mktemp("oom_sweep")
+    proc = run_sweep(sweep_dir, "micro_batch=1,64", "plan.enforce=false", *CAPPED, "logger=wandb")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir
+
+
+def test_a_point_that_runs_out_of_memory_is_a_result(oom_sweep: Path) -> None:
+    """Acceptance 2: micro_batch=64 cannot fit the cap; the sweep records it as oom and exits 0."""
+    tmp_path = oom_sweep
     fits, too_big = (summary(p) for p in point_dirs(tmp_path))
     assert (
         fits["status"] == "ok"
@@ -281,6 +290,37 @@ def test_a_point_that_runs_out_of_memory_is_a_result(tmp_path: Path) -> None:
     )
     assert f"**oom** (rank {first_oom['rank']}, step 1, forward)" in table_rows(tmp_path / "report.md")[1]
     assert "**ok, fastest**" in table_rows(tmp_path / "report.md")[0]
+
+
+def test_the_report_of_a_sweep_with_an_oom_point_says_where_the_memory_went(oom_sweep: Path) -> None:
+    """Issue 37's report: per point and rank, the plan against what was measured by category, a table in
+    report.md and where_memory.png. The point that fits: its plan.json row against its largest tracked
+    peak; the rank that ran out: summary.json's `oom` (the plan's nearest moment, what it held)."""
+    fits, too_big = point_dirs(oom_sweep)
+    oom = summary(too_big)["oom"]
+
+    def row(point: int, rank: int, at: str, plan: dict[str, float], measured: dict[str, float] | None) -> str:
+        cells = [f"{plan[p]:.4f} / {'-' if measured is None else f'{measured[p]:.4f}'}" for p in CATEGORIES]
+        return f"| {point} | {rank} | {at} | {' | '.join(cells)} |"
+
+    expected = []
+    records = [json.loads(line) for line in (fits / "metrics.jsonl").read_text().splitlines()]
+    for rank_plan in json.loads((fits / "plan.json").read_text())["ranks"]:
+        rank = rank_plan["rank"]
+        tracked = [r for r in records if f"memory/rank{rank}/at_peak/activations_gib" in r]
+        peak = max(tracked, key=lambda r: r[f"memory/rank{rank}/peak_allocated_gib"])
+        measured = {p: peak[f"memory/rank{rank}/at_peak/{name}_gib"] for p, (_, name) in CATEGORIES.items()}
+        expected.append(row(0, rank, "peak", {p: rank_plan[f"{p}_gib"] for p in CATEGORIES}, measured))
+    expected.append(row(1, oom["rank"], f"oom, {oom['moment']}", oom["plan_gib"], oom["measured_gib"]))
+    other = 1 - oom["rank"]  # it never reached a tracked peak: the plan alone
+    other_plan = json.loads((too_big / "plan.json").read_text())["ranks"][other]
+    expected.append(row(1, other, "peak", {p: other_plan[f"{p}_gib"] for p in CATEGORIES}, None))
+    lines = (oom_sweep / "report.md").read_text().splitlines()
+    table = lines[lines.index("## Where the memory went") + 4 :]
+    assert sorted(table[2 : 2 + len(expected)]) == sorted(expected)
+    assert "![Where the memory went](where_memory.png)" in lines
+    # Two bars (plan, measured) per row of the table, 1.2 inches each past 6 inches, at 100 dpi.
+    assert matplotlib.image.imread(oom_sweep / "where_memory.png").shape == (550, 600, 4)
 
 
 def test_fail_fast_stops_the_sweep_at_the_first_point_that_does_not_end_ok(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def train(
         skipped=start.nonfinite_skipped,
         defer=uses_fused(config.optim, world.device.type),
     )
-    saves = Saves(spec, world, out_dir)  # in place or in the background (save.async_mode)
+    saves = Saves(spec, world, out_dir, trainee)  # in place or in the background (save.async_mode)
     leak_mib, leaked = int(os.environ.get(LEAK_ENV, "0")), []
     for step in range(start.step + 1, config.steps + 1):
         saves.poll()  # a background write that has completed becomes a save (rank 0 lists it)

@@ -31,14 +31,22 @@ class SaveError(RuntimeError):
 
 def save_error(err: BaseException, root: Path, step: int) -> SaveError:
     """The one-line error for a save of `step` under `root` that failed with `err` (as DCP raised it)."""
+    return SaveError(
+        f"could not write the save of step {step} under {root} ({reason(err)}); the earlier saves are intact"
+    )
+
+
+def prepare_error(err: BaseException, root: Path) -> SaveError:
+    """The one-line error for the preparation of background saves (trainer/saves/background.py) that failed."""
+    return SaveError(f"could not prepare the background saves under {root} ({reason(err)})")
+
+
+def reason(err: BaseException) -> str:
+    """The OS's words and path where the file system failed, else the error's first line."""
     cause = os_error(err)
     if isinstance(cause, OSError) and cause.strerror:
-        reason = f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror
-    else:
-        reason = one_line(cause)
-    return SaveError(
-        f"could not write the save of step {step} under {root} ({reason}); the earlier saves are intact"
-    )
+        return f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror
+    return one_line(cause)
 
 
 def os_error(err: BaseException) -> BaseException:

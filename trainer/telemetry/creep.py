@@ -6,9 +6,10 @@ The figure is what a rank's window measured on every log step at no cost: on a G
 peak allocated bytes, on a CPU the process's peak resident set (host memory: the tensor tracker runs
 on chosen steps only). The first windows after warm-up still carry the process's own growth (a normal
 tiny CPU run's host peak rose 18 MiB over steps 2-4, then 0.3 MiB a step), so only the later half of
-the post-warm-up windows is judged: a rank creeps when its figure rises in every one of them and
-their least-squares slope is at least CREEP_MIN_BYTES per step. summary.json then carries the growth
-per step and the step at which it would reach the rank's memory (the cap, else the device).
+the post-warm-up windows is judged: a rank creeps when its figure rises from each of them to the next
+by at least CREEP_MIN_BYTES per step of its figure. summary.json then carries the growth per step
+(the least-squares slope over those windows) and the step at which it would reach the rank's memory
+(the cap, else the device).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import Any
 
 from trainer.units import GIB
 
-CREEP_MIN_BYTES = 2**20
-"""1 MiB per step: below it a rise is the allocator's or Python's noise (0.3 MiB per step above)."""
+CREEP_MIN_BYTES = {"peak_allocated": 2**20, "peak_rss": 4 * 2**20}
+"""The least rise per step, window after window, that counts as creeping. The allocator's peak counts
+tensors alone: 1 MiB. The host peak also holds the process's own growth (malloc's arenas, the CPU
+kernels' caches): a normal 6-step tiny CPU run's rose by 2.5 MiB a step over steps 4-6, and 1 MiB
+called it a creep. 4 MiB: half the 8 MiB a step that tests/integration/test_memory_creep.py's leak keeps."""
 MIN_WINDOWS = 3
 """Windows judged (the later half of those after warm-up) needed before a slope means anything."""
 
@@ -49,6 +53,13 @@ def rank_series(
     return series
 
 
+def rises_steadily(steps: list[int], values: list[float], min_bytes: int) -> bool:
+    """Whether every window's figure (GiB) is above the one before by `min_bytes` per step between them:
+    one jump among flat windows (a cache filled once) is not a creep, whatever the slope it makes."""
+    pairs = zip(zip(steps, values), zip(steps[1:], values[1:]))
+    return all((b - a) * GIB >= min_bytes * (t - s) for (s, a), (t, b) in pairs)
+
+
 def find_creep(
     records: list[dict[str, Any]],
     after: int,
@@ -67,12 +78,9 @@ def find_creep(
     for rank, (all_steps, all_values) in rank_series(records, after, figure).items():
         half = len(all_values) // 2
         steps, values = all_steps[half:], all_values[half:]  # the later half: past the process's own growth
-        if len(values) < MIN_WINDOWS:
+        if len(values) < MIN_WINDOWS or not rises_steadily(steps, values, CREEP_MIN_BYTES[figure]):
             continue
-        rising = all(b > a for a, b in zip(values, values[1:]))
         per_step = slope([float(s) for s in steps], values)
-        if not rising or per_step * GIB < CREEP_MIN_BYTES:
-            continue
         if worst is None or per_step > worst["gib_per_step"]:
             worst = {"rank": rank, "figure": figure, "gib_per_step": per_step, "last_gib": values[-1]}
             worst.update(at_step=steps[-1], first_step=steps[0])

@@ -188,13 +188,22 @@ def build_summary(
 
 def save_figures(records: list[dict[str, Any]], after_step: int) -> dict[str, Any]:
     """The saves' mean blocking and total times (the records that carry them; rank 0's list of every
-    save, in the job's `extra`, replaces these where the ranks returned one) and the steady
-    throughput of the steps that overlapped a background write."""
+    save, in the job's `extra`, replaces these where the ranks returned one), the one-time
+    preparation's (one record carries it) and the steady throughput of the steps that overlapped
+    a background write."""
     figures: dict[str, Any] = {}
     for key in (keys.SAVE_BLOCKING_S, keys.SAVE_TOTAL_S):
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
             figures[key] = sum(values) / len(values)
+    figures.update(
+        {
+            key: r[key]
+            for r in records
+            for key in (keys.SAVE_PREPARE_BLOCKING_S, keys.SAVE_PREPARE_TOTAL_S)
+            if key in r
+        }
+    )
     if any(r["step"] > after_step and r.get(keys.SAVE_WRITING) for r in records):
         figures[keys.TOKENS_PER_S_WRITING] = steady_mean(
             records, keys.TOKENS_PER_S, after_step, keys.SAVE_WRITING
@@ -202,13 +211,22 @@ def save_figures(records: list[dict[str, Any]], after_step: int) -> dict[str, An
     return figures
 
 
-def save_means(saves: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json's figures of every save (trainer/saves/background.py SaveTimes, from rank 0)."""
+def save_means(result: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's figures of every save and of their preparation, from rank 0's result
+    (trainer/saves/background.py Saves.summary)."""
+    saves = result[keys.SAVES]
     figures: dict[str, Any] = {keys.SAVES: saves}
     for key, name in ((keys.SAVE_BLOCKING_S, "blocking_s"), (keys.SAVE_TOTAL_S, "total_s")):
         values = [save[name] for save in saves if save[name] is not None]
         if values:
             figures[key] = sum(values) / len(values)
+    figures.update(
+        {
+            key: result[key]
+            for key in (keys.SAVE_PREPARE_BLOCKING_S, keys.SAVE_PREPARE_TOTAL_S)
+            if key in result
+        }
+    )
     return figures
 
 

@@ -43,3 +43,23 @@ def test_flat_or_noisy_peaks_are_no_creep() -> None:
     assert find_creep(records(2.0, wobble), 1, 0.5, 0.25, "cpu") is None  # not rising window after window
     settling = [0.0, 30.0, 50.0, 60.0, 60.0, 60.0, 60.0, 60.0]  # the process's own growth, then flat
     assert find_creep(records(0.0, settling), 1, 0.5, 0.25, "cpu") is None
+
+
+def test_a_host_peak_that_grows_less_than_4_mib_a_step_is_the_process_own() -> None:
+    """A normal 6-step CPU run's host peak rose 2.5 MiB a step over its later windows: no creep on a
+    CPU; the same rise of the allocator's peak on a GPU counts tensors alone and is one."""
+    six = [r for r in records(2.5) if r["step"] <= 6]
+    assert find_creep(six, 1, 0.5, 0.25, "cpu") is None
+    assert find_creep(records(2.5), 1, 0.5, 0.25, "cpu") is None
+    gpu = find_creep(records(2.5, figure="peak_allocated"), 1, 2.0, None, "cuda")
+    assert gpu is not None and abs(gpu["gib_per_step"] - 2.5 * MIB) < 1e-12
+    # 4 MiB a step and more is a creep on a CPU: steps 4-6 of a 6-step run are judged
+    creep = find_creep([r for r in records(4.5) if r["step"] <= 6], 1, 0.5, 0.25, "cpu")
+    assert creep is not None and (creep["first_step"], creep["at_step"]) == (4, 6)
+
+
+def test_one_jump_among_flat_windows_is_no_creep() -> None:
+    """A cache filled once between two late windows: rising window after window, with a slope of 8.1 MiB
+    a step over steps 5-8, but two of its three rises are 0.2 MiB."""
+    jump = [0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 20.2, 20.4]
+    assert find_creep(records(0.0, jump), 1, 0.5, 0.25, "cpu") is None
