@@ -15,6 +15,25 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def pin_xdist_worker() -> None:
+    """Give each xdist worker its own share of the cores, which the jobs it starts inherit.
+
+    A CPU rank splits the cores it may run on among its node's ranks (trainer/world.py); two workers
+    whose jobs each take every core run twice the threads the host has, and OpenMP's barriers then
+    wait on descheduled threads: a 1-rank tiny job of 8 steps took 72 s beside other jobs and 17 s
+    pinned to one core (16:14 UTC, 2 cores, load 12). The rank code already honours an affinity
+    mask (taskset, a cgroup cpuset); the suite sets one per worker."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or workers is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[int(worker.removeprefix("gw")) % len(cores) :: int(workers)] or cores
+    os.sched_setaffinity(0, share)
+
+
+pin_xdist_worker()
+
+
 @pytest.fixture
 def trainer(tmp_path: Path):
     """Call as trainer("zero=stage3", "steps=8") -> Run; each call gets its own output directory."""
