@@ -48,6 +48,7 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         format_table(plan),
         f"peak on rank {worst.rank} at {worst.peak.name}; model states at rest, activations at the end "
         f"of forward, temporary and other at the peak{offloaded}",
+        *pipeline_lines(plan),
         comm_line(plan),
         plan.host.describe(),
         verdict(plan, way_out),
@@ -60,6 +61,29 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
     if plan.config.precision.is_fp8:
         lines.append(fp8_line(plan))
     return "\n".join(lines)
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """parallel.pp > 1: the split, each stage's micro-batches in flight and peak, the bubble, the sends."""
+    pipe, p2p = plan.pipeline, plan.comm.p2p
+    if pipe is None or p2p is None:
+        return []
+    p = plan.config.parallel
+    record = plan.pipeline_json()
+    interleaved = f" x {p.pp_virtual_stages} virtual" if p.pp_schedule == "interleaved_1f1b" else ""
+    lines = [
+        f"pipeline: {p.pp} stages{interleaved}, {p.pp_schedule} over {pipe.micro_batches} micro-batches; bubble "
+        f"{pipe.bubble:.1%} of the step; worst stage {record['worst_stage']}"
+    ]
+    for stage in record["stages"]:
+        blocks = ", ".join(f"{a}-{b - 1}" for a, b in stage["blocks"])
+        ends = " + embedding" * stage["embedding"] + " + norm, head, loss" * stage["head"]
+        lines.append(
+            f"  stage {stage['rank']}: blocks {blocks}{ends}; {stage['in_flight_micro_batches']} micro-batches in flight, "
+            f"buffers {format_bytes(stage['buffers_bytes'])}, sends {format_bytes(p2p.sent[stage['rank']])} per step, "
+            f"peak {format_bytes(stage['peak_bytes'])}"
+        )
+    return lines
 
 
 def fp8_line(plan: Plan) -> str:
