@@ -785,6 +785,7 @@ class ParallelConfig:
 
     def check_composition(self, config: TrainConfig) -> None:
         """What tensor parallelism does not compose with here: one line naming both keys."""
+        self.check_pipeline_composition(config)
         if self.tp == 1:
             return
         tp = f"parallel.tp={self.tp}"
@@ -813,6 +814,56 @@ class ParallelConfig:
         )
         for refused, key, way_out in refusals:
             _require(not refused, f"{tp} with {key} is not supported; {way_out} or parallel.tp=1")
+
+    def check_pipeline_composition(self, config: TrainConfig) -> None:
+        """What pipeline parallelism (trainer/rank/pipeline.py) does not compose with here: one line naming both keys.
+
+        Not yet built or not yet proven with the schedules: each is refused rather than run half-way."""
+        if self.pp == 1:
+            return
+        pp = f"parallel.pp={self.pp}"
+        refusals = (
+            (self.tp > 1, f"parallel.tp={self.tp}", "use parallel.tp=1"),
+            (config.offload.target != OffloadTarget.none, "offload=cpu", "use offload=none"),
+            (
+                config.loss.kind == LossKind.chunked,
+                "loss=chunked",
+                "use loss=full (the last stage takes the loss)",
+            ),
+            (config.zero.stage == Stage.stage1, "zero=stage1", "use zero=stage0, stage2 or stage3"),
+            (config.zero.shard_ranks is not None, "zero.shard_ranks", "use zero.shard_ranks=null"),
+            (config.zero.hpz_ranks is not None, "zero.hpz_ranks", "use zero.hpz_ranks=null"),
+            (config.zero.compression != Compression.none, "zero.compression", "use zero.compression=none"),
+            (config.zero.sync_every > 1, "zero.sync_every", "use zero.sync_every=1"),
+            # The schedule reduces the gradients once, after the step's last backward (PipelineStage).
+            (
+                config.zero.reduce_every != ReduceEvery.step,
+                "zero.reduce_every=micro_batch",
+                "use zero.reduce_every=step",
+            ),
+            (
+                not config.zero.reshard_after_backward,
+                "zero.reshard_after_backward=false",
+                "use zero.reshard_after_backward=true",
+            ),
+            (config.compile, "compile=true", "use compile=false"),
+            (config.model.weights is not None, "model.weights", "use model.weights=null"),
+            (
+                config.model.tie_embeddings,
+                "model.tie_embeddings=true",
+                "the embedding (first stage) and the head (last stage) cannot share one weight; use a model without tied embeddings",
+            ),
+            (config.precision.is_fp8, "precision=fp8", "use precision=bf16"),
+            (
+                config.data.kind == DataKind.text and config.data.packing == Packing.document,
+                "data.packing=document",
+                "use data.packing=concat",
+            ),
+            (config.eval.every > 0, "eval.every", "use eval.every=0"),
+            (config.fault.kind != FaultKind.none, "fault.kind", "use fault.kind=none"),
+        )
+        for refused, key, way_out in refusals:
+            _require(not refused, f"{pp} with {key} is not supported; {way_out} or parallel.pp=1")
 
     def check_world(self, nproc: int, nodes: int, zero: ZeroConfig) -> None:
         """A TP group is consecutive ranks inside one node: tp divides nproc. DDP replicates no DTensor

@@ -91,10 +91,11 @@ def apply_activation_checkpointing(model: nn.Module, config: CheckpointingConfig
     # Non-reentrant: works with FSDP2's hooks and with inputs that need no grad (and SAC needs it).
     extra = {"context_fn": op_policy_context(config.save_ops)} if config.mode == CheckpointMode.op else {}
     wrapped = 0
-    for index, block in enumerate(model.layers):
-        if should_checkpoint(index, config):
-            model.layers[index] = checkpoint_wrapper(
-                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra
-            )
+    # By name: a pipeline stage's blocks keep their index in the whole model (trainer/model/pipeline_split.py),
+    # and every_n_layers counts the model's blocks.
+    for name, block in list(model.layers.named_children()):
+        if should_checkpoint(int(name), config):
+            wrapped_block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+            model.layers.register_module(name, wrapped_block)
             wrapped += 1
     return wrapped

@@ -33,6 +33,14 @@ from trainer.rank.optim import (
     rewind_scheduler,
     step_unless,
 )
+from trainer.rank.pipeline import (
+    PipelineLoss,
+    build_pipeline,
+    build_stage_modules,
+    pipeline_forward_backward,
+    pipeline_mesh,
+    rank_model,
+)
 from trainer.rank.precision import (
     build_autocast,
     build_grad_scaler,
@@ -67,6 +75,8 @@ step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to fin
 
 
 def build_trainee(config: TrainConfig, world: World) -> Trainee:
+    if config.parallel.pp > 1:
+        return build_pipeline_trainee(config, world)
     model = build_model(config.model, device="meta")
     apply_fp8(model, config.precision, world.device.type)  # precision=fp8: first, as torchtitan converts
     mesh = parallel_mesh(world, config.parallel) if config.parallel.tp > 1 else None
@@ -100,6 +110,21 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     return Trainee(model, optimizer, scheduler, scaler)
+
+
+def build_pipeline_trainee(config: TrainConfig, world: World) -> Trainee:
+    """parallel.pp > 1: this rank's stages (trainer/rank/pipeline.py), one optimizer over them."""
+    mesh = pipeline_mesh(world, config.parallel)
+    parts = build_stage_modules(config, world, mesh)
+    model = rank_model(parts)
+    optimizer = build_optimizer(
+        model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
+    )
+    scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    scaler = build_grad_scaler(config.precision, config.zero, world.device, pipelined=True)
+    loss = PipelineLoss(cross_entropy, scaler)
+    pipeline = build_pipeline(config, world, parts, mesh, loss)
+    return Trainee(model, optimizer, scheduler, scaler, pipeline)
 
 
 def train(
@@ -189,6 +214,41 @@ def train_step(
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
+    if trainee.pipeline is not None:
+        loss_sum, data_s = pipeline_forward_backward(trainee.pipeline, batches, config, world)
+    else:
+        loss_sum, data_s = accumulate(trainee, batches, config, world, step)
+    mark_phase(step, "optimizer")
+    scaler.unscale_(optimizer)  # clipping must see true gradients
+    stages = None if trainee.pipeline is None else trainee.pipeline.group
+    grad_norm = clip_gradients(model, config.optim.grad_clip, stages)
+    # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
+    # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
+    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop))
+    if guard.defer:
+        step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
+    elif guard.check_now(step, flags, stop):
+        scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
+    overflow = found_overflow(scaler, optimizer)
+    update_loss_scale(scaler, config.precision.min_loss_scale)
+    precompute_fp8_scales(model, config.precision)  # fp8 all-gather: the next forward's scales, at once
+    trainee.scheduler.step()
+    return StepStats(
+        loss=loss_sum / config.grad_accum,
+        grad_norm=grad_norm.detach(),
+        lr=trainee.scheduler.get_last_lr()[0],
+        loss_scale=loss_scale(scaler),
+        overflow=overflow,
+        data_s=data_s,
+        nonfinite_skipped=guard.skipped,
+    )
+
+
+def accumulate(
+    trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int
+) -> tuple[torch.Tensor, float]:
+    """The step's grad_accum forwards and backwards on this rank: the summed loss and the data time."""
+    model, scaler = trainee.model, trainee.scaler
     loss_sum = torch.zeros((), device=world.device)
     data_s = 0.0
     for micro in range(config.grad_accum):
@@ -219,29 +279,7 @@ def train_step(
             loss_sum += local_loss(loss).detach()
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
-    mark_phase(step, "optimizer")
-    scaler.unscale_(optimizer)  # clipping must see true gradients
-    grad_norm = clip_gradients(model, config.optim.grad_clip)
-    # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
-    # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
-    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop))
-    if guard.defer:
-        step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
-    elif guard.check_now(step, flags, stop):
-        scaler.step(optimizer)  # skipped (on every rank) when a gradient overflowed
-    overflow = found_overflow(scaler, optimizer)
-    update_loss_scale(scaler, config.precision.min_loss_scale)
-    precompute_fp8_scales(model, config.precision)  # fp8 all-gather: the next forward's scales, at once
-    trainee.scheduler.step()
-    return StepStats(
-        loss=loss_sum / config.grad_accum,
-        grad_norm=grad_norm.detach(),
-        lr=trainee.scheduler.get_last_lr()[0],
-        loss_scale=loss_scale(scaler),
-        overflow=overflow,
-        data_s=data_s,
-        nonfinite_skipped=guard.skipped,
-    )
+    return loss_sum, data_s
 
 
 def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: TrainConfig) -> torch.Tensor:

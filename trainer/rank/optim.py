@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
+from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, Stage, ZeroConfig
@@ -97,11 +99,22 @@ def rewind_scheduler(scheduler: LambdaLR, steps: int) -> None:
     set_last_lr(scheduler, lrs)  # what get_last_lr() returns; LambdaLR has no public setter
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, max_norm: float, stages: ProcessGroup | None = None) -> torch.Tensor:
     """The global gradient norm (before clipping), clipping when max_norm > 0.
 
     For FSDP2's DTensor gradients torch computes the norm over all shards (one all-reduce);
-    under DDP every rank already holds the reduced gradients.
+    under DDP every rank already holds the reduced gradients. `stages` (parallel.pp > 1): the pp group,
+    whose ranks each hold some stages' gradients: their squared norms are summed over it (torch's
+    clip_grad_norm_ knows no pipeline; torchtitan's dist_utils.clip_grad_norm_ does the same).
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if stages is None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    squared = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    dist.all_reduce(squared, group=stages)
+    total = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

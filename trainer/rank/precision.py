@@ -45,14 +45,18 @@ def build_mp_policy(precision: PrecisionConfig, zero: ZeroConfig) -> MixedPrecis
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype])
 
 
-def build_grad_scaler(precision: PrecisionConfig, zero: ZeroConfig, device: torch.device) -> GradScaler:
+def build_grad_scaler(
+    precision: PrecisionConfig, zero: ZeroConfig, device: torch.device, pipelined: bool = False
+) -> GradScaler:
     """Always present, enabled only for fp16 (nanoGPT's habit: one code path for every precision).
 
     FSDP2 needs ShardedGradScaler: each rank sees only its gradient shard, so the overflow
     flag must be all-reduced for every rank to skip the same step. Under DDP the gradients
     are already all-reduced, so an overflow anywhere is an overflow everywhere.
+    Pipelined (parallel.pp > 1), each rank holds only its stages' gradients: ShardedGradScaler too, so that the
+    whole pipeline keeps one loss scale (its flag all-reduced over every rank, pp and dp alike).
     """
-    scaler_cls = ShardedGradScaler if zero.uses_fsdp else GradScaler
+    scaler_cls = ShardedGradScaler if zero.uses_fsdp or pipelined else GradScaler
     return scaler_cls(
         device=device.type,
         init_scale=precision.loss_scale_init,

@@ -52,8 +52,9 @@ def parallel_mesh(world: World, parallel: ParallelConfig) -> DeviceMesh:
 
 
 def dp_coordinates(world: World, parallel: ParallelConfig) -> tuple[int, int]:
-    """This rank's data-parallel index and the dp size: the ranks of one TP group read the same batch."""
-    return world.rank // parallel.tp, parallel.dp(world.world_size)
+    """This rank's data-parallel index and the dp size: the ranks of one TP group (and of one pipeline) read
+    the same batch."""
+    return world.rank // (parallel.tp * parallel.pp), parallel.dp(world.world_size)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:

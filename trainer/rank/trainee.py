@@ -8,6 +8,7 @@ builds them (trainer/rank/loop.py), which sits above them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: GradScaler
+    pipeline: Any = None
+    """parallel.pp > 1: this rank's part of the pipeline (trainer/rank/pipeline.py Pipeline), which runs the step's
+    forward and backward; None otherwise."""
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -106,6 +106,18 @@ def next_micro_batch() -> None:
         tracker.reset_mod_stats()
 
 
+def next_stage_forward(stage_module: nn.Module) -> None:
+    """Tell an active MemTracker that a pipeline schedule calls a stage's module again (parallel.pp > 1),
+    before the backward of its earlier micro-batches.
+
+    MemTracker refuses a second forward of a top-level module (one whose only parent is its `Global`);
+    a stage's blocks have the stage as parent, so only the stage's own stats are forgotten: the blocks'
+    stay for their backwards still to come, and the step's global peak is kept.
+    """
+    for tracker in _ACTIVE_TRACKER:
+        tracker.memory_tracking.pop(stage_module, None)
+
+
 class MemoryProbe:
     """Peak memory of this rank since the last `reset`, as a fixed-order row of floats.
 

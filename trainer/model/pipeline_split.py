@@ -1,0 +1,84 @@
+"""Pipeline parallelism's split of the decoder into stages (parallel.pp): which blocks each stage holds,
+and one stage's module.
+
+`stage_blocks` is the one place the split is decided: the ranks build their stages from it
+(trainer/rank/pipeline.py) and the plan sizes each stage by it. A stage is the decoder with what it does
+not hold removed (torchtitan's way, pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py
+`pipeline_module_split`): the embedding stays on the first stage, the final norm and the output head on the
+last, and the blocks keep their index in the whole model, so every parameter keeps its name
+(`layers.{i}.…`): weights are drawn from the name (decoder.init_weights) as on one rank, and a save
+(DCP, by name) resumes at another pp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.config import ModelConfig
+from trainer.model.decoder import NoInitOnMeta, Transformer
+
+
+def stage_blocks(n_layers: int, stages: int) -> list[range]:
+    """The blocks of each stage, as evenly as they divide: the earlier stages take one more when uneven
+    (10 blocks over 4 stages: 3, 3, 2, 2)."""
+    base, extra = divmod(n_layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def split_line(n_layers: int, stages: int, pp: int) -> str:
+    """The split as the job prints it at start: each stage's blocks, and what else it holds."""
+    parts = []
+    for stage, blocks in enumerate(stage_blocks(n_layers, stages)):
+        extras = ["embedding"] * (stage == 0) + ["norm, head, loss"] * (stage == stages - 1)
+        held = f"blocks {blocks.start}-{blocks.stop - 1}" + "".join(f" + {e}" for e in extras)
+        parts.append(f"stage {stage} (rank {stage % pp}): {held}")
+    return f"pipeline: {stages} stages over parallel.pp={pp} ranks; " + "; ".join(parts)
+
+
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks keyed by their index in the whole model; iterated, like the decoder's ModuleList,
+    block by block (a ModuleDict iterates its keys)."""
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.values())
+
+
+class StageModel(Transformer):
+    """One pipeline stage: the decoder without the blocks (and embedding, norm, head) of other stages.
+
+    Input: token ids on the first stage, else the previous stage's hidden states; output: logits on the
+    last stage, else hidden states. Rotary tables are computed from the config as the decoder does."""
+
+    def __init__(self, config: ModelConfig, stage: int, stages: int) -> None:
+        super().__init__(config)  # on the meta device (build_stage): the whole decoder costs nothing there
+        blocks = stage_blocks(config.n_layers, stages)[stage]
+        self.stage, self.stages = stage, stages
+        self.layers = StageBlocks({str(i): self.layers[i] for i in blocks})
+        if stage > 0:
+            self.tok_embeddings = None
+        if stage < stages - 1:
+            self.norm = None
+            self.output = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        T = x.shape[1]
+        cos_TF, sin_TF = (table[:T] for table in self.rope_tables(x.device))
+        for layer in self.layers:
+            x = layer(x, cos_TF, sin_TF, None)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+def build_stage(config: ModelConfig, stage: int, stages: int) -> StageModel:
+    """Stage `stage` of `stages` on the meta device (materialise it as the decoder: decoder.materialize)."""
+    with torch.device("meta"), NoInitOnMeta():
+        return StageModel(config, stage, stages)

@@ -1,0 +1,262 @@
+"""Pipeline parallelism (parallel.pp) on torch.distributed.pipelining, composed with ZeRO over dp as
+torchtitan composes it (pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py):
+
+- the mesh: dims ordered (dp, pp) (tp, innermost, is refused with pp > 1: ParallelConfig.check_pipeline_composition),
+  so rank = dp_index * pp + pp_index and the stages of one replica are consecutive ranks;
+- each rank builds its stages' modules only (trainer/model/pipeline_split.py: `stage_blocks` decides the
+  split), as a manual `PipelineStage`; under interleaved_1f1b it holds stages pp_index, pp_index + pp, ...
+  (torchtitan's "loop" style);
+- ZeRO over dp, per stage module: stage0 wraps it in DDP over the dp group, stage2 and stage3 in FSDP2 over
+  the mesh's dp dim (trainer/rank/sharding.py apply_fsdp: blocks, then the stage's root). PipelineStage
+  itself skips the dp reduction for every backward but the step's last, then reduces once
+  (`backward_maybe_with_nosync`, `perform_reduce_grad`);
+- the schedules ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B stream the step's grad_accum
+  micro-batches; the loss is the schedule's loss_fn on the last stage, and gradients are divided by the
+  micro-batches' count (scale_grads), as the loop divides each micro-batch's loss by grad_accum;
+- one loss scale for the whole pipeline: under fp16 the scaler is ShardedGradScaler over every rank, so the
+  overflow flag is all-reduced over pp (and dp) before any rank steps; the gradient norm is the whole model's
+  (each stage's squared norm summed over the pp group).
+
+What it measures (StageClock): the time each rank's stages spend in their own forward and backward, against
+the wall time of the schedule's step: the rest is waiting (the bubble, sends and receives, and the dp
+reduction after the last backward), `time/pp/stage{i}/idle_share`; and the bytes of the tensors each stage
+hands to torch.distributed to send (activations forward, input gradients backward),
+`comm/pp/measured_bytes_per_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.amp import GradScaler
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import ParallelConfig, TrainConfig
+from trainer.data import to_device
+from trainer.faults.failures import watch_blocks
+from trainer.model.attention import run_choice
+from trainer.model.checkpointing import apply_activation_checkpointing
+from trainer.model.decoder import apply_sdpa_choice, materialize
+from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
+from trainer.private_apis.of_torch import scale_on_device
+from trainer.rank.precision import build_autocast
+from trainer.rank.sharding import apply_zero
+from trainer.rank.tensor_parallel import DP
+from trainer.telemetry.memory import next_stage_forward
+from trainer.world import World
+
+PP = "pp"
+"""The pipeline's mesh dim; DeviceMesh describes its process group as `mesh_pp`."""
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+"""parallel.pp_schedule -> torch's single-stage schedule (interleaved_1f1b: ScheduleInterleaved1F1B)."""
+
+
+def pipeline_mesh(world: World, parallel: ParallelConfig) -> DeviceMesh:
+    """The (dp, pp) mesh: rank = dp_index * pp + pp_index."""
+    dp = parallel.dp(world.world_size)
+    return init_device_mesh(world.device.type, (dp, parallel.pp), mesh_dim_names=(DP, PP))
+
+
+def rank_stages(pp_index: int, parallel: ParallelConfig) -> list[int]:
+    """The stages a rank holds: its own, or under interleaved_1f1b one in every pp (its 'loop')."""
+    return list(range(pp_index, parallel.stages, parallel.pp))
+
+
+class StageClock:
+    """One rank's pipeline figures over a log window: its stages' compute time, the schedule's wall time,
+    the bytes its stages sent. CUDA: events on the compute stream (read after the log step's sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.compute_s = self.step_s = 0.0
+        self.sent_bytes = 0
+        self.events: list[tuple[str, Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timing(self, what: str) -> Iterator[None]:
+        """Add the time of the block to `compute` or `step`."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((what, start, end))
+            return
+        began = time.perf_counter()
+        yield
+        self.add(what, time.perf_counter() - began)
+
+    def add(self, what: str, seconds: float) -> None:
+        if what == "compute":
+            self.compute_s += seconds
+        else:
+            self.step_s += seconds
+
+    def read(self, steps: int) -> list[float]:
+        """[idle share of the schedule's wall time, bytes sent per step]; the window starts again."""
+        for what, start, end in self.events:
+            self.add(what, start.elapsed_time(end) / 1000.0)
+        idle = 1.0 - self.compute_s / self.step_s if self.step_s > 0 else float("nan")
+        row = [idle, self.sent_bytes / steps]
+        self.compute_s = self.step_s = 0.0
+        self.sent_bytes, self.events = 0, []
+        return row
+
+
+class MeasuredStage(PipelineStage):
+    """torch's PipelineStage, timing its own forward and backward and counting what it sends: the tensors
+    of the send ops it hands the schedule (which passes them to dist.batch_isend_irecv unchanged)."""
+
+    def __init__(self, *args: Any, clock: StageClock, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        next_stage_forward(self.submod)  # the tensor-level memory tracker, on its steps
+        with self.clock.timing("compute"):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.timing("compute"):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self.counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self.counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        self.clock.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        return ops
+
+
+@dataclass
+class PipelineLoss:
+    """The schedule's loss_fn: the micro-batch's mean loss, scaled under fp16 (GradScaler.scale)."""
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scaler: GradScaler
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(self.loss(logits, targets))
+
+    def unscaled(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the step's losses as the schedule returned them, scaled back (the scale is a power of
+        two: exact). Read from the schedule's `losses`, not kept by the loss_fn, which torch may also call
+        while it infers the stages' shapes on the first step."""
+        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        if not self.scaler.is_enabled():
+            return total
+        return total / scale_on_device(self.scaler)
+
+
+@dataclass
+class Pipeline:
+    """One rank's part of the pipeline: its schedule, what it measures, and where it stands."""
+
+    schedule: Any
+    clock: StageClock
+    loss: PipelineLoss
+    group: dist.ProcessGroup
+    """The pp group: this replica's stages."""
+    first: bool
+    """Holds stage 0: feeds the tokens."""
+    last: bool
+    """Holds the last stage: takes the loss."""
+
+
+def build_stage_modules(config: TrainConfig, world: World, mesh: DeviceMesh) -> list[nn.Module]:
+    """This rank's stage modules, sharded over dp and materialised (weights drawn by name as on one rank)."""
+    parts = []
+    for stage in rank_stages(mesh[PP].get_local_rank(), config.parallel):
+        part = build_stage(config.model, stage, config.parallel.stages)
+        choice = run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
+        apply_sdpa_choice(part, choice)
+        apply_activation_checkpointing(part, config.checkpointing)
+        watch_blocks(list(part.layers))
+        if config.zero.uses_fsdp:
+            z = config.zero
+            parts.append(
+                apply_zero(part, z, config.precision, config.offload, world, config.seed, None, mesh[DP])
+            )
+            continue
+        materialize(part, world.device, seed=config.seed)
+        if mesh[DP].size() > 1:  # zero=stage0: DDP over this stage's replicas only
+            part = DistributedDataParallel(part, process_group=mesh[DP].get_group())
+        parts.append(part)
+    return parts
+
+
+def rank_model(parts: list[nn.Module]) -> nn.Module:
+    """One module over this rank's stages, for the optimizer, the saves and telemetry: the stage itself,
+    or (interleaved) a module holding every stage's embedding, blocks, norm and head under the decoder's
+    own names."""
+    if len(parts) == 1:
+        return parts[0]
+    held = nn.Module()
+    held.layers = StageBlocks()
+    for part in parts:
+        stage = part.module if isinstance(part, DistributedDataParallel) else part
+        for name, child in stage.named_children():
+            if name == "layers":
+                held.layers.update(child.named_children())
+            elif child is not None:
+                held.add_module(name, child)
+    return held
+
+
+def build_pipeline(
+    config: TrainConfig,
+    world: World,
+    parts: list[nn.Module],
+    mesh: DeviceMesh,
+    loss: PipelineLoss,
+) -> Pipeline:
+    """Each stage a MeasuredStage on the pp group; the schedule over the step's grad_accum micro-batches."""
+    parallel, clock = config.parallel, StageClock(world.device)
+    indices = rank_stages(mesh[PP].get_local_rank(), parallel)
+    group = mesh[PP].get_group()
+    stages = [
+        MeasuredStage(part, index, parallel.stages, world.device, group=group, clock=clock)
+        for part, index in zip(parts, indices)
+    ]
+    if parallel.pp_schedule == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=config.grad_accum, loss_fn=loss)
+    else:
+        schedule = SCHEDULES[parallel.pp_schedule](stages[0], n_microbatches=config.grad_accum, loss_fn=loss)
+    if world.is_main:
+        print(split_line(config.model.n_layers, parallel.stages, parallel.pp), flush=True)
+    return Pipeline(schedule, clock, loss, group, first=0 in indices, last=parallel.stages - 1 in indices)
+
+
+def pipeline_forward_backward(
+    pipeline: Pipeline, batches: Iterator[tuple[torch.Tensor, ...]], config: TrainConfig, world: World
+) -> tuple[torch.Tensor, float]:
+    """The step's grad_accum micro-batches through the schedule: the summed loss (every rank's, over the
+    pp group) and the host time spent waiting for data."""
+    start = time.perf_counter()
+    micro = [[to_device(t, world.device) for t in next(batches)] for _ in range(config.grad_accum)]
+    data_s = time.perf_counter() - start
+    # The schedule splits the step's batch along dim 0 into grad_accum equal chunks: the micro-batches.
+    inputs, targets = (torch.cat([m[i] for m in micro]) for i in (0, 1))
+    args, losses = ((inputs,) if pipeline.first else ()), []
+    with build_autocast(config.precision, config.zero, world.device), pipeline.clock.timing("step"):
+        pipeline.schedule.step(*args, target=targets if pipeline.last else None, losses=losses)
+    loss_sum = pipeline.loss.unscaled(losses) if pipeline.last else torch.zeros((), device=world.device)
+    dist.all_reduce(loss_sum, group=pipeline.group)  # the last stage's figure, on every stage
+    return loss_sum, data_s
