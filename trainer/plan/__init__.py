@@ -71,7 +71,7 @@ from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups,
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
 from trainer.plan.pipeline import bubble as pipeline_bubble
-from trainer.plan.pipeline import stage_blocks
+from trainer.plan.pipeline import stage_blocks  # trainer/model/pipeline_split.py's, the ranks' own split
 from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out
 from trainer.plan.states import model_shape
 from trainer.plan.table import format_plan, verdict

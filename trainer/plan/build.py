@@ -314,7 +314,13 @@ def build_pipeline_plan(
     tp, pp = config.parallel.tp, config.parallel.pp
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     pipe, stages = pipeline_stage_plans(
-        config, model_shape(config.model), acts, prec, device_kind, sharded_over
+        config,
+        model_shape(config.model),
+        acts,
+        prec,
+        device_kind,
+        sharded_over,
+        config.parallel.dp(world_size),
     )
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks = []

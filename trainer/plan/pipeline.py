@@ -1,7 +1,7 @@
 """Pipeline parallelism in the plan (parallel.pp, parallel.pp_schedule, parallel.pp_virtual_stages).
 
-The split: `stage_blocks` cuts the blocks into `parallel.stages` consecutive runs (pp, times
-pp_virtual_stages when interleaved), as evenly as they go, the earlier stages taking the extra block;
+The split is the ranks' own (trainer/model/pipeline_split.py `stage_blocks`): `parallel.stages` consecutive
+runs of blocks (pp, times pp_virtual_stages when interleaved), the earlier stages taking the extra block;
 the embedding is on the first stage, the final norm, the output head and the loss on the last. Rank i of
 a pipeline holds stage i, and under interleaved_1f1b stages i, i + pp, i + 2·pp, ... (torch's
 ScheduleInterleaved1F1B places them so).
@@ -19,10 +19,12 @@ Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over t
   `_get_warmup_ops` forwards, then a forward before each backward (its own order, trainer/private_apis);
 - the send/recv buffers PipelineStage allocates once, per micro-batch (stage.py `_setup_forward_recv_info`,
   `_create_grad_recv_info`): on every stage but the first one received activation each, on every stage but
-  the last one received gradient each, B·T·D in the residual stream's dtype; and the gradient of each received
-  activation, which backward leaves on its buffer until the next step (`clear_runtime_states`);
-- the whole step's batch, split into micro-batches before the schedule runs: inputs on the first stage,
-  targets on the last.
+  the last one received gradient each, B·T·D in the residual stream's dtype (the gradient of a received
+  activation is dropped once read: _backward.py `stage_backward` sets `val.grad = None`);
+- on the last stage, each micro-batch's logits (B·T·V, compute dtype), which PipelineStage keeps in
+  `output_chunks` to the step's end, and their concatenation as the schedule's step returns them;
+- the whole step's batch on every rank, twice: the micro-batches as loaded and their concatenation, which
+  the schedule splits again (trainer/rank/pipeline.py).
 
 PipelineStage runs every backward but the last without gradient sync (DDP no_sync; FSDP2
 set_requires_gradient_sync(False) and set_reshard_after_backward(False)), and reduces once after the last
@@ -42,19 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import ParallelConfig, TrainConfig
+from trainer.model.pipeline_split import stage_blocks
 from trainer.plan.activations import Activations
 from trainer.plan.groups import INTRA_NODE, NETWORK
 from trainer.plan.states import ModelShape
 from trainer.private_apis.of_torch import interleaved_1f1b_order
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved_1f1b"
-
-
-def stage_blocks(n_layers: int, stages: int) -> list[range]:
-    """The blocks of each stage: consecutive, as even as they go, the earlier stages taking the extra one."""
-    base, extra = divmod(n_layers, stages)
-    starts = [s * base + min(s, extra) for s in range(stages + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(stages)]
 
 
 def rank_stages(parallel: ParallelConfig, rank: int) -> tuple[int, ...]:
@@ -86,28 +82,36 @@ def schedule_order(parallel: ParallelConfig, micro_batches: int, rank: int) -> l
 @dataclass(frozen=True)
 class InFlight:
     """The most activations a rank holds: at the start of backward `stage`, `held` bytes of other
-    micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all."""
+    micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all, `kept`
+    bytes of the last stage's outputs so far (PipelineStage keeps each micro-batch's logits in `output_chunks`
+    until the step's end)."""
 
     stage: int
     held: int
     count: int
-    done: int = 0  # backwards this rank finished before it (their input gradients stay on their buffers)
+    kept: int = 0
+
+    def total(self, per_stage: dict[int, int]) -> int:
+        return self.held + per_stage[self.stage] + self.kept
 
 
-def peak_in_flight(order: list[tuple[int, bool]], per_stage: dict[int, int]) -> InFlight:
-    """Walk the order: a forward adds its stage's activations, a backward frees them once it ends."""
+def peak_in_flight(
+    order: list[tuple[int, bool]], per_stage: dict[int, int], kept: dict[int, int]
+) -> InFlight:
+    """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
+    a backward frees the activations once it ends; the worst backward start is the peak."""
     alive: list[int] = []
     worst: InFlight | None = None
-    done = 0
+    outputs = 0
     for stage, forward in order:
         if forward:
             alive.append(stage)
+            outputs += kept.get(stage, 0)
             continue
-        held = sum(per_stage[s] for s in alive) - per_stage[stage]
-        if worst is None or held + per_stage[stage] > worst.held + per_stage[worst.stage]:
-            worst = InFlight(stage, held, len(alive), done)
+        here = InFlight(stage, sum(per_stage[s] for s in alive) - per_stage[stage], len(alive), outputs)
+        if worst is None or here.total(per_stage) > worst.total(per_stage):
+            worst = here
         alive.remove(stage)
-        done += 1
     assert worst is not None, "a schedule runs a backward for every forward"
     return worst
 
@@ -196,11 +200,19 @@ def boundary_bytes(config: TrainConfig, residual_bytes: int) -> int:
     return config.micro_batch * config.seq_len * config.model.dim * residual_bytes
 
 
-def build_pipeline(config: TrainConfig, acts: Activations, residual_bytes: int) -> Pipeline:
+def logits_bytes(config: TrainConfig, compute_bytes: int) -> int:
+    """One micro-batch's logits, the last stage's output: B·T·V in the compute dtype."""
+    return config.micro_batch * config.seq_len * config.model.vocab_size * compute_bytes
+
+
+def build_pipeline(
+    config: TrainConfig, acts: Activations, residual_bytes: int, compute_bytes: int
+) -> Pipeline:
     """The split, what each pipeline rank holds in flight, its buffers and what it sends per step."""
     p, m = config.parallel, config.grad_accum
     blocks = tuple(stage_blocks(config.model.n_layers, p.stages))
     boundary = boundary_bytes(config, residual_bytes)
+    logits = logits_bytes(config, compute_bytes)
     last_stage = p.stages - 1
     per_stage = {
         s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary).total
@@ -209,7 +221,7 @@ def build_pipeline(config: TrainConfig, acts: Activations, residual_bytes: int) 
     in_flight, buffers = [], []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
-        in_flight.append(peak_in_flight(schedule_order(p, m, rank), per_stage))
+        in_flight.append(peak_in_flight(schedule_order(p, m, rank), per_stage, {last_stage: logits}))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))

@@ -14,9 +14,10 @@ stage-2/3 all-gather buffers of one block beside the unsharded stage (FSDP2 free
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from trainer.config import LossKind, TrainConfig
+from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
 from trainer.plan.loss import loss_backward_temporary, loss_forward_temporary
@@ -31,6 +32,7 @@ from trainer.plan.pipeline import (
     Pipeline,
     boundary_bytes,
     build_pipeline,
+    logits_bytes,
     rank_stages,
     stage_activations,
     stage_config,
@@ -39,15 +41,24 @@ from trainer.plan.pipeline import (
 from trainer.plan.states import ModelShape, RankStates, rank_states
 
 
-def accumulated(ctx: StepContext, numel: int, linear_numel: int) -> int:
-    """What the stage keeps through its backwards beside its states: FSDP2 its unsharded parameters (compute
-    dtype) and unsharded gradient (reduce dtype); DDP the gradient accumulated outside its buckets under
-    no_sync (fp32) where there is more than one micro-batch, and autocast's cached casts of its weights."""
+def accumulated(ctx: StepContext, shape: ModelShape, blocks: int, dp: int) -> int:
+    """What the stage keeps through its backwards beside its states. FSDP2 (set_requires_gradient_sync(False)):
+    the unsharded gradient (reduce dtype), and its parameters unsharded: at stage2 all of them (never resharded),
+    at stage3 the root and the block whose backward runs and the one it prefetches (each forward reshards its
+    block again). DDP (applied where dp > 1) under no_sync: the gradient outside its buckets (fp32). Autocast's
+    cached casts of the stage's weights (the schedule runs inside one autocast region)."""
     c = ctx.config
+    numel = shape.num_params
     if c.zero.uses_fsdp:
-        return (PARAM_BYTES[c.precision.compute_dtype] + REDUCE_BYTES[c.zero.reduce_dtype]) * numel
-    casts = 2 * linear_numel if ctx.prec.regime == "autocast" else 0
-    return casts + (4 * numel if c.grad_accum > 1 else 0)
+        root = sum(math.prod(s) for s in shape.root)
+        block = sum(math.prod(s) for s in shape.block)
+        unsharded = numel if c.zero.stage == Stage.stage2 else root + min(2, blocks) * block
+        return PARAM_BYTES[c.precision.compute_dtype] * unsharded + REDUCE_BYTES[c.zero.reduce_dtype] * numel
+    linear = shape.block_linear_numel * blocks + (
+        c.model.vocab_size * c.model.dim if len(shape.root) > 1 else 0
+    )
+    casts = 2 * linear if ctx.prec.regime == "autocast" else 0
+    return casts + (4 * numel if dp > 1 and c.grad_accum > 1 else 0)
 
 
 def stage_moments(
@@ -55,17 +66,15 @@ def stage_moments(
     acts: Activations,
     held: int,
     last: bool,
-    input_grads: tuple[int, int],
-    linear_numel: int,
+    kept: tuple[int, int],
+    accumulated: int,
 ) -> list[Moment]:
     """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
-    the peak, `held` the other micro-batches' beside it, `last` whether it has the head and loss, `input_grads`
-    the received activations' gradients left on their buffers by the backwards before the peak and at the
-    step's end, `linear_numel` the stage's matmul weights."""
-    numel = ctx.shape.num_params
+    the peak, `held` the other micro-batches' beside it, `last` whether it has the head and loss; `kept` the
+    logits PipelineStage keeps, at the peak and at the step's end; `accumulated` what the stage keeps through its backwards."""
     fsdp = ctx.config.zero.uses_fsdp
     grads = 0 if fsdp else None  # FSDP2's shards come at the reduction after the last backward
-    fixed = accumulated(ctx, numel, linear_numel) + input_grads[0]
+    fixed = accumulated + kept[0]
     forward = held + acts.before_last_block + acts.full_block
     moments = [ctx.moment("forward: last block", grads, forward, fixed)]
     if last and ctx.config.loss.kind == LossKind.full:
@@ -83,8 +92,13 @@ def stage_moments(
             backward,
             fixed + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
         ),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + input_grads[1]),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + kept[1]),
     ]
+    if kept[
+        1
+    ]:  # the schedule's step returns the last stage's outputs merged: their concatenation beside them
+        end = 2 * kept[1] + (accumulated if fsdp else 0)
+        moments.append(ctx.moment("step end: outputs merged", grads, temporary=end))
     return moments
 
 
@@ -104,12 +118,16 @@ def pipeline_stage_plans(
     prec: Precisions,
     device_kind: str,
     sharded_over: int,
+    dp: int,
 ) -> tuple[Pipeline, list[StageRanks]]:
     """The pipeline and the plan of each pipeline rank (`config`: one TP rank's job)."""
-    pipe = build_pipeline(config, acts, prec.residual)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute)
     p, m, last_stage = config.parallel, config.grad_accum, config.parallel.stages - 1
     boundary = boundary_bytes(config, prec.residual)
-    batch = 8 * config.micro_batch * config.seq_len * m  # int64 inputs or targets of the whole step
+    # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
+    # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
+    batch = 2 * 16 * config.micro_batch * config.seq_len * m
+    logits = logits_bytes(config, prec.compute) if p.stages > 1 else 0
     out = []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
@@ -120,15 +138,11 @@ def pipeline_stage_plans(
         acts_peak = stage_activations(
             acts, pipe.blocks[peak.stage], peak.stage == 0, peak.stage == last_stage, boundary
         )
-        linear = shape.block_linear_numel * blocks + (
-            config.model.vocab_size * config.model.dim if last else 0
-        )
-        grads = (peak.done * boundary, m * boundary) if rank > 0 else (0, 0)
         stage = stage_config(config, blocks)
         shards = rank_states(local, config.zero.stage, sharded_over)
         moments = {}
         for states in dict.fromkeys(shards):
-            held_out = pipe.buffers[rank] + batch * (first + last)
+            held_out = pipe.buffers[rank] + batch
             ctx = StepContext(
                 stage,
                 local,
@@ -139,8 +153,10 @@ def pipeline_stage_plans(
                 device_kind,
                 other_bytes(config.model, config.data, states) + held_out,
             )
+            keeps = accumulated(ctx, local, blocks, dp)
+            outputs = (peak.kept, m * logits if last else 0)
             moments[states] = tuple(
-                stage_moments(ctx, acts_peak, peak.held, peak.stage == last_stage, grads, linear)
+                stage_moments(ctx, acts_peak, peak.held, peak.stage == last_stage, outputs, keeps)
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
     return pipe, out
