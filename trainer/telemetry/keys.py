@@ -85,6 +85,32 @@ COMM_PREDICTED_BYTES = "comm/predicted_bytes_per_step"
 COMM_PREDICTION_ERROR_PCT = "comm/prediction_error_pct"
 COMM_EXPOSED_PCT = "comm/exposed_pct"
 COMM_RANK_PREFIX = "comm/rank"
+
+# ----------------------------------------------------------------------------- pipeline (parallel.pp > 1)
+PP_MEASURED_BYTES = "comm/pp/measured_bytes_per_step"
+"""The bytes one replica's stages send each other per optimizer step (activations forward, their gradients
+backward): the tensors each stage hands torch.distributed to send (trainer/rank/pipeline.py), summed over the
+pp ranks, mean over replicas."""
+PP_PREFIXES = ("time/pp/", "comm/pp/")
+"""Every pipeline key starts with one of these (summary.json keeps their steady mean)."""
+
+
+def pp_idle_key(stage: int) -> str:
+    """`time/pp/stage{i}/idle_share`: the share of the schedule's step the rank at pipeline position i (stages
+    i, i + pp, ... when interleaved) spent outside its stages' own forward and backward; mean over replicas."""
+    return f"time/pp/stage{stage}/idle_share"
+
+
+def pp_rank_idle_key(rank: int) -> str:
+    """`time/rank{r}/pp_idle_share`: the same share, of one rank."""
+    return f"time/rank{rank}/pp_idle_share"
+
+
+def pp_sent_key(stage: int) -> str:
+    """`comm/pp/stage{i}/sent_bytes_per_step`: the bytes the rank at pipeline position i sent per step."""
+    return f"comm/pp/stage{stage}/sent_bytes_per_step"
+
+
 """Every per-rank communication key starts so (`comm/rank{r}/...`)."""
 BYTES_PER_STEP_SUFFIX = "/bytes_per_step"
 

@@ -29,6 +29,8 @@ from trainer.units import GIB
 from trainer.world import World
 
 BASE_FIELDS = ("loss", "window_s", "data_s", "params", "grads", "optimizer", "loss_scale", "skipped_steps")
+PIPELINE_FIELDS = ("pp_idle_share", "pp_sent_bytes_per_step")
+"""Under parallel.pp > 1, after BASE_FIELDS: what the rank's StageClock read (trainer/rank/pipeline.py)."""
 """The first columns of every rank's gathered row, in this order; with telemetry on, the memory
 probe's fields (trainer/telemetry/memory.py) and then the communication probe's (comm.py FIELDS) follow."""
 
@@ -120,6 +122,8 @@ class Meter:
             if self.predicted_peak_gib is not None and world.device.type == "cuda"
             else None
         )
+        self.pipeline: Any = None
+        """parallel.pp > 1: the rank's StageClock (trainer/rank/pipeline.py), read at each log (`read(steps)`)."""
         self._open_window()
 
     def _open_window(self) -> None:
@@ -182,6 +186,8 @@ class Meter:
             skipped_steps=self.skipped_steps,
         )
         row = [fields[name] for name in BASE_FIELDS]
+        if self.pipeline is not None:
+            row += self.pipeline.read(self.window_steps)
         if self.memory is not None and self.comm is not None:
             row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
@@ -207,8 +213,13 @@ class Meter:
             record[keys.memory_key(rank, "params_gib")] = params / GIB
             record[keys.memory_key(rank, "grads_gib")] = grads / GIB
             record[keys.memory_key(rank, "optimizer_gib")] = optimizer / GIB
+        memory_start = len(BASE_FIELDS)
+        if self.pipeline is not None:
+            record.update(
+                pipeline_fields(per_rank[:, memory_start : memory_start + 2], self.config.parallel.pp)
+            )
+            memory_start += len(PIPELINE_FIELDS)
         if self.memory is not None:
-            memory_start = len(BASE_FIELDS)
             record.update(
                 memory_fields(
                     self.memory.fields,
@@ -405,6 +416,21 @@ def worst_rank_memory(record: dict[str, Any]) -> str | None:
         return None
     key = max(rss, key=rss.__getitem__)
     return f"rss {format_gib(rss[key])} ({key.split('/')[1].replace('rank', 'rank ')})"
+
+
+def pipeline_fields(per_rank: torch.Tensor, pp: int) -> dict[str, float]:
+    """Each rank's idle share, and per pipeline position (rank % pp: the pp dim is inside dp) the mean over the
+    replicas of the idle share and of the bytes sent; the bytes one replica's stages sent each other."""
+    record: dict[str, float] = {}
+    idle, sent = per_rank[:, 0], per_rank[:, 1]
+    for rank, share in enumerate(idle.tolist()):
+        record[keys.pp_rank_idle_key(rank)] = share
+    by_stage = torch.arange(per_rank.shape[0]) % pp
+    for stage in range(pp):
+        record[keys.pp_idle_key(stage)] = idle[by_stage == stage].mean().item()
+        record[keys.pp_sent_key(stage)] = sent[by_stage == stage].mean().item()
+    record[keys.PP_MEASURED_BYTES] = sum(record[keys.pp_sent_key(stage)] for stage in range(pp))
+    return record
 
 
 def format_gib(gib: float) -> str:

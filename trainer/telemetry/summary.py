@@ -169,6 +169,8 @@ def build_summary(
             summary[keys.LOSS_VAL] = evaluated[-1][keys.LOSS_VAL]
             summary[keys.PERPLEXITY_VAL] = evaluated[-1][keys.PERPLEXITY_VAL]
         summary.update(steady_comm(records, after))
+        for key in dict.fromkeys(k for k in records[-1] if k.startswith(keys.PP_PREFIXES)):
+            summary[key] = steady_mean(records, key, after)  # pipeline: idle share and bytes per stage
         summary.update(save_figures(records, after))
         if keys.SKIPPED_STEPS in records[-1]:
             summary[keys.SKIPPED_STEPS] = records[-1][keys.SKIPPED_STEPS]
