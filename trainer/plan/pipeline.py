@@ -84,34 +84,37 @@ class InFlight:
     """The most activations a rank holds: at the start of backward `stage`, `held` bytes of other
     micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all, `kept`
     bytes of the last stage's outputs so far (PipelineStage keeps each micro-batch's logits in `output_chunks`
-    until the step's end)."""
+    until the step's end), after `done` backwards (from the first one's end, the stage's gradient is held)."""
 
     stage: int
     held: int
     count: int
     kept: int = 0
+    done: int = 0
 
-    def total(self, per_stage: dict[int, int]) -> int:
-        return self.held + per_stage[self.stage] + self.kept
+    def total(self, per_stage: dict[int, int], growth: int) -> int:
+        return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
 
 
 def peak_in_flight(
-    order: list[tuple[int, bool]], per_stage: dict[int, int], kept: dict[int, int]
+    order: list[tuple[int, bool]], per_stage: dict[int, int], kept: dict[int, int], growth: int = 0
 ) -> InFlight:
     """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
-    a backward frees the activations once it ends; the worst backward start is the peak."""
+    a backward frees the activations once it ends, and the first one leaves `growth` (the stage's gradient,
+    accumulated from then on); the worst backward start is the peak."""
     alive: list[int] = []
     worst: InFlight | None = None
-    outputs = 0
+    outputs = done = 0
     for stage, forward in order:
         if forward:
             alive.append(stage)
             outputs += kept.get(stage, 0)
             continue
-        here = InFlight(stage, sum(per_stage[s] for s in alive) - per_stage[stage], len(alive), outputs)
-        if worst is None or here.total(per_stage) > worst.total(per_stage):
+        here = InFlight(stage, sum(per_stage[s] for s in alive) - per_stage[stage], len(alive), outputs, done)
+        if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
             worst = here
         alive.remove(stage)
+        done += 1
     assert worst is not None, "a schedule runs a backward for every forward"
     return worst
 
@@ -206,7 +209,11 @@ def logits_bytes(config: TrainConfig, compute_bytes: int) -> int:
 
 
 def build_pipeline(
-    config: TrainConfig, acts: Activations, residual_bytes: int, compute_bytes: int
+    config: TrainConfig,
+    acts: Activations,
+    residual_bytes: int,
+    compute_bytes: int,
+    growth: tuple[int, ...] = (),
 ) -> Pipeline:
     """The split, what each pipeline rank holds in flight, its buffers and what it sends per step."""
     p, m = config.parallel, config.grad_accum
@@ -221,7 +228,10 @@ def build_pipeline(
     in_flight, buffers = [], []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
-        in_flight.append(peak_in_flight(schedule_order(p, m, rank), per_stage, {last_stage: logits}))
+        order = schedule_order(p, m, rank)
+        in_flight.append(
+            peak_in_flight(order, per_stage, {last_stage: logits}, growth[rank] if growth else 0)
+        )
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))

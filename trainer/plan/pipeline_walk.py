@@ -29,62 +29,71 @@ from trainer.plan.moments import (
     other_bytes,
 )
 from trainer.plan.pipeline import (
+    InFlight,
     Pipeline,
     boundary_bytes,
     build_pipeline,
     logits_bytes,
     rank_stages,
     stage_activations,
+    stage_blocks,
     stage_config,
     stage_model_shape,
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
 
 
-def accumulated(ctx: StepContext, shape: ModelShape, blocks: int, dp: int) -> int:
-    """What the stage keeps through its backwards beside its states. FSDP2 (set_requires_gradient_sync(False)):
-    the unsharded gradient (reduce dtype), and its parameters unsharded: at stage2 all of them (never resharded),
-    at stage3 the root and the block whose backward runs and the one it prefetches (each forward reshards its
-    block again). DDP (applied where dp > 1) under no_sync: the gradient outside its buckets (fp32). Autocast's
-    cached casts of the stage's weights (the schedule runs inside one autocast region)."""
-    c = ctx.config
+@dataclass(frozen=True)
+class Kept:
+    """What a stage keeps through its backwards beside its states: `always` from the step's start, `growth` from
+    the end of its first backward (its gradient, accumulated from then on), `grads_at_rest` whether the states'
+    gradients exist while it runs (DDP's buckets; FSDP2's shards and plain .grad come after the last backward)."""
+
+    always: int
+    growth: int
+    grads_at_rest: bool
+
+
+def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, dp: int) -> Kept:
+    """FSDP2 under set_requires_gradient_sync(False): its parameters unsharded (at stage2 all of them, never
+    resharded; at stage3 the root, the block whose backward runs and the one it prefetches, as each forward
+    reshards its block again), and from the first backward the unsharded gradient (reduce dtype). DDP (applied
+    where dp > 1): its buckets, and under no_sync the gradient beside them (fp32). One rank per stage: plain
+    .grad (fp32) from the first backward. Autocast caches the cast of each of the stage's weights (the schedule
+    runs inside one autocast region)."""
     numel = shape.num_params
-    if c.zero.uses_fsdp:
+    if config.zero.uses_fsdp:
         root = sum(math.prod(s) for s in shape.root)
         block = sum(math.prod(s) for s in shape.block)
-        unsharded = numel if c.zero.stage == Stage.stage2 else root + min(2, blocks) * block
-        return PARAM_BYTES[c.precision.compute_dtype] * unsharded + REDUCE_BYTES[c.zero.reduce_dtype] * numel
-    linear = shape.block_linear_numel * blocks + (
-        c.model.vocab_size * c.model.dim if len(shape.root) > 1 else 0
-    )
-    casts = 2 * linear if ctx.prec.regime == "autocast" else 0
-    return casts + (4 * numel if dp > 1 and c.grad_accum > 1 else 0)
+        unsharded = numel if config.zero.stage == Stage.stage2 else root + min(2, blocks) * block
+        param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
+        return Kept(param * unsharded, reduce * numel, False)
+    head = config.model.vocab_size * config.model.dim if len(shape.root) > 1 else 0
+    casts = 2 * (shape.block_linear_numel * blocks + head) if prec.regime == "autocast" else 0
+    if dp > 1:
+        return Kept(casts, 4 * numel if config.grad_accum > 1 else 0, True)
+    return Kept(casts, 4 * numel, False)
 
 
 def stage_moments(
-    ctx: StepContext,
-    acts: Activations,
-    held: int,
-    last: bool,
-    kept: tuple[int, int],
-    accumulated: int,
+    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, logits: int, keeps: Kept
 ) -> list[Moment]:
     """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
-    the peak, `held` the other micro-batches' beside it, `last` whether it has the head and loss; `kept` the
-    logits PipelineStage keeps, at the peak and at the step's end; `accumulated` what the stage keeps through its backwards."""
+    the peak (`peak`), `last` whether that stage has the head and loss, `logits` what the last stage keeps of
+    the step's outputs by its end, `keeps` what the stage keeps through its backwards."""
     fsdp = ctx.config.zero.uses_fsdp
-    grads = 0 if fsdp else None  # FSDP2's shards come at the reduction after the last backward
-    fixed = accumulated + kept[0]
-    forward = held + acts.before_last_block + acts.full_block
+    grads = None if keeps.grads_at_rest else 0
+    fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
+    forward = peak.held + acts.before_last_block + acts.full_block
     moments = [ctx.moment("forward: last block", grads, forward, fixed)]
     if last and ctx.config.loss.kind == LossKind.full:
-        total = held + acts.total
+        total = peak.held + acts.total
         moments += [
             ctx.moment("forward: loss", grads, total, fixed + loss_forward_temporary(ctx)),
             ctx.moment("backward: loss", grads, total, fixed + loss_backward_temporary(ctx)),
         ]
     weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
-    backward = held + acts.before_last_block + acts.in_backward
+    backward = peak.held + acts.before_last_block + acts.in_backward
     moments += [
         ctx.moment(
             "backward: last block",
@@ -92,13 +101,10 @@ def stage_moments(
             backward,
             fixed + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
         ),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + kept[1]),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + logits),
     ]
-    if kept[
-        1
-    ]:  # the schedule's step returns the last stage's outputs merged: their concatenation beside them
-        end = 2 * kept[1] + (accumulated if fsdp else 0)
-        moments.append(ctx.moment("step end: outputs merged", grads, temporary=end))
+    if logits:  # the schedule's step returns the last stage's outputs merged: their concatenation beside them
+        moments.append(ctx.moment("step end: outputs merged", temporary=2 * logits + keeps.always))
     return moments
 
 
@@ -121,42 +127,33 @@ def pipeline_stage_plans(
     dp: int,
 ) -> tuple[Pipeline, list[StageRanks]]:
     """The pipeline and the plan of each pipeline rank (`config`: one TP rank's job)."""
-    pipe = build_pipeline(config, acts, prec.residual, prec.compute)
     p, m, last_stage = config.parallel, config.grad_accum, config.parallel.stages - 1
+    split = stage_blocks(config.model.n_layers, p.stages)
+    blocks = [sum(len(split[s]) for s in rank_stages(p, rank)) for rank in range(p.pp)]
+    ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
+    locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
+    keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, tuple(k.growth for k in keeps))
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
     batch = 2 * 16 * config.micro_batch * config.seq_len * m
-    logits = logits_bytes(config, prec.compute) if p.stages > 1 else 0
+    logits = logits_bytes(config, prec.compute)
     out = []
     for rank in range(p.pp):
-        mine = rank_stages(p, rank)
-        first, last = 0 in mine, last_stage in mine
-        blocks = sum(len(pipe.blocks[s]) for s in mine)
-        local = stage_model_shape(shape, blocks, first, last)
         peak = pipe.in_flight[rank]
         acts_peak = stage_activations(
             acts, pipe.blocks[peak.stage], peak.stage == 0, peak.stage == last_stage, boundary
         )
-        stage = stage_config(config, blocks)
-        shards = rank_states(local, config.zero.stage, sharded_over)
+        stage = stage_config(config, blocks[rank])
+        shards = rank_states(locals_[rank], config.zero.stage, sharded_over)
         moments = {}
         for states in dict.fromkeys(shards):
-            held_out = pipe.buffers[rank] + batch
-            ctx = StepContext(
-                stage,
-                local,
-                states,
-                acts_peak,
-                prec,
-                sharded_over,
-                device_kind,
-                other_bytes(config.model, config.data, states) + held_out,
-            )
-            keeps = accumulated(ctx, local, blocks, dp)
-            outputs = (peak.kept, m * logits if last else 0)
+            other = other_bytes(config.model, config.data, states) + pipe.buffers[rank] + batch
+            ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
+            step_logits = m * logits if ends[rank][1] else 0
             moments[states] = tuple(
-                stage_moments(ctx, acts_peak, peak.held, peak.stage == last_stage, outputs, keeps)
+                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, step_logits, keeps[rank])
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
     return pipe, out

@@ -13,7 +13,15 @@ from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
 from trainer.plan.pipeline import boundary_bytes, peak_in_flight, schedule_order
 
-TINY_PP = ("model=tiny", "device=cpu", "seq_len=64", "micro_batch=2", "grad_accum=4", "nproc=2", "parallel.pp=2")
+TINY_PP = (
+    "model=tiny",
+    "device=cpu",
+    "seq_len=64",
+    "micro_batch=2",
+    "grad_accum=4",
+    "nproc=2",
+    "parallel.pp=2",
+)
 
 
 def test_blocks_split_evenly_the_earlier_stages_taking_the_extra_one() -> None:
@@ -46,7 +54,7 @@ def test_in_flight_micro_batches_per_schedule(rank: int) -> None:
 
     def count(schedule: str) -> int:
         parallel = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v)
-        return peak_in_flight(schedule_order(parallel, m, rank), equal).count
+        return peak_in_flight(schedule_order(parallel, m, rank), equal, {}).count
 
     assert count("gpipe") == m
     assert count("1f1b") == pp - rank
@@ -102,23 +110,33 @@ def test_buffers_and_bytes_between_stages(plans: dict) -> None:
     tensor = 2 * 64 * 128 * 4  # micro_batch · seq_len · dim · 4
     for schedule, plan in plans.items():
         p2p = plan.comm.p2p
-        per_rank = 4 * tensor * (3 if schedule == "interleaved_1f1b" else 1)  # 4 micro-batches; 3 boundaries each
+        per_rank = (
+            4 * tensor * (3 if schedule == "interleaved_1f1b" else 1)
+        )  # 4 micro-batches; 3 boundaries each
         assert p2p.boundary == tensor
         assert p2p.sent == (per_rank, per_rank)
         assert [s["buffers_bytes"] for s in plan.pipeline_json()["stages"]] == [per_rank, per_rank]
 
 
 def test_bf16_under_fsdp_sends_half_precision() -> None:
-    plan = build_plan(compose_config(*TINY_PP, "zero=stage3", "precision=bf16"), "cpu", 2)
+    plan = build_plan(
+        compose_config(*TINY_PP, "zero=stage3", "zero.reduce_every=step", "precision=bf16"), "cpu", 2
+    )
     assert plan.comm.p2p.boundary == 2 * 64 * 128 * 2
 
 
-def test_boundary_links_follow_the_mesh() -> None:
-    """(dp, pp, tp) with tp innermost: llama3-405b at tp=8, pp=8 puts each stage on its own node of 8."""
+@pytest.mark.parametrize(
+    ("nodes", "nproc", "links"),
+    [(64, 8, ("intra-node",) * 7), (128, 4, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3)],
+)
+def test_boundary_links_follow_the_mesh(nodes: int, nproc: int, links: tuple[str, ...]) -> None:
+    """(dp, pp) with pp innermost: stage s of the first replica is rank s, so 8 stages stay in a node of 8 and
+    cross the network once on nodes of 4; B·T·D bf16 under FSDP2's mixed precision."""
     config = compose_config(
-        "mode=plan", "model=llama3-405b", "nodes=64", "nproc=8", "parallel.tp=8", "parallel.pp=8",
-        "zero=stage3", "precision=bf16", "seq_len=8192", "micro_batch=1", "grad_accum=16", "plan.accelerator=h100",
+        "mode=plan", "model=llama3-405b", f"nodes={nodes}", f"nproc={nproc}", "parallel.pp=8", "zero=stage3",
+        "zero.reduce_every=step", "precision=bf16", "seq_len=8192", "micro_batch=1", "grad_accum=16",
+        "plan.accelerator=h100",
     )  # fmt: skip
     plan = build_plan(config, "cuda", 512)
-    assert plan.comm.p2p.links == ("network",) * 7
+    assert plan.comm.p2p.links == links
     assert plan.comm.p2p.boundary == 8192 * 16384 * 2
