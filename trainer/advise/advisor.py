@@ -196,8 +196,8 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
             continue
         if tp is not None and (stage not in (Stage.stage2, Stage.stage3) or offload != OffloadTarget.none):
             continue  # what tensor parallelism composes with here (ParallelConfig.check_composition)
-        if pp is not None and offload != OffloadTarget.none:
-            continue
+        if pp is not None and (offload != OffloadTarget.none or tp is not None or stage == Stage.stage1):
+            continue  # what the pipeline composes with here (ParallelConfig.check_pipeline_composition)
         dp = world_size // (tp or 1) // (pp or 1)
         if dp == 0 or world_size % ((tp or 1) * (pp or 1)):
             continue
@@ -246,10 +246,10 @@ def accumulation_choices(
     config: TrainConfig, stage: Stage, accum: int, split: tuple[Any, ...], modes: tuple[Any, ...]
 ) -> list[dict[str, Any]]:
     """One split's choices over zero.reduce_every and zero.reshard_after_backward (a pipeline's accumulation is
-    PipelineStage's own: one reduction per step, so only the stage's default)."""
+    PipelineStage's own: one reduction per step, zero.reduce_every=step)."""
     reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule = split
     _, checkpointing, offload = modes
-    everies = reduce_every_options(config, stage, accum) if pp is None else [STAGE_REDUCE_EVERY[stage]]
+    everies = reduce_every_options(config, stage, accum) if pp is None else [ReduceEvery.step]
     keeps = reshard_options(config, stage, accum) if pp is None else [True]
     out = []
     for every, keep in itertools.product(everies, keeps):
@@ -595,6 +595,7 @@ def format_advice(
             f"    nothing fits: the smallest is {smallest.reserved_bytes / GIB:.1f} GiB {reserved} ({smallest.label()}); "
             f"{nothing_fits_cause(candidates)}; or advise.headroom"
         )
+    lines += pipeline_rows(candidates, reserved)
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines + fp8_lines(config, fitting[:FP8_ROWS], base))
 
@@ -687,6 +688,36 @@ def host_note(candidates: list[Candidate]) -> str:
         f"; {len(over)} need more host memory than a node has ({offload} with offload=cpu; the least "
         f"{least.host_bytes / GIB:.1f} GiB per node, {least.label()})"
     )
+
+
+def pipeline_rows(candidates: list[Candidate], reserved: str) -> list[str]:
+    """The best candidate of each pipeline depth and schedule, whether or not it made the table: the fastest
+    that fits, else the smallest; with its bubble and the time its stages' sends take."""
+    best: dict[tuple[int, str], Candidate] = {}
+    for c in candidates:
+        key = (c.choice.get("parallel.pp"), c.choice.get("parallel.pp_schedule"))
+        if key[0] is None:
+            continue
+        held = best.get(key)
+        if held is None or pipeline_order(c) < pipeline_order(held):
+            best[key] = c
+    if not best:
+        return []
+    lines = [
+        "pipeline candidates (parallel.pp; bubble: the share of the step each stage waits), best of each:"
+    ]
+    for (pp, schedule), c in sorted(best.items()):
+        fits = {True: "fits", False: "does not fit", None: "fit unknown"}[c.fits]
+        lines.append(
+            f"    pp={pp} {schedule:<16} bubble {c.step.bubble:6.1%}  sends {c.step.p2p_s:.3g} s  {c.tokens_per_s:>10,.0f} tokens/s  "
+            f"{c.reserved_bytes / GIB:8.1f} GiB {reserved}, {fits}  ({c.label()})"
+        )
+    return lines
+
+
+def pipeline_order(c: Candidate) -> tuple[bool, float]:
+    """Fitting first, by speed; then by memory."""
+    return (c.fits is False, c.reserved_bytes if c.fits is False else -c.tokens_per_s)
 
 
 def bubble_cell(c: Candidate) -> str:
