@@ -23,6 +23,7 @@ from trainer.private_apis.of_torch import (
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
+    interleaved_1f1b_order,
     new_mem_tracker,
     scale_on_device,
     set_last_lr,
@@ -137,3 +138,12 @@ def test_comm_hook_states_are_what_register_comm_hook_was_given(process_group: N
     state = object()
     ddp.register_comm_hook(state, allreduce_hook)
     assert len(comm_hook_states(ddp)) == 1 and comm_hook_states(ddp)[0] is state
+
+
+def test_interleaved_order_is_torchs_warm_up_then_one_forward_one_backward() -> None:
+    """pp=4, 2 stages per rank, 8 micro-batches, rank 0: `_get_warmup_ops` forwards ((2 - 1)·4 + 2·3 = 10: four of
+    stage 0, four of stage 4, two more of stage 0), then a forward before each backward, every action once."""
+    order = interleaved_1f1b_order(4, 2, 8, 0)
+    assert order[:10] == [(0, True)] * 4 + [(4, True)] * 4 + [(0, True)] * 2
+    assert order[10:12] == [(0, True), (4, False)]
+    assert sorted(order) == sorted([(s, f) for s in (0, 4) for f in (True, False)] * 8)
