@@ -7,7 +7,9 @@ Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload`
 makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
 full gradient held between micro-batches, or one per micro-batch and only the shard) x, where
 grad_accum > 1 at stage2/3, `advise.reshard_after_backward` (false: parameters kept unsharded
-between micro-batches, one forward's all-gathers per step) is planned (trainer/plan: the worst rank's peak, which must leave
+between micro-batches, one forward's all-gathers per step), on several nodes x parallel.tp (`tp_options`) and
+parallel.pp with its schedule (`pp_options`, `schedule_options`: pp dividing the blocks and the world, 1F1B
+with grad_accum >= pp, interleaved with whole rounds; the best of each listed with its bubble), is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
 rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
