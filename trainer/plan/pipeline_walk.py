@@ -52,12 +52,14 @@ class Kept:
     always: int
     growth: int
     grads_at_rest: bool
+    block: int = 0  # stage3: the block whose forward or backward runs, unsharded (FSDP2 reshards it after)
 
 
 def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, dp: int) -> Kept:
     """FSDP2 under set_requires_gradient_sync(False): its parameters unsharded (at stage2 all of them, never
-    resharded; at stage3 the root, the block whose backward runs and the one it prefetches, as each forward
-    reshards its block again), and from the first backward the unsharded gradient (reduce dtype). DDP (applied
+    resharded; at stage3 the root, and the block whose forward or backward runs, as each forward reshards its
+    block again: measured on CPU ranks, no prefetched block beside it), and from the first backward the
+    unsharded gradient (reduce dtype). DDP (applied
     where dp > 1): its buckets, and under no_sync the gradient beside them (fp32). One rank per stage: plain
     .grad (fp32) from the first backward. Autocast caches the cast of each of the stage's weights (the schedule
     runs inside one autocast region)."""
@@ -65,9 +67,10 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
     if config.zero.uses_fsdp:
         root = sum(math.prod(s) for s in shape.root)
         block = sum(math.prod(s) for s in shape.block)
-        unsharded = numel if config.zero.stage == Stage.stage2 else root + min(2, blocks) * block
         param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
-        return Kept(param * unsharded, reduce * numel, False)
+        if config.zero.stage == Stage.stage2:
+            return Kept(param * numel, reduce * numel, False)
+        return Kept(param * root, reduce * numel, False, param * block if blocks else 0)
     head = config.model.vocab_size * config.model.dim if len(shape.root) > 1 else 0
     casts = 2 * (shape.block_linear_numel * blocks + head) if prec.regime == "autocast" else 0
     if dp > 1:
@@ -85,7 +88,7 @@ def stage_moments(
     grads = None if keeps.grads_at_rest else 0
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
     forward = peak.held + acts.before_last_block + acts.full_block
-    moments = [ctx.moment("forward: last block", grads, forward, fixed)]
+    moments = [ctx.moment("forward: last block", grads, forward, fixed + keeps.block)]
     if last and ctx.config.loss.kind == LossKind.full:
         total = peak.held + acts.total
         moments += [
@@ -99,7 +102,7 @@ def stage_moments(
             "backward: last block",
             grads,
             backward,
-            fixed + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
+            fixed + keeps.block + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
         ),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + logits),
     ]
