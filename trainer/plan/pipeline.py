@@ -97,24 +97,34 @@ class InFlight:
 
 
 def peak_in_flight(
-    order: list[tuple[int, bool]], per_stage: dict[int, int], kept: dict[int, int], growth: int = 0
+    order: list[tuple[int, bool]],
+    per_stage: dict[int, int],
+    kept: dict[int, int],
+    growth: int = 0,
+    sent: tuple[dict[int, int], bool] = ({}, False),
 ) -> InFlight:
     """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
     a backward frees the activations once it ends, and the first one leaves `growth` (the stage's gradient,
-    accumulated from then on); the worst backward start is the peak."""
+    accumulated from then on); the worst backward start is the peak. `sent`: the input gradient each
+    backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
+    and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
+    the next backward, its list keeping the last one)."""
     alive: list[int] = []
     worst: InFlight | None = None
-    outputs = done = 0
+    outputs = done = grads = 0
+    gradient, keeps_all = sent
     for stage, forward in order:
         if forward:
             alive.append(stage)
             outputs += kept.get(stage, 0)
             continue
-        here = InFlight(stage, sum(per_stage[s] for s in alive) - per_stage[stage], len(alive), outputs, done)
+        held = sum(per_stage[s] for s in alive) - per_stage[stage]
+        here = InFlight(stage, held, len(alive), outputs + grads, done)
         if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
             worst = here
         alive.remove(stage)
         done += 1
+        grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
     assert worst is not None, "a schedule runs a backward for every forward"
     return worst
 
@@ -137,11 +147,14 @@ def stage_config(config: TrainConfig, blocks: int) -> TrainConfig:
 
 def stage_activations(acts: Activations, blocks: range, first: bool, last: bool, output: int) -> Activations:
     """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
-    the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own."""
+    the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
+    Beyond the first stage the first block's saved input is the receive buffer, counted with the buffers
+    (`output` bytes less here)."""
     if last:
         head, log_softmax = acts.head, acts.log_softmax
     else:
         head, log_softmax = output, 0
+    head -= 0 if first else output
     return dataclasses.replace(
         acts,
         blocks=acts.blocks[blocks.start : blocks.stop],
@@ -229,8 +242,9 @@ def build_pipeline(
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
         order = schedule_order(p, m, rank)
+        sent = ({s: boundary for s in range(1, p.stages)}, p.pp_schedule != ONE_F_ONE_B)
         in_flight.append(
-            peak_in_flight(order, per_stage, {last_stage: logits}, growth[rank] if growth else 0)
+            peak_in_flight(order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent)
         )
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)

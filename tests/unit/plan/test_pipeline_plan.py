@@ -11,7 +11,7 @@ from tests.helpers import compose_config
 from trainer.config import ParallelConfig
 from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
-from trainer.plan.pipeline import boundary_bytes, peak_in_flight, schedule_order
+from trainer.plan.pipeline import peak_in_flight, schedule_order
 
 TINY_PP = (
     "model=tiny",
@@ -71,19 +71,20 @@ def plans() -> dict[str, object]:
 
 def test_each_stage_holds_the_micro_batches_its_schedule_keeps(plans: dict) -> None:
     """tiny's 4 blocks on 2 stages: every stage's activations at its peak are its in-flight micro-batches' (the
-    stage's table; the same micro-batch split over 2 stages adds to the model's one-micro-batch activations,
-    plus every stage's output but the last's, which PipelineStage keeps for backward, B·T·D fp32)."""
+    stage's table; the same micro-batch split over 2 stages adds to the model's one-micro-batch activations: each
+    stage but the last keeps its output, B·T·D fp32, which the next stage's first block saves as its input, the
+    receive buffer, counted with the buffers)."""
     config = compose_config(*TINY_PP)
     model_acts = activations(config, "cpu")
     for schedule, plan in plans.items():
-        kept_outputs = (plan.config.parallel.stages - 1) * boundary_bytes(config, 4)
-        per_mb = model_acts.total - model_acts.batch + kept_outputs
         record = plan.pipeline_json()
         stages = record["stages"]
         assert [s["blocks"] for s in stages] == (
             [[[0, 1], [2, 3]], [[1, 2], [3, 4]]] if schedule == "interleaved_1f1b" else [[[0, 2]], [[2, 4]]]
         )
-        assert sum(s["activations_per_micro_batch_bytes"] for s in stages) == per_mb
+        assert (
+            sum(s["activations_per_micro_batch_bytes"] for s in stages) == model_acts.total - model_acts.batch
+        )
         counts = [s["in_flight_micro_batches"] for s in stages]
         assert counts == {"gpipe": [4, 4], "1f1b": [2, 1], "interleaved_1f1b": [5, 3]}[schedule]
 
