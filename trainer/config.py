@@ -871,14 +871,14 @@ class ParallelConfig:
         allowed = ", ".join(str(d) for d in range(1, nproc + 1) if nproc % d == 0)
         world = nodes * nproc
         _require(
-            world % (self.tp * self.pp) == 0,
-            f"parallel.pp={self.pp} * parallel.tp={self.tp} must divide the world of {world} ranks (nodes * nproc); "
-            f"allowed parallel.pp: {', '.join(str(d) for d in range(1, world // self.tp + 1) if (world // self.tp) % d == 0)}",
-        )
-        _require(
             nproc % self.tp == 0,
             f"parallel.tp={self.tp} must divide nproc={nproc} (a tensor-parallel group stays inside one node "
             f"of {nproc} ranks); allowed: {allowed}",
+        )
+        _require(
+            world % (self.tp * self.pp) == 0,
+            f"parallel.pp={self.pp} * parallel.tp={self.tp} must divide the world of {world} ranks (nodes * nproc); "
+            f"allowed parallel.pp: {', '.join(str(d) for d in range(1, world // self.tp + 1) if (world // self.tp) % d == 0)}",
         )
         dp = self.dp(nodes * nproc)
         _require(

@@ -116,6 +116,20 @@ CASES = [
         "zero=stage2 or stage3",
     ),
     (["parallel.sp=true"], "parallel.sp=true", "parallel.tp > 1"),
+    # Pipeline parallelism (trainer/rank/pipeline.py): blocks per stage, 1F1B's warm-up, the schedules
+    (["parallel.pp=5"], "parallel.pp=5 makes 5 pipeline stages but model=tiny has 4 blocks", "<= 4"),
+    (
+        ["parallel.pp=2", "parallel.pp_schedule=1f1b", "grad_accum=1"],
+        "parallel.pp_schedule=1f1b streams grad_accum=1",
+        "grad_accum >= 2",
+    ),
+    (["parallel.pp_schedule=zero_bubble"], "parallel.pp_schedule", "gpipe, 1f1b, interleaved_1f1b"),
+    (["parallel.pp=2", "grad_accum=2", "loss=chunked"], "parallel.pp=2 with loss=chunked", "loss=full"),
+    (
+        ["parallel.pp=3", "grad_accum=3", "nproc=2"],
+        "parallel.pp=3 * parallel.tp=1 must divide the world of 2",
+        "1, 2",
+    ),
 ]
 
 

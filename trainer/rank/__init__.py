@@ -5,6 +5,7 @@
 - trainee.py: what the rank trains with (model, optimizer, schedule, scaler);
 - sharding.py: the ZeRO stages on DDP, ZeroRedundancyOptimizer and FSDP2; offload;
 - tensor_parallel.py: tensor and sequence parallelism (parallel.tp, parallel.sp), the (dp, tp) mesh;
+- pipeline.py: pipeline parallelism (parallel.pp): the (dp, pp) mesh, each rank's stages, the schedule, idle time and bytes sent;
 - compression.py: DDP's gradient compression hooks (PowerSGD, TopK) and local SGD;
 - precision.py: autocast, FSDP2's MixedPrecisionPolicy, the loss scaler;
 - optim.py: AdamW, its ZeRO-1 sharding, the schedule, clipping;

@@ -122,6 +122,9 @@ def build_pipeline_trainee(config: TrainConfig, world: World) -> Trainee:
     )
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     scaler = build_grad_scaler(config.precision, config.zero, world.device, pipelined=True)
+    # The scaler makes its scale on its first scale(); only the last stage scales a loss, yet every stage
+    # unscales its gradients (public API: scaling a zero makes the scale, at the configured initial value).
+    scaler.scale(torch.zeros((), device=world.device))
     loss = PipelineLoss(cross_entropy, scaler)
     pipeline = build_pipeline(config, world, parts, mesh, loss)
     return Trainee(model, optimizer, scheduler, scaler, pipeline)

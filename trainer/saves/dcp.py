@@ -126,11 +126,12 @@ class SaveSpec:
     """The ZeRO stage, recorded in `progress` (a save loads into any stage)."""
     micro_batch: int
     grad_accum: int
-    tp: int = 1
-    """parallel.tp: the ranks of a TP group read one batch, so the global batch counts world / tp ranks."""
+    replica_ranks: int = 1
+    """parallel.tp * parallel.pp: the ranks of one model replica read one batch, so the global batch counts
+    world / replica_ranks ranks."""
 
     def global_batch(self, world_size: int) -> int:
-        return global_batch(self.micro_batch, self.grad_accum, world_size // self.tp)
+        return global_batch(self.micro_batch, self.grad_accum, world_size // self.replica_ranks)
 
     @classmethod
     def of(cls, config: TrainConfig) -> SaveSpec:
@@ -140,7 +141,7 @@ class SaveSpec:
             config.zero.stage,
             config.micro_batch,
             config.grad_accum,
-            config.parallel.tp,
+            config.parallel.tp * config.parallel.pp,
         )
 
 

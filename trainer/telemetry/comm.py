@@ -25,6 +25,10 @@ step does), torch.profiler records the step; the time some collective was runnin
 rank computed nothing (CPU: no aten op on a computing thread; GPU: no non-NCCL kernel) over the
 step's wall time is the exposed share.
 
+Pipeline parallelism's point-to-point sends (parallel.pp > 1) are not in gloo's recorder (a pp=2 job's
+windows hold its collectives only); the stages count what they send themselves (trainer/rank/pipeline.py,
+`comm/pp/...`).
+
 The loop's own collectives (LOOP_COLLECTIVES) are recorded too: they are part of what a rank
 moves, and the plan leaves them out (docs/communication.md).
 """
@@ -73,6 +77,8 @@ LOOP_COLLECTIVES = {
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
+    "pipeline loss and norm": "parallel.pp > 1: all_reduce of the step's fp32 loss and of the squared gradient norm "
+    "over the pp group, every step (trainer/rank/pipeline.py, trainer/rank/optim.py)",
 }
 """The collectives the training loop issues besides ZeRO's, which the plan leaves out."""
 

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from trainer.config import DType, PrecisionConfig
+from trainer.telemetry import keys
 from trainer.telemetry.memory import CPU_FIELDS, CUDA_FIELDS
-from trainer.telemetry.metrics import check_ranks_agree, device_peak_flops, memory_fields, mfu_pct
+from trainer.telemetry.metrics import (
+    check_ranks_agree,
+    device_peak_flops,
+    memory_fields,
+    mfu_pct,
+    pipeline_fields,
+)
 from trainer.units import GIB
 
 NAN = float("nan")
@@ -127,3 +134,13 @@ def test_ranks_that_disagree_on_the_loss_scale_or_skips_raise_an_error_not_an_as
     for rank1 in ([1024.0, 1.0], [512.0, 0.0]):  # rank 1 kept its scale, or took the step rank 0 skipped
         with pytest.raises(RuntimeError, match=r"^ranks disagree on loss scale and skipped steps"):
             check_ranks_agree(torch.tensor([[512.0, 1.0], rank1], dtype=torch.float64))
+
+
+def test_pipeline_fields_per_rank_per_stage_and_per_replica() -> None:
+    """4 ranks, pp=2: ranks 0 and 2 are stage 0 of two replicas; each sent the bytes of its stage."""
+    per_rank = torch.tensor([[0.2, 100.0], [0.4, 100.0], [0.3, 100.0], [0.6, 100.0]], dtype=torch.float64)
+    record = pipeline_fields(per_rank, pp=2)
+    assert record[keys.pp_rank_idle_key(3)] == 0.6
+    assert record[keys.pp_idle_key(0)] == 0.25 and record[keys.pp_idle_key(1)] == 0.5
+    assert record[keys.pp_sent_key(0)] == record[keys.pp_sent_key(1)] == 100.0
+    assert record[keys.PP_MEASURED_BYTES] == 200.0
