@@ -102,24 +102,31 @@ def peak_in_flight(
     kept: dict[int, int],
     growth: int = 0,
     sent: tuple[dict[int, int], bool] = ({}, False),
+    regathered: dict[int, int] | None = None,
 ) -> InFlight:
     """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
     a backward frees the activations once it ends, and the first one leaves `growth` (the stage's gradient,
     accumulated from then on); the worst backward start is the peak. `sent`: the input gradient each
     backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
     and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
-    the next backward, its list keeping the last one)."""
+    the next backward, its list keeping the last one). `regathered`: stage3's parameters of each stage (beyond
+    the root and the running block) that its backward leaves unsharded (set_reshard_after_backward(False))
+    until its next forward reshards them block by block."""
     alive: list[int] = []
     worst: InFlight | None = None
     outputs = done = grads = 0
     gradient, keeps_all = sent
+    unsharded: set[int] = set()
     for stage, forward in order:
         if forward:
             alive.append(stage)
             outputs += kept.get(stage, 0)
+            unsharded.discard(stage)
             continue
         held = sum(per_stage[s] for s in alive) - per_stage[stage]
-        here = InFlight(stage, held, len(alive), outputs + grads, done)
+        params = sum((regathered or {}).get(s, 0) for s in unsharded)
+        here = InFlight(stage, held, len(alive), outputs + grads + params, done)
+        unsharded.add(stage)
         if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
             worst = here
         alive.remove(stage)
@@ -227,6 +234,7 @@ def build_pipeline(
     residual_bytes: int,
     compute_bytes: int,
     growth: tuple[int, ...] = (),
+    regathered: dict[int, int] | None = None,
 ) -> Pipeline:
     """The split, what each pipeline rank holds in flight, its buffers and what it sends per step."""
     p, m = config.parallel, config.grad_accum
@@ -244,7 +252,9 @@ def build_pipeline(
         order = schedule_order(p, m, rank)
         sent = ({s: boundary for s in range(1, p.stages)}, p.pp_schedule != ONE_F_ONE_B)
         in_flight.append(
-            peak_in_flight(order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent)
+            peak_in_flight(
+                order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent, regathered
+            )
         )
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)

@@ -136,7 +136,12 @@ def pipeline_stage_plans(
     ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
     locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
     keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
-    pipe = build_pipeline(config, acts, prec.residual, prec.compute, tuple(k.growth for k in keeps))
+    regathered = None
+    if config.zero.stage == Stage.stage3:  # each stage's blocks but the running one (`kept`)
+        block = PARAM_BYTES[config.precision.compute_dtype] * sum(math.prod(s) for s in shape.block)
+        regathered = {s: block * (len(split[s]) - 1) for s in range(p.stages)}
+    growth = tuple(k.growth for k in keeps)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered)
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
