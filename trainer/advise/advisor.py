@@ -7,7 +7,9 @@ Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload`
 makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
 full gradient held between micro-batches, or one per micro-batch and only the shard) x, where
 grad_accum > 1 at stage2/3, `advise.reshard_after_backward` (false: parameters kept unsharded
-between micro-batches, one forward's all-gathers per step) is planned (trainer/plan: the worst rank's peak, which must leave
+between micro-batches, one forward's all-gathers per step), on several nodes x parallel.tp (`tp_options`) and
+parallel.pp with its schedule (`pp_options`, `schedule_options`: pp dividing the blocks and the world, 1F1B
+with grad_accum >= pp, interleaved with whole rounds; the best of each listed with its bubble), is planned (trainer/plan: the worst rank's peak, which must leave
 `advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
 rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
 gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
@@ -62,6 +64,8 @@ CHOSEN_KEYS = (
     "zero.shard_ranks",
     "zero.hpz_ranks",
     "parallel.tp",
+    "parallel.pp",
+    "parallel.pp_schedule",
     "zero.compression",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
@@ -103,6 +107,7 @@ class Candidate:
             "keep": c.get("zero.reshard_after_backward") is False,
             "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
             "TP": c.get("parallel.tp") is not None,
+            "PP": c.get("parallel.pp") is not None,
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -126,6 +131,8 @@ class Candidate:
             for name, key in (("tp", "parallel.tp"), ("shard", "zero.shard_ranks"), ("hpz", "zero.hpz_ranks"))
             if c.get(key) is not None
         )
+        if c.get("parallel.pp") is not None:
+            groups += f" pp={c['parallel.pp']} {c['parallel.pp_schedule']}"
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
         every += " keep" if c.get("zero.reshard_after_backward") is False else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
@@ -184,41 +191,88 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
     a, out = config.advise, []
     options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
-    for (stage, checkpointing, offload), tp in itertools.product(
-        itertools.product(*options), tp_options(config, world_size)
+    for (stage, checkpointing, offload), tp, pp in itertools.product(
+        itertools.product(*options), tp_options(config, world_size), pp_options(config, world_size)
     ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
         if tp is not None and (stage not in (Stage.stage2, Stage.stage3) or offload != OffloadTarget.none):
             continue  # what tensor parallelism composes with here (ParallelConfig.check_composition)
-        dp = world_size // (tp or 1)
+        if pp is not None and (offload != OffloadTarget.none or tp is not None or stage == Stage.stage1):
+            continue  # what the pipeline composes with here (ParallelConfig.check_pipeline_composition)
+        dp = world_size // (tp or 1) // (pp or 1)
+        if dp == 0 or world_size % ((tp or 1) * (pp or 1)):
+            continue
         per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
         splits = itertools.product(
             dict.fromkeys(a.reduce_dtypes),
-            group_options(config, stage, world_size) if tp is None else [(None, None)],
+            group_options(config, stage, world_size) if tp is None and pp is None else [(None, None)],
             micro_batches(config, dp),
         )
         for reduce_dtype, (shard, hpz), mb in splits:
             accum = per_rank // mb
-            for every, keep in itertools.product(
-                reduce_every_options(config, stage, accum), reshard_options(config, stage, accum)
-            ):
-                values = (
-                    stage.value,
-                    checkpointing.value,
-                    offload.value,
-                    reduce_dtype.value,
-                    every.value,
-                    keep,
-                    mb,
-                    per_rank // mb,
-                    config.loss.kind.value,
-                    shard,
-                    hpz,
-                    tp,
-                    None,  # zero.compression: exact; compressed variants come from `compressed_variants`
+            for schedule in schedule_options(pp, accum, config.model.n_layers):
+                out += accumulation_choices(
+                    config,
+                    stage,
+                    accum,
+                    (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule),
+                    (stage, checkpointing, offload),
                 )
-                out.append(dict(zip(CHOSEN_KEYS, values)))
+    return out
+
+
+def pp_options(config: TrainConfig, world_size: int) -> list[int | None]:
+    """parallel.pp to consider: none (None), and on several nodes every pp > 1 that divides the blocks' count
+    and the world (whole stages of equal blocks, whole pipelines)."""
+    if config.nodes == 1:
+        return [None]
+    layers = config.model.n_layers
+    return [None, *(pp for pp in range(2, layers + 1) if layers % pp == 0 and world_size % pp == 0)]
+
+
+def schedule_options(pp: int | None, grad_accum: int, layers: int) -> list[str | None]:
+    """The schedules a pipeline of pp stages can run grad_accum micro-batches with (ParallelConfig.check_pipeline):
+    GPipe always, 1F1B with a micro-batch per stage, interleaved (2 virtual stages) with whole rounds."""
+    if pp is None:
+        return [None]
+    options: list[str | None] = ["gpipe"]
+    if grad_accum >= pp:
+        options.append("1f1b")
+        if grad_accum % pp == 0 and 2 * pp <= layers:
+            options.append("interleaved_1f1b")
+    return options
+
+
+def accumulation_choices(
+    config: TrainConfig, stage: Stage, accum: int, split: tuple[Any, ...], modes: tuple[Any, ...]
+) -> list[dict[str, Any]]:
+    """One split's choices over zero.reduce_every and zero.reshard_after_backward (a pipeline's accumulation is
+    PipelineStage's own: one reduction per step, zero.reduce_every=step)."""
+    reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule = split
+    _, checkpointing, offload = modes
+    everies = reduce_every_options(config, stage, accum) if pp is None else [ReduceEvery.step]
+    keeps = reshard_options(config, stage, accum) if pp is None else [True]
+    out = []
+    for every, keep in itertools.product(everies, keeps):
+        values = (
+            stage.value,
+            checkpointing.value,
+            offload.value,
+            reduce_dtype.value,
+            every.value,
+            keep,
+            mb,
+            per_rank // mb,
+            config.loss.kind.value,
+            shard,
+            hpz,
+            tp,
+            pp,
+            schedule,
+            None,  # zero.compression: exact; compressed variants come from `compressed_variants`
+        )
+        out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
 
 
@@ -283,7 +337,13 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
         loss=replace(config.loss, kind=LossKind(choice["loss"])),
-        parallel=replace(config.parallel, tp=choice.get("parallel.tp") or 1, sp=None),
+        parallel=replace(
+            config.parallel,
+            tp=choice.get("parallel.tp") or 1,
+            sp=None,
+            pp=choice.get("parallel.pp") or 1,
+            pp_schedule=choice.get("parallel.pp_schedule") or config.parallel.pp_schedule,
+        ),
     )
 
 
@@ -322,9 +382,10 @@ def predict_config(
     run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
-    # Each rank of a TP group runs 1/tp of its replica's FLOPs (the column- and row-parallel GEMMs).
-    tp_flops = run_flops / config.parallel.tp
-    return predict_step_tiers(config, world_size, plan.comm, local_numel, tp_flops, rates, device_kind)
+    # Each rank of a TP group runs 1/tp of its replica's FLOPs (the column- and row-parallel GEMMs), each
+    # pipeline stage 1/pp of them (its blocks; the embedding's and head's share is not split out).
+    rank_flops = run_flops / config.parallel.tp / config.parallel.pp
+    return predict_step_tiers(config, world_size, plan.comm, local_numel, rank_flops, rates, device_kind)
 
 
 def evaluate(
@@ -502,13 +563,13 @@ def format_advice(
         f"{fp8_summary(config)}",
         f"rates: {rates.source}",
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
-        f"{'exposed s intra/net':>20}  limited by",
+        f"{'exposed s intra/net':>20} {'bubble':>6}  limited by",
     ]
     for i, c in enumerate(fitting[: config.advise.top], 1):
         mfu = "-" if c.mfu_pct is None else f"{c.mfu_pct:.1f}"
         lines.append(
             f"{i:>3}{'=' if c.tie else ' '} {c.label():<72} {c.reserved_bytes / GIB:>12.2f} {c.host_bytes / GIB:>9.1f} "
-            f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20}  {c.limiter}{c.numerics_note()}"
+            f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20} {bubble_cell(c):>6}  {c.limiter}{c.numerics_note()}"
         )
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
@@ -536,6 +597,7 @@ def format_advice(
             f"    nothing fits: the smallest is {smallest.reserved_bytes / GIB:.1f} GiB {reserved} ({smallest.label()}); "
             f"{nothing_fits_cause(candidates)}; or advise.headroom"
         )
+    lines += pipeline_rows(candidates, reserved)
     lines += [f"{i:>3}: {command_line(base, c)}" for i, c in enumerate(fitting[: config.advise.top], 1)]
     return "\n".join(lines + fp8_lines(config, fitting[:FP8_ROWS], base))
 
@@ -630,6 +692,41 @@ def host_note(candidates: list[Candidate]) -> str:
     )
 
 
+def pipeline_rows(candidates: list[Candidate], reserved: str) -> list[str]:
+    """The best candidate of each pipeline depth and schedule, whether or not it made the table: the fastest
+    that fits, else the smallest; with its bubble and the time its stages' sends take."""
+    best: dict[tuple[int, str], Candidate] = {}
+    for c in candidates:
+        key = (c.choice.get("parallel.pp"), c.choice.get("parallel.pp_schedule"))
+        if key[0] is None:
+            continue
+        held = best.get(key)
+        if held is None or pipeline_order(c) < pipeline_order(held):
+            best[key] = c
+    if not best:
+        return []
+    lines = [
+        "pipeline candidates (parallel.pp; bubble: the share of the step each stage waits), best of each:"
+    ]
+    for (pp, schedule), c in sorted(best.items()):
+        fits = {True: "fits", False: "does not fit", None: "fit unknown"}[c.fits]
+        lines.append(
+            f"    pp={pp} {schedule:<16} bubble {c.step.bubble:6.1%}  sends {c.step.p2p_s:.3g} s  {c.tokens_per_s:>10,.0f} tokens/s  "
+            f"{c.reserved_bytes / GIB:8.1f} GiB {reserved}, {fits}  ({c.label()})"
+        )
+    return lines
+
+
+def pipeline_order(c: Candidate) -> tuple[bool, float]:
+    """Fitting first, by speed; then by memory."""
+    return (c.fits is False, c.reserved_bytes if c.fits is False else -c.tokens_per_s)
+
+
+def bubble_cell(c: Candidate) -> str:
+    """A pipeline's bubble, the share of the step each stage waits (`-`: no pipeline)."""
+    return f"{c.step.bubble:.1%}" if c.choice.get("parallel.pp") is not None else "-"
+
+
 def exposed_cell(c: Candidate) -> str:
     """Exposed communication per tier: inside a node / across the network (`-`: no collective there)."""
     exposed = c.exposed_by_link()
@@ -678,6 +775,9 @@ def advice_json(
                 "wire_by_link_s": {link: t.wire_s for link, t in c.step.links.items()},
                 "optimizer_s": c.step.optimizer_s,
                 "offload_s": c.step.offload_s,
+                "bubble": c.step.bubble,
+                "bubble_s": c.step.bubble_s,
+                "p2p_s": c.step.p2p_s,
                 "limited_by": c.limiter,
                 "command": command_line(base, c),
             }

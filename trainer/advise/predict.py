@@ -29,7 +29,11 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
     offload transfers          X = (4/p · B_all_gather + 4/r · B_reduce_scatter) / n / pcie + (k − 1) · 12 · local_numel / host
         (each rank's fp32 shards, once per collective: p, r the bytes of the compute and reduce dtypes;
         k reductions a step, each after the first a blocking copy and a CPU add, FSDP2's foreach_reduce)
-    step                       S = C + E + O + X;  tokens/s = global_batch · seq_len / S
+    pipeline (parallel.pp > 1) C is one stage's share (F / pp per token), P = the busiest stage's sends per step
+        / the link between stages (not overlapped), f the bubble: (pp − 1) / (m + pp − 1) for gpipe and 1f1b,
+        (pp − 1) / (v·m + pp − 1) interleaved (m = grad_accum, v = parallel.pp_virtual_stages);
+        B = (C + P) · f / (1 − f)
+    step                       S = C + E + O + X + P + B;  tokens/s = global_batch · seq_len / S
     MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
 """
 
@@ -53,7 +57,18 @@ from trainer.config import (
 )
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
-from trainer.plan import LINKS, PARAM_BYTES, REDUCE_BYTES, CommPlan, forward_gathers, model_shape, reductions
+from trainer.plan import (
+    INTRA_NODE,
+    LINKS,
+    NETWORK,
+    PARAM_BYTES,
+    REDUCE_BYTES,
+    CommPlan,
+    forward_gathers,
+    model_shape,
+    pipeline_bubble,
+    reductions,
+)
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
 
@@ -84,10 +99,20 @@ class StepTime:
     offload_s: float
     links: dict[str, LinkTime] = field(default_factory=dict)
     """Per link (intra-node, network) where the step was timed by tier (`predict_step_tiers`)."""
+    bubble: float = 0.0  # parallel.pp > 1: the share of the step a stage waits (trainer/plan/pipeline.py)
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0  # the sends between stages, on the critical path
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.offload_s
+        return (
+            self.compute_s
+            + self.exposed_comm_s
+            + self.optimizer_s
+            + self.offload_s
+            + self.bubble_s
+            + self.p2p_s
+        )
 
     @property
     def limiter(self) -> str:
@@ -102,6 +127,8 @@ class StepTime:
             "communication": self.exposed_comm_s,
             "optimizer": self.optimizer_s,
             "offload transfers": self.offload_s,
+            "pipeline bubble": self.bubble_s,
+            "pipeline sends": self.p2p_s,
         }
         return max(parts, key=parts.__getitem__)
 
@@ -355,9 +382,36 @@ def predict_step_tiers(
         else:
             exposed = total
         links[link] = LinkTime(link, total, window, exposed)
+    bubble, bubble_s, p2p_s = pipeline_seconds(config, comm, base.compute_s, rates)
     return dataclasses.replace(
         base,
         wire_s=wire,
         exposed_comm_s=sum(link.exposed_s for link in links.values()),
         links=links,
+        bubble=bubble,
+        bubble_s=bubble_s,
+        p2p_s=p2p_s,
     )
+
+
+def pipeline_seconds(
+    config: TrainConfig, comm: CommPlan, compute_s: float, rates: Rates
+) -> tuple[float, float, float]:
+    """parallel.pp > 1: (bubble share, bubble seconds, send seconds) of a step (module docstring).
+
+    The busiest pipeline rank's sends P = sent bytes / the bandwidth of the slowest link between stages (the
+    network where a boundary leaves a node, its share for the tp ranks that send at once; else NVLink), not
+    overlapped: torch's schedules wait on each batch of sends and receives before the next compute. The bubble
+    is the share f of the step every stage waits: with busy time C + P, the step is (C + P) / (1 - f), so
+    the bubble adds (C + P) · f / (1 - f)."""
+    p2p = comm.p2p
+    if p2p is None:
+        return 0.0, 0.0, 0.0
+    if rates.link_bus_bytes_per_s:
+        link = NETWORK if p2p.network else INTRA_NODE
+        bus = rates.group_bus_bytes_per_s(link, config.parallel.tp)
+    else:
+        bus = rates.bus_bytes_per_s["all_gather"]
+    p2p_s = max(p2p.sent) / bus
+    share = pipeline_bubble(config.parallel, config.grad_accum)
+    return share, (compute_s + p2p_s) * share / (1 - share), p2p_s

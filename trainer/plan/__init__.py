@@ -29,6 +29,9 @@ The planner is this package; each module's docstring is its part of the design n
   until the GPU check measures it;
 - comm.py: the bytes each rank's collectives move per optimizer step (docs/communication.md);
 - tensor_parallel.py: parallel.tp in the plan: the layers one TP rank holds, the tp group's bytes;
+- pipeline.py: parallel.pp in the plan: the split into stages, what each schedule holds in flight (torch's
+  own orders), the send/recv buffers, the bubble, the bytes between stages;
+- pipeline_walk.py: the walk of one pipeline rank's step, its stage's moments;
 - groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
   and which link each one crosses;
 - target.py: the device kind and world size a plan is for;
@@ -67,6 +70,8 @@ from trainer.plan.comm import (
 from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
+from trainer.plan.pipeline import bubble as pipeline_bubble
+from trainer.plan.pipeline import stage_blocks  # trainer/model/pipeline_split.py's, the ranks' own split
 from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out
 from trainer.plan.states import model_shape
 from trainer.plan.table import format_plan, verdict
@@ -106,6 +111,8 @@ __all__ = [
     "cause_of",
     "planned_device_kind",
     "planned_world_size",
+    "pipeline_bubble",
+    "stage_blocks",
     "refusal",
     "summary_fields",
     "verdict",

@@ -20,10 +20,12 @@ from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.ddp_walk import ddp_moments
 from trainer.plan.fsdp_walk import fsdp_moments
-from trainer.plan.groups import GROUPS, shard_groups
+from trainer.plan.groups import GROUPS, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan
 from trainer.plan.moments import Moment, StepContext, other_bytes
+from trainer.plan.pipeline import Pipeline
+from trainer.plan.pipeline_walk import pipeline_stage_plans
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.tensor_parallel import tp_local
 from trainer.telemetry import keys
@@ -158,6 +160,7 @@ class Plan:
     memory: DeviceMemory
     comm: CommPlan  # bytes each rank's collectives move per optimizer step (trainer/plan/comm.py)
     host: HostPlan  # the host memory of a node: its ranks' runtime, CPU tensors, offloaded states
+    pipeline: Pipeline | None = None  # parallel.pp > 1: the stages (trainer/plan/pipeline.py)
 
     @property
     def worst(self) -> RankPlan:
@@ -233,7 +236,25 @@ class Plan:
             ],
             "comm": self.comm.to_json(),
             "host": self.host.to_json(),
+            **({"pipeline": self.pipeline_json()} if self.pipeline is not None else {}),
         }
+
+    def pipeline_stage(self, rank: int) -> int:
+        """The pipeline rank (stage) of a global rank: the mesh is (dp, pp, tp), tp innermost."""
+        return rank // self.config.parallel.tp % self.config.parallel.pp
+
+    @property
+    def worst_stage(self) -> int:
+        return self.pipeline_stage(self.worst.rank)
+
+    def pipeline_json(self) -> dict[str, Any]:
+        """plan.json's `pipeline` section: per stage its blocks, in-flight micro-batches and peak; the bubble."""
+        assert self.pipeline is not None
+        peaks: dict[int, int] = {}
+        for rank in self.ranks:
+            stage = self.pipeline_stage(rank.rank)
+            peaks[stage] = max(peaks.get(stage, 0), rank.peak_total)
+        return self.pipeline.to_json(peaks, self.worst_stage)
 
 
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
@@ -251,6 +272,8 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     dp = config.parallel.dp(world_size)
     groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // tp), tp)
     sharded_over = groups.shard if config.zero.uses_fsdp else dp
+    if config.parallel.pp > 1:
+        return build_pipeline_plan(config, full, device_kind, world_size, num_params, groups, sharded_over)
     shards = rank_states(shape, config.zero.stage, sharded_over)
     for rank in range(world_size):
         states = shards[(rank // tp) % sharded_over]
@@ -275,6 +298,46 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     comm = plan_comm(full, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     host = build_host_plan(config, device_kind, world_size, shape, ranks, shard_size=sharded_over)
     return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host)
+
+
+def build_pipeline_plan(
+    config: TrainConfig,
+    full: TrainConfig,
+    device_kind: str,
+    world_size: int,
+    num_params: int,
+    groups: ShardGroups,
+    sharded_over: int,
+) -> Plan:
+    """parallel.pp > 1: every rank's plan is its stage's (trainer/plan/pipeline_walk.py), its states sharded
+    over the dp ranks of its stage; `config` is one TP rank's job, `full` the job's."""
+    tp, pp = config.parallel.tp, config.parallel.pp
+    acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
+    pipe, stages = pipeline_stage_plans(
+        config,
+        model_shape(config.model),
+        acts,
+        prec,
+        device_kind,
+        sharded_over,
+        config.parallel.dp(world_size),
+    )
+    offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
+    ranks = []
+    for rank in range(world_size):
+        stage = stages[rank // tp % pp]
+        states = stage.shards[rank // (tp * pp) % sharded_over]
+        offloaded = states.params + states.grads + states.optimizer if offload else 0
+        ranks.append(RankPlan(rank, states, stage.activations, stage.moments[states], offloaded))
+    communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers) + 1  # + the pp group's
+    memory = device_memory(
+        config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
+    )
+    comm = plan_comm(full, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    host = build_host_plan(
+        config, device_kind, world_size, model_shape(config.model), ranks, shard_size=sharded_over
+    )
+    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, pipe)
 
 
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:

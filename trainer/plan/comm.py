@@ -44,12 +44,22 @@ bucket rebuild after the first step).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
+from trainer.plan.activations import precisions
 from trainer.plan.groups import ShardGroups, shard_groups
+from trainer.plan.pipeline import (
+    P2PPlan,
+    plan_p2p,
+    rank_stages,
+    stage_blocks,
+    stage_config,
+    stage_model_shape,
+)
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
 from trainer.plan.tensor_parallel import tp_local, tp_moves
@@ -79,6 +89,8 @@ class CommPlan:
     """gloo or nccl: gloo records a reduce-scatter as an all-reduce."""
     groups: dict[str, GroupComm] = field(default_factory=dict)
     """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world)."""
+    p2p: P2PPlan | None = None
+    """parallel.pp > 1: the sends between stages (trainer/plan/pipeline.py), not in `total` (no collective)."""
 
     @property
     def total(self) -> int:
@@ -95,6 +107,7 @@ class CommPlan:
             "bytes_by_collective": dict(self.bytes_by_collective),
             "calls_by_collective": dict(self.calls_by_collective),
             "groups": {name: group.to_json() for name, group in self.groups.items()},
+            **({"p2p": self.p2p.to_json()} if self.p2p is not None else {}),
         }
 
 
@@ -125,14 +138,17 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     """Bytes per rank per optimizer step; backend None: nccl when the job plans for a GPU, else gloo."""
     if backend is None:
         backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
-    tp = config.parallel.tp
+    tp, pp = config.parallel.tp, config.parallel.pp
     config = tp_local(config)  # one TP rank's layers; zero works over the dp ranks
     shape = model_shape(config.model)
+    p2p = plan_p2p(config, world_size, precisions(config.precision, config.zero).residual) if pp > 1 else None
+    if pp > 1:
+        config, shape = pipelined(config, shape)
     dp = config.parallel.dp(world_size)
-    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // tp), tp)
+    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // (tp * pp)), tp)
     if config.zero.uses_fsdp:
         by_group = fsdp_group_moves(config, shape, groups)
-    elif tp > 1:  # one data-parallel replica (ParallelConfig.check_world): DDP is not applied
+    elif tp > 1 or dp == 1:  # one data-parallel replica (ParallelConfig.check_world): DDP is not applied
         by_group = {}
     else:
         by_group = {"world": ddp_moves(config, shape, world_size)}
@@ -146,7 +162,22 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
         for kind in COLLECTIVES:
             bytes_by[kind] += group_bytes[kind]
             calls_by[kind] += group_calls[kind]
-    return CommPlan(bytes_by, calls_by, backend, plans)
+    return CommPlan(bytes_by, calls_by, backend, plans, p2p)
+
+
+def pipelined(config: TrainConfig, shape: ModelShape) -> tuple[TrainConfig, ModelShape]:
+    """The dp collectives of a pipeline rank: those of the stage with the most parameters (the first: it
+    takes the extra block and the embedding), as PipelineStage runs them: every backward but the last
+    without gradient sync and, under FSDP2, without resharding (zero.reduce_every=step,
+    zero.reshard_after_backward=false)."""
+    blocks = len(stage_blocks(config.model.n_layers, config.parallel.stages)[0])
+    blocks *= len(rank_stages(config.parallel, 0))
+    local = stage_config(config, blocks)
+    local.zero = copy.copy(config.zero)  # as stage_config: not the checks of a job the user wrote
+    local.zero.reduce_every = ReduceEvery.step
+    local.zero.reshard_after_backward = not config.zero.uses_fsdp
+    first = stage_model_shape(shape, blocks, True, config.parallel.stages == 1)
+    return local, first
 
 
 Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step

@@ -135,7 +135,7 @@ def fitting_changes(plan: Plan, bases: list[tuple[str, dict[str, Any]]]) -> list
             kind = frozenset(word.split("=")[0] for word in f"{base_text}{text}".split())
             if kind in seen or text in base_text:
                 continue
-            option = build_plan(_changed(c, **base, **changes), plan.device_kind, world_size)
+            option = build_plan(_changed(c, **{**base, **changes}), plan.device_kind, world_size)
             if option.fits and option.host_fits is not False:
                 fitting.append(f"{base_text}{text} ({fits_text(option)})")
                 seen.add(kind)

@@ -8,17 +8,30 @@ report: trainer/report/fit_table.py.
 from __future__ import annotations
 
 from trainer.devices import accelerator_names
-from trainer.plan.build import COMPILE_NOTE, Plan, describe, fp8_fields
+from trainer.plan.build import COMPILE_NOTE, Plan, RankPlan, describe, fp8_fields
 from trainer.plan.refusal import host_refusal, refusal
 from trainer.units import GIB, KIB, MIB
+
+COLUMNS = ("params", "grads", "optimizer", "activations", "temporary", "other", "peak")
 
 
 def format_table(plan: Plan) -> str:
     """Per-rank table (GiB, or MiB for small jobs); ranks with the same figures share a row."""
-    columns = ("params", "grads", "optimizer", "activations", "temporary", "other", "peak")
+    columns = COLUMNS
     unit, scale = ("GiB", 1.0) if plan.peak_bytes >= GIB else ("MiB", 1024.0)
-    header = f"{'rank':>9} " + " ".join(f"{name:>11}" for name in columns) + f"  fits   ({unit})"
+    pipelined = plan.pipeline is not None
+    header = (
+        f"{'stage' if pipelined else 'rank':>9} "
+        + " ".join(f"{name:>11}" for name in columns)
+        + f"  fits   ({unit})"
+    )
     rows: list[tuple[list[int], tuple[str, ...], str]] = []
+    if pipelined:  # one row per stage: its ranks (every pp-th) plan alike but for zero's shards
+        ranks = [
+            max((r for r in plan.ranks if plan.pipeline_stage(r.rank) == i), key=lambda r: r.peak_total)
+            for i in range(plan.config.parallel.pp)
+        ]
+        return "\n".join([header, *(stage_row(plan, i, r, scale) for i, r in enumerate(ranks))])
     for rank in plan.ranks:
         figures = rank.figures()
         cells = tuple(f"{figures[name + '_gib'] * scale:11.2f}" for name in columns)
@@ -32,6 +45,16 @@ def format_table(plan: Plan) -> str:
         label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
         lines.append(f"{label:>9} " + " ".join(cells) + f"  {fits}")
     return "\n".join(lines)
+
+
+def stage_row(plan: Plan, stage: int, rank: RankPlan, scale: float) -> str:
+    """A pipeline stage's row: its worst rank's figures."""
+    columns = COLUMNS
+    figures = rank.figures()
+    fits = {True: "yes", False: "NO", None: "?"}[plan.rank_fits(rank)]
+    return (
+        f"{stage:>9} " + " ".join(f"{figures[name + '_gib'] * scale:11.2f}" for name in columns) + f"  {fits}"
+    )
 
 
 def format_plan(plan: Plan, way_out: bool = True) -> str:
@@ -48,6 +71,7 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         format_table(plan),
         f"peak on rank {worst.rank} at {worst.peak.name}; model states at rest, activations at the end "
         f"of forward, temporary and other at the peak{offloaded}",
+        *pipeline_lines(plan),
         comm_line(plan),
         plan.host.describe(),
         verdict(plan, way_out),
@@ -60,6 +84,29 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
     if plan.config.precision.is_fp8:
         lines.append(fp8_line(plan))
     return "\n".join(lines)
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """parallel.pp > 1: the split, each stage's micro-batches in flight and peak, the bubble, the sends."""
+    pipe, p2p = plan.pipeline, plan.comm.p2p
+    if pipe is None or p2p is None:
+        return []
+    p = plan.config.parallel
+    record = plan.pipeline_json()
+    interleaved = f" x {p.pp_virtual_stages} virtual" if p.pp_schedule == "interleaved_1f1b" else ""
+    lines = [
+        f"pipeline: {p.pp} stages{interleaved}, {p.pp_schedule} over {pipe.micro_batches} micro-batches; bubble "
+        f"{pipe.bubble:.1%} of the step; worst stage {record['worst_stage']}"
+    ]
+    for stage in record["stages"]:
+        blocks = ", ".join(f"{a}-{b - 1}" for a, b in stage["blocks"])
+        ends = " + embedding" * stage["embedding"] + " + norm, head, loss" * stage["head"]
+        lines.append(
+            f"  stage {stage['rank']}: blocks {blocks}{ends}; {stage['in_flight_micro_batches']} micro-batches in flight, "
+            f"buffers {format_bytes(stage['buffers_bytes'])}, sends {format_bytes(p2p.sent[stage['rank']])} per step, "
+            f"peak {format_bytes(stage['peak_bytes'])}"
+        )
+    return lines
 
 
 def fp8_line(plan: Plan) -> str:

@@ -20,6 +20,7 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `torch.cuda.memory._record_memory_history`, `_dump_snapshot` | the allocator's history and its snapshot for pytorch.org/memory_viz; torch documents them (docs "Understanding CUDA Memory Usage") but names them private | `of_torch.record_memory_history`, `of_torch.dump_memory_snapshot` |
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
 | `GradScaler._get_scale_async` | the scale without a host sync (`get_scale()` syncs) | `of_torch.scale_on_device` |
+| `ScheduleInterleaved1F1B._calculate_single_rank_operations` | the order of one rank's forwards and backwards, which the plan needs before any stage or process group exists (a schedule object needs both) | `of_torch.interleaved_1f1b_order` |
 | `LRScheduler._last_lr` | what `get_last_lr()` returns after a rewind; LambdaLR has no setter | `of_torch.set_last_lr` |
 | `wandb.sdk.lib.runid.generate_id` | `wandb.util.generate_id` is gone in wandb 0.31 | `of_wandb.generate_run_id` |
 | `wandb_workspaces` `Report._to_model`, `Report._from_model`, `reports.v2.internal.ReportViewspec` | the Report's serialised form, offline (the library saves it only to a server) | `of_wandb.report_json`, `of_wandb.report_from_json` |

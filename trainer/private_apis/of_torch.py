@@ -29,6 +29,7 @@ __all__ = [
     "found_inf_per_device",
     "HigherOrderOperator",
     "import_rank_lazy_modules",
+    "interleaved_1f1b_order",
     "new_mem_tracker",
     "dump_memory_snapshot",
     "record_memory_history",
@@ -182,3 +183,31 @@ def powersgd_hook_in_this_thread(state: Any, bucket: dist.GradBucket) -> torch.f
 
     with mock.patch.object(module, "dist", CompletedCollectives()):
         return module.powerSGD_hook(state, bucket)
+
+
+def interleaved_1f1b_order(
+    pp: int, local_stages: int, micro_batches: int, rank: int
+) -> list[tuple[int, bool]]:
+    """The order in which ScheduleInterleaved1F1B runs one rank's work: (stage index, forward?) per action.
+
+    torch computes it in `ScheduleInterleaved1F1B._calculate_single_rank_operations`, a method that reads
+    four attributes; a schedule object itself needs live stages and a process group, which the plan (made
+    before any rank exists) has not, so the method is called on those four attributes as its __init__ sets them.
+    """
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, micro_batches // pp)
+    attributes = SimpleNamespace(
+        n_local_stages=local_stages,
+        pp_group_size=pp,
+        _n_microbatches=micro_batches,
+        microbatches_per_round=micro_batches // rounds,
+    )
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(attributes, rank)  # type: ignore[arg-type]
+    return [
+        (action.stage_index, action.computation_type.name == "FORWARD")
+        for action in actions
+        if action is not None
+    ]

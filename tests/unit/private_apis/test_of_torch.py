@@ -26,6 +26,7 @@ from trainer.private_apis.of_torch import (
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
+    interleaved_1f1b_order,
     new_mem_tracker,
     powersgd_hook_in_this_thread,
     scale_on_device,
@@ -194,3 +195,12 @@ def test_the_powersgd_hooks_callbacks_run_under_the_callers_dispatch_mode(proces
         ddp(torch.ones(1, 32)).sum().backward()
     assert ("aten.sub.Tensor", threading.get_ident()) in ops.seen
     assert state.error_dict[0].numel() == 64 * 32 + 64
+
+
+def test_interleaved_order_is_torchs_warm_up_then_one_forward_one_backward() -> None:
+    """pp=4, 2 stages per rank, 8 micro-batches, rank 0: `_get_warmup_ops` forwards ((2 - 1)·4 + 2·3 = 10: four of
+    stage 0, four of stage 4, two more of stage 0), then a forward before each backward, every action once."""
+    order = interleaved_1f1b_order(4, 2, 8, 0)
+    assert order[:10] == [(0, True)] * 4 + [(4, True)] * 4 + [(0, True)] * 2
+    assert order[10:12] == [(0, True), (4, False)]
+    assert sorted(order) == sorted([(s, f) for s in (0, 4) for f in (True, False)] * 8)

@@ -1,0 +1,143 @@
+"""Pipeline parallelism in the plan (trainer/plan/pipeline.py, pipeline_walk.py): the split, the bubble, what
+each schedule holds in flight, the buffers and the bytes between stages, plan.json's `pipeline` section."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.helpers import compose_config
+from trainer.config import ParallelConfig
+from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
+from trainer.plan.activations import activations
+from trainer.plan.pipeline import peak_in_flight, schedule_order
+
+TINY_PP = (
+    "model=tiny",
+    "device=cpu",
+    "seq_len=64",
+    "micro_batch=2",
+    "grad_accum=4",
+    "nproc=2",
+    "parallel.pp=2",
+)
+
+
+def test_blocks_split_evenly_the_earlier_stages_taking_the_extra_one() -> None:
+    assert [len(r) for r in stage_blocks(126, 8)] == [16, 16, 16, 16, 16, 16, 15, 15]
+    assert stage_blocks(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "m", "v", "expected"),
+    [
+        ("gpipe", 4, 8, 2, 3 / 11),  # (pp - 1) / (m + pp - 1): v plays no part
+        ("1f1b", 4, 8, 2, 3 / 11),
+        ("interleaved_1f1b", 4, 8, 2, 3 / 19),  # (pp - 1) / (v·m + pp - 1)
+        ("interleaved_1f1b", 8, 16, 4, 7 / 71),
+        ("1f1b", 1, 4, 2, 0.0),
+    ],
+)
+def test_bubble_formulas(schedule: str, pp: int, m: int, v: int, expected: float) -> None:
+    parallel = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v)
+    assert math.isclose(pipeline_bubble(parallel, m), expected, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_in_flight_micro_batches_per_schedule(rank: int) -> None:
+    """GPipe holds every micro-batch; 1F1B min(m, pp - i) on stage i (Schedule1F1B's warm-up); interleaved its
+    `_get_warmup_ops` forwards ((v - 1)·m_round + 2·(pp - 1 - i), at most v·m) and the forward before its first backward."""
+    pp, m, v = 4, 8, 2
+    equal = {stage: 1 for stage in range(pp * v)}
+
+    def count(schedule: str) -> int:
+        parallel = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v)
+        return peak_in_flight(schedule_order(parallel, m, rank), equal, {}).count
+
+    assert count("gpipe") == m
+    assert count("1f1b") == pp - rank
+    assert count("interleaved_1f1b") == min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, v * m)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, object]:
+    return {
+        schedule: build_plan(compose_config(*TINY_PP, f"parallel.pp_schedule={schedule}"), "cpu", 2)
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    }
+
+
+def test_each_stage_holds_the_micro_batches_its_schedule_keeps(plans: dict) -> None:
+    """tiny's 4 blocks on 2 stages: every stage's activations at its peak are its in-flight micro-batches' (the
+    stage's table; the same micro-batch split over 2 stages adds to the model's one-micro-batch activations: each
+    stage but the last keeps its output, B·T·D fp32, which the next stage's first block saves as its input, the
+    receive buffer, counted with the buffers)."""
+    config = compose_config(*TINY_PP)
+    model_acts = activations(config, "cpu")
+    for schedule, plan in plans.items():
+        record = plan.pipeline_json()
+        stages = record["stages"]
+        assert [s["blocks"] for s in stages] == (
+            [[[0, 1], [2, 3]], [[1, 2], [3, 4]]] if schedule == "interleaved_1f1b" else [[[0, 2]], [[2, 4]]]
+        )
+        assert (
+            sum(s["activations_per_micro_batch_bytes"] for s in stages) == model_acts.total - model_acts.batch
+        )
+        counts = [s["in_flight_micro_batches"] for s in stages]
+        assert counts == {"gpipe": [4, 4], "1f1b": [2, 1], "interleaved_1f1b": [5, 3]}[schedule]
+
+
+def test_worst_stage_sets_the_peak_and_plan_json_names_it(plans: dict) -> None:
+    for plan in plans.values():
+        record = plan.to_json()
+        peaks = [s["peak_bytes"] for s in record["pipeline"]["stages"]]
+        assert record["pipeline"]["worst_stage"] == peaks.index(max(peaks)) == plan.worst_stage
+        assert plan.peak_bytes == max(peaks)
+    assert plans["1f1b"].to_json()["pipeline"]["bubble"] == 1 / 5
+    assert plans["interleaved_1f1b"].to_json()["pipeline"]["bubble"] == 1 / 9
+    assert "bubble 20.0% of the step" in format_plan(plans["1f1b"])
+
+
+def test_1f1b_holds_less_than_gpipe_on_the_first_stage(plans: dict) -> None:
+    gpipe, one = (plans[s].pipeline_json()["stages"][0]["peak_bytes"] for s in ("gpipe", "1f1b"))
+    assert gpipe > one
+
+
+def test_buffers_and_bytes_between_stages(plans: dict) -> None:
+    """Per step, each micro-batch's activation forward and its gradient back, B·T·D fp32 (the residual stream
+    in fp32 and under autocast); each stage receives into one buffer per micro-batch per boundary it has."""
+    tensor = 2 * 64 * 128 * 4  # micro_batch · seq_len · dim · 4
+    for schedule, plan in plans.items():
+        p2p = plan.comm.p2p
+        per_rank = (
+            4 * tensor * (3 if schedule == "interleaved_1f1b" else 1)
+        )  # 4 micro-batches; 3 boundaries each
+        assert p2p.boundary == tensor
+        assert p2p.sent == (per_rank, per_rank)
+        assert [s["buffers_bytes"] for s in plan.pipeline_json()["stages"]] == [per_rank, per_rank]
+
+
+def test_bf16_under_fsdp_sends_half_precision() -> None:
+    plan = build_plan(
+        compose_config(*TINY_PP, "zero=stage3", "zero.reduce_every=step", "precision=bf16"), "cpu", 2
+    )
+    assert plan.comm.p2p.boundary == 2 * 64 * 128 * 2
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nproc", "links"),
+    [(64, 8, ("intra-node",) * 7), (128, 4, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3)],
+)
+def test_boundary_links_follow_the_mesh(nodes: int, nproc: int, links: tuple[str, ...]) -> None:
+    """(dp, pp) with pp innermost: stage s of the first replica is rank s, so 8 stages stay in a node of 8 and
+    cross the network once on nodes of 4; B·T·D bf16 under FSDP2's mixed precision."""
+    config = compose_config(
+        "mode=plan", "model=llama3-405b", f"nodes={nodes}", f"nproc={nproc}", "parallel.pp=8", "zero=stage3",
+        "zero.reduce_every=step", "precision=bf16", "seq_len=8192", "micro_batch=1", "grad_accum=16",
+        "plan.accelerator=h100",
+    )  # fmt: skip
+    plan = build_plan(config, "cuda", 512)
+    assert plan.comm.p2p.links == links
+    assert plan.comm.p2p.boundary == 8192 * 16384 * 2

@@ -1,0 +1,301 @@
+"""Pipeline parallelism in the plan (parallel.pp, parallel.pp_schedule, parallel.pp_virtual_stages).
+
+The split is the ranks' own (trainer/model/pipeline_split.py `stage_blocks`): `parallel.stages` consecutive
+runs of blocks (pp, times pp_virtual_stages when interleaved), the earlier stages taking the extra block;
+the embedding is on the first stage, the final norm, the output head and the loss on the last. Rank i of
+a pipeline holds stage i, and under interleaved_1f1b stages i, i + pp, i + 2·pp, ... (torch's
+ScheduleInterleaved1F1B places them so).
+
+Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over the dp ranks as at pp=1:
+
+- model states: its blocks, plus the embedding (first stage) or the final norm and output head (last);
+- activations, one micro-batch's per stage: its blocks' saved tensors (trainer/plan/activations.py), the
+  head's on the last stage, and on every other stage its output, which PipelineStage keeps in `fwd_cache`
+  for the backward that the next stage's gradient starts;
+- how many micro-batches' activations the schedule holds at once (`peak_in_flight`), read from the order in
+  which torch runs a rank's work: GPipe every forward before any backward (all grad_accum micro-batches);
+  Schedule1F1B min(m, pp - i) warm-up forwards on stage i, then one backward before each further forward
+  (torch/distributed/pipelining/schedules.py `warmup_chunks`); ScheduleInterleaved1F1B its
+  `_get_warmup_ops` forwards, then a forward before each backward (its own order, trainer/private_apis);
+- the send/recv buffers PipelineStage allocates once, per micro-batch (stage.py `_setup_forward_recv_info`,
+  `_create_grad_recv_info`): on every stage but the first one received activation each, on every stage but
+  the last one received gradient each, B·T·D in the residual stream's dtype (the gradient of a received
+  activation is dropped once read: _backward.py `stage_backward` sets `val.grad = None`);
+- on the last stage, each micro-batch's logits (B·T·V, compute dtype), which PipelineStage keeps in
+  `output_chunks` to the step's end, and their concatenation as the schedule's step returns them;
+- the whole step's batch on every rank, twice: the micro-batches as loaded and their concatenation, which
+  the schedule splits again (trainer/rank/pipeline.py).
+
+PipelineStage runs every backward but the last without gradient sync (DDP no_sync; FSDP2
+set_requires_gradient_sync(False) and set_reshard_after_backward(False)), and reduces once after the last
+(`perform_reduce_grad`): the stage accumulates a whole unsharded gradient, and under FSDP2 keeps its
+parameters unsharded from its first backward to the end of the step. The worst stage sets the job's peak.
+
+The bubble: the share of a step a stage waits, (pp - 1) / (m + pp - 1) for GPipe and 1F1B and
+(pp - 1) / (v·m + pp - 1) interleaved (m = grad_accum micro-batches, v = pp_virtual_stages; Narayanan et
+al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import ParallelConfig, TrainConfig
+from trainer.model.pipeline_split import stage_blocks
+from trainer.plan.activations import Activations
+from trainer.plan.groups import INTRA_NODE, NETWORK
+from trainer.plan.states import ModelShape
+from trainer.private_apis.of_torch import interleaved_1f1b_order
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved_1f1b"
+
+
+def rank_stages(parallel: ParallelConfig, rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank `rank` holds: its own, and under interleaved_1f1b every pp-th after it."""
+    return tuple(range(rank, parallel.stages, parallel.pp))
+
+
+def bubble(parallel: ParallelConfig, micro_batches: int) -> float:
+    """The share of a step each stage waits (module docstring); 0 without a pipeline."""
+    pp = parallel.pp
+    rounds = (
+        parallel.pp_virtual_stages * micro_batches if parallel.pp_schedule == INTERLEAVED else micro_batches
+    )
+    return (pp - 1) / (rounds + pp - 1)
+
+
+def schedule_order(parallel: ParallelConfig, micro_batches: int, rank: int) -> list[tuple[int, bool]]:
+    """(stage, forward?) for each forward and backward pipeline rank `rank` runs in one step, in order."""
+    pp, m = parallel.pp, micro_batches
+    if parallel.pp_schedule == GPIPE:
+        return [(rank, True)] * m + [(rank, False)] * m
+    if parallel.pp_schedule == ONE_F_ONE_B:  # Schedule1F1B._step_microbatches: warm-up, then 1B1F
+        warmup = min(m, pp - rank)
+        steady = [action for _ in range(m - warmup) for action in ((rank, False), (rank, True))]
+        return [(rank, True)] * warmup + steady + [(rank, False)] * warmup
+    return interleaved_1f1b_order(pp, parallel.pp_virtual_stages, m, rank)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The most activations a rank holds: at the start of backward `stage`, `held` bytes of other
+    micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all, `kept`
+    bytes of the last stage's outputs so far (PipelineStage keeps each micro-batch's logits in `output_chunks`
+    until the step's end), after `done` backwards (from the first one's end, the stage's gradient is held)."""
+
+    stage: int
+    held: int
+    count: int
+    kept: int = 0
+    done: int = 0
+
+    def total(self, per_stage: dict[int, int], growth: int) -> int:
+        return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
+
+
+def peak_in_flight(
+    order: list[tuple[int, bool]],
+    per_stage: dict[int, int],
+    kept: dict[int, int],
+    growth: int = 0,
+    sent: tuple[dict[int, int], bool] = ({}, False),
+    regathered: dict[int, int] | None = None,
+) -> InFlight:
+    """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
+    a backward frees the activations once it ends, and the first one leaves `growth` (the stage's gradient,
+    accumulated from then on); the worst backward start is the peak. `sent`: the input gradient each
+    backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
+    and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
+    the next backward, its list keeping the last one). `regathered`: stage3's parameters of each stage (beyond
+    the root and the running block) that its backward leaves unsharded (set_reshard_after_backward(False))
+    until its next forward reshards them block by block."""
+    alive: list[int] = []
+    worst: InFlight | None = None
+    outputs = done = grads = 0
+    gradient, keeps_all = sent
+    unsharded: set[int] = set()
+    for stage, forward in order:
+        if forward:
+            alive.append(stage)
+            outputs += kept.get(stage, 0)
+            unsharded.discard(stage)
+            continue
+        held = sum(per_stage[s] for s in alive) - per_stage[stage]
+        params = sum((regathered or {}).get(s, 0) for s in unsharded)
+        here = InFlight(stage, held, len(alive), outputs + grads + params, done)
+        unsharded.add(stage)
+        if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
+            worst = here
+        alive.remove(stage)
+        done += 1
+        grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
+    assert worst is not None, "a schedule runs a backward for every forward"
+    return worst
+
+
+def stage_model_shape(shape: ModelShape, blocks: int, first: bool, last: bool) -> ModelShape:
+    """The parameters one pipeline stage holds: its blocks, the embedding on the first, the final norm
+    and output head on the last (the root's registration order: tok_embeddings, norm, output)."""
+    root = (shape.root[:1] if first else ()) + (shape.root[1:] if last else ())
+    order = (shape.root[:1] if first else ()) + shape.block * blocks + (shape.root[1:] if last else ())
+    model = dataclasses.replace(shape.config, n_layers=blocks)
+    return dataclasses.replace(shape, config=model, root=root, order=order)
+
+
+def stage_config(config: TrainConfig, blocks: int) -> TrainConfig:
+    """The job as one pipeline rank runs it: its blocks only (the config itself at pp = 1)."""
+    local = copy.copy(config)  # not dataclasses.replace: the stage's model must not meet the job's checks
+    local.model = dataclasses.replace(config.model, n_layers=blocks)
+    return local
+
+
+def stage_activations(acts: Activations, blocks: range, first: bool, last: bool, output: int) -> Activations:
+    """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
+    the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
+    Beyond the first stage the first block's saved input is the receive buffer, counted with the buffers
+    (`output` bytes less here)."""
+    if last:
+        head, log_softmax = acts.head, acts.log_softmax
+    else:
+        head, log_softmax = output, 0
+    head -= 0 if first else output
+    return dataclasses.replace(
+        acts,
+        blocks=acts.blocks[blocks.start : blocks.stop],
+        inputs_kept=acts.inputs_kept[blocks.start : blocks.stop] if acts.inputs_kept else (),
+        head=head,
+        log_softmax=log_softmax,
+        batch=0,
+    )
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The job's pipeline: the split, each rank's stages and what they hold in flight, the bubble."""
+
+    parallel: ParallelConfig
+    micro_batches: int
+    blocks: tuple[range, ...]  # per stage
+    in_flight: tuple[InFlight, ...]  # per pipeline rank
+    activations: tuple[int, ...]  # one micro-batch's activation bytes, per stage
+    buffers: tuple[int, ...]  # send/recv buffers per pipeline rank
+
+    @property
+    def bubble(self) -> float:
+        return bubble(self.parallel, self.micro_batches)
+
+    def stage_range(self, rank: int) -> list[range]:
+        return [self.blocks[s] for s in rank_stages(self.parallel, rank)]
+
+    def to_json(self, peaks: dict[int, int], worst: int) -> dict[str, Any]:
+        """plan.json's `pipeline` section (docs/design.md); `peaks`: each pipeline rank's peak bytes."""
+        p = self.parallel
+        return {
+            "pp": p.pp,
+            "schedule": p.pp_schedule,
+            "virtual_stages": p.pp_virtual_stages if p.pp_schedule == INTERLEAVED else 1,
+            "micro_batches": self.micro_batches,
+            "bubble": self.bubble,
+            "worst_stage": worst,
+            "stages": [
+                {
+                    "rank": r,
+                    "stages": list(rank_stages(p, r)),
+                    "blocks": [[b.start, b.stop] for b in self.stage_range(r)],
+                    "embedding": r == 0,
+                    "head": r == p.pp - 1,
+                    "in_flight_micro_batches": self.in_flight[r].count,
+                    "activations_per_micro_batch_bytes": sum(self.activations[s] for s in rank_stages(p, r)),
+                    "buffers_bytes": self.buffers[r],
+                    "peak_bytes": peaks[r],
+                }
+                for r in range(p.pp)
+            ],
+        }
+
+
+def boundary_bytes(config: TrainConfig, residual_bytes: int) -> int:
+    """One micro-batch's tensor across a stage boundary: B·T·D in the residual stream's dtype (an
+    activation forward, its gradient back)."""
+    return config.micro_batch * config.seq_len * config.model.dim * residual_bytes
+
+
+def logits_bytes(config: TrainConfig, compute_bytes: int) -> int:
+    """One micro-batch's logits, the last stage's output: B·T·V in the compute dtype."""
+    return config.micro_batch * config.seq_len * config.model.vocab_size * compute_bytes
+
+
+def build_pipeline(
+    config: TrainConfig,
+    acts: Activations,
+    residual_bytes: int,
+    compute_bytes: int,
+    growth: tuple[int, ...] = (),
+    regathered: dict[int, int] | None = None,
+) -> Pipeline:
+    """The split, what each pipeline rank holds in flight, its buffers and what it sends per step."""
+    p, m = config.parallel, config.grad_accum
+    blocks = tuple(stage_blocks(config.model.n_layers, p.stages))
+    boundary = boundary_bytes(config, residual_bytes)
+    logits = logits_bytes(config, compute_bytes)
+    last_stage = p.stages - 1
+    per_stage = {
+        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary).total
+        for s in range(p.stages)
+    }
+    in_flight, buffers = [], []
+    for rank in range(p.pp):
+        mine = rank_stages(p, rank)
+        order = schedule_order(p, m, rank)
+        sent = ({s: boundary for s in range(1, p.stages)}, p.pp_schedule != ONE_F_ONE_B)
+        in_flight.append(
+            peak_in_flight(
+                order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent, regathered
+            )
+        )
+        receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
+        buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
+    activations = tuple(per_stage[s] for s in range(p.stages))
+    return Pipeline(p, m, blocks, tuple(in_flight), activations, tuple(buffers))
+
+
+@dataclass(frozen=True)
+class P2PPlan:
+    """What crosses the stage boundaries per optimizer step: each micro-batch's activation forward and its
+    gradient back, B·T·D each (`boundary`), by send (torch's batch_isend_irecv, one P2POp per tensor)."""
+
+    boundary: int  # bytes of one tensor across one boundary
+    sent: tuple[int, ...]  # bytes each pipeline rank sends per step
+    sends: tuple[int, ...]  # its sends per step
+    links: tuple[str, ...]  # per boundary, stage s to s + 1: intra-node or network
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes_per_micro_batch_per_boundary": self.boundary,
+            "sent_bytes_per_step": list(self.sent),
+            "sends_per_step": list(self.sends),
+            "boundary_links": list(self.links),
+        }
+
+    @property
+    def network(self) -> bool:
+        return NETWORK in self.links
+
+
+def plan_p2p(config: TrainConfig, world_size: int, residual_bytes: int) -> P2PPlan:
+    """Bytes and sends per pipeline rank per step, and the link each boundary crosses: the mesh is
+    (dp, pp, tp), so stage s of the first replica is global rank s·tp (its node: s·tp // nproc)."""
+    p, m = config.parallel, config.grad_accum
+    boundary = boundary_bytes(config, residual_bytes)
+    last = p.stages - 1
+    sends = [m * sum((s < last) + (s > 0) for s in rank_stages(p, r)) for r in range(p.pp)]
+    per_node = world_size // config.nodes
+
+    def node(stage: int) -> int:
+        return stage % p.pp * p.tp // per_node
+
+    links = tuple(INTRA_NODE if node(s) == node(s + 1) else NETWORK for s in range(last))
+    return P2PPlan(boundary, tuple(n * boundary for n in sends), tuple(sends), links)

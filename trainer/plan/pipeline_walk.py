@@ -1,0 +1,167 @@
+"""The walk of one pipeline rank's step (parallel.pp > 1; what a stage holds: trainer/plan/pipeline.py).
+
+The moments are those of the micro-batch whose backward starts while the schedule holds the most
+activations (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its own
+forward's last block, its loss where the stage has the head, the start of its last block's backward;
+then the optimizer step. Throughout, the stage holds its model states, its send/recv buffers and its
+share of the step's batch (`other`), and what PipelineStage's accumulation keeps: the unsharded gradient
+of the stage (every backward but the last runs without gradient sync), under autocast the cached casts
+of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
+
+Not modelled: the forward's own temporaries inside a block (smaller than the backward's), and the
+stage-2/3 all-gather buffers of one block beside the unsharded stage (FSDP2 frees them once copied out).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.config import LossKind, Stage, TrainConfig
+from trainer.plan.activations import Activations, Precisions
+from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
+from trainer.plan.loss import loss_backward_temporary, loss_forward_temporary
+from trainer.plan.moments import (
+    Moment,
+    StepContext,
+    block_backward_temporary,
+    optimizer_temporary,
+    other_bytes,
+)
+from trainer.plan.pipeline import (
+    InFlight,
+    Pipeline,
+    boundary_bytes,
+    build_pipeline,
+    logits_bytes,
+    rank_stages,
+    stage_activations,
+    stage_blocks,
+    stage_config,
+    stage_model_shape,
+)
+from trainer.plan.states import ModelShape, RankStates, rank_states
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a stage keeps through its backwards beside its states: `always` from the step's start, `growth` from
+    the end of its first backward (its gradient, accumulated from then on), `grads_at_rest` whether the states'
+    gradients exist while it runs (DDP's buckets; FSDP2's shards and plain .grad come after the last backward)."""
+
+    always: int
+    growth: int
+    grads_at_rest: bool
+    block: int = 0  # stage3: the block whose forward or backward runs, unsharded (FSDP2 reshards it after)
+
+
+def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, dp: int) -> Kept:
+    """FSDP2 under set_requires_gradient_sync(False): its parameters unsharded (at stage2 all of them, never
+    resharded; at stage3 the root, and the block whose forward or backward runs, as each forward reshards its
+    block again: measured on CPU ranks, no prefetched block beside it), and from the first backward the
+    unsharded gradient (reduce dtype). DDP (applied
+    where dp > 1): its buckets, and under no_sync the gradient beside them (fp32). One rank per stage: plain
+    .grad (fp32) from the first backward. Autocast caches the cast of each of the stage's weights (the schedule
+    runs inside one autocast region)."""
+    numel = shape.num_params
+    if config.zero.uses_fsdp:
+        root = sum(math.prod(s) for s in shape.root)
+        block = sum(math.prod(s) for s in shape.block)
+        param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
+        if config.zero.stage == Stage.stage2:
+            return Kept(param * numel, reduce * numel, False)
+        return Kept(param * root, reduce * numel, False, param * block if blocks else 0)
+    head = config.model.vocab_size * config.model.dim if len(shape.root) > 1 else 0
+    casts = 2 * (shape.block_linear_numel * blocks + head) if prec.regime == "autocast" else 0
+    if dp > 1:
+        return Kept(casts, 4 * numel if config.grad_accum > 1 else 0, True)
+    return Kept(casts, 4 * numel, False)
+
+
+def stage_moments(
+    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, logits: int, keeps: Kept
+) -> list[Moment]:
+    """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
+    the peak (`peak`), `last` whether that stage has the head and loss, `logits` what the last stage keeps of
+    the step's outputs by its end, `keeps` what the stage keeps through its backwards."""
+    fsdp = ctx.config.zero.uses_fsdp
+    grads = None if keeps.grads_at_rest else 0
+    fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
+    forward = peak.held + acts.before_last_block + acts.full_block
+    moments = [ctx.moment("forward: last block", grads, forward, fixed + keeps.block)]
+    if last and ctx.config.loss.kind == LossKind.full:
+        total = peak.held + acts.total
+        moments += [
+            ctx.moment("forward: loss", grads, total, fixed + loss_forward_temporary(ctx)),
+            ctx.moment("backward: loss", grads, total, fixed + loss_backward_temporary(ctx)),
+        ]
+    weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
+    backward = peak.held + acts.before_last_block + acts.in_backward
+    moments += [
+        ctx.moment(
+            "backward: last block",
+            grads,
+            backward,
+            fixed + keeps.block + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
+        ),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + logits),
+    ]
+    if logits:  # the schedule's step returns the last stage's outputs merged: their concatenation beside them
+        moments.append(ctx.moment("step end: outputs merged", temporary=2 * logits + keeps.always))
+    return moments
+
+
+@dataclass(frozen=True)
+class StageRanks:
+    """One pipeline rank's plan, for each of the dp shards zero splits its stage into."""
+
+    shards: list[RankStates]  # per position in the shard group
+    moments: dict[RankStates, tuple[Moment, ...]]
+    activations: int  # at the peak: every micro-batch stage in flight
+
+
+def pipeline_stage_plans(
+    config: TrainConfig,
+    shape: ModelShape,
+    acts: Activations,
+    prec: Precisions,
+    device_kind: str,
+    sharded_over: int,
+    dp: int,
+) -> tuple[Pipeline, list[StageRanks]]:
+    """The pipeline and the plan of each pipeline rank (`config`: one TP rank's job)."""
+    p, m, last_stage = config.parallel, config.grad_accum, config.parallel.stages - 1
+    split = stage_blocks(config.model.n_layers, p.stages)
+    blocks = [sum(len(split[s]) for s in rank_stages(p, rank)) for rank in range(p.pp)]
+    ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
+    locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
+    keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
+    regathered = None
+    if config.zero.stage == Stage.stage3:  # each stage's blocks but the running one (`kept`)
+        block = PARAM_BYTES[config.precision.compute_dtype] * sum(math.prod(s) for s in shape.block)
+        regathered = {s: block * (len(split[s]) - 1) for s in range(p.stages)}
+    growth = tuple(k.growth for k in keeps)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered)
+    boundary = boundary_bytes(config, prec.residual)
+    # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
+    # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
+    batch = 2 * 16 * config.micro_batch * config.seq_len * m
+    logits = logits_bytes(config, prec.compute)
+    out = []
+    for rank in range(p.pp):
+        peak = pipe.in_flight[rank]
+        acts_peak = stage_activations(
+            acts, pipe.blocks[peak.stage], peak.stage == 0, peak.stage == last_stage, boundary
+        )
+        stage = stage_config(config, blocks[rank])
+        shards = rank_states(locals_[rank], config.zero.stage, sharded_over)
+        moments = {}
+        for states in dict.fromkeys(shards):
+            other = other_bytes(config.model, config.data, states) + pipe.buffers[rank] + batch
+            ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
+            step_logits = m * logits if ends[rank][1] else 0
+            moments[states] = tuple(
+                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, step_logits, keeps[rank])
+            )
+        out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
+    return pipe, out
