@@ -18,6 +18,8 @@ The planner is this package; each module's docstring is its part of the design n
     alike (a block's backward, Adam's step, accumulation, the tensors outside the model);
   - loss.py: the loss's moments and temporaries, full and chunked;
   - ddp_walk.py: the DDP step (stages 0-1);
+  - tp_walk.py: a tensor-parallel step without DDP (parallel.tp > 1 at stage0): plain gradients made
+    block by block, loss_parallel's and sequence parallelism's temporaries;
   - fsdp_walk.py: the FSDP2 step (stages 2-3): forward, loss, the root's backward, the kinds of
     micro-batch zero.reshard_after_backward=false makes;
   - fsdp_blocks.py: FSDP2's block backward, one function per moment over a per-block record;
