@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config import DataConfig, ModelConfig, OffloadTarget, ReduceEvery, TrainConfig, uses_fused
-from trainer.plan.activations import Activations, Precisions
+from trainer.plan.activations import Activations, Precisions, sequence_shards
 from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.states import ModelShape, RankStates
 
@@ -64,8 +64,9 @@ class StepContext:
 
 
 def incoming_gradient(ctx: StepContext) -> int:
-    """The gradient arriving down the residual stream into a block's backward: B·T·D, residual dtype."""
-    return ctx.prec.residual * ctx.tokens * ctx.config.model.dim
+    """The gradient arriving down the residual stream into a block's backward: B·T·D, residual dtype (T / tp
+    positions under sequence parallelism)."""
+    return ctx.prec.residual * ctx.tokens * ctx.config.model.dim // sequence_shards(ctx.config)
 
 
 def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_grad_held: bool) -> int:
@@ -91,12 +92,13 @@ def block_end_temporary(ctx: StepContext) -> int:
     """The end of a block's backward: its attention RMSNorm's backward, beside the gradient arriving
     down the residual (the block's weight gradients are counted by the caller). On CPU torch's
     composite RMSNorm peaks in pow's backward with five fp32 B·T·D tensors beside its fp32 input
-    (docs/memory_plan.md, the torch sources and the MemTracker listing); CUDA runs the fused kernel.
+    (docs/memory_plan.md, the torch sources and the MemTracker listing); CUDA runs the fused kernel. Under
+    sequence parallelism the norm runs on T / tp positions.
     """
     incoming = incoming_gradient(ctx)
     if ctx.device_kind == "cuda":
         return 2 * incoming
-    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim
+    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim // sequence_shards(ctx.config)
 
 
 def optimizer_temporary(ctx: StepContext) -> int:

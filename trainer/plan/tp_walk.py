@@ -16,7 +16,13 @@ import math
 
 from trainer.model.fp8 import converted_numel
 from trainer.plan.activations import norm_bytes_per_token, sequence_shards
-from trainer.plan.moments import Moment, StepContext, block_end_temporary, optimizer_temporary
+from trainer.plan.moments import (
+    Moment,
+    StepContext,
+    block_end_temporary,
+    incoming_gradient,
+    optimizer_temporary,
+)
 
 LOSS_PARALLEL_TARGET_BYTES = 33
 """Per token, loss_parallel's backward's target bookkeeping, alive beside its B·T·V/tp tensors
@@ -121,7 +127,7 @@ def ffn_norm_backward(ctx: StepContext) -> tuple[int, int]:
     shards = sequence_shards(ctx.config)
     mlp = (4 * m.dim + 4 * prec.compute * m.ffn_dim) * n
     norm = norm_bytes_per_token(m.dim, prec.regime, ctx.device_kind) * n // shards
-    return mlp + norm, block_end_temporary(ctx) // shards
+    return mlp + norm, block_end_temporary(ctx)
 
 
 def block_backward(ctx: StepContext) -> int:
@@ -137,7 +143,7 @@ def block_backward(ctx: StepContext) -> int:
     """
     m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
     shards = sequence_shards(ctx.config)
-    incoming = prec.residual * n * m.dim // shards
+    incoming = incoming_gradient(ctx)
     cast = prec.compute * n * m.dim // shards if prec.regime == "autocast" else 0
     gathered = prec.compute * n * m.dim if shards > 1 else 0
     nm, md = prec.compute * n * m.ffn_dim, m.dim * m.ffn_dim
