@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -124,6 +125,61 @@ def settings(point: Path) -> dict[str, str]:
     """A point's swept overrides, as Hydra recorded them."""
     overrides = OmegaConf.to_container(OmegaConf.load(point / ".hydra" / "overrides.yaml"))
     return dict(o.lstrip("+").split("=", 1) for o in overrides)  # type: ignore[union-attr]
+
+
+PLAN_SWEEP_EXCLUDED = (
+    "sweeps",
+    "fail_fast",
+    "logger",
+    "logger.project",
+    "logger.entity",
+    "resume",
+    "data.path",
+)
+
+
+def plan_sweep(
+    sweep_dir: Path, keys: tuple[str, ...], *overrides: str, timeout: float = 1800
+) -> dict[tuple[str, ...], dict[str, Any]]:
+    """A plan-against-measured sweep of tiny 2-step jobs on a token file (no synthetic-data tables: the plan
+    counts them, a tracked step never touches them), every step's tensors tracked: the swept values of `keys`
+    (lower-cased) -> the point's plan.json and its last metrics record (step 2: Adam's state exists)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    tokens = sweep_dir / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
+    proc = run_sweep(
+        sweep_dir / "sweep",
+        *TINY,
+        "save=off",
+        "steps=2",
+        "telemetry.memory_every=1",
+        "data=tokens",
+        f"data.path={tokens}",
+        *overrides,
+        # the token file's path stays out of the points' directory names (it holds slashes)
+        f"hydra.job.config.override_dirname.exclude_keys=[{','.join(PLAN_SWEEP_EXCLUDED)}]",
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {}
+    for point in point_dirs(sweep_dir / "sweep"):
+        s = settings(point)
+        out[tuple(s[key].lower() for key in keys)] = {
+            "plan": json.loads((point / "plan.json").read_text()),
+            "record": read_jsonl(point / "metrics.jsonl")[-1],
+        }
+    return out
+
+
+def assert_plan_holds_peaks(point: dict[str, Any], bound: float) -> None:
+    """Every rank's measured peak (MemTracker's) within `bound` of the plan's, relative."""
+    for rank in point["plan"]["ranks"]:
+        measured = point["record"][f"memory/rank{rank['rank']}/peak_allocated_gib"]
+        assert abs(rank["peak_gib"] - measured) / measured < bound, (
+            rank["peak_moment"],
+            rank["peak_gib"],
+            measured,
+        )
 
 
 def summary(run_dir: Path) -> dict[str, Any]:

@@ -178,16 +178,46 @@ def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
     return prec.residual if prec.regime == "fsdp_mp" and device_kind == "cpu" else 0
 
 
+def norm_bytes_per_token(dim: int, regime: str, device_kind: str) -> int:
+    """What one of a block's RMSNorms saves per token (block_bytes_per_token's share of it): on CPU its fp32
+    upcast input and x·rstd (8·D) and its fp32 rstd; on CUDA the fused kernel's input instead."""
+    fused = fused_norm_saving(dim, regime) if device_kind == "cuda" else 0
+    return 8 * dim + 4 - fused
+
+
+def sequence_shards(config: TrainConfig) -> int:
+    """How many ranks the residual stream's sequence is split over: parallel.tp under sequence parallelism
+    (trainer/rank/tensor_parallel.py: the norms, the residual adds and a checkpointed block's input hold
+    T / tp positions), else 1."""
+    return config.parallel.tp if config.parallel.sequence_parallel else 1
+
+
+def sequence_parallel_saving(config: TrainConfig, device_kind: str) -> tuple[int, int]:
+    """Bytes per micro-batch one block and the head save less under sequence parallelism: each norm
+    (a block's two, the head's final one) saves its tensors for its T / tp positions only, so a rank saves
+    1 / tp of them; the column-parallel layers after it save their all-gathered input whole (all T), as
+    block_bytes_per_token counts it."""
+    shards = sequence_shards(config)
+    if shards == 1:
+        return 0, 0
+    prec = precisions(config.precision, config.zero)
+    tokens = config.micro_batch * config.seq_len
+    norm = norm_bytes_per_token(config.model.dim, prec.regime, device_kind) * tokens
+    saved = norm - norm // shards
+    return 2 * saved, saved
+
+
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
+    block_sp, head_sp = sequence_parallel_saving(config, device_kind)
     full = (
         block_bytes_per_token(m, prec.regime, device_kind)
         + attention_extra_per_token(config, device_kind)
         - fp8_saving_per_token(config, prec, device_kind)
-    ) * tokens
-    # non-reentrant checkpoint keeps the block's input
-    checkpointed, unread = prec.residual * m.dim * tokens, 0
+    ) * tokens - block_sp
+    # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
+    checkpointed, unread = prec.residual * m.dim * tokens // sequence_shards(config), 0
     if config.checkpointing.mode == CheckpointMode.op:
         checkpointed = op_checkpointed_bytes_per_token(config, device_kind) * tokens
         # Early stop ends the recompute once w2's input is back, before w2 runs: its saved output is never read.
@@ -197,11 +227,11 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     blocks = tuple(
         checkpointed if should_checkpoint(i, config.checkpointing) else full for i in range(m.n_layers)
     )
-    kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens
+    kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens // sequence_shards(config)
     inputs_kept = tuple(kept if should_checkpoint(i, config.checkpointing) else 0 for i in range(m.n_layers))
     batch = BATCH_BYTES_PER_TOKEN * tokens
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept)
-    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT
+    head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT - head_sp
     return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread, inputs_kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.tensor_parallel import tp_local
+from trainer.plan.tp_walk import tp_moments
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
@@ -288,7 +290,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 device_kind,
                 other_bytes(config.model, config.data, states),
             )
-            planned[states] = tuple(fsdp_moments(ctx) if config.zero.uses_fsdp else ddp_moments(ctx))
+            planned[states] = tuple(walk(config)(ctx))
         offloaded = states.params + states.grads + states.optimizer if offload else 0
         ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers)
@@ -338,6 +340,14 @@ def build_pipeline_plan(
         config, device_kind, world_size, model_shape(config.model), ranks, shard_size=sharded_over
     )
     return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, pipe)
+
+
+def walk(config: TrainConfig) -> Callable[[StepContext], list[Moment]]:
+    """The walk of one step: FSDP2's (stages 2-3), a tensor-parallel replica's without DDP
+    (trainer/plan/tp_walk.py), or DDP's."""
+    if config.zero.uses_fsdp:
+        return fsdp_moments
+    return tp_moments if config.parallel.tp > 1 else ddp_moments
 
 
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:

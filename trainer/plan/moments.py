@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config import DataConfig, ModelConfig, OffloadTarget, ReduceEvery, TrainConfig, uses_fused
-from trainer.plan.activations import Activations, Precisions
+from trainer.plan.activations import Activations, Precisions, sequence_shards
 from trainer.plan.comm import REDUCE_BYTES
+from trainer.plan.fp8_backward import fp8_w2_backward
 from trainer.plan.states import ModelShape, RankStates
 
 
@@ -64,8 +65,9 @@ class StepContext:
 
 
 def incoming_gradient(ctx: StepContext) -> int:
-    """The gradient arriving down the residual stream into a block's backward: B·T·D, residual dtype."""
-    return ctx.prec.residual * ctx.tokens * ctx.config.model.dim
+    """The gradient arriving down the residual stream into a block's backward: B·T·D, residual dtype (T / tp
+    positions under sequence parallelism)."""
+    return ctx.prec.residual * ctx.tokens * ctx.config.model.dim // sequence_shards(ctx.config)
 
 
 def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_grad_held: bool) -> int:
@@ -78,25 +80,27 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
     """
     m, n, incoming = ctx.config.model, ctx.tokens, incoming_gradient(ctx)
     nm, w2_grad = ctx.prec.compute * n * m.ffn_dim, weight_grad_bytes * m.dim * m.ffn_dim
+    fp8 = fp8_w2_backward(ctx.config, ctx.prec.compute, ctx.prec.regime, incoming)  # 0 without fp8
     if weight_grad_held:
-        return incoming + 2 * nm + w2_grad
+        return max(incoming + 2 * nm + w2_grad, fp8)
     if ctx.prec.regime == "autocast":
         # The bf16 weight gradient's fp32 cast (6 bytes per element at once) comes once the B·T·M
         # input gradient is consumed: measured with MemTracker on DDP, B·T of 16, 128 and 1024.
-        return incoming + max(w2_grad, 2 * nm)
-    return incoming + max(nm + w2_grad, 2 * nm)
+        return max(incoming + max(w2_grad, 2 * nm), fp8)
+    return max(incoming + max(nm + w2_grad, 2 * nm), fp8)
 
 
 def block_end_temporary(ctx: StepContext) -> int:
     """The end of a block's backward: its attention RMSNorm's backward, beside the gradient arriving
     down the residual (the block's weight gradients are counted by the caller). On CPU torch's
     composite RMSNorm peaks in pow's backward with five fp32 B·T·D tensors beside its fp32 input
-    (docs/memory_plan.md, the torch sources and the MemTracker listing); CUDA runs the fused kernel.
+    (docs/memory_plan.md, the torch sources and the MemTracker listing); CUDA runs the fused kernel. Under
+    sequence parallelism the norm runs on T / tp positions.
     """
     incoming = incoming_gradient(ctx)
     if ctx.device_kind == "cuda":
         return 2 * incoming
-    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim
+    return incoming + 6 * 4 * ctx.tokens * ctx.config.model.dim // sequence_shards(ctx.config)
 
 
 def optimizer_temporary(ctx: StepContext) -> int:

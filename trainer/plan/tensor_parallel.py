@@ -8,8 +8,10 @@ width D, H / tp and K / tp heads of the same head width, ffn_dim / tp, vocab / t
 
 Activations are those of the same local model (its H / tp heads, M / tp hidden, V / tp logits); without SP
 that is exact for the tensors the layers save, since the residual stream and the norms are replicated.
-With SP the norms and residual hold T / tp positions, but each column-parallel layer saves the all-gathered
-T positions of its input; the plan keeps the local model's count there (not modelled: SP's smaller norm inputs).
+With SP the norms, the residual and a checkpointed block's input hold T / tp positions, while each
+column-parallel layer saves the all-gathered T positions of its input (trainer/plan/activations.py
+`sequence_parallel_saving`). zero=stage0 runs without DDP (one data-parallel replica): its walk, with
+loss_parallel's and the all-gathers' temporaries, is trainer/plan/tp_walk.py.
 
 Communication in the tp group, per micro-batch, with B·T·D activations of `b` bytes (fp32: 4):
 

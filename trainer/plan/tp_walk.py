@@ -1,0 +1,159 @@
+"""The walk of a tensor-parallel step without DDP (parallel.tp > 1 at zero=stage0: one data-parallel replica).
+
+trainer/rank/sharding.py's apply_zero wraps no DDP around a tensor-parallel model with dp = 1: each parameter's
+gradient is its own `.grad`, freed by zero_grad(set_to_none=True) at the start of the step and made, layer
+by layer, as backward reaches it (AccumulateGrad keeps the first gradient itself: no bucket, no copy). So
+forward holds no gradients, and block i's backward holds those of the head, the final norm and the blocks
+after it: with whole activations the last block's backward is the worst, with checkpointed ones block 0's.
+
+The layers' shapes are one TP rank's (trainer/plan/tensor_parallel.py's local model); what sequence
+parallelism and loss_parallel change is here and in trainer/plan/activations.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainer.model.fp8 import converted_numel
+from trainer.plan.activations import norm_bytes_per_token, sequence_shards
+from trainer.plan.moments import (
+    Moment,
+    StepContext,
+    block_end_temporary,
+    incoming_gradient,
+    optimizer_temporary,
+)
+
+LOSS_PARALLEL_TARGET_BYTES = 33
+"""Per token, loss_parallel's backward's target bookkeeping, alive beside its B·T·V/tp tensors
+(torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`): the safe target
+(int64), its vocabulary-masked copy (int64, `_MaskPartial._partition_value`), the mask (bool), the
+arange index (int64) and the update (the mask's fp32 cast and the fp32 difference)."""
+
+
+def tp_moments(ctx: StepContext) -> list[Moment]:
+    """zero=stage0 under tensor parallelism (module docstring): the moments of one step."""
+    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
+    vd = m.vocab_size * m.dim
+    fixed = autocast_casts(ctx)
+    nv = n * m.vocab_size
+    # The parallel log-softmax (torch/distributed/tensor/parallel/loss.py `_log_softmax`) writes the shifted
+    # logits and their exponential before its result (fp32, B·T·V/tp each), beside the logits (and, under
+    # autocast, their fp32 cast `logits.float()`); the result is the saved log-softmax in `acts.total`.
+    logits = 4 * nv if prec.regime == "fp32" else 6 * nv
+    # Its backward (`_nll_loss_and_log_softmax_backward`): `grad_input = zeros_like(x)`, then
+    # `(grad_input + exp(x)) * grad_output`: three fp32 B·T·V/tp tensors at once, and the target's bookkeeping.
+    loss_backward = 3 * 4 * nv + LOSS_PARALLEL_TARGET_BYTES * n + 4
+    if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
+        head = max(2 * nv + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
+    else:
+        head = 4 * nv + 4 * n * m.dim + 4 * vd
+    return [
+        ctx.moment(
+            "forward: last block",
+            grads=0,
+            activations=acts.before_last_block + acts.full_block,
+            temporary=fixed,
+        ),
+        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + logits + 4 * nv),
+        ctx.moment("backward: loss", grads=0, activations=acts.total, temporary=fixed + loss_backward),
+        ctx.moment(
+            "backward: output head",
+            grads=0,
+            activations=acts.total - acts.log_softmax,
+            temporary=fixed + head,
+        ),
+        worst_block_backward(ctx, fixed),
+        ctx.moment(
+            "backward: embedding",
+            grads=ctx.states.grads - 4 * vd,
+            activations=acts.batch,
+            temporary=fixed + 4 * vd + embedding_backward(ctx),
+        ),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
+    ]
+
+
+def autocast_casts(ctx: StepContext) -> int:
+    """Autocast's cached bf16 casts of the matmul weights (as ddp_walk.py counts them), of the local shards:
+    the cast of a DTensor weight is a DTensor of its local shard's cast."""
+    if ctx.prec.regime != "autocast":
+        return 0
+    m = ctx.config.model
+    converted = converted_numel(m) if ctx.config.precision.is_fp8 else 0
+    return 2 * ((ctx.shape.block_linear_numel - converted) * m.n_layers + m.vocab_size * m.dim)
+
+
+def worst_block_backward(ctx: StepContext, fixed: int) -> Moment:
+    """The worst moment of any block's backward: block i holds the gradients of every parameter after it and
+    the activations saved before it, its own whole again (recomputed if checkpointed); early in its backward
+    (the MLP's), then at its ffn_norm's backward (`ffn_norm_backward`)."""
+    m, L = ctx.config.model, ctx.config.model.n_layers
+    per_block = 4 * sum(map(math.prod, ctx.shape.block))  # fp32 gradients of one block's parameters
+    after = 4 * sum(map(math.prod, ctx.shape.root)) - 4 * m.vocab_size * m.dim  # the head's, the final norm's
+    mlp_grads = 4 * 3 * m.dim * m.ffn_dim + 4 * m.dim  # w1's, w2's, w3's and ffn_norm's
+    freed, norm_temporary = ffn_norm_backward(ctx)
+    moments = []
+    for i in range(L):
+        grads = after + (L - 1 - i) * per_block
+        acts = sum(ctx.acts.blocks[:i]) + ctx.acts.batch + ctx.acts.in_backward_of(i)
+        moments += [
+            ctx.moment(
+                f"backward: block {i}",
+                grads=grads + 4 * m.dim * m.ffn_dim,  # w2's, made first
+                activations=acts,
+                temporary=fixed + block_backward(ctx),
+            ),
+            ctx.moment(
+                f"backward: block {i} ffn_norm",
+                grads=grads + mlp_grads,
+                activations=acts - freed,
+                temporary=fixed + norm_temporary,
+            ),
+        ]
+    return max(moments, key=lambda moment: moment.total)
+
+
+def ffn_norm_backward(ctx: StepContext) -> tuple[int, int]:
+    """A block's ffn_norm backward: what the block's activations hold less by then, and its temporaries.
+
+    The MLP's saved tensors are freed (the norm's output, as w1 and w3 saved it: 4·D per token, one fp32
+    tensor or, under autocast, their two bf16 casts; w1's, w3's, SiLU's outputs and the product, B·T·M/tp in
+    the compute dtype), and so are the norm's own (its T / tp positions under SP), which its backward
+    unpacks; the temporaries are block_end_temporary's (on CPU torch's composite RMSNorm backward), over the
+    norm's T / tp positions. Measured to the byte with MemTracker at tp=2, with and without SP, fp32 and bf16.
+    """
+    m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
+    shards = sequence_shards(ctx.config)
+    mlp = (4 * m.dim + 4 * prec.compute * m.ffn_dim) * n
+    norm = norm_bytes_per_token(m.dim, prec.regime, ctx.device_kind) * n // shards
+    return mlp + norm, block_end_temporary(ctx)
+
+
+def block_backward(ctx: StepContext) -> int:
+    """Early in a block's backward, the worst of two phases (w2's fp32 weight gradient counted in `grads`),
+    each measured with MemTracker at tp=2, fp32 and bf16, with and without SP, to the byte:
+
+    - w2's backward: the gradient arriving down the residual (T / tp positions under sequence parallelism;
+      under autocast also its cast to the compute dtype, for w2's bf16 output), its all-gather (the adjoint
+      of RowwiseParallel's reduce-scatter: all T, SP only), w2's input gradient (B·T·M/tp) and its weight
+      gradient being written (under autocast the bf16 one, its fp32 cast not yet made);
+    - the SwiGLU product's backward: the incoming gradient and two B·T·M/tp gradients, w2's saved input
+      already freed (block_backward_temporary's accounting: the whole block stays in the activations).
+    """
+    m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
+    shards = sequence_shards(ctx.config)
+    incoming = incoming_gradient(ctx)
+    cast = prec.compute * n * m.dim // shards if prec.regime == "autocast" else 0
+    gathered = prec.compute * n * m.dim if shards > 1 else 0
+    nm, md = prec.compute * n * m.ffn_dim, m.dim * m.ffn_dim
+    w2 = incoming + cast + gathered + nm + prec.compute * md - 4 * md
+    return max(incoming + 2 * nm, w2)
+
+
+def embedding_backward(ctx: StepContext) -> int:
+    """The embedding's backward beside its new weight gradient: three fp32 B·T·D tensors, all T, with and
+    without SP (the gradient arriving whole, under SP the all-gather's output, and what torch's CPU
+    embedding backward makes of it), measured with MemTracker at tp=2 in fp32 and bf16; not yet traced to
+    torch's source."""
+    return 3 * 4 * ctx.tokens * ctx.config.model.dim
