@@ -141,9 +141,12 @@ PLAN_SWEEP_EXCLUDED = (
 def plan_sweep(
     sweep_dir: Path, keys: tuple[str, ...], *overrides: str, timeout: float = 1800
 ) -> dict[tuple[str, ...], dict[str, Any]]:
-    """A plan-against-measured sweep of tiny 2-step jobs on a token file (no synthetic-data tables: the plan
+    """A plan-against-measured sweep of tiny 3-step jobs on a token file (no synthetic-data tables: the plan
     counts them, a tracked step never touches them), every step's tensors tracked: the swept values of `keys`
-    (lower-cased) -> the point's plan.json and its last metrics record (step 2: Adam's state exists)."""
+    (lower-cased) -> the point's plan.json and its records of steps 2 and 3 (Adam's state exists from step 2).
+    Two identical steps, because at stages 2-3 gloo's worker thread now and then frees its copy of a
+    reduce-scatter input late (docs/memory_plan.md; tests/integration/test_accumulation.py measures it):
+    assert_plan_holds_peaks holds the lower of the two to the plan."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tokens = sweep_dir / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
@@ -151,7 +154,7 @@ def plan_sweep(
         sweep_dir / "sweep",
         *TINY,
         "save=off",
-        "steps=2",
+        "steps=3",
         "telemetry.memory_every=1",
         "data=tokens",
         f"data.path={tokens}",
@@ -166,19 +169,22 @@ def plan_sweep(
         s = settings(point)
         out[tuple(s[key].lower() for key in keys)] = {
             "plan": json.loads((point / "plan.json").read_text()),
-            "record": read_jsonl(point / "metrics.jsonl")[-1],
+            "records": [r for r in read_jsonl(point / "metrics.jsonl") if r["step"] >= 2],
         }
     return out
 
 
 def assert_plan_holds_peaks(point: dict[str, Any], bound: float) -> None:
-    """Every rank's measured peak (MemTracker's) within `bound` of the plan's, relative."""
+    """Every rank's measured peak (MemTracker's, the lower of steps 2 and 3: plan_sweep says why) within
+    `bound` of the plan's, relative. A miss of the plan is in both steps and still fails."""
+    assert [r["step"] for r in point["records"]] == [2, 3]
     for rank in point["plan"]["ranks"]:
-        measured = point["record"][f"memory/rank{rank['rank']}/peak_allocated_gib"]
+        peaks = [r[f"memory/rank{rank['rank']}/peak_allocated_gib"] for r in point["records"]]
+        measured = min(peaks)
         assert abs(rank["peak_gib"] - measured) / measured < bound, (
             rank["peak_moment"],
             rank["peak_gib"],
-            measured,
+            peaks,
         )
 
 
