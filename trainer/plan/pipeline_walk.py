@@ -25,6 +25,7 @@ from trainer.plan.moments import (
     Moment,
     StepContext,
     block_backward_temporary,
+    incoming_gradient,
     optimizer_temporary,
     other_bytes,
 )
@@ -96,13 +97,13 @@ def stage_moments(
         ]
     weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
     backward = peak.held + acts.before_last_block + acts.in_backward
+    # Beyond the last stage the gradient arriving into the last block is the receive buffer itself, counted with
+    # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
+    # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
+    received = 0 if last else incoming_gradient(ctx)
+    block = block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp) - received
     moments += [
-        ctx.moment(
-            "backward: last block",
-            grads,
-            backward,
-            fixed + keeps.block + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
-        ),
+        ctx.moment("backward: last block", grads, backward, fixed + keeps.block + block),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
     return moments
