@@ -1,65 +1,128 @@
-"""Pipeline parallelism (parallel.pp=2) on CPU ranks, composed with ZeRO over dp.
+"""Pipeline parallelism (parallel.pp=2) on CPU ranks, composed with ZeRO over dp, and its plan against its
+measurement (trainer/plan/pipeline.py, pipeline_walk.py).
 
-One job per configuration, shared by the module: the three schedules on 2 ranks (dp 1, zero=stage0), and 1F1B
-on 4 ranks (dp 2) at stage0 and stage3, each against one 1-rank run of the same global batch (8 sequences:
-grad_accum=4 micro-batches), fp32, 8 steps: per-step losses within 1e-5. The 1F1B run's step-4 save resumes
-at pp=1. Its records carry each stage's measured idle share and the bytes its stages sent each other.
+One job per configuration, started on first use and shared by the module, each carrying every check it can:
+
+- parity: the three schedules on 2 ranks (dp 1, zero=stage0), and 1F1B on 4 ranks (dp 2) at stage0 and stage3,
+  each against one 1-rank run of the same global batch (8 sequences: grad_accum=4 micro-batches), fp32, 8 steps:
+  per-step losses within 1e-5. The 1F1B run's step-4 save resumes at pp=1.
+- the plan: on the 2-rank runs whose every stage is planned within 0.5% (the three schedules in fp32, the parity
+  runs themselves; 1F1B in bf16 at zero=stage3, FSDP2's mixed precision, 3 steps), each stage's measured tensor
+  peak within 0.5% of its plan. Not yet within 0.5%, so not held here: autocast's first stage, the last stage
+  under FSDP2 with GPipe or interleaving, fp32 at stage3 (docs/memory_plan.md, "Pipeline parallelism").
+- every run: the split printed, each stage's measured idle share, and the bytes each stage sends per step
+  (activations forward, gradients back) equal to the plan's exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.helpers import TINY, Run, run_trainer
 from trainer.config import ModelConfig
 from trainer.telemetry import keys
+from trainer.units import GIB
 
-STEPS = ("steps=8", "precision=fp32", "optim.warmup_steps=2", "grad_accum=4")
-PP2 = ("parallel.pp=2", "zero.reduce_every=step")
+PARITY_STEPS = ("steps=8", "precision=fp32", "optim.warmup_steps=2")
+PP2 = ("parallel.pp=2", "grad_accum=4", "zero.reduce_every=step")
 CONFIGS = {
-    "1f1b dp1 stage0": ("nproc=2", "micro_batch=2", "zero=stage0", "save.every=4"),
-    "gpipe dp1 stage0": ("nproc=2", "micro_batch=2", "zero=stage0", "parallel.pp_schedule=gpipe", "save=off"),
+    "1f1b dp1 stage0": ("nproc=2", "micro_batch=2", "zero=stage0", *PARITY_STEPS, "save.every=4"),
+    "gpipe dp1 stage0": (
+        "nproc=2",
+        "micro_batch=2",
+        "zero=stage0",
+        *PARITY_STEPS,
+        "parallel.pp_schedule=gpipe",
+    ),
     "interleaved dp1 stage0": (
         "nproc=2",
         "micro_batch=2",
         "zero=stage0",
+        *PARITY_STEPS,
         "parallel.pp_schedule=interleaved_1f1b",
-        "save=off",
     ),
-    "1f1b dp2 stage0": ("nproc=4", "micro_batch=1", "zero=stage0", "save=off"),
-    "1f1b dp2 stage3": ("nproc=4", "micro_batch=1", "zero=stage3", "save=off"),
+    "1f1b dp2 stage0": ("nproc=4", "micro_batch=1", "zero=stage0", *PARITY_STEPS),
+    "1f1b dp2 stage3": ("nproc=4", "micro_batch=1", "zero=stage3", *PARITY_STEPS),
+    "1f1b dp1 stage3 bf16": ("nproc=2", "micro_batch=2", "zero=stage3", "steps=3", "precision=bf16"),
 }
+PARITY = sorted(name for name in CONFIGS if "bf16" not in name)
+PLANNED = ["1f1b dp1 stage0", "gpipe dp1 stage0", "interleaved dp1 stage0", "1f1b dp1 stage3 bf16"]
 SEQ_LEN = 64  # TINY's
 
 
 def job(out_dir: Path, *overrides: str) -> Run:
-    return run_trainer(out_dir, *TINY, *STEPS, *overrides, timeout=900)
+    return run_trainer(out_dir, *TINY, *overrides, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return job(tmp_path_factory.mktemp("ref") / "run", "nproc=1", "micro_batch=2", "save=off")
+    return job(
+        tmp_path_factory.mktemp("ref") / "run",
+        "nproc=1",
+        "micro_batch=2",
+        "grad_accum=4",
+        "save=off",
+        *PARITY_STEPS,
+    )
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
-    out = tmp_path_factory.mktemp("pp") / "run"
-    return request.param, job(out, *PP2, *CONFIGS[request.param])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """Each configuration's job, run once on first use."""
+
+    @functools.cache
+    def run(name: str) -> Run:
+        save = () if "save.every=4" in CONFIGS[name] else ("save=off",)
+        return job(tmp_path_factory.mktemp("pp") / "run", *PP2, *save, *CONFIGS[name])
+
+    return run
 
 
-def test_losses_equal_one_rank_of_the_same_global_batch(pp_run: tuple[str, Run], reference: Run) -> None:
-    name, run = pp_run
+def plan_of(run: Run) -> dict[str, Any]:
+    return json.loads((run.out_dir / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_losses_equal_one_rank_of_the_same_global_batch(
+    name: str, runs: Callable[[str], Run], reference: Run
+) -> None:
+    run = runs(name)
     assert len(run.losses) == len(reference.losses) == 8
     worst = max(abs(a - b) for a, b in zip(run.losses, reference.losses))
     assert worst < 1e-5, (name, run.losses, reference.losses)
 
 
-def test_the_split_is_printed(pp_run: tuple[str, Run]) -> None:
-    name, run = pp_run
+@pytest.mark.parametrize("name", PLANNED)
+def test_each_stage_peak_within_half_a_percent_of_its_plan(name: str, runs: Callable[[str], Run]) -> None:
+    run = runs(name)
+    plan = plan_of(run)
+    for stage in plan["pipeline"]["stages"]:
+        rank = stage["rank"]  # dp 1: pipeline rank i is global rank i
+        measured = max(
+            r[f"memory/rank{rank}/peak_allocated_gib"] * GIB
+            for r in run.records
+            if f"memory/rank{rank}/peak_allocated_gib" in r
+        )
+        assert abs(stage["peak_bytes"] - measured) / measured < 0.005, (
+            name,
+            rank,
+            stage["peak_bytes"],
+            measured,
+        )
+    # (pp - 1) / (m + pp - 1) for GPipe and 1F1B, (pp - 1) / (v·m + pp - 1) interleaved (v = 2)
+    assert plan["pipeline"]["bubble"] == (1 / 9 if "interleaved" in name else 1 / 5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_split_is_printed(name: str, runs: Callable[[str], Run]) -> None:
+    run = runs(name)
     if "interleaved" in name:
         expected = (
             "pipeline: 4 stages over parallel.pp=2 ranks; stage 0 (rank 0): blocks 0-0 + embedding; "
@@ -73,22 +136,31 @@ def test_the_split_is_printed(pp_run: tuple[str, Run]) -> None:
     assert expected in run.stdout.splitlines(), (name, run.stdout)
 
 
-def test_bytes_between_stages_are_the_activations_and_their_gradients(pp_run: tuple[str, Run]) -> None:
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_bytes_between_stages_are_the_activations_and_their_gradients(
+    name: str, runs: Callable[[str], Run]
+) -> None:
     """Each boundary between consecutive stages carries every micro-batch's hidden states forward and their
-    gradient back, fp32: grad_accum * micro_batch * seq_len * dim * 4 bytes each way, per replica."""
-    name, run = pp_run
+    gradient back, in the residual stream's dtype (fp32, or FSDP2's bf16 parameters' outputs): grad_accum *
+    micro_batch * seq_len * dim * bytes each way, per replica; the plan's figure per stage, measured exactly."""
+    run = runs(name)
     micro_batch = 1 if "dp2" in name else 2
     boundaries = 3 if "interleaved" in name else 1
-    one_way = 4 * micro_batch * SEQ_LEN * ModelConfig().dim * 4
+    one_way = 4 * micro_batch * SEQ_LEN * ModelConfig().dim * (2 if "bf16" in name else 4)
+    planned = plan_of(run)["comm"]["p2p"]["sent_bytes_per_step"]
+    if boundaries == 1:  # stage 0 sends activations, stage 1 their gradients
+        assert planned == [one_way] * 2, (name, planned)
+    assert sum(planned) == 2 * boundaries * one_way, (name, planned)
     for record in run.records:
         assert record[keys.PP_MEASURED_BYTES] == 2 * boundaries * one_way, (name, record)
-        if boundaries == 1:  # stage 0 sends activations, stage 1 their gradients
-            assert record[keys.pp_sent_key(0)] == record[keys.pp_sent_key(1)] == one_way
+        for stage, sent in enumerate(planned):
+            assert record[keys.pp_sent_key(stage)] == sent, (name, stage, record)
 
 
-def test_each_stage_reports_its_idle_share(pp_run: tuple[str, Run]) -> None:
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_stage_reports_its_idle_share(name: str, runs: Callable[[str], Run]) -> None:
     """Per rank in every record; per stage the mean over the replicas; per stage in summary.json."""
-    name, run = pp_run
+    run = runs(name)
     world = int(CONFIGS[name][0].removeprefix("nproc="))
     summary = json.loads((run.out_dir / "summary.json").read_text())
     for record in run.records:
@@ -101,15 +173,20 @@ def test_each_stage_reports_its_idle_share(pp_run: tuple[str, Run]) -> None:
         assert 0.0 <= summary[keys.pp_idle_key(stage)] < 1.0, (name, summary)
 
 
-def test_a_pipelined_save_resumes_at_pp1(tmp_path: Path, pp_run: tuple[str, Run], reference: Run) -> None:
-    """The step-4 save of pp=2 (each rank wrote its stage's parameters under the decoder's own names) goes on at
-    pp=1 on one rank, the same global batch: DCP reshards; steps 5-8 as the uninterrupted run's, within
+def test_a_pipelined_save_resumes_at_pp1(tmp_path: Path, runs: Callable[[str], Run], reference: Run) -> None:
+    """The 1F1B run's step-4 save (each rank wrote its stage's parameters under the decoder's own names) goes
+    on at pp=1 on one rank, the same global batch: DCP reshards; steps 5-8 as the uninterrupted run's, within
     test_resume.py's reshard tolerance (rel 1e-5)."""
-    name, run = pp_run
-    if name != "1f1b dp1 stage0":
-        pytest.skip("the 1f1b run saves")
-    save = run.out_dir / "checkpoints" / "step_00000004"
-    resumed = job(tmp_path / "run", "nproc=1", "micro_batch=2", "save=off", f"resume={save}")
+    save = runs("1f1b dp1 stage0").out_dir / "checkpoints" / "step_00000004"
+    resumed = job(
+        tmp_path / "run",
+        "nproc=1",
+        "micro_batch=2",
+        "grad_accum=4",
+        "save=off",
+        *PARITY_STEPS,
+        f"resume={save}",
+    )
     assert [r["step"] for r in resumed.records] == [5, 6, 7, 8]
     for record, expected in zip(resumed.records, reference.records[4:]):
         assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)

@@ -21,8 +21,10 @@ Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over t
   `_create_grad_recv_info`): on every stage but the first one received activation each, on every stage but
   the last one received gradient each, B·T·D in the residual stream's dtype (the gradient of a received
   activation is dropped once read: _backward.py `stage_backward` sets `val.grad = None`);
-- on the last stage, each micro-batch's logits (B·T·V, compute dtype), which PipelineStage keeps in
-  `output_chunks` to the step's end, and their concatenation as the schedule's step returns them;
+- on the last stage, each micro-batch's logits (B·T·V, compute dtype), its output, which PipelineStage keeps
+  in `fwd_cache` from its forward to the end of its backward (stage.py `forward_one_chunk`,
+  `backward_one_chunk` pops it); the runtime steps with return_outputs=False, so they are not also kept in
+  `output_chunks` to the step's end and merged (`save_forward_output`);
 - the whole step's batch on every rank, twice: the micro-batches as loaded and their concatenation, which
   the schedule splits again (trainer/rank/pipeline.py).
 
@@ -83,8 +85,8 @@ def schedule_order(parallel: ParallelConfig, micro_batches: int, rank: int) -> l
 class InFlight:
     """The most activations a rank holds: at the start of backward `stage`, `held` bytes of other
     micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all, `kept`
-    bytes of the last stage's outputs so far (PipelineStage keeps each micro-batch's logits in `output_chunks`
-    until the step's end), after `done` backwards (from the first one's end, the stage's gradient is held)."""
+    bytes of the last stage's outputs in flight (PipelineStage keeps each micro-batch's logits in `fwd_cache`
+    until its backward ends) and of what the walk keeps beside, after `done` backwards (from the first one's end, the stage's gradient is held)."""
 
     stage: int
     held: int
@@ -104,8 +106,8 @@ def peak_in_flight(
     sent: tuple[dict[int, int], bool] = ({}, False),
     regathered: dict[int, int] | None = None,
 ) -> InFlight:
-    """Walk the order: a forward adds its stage's activations (and `kept`, its output kept to the step's end),
-    a backward frees the activations once it ends, and the first one leaves `growth` (the stage's gradient,
+    """Walk the order: a forward adds its stage's activations (and `kept`, its output, held apart from them),
+    a backward frees both once it ends, and the first one leaves `growth` (the stage's gradient,
     accumulated from then on); the worst backward start is the peak. `sent`: the input gradient each
     backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
     and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
@@ -130,6 +132,7 @@ def peak_in_flight(
         if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
             worst = here
         alive.remove(stage)
+        outputs -= kept.get(stage, 0)
         done += 1
         grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
     assert worst is not None, "a schedule runs a backward for every forward"

@@ -25,6 +25,7 @@ from trainer.plan.moments import (
     Moment,
     StepContext,
     block_backward_temporary,
+    incoming_gradient,
     optimizer_temporary,
     other_bytes,
 )
@@ -33,7 +34,6 @@ from trainer.plan.pipeline import (
     Pipeline,
     boundary_bytes,
     build_pipeline,
-    logits_bytes,
     rank_stages,
     stage_activations,
     stage_blocks,
@@ -79,11 +79,11 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
 
 
 def stage_moments(
-    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, logits: int, keeps: Kept
+    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept
 ) -> list[Moment]:
     """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
-    the peak (`peak`), `last` whether that stage has the head and loss, `logits` what the last stage keeps of
-    the step's outputs by its end, `keeps` what the stage keeps through its backwards."""
+    the peak (`peak`), `last` whether that stage has the head and loss, `keeps` what the stage keeps through its
+    backwards."""
     fsdp = ctx.config.zero.uses_fsdp
     grads = None if keeps.grads_at_rest else 0
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
@@ -97,17 +97,15 @@ def stage_moments(
         ]
     weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
     backward = peak.held + acts.before_last_block + acts.in_backward
+    # Beyond the last stage the gradient arriving into the last block is the receive buffer itself, counted with
+    # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
+    # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
+    received = 0 if last else incoming_gradient(ctx)
+    block = block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp) - received
     moments += [
-        ctx.moment(
-            "backward: last block",
-            grads,
-            backward,
-            fixed + keeps.block + block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp),
-        ),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + logits),
+        ctx.moment("backward: last block", grads, backward, fixed + keeps.block + block),
+        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
-    if logits:  # the schedule's step returns the last stage's outputs merged: their concatenation beside them
-        moments.append(ctx.moment("step end: outputs merged", temporary=2 * logits + keeps.always))
     return moments
 
 
@@ -146,7 +144,6 @@ def pipeline_stage_plans(
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
     batch = 2 * 16 * config.micro_batch * config.seq_len * m
-    logits = logits_bytes(config, prec.compute)
     out = []
     for rank in range(p.pp):
         peak = pipe.in_flight[rank]
@@ -159,9 +156,8 @@ def pipeline_stage_plans(
         for states in dict.fromkeys(shards):
             other = other_bytes(config.model, config.data, states) + pipe.buffers[rank] + batch
             ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
-            step_logits = m * logits if ends[rank][1] else 0
             moments[states] = tuple(
-                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, step_logits, keeps[rank])
+                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, keeps[rank])
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
     return pipe, out

@@ -255,8 +255,13 @@ def pipeline_forward_backward(
     # The schedule splits the step's batch along dim 0 into grad_accum equal chunks: the micro-batches.
     inputs, targets = (torch.cat([m[i] for m in micro]) for i in (0, 1))
     args, losses = ((inputs,) if pipeline.first else ()), []
+    # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
+    # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
+    # losses. Each micro-batch's logits then live in `fwd_cache` until its backward.
     with build_autocast(config.precision, config.zero, world.device), pipeline.clock.timing("step"):
-        pipeline.schedule.step(*args, target=targets if pipeline.last else None, losses=losses)
+        pipeline.schedule.step(
+            *args, target=targets if pipeline.last else None, losses=losses, return_outputs=False
+        )
     loss_sum = pipeline.loss.unscaled(losses) if pipeline.last else torch.zeros((), device=world.device)
     dist.all_reduce(loss_sum, group=pipeline.group)  # the last stage's figure, on every stage
     return loss_sum, data_s
