@@ -12,6 +12,7 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB` | DDP's default bucket cap, a module constant (guarded: 25 where absent) | `of_torch.ddp_default_bucket_cap_mb` |
 | `torch._dynamo`, `torch.distributed._tools.mem_tracker` (the modules, imported) | the fork server imports what every rank would import on first use; no public module imports them | `of_torch.import_rank_lazy_modules` |
 | `torch.distributed._tools.mem_tracker.MemTracker` | tensor-level memory by category on CPU; torch ships no public equivalent | `of_torch.new_mem_tracker` |
+| `torch.distributed.elastic.rendezvous.dynamic_rendezvous.get_method_name` (replaced) | it names each rendezvous event with `inspect.stack()`, half a CPU-second of every job's launcher; torch has no switch for it | `of_torch.name_rendezvous_events_cheaply` |
 | `DistributedDataParallel._comm_hooks` | the (hook, state) pairs register_comm_hook appended, so the memory tracker can count the state a compression hook keeps between steps; DDP has no public getter | `of_torch.comm_hook_states` |
 | `MemTracker._update_peak_stats`, `MemTracker.memory_tracking` | its per-module peaks, which cost a walk over every module after every op, cannot be switched off | `of_torch.global_peak_mem_tracker` |
 | `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` | activation checkpointing per module, as torchtitan applies it | `of_torch.checkpoint_wrapper`, `of_torch.CheckpointImpl` |

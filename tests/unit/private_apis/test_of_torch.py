@@ -15,6 +15,7 @@ from torch.amp import GradScaler
 from trainer.private_apis.of_torch import (
     CheckpointImpl,
     HigherOrderOperator,
+    caller_name,
     OpOverload,
     OpOverloadPacket,
     checkpoint_wrapper,
@@ -23,6 +24,7 @@ from trainer.private_apis.of_torch import (
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
+    name_rendezvous_events_cheaply,
     new_mem_tracker,
     scale_on_device,
     set_last_lr,
@@ -137,3 +139,24 @@ def test_comm_hook_states_are_what_register_comm_hook_was_given(process_group: N
     state = object()
     ddp.register_comm_hook(state, allreduce_hook)
     assert len(comm_hook_states(ddp)) == 1 and comm_hook_states(ddp)[0] is state
+
+
+def test_rendezvous_events_are_named_as_torchs_get_method_name_names_them() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torchs = dynamic_rendezvous.get_method_name
+    assert torchs is not caller_name  # torch's own: no job was launched in this process
+
+    def record() -> tuple[str, str]:  # as DynamicRendezvousHandler._record calls it
+        return torchs(), caller_name()
+
+    def next_rendezvous() -> tuple[str, str]:
+        return record()
+
+    assert next_rendezvous() == ("next_rendezvous", "next_rendezvous")
+    assert caller_name(10_000) == torchs(10_000) == "no_method_name"
+    name_rendezvous_events_cheaply()
+    try:
+        assert dynamic_rendezvous.get_method_name is caller_name
+    finally:
+        dynamic_rendezvous.get_method_name = torchs
