@@ -15,9 +15,9 @@ from torch.amp import GradScaler
 from trainer.private_apis.of_torch import (
     CheckpointImpl,
     HigherOrderOperator,
-    caller_name,
     OpOverload,
     OpOverloadPacket,
+    caller_name,
     checkpoint_wrapper,
     comm_hook_states,
     ddp_default_bucket_cap_mb,
