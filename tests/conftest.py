@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
+# OpenMP's threads sleep while they wait for work, in this process and in every job the tests start:
+# set before torch loads OpenMP, which reads it once. Spinning, a 1-rank CPU job's two threads (world.py
+# gives a lone rank both cores) burned 5-6 of its rank's 6-6.5 CPU-seconds on this 2-core machine with
+# the suite's two workers beside it (0.7-0.9 passive; a 4-step tiny job, measured). The threads, the
+# work they split and so the numbers are the same either way; only the waiting changes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests.helpers import TINY, Run, run_trainer
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import TINY, Run, run_trainer  # noqa: E402
 
 # Tests never reach W&B's servers: an offline run is written and read back locally.
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -6,6 +6,7 @@ config and a one-rank World, fake saves, an allocator's out-of-memory message)."
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import socket
@@ -114,6 +115,29 @@ def run_sweep(
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def sweep_runs(
+    sweep_dir: Path, *overrides: str, by: tuple[str, ...], timeout: float = 900
+) -> dict[tuple, Run]:
+    """Several jobs as the points of one sweep, `python -m trainer -m OVERRIDES` (comma lists sweep):
+    one job process and one fork server start for every point, where a job each starts one of each
+    (about 7 of a tiny 2-rank job's 9 CPU-seconds); each point still launches ranks of its own, as its
+    job would. Each point's Run, keyed by its values of the keys in `by`; fails with the sweep's output
+    unless every point ended ok."""
+    # Points numbered only: conf/train.yaml names each after its overrides, which nest at a path's
+    # slashes and pass a file name's 255 bytes with a model's shape among them.
+    numbered = "hydra.sweep.subdir=${hydra.job.num}"
+    proc = run_sweep(sweep_dir, *overrides, numbered, timeout=timeout, env=job_env())
+    assert proc.returncode == 0, (
+        f"sweep exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    runs = {}
+    for point in point_dirs(sweep_dir):
+        run = Run(proc.returncode, "", "", point)
+        assert run.summary["status"] == "ok", f"{point.name}: {run.summary['status']}"
+        runs[tuple(settings(point)[key] for key in by)] = run
+    return runs
+
+
 def point_dirs(sweep_dir: Path) -> list[Path]:
     """A sweep's point directories in point order."""
     return sorted(
@@ -219,6 +243,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def freeze_imports() -> None:
+    """In a rank a test spawns itself, once its process group is up: import what a rank's training
+    imports, then freeze every object so far (gc.freeze), as the trainer's fork server does before
+    it forks the ranks (trainer/rank/preload.py). The test's own `gc.collect()` between cases, and
+    every automatic collection, then walk only the objects made since: unfrozen, the millions of
+    objects torch's import makes cost each collection about a CPU-second (measured in
+    tests/integration/test_accumulation.py's ranks, one per case)."""
+    import trainer.rank.preload  # noqa: F401  (it freezes what it imports; this freezes the rest too)
+
+    gc.freeze()
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:

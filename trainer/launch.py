@@ -23,6 +23,7 @@ from trainer.faults.failures import explain, killed_by
 from trainer.faults.failures import where as failure_where
 from trainer.faults.leftovers import Leftover, mark_job, reap
 from trainer.faults.stop import AGENT_SIGNALS
+from trainer.private_apis.of_torch import name_rendezvous_events_cheaply
 from trainer.rank.main import fork_server, rank_main
 
 
@@ -95,6 +96,7 @@ def launch_local(
     # "Gloo connectFullMesh failed ... Connection refused"). Rank 0 of each attempt hosts a fresh
     # store instead. Without restarts the shared store (no port race) stays.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if max_restarts > 0 else "0"
+    name_rendezvous_events_cheaply()  # half a CPU-second of every job's launcher (of_torch)
     set_launcher_environment()  # NCCL's error handling, which the agent would otherwise set for the ranks
     marker = mark_job()  # before the fork server starts: it and every process below it inherit it
     server = start_fork_server()

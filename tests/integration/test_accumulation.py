@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.helpers import free_port, torchrun_env
+from tests.helpers import TINY, Run, free_port, freeze_imports, run_trainer, sweep_runs, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -184,6 +184,7 @@ def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
 
     world = init_world("cpu")
     torch.set_num_threads(1)
+    freeze_imports()
     peaks = {key(case): measure_peaks(make_config(*case), world) for case in cases}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
     shutdown_world()
@@ -223,8 +224,6 @@ PARITY_STEPS = ("steps=8", "optim.warmup_steps=2", "precision=fp32")
 @pytest.fixture(scope="module")
 def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference: 1 rank, the same global batch of 8 sequences in one micro-batch."""
-    from tests.helpers import TINY, run_trainer
-
     run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *PARITY_STEPS, "nproc=1", "micro_batch=8")
     return run.losses
 
@@ -237,22 +236,44 @@ PARITY += [
 ]  # DDP all-reducing into buckets that accumulate
 
 
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
+    """2 ranks x micro_batch 1 x grad_accum 4 for each PARITY case: the cartesian ones as the points of
+    two sweeps, the two that keep parameters as jobs of their own."""
+    common = (*TINY, *PARITY_STEPS, "nproc=2", "micro_batch=1", "grad_accum=4")
+    runs = {}
+    for stages, everys in (
+        (("stage2", "stage3"), ("micro_batch", "step")),
+        (("stage0", "stage1"), ("micro_batch",)),
+    ):
+        runs.update(
+            sweep_runs(
+                tmp_path_factory.mktemp("parity"),
+                *common,
+                f"zero={','.join(stages)}",
+                f"zero.reduce_every={','.join(everys)}",
+                "zero.reshard_after_backward=true",
+                by=("zero", "zero.reduce_every"),
+            )
+        )
+    for stage, every in (("stage2", "step"), ("stage3", "micro_batch")):
+        runs[(stage, f"{every} keep")] = run_trainer(
+            tmp_path_factory.mktemp("keep"),
+            *common,
+            f"zero={stage}",
+            f"zero.reduce_every={every}",
+            "zero.reshard_after_backward=false",
+        )
+    return runs
+
+
 @pytest.mark.parametrize("stage,every", PARITY)
 def test_accumulating_4_micro_batches_on_2_ranks_is_one_rank_s_step(
-    trainer, one_rank_losses: list[float], stage: str, every: str
+    parity_runs: dict[tuple[str, str], Run], one_rank_losses: list[float], stage: str, every: str
 ) -> None:
     """Acceptance 4: 2 ranks x micro_batch 1 x grad_accum 4, either reduce_every (and with parameters
     kept between micro-batches), lose what 1 rank with micro_batch 8 loses, step by step, within 1e-5 (fp32)."""
-    every, _, keep = every.partition(" ")
-    run = trainer(
-        *PARITY_STEPS,
-        "nproc=2",
-        f"zero={stage}",
-        f"zero.reduce_every={every}",
-        f"zero.reshard_after_backward={'false' if keep else 'true'}",
-        "micro_batch=1",
-        "grad_accum=4",
-    )
+    run = parity_runs[(stage, every)]
     assert len(run.losses) == len(one_rank_losses) == 8
     for step, (got, want) in enumerate(zip(run.losses, one_rank_losses), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"

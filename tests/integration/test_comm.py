@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port, torchrun_env
+from tests.helpers import free_port, freeze_imports, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -134,6 +134,7 @@ def worker(rank: int, port: int, out: str) -> None:
     # the most collectives per step: every parameter broadcast, and the all-reduces of both micro-batches
     enable_recording(make_config("stage1", "fp32", 2, reduce_every="micro_batch"), WORLD, "cpu")
     world = init_world("cpu")
+    freeze_imports()
     results: dict[str, Any] = {}
     for case in CASES:
         results[key(case)] = run_case(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers import Run, run_trainer
+from tests.helpers import Run, run_trainer, sweep_runs
 
 JOB = ("nproc=2", "device=cpu", "logger=none", "save=off", "log_every=1", "telemetry.memory_every=0")
 # Small shapes of each family (tiny widths, a 4096 vocabulary so the loss matters as it does at 128k).
@@ -95,11 +95,13 @@ def assert_plan_within(run: Run) -> None:
 
 
 @pytest.fixture(scope="module")
-def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Run]]:
+    """A 2-step job on a config.json of each family (its directory, its run): the points of one sweep
+    over model.config."""
     pytest.importorskip("transformers")
-    runs = {}
+    directories = {}
     for architecture, extra in FAMILIES.items():
-        directory = tmp_path_factory.mktemp(architecture)
+        directory = directories[architecture] = tmp_path_factory.mktemp(architecture)
         fields = {
             "architectures": [architecture],
             "hidden_size": 64,
@@ -112,29 +114,32 @@ def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             **extra,
         }
         (directory / "config.json").write_text(json.dumps(fields))
-        runs[architecture] = run_trainer(
-            directory / "run",
-            "model=hf",
-            f"model.config={directory}",
-            *JOB,
-            "seq_len=32",
-            "micro_batch=2",
-            "steps=2",
-        )
-    return runs
+    runs = sweep_runs(
+        tmp_path_factory.mktemp("families"),
+        "model=hf",
+        "model.config=" + ",".join(str(directory) for directory in directories.values()),
+        *JOB,
+        "seq_len=32",
+        "micro_batch=2",
+        "steps=2",
+        by=("model.config",),
+    )
+    return {
+        architecture: (directory, runs[(str(directory),)]) for architecture, directory in directories.items()
+    }
 
 
 @pytest.mark.parametrize("architecture", FAMILIES)
 def test_a_config_json_of_each_family_plans_and_trains(
-    family_runs: dict[str, Run], architecture: str
+    family_runs: dict[str, tuple[Path, Run]], architecture: str
 ) -> None:
-    run = family_runs[architecture]
+    directory, run = family_runs[architecture]
     plan = json.loads((run.out_dir / "plan.json").read_text())
-    assert plan["model"] == f"hf:{(run.out_dir.parent / 'config.json').resolve()}"
+    assert plan["model"] == f"hf:{(directory / 'config.json').resolve()}"
     assert run.summary["status"] == "ok" and len(run.losses) == 2
     assert all(np.isfinite(run.losses)) and run.losses[0] == pytest.approx(np.log(256), rel=0.05)
     # Embedding 256 x 64, two blocks, the final norm, and the head unless tied.
-    fields = json.loads((run.out_dir.parent / "config.json").read_text())
+    fields = json.loads((directory / "config.json").read_text())
     head_dim = fields.get("head_dim", 16)
     attention = 64 * 4 * head_dim * 2 + 64 * 2 * head_dim * 2
     block = attention + 3 * 64 * 128 + 2 * 64
@@ -163,24 +168,21 @@ def test_another_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def loss_runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[tuple[str, str], Run]:
-    """fp32, 8 steps, full and chunked (chunks of 48 of the 128 tokens: three, the last short)."""
-    out = tmp_path_factory.mktemp("loss")
-    return {
-        (stage, loss): run_trainer(
-            out / f"{stage}-{loss}",
-            *JOB,
-            *UNTIED,
-            *BATCH,
-            f"zero={stage}",
-            f"loss={loss}",
-            "loss.chunk_tokens=48",
-            "steps=8",
-            "data=tokens",
-            f"data.path={tokens}",
-        )
-        for stage in ("stage0", "stage3")
-        for loss in ("full", "chunked")
-    }
+    """fp32, 8 steps, full and chunked (chunks of 48 of the 128 tokens: three, the last short), at
+    stages 0 and 3: the points of one sweep."""
+    return sweep_runs(
+        tmp_path_factory.mktemp("loss"),
+        *JOB,
+        *UNTIED,
+        *BATCH,
+        "zero=stage0,stage3",
+        "loss=full,chunked",
+        "loss.chunk_tokens=48",
+        "steps=8",
+        "data=tokens",
+        f"data.path={tokens}",
+        by=("zero", "loss"),
+    )
 
 
 @pytest.mark.parametrize("stage", ["stage0", "stage3"])
@@ -230,12 +232,32 @@ def test_chunked_loss_plans_fewer_activations_than_the_full_loss(
 # ----------------------------------------------------------------------------- the plan of tied and q/k-norm shapes
 
 
+SHAPES = {"tied": TIED, "qk_norm": QK_NORM}
+
+
+@pytest.fixture(scope="module")
+def shape_runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[tuple[str, str], Run]:
+    """2 steps of each shape at every stage: one sweep over the stages per shape."""
+    runs = {}
+    for shape, overrides in SHAPES.items():
+        points = sweep_runs(
+            tmp_path_factory.mktemp(shape),
+            *JOB,
+            *overrides,
+            *BATCH,
+            "zero=stage0,stage1,stage2,stage3",
+            "steps=2",
+            "data=tokens",
+            f"data.path={tokens}",
+            by=("zero",),
+        )
+        runs.update({(shape, stage): run for (stage,), run in points.items()})
+    return runs
+
+
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
-@pytest.mark.parametrize(("shape", "overrides"), [("tied", TIED), ("qk_norm", QK_NORM)])
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_plan_is_within_the_stated_accuracy(
-    tmp_path: Path, tokens: str, shape: str, overrides: tuple[str, ...], stage: str
+    shape_runs: dict[tuple[str, str], Run], shape: str, stage: str
 ) -> None:
-    run = run_trainer(
-        tmp_path, *JOB, *overrides, *BATCH, f"zero={stage}", "steps=2", "data=tokens", f"data.path={tokens}"
-    )
-    assert_plan_within(run)
+    assert_plan_within(shape_runs[(shape, stage)])

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.helpers import TINY, Run, sweep_runs
+
 INIT_SCALE = 1024.0
 FP16 = (
     "precision=fp16",
@@ -36,15 +38,29 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_both(trainer, stage: str)
 TOLERANCE = {"bf16": 0.02, "fp16": 0.005}  # relative, at every step
 
 
+@pytest.fixture(scope="module")
+def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
+    """10 steps on 2 ranks in fp32, bf16 and fp16 at stages 0 and 3: the points of one sweep."""
+    return sweep_runs(
+        tmp_path_factory.mktemp("precision"),
+        *TINY,
+        "nproc=2",
+        "steps=10",
+        "optim.warmup_steps=2",
+        "zero=stage0,stage3",
+        "precision=fp32,bf16,fp16",
+        by=("zero", "precision"),
+    )
+
+
 @pytest.mark.parametrize(
     "stage", ["stage0", "stage3"]
 )  # autocast under DDP; MixedPrecisionPolicy under FSDP2
-def test_low_precision_tracks_fp32(trainer, stage: str) -> None:
+def test_low_precision_tracks_fp32(precision_runs: dict[tuple[str, str], Run], stage: str) -> None:
     """Each step's loss within TOLERANCE of the fp32 run; the curves fall together."""
-    short = ("nproc=2", "steps=10", "optim.warmup_steps=2")
-    fp32 = trainer("precision=fp32", f"zero={stage}", *short)
+    fp32 = precision_runs[(stage, "fp32")]
     for precision, tolerance in TOLERANCE.items():
-        low = trainer(f"precision={precision}", f"zero={stage}", *short)
+        low = precision_runs[(stage, precision)]
         for step, (a, b) in enumerate(zip(low.losses, fp32.losses), start=1):
             assert abs(a - b) <= tolerance * b, f"step {step}: {precision} {a} vs fp32 {b}"
         assert low.losses[-1] < 0.95 * low.losses[0]  # 10 steps of warmup and decay: a clear fall

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.helpers import TINY, Run, run_trainer, sweep_runs
+
 STEPS = ("steps=8", "optim.warmup_steps=2", "precision=fp32")
 
 
@@ -18,16 +20,40 @@ def assert_close_each_step(actual: list[float], expected: list[float], rel: floa
 @pytest.fixture(scope="module")
 def one_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference: 1 rank with the same global batch (micro_batch 4 = 2 ranks x 2)."""
-    from tests.helpers import TINY, run_trainer
-
     run = run_trainer(tmp_path_factory.mktemp("ref"), *TINY, *STEPS, "nproc=1", "micro_batch=4")
     return run.losses
 
 
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Run]:
+    """2 ranks at each stage, and at stage3 under each checkpointing mode: the points of two sweeps.
+    (Stage3 without checkpointing is one point, both the stage's run and the checkpointing baseline.)"""
+    common = (*TINY, *STEPS, "nproc=2")
+    runs = sweep_runs(
+        tmp_path_factory.mktemp("stages"),
+        *common,
+        "zero=stage0,stage1,stage2,stage3",
+        "checkpointing=none",
+        by=("zero", "checkpointing"),
+    )
+    runs.update(
+        sweep_runs(
+            tmp_path_factory.mktemp("checkpointing"),
+            *common,
+            "zero=stage3",
+            "checkpointing=full,selective,op",
+            by=("zero", "checkpointing"),
+        )
+    )
+    return runs
+
+
 @pytest.mark.torch_versions
 @pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
-def test_two_ranks_match_one_rank_at_every_stage(trainer, one_rank_losses: list[float], stage: str) -> None:
-    run = trainer(*STEPS, "nproc=2", f"zero={stage}")
+def test_two_ranks_match_one_rank_at_every_stage(
+    stage_runs: dict[tuple, Run], one_rank_losses: list[float], stage: str
+) -> None:
+    run = stage_runs[(stage, "none")]
     assert_close_each_step(run.losses, one_rank_losses, rel=1e-5)
     assert run.losses[-1] < run.losses[0]
 
@@ -44,10 +70,10 @@ def test_grad_accum_under_stage3_on_two_ranks(trainer, one_rank_losses: list[flo
 
 
 @pytest.mark.torch_versions  # op's policy is called in recompute too on torch 2.11
-def test_activation_checkpointing_leaves_losses_unchanged(trainer) -> None:
-    baseline = trainer(*STEPS, "nproc=2", "zero=stage3", "checkpointing=none")
+def test_activation_checkpointing_leaves_losses_unchanged(stage_runs: dict[tuple, Run]) -> None:
+    baseline = stage_runs[("stage3", "none")]
     for mode in ("full", "selective", "op"):
-        checkpointed = trainer(*STEPS, "nproc=2", "zero=stage3", f"checkpointing={mode}")
+        checkpointed = stage_runs[("stage3", mode)]
         assert checkpointed.losses == baseline.losses, mode  # recomputation is bitwise the same forward
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import Run, run_sweep, run_trainer, wandb_file, wandb_records, wandb_summary
+from tests.helpers import Run, run_sweep, run_trainer, sweep_runs, wandb_file, wandb_records, wandb_summary
 from trainer.config import ModelConfig, PlanConfig, PrecisionConfig
 from trainer.model.decoder import build_model, num_params
 
@@ -240,10 +240,10 @@ STAGE_JOB = (*SMALL, "precision=fp32", "steps=2", "logger=none", "telemetry.memo
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """stage0, stage1 and stage3 with tensor tracking on every step, and stage0 with telemetry off."""
-    runs = {
-        stage: run_trainer(tmp_path_factory.mktemp(stage), *STAGE_JOB, f"zero={stage}")
-        for stage in ("stage0", "stage1", "stage3")
-    }
+    stages = sweep_runs(
+        tmp_path_factory.mktemp("stages"), *STAGE_JOB, "zero=stage0,stage1,stage3", by=("zero",)
+    )
+    runs = {stage: run for (stage,), run in stages.items()}
     runs["stage0_off"] = run_trainer(
         tmp_path_factory.mktemp("off"), *STAGE_JOB, "zero=stage0", "telemetry.enabled=false"
     )

@@ -22,13 +22,17 @@ def held_bytes(record: dict, rank: int) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, int]]]:
     from tests.helpers import TINY as SETTINGS
-    from tests.helpers import run_trainer
+    from tests.helpers import sweep_runs
 
-    measured = {}
-    for stage in ("stage0", "stage1", "stage2", "stage3"):
-        run = run_trainer(tmp_path_factory.mktemp(stage), *SETTINGS, "nproc=2", "steps=1", f"zero={stage}")
-        measured[stage] = [held_bytes(run.records[-1], rank) for rank in (0, 1)]
-    return measured
+    runs = sweep_runs(  # one job per stage, as the points of one sweep
+        tmp_path_factory.mktemp("stages"),
+        *SETTINGS,
+        "nproc=2",
+        "steps=1",
+        "zero=stage0,stage1,stage2,stage3",
+        by=("zero",),
+    )
+    return {stage: [held_bytes(run.records[-1], rank) for rank in (0, 1)] for (stage,), run in runs.items()}
 
 
 def test_stage0_replicates_everything(states: dict) -> None:

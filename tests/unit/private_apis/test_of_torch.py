@@ -19,6 +19,7 @@ from trainer.private_apis.of_torch import (
     HigherOrderOperator,
     OpOverload,
     OpOverloadPacket,
+    caller_name,
     checkpoint_wrapper,
     comm_hook_states,
     ddp_bucket_assignment,
@@ -27,6 +28,7 @@ from trainer.private_apis.of_torch import (
     flight_recorder_json,
     found_inf_per_device,
     interleaved_1f1b_order,
+    name_rendezvous_events_cheaply,
     new_mem_tracker,
     powersgd_hook_in_this_thread,
     scale_on_device,
@@ -204,3 +206,24 @@ def test_interleaved_order_is_torchs_warm_up_then_one_forward_one_backward() -> 
     assert order[:10] == [(0, True)] * 4 + [(4, True)] * 4 + [(0, True)] * 2
     assert order[10:12] == [(0, True), (4, False)]
     assert sorted(order) == sorted([(s, f) for s in (0, 4) for f in (True, False)] * 8)
+
+
+def test_rendezvous_events_are_named_as_torchs_get_method_name_names_them() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torchs = dynamic_rendezvous.get_method_name
+    assert torchs is not caller_name  # torch's own: no job was launched in this process
+
+    def record() -> tuple[str, str]:  # as DynamicRendezvousHandler._record calls it
+        return torchs(), caller_name()
+
+    def next_rendezvous() -> tuple[str, str]:
+        return record()
+
+    assert next_rendezvous() == ("next_rendezvous", "next_rendezvous")
+    assert caller_name(10_000) == torchs(10_000) == "no_method_name"
+    name_rendezvous_events_cheaply()
+    try:
+        assert dynamic_rendezvous.get_method_name is caller_name
+    finally:
+        dynamic_rendezvous.get_method_name = torchs
