@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 
 from trainer.model.fp8 import converted_numel
-from trainer.plan.activations import norm_bytes_per_token, sequence_shards
+from trainer.plan.activations import sequence_shards
 from trainer.plan.moments import (
     Moment,
     StepContext,
-    block_end_temporary,
+    ffn_norm_backward,
     incoming_gradient,
     optimizer_temporary,
 )
@@ -112,22 +112,6 @@ def worst_block_backward(ctx: StepContext, fixed: int) -> Moment:
             ),
         ]
     return max(moments, key=lambda moment: moment.total)
-
-
-def ffn_norm_backward(ctx: StepContext) -> tuple[int, int]:
-    """A block's ffn_norm backward: what the block's activations hold less by then, and its temporaries.
-
-    The MLP's saved tensors are freed (the norm's output, as w1 and w3 saved it: 4·D per token, one fp32
-    tensor or, under autocast, their two bf16 casts; w1's, w3's, SiLU's outputs and the product, B·T·M/tp in
-    the compute dtype), and so are the norm's own (its T / tp positions under SP), which its backward
-    unpacks; the temporaries are block_end_temporary's (on CPU torch's composite RMSNorm backward), over the
-    norm's T / tp positions. Measured to the byte with MemTracker at tp=2, with and without SP, fp32 and bf16.
-    """
-    m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
-    shards = sequence_shards(ctx.config)
-    mlp = (4 * m.dim + 4 * prec.compute * m.ffn_dim) * n
-    norm = norm_bytes_per_token(m.dim, prec.regime, ctx.device_kind) * n // shards
-    return mlp + norm, block_end_temporary(ctx)
 
 
 def block_backward(ctx: StepContext) -> int:
