@@ -61,7 +61,6 @@ def test_in_flight_micro_batches_per_schedule(rank: int) -> None:
     assert count("interleaved_1f1b") == min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, v * m)
 
 
-
 @pytest.mark.parametrize(("schedule", "unsharded", "kept"), [("gpipe", True, 10), ("1f1b", False, 0)])
 def test_a_backward_after_a_backward_finds_every_block_of_its_stage_unsharded(
     schedule: str, unsharded: bool, kept: int
@@ -76,6 +75,7 @@ def test_a_backward_after_a_backward_finds_every_block_of_its_stage_unsharded(
     # the accumulated gradient (100) makes a later backward the worst, as on tiny under FSDP2
     peak = peak_in_flight(order, {0: 100, 1: 100}, {}, growth=100, regathered={0: 10, 1: 10})
     assert (peak.done, peak.unsharded, peak.kept) == (1, unsharded, kept)
+
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, object]:
