@@ -93,6 +93,9 @@ class InFlight:
     count: int
     kept: int = 0
     done: int = 0
+    unsharded: bool = False
+    """Whether the stage whose backward begins is still unsharded from its previous backward (no forward of
+    it between to reshard it): every block's parameters, its running one among them, are in `kept`."""
 
     def total(self, per_stage: dict[int, int], growth: int) -> int:
         return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
@@ -112,8 +115,8 @@ def peak_in_flight(
     backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
     and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
     the next backward, its list keeping the last one). `regathered`: stage3's parameters of each stage (beyond
-    the root and the running block) that its backward leaves unsharded (set_reshard_after_backward(False))
-    until its next forward reshards them block by block."""
+    the root) that its backward leaves unsharded (set_reshard_after_backward(False)) until its next forward
+    reshards them block by block."""
     alive: list[int] = []
     worst: InFlight | None = None
     outputs = done = grads = 0
@@ -127,7 +130,7 @@ def peak_in_flight(
             continue
         held = sum(per_stage[s] for s in alive) - per_stage[stage]
         params = sum((regathered or {}).get(s, 0) for s in unsharded)
-        here = InFlight(stage, held, len(alive), outputs + grads + params, done)
+        here = InFlight(stage, held, len(alive), outputs + grads + params, done, stage in unsharded)
         unsharded.add(stage)
         if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
             worst = here

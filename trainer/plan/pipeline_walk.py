@@ -87,8 +87,9 @@ def stage_moments(
     fsdp = ctx.config.zero.uses_fsdp
     grads = None if keeps.grads_at_rest else 0
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
+    running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
     forward = peak.held + acts.before_last_block + acts.full_block
-    moments = [ctx.moment("forward: last block", grads, forward, fixed + keeps.block)]
+    moments = [ctx.moment("forward: last block", grads, forward, fixed + running)]
     if last and ctx.config.loss.kind == LossKind.full:
         total = peak.held + acts.total
         moments += [
@@ -103,7 +104,7 @@ def stage_moments(
     received = 0 if last else incoming_gradient(ctx)
     block = block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp) - received
     moments += [
-        ctx.moment("backward: last block", grads, backward, fixed + keeps.block + block),
+        ctx.moment("backward: last block", grads, backward, fixed + running + block),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
     return moments
@@ -135,9 +136,9 @@ def pipeline_stage_plans(
     locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
     keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
     regathered = None
-    if config.zero.stage == Stage.stage3:  # each stage's blocks but the running one (`kept`)
+    if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
         block = PARAM_BYTES[config.precision.compute_dtype] * sum(math.prod(s) for s in shape.block)
-        regathered = {s: block * (len(split[s]) - 1) for s in range(p.stages)}
+        regathered = {s: block * len(split[s]) for s in range(p.stages)}
     growth = tuple(k.growth for k in keeps)
     pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered)
     boundary = boundary_bytes(config, prec.residual)

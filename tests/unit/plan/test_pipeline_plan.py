@@ -61,6 +61,22 @@ def test_in_flight_micro_batches_per_schedule(rank: int) -> None:
     assert count("interleaved_1f1b") == min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, v * m)
 
 
+@pytest.mark.parametrize(("schedule", "unsharded", "kept"), [("gpipe", True, 10), ("1f1b", False, 0)])
+def test_a_backward_after_a_backward_finds_every_block_of_its_stage_unsharded(
+    schedule: str, unsharded: bool, kept: int
+) -> None:
+    """PipelineStage runs every backward but the step's last with FSDP2's set_reshard_after_backward(False)
+    (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`): a backward that follows the stage's
+    previous one with no forward between (GPipe's second) finds all of the stage's blocks still unsharded
+    (`regathered`, 10 here), not only the one it runs; under 1F1B the last stage's forward before each backward has
+    resharded them block by block."""
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule)
+    order = schedule_order(parallel, 4, 1)
+    # the accumulated gradient (100) makes a later backward the worst, as on tiny under FSDP2
+    peak = peak_in_flight(order, {0: 100, 1: 100}, {}, growth=100, regathered={0: 10, 1: 10})
+    assert (peak.done, peak.unsharded, peak.kept) == (1, unsharded, kept)
+
+
 @pytest.fixture(scope="module")
 def plans() -> dict[str, object]:
     return {
