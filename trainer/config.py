@@ -687,6 +687,26 @@ class OptimConfig:
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
+def model_parallel_refusals(config: TrainConfig) -> tuple[tuple[bool, str, str], ...]:
+    """What neither tensor nor pipeline parallelism composes with here: (refused, key, way out)."""
+    zero = config.zero
+    return (
+        (zero.stage == Stage.stage1, "zero=stage1", "use zero=stage0, stage2 or stage3"),
+        (zero.shard_ranks is not None, "zero.shard_ranks", "use zero.shard_ranks=null"),
+        (zero.hpz_ranks is not None, "zero.hpz_ranks", "use zero.hpz_ranks=null"),
+        (zero.compression != Compression.none, "zero.compression", "use zero.compression=none"),
+        (zero.sync_every > 1, "zero.sync_every", "use zero.sync_every=1"),
+        (config.compile, "compile=true", "use compile=false"),
+        (config.model.weights is not None, "model.weights", "use model.weights=null"),
+        (config.precision.is_fp8, "precision=fp8", "use precision=bf16"),
+        (
+            config.data.kind == DataKind.text and config.data.packing == Packing.document,
+            "data.packing=document",
+            "use data.packing=concat",
+        ),
+    )
+
+
 # parallel.pp_schedule: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
 # ScheduleInterleaved1F1B. A str, not an Enum: OmegaConf matches Enum members by name, and "1f1b"
 # cannot be a Python name.
@@ -802,21 +822,9 @@ class ParallelConfig:
                 "loss=chunked",
                 "use loss=full (loss_parallel shards the logits)",
             ),
-            (config.zero.stage == Stage.stage1, "zero=stage1", "use zero=stage0, stage2 or stage3"),
-            (config.zero.shard_ranks is not None, "zero.shard_ranks", "use zero.shard_ranks=null"),
-            (config.zero.hpz_ranks is not None, "zero.hpz_ranks", "use zero.hpz_ranks=null"),
-            (config.zero.compression != Compression.none, "zero.compression", "use zero.compression=none"),
-            (config.zero.sync_every > 1, "zero.sync_every", "use zero.sync_every=1"),
-            (config.compile, "compile=true", "use compile=false"),
             # Not yet proven: the weights' reader slices FSDP2's shards, not tensor-parallel ones; and
             # the block-causal mask's attention under sequence parallelism.
-            (config.model.weights is not None, "model.weights", "use model.weights=null"),
-            (config.precision.is_fp8, "precision=fp8", "use precision=bf16"),
-            (
-                config.data.kind == DataKind.text and config.data.packing == Packing.document,
-                "data.packing=document",
-                "use data.packing=concat",
-            ),
+            *model_parallel_refusals(config),
         )
         for refused, key, way_out in refusals:
             _require(not refused, f"{tp} with {key} is not supported; {way_out} or parallel.tp=1")
@@ -836,11 +844,7 @@ class ParallelConfig:
                 "loss=chunked",
                 "use loss=full (the last stage takes the loss)",
             ),
-            (config.zero.stage == Stage.stage1, "zero=stage1", "use zero=stage0, stage2 or stage3"),
-            (config.zero.shard_ranks is not None, "zero.shard_ranks", "use zero.shard_ranks=null"),
-            (config.zero.hpz_ranks is not None, "zero.hpz_ranks", "use zero.hpz_ranks=null"),
-            (config.zero.compression != Compression.none, "zero.compression", "use zero.compression=none"),
-            (config.zero.sync_every > 1, "zero.sync_every", "use zero.sync_every=1"),
+            *model_parallel_refusals(config),
             # The schedule reduces the gradients once, after the step's last backward (PipelineStage).
             (
                 config.zero.reduce_every != ReduceEvery.step,
@@ -852,18 +856,10 @@ class ParallelConfig:
                 "zero.reshard_after_backward=false",
                 "use zero.reshard_after_backward=true",
             ),
-            (config.compile, "compile=true", "use compile=false"),
-            (config.model.weights is not None, "model.weights", "use model.weights=null"),
             (
                 config.model.tie_embeddings,
                 "model.tie_embeddings=true",
                 "the embedding (first stage) and the head (last stage) cannot share one weight; use a model without tied embeddings",
-            ),
-            (config.precision.is_fp8, "precision=fp8", "use precision=bf16"),
-            (
-                config.data.kind == DataKind.text and config.data.packing == Packing.document,
-                "data.packing=document",
-                "use data.packing=concat",
             ),
             (config.eval.every > 0, "eval.every", "use eval.every=0"),
             (config.fault.kind != FaultKind.none, "fault.kind", "use fault.kind=none"),
