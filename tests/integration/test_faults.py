@@ -125,6 +125,6 @@ def test_wandb_dying_mid_run_leaves_one_warning_and_an_ok_job(tmp_path: Path) ->
     run = Run(proc.returncode, stdout, stderr, out_dir)
     assert run.returncode == 0 and run.summary["status"] == "ok", stderr
     assert error_lines(stderr) == [
-        "warning: W&B stopped working (ConnectionResetError: Connection lost); metrics.jsonl and summary.json are complete"
+        "warning: W&B stopped working (ConnectionError: lost the connection to the W&B service process); metrics.jsonl and summary.json are complete"
     ]
     assert [r["step"] for r in run.records] == list(range(1, 21))

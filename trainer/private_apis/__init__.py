@@ -24,6 +24,7 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `ScheduleInterleaved1F1B._calculate_single_rank_operations` | the order of one rank's forwards and backwards, which the plan needs before any stage or process group exists (a schedule object needs both) | `of_torch.interleaved_1f1b_order` |
 | `LRScheduler._last_lr` | what `get_last_lr()` returns after a rewind; LambdaLR has no setter | `of_torch.set_last_lr` |
 | `wandb.sdk.lib.runid.generate_id` | `wandb.util.generate_id` is gone in wandb 0.31 | `of_wandb.generate_run_id` |
+| `wandb.sdk.mailbox` `MailboxClosedError`, `HandleAbandonedError` | what a call raises once the service process is gone (no public error class for it) | `of_wandb.service_lost_errors` |
 | `wandb_workspaces` `Report._to_model`, `Report._from_model`, `reports.v2.internal.ReportViewspec` | the Report's serialised form, offline (the library saves it only to a server) | `of_wandb.report_json`, `of_wandb.report_from_json` |
 | `submitit.JobEnvironment._usr_sig` | the signal submitit's requeue handler is installed for | `of_submitit.requeue_signal` |
 

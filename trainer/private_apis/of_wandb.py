@@ -13,6 +13,15 @@ def generate_run_id() -> str:
     return generate_id()
 
 
+def service_lost_errors() -> tuple[type[BaseException], ...]:
+    """What a wandb call raises once its service process is gone, by when the call meets the loss:
+    the socket's write (ConnectionError and its subclasses: reset, broken pipe), the closed mailbox
+    (MailboxClosedError) or a request whose answer will never come (HandleAbandonedError)."""
+    from wandb.sdk.mailbox import HandleAbandonedError, MailboxClosedError
+
+    return (ConnectionError, MailboxClosedError, HandleAbandonedError)
+
+
 def report_json(report: Any) -> str:
     """A wandb-workspaces Report's serialised form: the ReportViewspec the library sends on save."""
     return report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=1)

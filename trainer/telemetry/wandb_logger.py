@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from trainer.config import LoggerBackend, LoggerConfig
 from trainer.console import warn
 from trainer.jsonl import parse_line
-from trainer.private_apis.of_wandb import generate_run_id
+from trainer.private_apis.of_wandb import generate_run_id, service_lost_errors
 from trainer.telemetry.keys import MICRO_BATCH_AUTO, Status
 from trainer.telemetry.summary import redact_secrets
 from trainer.telemetry.wandb_run import SUMMARIZED_BY_WANDB, define_metrics, describe_job, steady_figures
@@ -99,9 +99,18 @@ class WandbLogger:
             self.failed = True
             warn(
                 redact_secrets(
-                    f"W&B stopped working ({type(err).__name__}: {err}); metrics.jsonl and summary.json are complete"
+                    f"W&B stopped working ({describe_failure(err)}); metrics.jsonl and summary.json are complete"
                 )
             )
+
+
+def describe_failure(err: Exception) -> str:
+    """A failed W&B call in words. A dead service process fails whichever call meets it first, with
+    whichever error that call's path raises (service_lost_errors): one sentence for them all, so
+    the warning says what happened, not where the call was when it found out."""
+    if isinstance(err, service_lost_errors()):
+        return "ConnectionError: lost the connection to the W&B service process"
+    return f"{type(err).__name__}: {err}"
 
 
 class MetricsTail(threading.Thread):
