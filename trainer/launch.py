@@ -79,7 +79,7 @@ def launch_local(
         rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method=fork_server(),
+        start_method=fork_server(plain),
         # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
         # into a SignalException and SIGTERM the ranks mid-step.
         signals_to_handle=",".join(AGENT_SIGNALS),

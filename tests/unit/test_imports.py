@@ -178,7 +178,8 @@ def preloaded(graph: dict[str, Imports]) -> set[str]:
         if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("set_forkserver_preload")
     ]
     assert len(calls) == 1, "trainer/rank/main.py names the fork server's preload once"
-    names = {elt.value for elt in calls[0].args[0].elts}  # a list of string constants
+    # A list of string constants, after torch's modules that some jobs add (`*wrapped`: not trainer's)
+    names = {elt.value for elt in calls[0].args[0].elts if isinstance(elt, ast.Constant)}
     assert names and names <= set(graph), names
     return names
 

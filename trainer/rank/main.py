@@ -25,14 +25,25 @@ from trainer.telemetry.keys import Status
 from trainer.world import init_world, shutdown_world
 
 
-def fork_server() -> str:
+def fork_server(plain: dict[str, Any] | None = None) -> str:
     """The ranks' start method: each rank forks from multiprocessing's fork server, which has
     imported the ranks' modules once (trainer/rank/preload.py). Under spawn every rank imported
     torch and the trainer afresh, which cost more than a short job's training. The server is a
     fresh, single-threaded process that never touches a device, so CUDA is as safe as under
-    spawn; it lives as long as this process, so the later jobs of a sweep fork from it at once."""
-    multiprocessing.set_forkserver_preload(["trainer.rank.preload"])
+    spawn; it lives as long as this process, so the later jobs of a sweep fork from it at once.
+
+    torch.distributed.optim is preloaded only for a job (`plain`, the first of a sweep) whose ranks
+    wrap their optimizer in it (wraps_optimizer): it scripts its functional optimizers with
+    TorchScript when imported, a third of a CPU-second that every other job's server skips."""
+    wrapped = ["torch.distributed.optim"] if plain is not None and wraps_optimizer(plain) else []
+    multiprocessing.set_forkserver_preload([*wrapped, "trainer.rank.preload"])
     return "forkserver"
+
+
+def wraps_optimizer(plain: dict[str, Any]) -> bool:
+    """The ranks build ZeroRedundancyOptimizer (zero=stage1) or PostLocalSGDOptimizer
+    (zero.sync_every > 1), both from torch.distributed.optim (trainer/rank/optim.py)."""
+    return plain["zero"]["stage"] == "stage1" or plain["zero"]["sync_every"] > 1
 
 
 @record

@@ -7,6 +7,7 @@ builds them (trainer/rank/loop.py), which sits above them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,11 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     (trainer/telemetry/metrics.py) and DCP's state-dict helpers (trainer/saves/dcp.py) can name and measure;
     here, in a leaf module, so that they need not import the rank's package above them.
     """
-    # Imported here, not at the top: torch.distributed.optim imports FSDP and DTensor (about a
-    # second), and the job process imports this module too (trainer/saves/dcp.py, telemetry).
-    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
-
-    wrappers = (ZeroRedundancyOptimizer, PostLocalSGDOptimizer)
+    # Looked up, not imported: torch.distributed.optim imports FSDP and DTensor and scripts its
+    # functional optimizers (about a second), the job process imports this module too
+    # (trainer/saves/dcp.py, telemetry), and a rank that never imported it built neither wrapper.
+    wrappers_module = sys.modules.get("torch.distributed.optim")
+    if wrappers_module is None:
+        return optimizer
+    wrappers = (wrappers_module.ZeroRedundancyOptimizer, wrappers_module.PostLocalSGDOptimizer)
     return optimizer.optim if isinstance(optimizer, wrappers) else optimizer
