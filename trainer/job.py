@@ -70,11 +70,12 @@ from trainer.telemetry.summary import (
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
-# A job that trains imports more: the elastic launcher (trainer/launch.py), the save format
-# (trainer/saves/resume.py, torch.distributed.checkpoint) and the sharding wrappers. They are
-# imported where a job starts training, so that mode=plan, which plans for any cluster and starts
-# no rank, does not pay for them (tests/unit/test_imports.py checks that a plan job loads no
-# elastic launcher).
+# A job that trains imports more: the elastic launcher (trainer/launch.py), and the save format
+# (trainer/saves/resume.py, torch.distributed.checkpoint) only when it resumes. They are imported
+# where a job starts training, so that mode=plan, which plans for any cluster and starts no rank,
+# does not pay for them. What only the ranks use (FSDP2, DTensor, DCP, the compiler) this process
+# never imports for a job that does not resume: the ranks' refusals it checks are in
+# trainer/rank/refusals.py, apart from the sharding they guard (tests/unit/test_imports.py checks both).
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,8 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             from trainer.advise.advisor import check_advice_inputs
 
             check_advice_inputs(config, world_size)
-        if config.mode == Mode.train and not is_under_torchrun():
-            from trainer.saves.resume import prepare_resume
+        if config.mode == Mode.train and not is_under_torchrun() and config.resume != "false":
+            from trainer.saves.resume import prepare_resume  # DCP: only for a job that resumes
 
             config, out_dir = prepare_resume(config, out_dir, world_size)
         if config.mode == Mode.train and weights:
@@ -192,8 +193,7 @@ def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
     """A job that trains here: its device and ranks as this host has them, the stage on that
     device, the data, and this node's place in a multi-node job."""
     from trainer.cluster import place_node
-    from trainer.rank.precision import check_fp8_support
-    from trainer.rank.sharding import check_device_support
+    from trainer.rank.refusals import check_device_support, check_fp8_support
 
     device_kind = resolve_device_kind(config.device)
     nproc = resolve_nproc(config.nproc, device_kind)
@@ -282,7 +282,7 @@ def train_ranks(
     from trainer.cluster import job_failure
     from trainer.faults.failures import failure_path
     from trainer.launch import RankFailure, launch_local
-    from trainer.saves.resume import count_restarts
+    from trainer.saves.restarts import count_restarts
 
     restarts_before = count_restarts(out_dir)
     if job_stop.stop is not None:  # a signal came before the ranks started: start none

@@ -12,7 +12,9 @@ module is the program, and `python -m trainer.report` once ran report.py's body 
   process owns the W&B run; a launched rank is handed a plain config, never a Hydra one; under
   torchrun each rank is a `python -m trainer` process, trainer/job.py `run_under_torchrun`);
 - trainer/plan/ imports no rank-only module: the plan is known before any rank starts;
-- a `mode=plan` job loads no elastic launcher (checked on `sys.modules` in a real job process).
+- a `mode=plan` job loads no elastic launcher, and the process of a job that trains without
+  resuming loads none of the ranks' sharding, DTensor, checkpoint or compiler modules
+  (checked on `sys.modules` in a real job process), nor does the advisor.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "trainer"
 NEVER_ON_THE_RANK_PATH = ("wandb", "wandb_workspaces", "hydra")
 ELASTIC_LAUNCHER = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+RANKS_ONLY = (
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+)
+"""What only the ranks use: a tiny job's job process that imported them spent 3.9 CPU-s, not 2.9."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.__main__", "trainer.cli", "trainer.export"),  # the entries: compose, check, dispatch; export
@@ -355,23 +364,57 @@ def test_the_plan_imports_no_rank_only_module() -> None:
     assert sorted(plan & rank_only) == []
 
 
-def test_a_plan_job_loads_no_elastic_launcher(tmp_path: Path) -> None:
-    """`python -m trainer mode=plan` in a real process, then which torch.distributed modules it
-    loaded: planning for any cluster starts no rank and needs no launcher."""
+def job_process_modules(tmp_path: Path, overrides: list[str], prefix: str) -> tuple[str, list[str]]:
+    """`python -m trainer <overrides>` in a real process: its stdout, and the modules under
+    `prefix` that this process (not its ranks) had loaded when it ended."""
     probe = (
         "import json, runpy, sys\n"
-        f"sys.argv = ['trainer', 'mode=plan', 'logger=none', 'hydra.run.dir={tmp_path}']\n"
+        f"sys.argv = ['trainer', *{overrides!r}, 'hydra.run.dir={tmp_path}']\n"
         "try:\n"
         "    runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
         "finally:\n"
-        "    print(json.dumps(sorted(m for m in sys.modules if m.startswith('torch.distributed'))))\n"
+        f"    print(json.dumps(sorted(m for m in sys.modules if m.startswith({prefix!r}))))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    assert "peak" in done.stdout  # the plan was printed: the plan path ran
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_plan_job_loads_no_elastic_launcher(tmp_path: Path) -> None:
+    """`python -m trainer mode=plan` in a real process, then which torch.distributed modules it
+    loaded: planning for any cluster starts no rank and needs no launcher."""
+    stdout, loaded = job_process_modules(tmp_path, ["mode=plan", "logger=none"], "torch.distributed")
+    assert "peak" in stdout  # the plan was printed: the plan path ran
     assert "torch.distributed" in loaded  # the probe sees modules
     assert [m for m in loaded if m.startswith(ELASTIC_LAUNCHER)] == []
+
+
+def test_a_training_job_process_loads_nothing_only_the_ranks_use(tmp_path: Path) -> None:
+    """A tiny job that trains on 2 ranks, then what its job process loaded: the ranks (forked from
+    the fork server, which preloads them) shard, save and compile; the job process that checks,
+    plans and launches them does none of it."""
+    overrides = [
+        "model=tiny", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "steps=1", "save=off", "nproc=2",
+    ]  # fmt: skip
+    _, loaded = job_process_modules(tmp_path, overrides, "torch")
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"  # it trained
+    assert "torch.distributed.elastic.agent.server.api" in loaded  # the probe sees the launcher it ran
+    found = sorted({".".join(m.split(".")[:3]) for m in loaded if m.startswith(RANKS_ONLY)})
+    assert found == [], f"the job process imported modules only the ranks use: {found}"
+
+
+def test_the_advisor_loads_nothing_only_the_ranks_use() -> None:
+    """mode=advise and micro_batch=auto plan in the job process too (trainer/advise/, trainer/autobatch.py)."""
+    probe = (
+        "import json, sys\n"
+        "import trainer.advise.advisor, trainer.advise.fit, trainer.autobatch\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({RANKS_ONLY!r}))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = sorted({".".join(m.split(".")[:3]) for m in json.loads(done.stdout)})
+    assert found == [], f"the advisor imported modules only the ranks use: {found}"

@@ -47,7 +47,7 @@ from trainer.config import (
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
 from trainer.plan import LINKS, Plan, build_plan, cause_of, device_memory, shard_groups
-from trainer.rank.sharding import check_device_support
+from trainer.rank.refusals import check_device_support
 from trainer.telemetry.metrics import mfu_pct
 from trainer.units import GIB
 

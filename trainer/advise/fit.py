@@ -17,7 +17,7 @@ from typing import Any
 from trainer.advise.advisor import CHOSEN_KEYS, choices, command_args, configure
 from trainer.config import ConfigError, Mode, TrainConfig
 from trainer.plan import build_plan, shard_groups
-from trainer.rank.sharding import check_device_support
+from trainer.rank.refusals import check_device_support
 from trainer.units import GIB
 
 AUTO_MAX = 32

@@ -8,6 +8,7 @@
 - pipeline.py: pipeline parallelism (parallel.pp): the (dp, pp) mesh, each rank's stages, the schedule, idle time and bytes sent;
 - compression.py: DDP's gradient compression hooks (PowerSGD, TopK) and local SGD;
 - precision.py: autocast, FSDP2's MixedPrecisionPolicy, the loss scaler;
+- refusals.py: what the ranks would refuse (DDP's bf16 hook off CUDA, fp8's limits), checked in the job process;
 - optim.py: AdamW, its ZeRO-1 sharding, the schedule, clipping;
 - evaluate.py: the held-out loss (`loss/val`) every eval.every steps;
 - nonfinite.py: the non-finite policy, agreed by every rank before each step;

@@ -14,8 +14,7 @@ from torch.amp import GradScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from trainer.config import ConfigError, DType, Fp8Recipe, PrecisionConfig, ReduceDType, ZeroConfig
-from trainer.model.fp8 import float8_config
+from trainer.config import DType, PrecisionConfig, ReduceDType, ZeroConfig
 from trainer.private_apis.of_torch import scale_on_device
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
@@ -77,31 +76,6 @@ def update_loss_scale(scaler: GradScaler, min_loss_scale: float) -> None:
     if scaler.is_enabled():
         scale = scale_on_device(scaler)  # the scale tensor itself; GradScaler has no public getter
         scaler.update(new_scale=torch.clamp(scale, min=min_loss_scale))
-
-
-def check_fp8_support(precision: PrecisionConfig, zero: ZeroConfig, device_kind: str) -> None:
-    """Refuse before any rank starts what precision=fp8 cannot run here: torchao absent, fp8
-    all-gather off CUDA (gloo carries no float8 dtype) or without FSDP2, and torchao's emulated
-    rowwise_with_gw_hp under autocast (its backward mixes the bf16 gradient with the fp32 input)."""
-    if not precision.is_fp8:
-        return
-    float8_config(precision, device_kind)  # one line naming the extra when torchao is absent
-    recipe = precision.fp8_recipe.value
-    if precision.fp8_all_gather and device_kind != "cuda":
-        raise ConfigError(
-            f"precision.fp8_all_gather=true needs CUDA and NCCL: the {device_kind} ranks' gloo backend cannot "
-            "all-gather float8 tensors; use precision.fp8_all_gather=false"
-        )
-    if precision.fp8_all_gather and not zero.uses_fsdp:
-        raise ConfigError(
-            f"precision.fp8_all_gather=true with zero={zero.stage.value}: only FSDP2 all-gathers weights; "
-            "use zero=stage2 or stage3, or precision.fp8_all_gather=false"
-        )
-    if precision.fp8_recipe == Fp8Recipe.rowwise_with_gw_hp and device_kind != "cuda" and not zero.uses_fsdp:
-        raise ConfigError(
-            f"precision.fp8_recipe={recipe} with zero={zero.stage.value} on {device_kind}: torchao's emulated "
-            "backward fails under autocast; use precision.fp8_recipe=tensorwise or rowwise, or zero=stage2 or stage3"
-        )
 
 
 def precompute_fp8_scales(model: torch.nn.Module, precision: PrecisionConfig) -> None:

@@ -23,7 +23,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import (
-    ConfigError,
     OffloadConfig,
     OffloadTarget,
     PrecisionConfig,
@@ -79,16 +78,6 @@ def apply_zero(
         ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
     apply_compression(ddp, zero)  # zero.compression or local SGD: another hook (never with bf16's)
     return ddp
-
-
-def check_device_support(zero: ZeroConfig, device_kind: str) -> None:
-    """Refuse before any rank starts what DDP would refuse in every rank: torch's bf16_compress_hook
-    is allowed only on CUDA with NCCL (DistributedDataParallel.register_comm_hook checks it by name)."""
-    if zero.reduce_dtype == ReduceDType.bf16 and not zero.uses_fsdp and device_kind != "cuda":
-        raise ConfigError(
-            f"zero.reduce_dtype=bf16 with zero={zero.stage.value} needs CUDA and NCCL (torch's bf16_compress_hook for DDP); "
-            f"on {device_kind} use zero.reduce_dtype=fp32, or zero=stage2 or stage3 (FSDP2 reduces in bf16 on gloo too)"
-        )
 
 
 def state_device(offload: OffloadConfig, world: World) -> torch.device:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, TrainConfig, from_plain, to_plain
-from trainer.jsonl import parse_line, read_jsonl
+from trainer.jsonl import parse_line
 from trainer.rank.trainee import Trainee
 from trainer.saves.dcp import (
     METADATA,
@@ -140,11 +140,6 @@ def rewind_metrics(run_dir: Path, step: int) -> None:
     tmp = path.with_name(".metrics.jsonl.rewind")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
-
-
-def count_restarts(run_dir: Path) -> int:
-    """Launcher restarts recorded in the run's restarts.jsonl (log_restart writes one line each)."""
-    return len(read_jsonl(run_dir / "restarts.jsonl"))
 
 
 # ----------------------------------------------------------------------------- in the ranks

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
@@ -356,6 +355,10 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     storage counted once. numel() would miss FSDP2's padding: a sharded parameter is a view into
     its padded shard (dim 0 rounded up to a multiple of the ranks, so the last rank's view is
     shorter than what it holds), and a gradient a view into its group's reduce-scatter output."""
+    # Here, not at the top: the advisor imports this module (mfu_pct) in the job process, which
+    # would otherwise load DTensor for nothing (tests/unit/test_imports.py).
+    from torch.distributed.tensor import DTensor
+
     storages: dict[tuple[torch.device, int], int] = {}
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
