@@ -16,7 +16,8 @@ row: the three files a device tool that brings back only a few shallow files ret
 This file is the command; the check is benchmarks/gpucheck/: the jobs and their budgets in
 catalog.py, the rows, most valuable first, in rows.py (docs/gpu.md tabulates them with the time
 estimate), how jobs run in scheduler.py and runner.py, results.md and results.json in report.py. --dry-run runs the same sequence on CPU with the tiny
-model (rows that need CUDA say `skip`), to prove the script before GPU time is spent on it.
+model (rows that need CUDA say `skip`; the fault and comparison jobs as the points of one sweep, which
+start once), to prove the script before GPU time is spent on it.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ class JobSpec:
     """Run even where an earlier job has the same overrides (the second of two identical runs)."""
     resolve: Callable[[Setup], tuple[str, ...]] | None = None
     """Overrides known only once `after` has ended (the limit rows' micro-batch), instead of `overrides`."""
+    points: tuple[JobSpec, ...] = ()
+    """A dry run's sweep: these trainer jobs as the points of one Hydra multirun (scheduler.run_sweep)."""
 
 
 def job_dir(setup: Setup, name: str) -> Path:
@@ -218,9 +220,14 @@ def advisor_predictions(setup: Setup) -> dict[str, dict[str, Any]]:
 def all_jobs(setup: Setup) -> list[JobSpec]:
     """Every job, in the order they start: the rows' order (most valuable first), but for the gpu
     tests, which run beside the shared jobs rather than hold the exclusive throughput jobs back
-    (their row waits, the table's order stays)."""
+    (their row waits, the table's order stays). In a dry run the fault and comparison jobs, which
+    wait for no other job, are the points of one Hydra multirun in the fault jobs' place: on CPU most
+    of a short job's seconds are its start (its process and fork server), which a sweep's points share."""
     environment, gpu_tests, probe, plans = helper_jobs(setup)
     first_save, *saves = save_jobs(setup)
+    faults, comparisons = fault_jobs(setup), comparison_jobs(setup)
+    if setup.dry_run:
+        faults, comparisons = [JobSpec("dry_run_sweep", points=(*faults, *comparisons))], []
     return [
         environment,
         *throughput_jobs(setup),
@@ -229,11 +236,11 @@ def all_jobs(setup: Setup) -> list[JobSpec]:
         gpu_tests,
         plans,
         *saves,
-        *fault_jobs(setup),
+        *faults,
         *limit_jobs(setup),
         JobSpec("oom", oom_overrides(setup)),
         JobSpec("auto_batch", auto_batch_overrides(setup), budget_s=150, estimate_s=45),
-        *comparison_jobs(setup),
+        *comparisons,
     ]
 
 

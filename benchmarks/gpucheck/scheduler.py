@@ -1,9 +1,11 @@
 """Running the catalog's jobs: each under its budget and the deadline, up to a few at once, an
-exclusive one alone; what each left (its status, summary.json, metrics.jsonl, its console's tail)."""
+exclusive one alone (a dry run's sweep: several jobs as the points of one multirun); what each left
+(its status, summary.json, metrics.jsonl, its console's tail)."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpucheck.catalog import JobSpec, Setup, job_dir
-from benchmarks.gpucheck.runner import run_process, session_env, trainer_command
+from benchmarks.gpucheck.runner import REPO, run_process, session_env, trainer_command
 
 TAIL_LINES = 15
 
@@ -44,12 +46,53 @@ class Job:
         return max(values) if values else None
 
 
+HANG = ("steps=1000000", "log_every=1")
+"""--inject-hang's job does not end by itself: only the kill ends it."""
+POINT_GROUP = "gpucheck"
+"""The config group a dry run's sweep picks its points from (one generated file per point)."""
+
+
 def trainer_args(setup: Setup, spec: JobSpec, overrides: list[str]) -> list[str]:
-    if spec.name == setup.hang:  # a job that does not end by itself: only the kill ends it
-        overrides += ["steps=1000000", "log_every=1"]
+    if spec.name == setup.hang:
+        overrides += HANG
     saves = ["save=off"] if not any(o.startswith("save.") for o in overrides) else []
     return trainer_command(f"device={spec.device or setup.device}", "nproc=1", "logger=none", *saves,
                            *overrides, f"hydra.run.dir={job_dir(setup, spec.name)}")  # fmt: skip
+
+
+def point_config(overrides: tuple[str, ...]) -> str:
+    """A job's command-line overrides as a config file that one sweep point picks: `group=option`
+    as a defaults-list override, any other key as a value (the last of a key's overrides wins, as on
+    the command line), both applied after conf/train.yaml's as the command line's are."""
+    from omegaconf import OmegaConf
+
+    groups: dict[str, str] = {}
+    values: list[str] = []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if (REPO / "conf" / key).is_dir():
+            groups[key] = value
+        else:
+            values.append(override)
+    defaults = [f"  - override /{key}: {value}" for key, value in groups.items()]
+    return "\n".join(
+        ["# @package _global_", "defaults:", *defaults, OmegaConf.to_yaml(OmegaConf.from_dotlist(values))]
+    )
+
+
+def sweep_args(setup: Setup, spec: JobSpec) -> list[str]:
+    """`python -m trainer -m` over the points of `spec`, each from a file under jobs/<spec>_points/
+    and run into jobs/<spec>/<point>/."""
+    configs = job_dir(setup, f"{spec.name}_points")
+    (configs / POINT_GROUP).mkdir(parents=True, exist_ok=True)
+    for point in spec.points:
+        overrides = (*point.overrides, *(HANG if point.name == setup.hang else ()))
+        (configs / POINT_GROUP / f"{point.name}.yaml").write_text(point_config(overrides))
+    return trainer_command("-m", f"device={setup.device}", "nproc=1", "logger=none", "save=off",
+                           f"hydra.searchpath=[file://{configs}]",
+                           f"+{POINT_GROUP}={','.join(point.name for point in spec.points)}",
+                           f"hydra.sweep.dir={job_dir(setup, spec.name)}",
+                           f"hydra.sweep.subdir=${{hydra:runtime.choices.{POINT_GROUP}}}")  # fmt: skip
 
 
 def read_job(setup: Setup, name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -91,6 +134,47 @@ def run_job(setup: Setup, spec: JobSpec) -> Job:
     return Job(spec.name, status, summary, records, tail(log), seconds, killed, survivors, tuple(overrides))
 
 
+def run_sweep(setup: Setup, spec: JobSpec) -> list[Job]:
+    """A dry run's sweep, cut at the deadline; each point's Job as if it had run alone: jobs/<point>
+    links to its directory, logs/<point>.log holds its part of the sweep's console."""
+    remaining = setup.deadline - time.monotonic()
+    if remaining <= 0:
+        return [Job(point.name, "skipped") for point in spec.points]
+    log = setup.out / "logs" / f"{spec.name}.log"
+    start = time.perf_counter()
+    code, killed, survivors = run_process(
+        sweep_args(setup, spec), log, remaining, session_env(WANDB_MODE="disabled")
+    )
+    seconds, consoles = time.perf_counter() - start, point_consoles(log)
+    jobs = []
+    for point in spec.points:
+        if (job_dir(setup, spec.name) / point.name).exists():
+            job_dir(setup, point.name).symlink_to(Path(spec.name) / point.name)
+        point_log = setup.out / "logs" / f"{point.name}.log"
+        point_log.write_text(consoles.get(point.name, ""))
+        summary, records = read_job(setup, point.name)
+        status = summary.get("status") or ("timeout" if code is None else f"exit {code}")
+        jobs.append(Job(point.name, status, summary, records, tail(point_log), seconds, killed, survivors,
+                        point.overrides))  # fmt: skip
+    return jobs
+
+
+def run_alone(setup: Setup, spec: JobSpec) -> list[Job]:
+    return [run_job(setup, spec)]
+
+
+def point_consoles(log: Path) -> dict[str, str]:
+    """The sweep's console cut where Hydra announces each point (`#3 : ... +gpucheck=NAME`)."""
+    consoles: dict[str, str] = {}
+    name = None
+    for line in log.read_text(errors="replace").splitlines(keepends=True):
+        if (announced := re.search(rf"\[HYDRA\]\s+#\d+ : .*\+{POINT_GROUP}=(\S+)", line)) is not None:
+            name = announced.group(1)
+        if name is not None:
+            consoles[name] = consoles.get(name, "") + line
+    return consoles
+
+
 class Scheduler:
     """Runs the jobs in order on a thread of its own; rows wait for theirs with `get`.
 
@@ -100,14 +184,16 @@ class Scheduler:
 
     def __init__(self, setup: Setup, specs: list[JobSpec], workers: int) -> None:
         self.setup, self.workers = setup, workers
-        self.futures: dict[str, Future[Job]] = {spec.name: Future() for spec in specs}
+        self.futures: dict[str, Future[Job]] = {
+            s.name: Future() for spec in specs for s in spec.points or (spec,)
+        }
         # A dry run gives 125m and 1b the same tiny model: a job equal to an earlier one is run once.
         first: dict[Any, str] = {}
         self.specs, self.aliases = [], {}
         for spec in specs:
             key = (
                 (spec.command, spec.overrides, spec.device)
-                if not spec.unique and spec.resolve is None
+                if not spec.unique and spec.resolve is None and not spec.points
                 else spec.name
             )
             if key in first:
@@ -122,7 +208,7 @@ class Scheduler:
         return self.futures[self.aliases.get(name, name)].result()
 
     def _run(self) -> None:
-        running: dict[Future[Job], bool] = {}  # future -> exclusive
+        running: dict[Future[list[Job]], bool] = {}  # future -> exclusive
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             for spec in self.specs:
                 exclusive = spec.exclusive and not self.setup.dry_run
@@ -132,16 +218,17 @@ class Scheduler:
                         running.pop(future)
                 if spec.after is not None:
                     self.get(spec.after)
-                future = pool.submit(run_job, self.setup, spec)
-                future.add_done_callback(lambda f, name=spec.name: self._settle(name, f))
+                future = pool.submit(run_sweep if spec.points else run_alone, self.setup, spec)
+                future.add_done_callback(lambda f, spec=spec: self._settle(spec, f))
                 running[future] = exclusive
 
-    def _settle(self, name: str, future: Future[Job]) -> None:
+    def _settle(self, spec: JobSpec, future: Future[list[Job]]) -> None:
         error = future.exception()
-        if error is not None:
-            self.futures[name].set_result(Job(name, f"error: {type(error).__name__}: {error}"))
-        else:
-            self.futures[name].set_result(future.result())
+        for name in [point.name for point in spec.points] or [spec.name]:
+            if error is not None:
+                self.futures[name].set_result(Job(name, f"error: {type(error).__name__}: {error}"))
+        for job in future.result() if error is None else []:
+            self.futures[job.name].set_result(job)
 
 
 def failed(job: Job) -> str:

@@ -132,15 +132,19 @@ def test_dry_run_produces_every_row_and_passes(
     assert not any("checkpoints" in name for name in names) and (jobs / "cpu_save" / "checkpoints").exists()
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[2] == "| check | status | figures | note | s |" and len(table) == 4 + len(ROWS)
-    # At most 280 CPU-seconds: 240 held the dry run before issue 40 added the op, chunked-loss,
+    # At most 190 CPU-seconds: 240 held the dry run before issue 40 added the op, chunked-loss,
     # math-attention and advisor rows (250 CPU-s measured with them on 2 idle cores); issues 37 and 34
     # added micro_batch=auto's probes and the compiled fp8 pair (335 CPU-s measured with them). With
     # OpenMP's threads waiting passively (tests/conftest.py; a 1-rank job's rank spun 5 of its 6 CPU-s)
     # and the launcher's cheaper rendezvous events it measured 208 and 215 CPU-s (2 cores under a load
-    # average of 6-15). The wall time on a shared machine says more about the neighbours than about
-    # the check, so it is printed, not asserted.
+    # average of 6-15); on 2026-12-03, 223 (load average 2.5-4) and 171 (2), each job paying 6-7
+    # CPU-s to start (its process and fork server) and under one to train. With the 14 fault and
+    # comparison jobs the points of one sweep, which starts once (catalog.all_jobs), it measured 149
+    # (load average 2.5), 108 and 114 (2): the bound leaves the highest 27%.
+    # The wall time on a shared machine says more about the neighbours than about the check, so it
+    # is printed, not asserted.
     print(f"dry run: {elapsed:.0f} s wall, {cpu_s:.0f} CPU-s")
-    assert cpu_s <= 280
+    assert cpu_s <= 190
 
 
 def alive(pid: int) -> bool:

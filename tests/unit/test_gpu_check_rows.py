@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.gpucheck import catalog, memory, report
 from benchmarks.gpucheck import rows as check
-from tests.helpers import REPO
+from tests.helpers import REPO, compose
 from trainer.plan.headroom import HEADROOM
 
 
@@ -250,6 +250,25 @@ def test_the_gpu_schedule_fits_the_deadline_and_docs_gpu_md_gives_it() -> None:
     jobs = [spec("a", estimate_s=10), spec("b", estimate_s=10), spec("x", estimate_s=5, exclusive=True),
             spec("c", estimate_s=10, after="x"), spec("d", estimate_s=10)]  # fmt: skip
     assert catalog.schedule_estimate(jobs, 2) == 10 + 5 + 10
+
+
+def test_a_dry_run_sweeps_the_fault_and_comparison_jobs_each_point_composed_as_its_command_line(
+    tmp_path: Path,
+) -> None:
+    """Every fault and comparison job is a point of the dry run's one sweep, and the file its point
+    picks composes the config its own command line does: what each row judges is unchanged."""
+    from benchmarks.gpucheck.scheduler import sweep_args
+
+    dry = check.Setup(dry_run=True, out=tmp_path, deadline=0.0)
+    (sweep,) = [spec for spec in catalog.all_jobs(dry) if spec.points]
+    assert sweep.points == (*catalog.fault_jobs(dry), *catalog.comparison_jobs(dry))
+    assert not any(spec.points for spec in catalog.all_jobs(check.Setup(False, tmp_path, 0.0)))
+    searchpath = next(arg for arg in sweep_args(dry, sweep) if arg.startswith("hydra.searchpath="))
+    base = ("device=cpu", "nproc=1", "logger=none", "save=off")
+    for point in sweep.points:
+        assert compose(*base, searchpath, f"+gpucheck={point.name}") == compose(*base, *point.overrides), (
+            point
+        )
 
 
 def test_the_bundle_holds_the_results_and_one_archive_without_checkpoints(tmp_path: Path) -> None:
