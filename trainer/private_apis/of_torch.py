@@ -97,11 +97,10 @@ def global_peak_mem_tracker() -> type:
     seen so far (its `memory_tracking` table) to raise each active one's own peak, then raises the
     global peak: on the tiny model the walk was most of a tracked CPU step's time. Here the table is
     hidden during that call, so torch's own code updates the global peak alone; the module hooks,
-    categories and snapshots are untouched. The pytree it rebuilds after every op is skipped too
-    (`__enter__`). (Imported when first used: it pulls in FSDP's modules.)"""
-    import torch.distributed._tools.mem_tracker as mem_tracker
+    categories and snapshots are untouched. (Imported when first used: it pulls in FSDP's modules.)"""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    class GlobalPeakMemTracker(mem_tracker.MemTracker):
+    class GlobalPeakMemTracker(MemTracker):
         def _update_peak_stats(self, peak_state: Any) -> None:
             modules, self.memory_tracking = self.memory_tracking, {}
             try:
@@ -109,32 +108,7 @@ def global_peak_mem_tracker() -> type:
             finally:
                 self.memory_tracking = modules
 
-        def __enter__(self) -> Any:
-            # torch's MemTracker visits each op's outputs (and each module's inputs and outputs) with
-            # `tree_map_only(Tensor, fn, tree)` and drops the tree it rebuilds (torch 2.11 and 2.13,
-            # mem_tracker.py's only two calls): rebuilding it was a tenth to a fifth of a tracked CPU
-            # step, measured on the tiny model. While this tracker is active the module's name is
-            # bound to `visit_tensors`, which makes the same calls in the same order and builds nothing.
-            if self._depth == 0:
-                self._tree_map_only, mem_tracker.tree_map_only = mem_tracker.tree_map_only, visit_tensors
-            return super().__enter__()
-
-        def __exit__(self, *args: Any) -> None:
-            super().__exit__(*args)
-            if self._depth == 0:
-                mem_tracker.tree_map_only = self._tree_map_only
-
     return GlobalPeakMemTracker
-
-
-def visit_tensors(cls: type, fn: Any, tree: Any) -> None:
-    """`fn` on every leaf of `tree` that is a `cls`, in pytree order: `tree_map_only`'s calls
-    without the tree it would rebuild from their results."""
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, cls):
-            fn(leaf)
 
 
 def import_rank_lazy_modules() -> None:

@@ -33,7 +33,6 @@ from trainer.private_apis.of_torch import (
     powersgd_hook_in_this_thread,
     scale_on_device,
     set_last_lr,
-    visit_tensors,
 )
 
 pytestmark = pytest.mark.torch_versions
@@ -111,24 +110,6 @@ def test_the_global_peak_tracker_peaks_where_torchs_mem_tracker_does() -> None:
     ours, torchs = peak(new_mem_tracker()), peak(MemTracker())
     assert type(new_mem_tracker()).__mro__[1] is MemTracker
     assert ours == torchs and ours["Total"] == sum(v for k, v in ours.items() if k != "Total")
-
-
-def test_the_tracker_visits_outputs_as_tree_map_only_does_and_puts_it_back() -> None:
-    """visit_tensors calls `fn` on the same leaves, in the same order, as torch's tree_map_only; the
-    mem_tracker module's name is bound to it only while our tracker is active."""
-    import torch.distributed._tools.mem_tracker as mem_tracker
-    from torch.utils._pytree import tree_map_only
-
-    tree = (torch.ones(1), [torch.zeros(2), 3, {"a": torch.ones(3), "b": None}], torch.Size([4]))
-    seen: dict[str, list] = {"ours": [], "torchs": []}
-    visit_tensors(torch.Tensor, lambda t: seen["ours"].append(t), tree)
-    tree_map_only(torch.Tensor, lambda t: seen["torchs"].append(t), tree)
-    assert [id(t) for t in seen["ours"]] == [id(t) for t in seen["torchs"]] and len(seen["ours"]) == 3
-    tracker = new_mem_tracker()
-    with tracker:
-        assert mem_tracker.tree_map_only is visit_tensors
-        torch.ones(2) * 2  # noqa: B018  (an op for the dispatch mode to see)
-    assert mem_tracker.tree_map_only is tree_map_only
 
 
 def test_the_checkpoint_wrapper_recomputes_to_the_same_gradient() -> None:
