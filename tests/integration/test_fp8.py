@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]
         "save=off",
         f"steps={STEPS}",
         "optim.warmup_steps=2",
-        "telemetry.memory_every=0",
+        "telemetry.memory_every=2",  # steps 2, 4 and 6 tracked: plan_errors says why
         "data=tokens",
         f"data.path={tokens}",
         "precision=bf16,fp8",
@@ -60,12 +60,18 @@ def test_fp8_loss_tracks_bf16_at_every_step(runs: dict[tuple[str, str], Run], st
 
 
 def plan_errors(run: Run) -> list[tuple[float, str]]:
-    """Per rank: (planned - measured) / measured and the plan's peak moment."""
+    """Per rank: (planned - measured) / measured and the plan's peak moment, measured as the lowest of the
+    three identical tracked steps. At stage3 the peak is inside a block's backward, beside its
+    reduce-scatter, where gloo's worker thread now and then frees its copy of the input late (docs/memory_plan.md,
+    "Not exact"): one tracked step once measured a copy more (-5.27%, the bf16 job in CI). A late free only
+    adds, so a miss of the plan, present in every step, still fails."""
     plan = json.loads((run.out_dir / "plan.json").read_text())
     out = []
     for rank in plan["ranks"]:
         key = f"memory/rank{rank['rank']}/peak_allocated_gib"
-        measured = max(r[key] for r in run.records if key in r)
+        tracked = [r[key] for r in run.records if r["step"] in (2, 4, 6)]
+        assert len(tracked) == 3, [(r["step"], r.get(key)) for r in run.records]
+        measured = min(tracked)
         out.append(((rank["peak_gib"] - measured) / measured, rank["peak_moment"]))
     return out
 
