@@ -223,11 +223,12 @@ class Scheduler:
                 running[future] = exclusive
 
     def _settle(self, spec: JobSpec, future: Future[list[Job]]) -> None:
-        error = future.exception()
-        for name in [point.name for point in spec.points] or [spec.name]:
-            if error is not None:
-                self.futures[name].set_result(Job(name, f"error: {type(error).__name__}: {error}"))
-        for job in future.result() if error is None else []:
+        if (error := future.exception()) is None:
+            jobs = future.result()
+        else:
+            names = [point.name for point in spec.points] or [spec.name]
+            jobs = [Job(name, f"error: {type(error).__name__}: {error}") for name in names]
+        for job in jobs:
             self.futures[job.name].set_result(job)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, compose_config, free_port, torchrun_env
-from trainer.config import ConfigError
+from trainer.config import ConfigError, TrainConfig, to_plain
 from trainer.cuda import (
     ALLOC_CONF,
     apply_tf32,
@@ -83,7 +83,7 @@ def test_ranks_of_the_elastic_launcher_get_nccl_error_handling_3(monkeypatch, tm
         monkeypatch.setenv(key, "")  # recorded, so that the launcher's settings are undone after the test
         monkeypatch.delenv(key)
     monkeypatch.setattr(trainer.launch, "rank_main", error_handling_of_the_rank)
-    plain = {"nodes": 1, "rdzv_endpoint": None, "device_memory_gib": None, "node_rank": 0}
+    plain = to_plain(TrainConfig())  # one node, no rendezvous endpoint, no memory cap: as a job hands it over
     launched = trainer.launch.launch_local(plain, tmp_path, "cpu", nproc=1, max_restarts=0, predicted={})
     assert launched == "3"
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # a user's own setting wins

@@ -42,10 +42,8 @@ def fork_server(plain: dict[str, Any] | None = None) -> str:
 
 def wraps_optimizer(plain: dict[str, Any]) -> bool:
     """The ranks build ZeroRedundancyOptimizer (zero=stage1) or PostLocalSGDOptimizer
-    (zero.sync_every > 1), both from torch.distributed.optim (trainer/rank/optim.py). A launch
-    without a zero group (the launcher's own drills, tests/unit/test_cuda.py) builds neither."""
-    zero = plain.get("zero") or {}
-    return zero.get("stage") == "stage1" or zero.get("sync_every", 1) > 1
+    (zero.sync_every > 1), both from torch.distributed.optim (trainer/rank/optim.py)."""
+    return plain["zero"]["stage"] == "stage1" or plain["zero"]["sync_every"] > 1
 
 
 @record

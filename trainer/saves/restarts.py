@@ -10,7 +10,10 @@ from pathlib import Path
 
 from trainer.jsonl import read_jsonl
 
+RESTARTS_FILE = "restarts.jsonl"
+"""One line per launcher restart, in the run's directory: written by rank 0 (resume.py's log_restart)."""
+
 
 def count_restarts(run_dir: Path) -> int:
     """Launcher restarts recorded in the run's restarts.jsonl (resume.py's log_restart writes one line each)."""
-    return len(read_jsonl(run_dir / "restarts.jsonl"))
+    return len(read_jsonl(run_dir / RESTARTS_FILE))

@@ -32,6 +32,7 @@ from trainer.saves.dcp import (
     restart_count,
 )
 from trainer.saves.integrity import newest_whole_save, save_problem
+from trainer.saves.restarts import RESTARTS_FILE
 from trainer.world import World
 
 # ----------------------------------------------------------------------------- in the job process
@@ -162,7 +163,7 @@ def log_restart(run_dir: Path, start: Path | None, world: World) -> None:
         return
     where = f"resuming from {start}" if start is not None else "no save yet: starting from step 0"
     print(f"restart {restart_count()}: the launcher restarted all ranks; {where}", flush=True)
-    with (run_dir / "restarts.jsonl").open("a") as f:
+    with (run_dir / RESTARTS_FILE).open("a") as f:
         f.write(json.dumps({"restart": restart_count(), "save": str(start) if start else None}) + "\n")
 
 
