@@ -5,16 +5,22 @@ config and a one-rank World, fake saves, an allocator's out-of-memory message)."
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import csv
 import gc
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+import trainer.faults.stop
+from tests.job_zygote import RUNTIME_ENV_PREFIXES, STATUS
 from trainer.config import ModelConfig, TrainConfig, from_plain, to_plain, validate
 from trainer.faults.leftovers import JOB_MARKER, describe, marked
 from trainer.jsonl import read_jsonl
@@ -81,13 +89,111 @@ def run_trainer(
     """`python -m trainer OVERRIDES hydra.run.dir=out_dir` in a fresh process, marked (job_env)."""
     args = trainer_args(*overrides, f"hydra.run.dir={out_dir}")
     env = job_env(env)
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_command(args, cwd=cwd, env=env, timeout=timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, out_dir, env[JOB_MARKER])
     if check and proc.returncode != 0:
         raise AssertionError(
             f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
         )
     return run
+
+
+def run_command(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(args, capture_output=True, text=True, ...)` for a `python -m trainer` command:
+    forked from this worker's warm job server where it can be (tests/job_zygote.py says when), else
+    a fresh process. Either way the job runs the same code on the same command line."""
+    zygote = job_zygote()
+    if zygote is None or args[:3] != trainer_args() or not zygote.takes(env):
+        return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return zygote.run(args, cwd=cwd, env=env, timeout=timeout)
+
+
+_ZYGOTE: list[JobZygote | None] = []
+
+
+def job_zygote() -> JobZygote | None:
+    """This worker's job server, started on first use (None where it failed to start)."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(JobZygote.start())
+    return _ZYGOTE[0]
+
+
+class JobZygote:
+    """The client of tests/job_zygote.py: one job at a time, as a worker runs its tests."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], path: Path, env: dict[str, str]) -> None:
+        self.proc, self.path, self.env = proc, path, env
+
+    @classmethod
+    def start(cls) -> JobZygote | None:
+        path = Path(tempfile.mkdtemp(prefix="zerolab-zygote-")) / "socket"
+        env = dict(os.environ)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.job_zygote", str(path)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            return None
+        atexit.register(cls.stop, proc, path)
+        return cls(proc, path, env)
+
+    @staticmethod
+    def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+    def takes(self, env: dict[str, str]) -> bool:
+        """Whether `env` differs from the server's only where the trainer reads it at run time."""
+        prefixes = RUNTIME_ENV_PREFIXES
+        differing = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return self.proc.poll() is None and all(k.startswith(prefixes) for k in differing)
+
+    def run(
+        self, args: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        request = json.dumps({"argv": args[3:], "env": env, "cwd": str(cwd)}).encode()
+        with (
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+            socket.socket(socket.AF_UNIX) as conn,
+        ):
+            conn.connect(str(self.path))
+            conn.sendall(STATUS.pack(len(request)))
+            socket.send_fds(conn, [request], [out.fileno(), err.fileno()])
+            (pid,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
+            conn.settimeout(timeout)
+            try:
+                (returncode,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)  # as subprocess.run does on its timeout
+                raise subprocess.TimeoutExpired(args, timeout) from None
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read().decode(), err.read().decode()
+        return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def keeping_stop_handlers() -> Iterator[None]:
+    """Put this process's handlers of the stop signals back after the body. A RankStop installs its
+    own for a rank's whole life; left in a test worker, they would be inherited by every process it
+    later forks (a multiprocessing pool's workers then note the SIGTERM that should end them)."""
+    saved = {signum: signal.getsignal(signum) for signum in trainer.faults.stop.STOPS}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        trainer.faults.stop.LAST = None  # a later test's sweep must not see this test's signal
 
 
 def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -112,7 +218,7 @@ def run_sweep(
     """`python -m trainer -m OVERRIDES hydra.sweep.dir=sweep_dir` in a fresh process; the caller
     asserts on its exit status (a sweep with a failed point exits 1 by design)."""
     args = trainer_args(*overrides, f"hydra.sweep.dir={sweep_dir}", multirun=True)
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_command(args, cwd=REPO, env=os.environ.copy() if env is None else env, timeout=timeout)
 
 
 def sweep_runs(

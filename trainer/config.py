@@ -151,6 +151,7 @@ class FaultKind(str, Enum):
     kill_during_save = "kill_during_save"
     term_during_save = "term_during_save"
     oom = "oom"
+    hang = "hang"
 
 
 class SaveAsync(str, Enum):
@@ -936,7 +937,9 @@ class FaultConfig:
     `step` is written, before it is renamed into place; with save.async_mode, while it is written in
     the background), term_during_save (the rank sends itself SIGTERM while the background write
     of `step` runs), or oom (an allocation no device can hold, which the allocator refuses: a real
-    out-of-memory error on one rank). Fires in the launcher's first attempt only."""
+    out-of-memory error on one rank), or hang (the rank stops where it is and never returns, as one
+    stuck in a collective does: only a kill or a timeout ends the job). Fires in the launcher's first
+    attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""
     rank: int = 0

@@ -46,8 +46,9 @@ class Job:
         return max(values) if values else None
 
 
-HANG = ("steps=1000000", "log_every=1")
-"""--inject-hang's job does not end by itself: only the kill ends it."""
+HANG = ("steps=1000000", "log_every=1", "fault.kind=hang", "fault.step=2")
+"""--inject-hang's job does not end by itself: only the kill ends it. Its rank logs step 1, then hangs
+in step 2 asleep (fault.kind=hang), so the drill's wait costs no CPU."""
 POINT_GROUP = "gpucheck"
 """The config group a dry run's sweep picks its points from (one generated file per point)."""
 

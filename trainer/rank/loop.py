@@ -342,5 +342,8 @@ def inject_fault(
         raise RuntimeError(f"injected fault at step {step}")
     if fault.kind == FaultKind.oom:  # 2**60 bytes: the allocator itself refuses, nothing is taken
         torch.empty(2**60, dtype=torch.uint8, device=world.device)
+    if fault.kind == FaultKind.hang:  # asleep, not spinning: a hung rank holds no core
+        while True:
+            time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
     return loss

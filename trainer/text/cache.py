@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -80,6 +81,11 @@ _WORKER_TOKENIZER: Any = None
 def _init_worker(tokenizer_path: str) -> None:
     global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
+
+    # A forked worker inherits its parent's handlers; Pool.terminate ends idle workers with SIGTERM,
+    # and a worker that only noted it (a parent that handles stops, trainer/faults/stop.py) would
+    # never end, and the pool's exit would wait for it forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     _WORKER_TOKENIZER = Tokenizer.from_file(tokenizer_path)
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-import trainer.faults.stop
-from tests.helpers import WORLD
+from tests.helpers import WORLD, keeping_stop_handlers
 from trainer.config import NonFinitePolicy
 from trainer.faults.stop import (
     STOP_REQUEST,
@@ -29,11 +28,8 @@ from trainer.rank.nonfinite import NonFiniteGuard, agree, stop_request
 @pytest.fixture(autouse=True)
 def own_handlers() -> Iterator[None]:
     """RankStop installs handlers for good (a rank's whole life): put pytest's back after each test."""
-    saved = {signum: signal.getsignal(signum) for signum in STOPS}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-    trainer.faults.stop.LAST = None  # a later test's sweep must not see this test's signal
+    with keeping_stop_handlers():
+        yield
 
 
 def test_the_table_maps_each_signal_to_a_status_and_the_shells_exit_code() -> None:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import WORLD, tiny_config
+from tests.helpers import WORLD, keeping_stop_handlers, tiny_config
 from trainer.config import TrainConfig
 from trainer.data import build_batches
 from trainer.rank.loop import build_trainee, train_step
@@ -123,7 +123,8 @@ def test_a_stop_request_rides_the_deferred_agreement_and_is_agreed_at_the_read(t
     from trainer.faults.stop import RankStop
     from trainer.rank.nonfinite import stop_request
 
-    stop = RankStop(tmp_path, watches_request=False)
+    with keeping_stop_handlers():
+        stop = RankStop(tmp_path, watches_request=False)
     guard = guard_of(tiny_config(optim__fused=True), defer=True)
     one = torch.tensor(1.0)
     guard.record(1, agree(one, one, WORLD, stop=stop_request(stop)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 import time
 
@@ -101,16 +102,19 @@ def test_peak_rss_resets_each_window() -> None:
 
 
 def test_a_load_counts_the_private_memory_it_held_at_its_peak_once() -> None:
-    """What a load held at its peak and freed before it ended: a 32 MiB tensor, written (so resident)
-    and held for 1 s, some thousand samples (held 0.2 s, a clean-clone CI run on a saturated core once
-    caught no sample of it: 28 KiB). The resident-set figure (VmHWM) sees it too. Within 1 MiB
-    below (pages the process returned meanwhile: seen, some 40 KiB) and 2 MiB above (the runtime's
-    own). The probe's next row carries both figures, the one after it neither."""
+    """What a load held at its peak and freed before it ended: 32 MiB of private pages, mapped fresh and
+    written (so resident), held 0.2 s, some hundred samples. Fresh, not a tensor: a test worker's
+    allocator may hand a tensor pages it kept resident from an earlier test, which no growth shows (a
+    full run here once measured 28 KiB for a 32 MiB tensor held 1 s). The resident-set figure (VmHWM)
+    sees them too. Within 1 MiB below (pages the process returned meanwhile: seen, some 40 KiB) and 2 MiB
+    above (the runtime's own). The probe's next row carries both figures, the one after it neither."""
     mib = 2**20
     with measure_load():
-        held = torch.ones(8 * mib)  # 32 MiB of fp32
-        time.sleep(1.0)
-        del held
+        held = mmap.mmap(-1, 32 * mib, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for _ in range(32):  # a MiB at a time: no 32 MiB source besides
+            held.write(b"\x01" * mib)
+        time.sleep(0.2)
+        held.close()
     probe = MemoryProbe(CPU, memory_every=0, last_step=10)
     figures = dict(zip(CPU_FIELDS, probe.read()))
     assert 31 * mib < figures["load_host_peak"] < 34 * mib

@@ -151,3 +151,26 @@ def test_model_hf_lends_data_text_the_tokenizer_of_its_directory() -> None:
     assert config.data.tokenizer == str(config_json.resolve().parent)
     with pytest.raises(ConfigError, match=r"^data.tokenizer must name a tokenizer.json or a model directory"):
         compose_config("data=text", "data.files=[corpus.jsonl]")
+
+
+def test_a_pool_worker_takes_sigterms_default_whatever_its_parent_handles(
+    corpus: tuple[Path, list[str], Path], tmp_path: Path
+) -> None:
+    """make-tokens' workers fork from a process that may only note SIGTERM (one that handles stops):
+    each takes SIGTERM's default back, so Pool.terminate, which signals the workers still waiting for
+    a task, ends them and the pool's exit cannot wait forever (a test worker left holding a RankStop's
+    handlers once did)."""
+    import multiprocessing
+    import signal
+
+    from tests.helpers import keeping_stop_handlers
+    from trainer.faults.stop import RankStop
+    from trainer.text.cache import _init_worker
+
+    _, _, tokenizer = corpus
+    with keeping_stop_handlers():
+        RankStop(tmp_path, watches_request=False)  # SIGTERM only noted in this process now
+        assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        context = multiprocessing.get_context("fork")
+        with context.Pool(1, initializer=_init_worker, initargs=(str(tokenizer / "tokenizer.json"),)) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
