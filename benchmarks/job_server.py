@@ -29,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import TINY, JobZygote, trainer_args  # noqa: E402
+from tests.helpers import TINY, trainer_args  # noqa: E402
+from tests.job_zygote import JobZygote  # noqa: E402
 
 JOBS = {"train": ("nproc=2", "steps=1", "save=off"), "plan": ("nproc=2", "mode=plan")}
 

@@ -5,18 +5,16 @@ config and a one-rank World, fake saves, an allocator's out-of-memory message)."
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import csv
+import functools
 import gc
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -33,7 +31,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 import trainer.faults.stop
-from tests.job_zygote import RUNTIME_ENV_PREFIXES, STATUS
+from tests.job_zygote import JobZygote
 from trainer.config import ModelConfig, TrainConfig, from_plain, to_plain, validate
 from trainer.faults.leftovers import JOB_MARKER, describe, marked
 from trainer.jsonl import read_jsonl
@@ -110,76 +108,10 @@ def run_command(
     return zygote.run(args, cwd=cwd, env=env, timeout=timeout)
 
 
-_ZYGOTE: list[JobZygote | None] = []
-
-
+@functools.cache
 def job_zygote() -> JobZygote | None:
     """This worker's job server, started on first use (None where it failed to start)."""
-    if not _ZYGOTE:
-        _ZYGOTE.append(JobZygote.start())
-    return _ZYGOTE[0]
-
-
-class JobZygote:
-    """The client of tests/job_zygote.py: one job at a time, as a worker runs its tests."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], path: Path, env: dict[str, str]) -> None:
-        self.proc, self.path, self.env = proc, path, env
-
-    @classmethod
-    def start(cls) -> JobZygote | None:
-        path = Path(tempfile.mkdtemp(prefix="zerolab-zygote-")) / "socket"
-        env = dict(os.environ)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.job_zygote", str(path)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-        )
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != b"ready":
-            proc.kill()
-            proc.wait()
-            return None
-        atexit.register(cls.stop, proc, path)
-        return cls(proc, path, env)
-
-    @staticmethod
-    def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(path.parent, ignore_errors=True)
-
-    def takes(self, env: dict[str, str]) -> bool:
-        """Whether `env` differs from the server's only where the trainer reads it at run time."""
-        prefixes = RUNTIME_ENV_PREFIXES
-        differing = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return self.proc.poll() is None and all(k.startswith(prefixes) for k in differing)
-
-    def run(
-        self, args: list[str], cwd: Path, env: dict[str, str], timeout: float
-    ) -> subprocess.CompletedProcess[str]:
-        request = json.dumps({"argv": args[3:], "env": env, "cwd": str(cwd)}).encode()
-        with (
-            tempfile.TemporaryFile() as out,
-            tempfile.TemporaryFile() as err,
-            socket.socket(socket.AF_UNIX) as conn,
-        ):
-            conn.connect(str(self.path))
-            conn.sendall(STATUS.pack(len(request)))
-            socket.send_fds(conn, [request], [out.fileno(), err.fileno()])
-            (pid,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
-            conn.settimeout(timeout)
-            try:
-                (returncode,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)  # as subprocess.run does on its timeout
-                raise subprocess.TimeoutExpired(args, timeout) from None
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read().decode(), err.read().decode()
-        return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+    return JobZygote.start()
 
 
 @contextlib.contextmanager

@@ -15,18 +15,23 @@ would already be fixed, so such a job starts a real process instead (tests/helpe
 The command itself, signals, torchrun and the README's commands are still run as real processes by
 the tests that are about them.
 
-    python -m tests.job_zygote SOCKET_PATH    (tests/helpers.py starts it)
+    python -m tests.job_zygote SOCKET_PATH    (its client, JobZygote below, starts it)
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 RUNTIME_ENV_PREFIXES = ("ZEROLAB_", "WANDB_", "HYDRA_", "PYTEST_")
 """Environment keys a job may set differently from the server's: read by the trainer and wandb when
@@ -96,6 +101,71 @@ def become_job(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
     sys.argv = ["-m", *request["argv"]]
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+class JobZygote:
+    """The client (tests/helpers.py `job_zygote`): one job at a time, as a worker runs its tests."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], path: Path, env: dict[str, str]) -> None:
+        self.proc, self.path, self.env = proc, path, env
+
+    @classmethod
+    def start(cls) -> JobZygote | None:
+        path = Path(tempfile.mkdtemp(prefix="zerolab-zygote-")) / "socket"
+        env = dict(os.environ)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.job_zygote", str(path)],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            return None
+        atexit.register(cls.stop, proc, path)
+        return cls(proc, path, env)
+
+    @staticmethod
+    def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+    def takes(self, env: dict[str, str]) -> bool:
+        """Whether `env` differs from the server's only where the trainer reads it at run time."""
+        prefixes = RUNTIME_ENV_PREFIXES
+        differing = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return self.proc.poll() is None and all(k.startswith(prefixes) for k in differing)
+
+    def run(
+        self, args: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        request = json.dumps({"argv": args[3:], "env": env, "cwd": str(cwd)}).encode()
+        with (
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+            socket.socket(socket.AF_UNIX) as conn,
+        ):
+            conn.connect(str(self.path))
+            conn.sendall(STATUS.pack(len(request)))
+            socket.send_fds(conn, [request], [out.fileno(), err.fileno()])
+            (pid,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
+            conn.settimeout(timeout)
+            try:
+                (returncode,) = STATUS.unpack(conn.recv(STATUS.size, socket.MSG_WAITALL))
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)  # as subprocess.run does on its timeout
+                raise subprocess.TimeoutExpired(args, timeout) from None
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read().decode(), err.read().decode()
+        return subprocess.CompletedProcess(args, returncode, stdout, stderr)
 
 
 if __name__ == "__main__":
