@@ -157,9 +157,9 @@ def sweep_runs(
     sweep_dir: Path, *overrides: str, by: tuple[str, ...], timeout: float = 900
 ) -> dict[tuple, Run]:
     """Several jobs as the points of one sweep, `python -m trainer -m OVERRIDES` (comma lists sweep):
-    one job process and one fork server start for every point, where a job each starts one of each
-    (about 7 of a tiny 2-rank job's 9 CPU-seconds); each point still launches ranks of its own, as its
-    job would. Each point's Run, keyed by its values of the keys in `by`; fails with the sweep's output
+    one job process and one fork server serve every point, where a job each has one of each (even
+    forked from the job server, about a third of a tiny 2-rank job's CPU: `python benchmarks/job_server.py`);
+    each point still launches ranks of its own, as its job would. Each point's Run, keyed by its values of the keys in `by`; fails with the sweep's output
     unless every point ended ok."""
     # Points numbered only: conf/train.yaml names each after its overrides, which nest at a path's
     # slashes and pass a file name's 255 bytes with a model's shape among them.

@@ -15,13 +15,33 @@ would already be fixed, so such a job starts a real process instead (tests/helpe
 The command itself, signals, torchrun and the README's commands are still run as real processes by
 the tests that are about them.
 
+The job's ranks come from multiprocessing's fork server (trainer/rank/main.py), which a job starts as a
+fresh interpreter that imports torch and the rank's modules: about 2.7 of a tiny job's CPU-seconds,
+more than the job's own start. Here the job forks it instead (`fork_servers_by_fork`), from this
+server's imports plus the rank preload's (`warm_imports`), with what a fresh interpreter would hold
+put back first: signal handlers and mask, logging, warnings filters, multiprocessing's own records,
+no file descriptor but the server's own; and only while the job is still as single-threaded as this
+server (no thread of its own: what a fork may not copy). Otherwise the job spawns one as the trainer
+does. The forked server keeps this process's command line, not multiprocessing.forkserver's, so
+trainer/launch.py `start_fork_server` does not find it (and takes it as alive, as it does any server
+it cannot find): the test that kills a job's fork server runs a real process (test_leftovers.py).
+
+A forked process also keeps the environment block the kernel shows in /proc/PID/environ, where
+trainer/faults/leftovers.py (and tests/helpers.py `assert_nothing_left`) look for a job's marks: this
+server starts with room for each mark there, and the job and its fork server write theirs into it
+(`show_marks`), so their processes, and every rank forked below them, carry the marks as visibly as a
+process started with the job's environment would.
+
     python -m tests.job_zygote SOCKET_PATH    (its client, JobZygote below, starts it)
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import gc
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -31,7 +51,12 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
+from multiprocessing import forkserver, resource_tracker, util
 from pathlib import Path
+
+from trainer.faults.leftovers import JOB_MARKER, LAUNCH_MARKER
 
 RUNTIME_ENV_PREFIXES = ("ZEROLAB_", "WANDB_", "HYDRA_", "PYTEST_")
 """Environment keys a job may set differently from the server's: read by the trainer and wandb when
@@ -39,6 +64,9 @@ the job runs, never when imported (wandb is not imported here); and pytest's own
 test running now and nothing reads."""
 
 STATUS = struct.Struct("q")
+MARKS = (JOB_MARKER, LAUNCH_MARKER)
+MARK_ROOM = 48
+"""Characters held for each mark's value in this server's /proc/PID/environ (a mark is 32 or fewer)."""
 
 
 def warm_imports() -> None:
@@ -49,6 +77,112 @@ def warm_imports() -> None:
     import trainer.cluster  # noqa: F401
     import trainer.job  # noqa: F401
     import trainer.launch  # noqa: F401
+    import trainer.rank.preload  # noqa: F401  (the ranks' fork server's, forked from here)
+
+
+class Pristine:
+    """What a fresh interpreter holds after `warm_imports`, recorded here before any job runs, for a
+    forked fork server to take back (`become_fork_server`)."""
+
+    def __init__(self) -> None:
+        self.threads = len(os.listdir("/proc/self/task"))  # torch's own native thread is one
+        self.signals = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        self.warnings = list(warnings.filters)
+        self.loggers = {name: logger_state(log) for name, log in all_loggers().items()}
+
+
+def all_loggers() -> dict[str, logging.Logger]:
+    known = logging.Logger.manager.loggerDict.items()
+    return {"": logging.getLogger(), **{n: log for n, log in known if isinstance(log, logging.Logger)}}
+
+
+def logger_state(log: logging.Logger) -> tuple:
+    return log.level, list(log.handlers), log.disabled, log.propagate
+
+
+def single_threaded(pristine: Pristine) -> bool:
+    return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) <= pristine.threads
+
+
+def fork_servers_by_fork(pristine: Pristine) -> None:
+    """In a job: multiprocessing starts its fork server (and nothing else) by forking this process."""
+    spawn_fresh = util.spawnv_passfds
+
+    def spawnv_passfds(path: bytes, args: list, passfds: list[int]) -> int:
+        if not args[-1].startswith("from multiprocessing.forkserver import main") or not single_threaded(
+            pristine
+        ):
+            return spawn_fresh(path, args, passfds)
+        sys.stdout.flush()  # or the server would write the job's buffered lines a second time
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid != 0:
+            return pid
+        code = 1
+        try:
+            become_fork_server(pristine, passfds)
+            exec(args[-1], {"__name__": "__main__"})  # `python -c`'s command: forkserver.main
+        except SystemExit as end:  # the job, its last client, ended: main's way out
+            code = end.code if isinstance(end.code, int) else 0
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # never the job's atexit handlers, nor runpy's unwinding
+
+    util.spawnv_passfds = spawnv_passfds
+
+
+def become_fork_server(pristine: Pristine, passfds: list[int]) -> None:
+    """In the forked fork server: a fresh interpreter's state back, then the preload imported and frozen."""
+    # First, so that no object of the job is ever collected: one that owns a descriptor closed below
+    # would close whatever later takes that number.
+    gc.freeze()
+    keep = sorted({0, 1, 2, *passfds})
+    for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(low + 1, high)  # spawnv_passfds' close_fds: only the passed ones stay
+    signal.set_wakeup_fd(-1)
+    for sig, handler in pristine.signals.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, pristine.mask)
+    warnings.filters[:] = pristine.warnings
+    for name, log in all_loggers().items():  # the job's handlers stay referenced (their descriptors)
+        level, handlers, disabled, propagate = pristine.loggers.get(name, (logging.NOTSET, [], False, True))
+        STRAYS.extend(log.handlers)
+        log.setLevel(level)
+        log.handlers[:] = handlers
+        log.disabled, log.propagate = disabled, propagate
+    preload = list(forkserver._forkserver._preload_modules)
+    forkserver._forkserver.__init__()  # its lock is held in the job (ensure_running forks under it)
+    resource_tracker._resource_tracker.__init__()
+    show_marks()  # both marks: the job process set them before it started this server
+    for name in preload:  # as forkserver.main would; imported before the freeze, as the trainer's are
+        __import__(name)
+    gc.freeze()
+
+
+STRAYS: list[logging.Handler] = []
+
+
+def show_marks() -> None:
+    """Write this process's marks (os.environ) over their room in the environment block the kernel
+    shows as /proc/self/environ; a fork copies the block, so every process forked below carries them.
+    Why by hand: that block is the one exec gave the process (here the server's); changing os.environ
+    never touches it, and Python has no call that does."""
+    fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+    start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51 of proc(5)
+    block = ctypes.string_at(start, end - start)
+    for key in MARKS:
+        value = os.environ.get(key, "").encode()
+        at = block.find(b"\0" + f"{key}=".encode()) + len(key) + 2
+        if len(value) >= MARK_ROOM or at < len(key) + 2:
+            raise RuntimeError(f"no room for {key}={value.decode()} in this process's environment block")
+        # the rest of the room as an entry without '=', which readers of the block skip
+        room = value + b"\0" + b"_" * (MARK_ROOM - len(value) - 1)
+        ctypes.memmove(start + at, room, MARK_ROOM)
 
 
 def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -89,7 +223,7 @@ def serve(path: str) -> tuple[dict, list[int]] | None:
                         pass
 
 
-def become_job(request: dict, fds: list[int]) -> None:
+def become_job(request: dict, fds: list[int], pristine: Pristine) -> None:
     """In the child: take the job's streams, environment, directory and command line, as its own process would have them."""
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
@@ -101,6 +235,8 @@ def become_job(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
     sys.argv = ["-m", *request["argv"]]
+    show_marks()
+    fork_servers_by_fork(pristine)
 
 
 # ----------------------------------------------------------------------------- the client
@@ -119,7 +255,7 @@ class JobZygote:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.job_zygote", str(path)],
             cwd=Path(__file__).resolve().parent.parent,
-            env=env,
+            env={**env, **dict.fromkeys(MARKS, "_" * MARK_ROOM)},  # room for the marks (show_marks)
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
         )
@@ -170,9 +306,10 @@ class JobZygote:
 
 if __name__ == "__main__":
     warm_imports()
+    pristine = Pristine()
     request_fds = serve(sys.argv[1])
     if request_fds is not None:
-        become_job(*request_fds)
+        become_job(*request_fds, pristine)
         # Here, at the top level, so that the job's SystemExit or uncaught exception ends this process
         # the way it ends `python -m trainer`: atexit handlers, the traceback on stderr, the exit code.
         runpy.run_module("trainer", run_name="__main__", alter_sys=True)

@@ -1,14 +1,15 @@
 """Gradient accumulation under both `zero.reduce_every` choices: the plan's peak is what the ranks hold
 (2 gloo ranks), and the losses are a 1-rank run's.
 
-One 2-rank process group runs every configuration in turn (a fresh trainee each; step 1 untracked,
-step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job, and
+One 2-rank process group runs every configuration in turn (a fresh trainee each; step 1, of one micro-batch,
+untracked; step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job, and
 below 4 x 128 tokens later steps too: tracked_steps), so the whole grid costs one process group.
 Each rank writes every tracked step's peak to a JSON file the tests read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -164,11 +165,12 @@ def measure_peaks(config: TrainConfig, world: Any) -> list[float]:
     batches = build_batches(config, world.rank, world.world_size, start_step=0)
     guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
     tracked = tracked_steps(config.micro_batch, config.seq_len, config.zero.reduce_dtype.value)
+    # Step 1 brings Adam's state into being and is not tracked: one micro-batch does that as well as
+    # grad_accum of them (every micro-batch sets its own resharding and gradient sync, trainer/rank/loop.py
+    # `accumulate`, and the step ends with the same states held), at a fraction of the CPU.
+    train_step(trainee, batches, dataclasses.replace(config, grad_accum=1), world, 1, guard)
     peaks = []
-    for step in range(1, config.steps + 1):
-        if step not in tracked:
-            train_step(trainee, batches, config, world, step, guard)
-            continue
+    for step in tracked:
         probe = MemoryProbe(world.device, memory_every=0, last_step=step)  # tracks this step alone
         with probe.measure(step, trainee.model, trainee.optimizer):
             train_step(trainee, batches, config, world, step, guard)
