@@ -19,8 +19,9 @@ The job's ranks come from multiprocessing's fork server (trainer/rank/main.py), 
 fresh interpreter that imports torch and the rank's modules: about 2.7 of a tiny job's CPU-seconds,
 more than the job's own start. Here the job forks it instead (`fork_servers_by_fork`), from this
 server's imports plus the rank preload's (`warm_imports`), with what a fresh interpreter would hold
-put back first: signal handlers and mask, logging, warnings filters, multiprocessing's own records,
-no file descriptor but the server's own; and only while the job is still as single-threaded as this
+put back first: signal handlers and mask, logging, warnings filters, multiprocessing's own records
+(private attributes of the standard library's fork server and resource tracker), no file descriptor
+but those multiprocessing passes it; and only while the job is still as single-threaded as this
 server (no thread of its own: what a fork may not copy). Otherwise the job spawns one as the trainer
 does. The forked server keeps this process's command line, not multiprocessing.forkserver's, so
 trainer/launch.py `start_fork_server` does not find it (and takes it as alive, as it does any server
