@@ -3,8 +3,8 @@
     python benchmarks/job_server.py [--rounds 5]
 
 Runs the same jobs as a fresh `python -m trainer` process and forked from a warm job server (as
-tests/helpers.py `run_trainer` does; such a job forks its ranks' fork server too), alternating round by round so that a shared machine's load
-hits both alike:
+tests/helpers.py `run_trainer` does; such a job forks its ranks' fork server too), alternating round
+by round so that a shared machine's load hits both alike:
 
 - `train`: a 1-step, 2-rank tiny job (`save=off`): start-up, one step, shut-down;
 - `plan`: `mode=plan` for the same job: the job process alone, no rank.

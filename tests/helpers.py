@@ -158,9 +158,9 @@ def sweep_runs(
 ) -> dict[tuple, Run]:
     """Several jobs as the points of one sweep, `python -m trainer -m OVERRIDES` (comma lists sweep):
     one job process and one fork server serve every point, where a job each has one of each (even
-    forked from the job server, about a third of a tiny 2-rank job's CPU: `python benchmarks/job_server.py`);
-    each point still launches ranks of its own, as its job would. Each point's Run, keyed by its values of the keys in `by`; fails with the sweep's output
-    unless every point ended ok."""
+    forked from the job server, about a third of a tiny 2-rank job's CPU: benchmarks/job_server.py);
+    each point still launches ranks of its own, as its job would. Each point's Run, keyed by its
+    values of the keys in `by`; fails with the sweep's output unless every point ended ok."""
     # Points numbered only: conf/train.yaml names each after its overrides, which nest at a path's
     # slashes and pass a file name's 255 bytes with a model's shape among them.
     numbered = "hydra.sweep.subdir=${hydra.job.num}"

@@ -68,6 +68,9 @@ STATUS = struct.Struct("q")
 MARKS = (JOB_MARKER, LAUNCH_MARKER)
 MARK_ROOM = 48
 """Characters held for each mark's value in this server's /proc/PID/environ (a mark is 32 or fewer)."""
+STRAYS: list[logging.Handler] = []
+"""The job's logging handlers a forked fork server took off its loggers: kept referenced, so that none
+is collected and closes a descriptor number the server has since reused."""
 
 
 def warm_imports() -> None:
@@ -165,9 +168,6 @@ def become_fork_server(pristine: Pristine, passfds: list[int]) -> None:
     gc.freeze()
 
 
-STRAYS: list[logging.Handler] = []
-
-
 def show_marks() -> None:
     """Write this process's marks (os.environ) over their room in the environment block the kernel
     shows as /proc/self/environ; a fork copies the block, so every process forked below carries them.
@@ -177,10 +177,11 @@ def show_marks() -> None:
     start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51 of proc(5)
     block = ctypes.string_at(start, end - start)
     for key in MARKS:
-        value = os.environ.get(key, "").encode()
-        at = block.find(b"\0" + f"{key}=".encode()) + len(key) + 2
-        if len(value) >= MARK_ROOM or at < len(key) + 2:
+        value, entry = os.environ.get(key, "").encode(), f"\0{key}=".encode()
+        found = block.find(entry)
+        if found < 0 or len(value) >= MARK_ROOM:
             raise RuntimeError(f"no room for {key}={value.decode()} in this process's environment block")
+        at = found + len(entry)
         # the rest of the room as an entry without '=', which readers of the block skip
         room = value + b"\0" + b"_" * (MARK_ROOM - len(value) - 1)
         ctypes.memmove(start + at, room, MARK_ROOM)
