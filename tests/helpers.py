@@ -208,7 +208,10 @@ def plan_sweep(
     (lower-cased) -> the point's plan.json and its records of steps 2 and 3 (Adam's state exists from step 2).
     Two identical steps, because at stages 2-3 gloo's worker thread now and then frees its copy of a
     reduce-scatter input late (docs/memory_plan.md; tests/integration/test_accumulation.py measures it):
-    assert_plan_holds_peaks holds the lower of the two to the plan."""
+    assert_plan_holds_peaks holds the lower of the two to the plan. Those two alone are tracked: step 2 as
+    `telemetry.memory_every=0` chooses it, step 3 as `memory.snapshot=steps` names it (on CPU a named step
+    is tracked and its figures by category written, trainer/telemetry/snapshot.py); step 1 under the
+    tracker would cost a third more CPU and be read by no test."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tokens = sweep_dir / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
@@ -217,7 +220,9 @@ def plan_sweep(
         *TINY,
         "save=off",
         "steps=3",
-        "telemetry.memory_every=1",
+        "telemetry.memory_every=0",
+        "memory.snapshot=steps",
+        "memory.snapshot_steps=[3]",
         "data=tokens",
         f"data.path={tokens}",
         *overrides,

@@ -314,13 +314,20 @@ class CommProbe:
         self._anchor: int | None = None
         self._exposed_pct = self._profiled_step_s = NAN
 
-    def measure(self, step: int) -> AbstractContextManager:
-        """Wrap a training step: torch.profiler on the step after each memory-tracked step."""
+    def measure(self, step: int, tracked: bool = False) -> AbstractContextManager:
+        """Wrap a training step: torch.profiler on the step after each memory-tracked step, unless the
+        tensor tracker runs on this step too (`tracked`: every CPU step at `telemetry.memory_every=1`),
+        whose dispatch mode slows computation several times and would hide communication that a plain
+        step exposes; such a run reports no exposed share rather than a wrong one."""
         if self._anchor is None:
             self._anchor = min(
                 step + 1, self.last_step
             )  # the memory tracker's anchor (trainer/telemetry/memory.py)
-        if step - 1 < self._anchor or not should_track_tensors(step - 1, self._anchor, self.memory_every):
+        if (
+            tracked
+            or step - 1 < self._anchor
+            or not should_track_tensors(step - 1, self._anchor, self.memory_every)
+        ):
             return contextlib.nullcontext()
         return self._profile()
 

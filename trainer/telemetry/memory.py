@@ -154,6 +154,7 @@ class MemoryProbe:
         self.fields = CUDA_FIELDS if device.type == "cuda" else CPU_FIELDS
         self._ooms_before = self._retries_before = 0
         self._anchor: int | None = None  # the second step of this run (of this attempt, after a resume)
+        self._first: int | None = None  # the first step of this run (of this attempt)
         self.reset()
 
     def reset(self) -> None:
@@ -173,17 +174,20 @@ class MemoryProbe:
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> AbstractContextManager:
         """Wrap one training step: tensor-level tracking on chosen CPU steps, nothing otherwise."""
-        first = self._anchor is None
         if self._anchor is None:
             self._anchor = min(step + 1, self.last_step)
+            self._first = step
+        return self._track_tensors(model, optimizer) if self.tracks(step) else contextlib.nullcontext()
+
+    def tracks(self, step: int) -> bool:
+        """Whether `step`, once `measure` has wrapped the run's first, runs under the tensor tracker."""
+        assert self._anchor is not None, "measure() wraps the run's first step before tracks() is asked"
         chosen = (
             should_track_tensors(step, self._anchor, self.memory_every)
-            or (first and self.track_first)
+            or (step == self._first and self.track_first)
             or step in self.also
         )
-        if self.device.type != "cpu" or not chosen:
-            return contextlib.nullcontext()
-        return self._track_tensors(model, optimizer)
+        return self.device.type == "cpu" and chosen
 
     @contextlib.contextmanager
     def _track_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:

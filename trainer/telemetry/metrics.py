@@ -142,7 +142,7 @@ class Meter:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(self.memory.measure(step, model, optimizer))
-        stack.enter_context(self.comm.measure(step))
+        stack.enter_context(self.comm.measure(step, tracked=self.memory.tracks(step)))
         return stack
 
     def update(self, stats: StepStats) -> None:

@@ -7,6 +7,7 @@ not have: the dumps here stand in for it with entries in the recorder's JSON for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.telemetry.comm import WindowReader, window_figures
+from trainer.telemetry.comm import CommProbe, WindowReader, window_figures
+from trainer.telemetry.memory import MemoryProbe
 
 
 def entry(record_id: int, name: str, numel: int) -> dict[str, Any]:
@@ -112,3 +114,24 @@ def test_an_overwritten_ring_buffer_in_either_recorder_is_not_measured(
     recorders["nccl"].entries = [entry(5, "nccl:all_reduce", 4)]  # ids 0-4 were overwritten
     recorders["generic"].entries = [entry(0, "gloo:all_reduce", 4)]
     assert reader.take() is None
+
+
+@pytest.mark.parametrize(
+    ("memory_every", "profiled"),
+    [(5, [3, 8]), (0, [3]), (1, [])],  # 1 on CPU: every step is tracked, so none is a plain step to profile
+)
+def test_the_profiled_step_follows_a_tracked_step_and_is_never_tracked_itself(
+    memory_every: int, profiled: list[int]
+) -> None:
+    """The steps a CPU job profiles (trainer/telemetry/metrics.py Meter.measure asks both probes so)."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters())
+    memory = MemoryProbe(torch.device("cpu"), memory_every, last_step=10)
+    comm = CommProbe(torch.device("cpu"), memory_every, last_step=10)
+    seen = []
+    for step in range(1, 11):
+        tracking = memory.measure(step, model, optimizer)  # entered by a job; its choice is what counts
+        if not isinstance(comm.measure(step, tracked=memory.tracks(step)), contextlib.nullcontext):
+            seen.append(step)
+        assert memory.tracks(step) == (not isinstance(tracking, contextlib.nullcontext))
+    assert seen == profiled
