@@ -133,6 +133,11 @@ def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), JOB_MARKER: uuid.uuid4().hex}
 
 
+def left_in(tmp: Path) -> list[str]:
+    """What a job left in its TMPDIR, but torch's compile cache (torchinductor_USER, kept across runs)."""
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def assert_nothing_left(marker: str, within_s: float = 30) -> None:
     """No process carrying the job's mark (/proc/*/environ) is alive `within_s` seconds from now
     (call it once the job process has ended)."""

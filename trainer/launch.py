@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from multiprocessing import forkserver
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -64,6 +67,9 @@ def launch_local(
     """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
     returns the lowest local rank's result or raises RankFailure."""
     nodes = plain["nodes"]
+    # The launcher's directory for its ranks' error files (no output is redirected): left to itself,
+    # torch makes a /tmp/torchelastic_* per job and never removes it; this one goes when the job ends.
+    launcher_dir = tempfile.mkdtemp(prefix="zerolab_launcher_")
     launch_config = LaunchConfig(
         min_nodes=nodes,
         max_nodes=nodes,
@@ -83,6 +89,7 @@ def launch_local(
         # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
         # into a SignalException and SIGTERM the ranks mid-step.
         signals_to_handle=",".join(AGENT_SIGNALS),
+        logs_specs=DefaultLogsSpecs(log_dir=launcher_dir),
     )
     # The launcher logs every failed rank's whole traceback at ERROR level; the job reports the
     # failure in one line instead and keeps the traceback in failures/rank{r}.json.
@@ -115,6 +122,7 @@ def launch_local(
     finally:
         if leftovers := reap(marker):  # none when the launcher stopped every rank, as it should
             warn(f"ended {len(leftovers)} processes that outlived the launcher: {killed_list(leftovers)}")
+        shutil.rmtree(launcher_dir, ignore_errors=True)
     return results[
         min(results)
     ]  # rank 0's on its node; every rank returns the job's ending (diverged or not)

@@ -8,32 +8,40 @@ import threading
 import time
 from pathlib import Path
 
-from tests.helpers import REPO, TINY, Run, assert_nothing_left, job_env, job_zygote, trainer_args
+from tests.helpers import REPO, TINY, Run, assert_nothing_left, job_env, job_zygote, left_in, trainer_args
 from trainer.faults.leftovers import JOB_MARKER, marked
 
 JOB = (*TINY, "nproc=2", "steps=3", "save=off", "zero=stage1")  # stage1: the fork server preloads more
 
 
-def run(way: str, out_dir: Path) -> Run:
+def run(way: str, out_dir: Path, tmp: Path | None = None) -> Run:
+    """The job forked from the server, or as a fresh process (with TMPDIR=`tmp`)."""
     args, env = trainer_args(*JOB, f"hydra.run.dir={out_dir}"), job_env()
     server = job_zygote()
     assert server is not None and server.takes(env)
     if way == "server":
         proc = server.run(args, cwd=REPO, env=env, timeout=300)
     else:
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        fresh_env = {**env, "TMPDIR": str(tmp)} if tmp is not None else env
+        proc = subprocess.run(args, cwd=REPO, env=fresh_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Run(proc.returncode, proc.stdout, proc.stderr, out_dir, env[JOB_MARKER])
 
 
 def test_a_job_from_the_server_trains_bitwise_as_a_fresh_process_and_leaves_nothing(tmp_path: Path) -> None:
-    fresh, forked = run("process", tmp_path / "process"), run("server", tmp_path / "server")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    fresh, forked = run("process", tmp_path / "process", scratch), run("server", tmp_path / "server")
     assert len(forked.losses) == 3 and forked.losses == fresh.losses  # bitwise
     assert forked.summary["status"] == fresh.summary["status"] == "ok"
     # The forked fork server ends with its job, as a spawned one does: it holds no end of its
     # alive pipe but the read end it was passed.
     assert_nothing_left(forked.marker)
     assert_nothing_left(fresh.marker)
+    # Nor anything in its temporary directory but torch's compile cache (torchinductor_USER, kept
+    # across runs by design): the launcher's directory of error files goes with the job (torch's
+    # default, /tmp/torchelastic_*, stays forever), as does multiprocessing's fork-server socket's.
+    assert left_in(scratch) == []
 
 
 def test_every_process_of_a_job_from_the_server_carries_its_mark(tmp_path: Path) -> None:

@@ -12,14 +12,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, TINY, assert_nothing_left, error_lines, job_env, trainer_args
+from tests.helpers import REPO, TINY, assert_nothing_left, error_lines, job_env, left_in, trainer_args
 from trainer.faults.leftovers import JOB_MARKER
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_killed_fork_server_takes_its_ranks_with_it_and_is_named(tmp_path: Path) -> None:
-    out_dir, env = tmp_path / "run", job_env()
+    scratch = tmp_path / "tmp"  # the job's TMPDIR
+    scratch.mkdir()
+    out_dir, env = tmp_path / "run", {**job_env(), "TMPDIR": str(scratch)}
     args = trainer_args(*TINY, "nproc=2", "steps=400", "save=off", f"hydra.run.dir={out_dir}")
     proc = subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -47,3 +49,4 @@ def test_a_killed_fork_server_takes_its_ranks_with_it_and_is_named(tmp_path: Pat
     assert summary["status"] == "crashed" and "failed_rank" not in summary
     assert summary["failed_process"] == f"the ranks' fork server (pid {server.pid})"
     assert_nothing_left(env[JOB_MARKER])
+    assert left_in(scratch) == []  # the launcher's directory of error files went with the job
