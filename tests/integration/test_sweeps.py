@@ -204,7 +204,7 @@ def test_wandb_unreachable_costs_one_warning_per_job_and_the_local_report_is_com
         "WANDB_MODE": "online",
         "WANDB_API_KEY": "f00dfacecafe" * 3 + "beef",
         "WANDB_BASE_URL": "http://127.0.0.1:9",
-        "WANDB_INIT_TIMEOUT": "5",
+        "WANDB_INIT_TIMEOUT": "2",  # what each job waits for the server: one warning, whatever the wait
     }
     proc = run_sweep(tmp_path, "micro_batch=1,2", *POINT, "steps=2", "logger=wandb", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
