@@ -67,30 +67,6 @@ def launch_local(
     """Run `nproc` ranks on this host, joining the other nodes' (`nodes`, `rdzv_endpoint`: trainer/cluster.py);
     returns the lowest local rank's result or raises RankFailure."""
     nodes = plain["nodes"]
-    # The launcher's directory for its ranks' error files (no output is redirected): left to itself,
-    # torch makes a /tmp/torchelastic_* per job and never removes it; this one goes when the job ends.
-    launcher_dir = tempfile.mkdtemp(prefix="zerolab_launcher_")
-    launch_config = LaunchConfig(
-        min_nodes=nodes,
-        max_nodes=nodes,
-        nproc_per_node=nproc,
-        # Every node must name the same rendezvous: the shared output directory does; one node alone
-        # gets a fresh id per job.
-        run_id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
-        if nodes > 1
-        else uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        # One node: localhost:0, the OS picks a free port, so concurrent jobs (sweeps) on one host
-        # never collide. Several: the endpoint every node was given or derived from the allocation.
-        rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=fork_server(plain),
-        # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
-        # into a SignalException and SIGTERM the ranks mid-step.
-        signals_to_handle=",".join(AGENT_SIGNALS),
-        logs_specs=DefaultLogsSpecs(log_dir=launcher_dir),
-    )
     # The launcher logs every failed rank's whole traceback at ERROR level; the job reports the
     # failure in one line instead and keeps the traceback in failures/rank{r}.json.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -107,7 +83,11 @@ def launch_local(
     set_launcher_environment()  # NCCL's error handling, which the agent would otherwise set for the ranks
     marker = mark_job()  # before the fork server starts: it and every process below it inherit it
     server = start_fork_server()
+    # The launcher's directory for its ranks' error files (no output is redirected): left to itself,
+    # torch makes a /tmp/torchelastic_* per job and never removes it; this one goes when the job ends.
+    launcher_dir = Path(tempfile.mkdtemp(prefix="zerolab_launcher_"))
     try:
+        launch_config = local_launch_config(plain, out_dir, nproc, max_restarts, launcher_dir)
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:
         if not is_alive(server):  # its ranks died with it (trainer/faults/leftovers.py)
@@ -126,6 +106,34 @@ def launch_local(
     return results[
         min(results)
     ]  # rank 0's on its node; every rank returns the job's ending (diverged or not)
+
+
+def local_launch_config(
+    plain: dict[str, Any], out_dir: Path, nproc: int, max_restarts: int, launcher_dir: Path
+) -> LaunchConfig:
+    """The elastic launcher's settings for this node's `nproc` ranks."""
+    nodes = plain["nodes"]
+    return LaunchConfig(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=nproc,
+        # Every node must name the same rendezvous: the shared output directory does; one node alone
+        # gets a fresh id per job.
+        run_id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
+        if nodes > 1
+        else uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        # One node: localhost:0, the OS picks a free port, so concurrent jobs (sweeps) on one host
+        # never collide. Several: the endpoint every node was given or derived from the allocation.
+        rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method=fork_server(plain),
+        # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
+        # into a SignalException and SIGTERM the ranks mid-step.
+        signals_to_handle=",".join(AGENT_SIGNALS),
+        logs_specs=DefaultLogsSpecs(log_dir=str(launcher_dir)),
+    )
 
 
 def start_fork_server() -> psutil.Process | None:

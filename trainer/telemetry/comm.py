@@ -314,7 +314,7 @@ class CommProbe:
         self._anchor: int | None = None
         self._exposed_pct = self._profiled_step_s = NAN
 
-    def measure(self, step: int, tracked: bool = False) -> AbstractContextManager:
+    def measure(self, step: int, tracked: bool) -> AbstractContextManager:
         """Wrap a training step: torch.profiler on the step after each memory-tracked step, unless the
         tensor tracker runs on this step too (`tracked`: every CPU step at `telemetry.memory_every=1`),
         whose dispatch mode slows computation several times and would hide communication that a plain
