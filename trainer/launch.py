@@ -82,12 +82,13 @@ def launch_local(
     name_rendezvous_events_cheaply()  # half a CPU-second of every job's launcher (of_torch)
     set_launcher_environment()  # NCCL's error handling, which the agent would otherwise set for the ranks
     marker = mark_job()  # before the fork server starts: it and every process below it inherit it
+    start_method = fork_server(plain)  # sets what the server preloads: before it starts
     server = start_fork_server()
     # The launcher's directory for its ranks' error files (no output is redirected): left to itself,
     # torch makes a /tmp/torchelastic_* per job and never removes it; this one goes when the job ends.
     launcher_dir = Path(tempfile.mkdtemp(prefix="zerolab_launcher_"))
     try:
-        launch_config = local_launch_config(plain, out_dir, nproc, max_restarts, launcher_dir)
+        launch_config = local_launch_config(plain, out_dir, nproc, max_restarts, start_method, launcher_dir)
         results = elastic_launch(launch_config, rank_main)(plain, str(out_dir), device_kind, predicted)
     except ChildFailedError as err:
         if not is_alive(server):  # its ranks died with it (trainer/faults/leftovers.py)
@@ -109,7 +110,7 @@ def launch_local(
 
 
 def local_launch_config(
-    plain: dict[str, Any], out_dir: Path, nproc: int, max_restarts: int, launcher_dir: Path
+    plain: dict[str, Any], out_dir: Path, nproc: int, max_restarts: int, start_method: str, launcher_dir: Path
 ) -> LaunchConfig:
     """The elastic launcher's settings for this node's `nproc` ranks."""
     nodes = plain["nodes"]
@@ -128,7 +129,7 @@ def local_launch_config(
         rdzv_endpoint=plain["rdzv_endpoint"] or "localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method=fork_server(plain),
+        start_method=start_method,
         # SIGINT, SIGTERM and SIGUSR1 are the job's (trainer/faults/stop.py): the agent would turn them
         # into a SignalException and SIGTERM the ranks mid-step.
         signals_to_handle=",".join(AGENT_SIGNALS),
