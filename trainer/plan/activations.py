@@ -170,12 +170,33 @@ def fp8_saving_per_token(config: TrainConfig, prec: Precisions, device_kind: str
     return autocast_input_saving(config.model, device_kind)
 
 
+def rope_casts(config: TrainConfig, prec: Precisions) -> int:
+    """Under FSDP2's half-precision parameters, what each block saves of the rotary tables, per micro-batch:
+    FSDP2 casts a module's floating-point forward inputs to its param_dtype (MixedPrecisionPolicy
+    cast_forward_inputs, torch's _fsdp_state.py `_cast_forward_inputs`), so every block receives its own
+    half-precision copy of the fp32 cos and sin (T x Q/2 each), which apply_rope saves for backward; a
+    checkpointed block keeps them as its inputs for the recompute. Measured with MemTracker on CPU ranks,
+    zero=stage3 precision=bf16: two 2,048-byte tensors per block and micro-batch on the tiny model at T = 64.
+    The pipeline's plan counts them (trainer/plan/pipeline.py `stage_activations`), where they are held once
+    per micro-batch in flight; the pp = 1 table (`activations`) does not yet (docs/memory_plan.md)."""
+    if prec.regime != "fsdp_mp":
+        return 0
+    return 2 * config.seq_len * (config.model.head_width // 2) * prec.compute
+
+
 def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
     """Bytes per element of a checkpointed block's input that stay alive beside its recomputed set:
     the checkpoint's frame keeps the input for the recompute, which saves that same tensor except
     under FSDP2's half-precision residual on CPU, where RMSNorm saves an fp32 upcast instead
     (docs/memory_plan.md, "What is modelled": the torch source and the measurement)."""
-    return prec.residual if prec.regime == "fsdp_mp" and device_kind == "cpu" else 0
+    return prec.residual if norm_upcasts_input(prec, device_kind) else 0
+
+
+def norm_upcasts_input(prec: Precisions, device_kind: str) -> bool:
+    """Whether a block's RMSNorm saves an fp32 upcast of its input rather than the input itself: under FSDP2's
+    half-precision residual on CPU (torch's composite rms_norm; in fp32 and autocast's fp32 residual the upcast
+    is the input, and CUDA's fused kernel saves its input)."""
+    return prec.regime == "fsdp_mp" and device_kind == "cpu"
 
 
 def norm_bytes_per_token(dim: int, regime: str, device_kind: str) -> int:

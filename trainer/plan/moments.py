@@ -146,6 +146,12 @@ def accumulation_grads(ctx: StepContext) -> int:
 def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
     """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
     (int64 successors, float64 probabilities, float64 stationary distribution) and Adam's steps."""
-    rope = 2 * m.max_seq_len * (m.head_width // 2) * 4
+    rope = rope_table_bytes(m)
     tables = 16 * m.vocab_size * data.branching + 8 * m.vocab_size if data.kind.value == "synthetic" else 0
     return rope + tables + states.step_counters
+
+
+def rope_table_bytes(m: ModelConfig) -> int:
+    """The rotary tables a model keeps (fp32 cos and sin of every position), once per model on a rank: a
+    pipeline rank holds one per stage it runs (trainer/model/pipeline_split.py)."""
+    return 2 * m.max_seq_len * (m.head_width // 2) * 4

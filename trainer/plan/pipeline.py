@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +84,11 @@ def schedule_order(parallel: ParallelConfig, micro_batches: int, rank: int) -> l
 
 @dataclass(frozen=True)
 class InFlight:
-    """The most activations a rank holds: at the start of backward `stage`, `held` bytes of other
-    micro-batches' stages beside the one whose backward begins, `count` micro-batch stages in all, `kept`
-    bytes of the last stage's outputs in flight (PipelineStage keeps each micro-batch's logits in `fwd_cache`
-    until its backward ends) and of what the walk keeps beside, after `done` backwards (from the first one's end, the stage's gradient is held)."""
+    """A moment of a rank's step: at the start of backward `stage` (or at the end of its forward, `forward`),
+    `held` bytes of other micro-batches' stages beside the one that runs, `count` micro-batch stages in all,
+    `kept` bytes of the last stage's outputs in flight (PipelineStage keeps each micro-batch's logits in
+    `fwd_cache` until its backward ends) and of what the walk keeps beside, after `done` backwards (from the
+    first one's end, the stage's gradient is held)."""
 
     stage: int
     held: int
@@ -96,9 +98,48 @@ class InFlight:
     unsharded: bool = False
     """Whether the stage whose backward begins is still unsharded from its previous backward (no forward of
     it between to reshard it): every block's parameters, its running one among them, are in `kept`."""
+    forward: bool = False
 
     def total(self, per_stage: dict[int, int], growth: int) -> int:
         return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
+
+
+def walk_in_flight(
+    order: list[tuple[int, bool]],
+    per_stage: dict[int, int],
+    kept: dict[int, int],
+    sent: tuple[dict[int, int], bool] = ({}, False),
+    regathered: dict[int, int] | None = None,
+) -> Iterator[InFlight]:
+    """Walk the order, one moment per forward's end and per backward's start: a forward adds its stage's
+    activations (and `kept`, its output, held apart from them), a backward frees both once it ends. `sent`:
+    the input gradient each backward sends back (per stage), and whether the schedule keeps every one until
+    the step's end (ScheduleGPipe and the runtime schedules wait on their backward sends after the last;
+    Schedule1F1B waits on each before the next backward, its list keeping the last one). `regathered`:
+    stage3's parameters of each stage (beyond the root) that its backward leaves unsharded
+    (set_reshard_after_backward(False)) until its next forward reshards them block by block."""
+    alive: list[int] = []
+    outputs = done = grads = 0
+    gradient, keeps_all = sent
+    unsharded: set[int] = set()
+    regathered = regathered or {}
+    for stage, forward in order:
+        if forward:  # at its last block: every other stage's parameters as they were, its own resharded
+            unsharded.discard(stage)
+            params = sum(regathered.get(s, 0) for s in unsharded)
+            held = sum(per_stage[s] for s in alive)
+            yield InFlight(stage, held, len(alive) + 1, outputs + grads + params, done, forward=True)
+            alive.append(stage)
+            outputs += kept.get(stage, 0)
+            continue
+        held = sum(per_stage[s] for s in alive) - per_stage[stage]
+        params = sum(regathered.get(s, 0) for s in unsharded)
+        yield InFlight(stage, held, len(alive), outputs + grads + params, done, stage in unsharded)
+        unsharded.add(stage)
+        alive.remove(stage)
+        outputs -= kept.get(stage, 0)
+        done += 1
+        grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
 
 
 def peak_in_flight(
@@ -108,38 +149,13 @@ def peak_in_flight(
     growth: int = 0,
     sent: tuple[dict[int, int], bool] = ({}, False),
     regathered: dict[int, int] | None = None,
+    forward: bool = False,
 ) -> InFlight:
-    """Walk the order: a forward adds its stage's activations (and `kept`, its output, held apart from them),
-    a backward frees both once it ends, and the first one leaves `growth` (the stage's gradient,
-    accumulated from then on); the worst backward start is the peak. `sent`: the input gradient each
-    backward sends back (per stage), and whether the schedule keeps every one until the step's end (ScheduleGPipe
-    and the runtime schedules wait on their backward sends after the last; Schedule1F1B waits on each before
-    the next backward, its list keeping the last one). `regathered`: stage3's parameters of each stage (beyond
-    the root) that its backward leaves unsharded (set_reshard_after_backward(False)) until its next forward
-    reshards them block by block."""
-    alive: list[int] = []
-    worst: InFlight | None = None
-    outputs = done = grads = 0
-    gradient, keeps_all = sent
-    unsharded: set[int] = set()
-    for stage, forward in order:
-        if forward:
-            alive.append(stage)
-            outputs += kept.get(stage, 0)
-            unsharded.discard(stage)
-            continue
-        held = sum(per_stage[s] for s in alive) - per_stage[stage]
-        params = sum((regathered or {}).get(s, 0) for s in unsharded)
-        here = InFlight(stage, held, len(alive), outputs + grads + params, done, stage in unsharded)
-        unsharded.add(stage)
-        if worst is None or here.total(per_stage, growth) > worst.total(per_stage, growth):
-            worst = here
-        alive.remove(stage)
-        outputs -= kept.get(stage, 0)
-        done += 1
-        grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
-    assert worst is not None, "a schedule runs a backward for every forward"
-    return worst
+    """The worst backward start of the walk (`walk_in_flight`), or with `forward` the worst forward end; from
+    the first backward's end the stage holds `growth` (its gradient, accumulated from then on)."""
+    moments = [m for m in walk_in_flight(order, per_stage, kept, sent, regathered) if m.forward == forward]
+    assert moments, "a schedule runs a backward for every forward"
+    return max(moments, key=lambda m: m.total(per_stage, growth))
 
 
 def stage_model_shape(shape: ModelShape, blocks: int, first: bool, last: bool) -> ModelShape:
@@ -158,19 +174,33 @@ def stage_config(config: TrainConfig, blocks: int) -> TrainConfig:
     return local
 
 
-def stage_activations(acts: Activations, blocks: range, first: bool, last: bool, output: int) -> Activations:
+def stage_activations(
+    acts: Activations,
+    blocks: range,
+    first: bool,
+    last: bool,
+    output: int,
+    upcast: bool = False,
+    casts: int = 0,
+) -> Activations:
     """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
     the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
     Beyond the first stage the first block's saved input is the receive buffer, counted with the buffers
-    (`output` bytes less here)."""
+    (`output` bytes less here), except where nothing saves it: a block whose RMSNorm saves an fp32 upcast
+    instead (`upcast`, activations.py `norm_upcasts_input`) and that is not checkpointed (a checkpointed
+    block's frame keeps its input; measured with MemTracker, zero=stage3 bf16: each micro-batch's receive
+    buffer and the fp32 upcast both alive on the last stage). `casts`: what each block saves beside the
+    table, per micro-batch (activations.py `rope_casts`)."""
     if last:
         head, log_softmax = acts.head, acts.log_softmax
     else:
         head, log_softmax = output, 0
-    head -= 0 if first else output
+    input_saved = not upcast or bool(acts.inputs_kept and acts.inputs_kept[blocks.start])
+    head -= 0 if first or not input_saved else output
     return dataclasses.replace(
         acts,
-        blocks=acts.blocks[blocks.start : blocks.stop],
+        blocks=tuple(b + casts for b in acts.blocks[blocks.start : blocks.stop]),
+        full_block=acts.full_block + casts,
         inputs_kept=acts.inputs_kept[blocks.start : blocks.stop] if acts.inputs_kept else (),
         head=head,
         log_softmax=log_softmax,
@@ -185,7 +215,8 @@ class Pipeline:
     parallel: ParallelConfig
     micro_batches: int
     blocks: tuple[range, ...]  # per stage
-    in_flight: tuple[InFlight, ...]  # per pipeline rank
+    in_flight: tuple[InFlight, ...]  # per pipeline rank: its worst backward start
+    forward_peaks: tuple[InFlight, ...]  # per pipeline rank: its worst forward end
     activations: tuple[int, ...]  # one micro-batch's activation bytes, per stage
     buffers: tuple[int, ...]  # send/recv buffers per pipeline rank
 
@@ -241,31 +272,32 @@ def build_pipeline(
     compute_bytes: int,
     growth: tuple[int, ...] = (),
     regathered: dict[int, int] | None = None,
+    upcast: bool = False,
+    casts: int = 0,
 ) -> Pipeline:
-    """The split, what each pipeline rank holds in flight, its buffers and what it sends per step."""
+    """The split, what each pipeline rank holds in flight, its buffers and what it sends per step (`upcast`,
+    `casts`: stage_activations')."""
     p, m = config.parallel, config.grad_accum
     blocks = tuple(stage_blocks(config.model.n_layers, p.stages))
     boundary = boundary_bytes(config, residual_bytes)
     logits = logits_bytes(config, compute_bytes)
     last_stage = p.stages - 1
     per_stage = {
-        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary).total
+        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast, casts).total
         for s in range(p.stages)
     }
-    in_flight, buffers = [], []
+    in_flight, forward_peaks, buffers = [], [], []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
         order = schedule_order(p, m, rank)
         sent = ({s: boundary for s in range(1, p.stages)}, p.pp_schedule != ONE_F_ONE_B)
-        in_flight.append(
-            peak_in_flight(
-                order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent, regathered
-            )
-        )
+        walk = (order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent, regathered)
+        in_flight.append(peak_in_flight(*walk))
+        forward_peaks.append(peak_in_flight(*walk, forward=True))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))
-    return Pipeline(p, m, blocks, tuple(in_flight), activations, tuple(buffers))
+    return Pipeline(p, m, blocks, tuple(in_flight), tuple(forward_peaks), activations, tuple(buffers))
 
 
 @dataclass(frozen=True)

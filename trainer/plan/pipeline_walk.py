@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import LossKind, Stage, TrainConfig
-from trainer.plan.activations import Activations, Precisions
+from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
 from trainer.plan.loss import loss_backward_temporary, loss_forward_temporary
 from trainer.plan.moments import (
@@ -28,6 +28,7 @@ from trainer.plan.moments import (
     incoming_gradient,
     optimizer_temporary,
     other_bytes,
+    rope_table_bytes,
 )
 from trainer.plan.pipeline import (
     InFlight,
@@ -41,6 +42,8 @@ from trainer.plan.pipeline import (
     stage_model_shape,
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
+
+Forward = tuple[InFlight, Activations]  # a forward's end: the moment and its stage's activations
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,19 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
 
 
 def stage_moments(
-    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept
+    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept, forward_end: Forward
 ) -> list[Moment]:
     """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
     the peak (`peak`), `last` whether that stage has the head and loss, `keeps` what the stage keeps through its
-    backwards."""
+    backwards; `forward_end`: the worst forward's end."""
     fsdp = ctx.config.zero.uses_fsdp
     grads = None if keeps.grads_at_rest else 0
+    fwd, fwd_acts = forward_end
+    fwd_fixed = keeps.always + (keeps.growth if fwd.done else 0) + fwd.kept + keeps.block
+    forward = fwd.held + fwd_acts.before_last_block + fwd_acts.full_block
+    moments = [ctx.moment("forward: last block", grads, forward, fwd_fixed)]
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
     running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
-    forward = peak.held + acts.before_last_block + acts.full_block
-    moments = [ctx.moment("forward: last block", grads, forward, fixed + running)]
     if last and ctx.config.loss.kind == LossKind.full:
         total = peak.held + acts.total
         moments += [
@@ -140,25 +145,38 @@ def pipeline_stage_plans(
         block = PARAM_BYTES[config.precision.compute_dtype] * sum(math.prod(s) for s in shape.block)
         regathered = {s: block * len(split[s]) for s in range(p.stages)}
     growth = tuple(k.growth for k in keeps)
-    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered)
+    upcast, casts = norm_upcasts_input(prec, device_kind), rope_casts(config, prec)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast, casts)
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
     batch = 2 * 16 * config.micro_batch * config.seq_len * m
     out = []
+
+    def stage_acts(moment: InFlight) -> Activations:
+        first, last = moment.stage == 0, moment.stage == last_stage
+        return stage_activations(acts, pipe.blocks[moment.stage], first, last, boundary, upcast, casts)
+
     for rank in range(p.pp):
-        peak = pipe.in_flight[rank]
-        acts_peak = stage_activations(
-            acts, pipe.blocks[peak.stage], peak.stage == 0, peak.stage == last_stage, boundary
-        )
+        peak, forward_end = pipe.in_flight[rank], pipe.forward_peaks[rank]
+        acts_peak = stage_acts(peak)
         stage = stage_config(config, blocks[rank])
         shards = rank_states(locals_[rank], config.zero.stage, sharded_over)
+        # each stage module the rank runs keeps its own rotary tables (other_bytes counts one)
+        tables = (len(rank_stages(p, rank)) - 1) * rope_table_bytes(config.model)
         moments = {}
         for states in dict.fromkeys(shards):
-            other = other_bytes(config.model, config.data, states) + pipe.buffers[rank] + batch
+            other = other_bytes(config.model, config.data, states) + tables + pipe.buffers[rank] + batch
             ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
             moments[states] = tuple(
-                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, keeps[rank])
+                stage_moments(
+                    ctx,
+                    acts_peak,
+                    peak,
+                    peak.stage == last_stage,
+                    keeps[rank],
+                    (forward_end, stage_acts(forward_end)),
+                )
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
     return pipe, out

@@ -11,7 +11,7 @@ from tests.helpers import compose_config
 from trainer.config import ParallelConfig
 from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
-from trainer.plan.pipeline import peak_in_flight, schedule_order
+from trainer.plan.pipeline import InFlight, peak_in_flight, schedule_order, walk_in_flight
 
 TINY_PP = (
     "model=tiny",
@@ -75,6 +75,30 @@ def test_a_backward_after_a_backward_finds_every_block_of_its_stage_unsharded(
     # the accumulated gradient (100) makes a later backward the worst, as on tiny under FSDP2
     peak = peak_in_flight(order, {0: 100, 1: 100}, {}, growth=100, regathered={0: 10, 1: 10})
     assert (peak.done, peak.unsharded, peak.kept) == (1, unsharded, kept)
+
+
+def test_a_forward_after_backwards_holds_the_other_stages_unsharded_parameters() -> None:
+    """Under interleaving a rank's forward can follow backwards of its other stage: at that forward's end the
+    rank holds the activations in flight, the accumulated gradient and the other stage's parameters left
+    unsharded by its backward (`regathered`), its own resharded block by block. At pp=2, v=2, m=4, rank 0
+    (stages 0 and 2): the worst forward end is stage 2's last forward, after three backwards, four other
+    stage activations held and stage 0's parameters (10) unsharded; the first forwards hold less."""
+    parallel = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    order = schedule_order(parallel, 4, 0)
+    sizes, regathered = {0: 100, 2: 100}, {0: 10, 2: 1}
+    forwards = [m for m in walk_in_flight(order, sizes, {}, regathered=regathered) if m.forward]
+    assert [m.held for m in forwards] == [
+        0,
+        100,
+        200,
+        300,
+        400,
+        400,
+        400,
+        400,
+    ]  # every forward of both stages
+    worst = peak_in_flight(order, sizes, {}, growth=1000, regathered=regathered, forward=True)
+    assert worst == InFlight(stage=2, held=400, count=5, kept=10, done=3, forward=True)
 
 
 @pytest.fixture(scope="module")
