@@ -1,9 +1,10 @@
 """The walk of one pipeline rank's step (parallel.pp > 1; what a stage holds: trainer/plan/pipeline.py).
 
-The moments are those of the micro-batch whose backward starts while the schedule holds the most
-activations (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its own
-forward's last block, its loss where the stage has the head, the start of its last block's backward;
-then the optimizer step. Throughout, the stage holds its model states, its send/recv buffers and its
+The moments are the last block of the forward that ends holding the most (`pipeline.peak_in_flight` with
+forward=True: under interleaving a forward after backwards of the rank's other stage, beside that stage's
+unsharded parameters and the gradient accumulated so far), then those of the micro-batch whose backward
+starts holding the most (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its
+loss where the stage has the head, the start of its last block's backward; then the optimizer step. Throughout, the stage holds its model states, its send/recv buffers and its
 share of the step's batch (`other`), and what PipelineStage's accumulation keeps: the unsharded gradient
 of the stage (every backward but the last runs without gradient sync), under autocast the cached casts
 of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
