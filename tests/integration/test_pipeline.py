@@ -6,10 +6,10 @@ One job per configuration, started on first use and shared by the module, each c
 - parity: the three schedules on 2 ranks (dp 1, zero=stage0), and 1F1B on 4 ranks (dp 2) at stage0 and stage3,
   each against one 1-rank run of the same global batch (8 sequences: grad_accum=4 micro-batches), fp32, 8 steps:
   per-step losses within 1e-5. The 1F1B run's step-4 save resumes at pp=1.
-- the plan: on the 2-rank runs whose every stage is planned within 0.5% (GPipe and 1F1B in fp32, the parity
-  runs themselves; the three schedules in bf16 at zero=stage3, FSDP2's mixed precision, 3 steps), each stage's
-  measured tensor peak within 0.5% of its plan. Not yet within 0.5%, so not held here: interleaving's first
-  rank in fp32 (+0.65%), autocast's first stage, fp32 at stage3 (docs/memory_plan.md, "Pipeline parallelism").
+- the plan: each schedule in fp32 (the 2-rank parity runs themselves, zero=stage0) and in bf16 (zero=stage3,
+  FSDP2's mixed precision, 2 steps): each stage's measured tensor peak within 0.5% of its plan.
+  benchmarks/pipeline_plan.py measures autocast (bf16 at stage0) and fp32 at stage3 too (docs/memory_plan.md,
+  "Pipeline parallelism").
 - every run: the split printed, each stage's measured idle share, and the bytes each stage sends per step
   (activations forward, gradients back) equal to the plan's exactly.
 """
@@ -55,7 +55,7 @@ CONFIGS = {
             "nproc=2",
             "micro_batch=2",
             "zero=stage3",
-            "steps=3",
+            "steps=2",
             "precision=bf16",
             f"parallel.pp_schedule={schedule}",
         )
@@ -63,7 +63,7 @@ CONFIGS = {
     },
 }
 PARITY = sorted(name for name in CONFIGS if "bf16" not in name)
-PLANNED = ["1f1b dp1 stage0", "gpipe dp1 stage0", *(name for name in CONFIGS if "bf16" in name)]
+PLANNED = [name for name in CONFIGS if "dp1" in name]
 SEQ_LEN = 64  # TINY's
 
 

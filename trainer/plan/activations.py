@@ -99,6 +99,9 @@ class Activations:
     batch: int
     unread: int = 0  # checkpointing=op: a block's saved outputs its recompute stops before reading (w2's)
     inputs_kept: tuple[int, ...] = ()  # per block: its checkpointed input, alive beside its recompute
+    received: int = (
+        0  # a pipeline stage: its first block's saved input that is its receive buffer (counted there)
+    )
 
     @property
     def in_backward(self) -> int:
@@ -113,12 +116,13 @@ class Activations:
 
     @property
     def total(self) -> int:
-        return sum(self.blocks) + self.head + self.batch
+        return sum(self.blocks) + self.head + self.batch - self.received
 
     @property
     def before_last_block(self) -> int:
-        """Saved by every block but the last, plus the batch: what the last block adds to."""
-        return sum(self.blocks[:-1]) + self.batch
+        """Saved by every block but the last, plus the batch: what the last block adds to (less `received`,
+        which the first block's set counts)."""
+        return sum(self.blocks[:-1]) + self.batch - self.received
 
 
 def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import ParallelConfig, TrainConfig
@@ -99,47 +100,75 @@ class InFlight:
     """Whether the stage whose backward begins is still unsharded from its previous backward (no forward of
     it between to reshard it): every block's parameters, its running one among them, are in `kept`."""
     forward: bool = False
+    output_sent: bool = False
+    """A backward whose stage output a send's Work keeps beyond it (`Sends`)."""
 
     def total(self, per_stage: dict[int, int], growth: int) -> int:
         return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
+
+
+@dataclass(frozen=True)
+class Sends:
+    """What a rank's point-to-point sends keep alive past the tensors' own use, per stage: the input gradient
+    each backward sends back (`gradients`) and the output each forward sends on (`outputs`), B·T·D each.
+    ScheduleGPipe and the runtime schedules (interleaved_1f1b) keep every send's Work, which holds its tensor,
+    until the step's end (schedules.py `fwd_sends_to_wait`, `bwd_sends_to_wait`, `_PipelineScheduleRuntime`'s
+    `send_ops`): `keeps_all`. Schedule1F1B keeps its last backward's send (its `bwd_sends` list) and the Work of
+    its second-to-last warm-up forward's send (`send_work`, not reassigned until the cool-down), so that output
+    outlives its backward until the second backward after the step's last forward."""
+
+    gradients: dict[int, int] = field(default_factory=dict)
+    outputs: dict[int, int] = field(default_factory=dict)
+    keeps_all: bool = False
 
 
 def walk_in_flight(
     order: list[tuple[int, bool]],
     per_stage: dict[int, int],
     kept: dict[int, int],
-    sent: tuple[dict[int, int], bool] = ({}, False),
+    sends: Sends = Sends(),
     regathered: dict[int, int] | None = None,
 ) -> Iterator[InFlight]:
     """Walk the order, one moment per forward's end and per backward's start: a forward adds its stage's
-    activations (and `kept`, its output, held apart from them), a backward frees both once it ends. `sent`:
-    the input gradient each backward sends back (per stage), and whether the schedule keeps every one until
-    the step's end (ScheduleGPipe and the runtime schedules wait on their backward sends after the last;
-    Schedule1F1B waits on each before the next backward, its list keeping the last one). `regathered`:
-    stage3's parameters of each stage (beyond the root) that its backward leaves unsharded
-    (set_reshard_after_backward(False)) until its next forward reshards them block by block."""
+    activations (and `kept`, its output, held apart from them), a backward frees both once it ends, less what
+    its sends keep (`sends`). `regathered`: stage3's parameters of each stage (beyond the root) that its
+    backward leaves unsharded (set_reshard_after_backward(False)) until its next forward reshards them block
+    by block."""
     alive: list[int] = []
-    outputs = done = grads = 0
-    gradient, keeps_all = sent
+    outputs = done = grads = sent = 0
     unsharded: set[int] = set()
     regathered = regathered or {}
+    backwards: dict[int, int] = {}  # per stage, the backwards run so far (each stage's in micro-batch order)
+    pinned = -1 if sends.keeps_all else sum(1 for _ in itertools.takewhile(lambda a: a[1], order)) - 2
+    forwards_left, after_last, pinned_bytes = sum(forward for _, forward in order), 0, 0
     for stage, forward in order:
         if forward:  # at its last block: every other stage's parameters as they were, its own resharded
+            forwards_left -= 1
             unsharded.discard(stage)
             params = sum(regathered.get(s, 0) for s in unsharded)
             held = sum(per_stage[s] for s in alive)
-            yield InFlight(stage, held, len(alive) + 1, outputs + grads + params, done, forward=True)
+            yield InFlight(stage, held, len(alive) + 1, outputs + grads + sent + params, done, forward=True)
             alive.append(stage)
             outputs += kept.get(stage, 0)
             continue
+        after_last += forwards_left == 0
+        if after_last == 2:  # Schedule1F1B's cool-down replaces the send Work it kept
+            sent, pinned_bytes = sent - pinned_bytes, 0
         held = sum(per_stage[s] for s in alive) - per_stage[stage]
         params = sum(regathered.get(s, 0) for s in unsharded)
-        yield InFlight(stage, held, len(alive), outputs + grads + params, done, stage in unsharded)
+        micro_batch = backwards[stage] = backwards.get(stage, -1) + 1
+        output_sent = sends.keeps_all or micro_batch == pinned
+        kept_now = outputs + grads + sent + params
+        yield InFlight(stage, held, len(alive), kept_now, done, stage in unsharded, output_sent=output_sent)
         unsharded.add(stage)
         alive.remove(stage)
         outputs -= kept.get(stage, 0)
         done += 1
-        grads = grads + gradient.get(stage, 0) if keeps_all else gradient.get(stage, 0)
+        gradient = sends.gradients.get(stage, 0)
+        grads = grads + gradient if sends.keeps_all else gradient
+        if output_sent:
+            sent += sends.outputs.get(stage, 0)
+            pinned_bytes = 0 if sends.keeps_all else sends.outputs.get(stage, 0)
 
 
 def peak_in_flight(
@@ -147,13 +176,13 @@ def peak_in_flight(
     per_stage: dict[int, int],
     kept: dict[int, int],
     growth: int = 0,
-    sent: tuple[dict[int, int], bool] = ({}, False),
+    sends: Sends = Sends(),
     regathered: dict[int, int] | None = None,
     forward: bool = False,
 ) -> InFlight:
     """The worst backward start of the walk (`walk_in_flight`), or with `forward` the worst forward end; from
     the first backward's end the stage holds `growth` (its gradient, accumulated from then on)."""
-    moments = [m for m in walk_in_flight(order, per_stage, kept, sent, regathered) if m.forward == forward]
+    moments = [m for m in walk_in_flight(order, per_stage, kept, sends, regathered) if m.forward == forward]
     assert moments, "a schedule runs a backward for every forward"
     return max(moments, key=lambda m: m.total(per_stage, growth))
 
@@ -186,7 +215,8 @@ def stage_activations(
     """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
     the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
     Beyond the first stage the first block's saved input is the receive buffer, counted with the buffers
-    (`output` bytes less here), except where nothing saves it: a block whose RMSNorm saves an fp32 upcast
+    (`received`: `output` bytes less here, at every moment the first block's set is held), except where
+    nothing saves it: a block whose RMSNorm saves an fp32 upcast
     instead (`upcast`, activations.py `norm_upcasts_input`) and that is not checkpointed (a checkpointed
     block's frame keeps its input; measured with MemTracker, zero=stage3 bf16: each micro-batch's receive
     buffer and the fp32 upcast both alive on the last stage). `casts`: what each block saves beside the
@@ -196,7 +226,6 @@ def stage_activations(
     else:
         head, log_softmax = output, 0
     input_saved = not upcast or bool(acts.inputs_kept and acts.inputs_kept[blocks.start])
-    head -= 0 if first or not input_saved else output
     return dataclasses.replace(
         acts,
         blocks=tuple(b + casts for b in acts.blocks[blocks.start : blocks.stop]),
@@ -205,6 +234,7 @@ def stage_activations(
         head=head,
         log_softmax=log_softmax,
         batch=0,
+        received=0 if first or not input_saved else output,
     )
 
 
@@ -217,6 +247,7 @@ class Pipeline:
     blocks: tuple[range, ...]  # per stage
     in_flight: tuple[InFlight, ...]  # per pipeline rank: its worst backward start
     forward_peaks: tuple[InFlight, ...]  # per pipeline rank: its worst forward end
+    first_backwards: tuple[InFlight, ...]  # per pipeline rank: the start of its step's first backward
     activations: tuple[int, ...]  # one micro-batch's activation bytes, per stage
     buffers: tuple[int, ...]  # send/recv buffers per pipeline rank
 
@@ -286,18 +317,32 @@ def build_pipeline(
         s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast, casts).total
         for s in range(p.stages)
     }
-    in_flight, forward_peaks, buffers = [], [], []
+    in_flight, forward_peaks, first_backwards, buffers = [], [], [], []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
         order = schedule_order(p, m, rank)
-        sent = ({s: boundary for s in range(1, p.stages)}, p.pp_schedule != ONE_F_ONE_B)
-        walk = (order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sent, regathered)
+        sends = Sends(
+            gradients={s: boundary for s in range(1, p.stages)},
+            outputs={s: boundary for s in range(last_stage)},
+            keeps_all=p.pp_schedule != ONE_F_ONE_B,
+        )
+        walk = (order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sends, regathered)
         in_flight.append(peak_in_flight(*walk))
         forward_peaks.append(peak_in_flight(*walk, forward=True))
+        first_backwards.append(next(m for m in walk_in_flight(*walk[:3], sends, regathered) if not m.forward))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))
-    return Pipeline(p, m, blocks, tuple(in_flight), tuple(forward_peaks), activations, tuple(buffers))
+    return Pipeline(
+        p,
+        m,
+        blocks,
+        tuple(in_flight),
+        tuple(forward_peaks),
+        tuple(first_backwards),
+        activations,
+        tuple(buffers),
+    )
 
 
 @dataclass(frozen=True)

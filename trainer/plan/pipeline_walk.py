@@ -2,21 +2,25 @@
 
 The moments are the last block of the forward that ends holding the most (`pipeline.peak_in_flight` with
 forward=True: under interleaving a forward after backwards of the rank's other stage, beside that stage's
-unsharded parameters and the gradient accumulated so far), then those of the micro-batch whose backward
-starts holding the most (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its
-loss where the stage has the head, the start of its last block's backward; then the optimizer step. Throughout, the stage holds its model states, its send/recv buffers and its
-share of the step's batch (`other`), and what PipelineStage's accumulation keeps: the unsharded gradient
-of the stage (every backward but the last runs without gradient sync), under autocast the cached casts
-of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
+unsharded parameters and the gradient accumulated so far); those of the micro-batch whose backward starts
+holding the most (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its loss where
+the stage has the head, the start of its last block's backward; the step's first backward at its stage's
+first block, its later blocks' gradients made; then the optimizer step. Throughout, the stage holds its model
+states, its send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's
+accumulation keeps: the unsharded gradient of the stage (every backward but the last runs without gradient
+sync), under autocast the cached casts of its weights, and under FSDP2 its parameters unsharded
+(set_reshard_after_backward(False)).
 
-Not modelled: the forward's own temporaries inside a block (smaller than the backward's), and the
-stage-2/3 all-gather buffers of one block beside the unsharded stage (FSDP2 frees them once copied out).
+Not modelled: the forward's own temporaries inside a block but those at its last residual add (under
+interleaving a forward can be the peak), and the stage-2/3 all-gather buffers of one block beside the
+unsharded stage (FSDP2 frees them once copied out).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts
@@ -44,7 +48,25 @@ from trainer.plan.pipeline import (
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
 
-Forward = tuple[InFlight, Activations]  # a forward's end: the moment and its stage's activations
+
+class Forward(NamedTuple):
+    """A forward's end: the moment, its stage's activations, and whether that stage has the head."""
+
+    moment: InFlight
+    acts: Activations
+    last: bool
+
+
+class FirstBackward(NamedTuple):
+    """The step's first backward on a rank, when it reaches its stage's first block (a stage of several):
+    the moment, the stage's activations, whether it has the head, its blocks, and the gradients its later
+    blocks (and, on the last stage, the final norm and head) have made by then."""
+
+    moment: InFlight
+    acts: Activations
+    last: bool
+    blocks: int
+    made: int
 
 
 @dataclass(frozen=True)
@@ -82,37 +104,92 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
     return Kept(casts, 4 * numel, False)
 
 
+def stage_output(acts: Activations, last: bool) -> int:
+    """What a stage's table holds beside its blocks through its last block's forward and backward: on every
+    stage but the last, its output (stage_activations' `head`), which PipelineStage keeps in `fwd_cache` and
+    its backward starts from; the last stage's head (final norm, loss) comes after its last block and is gone
+    by the last block's backward."""
+    return 0 if last else acts.head
+
+
+def first_block_moment(ctx: StepContext, keeps: Kept, first: FirstBackward) -> Moment:
+    """The first backward at its stage's first block, where the stage's gradients are made during the step
+    (FSDP2, one rank per stage; not DDP's buckets): the gradients of its later blocks made, and at stage3 every
+    block unsharded (each backward leaves its block so, set_reshard_after_backward(False)), where the later
+    blocks' activations and the stage's output are freed. Measured with MemTracker on GPipe's stages at
+    zero=stage3 fp32, where it is the peak: both blocks unsharded, the later one's gradients beside w2's."""
+    fsdp = ctx.config.zero.uses_fsdp
+    weight_grad = ctx.prec.param if fsdp else 4  # FSDP2's gradient in its param dtype, else the fp32 .grad
+    made = first.made + block_backward_temporary(ctx, weight_grad, weight_grad_held=True)
+    temporary = keeps.always + first.moment.kept + keeps.block * first.blocks + made
+    output = stage_output(first.acts, first.last) if first.moment.output_sent else 0  # else freed by now
+    activations = first.moment.held + first.acts.in_backward - first.acts.received + output
+    return ctx.moment("backward: first block", 0, activations, temporary)
+
+
+def forward_moment(ctx: StepContext, keeps: Kept, grads: int | None, forward_end: Forward) -> Moment:
+    """The worst forward's end, at its last block's residual add: w2's output beside the output it makes (the
+    stage's, `stage_output`) and, where the ffn norm saved an upcast rather than its input, the attention's
+    residual sum."""
+    fwd, acts, last = forward_end
+    fixed = keeps.always + (keeps.growth if fwd.done else 0) + fwd.kept + keeps.block
+    held = fwd.held + acts.before_last_block + acts.full_block + stage_output(acts, last)
+    residual = incoming_gradient(ctx)
+    upcast = norm_upcasts_input(ctx.prec, ctx.device_kind)
+    residual_add = residual * ctx.prec.compute // ctx.prec.residual + (residual if upcast else 0)
+    return ctx.moment("forward: last block", grads, held, fixed + residual_add)
+
+
+def last_block_backward(
+    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept, grads: int | None
+) -> Moment:
+    """The start of the last block's backward of the micro-batch at the peak (`peak`)."""
+    fsdp = ctx.config.zero.uses_fsdp
+    fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
+    running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
+    backward = peak.held + acts.before_last_block + acts.in_backward + stage_output(acts, last)
+    # Beyond the last stage the gradient arriving into the last block is the receive buffer itself, counted with
+    # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
+    # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
+    received = 0 if last else incoming_gradient(ctx)
+    weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
+    held = fsdp
+    # Where the weights' gradient is their fp32 .grad (one rank per stage, no DDP; FSDP2 without a half-precision
+    # param_dtype), the stage's first backward makes w2's .grad, which stays beside the SwiGLU product's
+    # backward; later backwards add a transient (autocast's bf16 one and its fp32 cast) into it in place
+    # (AccumulateGrad). FSDP2's half-precision gradients wait for its post-backward to be added into the fp32
+    # accumulated one (`to_accumulated_grad_if_needed`).
+    if not keeps.grads_at_rest and (not fsdp or ctx.prec.param == 4):
+        weight_grad, held = (weight_grad, False) if peak.done else (4, True)
+    block = block_backward_temporary(ctx, weight_grad, weight_grad_held=held) - received
+    return ctx.moment("backward: last block", grads, backward, fixed + running + block)
+
+
 def stage_moments(
-    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept, forward_end: Forward
+    ctx: StepContext,
+    acts: Activations,
+    peak: InFlight,
+    last: bool,
+    keeps: Kept,
+    forward_end: Forward,
+    first: FirstBackward | None = None,
 ) -> list[Moment]:
     """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
     the peak (`peak`), `last` whether that stage has the head and loss, `keeps` what the stage keeps through its
-    backwards; `forward_end`: the worst forward's end."""
-    fsdp = ctx.config.zero.uses_fsdp
+    backwards; `forward_end`: the worst forward's end; `first`: the first backward at its stage's first block."""
     grads = None if keeps.grads_at_rest else 0
-    fwd, fwd_acts = forward_end
-    fwd_fixed = keeps.always + (keeps.growth if fwd.done else 0) + fwd.kept + keeps.block
-    forward = fwd.held + fwd_acts.before_last_block + fwd_acts.full_block
-    moments = [ctx.moment("forward: last block", grads, forward, fwd_fixed)]
-    fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
-    running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
+    moments = [forward_moment(ctx, keeps, grads, forward_end)]
     if last and ctx.config.loss.kind == LossKind.full:
+        fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
         total = peak.held + acts.total
         moments += [
             ctx.moment("forward: loss", grads, total, fixed + loss_forward_temporary(ctx)),
             ctx.moment("backward: loss", grads, total, fixed + loss_backward_temporary(ctx)),
         ]
-    weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
-    backward = peak.held + acts.before_last_block + acts.in_backward
-    # Beyond the last stage the gradient arriving into the last block is the receive buffer itself, counted with
-    # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
-    # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
-    received = 0 if last else incoming_gradient(ctx)
-    block = block_backward_temporary(ctx, weight_grad, weight_grad_held=fsdp) - received
-    moments += [
-        ctx.moment("backward: last block", grads, backward, fixed + running + block),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
-    ]
+    moments.append(last_block_backward(ctx, acts, peak, last, keeps, grads))
+    if first is not None:
+        moments.append(first_block_moment(ctx, keeps, first))
+    moments.append(ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)))
     return moments
 
 
@@ -158,6 +235,16 @@ def pipeline_stage_plans(
         first, last = moment.stage == 0, moment.stage == last_stage
         return stage_activations(acts, pipe.blocks[moment.stage], first, last, boundary, upcast, casts)
 
+    def first_backward(rank: int) -> FirstBackward | None:
+        moment = pipe.first_backwards[rank]
+        count = len(pipe.blocks[moment.stage])
+        if count < 2 or keeps[rank].grads_at_rest:
+            return None
+        width = keeps[rank].growth // locals_[rank].num_params  # the gradient's bytes per element
+        head = sum(math.prod(s) for s in shape.root[1:]) if moment.stage == last_stage else 0
+        made = width * (sum(math.prod(s) for s in shape.block) * (count - 1) + head)
+        return FirstBackward(moment, stage_acts(moment), moment.stage == last_stage, count, made)
+
     for rank in range(p.pp):
         peak, forward_end = pipe.in_flight[rank], pipe.forward_peaks[rank]
         acts_peak = stage_acts(peak)
@@ -176,7 +263,8 @@ def pipeline_stage_plans(
                     peak,
                     peak.stage == last_stage,
                     keeps[rank],
-                    (forward_end, stage_acts(forward_end)),
+                    Forward(forward_end, stage_acts(forward_end), forward_end.stage == last_stage),
+                    first_backward(rank),
                 )
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))

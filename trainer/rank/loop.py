@@ -150,6 +150,8 @@ def train(
     batches = build_batches(config, *dp_coordinates(world, config.parallel), start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.pipeline = None if trainee.pipeline is None else trainee.pipeline.clock  # parallel.pp > 1
+    if trainee.pipeline is not None and meter.memory is not None:
+        meter.memory.held = trainee.pipeline.receive_buffers
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
     held_out = validation_batches(config, world.rank, world.world_size) if config.eval.every else []
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.

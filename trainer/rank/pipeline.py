@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -144,6 +144,13 @@ class MeasuredStage(PipelineStage):
         self.clock.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         return ops
 
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers PipelineStage receives activations and gradients into, one per micro-batch and input,
+        allocated in its first step and kept (stage.py `args_recv_info`, `grad_recv_info`)."""
+        infos = [*self.args_recv_info.values(), *self.grad_recv_info.values()]
+        buffers = (getattr(info, "buffer", None) for group in infos for info in group)
+        return [buffer for buffer in buffers if isinstance(buffer, torch.Tensor)]
+
 
 @dataclass
 class PipelineLoss:
@@ -178,6 +185,11 @@ class Pipeline:
     """Holds stage 0: feeds the tokens."""
     last: bool
     """Holds the last stage: takes the loss."""
+    stages: list[MeasuredStage] = field(default_factory=list)
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """Every receive buffer of this rank's stages (empty before the first step allocates them)."""
+        return [buffer for stage in self.stages for buffer in stage.receive_buffers()]
 
 
 def build_stage_modules(config: TrainConfig, world: World, mesh: DeviceMesh) -> list[nn.Module]:
@@ -241,7 +253,9 @@ def build_pipeline(
         schedule = SCHEDULES[parallel.pp_schedule](stages[0], n_microbatches=config.grad_accum, loss_fn=loss)
     if world.is_main:
         print(split_line(config.model.n_layers, parallel.stages, parallel.pp), flush=True)
-    return Pipeline(schedule, clock, loss, group, first=0 in indices, last=parallel.stages - 1 in indices)
+    return Pipeline(
+        schedule, clock, loss, group, first=0 in indices, last=parallel.stages - 1 in indices, stages=stages
+    )
 
 
 def pipeline_forward_backward(

@@ -155,6 +155,8 @@ class MemoryProbe:
         self._ooms_before = self._retries_before = 0
         self._anchor: int | None = None  # the second step of this run (of this attempt, after a resume)
         self._first: int | None = None  # the first step of this run (of this attempt)
+        # Tensors a rank keeps from step to step outside its model and optimizer (a pipeline's receive buffers)
+        self.held: Callable[[], list[torch.Tensor]] = list
         self.reset()
 
     def reset(self) -> None:
@@ -195,9 +197,9 @@ class MemoryProbe:
         # module seen in an earlier step would otherwise need reset_mod_stats().
         tracker = new_mem_tracker()
         # What exists before the step (parameters, their gradients, optimizer moments, a compression
-        # hook's error feedback) is invisible to a dispatch mode until an op creates it anew;
-        # register it up front.
-        tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model))
+        # hook's error feedback, a pipeline stage's receive buffers) is invisible to a dispatch mode
+        # until an op creates it anew; register it up front.
+        tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model), *self.held())
         with tracker:
             _ACTIVE_TRACKER.append(tracker)
             try:

@@ -11,7 +11,7 @@ from tests.helpers import compose_config
 from trainer.config import ParallelConfig
 from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
-from trainer.plan.pipeline import InFlight, peak_in_flight, schedule_order, walk_in_flight
+from trainer.plan.pipeline import InFlight, Sends, peak_in_flight, schedule_order, walk_in_flight
 
 TINY_PP = (
     "model=tiny",
@@ -99,6 +99,23 @@ def test_a_forward_after_backwards_holds_the_other_stages_unsharded_parameters()
     ]  # every forward of both stages
     worst = peak_in_flight(order, sizes, {}, growth=1000, regathered=regathered, forward=True)
     assert worst == InFlight(stage=2, held=400, count=5, kept=10, done=3, forward=True)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "kept", "sent"),
+    [("1f1b", [0, 7, 7, 0], [True, False, False, False]), ("gpipe", [0, 7, 14, 21], [True] * 4)],
+)
+def test_a_sent_output_outlives_its_backward_while_its_send_is_kept(
+    schedule: str, kept: list[int], sent: list[bool]
+) -> None:
+    """A stage's output, sent on, stays alive past its backward while the schedule keeps the send's Work: GPipe
+    every one to the step's end; Schedule1F1B its second-to-last warm-up forward's (stage 0 at pp=2: micro-batch
+    0) until the second backward after the last forward, where the cool-down replaces its `send_work`."""
+    order = schedule_order(ParallelConfig(pp=2, pp_schedule=schedule), 4, 0)
+    sends = Sends(outputs={0: 7}, keeps_all=schedule == "gpipe")
+    backwards = [m for m in walk_in_flight(order, {0: 100}, {}, sends) if not m.forward]
+    assert [m.kept for m in backwards] == kept
+    assert [m.output_sent for m in backwards] == sent
 
 
 @pytest.fixture(scope="module")
