@@ -40,6 +40,23 @@ def adam_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
+def test_what_a_rank_keeps_between_steps_counts_though_no_op_touches_it() -> None:
+    """`held` (a pipeline's receive buffers): registered as the step begins, in the peak from its start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    adam_step(model, optimizer)
+    kept = torch.empty(3, 1000)  # allocated before the step, never used in it
+    peaks = []
+    for held in ([], [kept]):
+        probe = MemoryProbe(CPU, memory_every=1, last_step=3)
+        probe.held = lambda held=held: held
+        with probe.measure(2, model, optimizer):
+            adam_step(model, optimizer)
+        peaks.append(dict(zip(CPU_FIELDS, probe.read()))["peak_allocated"])
+    assert peaks[1] - peaks[0] == 3 * 1000 * 4
+
+
 def test_tracked_step_counts_parameters_gradients_and_adam_state() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
