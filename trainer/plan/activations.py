@@ -99,9 +99,8 @@ class Activations:
     batch: int
     unread: int = 0  # checkpointing=op: a block's saved outputs its recompute stops before reading (w2's)
     inputs_kept: tuple[int, ...] = ()  # per block: its checkpointed input, alive beside its recompute
-    received: int = (
-        0  # a pipeline stage: its first block's saved input that is its receive buffer (counted there)
-    )
+    # a pipeline stage: its first block's saved input that is its receive buffer (counted with the buffers)
+    received: int = 0
 
     @property
     def in_backward(self) -> int:

@@ -9,10 +9,12 @@ ScheduleInterleaved1F1B places them so).
 Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over the dp ranks as at pp=1:
 
 - model states: its blocks, plus the embedding (first stage) or the final norm and output head (last);
-- activations, one micro-batch's per stage: its blocks' saved tensors (trainer/plan/activations.py), the
-  head's on the last stage, and on every other stage its output, which PipelineStage keeps in `fwd_cache`
-  for the backward that the next stage's gradient starts;
-- how many micro-batches' activations the schedule holds at once (`peak_in_flight`), read from the order in
+- activations, one micro-batch's per stage: its blocks' saved tensors (trainer/plan/activations.py, with
+  FSDP2's per-block casts of the rotary tables), the head's on the last stage, and on every other stage its
+  output, which PipelineStage keeps in `fwd_cache` for the backward that the next stage's gradient starts,
+  and past it while the schedule keeps the Work of the send that carried it (`Sends`);
+- how many micro-batches' activations the schedule holds at each backward's start and forward's end
+  (`walk_in_flight`; the worst of each: `peak_in_flight`), read from the order in
   which torch runs a rank's work: GPipe every forward before any backward (all grad_accum micro-batches);
   Schedule1F1B min(m, pp - i) warm-up forwards on stage i, then one backward before each further forward
   (torch/distributed/pipelining/schedules.py `warmup_chunks`); ScheduleInterleaved1F1B its
@@ -139,7 +141,8 @@ def walk_in_flight(
     unsharded: set[int] = set()
     regathered = regathered or {}
     backwards: dict[int, int] = {}  # per stage, the backwards run so far (each stage's in micro-batch order)
-    pinned = -1 if sends.keeps_all else sum(1 for _ in itertools.takewhile(lambda a: a[1], order)) - 2
+    warmup = sum(1 for _ in itertools.takewhile(lambda action: action[1], order))  # the leading forwards
+    pinned = -1 if sends.keeps_all else warmup - 2  # Schedule1F1B's `send_work` micro-batch
     forwards_left, after_last, pinned_bytes = sum(forward for _, forward in order), 0, 0
     for stage, forward in order:
         if forward:  # at its last block: every other stage's parameters as they were, its own resharded
@@ -216,11 +219,11 @@ def stage_activations(
     the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
     Beyond the first stage the first block's saved input is the receive buffer, counted with the buffers
     (`received`: `output` bytes less here, at every moment the first block's set is held), except where
-    nothing saves it: a block whose RMSNorm saves an fp32 upcast
-    instead (`upcast`, activations.py `norm_upcasts_input`) and that is not checkpointed (a checkpointed
-    block's frame keeps its input; measured with MemTracker, zero=stage3 bf16: each micro-batch's receive
-    buffer and the fp32 upcast both alive on the last stage). `casts`: what each block saves beside the
-    table, per micro-batch (activations.py `rope_casts`)."""
+    nothing saves it: a block whose RMSNorm saves an fp32 upcast instead (`upcast`, activations.py
+    `norm_upcasts_input`) and that is not checkpointed (a checkpointed block's frame keeps its input;
+    measured with MemTracker, zero=stage3 bf16: each micro-batch's receive buffer and the fp32 upcast both
+    alive on the last stage). `casts`: what each block saves beside the table, per micro-batch
+    (activations.py `rope_casts`)."""
     if last:
         head, log_softmax = acts.head, acts.log_softmax
     else:
@@ -329,7 +332,8 @@ def build_pipeline(
         walk = (order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sends, regathered)
         in_flight.append(peak_in_flight(*walk))
         forward_peaks.append(peak_in_flight(*walk, forward=True))
-        first_backwards.append(next(m for m in walk_in_flight(*walk[:3], sends, regathered) if not m.forward))
+        moments = walk_in_flight(*walk[:3], sends, regathered)
+        first_backwards.append(next(moment for moment in moments if not moment.forward))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))

@@ -186,6 +186,7 @@ class Pipeline:
     last: bool
     """Holds the last stage: takes the loss."""
     stages: list[MeasuredStage] = field(default_factory=list)
+    """This rank's stages (their receive buffers are what the memory probe registers beside the model's)."""
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """Every receive buffer of this rank's stages (empty before the first step allocates them)."""
