@@ -8,9 +8,11 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import psutil
 import pytest
 
 from benchmarks.gpucheck import catalog
-from tests.helpers import REPO
+from tests.helpers import REPO, left_in
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -168,8 +170,16 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
     deadline = 30
     args = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--jobs", "1",
             "--deadline", str(deadline), "--inject-hang", "125m_stage0"]  # fmt: skip
+    # The check's TMPDIR, where a killed job's temporary files must not stay (a short path: a fork server's
+    # socket lies below it, and AF_UNIX paths end at 107 bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="drill_"))
     start = time.perf_counter()
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=360, env=NO_XDIST)
+    env = {**NO_XDIST, "TMPDIR": str(scratch)}
+    try:
+        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=360, env=env)
+        assert left_in(scratch) == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - start
     rows = {row["check"]: row for row in json.loads((tmp_path / "results.json").read_text())["rows"]}
     hung = rows["throughput 125m bf16 stage0"]
