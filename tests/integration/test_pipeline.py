@@ -109,6 +109,7 @@ def test_losses_equal_one_rank_of_the_same_global_batch(
     assert worst < 1e-5, (name, run.losses, reference.losses)
 
 
+@pytest.mark.torch_versions  # the plan reads torch's schedules: their order, and the sends they keep
 @pytest.mark.parametrize("name", PLANNED)
 def test_each_stage_peak_within_half_a_percent_of_its_plan(name: str, runs: Callable[[str], Run]) -> None:
     run = runs(name)
