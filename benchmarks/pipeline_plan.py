@@ -18,8 +18,9 @@ import itertools
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_accuracy import REPO, markdown, misses, rows, run_point  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.plan_accuracy import markdown, misses, rows, run_point  # noqa: E402  (its rows and pass rule)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 REGIMES = (("fp32", "stage0"), ("bf16", "stage0"), ("bf16", "stage3"), ("fp32", "stage3"))

@@ -183,11 +183,20 @@ def peak_in_flight(
     regathered: dict[int, int] | None = None,
     forward: bool = False,
 ) -> InFlight:
-    """The worst backward start of the walk (`walk_in_flight`), or with `forward` the worst forward end; from
-    the first backward's end the stage holds `growth` (its gradient, accumulated from then on)."""
-    moments = [m for m in walk_in_flight(order, per_stage, kept, sends, regathered) if m.forward == forward]
-    assert moments, "a schedule runs a backward for every forward"
-    return max(moments, key=lambda m: m.total(per_stage, growth))
+    """The worst backward start of the walk (`walk_in_flight`), or with `forward` the worst forward end."""
+    return worst_of(
+        list(walk_in_flight(order, per_stage, kept, sends, regathered)), per_stage, growth, forward
+    )
+
+
+def worst_of(
+    moments: list[InFlight], per_stage: dict[int, int], growth: int, forward: bool = False
+) -> InFlight:
+    """The walk's worst backward start, or with `forward` its worst forward end; from the first backward's end
+    the stage holds `growth` (its gradient, accumulated from then on)."""
+    chosen = [m for m in moments if m.forward == forward]
+    assert chosen, "a schedule runs a backward for every forward"
+    return max(chosen, key=lambda m: m.total(per_stage, growth))
 
 
 def stage_model_shape(shape: ModelShape, blocks: int, first: bool, last: bool) -> ModelShape:
@@ -329,10 +338,10 @@ def build_pipeline(
             outputs={s: boundary for s in range(last_stage)},
             keeps_all=p.pp_schedule != ONE_F_ONE_B,
         )
-        walk = (order, per_stage, {last_stage: logits}, growth[rank] if growth else 0, sends, regathered)
-        in_flight.append(peak_in_flight(*walk))
-        forward_peaks.append(peak_in_flight(*walk, forward=True))
-        moments = walk_in_flight(*walk[:3], sends, regathered)
+        moments = list(walk_in_flight(order, per_stage, {last_stage: logits}, sends, regathered))
+        rank_growth = growth[rank] if growth else 0
+        in_flight.append(worst_of(moments, per_stage, rank_growth))
+        forward_peaks.append(worst_of(moments, per_stage, rank_growth, forward=True))
         first_backwards.append(next(moment for moment in moments if not moment.forward))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)

@@ -92,7 +92,7 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
     numel = shape.num_params
     if config.zero.uses_fsdp:
         root = sum(math.prod(s) for s in shape.root)
-        block = sum(math.prod(s) for s in shape.block)
+        block = shape.block_numel
         param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
         if config.zero.stage == Stage.stage2:
             return Kept(param * numel, reduce * numel, False)
@@ -220,7 +220,7 @@ def pipeline_stage_plans(
     keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
     regathered = None
     if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
-        block = PARAM_BYTES[config.precision.compute_dtype] * sum(math.prod(s) for s in shape.block)
+        block = PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel
         regathered = {s: block * len(split[s]) for s in range(p.stages)}
     growth = tuple(k.growth for k in keeps)
     upcast, casts = norm_upcasts_input(prec, device_kind), rope_casts(config, prec)
@@ -242,7 +242,7 @@ def pipeline_stage_plans(
             return None
         width = keeps[rank].growth // locals_[rank].num_params  # the gradient's bytes per element
         head = sum(math.prod(s) for s in shape.root[1:]) if moment.stage == last_stage else 0
-        made = width * (sum(math.prod(s) for s in shape.block) * (count - 1) + head)
+        made = width * (shape.block_numel * (count - 1) + head)
         return FirstBackward(moment, stage_acts(moment), moment.stage == last_stage, count, made)
 
     for rank in range(p.pp):

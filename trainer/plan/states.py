@@ -58,6 +58,11 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(map(math.prod, self.order))
 
+    @property
+    def block_numel(self) -> int:
+        """One block's parameters."""
+        return sum(map(math.prod, self.block))
+
 
 @functools.lru_cache(maxsize=32)
 def _model_shape(key: tuple[Any, ...]) -> ModelShape:
