@@ -22,7 +22,8 @@ server's imports plus the rank preload's (`warm_imports`), with what a fresh int
 put back first: signal handlers and mask, logging, warnings filters, multiprocessing's own records
 (private attributes of the standard library's fork server and resource tracker), no file descriptor
 but those multiprocessing passes it; and only while the job is still as single-threaded as this
-server (no thread of its own: what a fork may not copy). Otherwise the job spawns one as the trainer
+server (no thread of its own: what a fork may not copy) and has no CUDA context (a GPU job's plan reads
+the device, and a process forked after that cannot use CUDA). Otherwise the job spawns one as the trainer
 does. The forked server keeps this process's command line, not multiprocessing.forkserver's, so
 trainer/launch.py `start_fork_server` does not find it (and takes it as alive, as it does any server
 it cannot find): the test that kills a job's fork server runs a real process (test_leftovers.py).
@@ -109,14 +110,20 @@ def single_threaded(pristine: Pristine) -> bool:
     return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) <= pristine.threads
 
 
+def cuda_untouched() -> bool:
+    """No CUDA context in this process: a job on a GPU reads the device's memory for its plan, and a
+    process forked after that cannot use CUDA (torch: "Cannot re-initialize CUDA in forked subprocess")."""
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
 def fork_servers_by_fork(pristine: Pristine) -> None:
     """In a job: multiprocessing starts its fork server (and nothing else) by forking this process."""
     spawn_fresh = util.spawnv_passfds
 
     def spawnv_passfds(path: bytes, args: list, passfds: list[int]) -> int:
-        if not args[-1].startswith("from multiprocessing.forkserver import main") or not single_threaded(
-            pristine
-        ):
+        forkable = single_threaded(pristine) and cuda_untouched()
+        if not args[-1].startswith("from multiprocessing.forkserver import main") or not forkable:
             return spawn_fresh(path, args, passfds)
         sys.stdout.flush()  # or the server would write the job's buffered lines a second time
         sys.stderr.flush()

@@ -44,12 +44,14 @@ def saved_bytes_on_cuda(config, regime: str) -> int:
         ("fp32", ["precision=fp32"]),
         ("autocast", ["precision=bf16", "zero=stage1"]),
         ("fsdp_mp", ["precision=bf16", "zero=stage3"]),
+        ("autocast", ["precision=bf16", "zero=stage1", "attention=math"]),
     ],
 )
 def test_cuda_plan_activations_are_what_autograd_saves_on_a_gpu(regime: str, overrides: list[str]) -> None:
     # seq_len a multiple of 32: the efficient kernel (fp32) pads its logsumexp to 32 positions.
     config = compose_config("model=tiny", "micro_batch=3", "seq_len=64", "device=cuda", *overrides)
-    expected = activations(config, "cuda").total
+    planned = activations(config, "cuda").total
+    expected = planned
     if regime == "autocast":  # autocast's cached bf16 weights: the plan counts them as temporary
         shape = model_shape(config.model)
         expected += 2 * (
@@ -57,5 +59,6 @@ def test_cuda_plan_activations_are_what_autograd_saves_on_a_gpu(regime: str, ove
         )
     saved = saved_bytes_on_cuda(config, regime)
     assert abs(saved - expected) <= SMALL_TENSORS_PER_LAYER * config.model.n_layers, (saved, expected)
-    cpu = activations(config, "cpu").total
-    assert expected < cpu  # the fused RMSNorm saves less than the CPU decomposition
+    assert (
+        planned < activations(config, "cpu").total
+    )  # the fused RMSNorm saves less than the CPU decomposition

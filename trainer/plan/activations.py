@@ -129,17 +129,19 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     q, k, v, output and logsumexp, which block_bytes_per_token counts.
 
     K/V repeated for a kernel that cannot group heads: 2·(H - K)·Q more values. Math: its scaled
-    q, the repeated K and V and the B·H·T·T softmax output, and no logsumexp; on CPU it computes
-    half dtypes in fp32 (torch upcasts them there), on CUDA in the compute dtype. (Math's
-    transient pre-softmax scores, alive for one op in forward, are not modelled.)
+    q, the repeated K and V and the B·H·T·T softmax output, and no logsumexp, all in fp32 on CPU and
+    CUDA alike: torch's math kernel upcasts half dtypes unless
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True), which zerolab leaves off (the GPU
+    check's first run, 2026-12-04: 125m bf16 under math held 2.73 GiB more than a bf16 count, the
+    fp32 count's difference is 2.67). (Math's transient pre-softmax scores, alive for one op in
+    forward, are not modelled.)
     """
     m, prec = config.model, precisions(config.precision, config.zero)
     choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
     HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, config.seq_len
     flash = prec.compute * (HQ + 2 * KQ) + 4 * H
     if choice.saves_scores:
-        width = 4 if device_kind == "cpu" else prec.compute
-        return width * (3 * HQ + H * T) - flash
+        return 4 * (3 * HQ + H * T) - flash
     return 2 * (HQ - KQ) * prec.compute if choice.repeat_kv else 0
 
 

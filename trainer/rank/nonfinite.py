@@ -104,7 +104,9 @@ def agree(
     flags = torch.zeros(slots.size, device=world.device)
     flags[world.rank] = (~torch.isfinite(loss.detach().float())).float()
     flags[slots.gradient] = (~torch.isfinite(grad_norm.detach().float())).float()
-    flags[slots.stop] = stop
+    # fill_ takes the number as a kernel argument; `flags[i] = number` copies it from pageable host
+    # memory, a synchronizing copy on CUDA (tests/gpu's sync-debug steps caught it).
+    flags[slots.stop].fill_(stop)
     if world.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags
