@@ -1,8 +1,8 @@
 """One prepared check of zerolab on a GPU: what the CPU tests cannot prove, in one command.
 
-    python benchmarks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run]
+    python benchmarks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run] [--rows ROW]...
 
-Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 7 minutes. Every row
+Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 8 minutes. Every row
 runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is about saving)
 and is written to DIR/results.md and DIR/results.json as soon as it is known, so a run cut short
 still reports what it reached. Each job runs in its own process group under a timeout that fits
@@ -40,12 +40,12 @@ from benchmarks.gpucheck.catalog import (  # noqa: E402
     limit_base,
 )
 from benchmarks.gpucheck.report import Report, timed  # noqa: E402
-from benchmarks.gpucheck.rows import NOT_REACHED, evaluate, row_specs  # noqa: E402
+from benchmarks.gpucheck.rows import NOT_REACHED, RowSpec, chosen_rows, evaluate, jobs_for  # noqa: E402
 from benchmarks.gpucheck.scheduler import Scheduler  # noqa: E402
 
-DEADLINE_S = 420.0
-"""The whole check on the GPU: 7 minutes, so that a second try fits a 15-minute device lease
-(docs/gpu.md has the estimate, catalog.schedule_estimate the arithmetic)."""
+DEADLINE_S = 480.0
+"""The whole check on the GPU: 8 minutes, so that a rerun of the rows that failed (--rows) fits a
+15-minute device lease (docs/gpu.md has the estimate, catalog.schedule_estimate the arithmetic)."""
 WORKERS = 3
 """Jobs at once on the GPU (16 cores, under 10 GiB of GPU memory each), exclusive ones alone."""
 DRY_DEADLINE_S = 600.0
@@ -76,6 +76,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="jobs at once (default 3 on the GPU, exclusive ones alone; 2 in a dry run)",
+    )
+    parser.add_argument(
+        "--rows",
+        action="append",
+        metavar="ROW",
+        help="only this row and the jobs it reads (repeatable; a rerun of the rows a first run failed)",
     )
     parser.add_argument(
         "--inject-hang", metavar="JOB", help="tests only: JOB runs until the deadline kills it"
@@ -116,16 +122,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_check(setup, args.jobs or (2 if args.dry_run else WORKERS), bundle)
+    try:
+        rows = chosen_rows(args.rows)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return run_check(setup, args.jobs or (2 if args.dry_run else WORKERS), bundle, rows)
 
 
-def run_check(setup: Setup, workers: int, bundle: Path | None) -> int:
-    """Every row in order, each written as soon as its jobs are judged; 0 when every row passed
+def run_check(setup: Setup, workers: int, bundle: Path | None, rows: list[RowSpec]) -> int:
+    """The rows in order, each written as soon as its jobs are judged; 0 when every row passed
     (or informs, or needs CUDA in a dry run) and the deadline cut none."""
     report = Report(setup.out, setup.dry_run, bundle)
     (setup.out / "jobs").mkdir(exist_ok=True)
-    scheduler = Scheduler(setup, all_jobs(setup), workers)
-    for spec in row_specs():
+    scheduler = Scheduler(setup, jobs_for(rows, all_jobs(setup)), workers)
+    for spec in rows:
         timed(report, spec.name, lambda spec=spec: evaluate(setup, scheduler, spec))
     scheduler.thread.join()
     print(f"results: {setup.out / 'results.md'}", flush=True)

@@ -15,13 +15,17 @@ LOSS_TOLERANCE = 0.02
 """Largest relative difference of per-step losses between runs that differ in precision or in
 how they compute the same step (fp32 vs bf16, compile, checkpointing, the loss, the attention
 kernel, grad_accum, stage2)."""
-REPRODUCIBLE_TOLERANCE = 1e-3
-"""Largest relative difference of per-step losses between two runs of the same bf16 job. Not 0:
-flash attention's backward (and cuBLAS's split-K reductions) add in a non-deterministic order on
-CUDA unless deterministic algorithms are on, and bf16 carries those last-bit differences on; they
-stay orders of magnitude below this over 30 steps, while a real source of difference (data order,
-initialisation, a missed seed) moves the first step's loss by far more. Bitwise equality is
-recorded beside it (CPU runs are bitwise equal)."""
+FIRST_STEP_TOLERANCE = 1e-4
+"""Largest relative difference of the first step's loss between two runs of the same bf16 job: a
+forward before any update, where a real source of difference (data order, initialisation, a missed
+seed) shows at once. Not 0: the GPU check's first run (2026-12-04, H200) measured 1.6e-6."""
+REPRODUCIBLE_TOLERANCE = LOSS_TOLERANCE / 2
+"""Largest relative difference of per-step losses between two runs of the same bf16 job, over all
+steps: run-to-run noise must stay well inside the band the comparisons are judged by. Not near 0:
+flash attention's backward and cuBLAS's split-K reductions add in a non-deterministic order on
+CUDA, and AdamW's first updates, each about lr in size whatever the gradient's magnitude, carry
+those last-bit differences into the next losses. The first run measured 6.0e-3 at step 3 of 6
+(125m, micro_batch 4). Bitwise equality is recorded beside it (CPU runs are bitwise equal)."""
 
 
 def largest_relative_difference(a: list[float], b: list[float]) -> float:
@@ -68,13 +72,19 @@ def check_same_losses(setup: Setup, jobs: dict[str, Job]) -> Row:
 
 
 def check_reproducible(setup: Setup, jobs: dict[str, Job]) -> Row:
-    """The same job twice: per-step losses within REPRODUCIBLE_TOLERANCE, bitwise equality recorded."""
+    """The same job twice: the first step's loss within FIRST_STEP_TOLERANCE, every step's within
+    REPRODUCIBLE_TOLERANCE, bitwise equality recorded."""
     if (row := both_ok(jobs)) is not None:
         return row
     figures, wrong = compare_losses(jobs, REPRODUCIBLE_TOLERANCE)
+    reference, job = jobs.values()
+    first = largest_relative_difference(job.losses[:1], reference.losses[:1])
+    figures["first_step_rel_diff"] = first
+    if first > FIRST_STEP_TOLERANCE:
+        wrong.append(f"first step's losses differ by {first:.3g} relative (allowed {FIRST_STEP_TOLERANCE:g})")
     figures["bitwise"] = figures["max_rel_diff"] == 0.0
     note = "; ".join(wrong) or (
-        f"per-step losses within {REPRODUCIBLE_TOLERANCE:g} relative"
+        f"first step's loss within {FIRST_STEP_TOLERANCE:g}, per-step losses within {REPRODUCIBLE_TOLERANCE:g} relative"
         + (", bitwise equal" if figures["bitwise"] else " (not bitwise: CUDA's non-deterministic reductions)")
     )
     return Row("", "fail" if wrong else "pass", figures, note)

@@ -12,6 +12,7 @@ from benchmarks.gpucheck import rows as check
 from benchmarks.gpucheck.scheduler import Job
 
 OOM = {"status": "oom", "failed_phase": "forward", "oom": {"moment": "step 1 (forward, block 3, micro-batch 0)",
+                                                             "plan_moment": "forward: block", "held_gib": 9.8,
                                                              "most_over": "activations"}}  # fmt: skip
 
 
@@ -29,6 +30,24 @@ def test_oom_passes_with_a_snapshot_that_loads(tmp_path: Path) -> None:
     assert (row.status, row.figures["most_over"], row.figures["snapshot"]) == (
         "pass", "activations", str(tmp_path / "jobs" / "oom" / "memory_snapshots" / "rank0_oom.pickle"),
     )  # fmt: skip
+
+
+def test_oom_fails_unexplained_where_it_ran_out_before_the_first_step(tmp_path: Path) -> None:
+    """The first GPU run's cap (1b in 2 GiB) ran out building the model: no moment of the plan to set the
+    held memory beside. On CUDA the rank's held total stands beside the plan (no split: the tensor
+    tracker runs on CPU ranks), which explains the row without a `most_over`."""
+    (snapshot_dir(tmp_path) / "rank0_oom.pickle").write_bytes(pickle.dumps({"segments": []}))
+    setup = check.Setup(False, tmp_path, 0.0)
+    at_setup = {
+        "status": "oom",
+        "failed_phase": "setup",
+        "oom": {"moment": "step 0 (setup)", "held_gib": 1.9},
+    }
+    row = check.check_oom(setup, {"oom": Job("oom", "oom", summary=at_setup)})
+    assert row.status == "fail" and "not explained by a plan moment" in row.note, row.note
+    on_cuda = {**OOM, "oom": {**OOM["oom"], "most_over": None}}
+    row = check.check_oom(setup, {"oom": Job("oom", "oom", summary=on_cuda)})
+    assert (row.status, row.figures["held_gib"], row.figures["most_over"]) == ("pass", 9.8, None)
 
 
 def test_oom_fails_without_a_loadable_snapshot(tmp_path: Path) -> None:
