@@ -59,6 +59,5 @@ def test_cuda_plan_activations_are_what_autograd_saves_on_a_gpu(regime: str, ove
         )
     saved = saved_bytes_on_cuda(config, regime)
     assert abs(saved - expected) <= SMALL_TENSORS_PER_LAYER * config.model.n_layers, (saved, expected)
-    assert (
-        planned < activations(config, "cpu").total
-    )  # the fused RMSNorm saves less than the CPU decomposition
+    # The fused RMSNorm saves less than the CPU decomposition.
+    assert planned < activations(config, "cpu").total
