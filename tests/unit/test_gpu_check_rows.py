@@ -82,16 +82,16 @@ def test_headroom_passes_within_the_assumptions_and_names_what_one_gpu_cannot_me
     assert row.status == "pass", row.note
     # 10.4 GiB reserved for 10 GiB allocated, against 10 x 1.1733 + 1.28125 = 13.01425 GiB from the fit
     assert row.figures["reserved_over_model_gib"] == pytest.approx(10.4 - 13.01425, abs=1e-3)
-    assert row.figures["assumed_context_gib"] == 0.5
+    assert row.figures["assumed_context_gib"] == 0.75
     assert "nccl at 8 ranks: not measurable on one GPU" in row.note
 
 
 @pytest.mark.parametrize(
     ("measured", "reserved", "named"),
     [
-        ({"context_gib": 0.6}, 10.4, "context_gib 0.600 > assumed 0.5"),
+        ({"context_gib": 0.8}, 10.4, "context_gib 0.800 > assumed 0.75"),
         ({"cublas_workspace_gib": 1 / 16}, 10.4, "cublas_workspace_gib 0.062 > assumed 0.03125"),
-        ({"nccl_world1_gib": 0.7}, 10.4, "nccl_world1_gib 0.700 > assumed 0.5"),
+        ({"nccl_world1_gib": 0.7}, 10.4, "nccl_world1_gib 0.700 > assumed 0.671875"),
         ({}, 13.5, "reserved_over_model_gib 0.486 > 0: reserved above the fitted model"),
         ({"context_gib": None}, 10.4, "context_gib not measured"),
     ],

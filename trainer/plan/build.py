@@ -146,7 +146,8 @@ def allocator_share(total: int, name: str, communicators: int) -> DeviceMemory:
     outside = HEADROOM.outside_allocator(communicators)
     nccl = f"{communicators} NCCL communicator{'s' if communicators != 1 else ''}"
     return DeviceMemory(
-        total - outside, f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB CUDA context and {nccl}"
+        total - outside,
+        f"{name}, {total / GIB:.1f} GiB less {outside / GIB:.2g} GiB for the CUDA context and {nccl}",
     )
 
 

@@ -26,10 +26,11 @@ when these constants drift from the fit). Reserved = (1 + f) x allocated + c, fi
 which gives f = 0.1733 and c = 1.281 GiB (the 32 MiB cuBLAS workspace plus 1.25 GiB that the
 allocator keeps cached on the streams FSDP2 all-gathers and reduce-scatters on). Validated on
 the other published points (the table in docs/memory_plan.md). The CUDA context and NCCL
-figures remain assumptions (torch 2.x with lazy module loading on Hopper about 0.5 GiB; NCCL's
-default buffers about 0.5 GiB on one 8-GPU node); benchmarks/gpu_check.py measures them and the
-workspace (its `headroom` row) and peak reserved against peak allocated (its throughput rows):
-a `Headroom(...)` built from those figures replaces these.
+figures come from the GPU check's first run (benchmarks/gpu_check.py's `headroom` row, 2026-12-04,
+one H200, torch 2.11.0+cu130, NCCL 2.28.9, docs/gpu.md "Results"): the context measured 0.723 GiB
+once kernels had run, taken as 0.75; NCCL measured 0.545 GiB at one rank, in line with the 544 MiB
+NVIDIA/nccl#964 measured for 2 GPUs, and is taken as that issue's 688 MiB for 3-4 GPUs, since one
+GPU cannot measure a communicator of 8 (its buffers grow with peers and channels).
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from trainer.units import GIB
 
 @dataclass(frozen=True)
 class Headroom:
-    """A CUDA rank's memory beyond its tensors (fitted and assumed figures; see the module docstring)."""
+    """A CUDA rank's memory beyond its tensors (fitted, measured and published figures; see the
+    module docstring)."""
 
-    context_gib: float = 0.5
-    """CUDA context and kernel images, per process: outside the allocator (assumed)."""
-    nccl_gib: float = 0.5
-    """NCCL's buffers per communicator that carries traffic: outside the allocator (assumed; the
+    context_gib: float = 0.75
+    """CUDA context and kernel images, per process: outside the allocator (0.723 GiB measured on an
+    H200, rounded up)."""
+    nccl_gib: float = 688 / 1024
+    """NCCL's buffers per communicator that carries traffic: outside the allocator (688 MiB; the
     module docstring gives the measurements it stands for)."""
     cublas_workspace_gib: float = 1 / 32
     """cuBLAS workspace (32 MiB): inside the allocator."""

@@ -1,7 +1,7 @@
 """trainer/plan/headroom.py: a GPU plan compares reserved memory (tensors + headroom) with what the allocator may use.
 
 The expected figures are literal bytes worked out by hand from the module docstring's figures
-(CUDA context 0.5 GiB and NCCL 0.5 GiB with more than one rank, assumed; reserved = 1.1733 x
+(CUDA context 0.75 GiB and NCCL 688 MiB per communicator, measured and published; reserved = 1.1733 x
 allocated + 32 MiB cuBLAS workspace + 1.25 GiB stream cache, fitted by benchmarks/plan_vs_published.py),
 not read back from HEADROOM: a change to a figure must change these tests too.
 """
@@ -18,8 +18,9 @@ from trainer.plan.headroom import HEADROOM
 from trainer.telemetry.metrics import memory_fields
 from trainer.units import GIB
 
-CONTEXT_BYTES = 536_870_912  # 0.5 GiB: the CUDA context, per process
-CONTEXT_AND_NCCL_BYTES = 1_073_741_824  # 0.5 GiB + NCCL's 0.5 GiB for one communicator
+CONTEXT_BYTES = 805_306_368  # 0.75 GiB: the CUDA context, per process
+NCCL_BYTES = 721_420_288  # 688 MiB: NCCL's buffers per communicator
+CONTEXT_AND_NCCL_BYTES = 1_526_726_656  # 0.75 GiB + 688 MiB for one communicator
 WORKSPACE_BYTES = 33_554_432  # cuBLAS's 32 MiB, inside the allocator
 STREAM_CACHE_BYTES = 1_342_177_280  # 1.25 GiB cached on FSDP2's collective streams (fitted)
 FRAGMENTATION = 1.1733  # reserved grows by 17.33% of allocated (fitted)
@@ -28,7 +29,7 @@ FRAGMENTATION = 1.1733  # reserved grows by 17.33% of allocated (fitted)
 def test_the_headroom_is_the_stated_bytes() -> None:
     assert HEADROOM.outside_allocator(0) == CONTEXT_BYTES
     assert HEADROOM.outside_allocator(1) == CONTEXT_AND_NCCL_BYTES
-    assert HEADROOM.outside_allocator(3) == 2_147_483_648  # 0.5 GiB + 3 x 0.5 GiB
+    assert HEADROOM.outside_allocator(3) == 2_969_567_232 == CONTEXT_BYTES + 3 * NCCL_BYTES
     # 1 GiB of tensors: 1,073,741,824 x 1.1733 = 1,259,821,282.1, plus 32 MiB + 1.25 GiB = 1,375,731,712, truncated.
     assert HEADROOM.reserved(1_073_741_824) == 2_635_552_994
     assert HEADROOM.reserved(0) == WORKSPACE_BYTES + STREAM_CACHE_BYTES == 1_375_731_712
@@ -50,16 +51,16 @@ def test_nccl_memory_is_planned_per_communicator_that_carries_traffic() -> None:
     block (FSDP2 gives each hpZ module its own post-forward mesh; model=tiny has 4 blocks)."""
     h100 = find_accelerator("h100").memory_mib * 2**20
     hsdp = build_plan(compose_config("plan.accelerator=h100", "zero=stage3", "zero.shard_ranks=4"), "cuda", 8)
-    assert hsdp.memory.per_rank_bytes == h100 - 2_147_483_648  # 0.5 GiB context + 3 x 0.5 GiB
+    assert hsdp.memory.per_rank_bytes == h100 - 2_969_567_232  # 0.75 GiB context + 3 x 688 MiB
     assert "3 NCCL communicators" in hsdp.memory.source
     hpz = build_plan(compose_config("plan.accelerator=h100", "zero=stage3", "zero.hpz_ranks=2"), "cuda", 8)
-    assert hpz.memory.per_rank_bytes == h100 - 3_221_225_472  # 0.5 GiB + (1 + 4 blocks) x 0.5 GiB
+    assert hpz.memory.per_rank_bytes == h100 - 4_412_407_808  # 0.75 GiB + (1 + 4 blocks) x 688 MiB
     both = build_plan(
         compose_config("plan.accelerator=h100", "zero=stage3", "zero.shard_ranks=4", "zero.hpz_ranks=2"),
         "cuda",
         8,
     )
-    assert both.memory.per_rank_bytes == h100 - 4_294_967_296  # 0.5 GiB + (3 + 4) x 0.5 GiB
+    assert both.memory.per_rank_bytes == h100 - 5_855_248_384  # 0.75 GiB + (3 + 4) x 688 MiB
 
 
 def test_gpu_plans_predict_reserved_and_cpu_plans_do_not() -> None:
