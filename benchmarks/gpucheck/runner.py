@@ -7,7 +7,6 @@ fault done to a running job, then what was left running).
 
 from __future__ import annotations
 
-import getpass
 import os
 import shutil
 import signal
@@ -77,10 +76,12 @@ def run_process(
 
     The job gets a TMPDIR of its own, removed when it ends: one killed at its timeout runs no cleanup,
     and would leave its launcher's log directory, its fork server's listener and W&B's socket behind.
-    torch's compile cache stays where it was, shared by the jobs (`compile_cache_dir`)."""
+    torch's compile cache stays where it was, shared by the jobs (`inductor_cache_dir`)."""
+    from trainer.private_apis.of_torch import inductor_cache_dir  # torch, imported once a job runs
+
     log.parent.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="job_")  # short: the fork server's socket path lies in it
-    env = {**(env or session_env()), "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir()}
+    env = {**(env or session_env()), "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
     try:
         with log.open("w") as console:
             proc = start_session(args, env, stdout=console, stderr=subprocess.STDOUT)
@@ -90,18 +91,6 @@ def run_process(
                 return None, *kill_group(proc)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def compile_cache_dir() -> str:
-    """Where torch's compile cache is for this process: TORCHINDUCTOR_CACHE_DIR, or TorchInductor's default,
-    torchinductor_USER in the temporary directory (torch/_inductor/runtime/cache_dir_utils.py)."""
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no name for this uid: torch names it so too
-        user = f"uid_{os.getuid()}"
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def left_running(sid: int) -> int:

@@ -14,7 +14,7 @@ Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over t
   output, which PipelineStage keeps in `fwd_cache` for the backward that the next stage's gradient starts,
   and past it while the schedule keeps the Work of the send that carried it (`Sends`);
 - how many micro-batches' activations the schedule holds at each backward's start and forward's end
-  (`walk_in_flight`; the worst of each: `peak_in_flight`), read from the order in
+  (`walk_in_flight`; the worst of each: `worst_of`), read from the order in
   which torch runs a rank's work: GPipe every forward before any backward (all grad_accum micro-batches);
   Schedule1F1B min(m, pp - i) warm-up forwards on stage i, then one backward before each further forward
   (torch/distributed/pipelining/schedules.py `warmup_chunks`); ScheduleInterleaved1F1B its
@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,26 +174,11 @@ def walk_in_flight(
             pinned_bytes = 0 if sends.keeps_all else sends.outputs.get(stage, 0)
 
 
-def peak_in_flight(
-    order: list[tuple[int, bool]],
-    per_stage: dict[int, int],
-    kept: dict[int, int],
-    growth: int = 0,
-    sends: Sends = Sends(),
-    regathered: dict[int, int] | None = None,
-    forward: bool = False,
-) -> InFlight:
-    """The worst backward start of the walk (`walk_in_flight`), or with `forward` the worst forward end."""
-    return worst_of(
-        list(walk_in_flight(order, per_stage, kept, sends, regathered)), per_stage, growth, forward
-    )
-
-
 def worst_of(
-    moments: list[InFlight], per_stage: dict[int, int], growth: int, forward: bool = False
+    moments: Iterable[InFlight], per_stage: dict[int, int], growth: int = 0, forward: bool = False
 ) -> InFlight:
-    """The walk's worst backward start, or with `forward` its worst forward end; from the first backward's end
-    the stage holds `growth` (its gradient, accumulated from then on)."""
+    """The walk's (`walk_in_flight`) worst backward start, or with `forward` its worst forward end; from the
+    first backward's end the stage holds `growth` (its gradient, accumulated from then on)."""
     chosen = [m for m in moments if m.forward == forward]
     assert chosen, "a schedule runs a backward for every forward"
     return max(chosen, key=lambda m: m.total(per_stage, growth))

@@ -1,9 +1,9 @@
 """The walk of one pipeline rank's step (parallel.pp > 1; what a stage holds: trainer/plan/pipeline.py).
 
-The moments are the last block of the forward that ends holding the most (`pipeline.peak_in_flight` with
+The moments are the last block of the forward that ends holding the most (`pipeline.worst_of` with
 forward=True: under interleaving a forward after backwards of the rank's other stage, beside that stage's
 unsharded parameters and the gradient accumulated so far); those of the micro-batch whose backward starts
-holding the most (`pipeline.peak_in_flight`): the other micro-batches' stages held beside it, its loss where
+holding the most (`pipeline.worst_of`): the other micro-batches' stages held beside it, its loss where
 the stage has the head, the start of its last block's backward; the step's first backward at its stage's
 first block, its later blocks' gradients made; then the optimizer step. Throughout, the stage holds its model
 states, its send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's

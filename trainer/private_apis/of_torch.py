@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any
 from unittest import mock
@@ -30,6 +31,7 @@ __all__ = [
     "found_inf_per_device",
     "HigherOrderOperator",
     "import_rank_lazy_modules",
+    "inductor_cache_dir",
     "interleaved_1f1b_order",
     "name_rendezvous_events_cheaply",
     "new_mem_tracker",
@@ -83,6 +85,15 @@ def stop_memory_history() -> None:
 def dump_memory_snapshot(path: str) -> None:
     """The allocator's state and recorded history as a pickle for pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def inductor_cache_dir() -> str:
+    """Where TorchInductor keeps its compile cache in this process: TORCHINDUCTOR_CACHE_DIR, else its
+    default, torchinductor_<user> in the temporary directory. Read without creating it (torch's own
+    `cache_dir()` creates it and sets the variable)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
 
 
 def new_mem_tracker() -> Any:

@@ -11,7 +11,7 @@ from tests.helpers import compose_config
 from trainer.config import ParallelConfig
 from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
-from trainer.plan.pipeline import InFlight, Sends, peak_in_flight, schedule_order, walk_in_flight
+from trainer.plan.pipeline import InFlight, Sends, schedule_order, walk_in_flight, worst_of
 
 TINY_PP = (
     "model=tiny",
@@ -54,7 +54,7 @@ def test_in_flight_micro_batches_per_schedule(rank: int) -> None:
 
     def count(schedule: str) -> int:
         parallel = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v)
-        return peak_in_flight(schedule_order(parallel, m, rank), equal, {}).count
+        return worst_of(walk_in_flight(schedule_order(parallel, m, rank), equal, {}), equal).count
 
     assert count("gpipe") == m
     assert count("1f1b") == pp - rank
@@ -73,7 +73,8 @@ def test_a_backward_after_a_backward_finds_every_block_of_its_stage_unsharded(
     parallel = ParallelConfig(pp=2, pp_schedule=schedule)
     order = schedule_order(parallel, 4, 1)
     # the accumulated gradient (100) makes a later backward the worst, as on tiny under FSDP2
-    peak = peak_in_flight(order, {0: 100, 1: 100}, {}, growth=100, regathered={0: 10, 1: 10})
+    sizes = {0: 100, 1: 100}
+    peak = worst_of(walk_in_flight(order, sizes, {}, regathered={0: 10, 1: 10}), sizes, growth=100)
     assert (peak.done, peak.unsharded, peak.kept) == (1, unsharded, kept)
 
 
@@ -97,7 +98,9 @@ def test_a_forward_after_backwards_holds_the_other_stages_unsharded_parameters()
         400,
         400,
     ]  # every forward of both stages
-    worst = peak_in_flight(order, sizes, {}, growth=1000, regathered=regathered, forward=True)
+    worst = worst_of(
+        walk_in_flight(order, sizes, {}, regathered=regathered), sizes, growth=1000, forward=True
+    )
     assert worst == InFlight(stage=2, held=400, count=5, kept=10, done=3, forward=True)
 
 

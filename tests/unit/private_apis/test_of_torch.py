@@ -4,9 +4,12 @@ a private API is what a torch release changes without notice."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from trainer.private_apis.of_torch import (
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
+    inductor_cache_dir,
     interleaved_1f1b_order,
     name_rendezvous_events_cheaply,
     new_mem_tracker,
@@ -227,3 +231,14 @@ def test_rendezvous_events_are_named_as_torchs_get_method_name_names_them() -> N
         assert dynamic_rendezvous.get_method_name is caller_name
     finally:
         dynamic_rendezvous.get_method_name = torchs
+
+
+def test_the_inductor_cache_dir_is_the_variable_else_torchinductor_user_in_the_temporary_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert inductor_cache_dir() == str(tmp_path / "cache")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert inductor_cache_dir() == str(tmp_path / f"torchinductor_{getpass.getuser()}")
+    assert not (tmp_path / f"torchinductor_{getpass.getuser()}").exists()  # read, not created
