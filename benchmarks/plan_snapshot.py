@@ -43,6 +43,7 @@ GRAD_ACCUM = ["grad_accum=1", "grad_accum=2", "grad_accum=4"]
 # chunk_tokens=192 of 8 x 128 tokens: 6 chunks, the last one short (the chunked walk's every branch)
 LOSSES = ["loss=full", "loss=chunked loss.chunk_tokens=192"]
 DEVICES = ["cpu", "cuda"]
+TP_PP_PRECISIONS = ["precision=fp32", "precision=bf16"]
 
 # Each grid is the product of its axes (world=N: the world sizes planned, not a config key), times DEVICES.
 GRIDS: list[list[list[str]]] = [
@@ -84,6 +85,36 @@ GRIDS: list[list[list[str]]] = [
         ["micro_batch=2 seq_len=1024"],
         ["world=2 world=3"],
     ],
+    # tensor parallelism: tp 2 on the tiny model, 4 and 8 on 1b; one replica (stage0 takes no more) ...
+    [
+        [
+            "model=tiny parallel.tp=2 world=2",
+            "model=1b seq_len=256 parallel.tp=4 world=4",
+            "model=1b seq_len=256 parallel.tp=8 world=8",
+        ],
+        ["zero=stage0", "zero=stage2", "zero=stage3"],
+        TP_PP_PRECISIONS,
+        ["checkpointing=none", "checkpointing=full"],
+    ],
+    # ... and two, sharded over dp
+    [
+        [
+            "model=tiny parallel.tp=2 world=4",
+            "model=1b seq_len=256 parallel.tp=4 world=8",
+            "model=1b seq_len=256 parallel.tp=8 world=16",
+        ],
+        ["zero=stage2", "zero=stage3"],
+        TP_PP_PRECISIONS,
+        ["checkpointing=none", "checkpointing=full"],
+    ],
+    # pipeline parallelism: pp 2 on the tiny model, 4 on 1b, each schedule, one replica and two
+    [
+        ["model=tiny parallel.pp=2 world=2 world=4", "model=1b seq_len=256 parallel.pp=4 world=4 world=8"],
+        [f"parallel.pp_schedule={schedule}" for schedule in ("gpipe", "1f1b", "interleaved_1f1b")],
+        ["zero=stage0", "zero=stage2 zero.reduce_every=step", "zero=stage3 zero.reduce_every=step"],
+        TP_PP_PRECISIONS,
+        ["grad_accum=4"],
+    ],
 ]
 
 
@@ -94,17 +125,25 @@ def jobs() -> Iterator[list[str]]:
             yield [word for option in choice for word in option.split()]
 
 
+def rank_coords(plan: Plan, rank: int) -> list[int]:
+    """A rank's (pp, dp, tp) coordinates: the record names a rank by where it stands, so that a change
+    of rank order (which global rank holds which stage) is not read as a change of any rank's plan."""
+    tp, pp = plan.config.parallel.tp, plan.config.parallel.pp
+    return [rank // tp % pp, rank // (tp * pp), rank % tp]
+
+
 def plan_record(plan: Plan) -> list[dict[str, Any]]:
-    """Every rank's states, activations, offloaded bytes and every moment's parts, in the plan's order."""
+    """Every rank's states, activations, offloaded bytes and every moment's parts, in (pp, dp, tp) order."""
+    ranks = sorted(plan.ranks, key=lambda rank: rank_coords(plan, rank.rank))
     return [
         {
-            "rank": rank.rank,
+            "coords": rank_coords(plan, rank.rank),
             "states": [rank.states.params, rank.states.grads, rank.states.optimizer],
             "activations": rank.activations,
             "offloaded": rank.offloaded,
             "moments": [[moment.name, moment.parts] for moment in rank.moments],
         }
-        for rank in plan.ranks
+        for rank in ranks
     ]
 
 
