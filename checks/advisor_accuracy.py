@@ -7,8 +7,8 @@ the runner, one after another. This script reads its advice.json and prints both
 Spearman's rank correlation of predicted against measured tokens/s, and how far the top pick is
 from the fastest measured point.
 
-    .venv/bin/python benchmarks/advisor_accuracy.py              # 16 points, ~15 minutes on 2 quiet cores
-    .venv/bin/python benchmarks/advisor_accuracy.py --zero stage0 stage2 stage3 --steps 8   # 12 points
+    .venv/bin/python checks/advisor_accuracy.py              # 16 points, ~15 minutes on 2 quiet cores
+    .venv/bin/python checks/advisor_accuracy.py --zero stage0 stage2 stage3 --steps 8   # 12 points
 
 Grid (defaults): a ~10M-parameter decoder (dim 384, 6 layers, ffn 1024, vocab 512) at seq_len 128,
 global_batch 8 on 2 ranks, zero stage0-3 x checkpointing none, full x micro_batch 1, 4 (grad_accum
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each measured job")
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmarks" / "advisor_accuracy")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "checks" / "advisor_accuracy")
     parser.add_argument(
         "--cache-dir",
         type=Path,

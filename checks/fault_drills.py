@@ -8,8 +8,8 @@ and checks that nothing was lost: the losses after a resume equal an uninterrupt
 bit, the saves left are whole, the local files are complete, and no process of any of its jobs
 (each marked with its own ZEROLAB_JOB_ID, trainer/faults/leftovers.py) is alive 30 s after the job.
 
-    .venv/bin/python benchmarks/fault_drills.py            # every drill, a few minutes here
-    .venv/bin/python benchmarks/fault_drills.py --only sigint wandb
+    .venv/bin/python checks/fault_drills.py            # every drill, a few minutes here
+    .venv/bin/python checks/fault_drills.py --only sigint wandb
 
 Prints one Markdown table (docs/faults.md carries it) and exits 1 when a drill lost something.
 Jobs run with save=off except where saves are the point; everything is written under a
@@ -39,7 +39,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpucheck.runner import (  # noqa: E402
+from checks.gpucheck.runner import (  # noqa: E402
     kill_group,
     left_running,
     session_env,

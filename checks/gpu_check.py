@@ -1,6 +1,6 @@
 """One prepared check of zerolab on a GPU: what the CPU tests cannot prove, in one command.
 
-    python benchmarks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run] [--rows ROW]...
+    python checks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run] [--rows ROW]...
 
 Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 8 minutes. Every row
 runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is about saving)
@@ -13,7 +13,7 @@ plan.json) and DIR/logs/<job>.log (the console). `--bundle DIR` also keeps resul
 and one archive of jobs/ and logs/ (checkpoints left out) in a folder of their own, after every
 row: the three files a device tool that brings back only a few shallow files returns.
 
-This file is the command; the check is benchmarks/gpucheck/: the jobs and their budgets in
+This file is the command; the check is checks/gpucheck/: the jobs and their budgets in
 catalog.py, the rows, most valuable first, in rows.py (docs/gpu.md tabulates them with the time
 estimate), how jobs run in scheduler.py and runner.py, results.md and results.json in report.py. --dry-run runs the same sequence on CPU with the tiny
 model (rows that need CUDA say `skip`; the fault and comparison jobs as the points of one sweep, which
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # benchmarks.gpucheck, and trainer's tables for the helper processes
+sys.path.insert(0, str(REPO))  # checks.gpucheck, and trainer's tables for the helper processes
 
-from benchmarks.gpucheck.catalog import (  # noqa: E402
+from checks.gpucheck.catalog import (  # noqa: E402
     Setup,
     advisor_predictions,
     all_jobs,
@@ -39,9 +39,9 @@ from benchmarks.gpucheck.catalog import (  # noqa: E402
     largest_fitting_micro_batch,
     limit_base,
 )
-from benchmarks.gpucheck.report import Report, timed  # noqa: E402
-from benchmarks.gpucheck.rows import NOT_REACHED, RowSpec, chosen_rows, evaluate, jobs_for  # noqa: E402
-from benchmarks.gpucheck.scheduler import Scheduler  # noqa: E402
+from checks.gpucheck.report import Report, timed  # noqa: E402
+from checks.gpucheck.rows import NOT_REACHED, RowSpec, chosen_rows, evaluate, jobs_for  # noqa: E402
+from checks.gpucheck.scheduler import Scheduler  # noqa: E402
 
 DEADLINE_S = 480.0
 """The whole check on the GPU: 8 minutes, so that a rerun of the rows that failed (--rows) fits a

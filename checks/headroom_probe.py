@@ -1,6 +1,6 @@
-"""What a CUDA rank holds besides its tensors, measured in this process (benchmarks/gpu_check.py's headroom row).
+"""What a CUDA rank holds besides its tensors, measured in this process (checks/gpu_check.py's headroom row).
 
-    python benchmarks/headroom_probe.py        # on a GPU host; prints one JSON line
+    python checks/headroom_probe.py        # on a GPU host; prints one JSON line
 
 The figures trainer/plan/headroom.py assumes, each measured for this process only:
 

@@ -6,7 +6,7 @@ interleaved_1f1b) at fp32 and bf16 and zero=stage0 (DDP's autocast under bf16) a
 precision). The rows are plan_accuracy.py's: each rank's peak, plan against MemTracker's measurement of step 2,
 and its model states to the byte, here held to 0.5%.
 
-    .venv/bin/python benchmarks/pipeline_plan.py      # docs/memory_plan.md, "Pipeline parallelism": 12 jobs, ~1 min
+    .venv/bin/python checks/pipeline_plan.py      # docs/memory_plan.md, "Pipeline parallelism": 12 jobs, ~1 min
 
 Exits 1 when a rank misses, 2 on a job that failed.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.plan_accuracy import markdown, misses, rows, run_point  # noqa: E402  (its rows and pass rule)
+from checks.plan_accuracy import markdown, misses, rows, run_point  # noqa: E402  (its rows and pass rule)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 REGIMES = (("fp32", "stage0"), ("bf16", "stage0"), ("bf16", "stage3"), ("fp32", "stage3"))
@@ -32,7 +32,7 @@ JOB = ("model=tiny", "seq_len=64", "micro_batch=2", "nproc=2", "parallel.pp=2", 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmarks" / "pipeline_plan")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "checks" / "pipeline_plan")
     parser.add_argument("--peak-tolerance-pct", type=float, default=0.5)
     args = parser.parse_args(argv)
     all_rows = []

@@ -6,10 +6,10 @@ Every point is `python -m trainer` exactly as a user runs it. The job writes its
 MemTracker, step 2: the first step that starts with Adam's state), and the model states
 `memory/rank{r}/{params,grads,optimizer}_gib` after the step. This script puts them side by side.
 
-    .venv/bin/python benchmarks/plan_accuracy.py                      # docs/memory_plan.md's first table, ~30 min
-    .venv/bin/python benchmarks/plan_accuracy.py --table seq512        # its second table
-    .venv/bin/python benchmarks/plan_accuracy.py --table cases         # fp16 selective, grad_accum, 3 ranks, offload, wide
-    .venv/bin/python benchmarks/plan_accuracy.py --table cases --grids 3-ranks --zero stage3   # any subset
+    .venv/bin/python checks/plan_accuracy.py                      # docs/memory_plan.md's first table, ~30 min
+    .venv/bin/python checks/plan_accuracy.py --table seq512        # its second table
+    .venv/bin/python checks/plan_accuracy.py --table cases         # fp16 selective, grad_accum, 3 ranks, offload, wide
+    .venv/bin/python checks/plan_accuracy.py --table cases --grids 3-ranks --zero stage3   # any subset
 
 A table is a set of named grids (TABLES; --grids picks some); each option given on the command line (--model, --zero,
 --precision, --checkpointing, --micro-batch, --grad-accum, --nproc, --offload, --seq-len)
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", nargs="+", type=int, help="ranks per job")
     parser.add_argument("--offload", nargs="+", choices=["none", "cpu"])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmarks" / "plan_accuracy")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "checks" / "plan_accuracy")
     parser.add_argument("--reuse", action="store_true", help="reuse points measured on this very tree")
     parser.add_argument("--peak-tolerance-pct", type=float, default=1.0)
     return parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """zerolab's GPU predictions held against published measurements: reserved memory and tokens/s.
 
-    python benchmarks/plan_vs_published.py          # a few seconds: every prediction in-process
+    python checks/plan_vs_published.py          # a few seconds: every prediction in-process
 
 Every published figure below was read from its source (repository, commit or pull request; the
 citation is in each row) with the configuration and hardware as it was run. The script plans

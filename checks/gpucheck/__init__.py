@@ -1,7 +1,7 @@
-"""The GPU check (`python benchmarks/gpu_check.py`, docs/gpu.md) as modules the command puts together:
+"""The GPU check (`python checks/gpu_check.py`, docs/gpu.md) as modules the command puts together:
 
 - runner.py: a `python -m trainer` job or any command as a process in a session of its own, killed
-  with its fork server and ranks at its timeout (benchmarks/fault_drills.py runs its jobs with it too);
+  with its fork server and ranks at its timeout (checks/fault_drills.py runs its jobs with it too);
 - catalog.py: where the check runs (GPU or the dry run's CPU), every job it runs in order with its
   budget and estimate, the schedule those estimates add up to, and the helpers it runs as processes
   (the environment, the largest micro-batch the plan fits, the advisor's predictions);

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpucheck.runner import REPO
+from checks.gpucheck.runner import REPO
 
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+SCRIPT = REPO / "checks" / "gpu_check.py"
 """The command; the environment and plans jobs run it again with hidden flags."""
 ADVICE_FILE = "advice.json"
 """The plans job's output under jobs/: each throughput job's predicted tokens/s."""
@@ -251,7 +251,7 @@ def helper_jobs(setup: Setup) -> list[JobSpec]:
     environment = (sys.executable, str(SCRIPT), "--environment", str(jobs / "environment.json"), *dry)
     gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
                  "-p", "no:xdist", "-o", "addopts=-ra", "--durations=8")  # fmt: skip
-    probe = (sys.executable, str(REPO / "benchmarks" / "headroom_probe.py"))
+    probe = (sys.executable, str(REPO / "checks" / "headroom_probe.py"))
     # Planning for the GPU reads its properties, which creates a CUDA context: the plans are made in
     # a process of their own, and the check's process holds none while jobs run.
     plans = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(jobs / LIMIT_FILE), "--advise",

@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.gpucheck.catalog import Setup, job_dir
-from benchmarks.gpucheck.report import Row
-from benchmarks.gpucheck.scheduler import Job, failed
+from checks.gpucheck.catalog import Setup, job_dir
+from checks.gpucheck.report import Row
+from checks.gpucheck.scheduler import Job, failed
 
 PLAN_TOLERANCE_PCT = 3.0
 """Peak allocated against the plan on the GPU: within ±3%, a bound the CUDA-only terms the plan
@@ -17,7 +17,7 @@ counts exceed (the fused RMSNorm's fp32 temporaries are 6-12% of a peak), so a t
 counted twice fails the row."""
 DRY_PLAN_TOLERANCE_PCT = 15.0
 """The same on CPU (a dry run): the tiny model at 32 tokens, where the plan's fixed terms weigh most
-(stage3 is 3.9% off there); the CPU plan's 1% is benchmarks/plan_accuracy.py's, at real shapes."""
+(stage3 is 3.9% off there); the CPU plan's 1% is checks/plan_accuracy.py's, at real shapes."""
 HOST_TOLERANCE_PCT = 10.0
 """An offloaded rank's host RSS may exceed the plan's host figure for it by at most this much."""
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.gpucheck.catalog import REPO, Setup
-from benchmarks.gpucheck.memory import memory_figures, memory_verdict
-from benchmarks.gpucheck.report import Row
-from benchmarks.gpucheck.scheduler import Job, failed
+from checks.gpucheck.catalog import REPO, Setup
+from checks.gpucheck.memory import memory_figures, memory_verdict
+from checks.gpucheck.report import Row
+from checks.gpucheck.scheduler import Job, failed
 
 LOSS_TOLERANCE = 0.02
 """Largest relative difference of per-step losses between runs that differ in precision or in

@@ -10,15 +10,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpucheck.catalog import ADVICE_FILE, JobSpec, Setup, job_dir, oom_overrides
-from benchmarks.gpucheck.memory import (
+from checks.gpucheck.catalog import ADVICE_FILE, JobSpec, Setup, job_dir, oom_overrides
+from checks.gpucheck.memory import (
     check_expandable,
     check_headroom,
     check_limit,
     check_offload_host,
     check_throughput,
 )
-from benchmarks.gpucheck.numerics import (
+from checks.gpucheck.numerics import (
     check_checkpointing,
     check_compile,
     check_fp8,
@@ -27,8 +27,8 @@ from benchmarks.gpucheck.numerics import (
     check_reproducible,
     check_same_losses,
 )
-from benchmarks.gpucheck.report import Row
-from benchmarks.gpucheck.scheduler import Job, Scheduler, failed
+from checks.gpucheck.report import Row
+from checks.gpucheck.scheduler import Job, Scheduler, failed
 
 THROUGHPUT_JOBS = tuple(f"{m}_{s}" for m in ("125m", "1b") for s in ("stage0", "stage3"))
 NOT_REACHED = "not reached by the deadline"

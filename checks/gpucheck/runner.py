@@ -1,7 +1,7 @@
 """Running a `python -m trainer` job (or any command) as a process the caller can always end: in a
 session of its own, so that its fork server and ranks can be killed with it, and counted after.
 
-Shared by benchmarks/gpu_check.py (every job under a timeout) and benchmarks/fault_drills.py (a
+Shared by checks/gpu_check.py (every job under a timeout) and checks/fault_drills.py (a
 fault done to a running job, then what was left running).
 """
 

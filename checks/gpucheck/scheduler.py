@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpucheck.catalog import JobSpec, Setup, job_dir
-from benchmarks.gpucheck.runner import REPO, run_process, session_env, trainer_command
+from checks.gpucheck.catalog import JobSpec, Setup, job_dir
+from checks.gpucheck.runner import REPO, run_process, session_env, trainer_command
 
 TAIL_LINES = 15
 

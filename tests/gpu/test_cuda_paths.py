@@ -1,6 +1,6 @@
 """The CUDA paths the CPU tests cannot reach, on one GPU (marked gpu: skipped without CUDA).
 
-benchmarks/gpu_check.py runs these first (`pytest -m gpu tests/gpu`).
+checks/gpu_check.py runs these first (`pytest -m gpu tests/gpu`).
 """
 
 from __future__ import annotations

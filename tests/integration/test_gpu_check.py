@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py --dry-run: the whole GPU check on CPU with the tiny model, the same table shape."""
+"""checks/gpu_check.py --dry-run: the whole GPU check on CPU with the tiny model, the same table shape."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks.gpucheck import catalog
+from checks.gpucheck import catalog
 from tests.helpers import REPO, left_in
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -69,7 +69,7 @@ def test_dry_run_produces_every_row_and_passes(
     with adopting_orphans():
         # A deadline far off: on a shared machine the wall time says more about the neighbours than
         # about the check, so CPU time is what is asserted below.
-        args = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path),
+        args = [sys.executable, "checks/gpu_check.py", "--dry-run", "--out", str(tmp_path),
                 "--bundle", str(bundle), "--deadline", "1500"]  # fmt: skip
         proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1700, env=NO_XDIST)
     elapsed, cpu_s = time.perf_counter() - start, children_cpu_s() - cpu_before
@@ -168,7 +168,7 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
     # inherit), and at 6.8 s on one pinned core (2026-12-04, polling the log while the drill ran); 30 s leaves
     # over 4 times that.
     deadline = 30
-    args = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--jobs", "1",
+    args = [sys.executable, "checks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--jobs", "1",
             "--deadline", str(deadline), "--inject-hang", "125m_stage0"]  # fmt: skip
     # The check's TMPDIR, where a killed job's temporary files must not stay (a short path: a fork server's
     # socket lies below it, and AF_UNIX paths end at 107 bytes)

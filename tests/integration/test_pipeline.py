@@ -8,7 +8,7 @@ One job per configuration, started on first use and shared by the module, each c
   per-step losses within 1e-5. The 1F1B run's step-4 save resumes at pp=1.
 - the plan: each schedule in fp32 (the 2-rank parity runs themselves, zero=stage0) and in bf16 (zero=stage3,
   FSDP2's mixed precision, 2 steps): each stage's measured tensor peak within 0.5% of its plan.
-  benchmarks/pipeline_plan.py measures autocast (bf16 at stage0) and fp32 at stage3 too (docs/memory_plan.md,
+  checks/pipeline_plan.py measures autocast (bf16 at stage0) and fp32 at stage3 too (docs/memory_plan.md,
   "Pipeline parallelism").
 - every run: the split printed, each stage's measured idle share, and the bytes each stage sends per step
   (activations forward, gradients back) equal to the plan's exactly.

@@ -1,5 +1,6 @@
-"""The benchmarks' pass rules (benchmarks/*.py), called with fake measurements: each fails where
-the figure the docs publish is missed, without running a benchmark."""
+"""The pass rules of the benchmarks (benchmarks/*.py, loaded by path) and of the acceptance checks
+(the package checks/), called with fake measurements: each fails where the figure the docs publish
+is missed, without running a benchmark or a check."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from checks import advisor_accuracy, fault_drills, plan_accuracy, plan_vs_published
 from tests.helpers import REPO
 
 
@@ -29,8 +31,6 @@ def benchmark(name: str) -> ModuleType:
 
 
 # ----------------------------------------------------------------------------- plan_vs_published.py
-
-plan_vs_published = benchmark("plan_vs_published")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,6 @@ def test_plan_vs_published_exits_1_when_a_prediction_misses_or_a_constant_drifts
 
 # ----------------------------------------------------------------------------- plan_accuracy.py
 
-plan_accuracy = benchmark("plan_accuracy")
 STATES = {"params": 1000, "grads": 1000, "optimizer": 2000}
 
 
@@ -204,8 +203,6 @@ def test_job_start_fails_over_its_ratio_ceilings() -> None:
 
 # ----------------------------------------------------------------------------- advisor_accuracy.py
 
-advisor_accuracy = benchmark("advisor_accuracy")
-
 
 def advised(predicted: float, measured: float, peak_error: float = 0.0) -> dict[str, Any]:
     return {"configuration": f"c{predicted}", "predicted_tokens_per_s": predicted, "measured_tokens_per_s": measured,
@@ -214,7 +211,7 @@ def advised(predicted: float, measured: float, peak_error: float = 0.0) -> dict[
 
 def test_advisor_accuracy_docstring_examples_satisfy_its_own_rule(monkeypatch) -> None:
     examples = [line.split("advisor_accuracy.py", 1)[1].split("#")[0] for line in
-                advisor_accuracy.__doc__.splitlines() if "benchmarks/advisor_accuracy.py" in line]  # fmt: skip
+                advisor_accuracy.__doc__.splitlines() if "checks/advisor_accuracy.py" in line]  # fmt: skip
     assert len(examples) == 2
     for example in examples:
         monkeypatch.setattr(sys, "argv", ["advisor_accuracy.py", *shlex.split(example)])
@@ -238,8 +235,6 @@ def test_advisor_accuracy_judges_ranking_top_pick_and_peaks() -> None:
 
 
 # ----------------------------------------------------------------------------- fault_drills.py
-
-fault_drills = benchmark("fault_drills")
 
 
 def test_fault_drills_nothing_lost_needs_the_reported_exit_status_and_status(tmp_path: Path) -> None:

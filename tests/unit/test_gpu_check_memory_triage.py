@@ -1,4 +1,4 @@
-"""The GPU check's OOM-triage rows (benchmarks/gpucheck/rows.py check_oom, check_auto_batch) on CPU, from jobs
+"""The GPU check's OOM-triage rows (checks/gpucheck/rows.py check_oom, check_auto_batch) on CPU, from jobs
 as the GPU or a dry run would leave them: a snapshot that loads passes, one that does not fails; auto passes
 only with the plan's proposal confirmed in at most 4 probes."""
 
@@ -8,8 +8,8 @@ import json
 import pickle
 from pathlib import Path
 
-from benchmarks.gpucheck import rows as check
-from benchmarks.gpucheck.scheduler import Job
+from checks.gpucheck import rows as check
+from checks.gpucheck.scheduler import Job
 
 OOM = {"status": "oom", "failed_phase": "forward", "oom": {"moment": "step 1 (forward, block 3, micro-batch 0)",
                                                              "plan_moment": "forward: block", "held_gib": 9.8,

@@ -1,37 +1,24 @@
-"""benchmarks/gpu_check.py's verdicts (benchmarks/gpucheck/rows.py) on CPU, from jobs as the GPU would leave them: the check fails
+"""checks/gpu_check.py's verdicts (checks/gpucheck/rows.py) on CPU, from jobs as the GPU would leave them: the check fails
 when measured memory exceeds what the plan assumes (issue 28, item 1) and says what one GPU cannot
 measure (issue 27, item 9); each row judging what it claims, with a measurement that fails it, the
-bundle and the schedule's estimate (issue 40); benchmarks/headroom_probe.py's arithmetic."""
+bundle and the schedule's estimate (issue 40); checks/headroom_probe.py's arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
-import sys
 import tarfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from benchmarks.gpucheck import catalog, memory, report
-from benchmarks.gpucheck import rows as check
+from checks import gpu_check
+from checks import headroom_probe as probe
+from checks.gpucheck import catalog, memory, report
+from checks.gpucheck import rows as check
 from tests.helpers import REPO, compose
 from trainer.plan.headroom import HEADROOM
 
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = load("headroom_probe")
-gpu_check = load("gpu_check")
 SETUP = check.Setup(dry_run=False, out=Path("unused"), deadline=0.0)
 DRY = check.Setup(dry_run=True, out=Path("unused"), deadline=0.0)
 
@@ -261,7 +248,7 @@ def test_a_dry_run_sweeps_the_fault_and_comparison_jobs_each_point_composed_as_i
 ) -> None:
     """Every fault and comparison job is a point of the dry run's one sweep, and the file its point
     picks composes the config its own command line does: what each row judges is unchanged."""
-    from benchmarks.gpucheck.scheduler import sweep_args
+    from checks.gpucheck.scheduler import sweep_args
 
     dry = check.Setup(dry_run=True, out=tmp_path, deadline=0.0)
     (sweep,) = [spec for spec in catalog.all_jobs(dry) if spec.points]
@@ -423,7 +410,7 @@ def test_the_resume_oom_and_gpu_tests_rows_fail_on_the_wrong_ending(tmp_path: Pa
 
 
 def test_the_fp8_row_sets_the_measured_ratio_beside_the_advisors_and_judges_it() -> None:
-    from benchmarks.gpucheck.numerics import FP8_RATIO_BAND, check_fp8, predicted_fp8_ratio
+    from checks.gpucheck.numerics import FP8_RATIO_BAND, check_fp8, predicted_fp8_ratio
 
     overrides = ("model=125m", "precision=bf16", "zero=stage0", "micro_batch=8", "seq_len=1024")
     predicted = predicted_fp8_ratio(overrides)

@@ -371,7 +371,7 @@ def predict_config(
     rates: Rates,
     flops: float | None = None,
 ) -> StepTime:
-    """The step time mode=advise ranks `config` by (benchmarks/plan_vs_published.py validates this very
+    """The step time mode=advise ranks `config` by (checks/plan_vs_published.py validates this very
     function): its plan's largest local shard for the optimizer, the plan's communication by group and
     link (plan.comm), and the FLOPs it runs (`flops`: the model's per token, where the caller has them; counting
     them builds the model on meta)."""

@@ -72,7 +72,7 @@ class Rates:
     tie_tolerance: float = 0.10
     """How far apart two predicted tokens/s may be and still be a tie (fractions of the faster): a named
     accelerator's error between two configurations of one model (throughput.FIT_ERROR); on this host the 10% its ranking is held to
-    (benchmarks/advisor_accuracy.py: the top pick within 10% of the fastest measured point)."""
+    (checks/advisor_accuracy.py: the top pick within 10% of the fastest measured point)."""
 
     def group_bus_bytes_per_s(self, link: str, ranks_per_node: int) -> float:
         """A group's bus bandwidth on its link: across nodes, `ranks_per_node` of the node's ranks use
@@ -366,7 +366,7 @@ def rates_from_record(record: dict[str, Any], source: str) -> Rates:
     return Rates(
         source=(
             f"{source}: {record['world_size']} gloo ranks x {record['threads']} threads; expected error: "
-            "absolute tokens/s not validated, rankings rho >= 0.8 (benchmarks/advisor_accuracy.py, docs/advisor.md)"
+            "absolute tokens/s not validated, rankings rho >= 0.8 (checks/advisor_accuracy.py, docs/advisor.md)"
         ),
         peak_flops=max(record["matmul_flops"].values()),
         compute_flops={int(rows): flops for rows, flops in record["block_flops"].items()},

@@ -9,7 +9,7 @@ partly empty, the kernel is bound by memory rather than math), so each GEMM's sh
 
 and a step's efficiency is the FLOP-weighted mean over its GEMMs. E_acc (one per accelerator
 family: what a large GEMM reaches inside a whole training step, power and clocks included) and
-X0 (shared) are fitted by benchmarks/plan_vs_published.py on published torchtitan runs and
+X0 (shared) are fitted by checks/plan_vs_published.py on published torchtitan runs and
 validated on the others (docs/memory_plan.md, "Held against published GPU measurements"); the
 script fails when these constants drift from its fit. Parts without a published run zerolab can
 express get no efficiency: mode=advise refuses them, naming what is missing.
@@ -37,7 +37,7 @@ FAMILY_EFFICIENCY: dict[str, float] = {
 
 @dataclass(frozen=True)
 class FitError:
-    """What benchmarks/plan_vs_published.py measured on a family's validation points: predicted
+    """What checks/plan_vs_published.py measured on a family's validation points: predicted
     tokens/s against published, from `low` to `high` (fractions), `within` of `runs` within 20%; and
     `between`: the largest difference of two errors of one model on one cluster (fit points too), how
     far the model can misjudge two configurations against each other."""
@@ -59,12 +59,12 @@ FIT_ERROR = {
     "a100": FitError(-0.063, 0.097, 8, 8, 0.097),
     "h100-hbm2e": FitError(0.013, 0.246, 6, 5, 0.051),
 }
-"""What benchmarks/plan_vs_published.py measured on the points the fit did not use, as it prints it
+"""What checks/plan_vs_published.py measured on the points the fit did not use, as it prints it
 (`fit_errors`); the script fails when these figures and its output differ."""
 
 
 VALIDATED_PARAMS = (6_738_415_616, 70_553_706_496)
-"""The smallest and largest model of benchmarks/plan_vs_published.py's tokens/s points (Llama-2-7B,
+"""The smallest and largest model of checks/plan_vs_published.py's tokens/s points (Llama-2-7B,
 Llama-3-70B): outside them a prediction is extrapolated, and the advice says "unvalidated"."""
 
 

@@ -4,7 +4,7 @@ The plan walks one optimizer step as a list of moments (the last block's forward
 the output head's backward, the start, end and reduce-scatter of each block's backward, the
 optimizer step), adds up the tensors alive at each, and calls the largest the peak. Every
 figure is exact arithmetic on the parameter shapes of the model built on the meta device;
-nothing is allocated. benchmarks/plan_accuracy.py checks it against real runs.
+nothing is allocated. checks/plan_accuracy.py checks it against real runs.
 
 The planner is this package; each module's docstring is its part of the design note:
 

@@ -14,7 +14,7 @@ holds, per rank:
   stream) and fragmentation, the gap between reserved and allocated.
 
 Inside the allocator, the figures are fitted to published measurements (docs/memory_plan.md,
-"Held against published GPU measurements"; benchmarks/plan_vs_published.py refits them and fails
+"Held against published GPU measurements"; checks/plan_vs_published.py refits them and fails
 when these constants drift from the fit). Reserved = (1 + f) x allocated + c, fitted on the two
 1D FSDP2 runs that publish both peak active and peak reserved memory on 8 H100s (95.04 GiB):
 
@@ -26,7 +26,7 @@ when these constants drift from the fit). Reserved = (1 + f) x allocated + c, fi
 which gives f = 0.1733 and c = 1.281 GiB (the 32 MiB cuBLAS workspace plus 1.25 GiB that the
 allocator keeps cached on the streams FSDP2 all-gathers and reduce-scatters on). Validated on
 the other published points (the table in docs/memory_plan.md). The CUDA context and NCCL
-figures come from the GPU check's first run (benchmarks/gpu_check.py's `headroom` row, 2026-12-04,
+figures come from the GPU check's first run (checks/gpu_check.py's `headroom` row, 2026-12-04,
 one H200, torch 2.11.0+cu130, NCCL 2.28.9, docs/gpu.md "Results"): the context measured 0.723 GiB
 once kernels had run, taken as 0.75; NCCL measured 0.545 GiB at one rank, in line with the 544 MiB
 NVIDIA/nccl#964 measured for 2 GPUs, and is taken as that issue's 688 MiB for 3-4 GPUs, since one

@@ -273,7 +273,7 @@ def accumulate(
         # through backward. Outside, the casts of checkpointed blocks would be freed after forward
         # and made again during their recompute, and every cast freed once its block's backward has
         # run; a change of peaks (stages 0-1, bf16/fp16, most with checkpointing) that needs the plan
-        # re-fitted and benchmarks/plan_accuracy.py run again before it is made.
+        # re-fitted and checks/plan_accuracy.py run again before it is made.
         parameter_resharding(model, enabled=reshards_now(config.zero, is_last))
         with (
             gradient_sync(model, enabled=reduces_now(config.zero, is_last)),

@@ -1,33 +1,15 @@
-"""Issue 39, A1 and A2: benchmarks/plan_vs_published.py validates the very function mode=advise ranks
+"""Issue 39, A1 and A2: checks/plan_vs_published.py validates the very function mode=advise ranks
 with, its FIT_ERROR is the script's output, and mode=advise restricted to torchtitan's 64-A100 runs
 predicts them within 20% (at least 80% of them) and none network-bound."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from types import ModuleType
-
 import pytest
 
-from tests.helpers import REPO
+from checks import plan_vs_published as PUBLISHED
 from trainer.advise import advisor, throughput
 from trainer.advise.advisor import advise
 from trainer.model.decoder import flops_per_token
-
-
-def published() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_plan_vs_published", REPO / "benchmarks" / "plan_vs_published.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-PUBLISHED = published()
 
 
 def test_the_benchmark_runs_the_advisors_own_step_function_and_rates() -> None:

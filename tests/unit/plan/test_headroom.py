@@ -2,7 +2,7 @@
 
 The expected figures are literal bytes worked out by hand from the module docstring's figures
 (CUDA context 0.75 GiB and NCCL 688 MiB per communicator, measured and published; reserved = 1.1733 x
-allocated + 32 MiB cuBLAS workspace + 1.25 GiB stream cache, fitted by benchmarks/plan_vs_published.py),
+allocated + 32 MiB cuBLAS workspace + 1.25 GiB stream cache, fitted by checks/plan_vs_published.py),
 not read back from HEADROOM: a change to a figure must change these tests too.
 """
 
