@@ -15,8 +15,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def register_configs() -> None:
-    """Register the root schema (trainer/config.py) so Hydra validates every composed config
-    against it. Here, not in config.py: a rank rebuilds its config from plain data and never
+    """Register the root schema (trainer/config/train.py) so Hydra validates every composed config
+    against it. Here, not in trainer/config/: a rank rebuilds its config from plain data and never
     imports Hydra."""
     from hydra.core.config_store import ConfigStore
 

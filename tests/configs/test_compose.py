@@ -133,7 +133,7 @@ def test_composed_defaults_are_the_schemas() -> None:
 @pytest.mark.parametrize("stage", options("zero"))
 def test_each_stage_sets_when_gradients_are_reduced(stage: str) -> None:
     """conf/zero: micro_batch at stage2/3 (ZeRO's sharded accumulation), step at stage0/1; the
-    mapping suggestions use (trainer/config.py STAGE_REDUCE_EVERY) is what the files say."""
+    mapping suggestions use (trainer/config/zero.py STAGE_REDUCE_EVERY) is what the files say."""
     config = compose_config(f"zero={stage}")
     assert config.zero.reduce_every == STAGE_REDUCE_EVERY[config.zero.stage]
     assert config.zero.reduce_every.value == ("micro_batch" if stage in ("stage2", "stage3") else "step")

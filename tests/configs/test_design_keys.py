@@ -1,5 +1,5 @@
 """docs/design.md section 1 names every top-level key of the schema (TrainConfig): a key added to
-trainer/config.py without a word in the contract fails here."""
+trainer/config/train.py without a word in the contract fails here."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ module is the program, and `python -m trainer.report` once ran report.py's body 
 
 - the packages are layers (LAYERS, top to bottom): a module imports its own layer, the layers
   below it and the leaves (LEAVES), never a layer above; a leaf imports only leaves;
-- no cycle among the package's modules;
+- no cycle among the package's modules, an import under `if TYPE_CHECKING:` alone left out (it runs
+  nothing: a group of trainer/config/ names the root config, whose module imports the group, in annotations);
 - other packages import the plan's names from `trainer.plan`, never from its modules (the facade);
 - every module and subpackage is named in its package's `__init__` docstring (the package's map);
 - the rank path (the modules the ranks' fork server preloads, trainer/launch.py, and every
@@ -82,6 +83,8 @@ class Imports:
     """The trainer modules imported (a name imported from a package that is a module of it counts as that module)."""
     external: set[str] = field(default_factory=set)
     """Every other module imported, by its full dotted name."""
+    typing_only: set[str] = field(default_factory=set)
+    """Of `modules`, those imported under `if TYPE_CHECKING:` only (for annotations: nothing runs them)."""
 
 
 def module_name(path: Path) -> str:
@@ -115,10 +118,15 @@ def dynamic_import(node: ast.Call) -> str | None:
     return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else COMPUTED
 
 
+TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+"""The tests of an `if` block that only type checkers run."""
+
+
 def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> Imports:
     """Everything module `name` (its `source`) imports anywhere in its body, dynamic imports too."""
     found = Imports()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call) and (dynamic := dynamic_import(node)) is not None:
             (found.modules if dynamic in known else found.external).add(dynamic)
         elif isinstance(node, ast.Import):
@@ -132,6 +140,12 @@ def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> Imp
             for alias in node.names:
                 found.modules.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
     found.modules.discard(name)
+    if blocks := [
+        n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) in TYPE_CHECKING
+    ]:
+        for block in blocks:  # the module as it runs
+            block.test, block.body = ast.Constant(False), [ast.Pass()]
+        found.typing_only = found.modules - imports_of(ast.unparse(tree), name, is_package, known).modules
     return found
 
 
@@ -337,7 +351,9 @@ def test_dynamic_imports_are_counted() -> None:
 
 
 def test_the_import_graph_has_no_cycle() -> None:
-    graph = {name: imports.modules for name, imports in import_graph().items()}
+    imports = import_graph()
+    assert imports["trainer.config.parallel"].typing_only == {"trainer.config.train"}  # what is left out
+    graph = {name: i.modules - i.typing_only for name, i in imports.items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 

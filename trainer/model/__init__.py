@@ -4,10 +4,10 @@
 - pipeline_split.py: `parallel.pp`: the blocks of each pipeline stage (`stage_blocks`, the one split), a stage's module;
 - fp8.py: `precision=fp8`: the block linears as torchao's Float8Linear, and which stay bf16 (shapes only);
 - loss.py: next-token cross-entropy in fp32, over all logits at once or by chunks of tokens;
-- hf_config.py: `model=hf`: the shapes of a Hugging Face config.json (a leaf: config.py reads it);
+- hf_config.py: `model=hf`: the shapes of a Hugging Face config.json (a leaf: config/model.py reads it);
 - hf_weights.py: `model.weights`: a Hugging Face checkpoint checked, loaded into each rank's shard, its key map;
 - attention.py: the explicit SDPA kernel (`attention=`) and what it keeps for backward;
 - checkpointing.py: activation checkpointing around chosen blocks;
 - compile.py: `torch.compile` per block, in place;
-- op_names.py: `checkpointing.save_ops` names resolved to torch operators (a leaf: config.py checks them).
+- op_names.py: `checkpointing.save_ops` names resolved to torch operators (a leaf: config/checkpointing.py checks them).
 """

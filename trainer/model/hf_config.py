@@ -14,7 +14,7 @@ embeddings, grouped-query attention, SwiGLU, and per family
 
 Anything else (mixture-of-experts, encoder-decoder, other activations, biases elsewhere, other
 rope scalings) is refused in one line naming what is not supported, before any rank starts.
-This module imports nothing of trainer/ (trainer/config.py calls it): its HfConfigError becomes the
+This module imports nothing of trainer/ (trainer/config/model.py calls it): its HfConfigError becomes the
 schema's ConfigError there, its `rope_scaling` a RopeScaling name.
 Weights are loaded only with `model.weights` (trainer/model/hf_weights.py, which permutes each
 head between transformers' rotary layout and zerolab's); `export_config` writes the config.json

@@ -2,7 +2,7 @@
 the torch operators they name, for `checkpointing.save_ops` (trainer/model/checkpointing.py).
 
 A leaf module (torch and trainer/private_apis/ only: torch exports the operator types from
-`torch._ops`), so trainer/config.py can check the names before any rank starts.
+`torch._ops`), so trainer/config/checkpointing.py can check the names before any rank starts.
 """
 
 from __future__ import annotations
