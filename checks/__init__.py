@@ -19,5 +19,7 @@ tests/ is a package; a script that imports from checks/ puts the root there itse
   fits of trainer/plan/headroom.py and trainer/advise/throughput.py refitted and compared;
 - advisor_accuracy.py: mode=advise's ranking against a grid of real 2-rank CPU jobs (docs/advisor.md);
 - fault_drills.py: every everyday fault done to a real 2-rank job, and whether anything was lost
-  (docs/faults.md).
+  (docs/faults.md);
+- plan_snapshot.py: every moment of every plan over a fixed grid, and its sha256: a refactor that moves
+  code and changes no figure leaves the checksum as it was.
 """

@@ -516,13 +516,28 @@ def hf_logits(directory: Path, tokens: torch.Tensor = HF_SEQUENCES) -> torch.Ten
         return model(tokens).logits
 
 
+def zero_over_world(model: torch.nn.Module, zero: Any, world: World, weights: str | None) -> torch.nn.Module:
+    """`zero` applied to a meta model over every rank of `world`, as a plain data-parallel job's
+    parallelize applies it (its layout, its mesh's data-parallel dims), materialised or loaded."""
+    from trainer.config import OffloadConfig, PrecisionConfig
+    from trainer.layout import Layout, data_parallel_degrees
+    from trainer.rank.mesh import build_mesh, data_parallel_mesh
+    from trainer.rank.sharding import apply_zero
+
+    replicate, shard, hpz = data_parallel_degrees(zero, world.world_size)
+    layout = Layout(dp_replicate=replicate, dp_shard=shard, hpz=hpz)
+    dp_mesh = data_parallel_mesh(build_mesh(layout, world.device.type, zero), layout, zero)
+    return apply_zero(
+        model, zero, PrecisionConfig(), OffloadConfig(), world, 0, weights, dp_mesh=dp_mesh, replicas=True
+    )
+
+
 def rank_logits(
     rank: int, port: int, configs: dict[str, ModelConfig], stages: tuple[str, ...], out: Path
 ) -> None:
     """One of two ranks (torch.multiprocessing's entry: importable, and without transformers): each
     checkpoint of `configs` loaded at each stage, rank 0 saves the logits of HF_SEQUENCES to `out`."""
-    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
-    from trainer.rank.sharding import apply_zero
+    from trainer.config import Stage, ZeroConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -530,9 +545,8 @@ def rank_logits(
     logits = {}
     for family, config in configs.items():
         for stage in stages:
-            zero = ZeroConfig(stage=Stage(stage))
-            model = apply_zero(
-                build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights
+            model = zero_over_world(
+                build_model(config), ZeroConfig(stage=Stage(stage)), world, config.weights
             )
             with torch.no_grad():
                 logits[family, stage] = model(HF_SEQUENCES)
@@ -546,15 +560,13 @@ def rank_load_memory(rank: int, port: int, config: ModelConfig, stage: str, out:
     """One of two ranks (torch.multiprocessing's entry): `config`'s weights loaded at `stage` as a job's
     rank loads them (apply_zero, measured there: trainer/telemetry/memory.py measure_load); rank 0
     writes every rank's figures (LOADED, bytes) to `out` as JSON."""
-    from trainer.config import OffloadConfig, PrecisionConfig, Stage, ZeroConfig
-    from trainer.rank.sharding import apply_zero
+    from trainer.config import Stage, ZeroConfig
     from trainer.telemetry.memory import LOADED
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-    zero = ZeroConfig(stage=Stage(stage))
-    apply_zero(build_model(config), zero, PrecisionConfig(), OffloadConfig(), world, 0, config.weights)
+    zero_over_world(build_model(config), ZeroConfig(stage=Stage(stage)), world, config.weights)
     figures: list[dict[str, float] | None] = [None, None]
     dist.all_gather_object(figures, dict(LOADED))
     if rank == 0:

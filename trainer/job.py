@@ -39,6 +39,7 @@ from trainer.faults.stop import (
     stopped,
     stopped_at_once,
 )
+from trainer.layout import Layout, check_world
 from trainer.model.attention import check_document_mask, run_choice
 from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
@@ -49,7 +50,6 @@ from trainer.plan import (
     host_refusal,
     planned_device_kind,
     planned_world_size,
-    shard_groups,
     write_plan,
 )
 from trainer.plan import refusal as plan_refusal
@@ -140,10 +140,8 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             config, device_kind, nproc = check_this_host(config)
         weights = check_model_weights(config)  # model.weights: the files' headers against the model
         world_size = config.nodes * nproc
-        config.parallel.check_world(
-            nproc, config.nodes, config.zero
-        )  # a tensor-parallel group inside one node
-        shard_groups(config.zero, world_size, nproc)  # zero.shard_ranks / zero.hpz_ranks against the world
+        check_world(config, nproc, config.nodes)  # a tensor-parallel group inside one node
+        Layout.from_config(config, world_size)  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
         if config.mode == Mode.advise:
             from trainer.advise.advisor import check_advice_inputs
 

@@ -55,6 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.telemetry",),
     ("trainer.plan",),
     ("trainer.model", "trainer.data", "trainer.text", "trainer.world", "trainer.cuda"),
+    ("trainer.layout",),  # the parallel axes and the one rank formula: free of torch.distributed
     ("trainer.config",),
 )
 """The layers, top to bottom; a name is a module or a package with every module under it."""
@@ -284,7 +285,7 @@ def test_an_upward_import_is_found_where_there_is_one() -> None:
     assert upward_imports(graph) == [
         "trainer.plan.build (layer 6) -> trainer.telemetry.summary (layer 5)",
         "trainer.telemetry (a leaf's package) -> trainer.telemetry.metrics (layer 5)",
-        "trainer.units (a leaf) -> trainer.config (layer 8)",
+        "trainer.units (a leaf) -> trainer.config (layer 9)",
     ]
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import psutil
 import torch
 
-from trainer.config import OffloadTarget, PlanConfig, TrainConfig
+from trainer.config import OffloadTarget, PlanConfig, TrainConfig, ZeroConfig
 from trainer.devices import find_accelerator
+from trainer.layout import Layout
 from trainer.model.fp8 import fp8_split
 from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
@@ -243,8 +244,8 @@ class Plan:
         }
 
     def pipeline_stage(self, rank: int) -> int:
-        """The pipeline rank (stage) of a global rank: the mesh is (dp, pp, tp), tp innermost."""
-        return rank // self.config.parallel.tp % self.config.parallel.pp
+        """The pipeline rank (stage) of a global rank (trainer/layout.py)."""
+        return Layout.from_config(self.config, self.world_size).coords(rank)["pp"]
 
     @property
     def worst_stage(self) -> int:
@@ -271,15 +272,15 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
-    # FSDP2 shards over the shard group (the dp ranks unless HSDP); rank r holds shard (r // tp) mod its size.
+    layout = Layout.from_config(full, world_size)
     dp = config.parallel.dp(world_size)
-    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // tp), tp)
+    groups = shard_groups(config.zero, dp, layout.per_node("dp"), tp)
     sharded_over = groups.shard if config.zero.uses_fsdp else dp
     if config.parallel.pp > 1:
-        return build_pipeline_plan(config, full, device_kind, world_size, num_params, groups, sharded_over)
+        return build_pipeline_plan(config, full, device_kind, layout, num_params, groups, sharded_over)
     shards = rank_states(shape, config.zero.stage, sharded_over)
     for rank in range(world_size):
-        states = shards[(rank // tp) % sharded_over]
+        states = shards[shard_index(layout, rank, config.zero)]
         if states not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
                 config,
@@ -303,18 +304,24 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host)
 
 
+def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
+    """Which of the ZeRO shards a rank holds: its place on FSDP2's shard dim, or among DDP's replicas
+    (ZeroRedundancyOptimizer's partition; stage0's states are alike on every replica)."""
+    return layout.coords(rank)["dp_shard"] if zero.uses_fsdp else layout.dp_index(rank)
+
+
 def build_pipeline_plan(
     config: TrainConfig,
     full: TrainConfig,
     device_kind: str,
-    world_size: int,
+    layout: Layout,
     num_params: int,
     groups: ShardGroups,
     sharded_over: int,
 ) -> Plan:
     """parallel.pp > 1: every rank's plan is its stage's (trainer/plan/pipeline_walk.py), its states sharded
     over the dp ranks of its stage; `config` is one TP rank's job, `full` the job's."""
-    tp, pp = config.parallel.tp, config.parallel.pp
+    world_size = layout.world_size
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     pipe, stages = pipeline_stage_plans(
         config,
@@ -328,8 +335,8 @@ def build_pipeline_plan(
     offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks = []
     for rank in range(world_size):
-        stage = stages[rank // tp % pp]
-        states = stage.shards[rank // (tp * pp) % sharded_over]
+        stage = stages[layout.coords(rank)["pp"]]
+        states = stage.shards[shard_index(layout, rank, config.zero)]
         offloaded = states.params + states.grads + states.optimizer if offload else 0
         ranks.append(RankPlan(rank, states, stage.activations, stage.moments[states], offloaded))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers) + 1  # + the pp group's

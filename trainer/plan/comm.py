@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
+from trainer.layout import Layout
 from trainer.plan.activations import precisions
 from trainer.plan.groups import ShardGroups, shard_groups
 from trainer.plan.pipeline import (
@@ -145,10 +146,10 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     if pp > 1:
         config, shape = pipelined(config, shape)
     dp = config.parallel.dp(world_size)
-    groups = shard_groups(config.zero, dp, max(1, world_size // config.nodes // (tp * pp)), tp)
+    groups = shard_groups(config.zero, dp, Layout.from_config(config, world_size).per_node("dp"), tp)
     if config.zero.uses_fsdp:
         by_group = fsdp_group_moves(config, shape, groups)
-    elif tp > 1 or dp == 1:  # one data-parallel replica (ParallelConfig.check_world): DDP is not applied
+    elif tp > 1 or dp == 1:  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
         by_group = {}
     else:
         by_group = {"world": ddp_moves(config, shape, world_size)}

@@ -84,7 +84,7 @@ def block_ffn_norm_moment(ctx: StepContext, acc: Accumulation, b: BlockBackward)
     backward temporaries. Under TP the freed MLP tensors are M / tp wide while the norm's temporaries
     stay D wide (all T without SP), so this moment can pass the block's start: at tp=2 dp=2 zero=stage3,
     bf16, no SP, checkpointing=full, MemTracker's peak is block 1's ffn_norm backward (pow's backward in
-    torch's composite rms_norm). At tp = 1 it is the peak of none of benchmarks/plan_snapshot.py's 3,552
+    torch's composite rms_norm). At tp = 1 it is the peak of none of checks/plan_snapshot.py's 3,552
     rank plans (checked when it was added), so it is listed under TP only and that snapshot stays as it was."""
     m = ctx.config.model
     freed, norm_temporary = ffn_norm_backward(ctx)

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, ZeroConfig
+from trainer.config import ZeroConfig
+from trainer.layout import data_parallel_degrees
 
 GROUPS = ("world", "shard", "replicate", "hpz", "tp")
 """Every group name, in the order metrics list them."""
@@ -93,10 +94,6 @@ class ShardGroups:
         return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def shard_groups(
     zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None, tp: int = 1
 ) -> ShardGroups:
@@ -104,22 +101,7 @@ def shard_groups(
     Under parallel.tp, `world_size` and `ranks_per_node` count data-parallel replicas (a TP group is one
     node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node)."""
     per_node = ranks_per_node or world_size
-    shard = world_size if zero.shard_ranks is None or not zero.uses_fsdp else zero.shard_ranks
-    if shard > world_size:
-        raise ConfigError(
-            f"zero.shard_ranks={shard} is larger than the world ({world_size} ranks); "
-            f"allowed: a divisor of {world_size}: {', '.join(map(str, divisors(world_size)))}"
-        )
-    if world_size % shard:
-        raise ConfigError(
-            f"zero.shard_ranks={shard} must divide the world size {world_size} (HSDP: whole shard groups); "
-            f"allowed: {', '.join(map(str, divisors(world_size)))}"
-        )
-    hpz = zero.hpz_ranks
-    if hpz is not None and (shard % hpz or not 1 < hpz < shard):
-        allowed = [d for d in divisors(shard) if 1 < d < shard]
-        raise ConfigError(
-            f"zero.hpz_ranks={hpz} must divide the shard group of {shard} ranks, other than 1 and {shard} "
-            f"(FSDP2 reshard_after_forward=<int>); allowed: {', '.join(map(str, allowed)) or 'none (hpZ needs a shard group of 4 or more ranks)'}"
-        )
+    _, shard, hpz = data_parallel_degrees(zero, world_size)  # the checks torch would make, before any rank
+    if not zero.uses_fsdp:
+        shard = world_size  # DDP's group is the plan's shard group too: every rank of `world_size`
     return ShardGroups(world_size, per_node, shard, hpz, tp)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import ParallelConfig, TrainConfig
+from trainer.layout import Layout
 from trainer.model.pipeline_split import stage_blocks
 from trainer.plan.activations import Activations
 from trainer.plan.groups import INTRA_NODE, NETWORK
@@ -367,16 +368,16 @@ class P2PPlan:
 
 
 def plan_p2p(config: TrainConfig, world_size: int, residual_bytes: int) -> P2PPlan:
-    """Bytes and sends per pipeline rank per step, and the link each boundary crosses: the mesh is
-    (dp, pp, tp), so stage s of the first replica is global rank s·tp (its node: s·tp // nproc)."""
+    """Bytes and sends per pipeline rank per step, and the link each boundary crosses: stage s of the first
+    replica is the rank at pp coordinate s mod pp (trainer/layout.py: pp outermost, s·dp·tp)."""
     p, m = config.parallel, config.grad_accum
     boundary = boundary_bytes(config, residual_bytes)
     last = p.stages - 1
     sends = [m * sum((s < last) + (s > 0) for s in rank_stages(p, r)) for r in range(p.pp)]
-    per_node = world_size // config.nodes
+    layout = Layout.from_config(config, world_size)
 
     def node(stage: int) -> int:
-        return stage % p.pp * p.tp // per_node
+        return layout.node(layout.rank_at(pp=stage % p.pp))
 
     links = tuple(INTRA_NODE if node(s) == node(s + 1) else NETWORK for s in range(last))
     return P2PPlan(boundary, tuple(n * boundary for n in sends), tuple(sends), links)

@@ -3,9 +3,12 @@
 - main.py: the entry point of every rank (`rank_main`) and how ranks start (the fork server);
 - loop.py: the training loop;
 - trainee.py: what the rank trains with (model, optimizer, schedule, scaler);
+- mesh.py: the job's one device mesh, built from its layout (trainer/layout.py); each technique's sub-mesh;
+- parallelize.py: the one ordered sequence of transforms (fp8, TP, kernels, checkpointing, compile, ZeRO) applied
+  to the whole model or to each pipeline stage;
 - sharding.py: the ZeRO stages on DDP, ZeroRedundancyOptimizer and FSDP2; offload;
-- tensor_parallel.py: tensor and sequence parallelism (parallel.tp, parallel.sp), the (dp, tp) mesh;
-- pipeline.py: pipeline parallelism (parallel.pp): the (dp, pp) mesh, each rank's stages, the schedule, idle time and bytes sent;
+- tensor_parallel.py: tensor and sequence parallelism (parallel.tp, parallel.sp) on the mesh's tp dim;
+- pipeline.py: pipeline parallelism (parallel.pp): each rank's stages, the schedule, idle time and bytes sent;
 - compression.py: DDP's gradient compression hooks (PowerSGD, TopK) and local SGD;
 - precision.py: autocast, FSDP2's MixedPrecisionPolicy, the loss scaler;
 - refusals.py: what the ranks would refuse (DDP's bf16 hook off CUDA, fp8's limits), checked in the job process;

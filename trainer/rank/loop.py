@@ -13,18 +13,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
 from trainer.data import build_batches, to_device, validation_batches
-from trainer.faults.failures import mark_phase, watch_blocks
+from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
-from trainer.model.attention import run_choice
-from trainer.model.checkpointing import apply_activation_checkpointing
-from trainer.model.compile import apply_compile
-from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice, build_model, flops_per_token
-from trainer.model.fp8 import apply_fp8
+from trainer.layout import Layout
+from trainer.model.decoder import build_model, flops_per_token
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
+from trainer.rank.mesh import build_mesh
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -33,12 +32,12 @@ from trainer.rank.optim import (
     rewind_scheduler,
     step_unless,
 )
+from trainer.rank.parallelize import parallelize
 from trainer.rank.pipeline import (
     PipelineLoss,
     build_pipeline,
-    build_stage_modules,
+    build_stage_parts,
     pipeline_forward_backward,
-    pipeline_mesh,
     rank_model,
 )
 from trainer.rank.precision import (
@@ -47,17 +46,8 @@ from trainer.rank.precision import (
     precompute_fp8_scales,
     update_loss_scale,
 )
-from trainer.rank.sharding import apply_zero, gradient_sync, parameter_resharding, reduces_now, reshards_now
-from trainer.rank.tensor_parallel import (
-    DP,
-    TP,
-    apply_tensor_parallel,
-    dp_coordinates,
-    local_loss,
-    loss_context,
-    parallel_mesh,
-    replicate_partial_grads,
-)
+from trainer.rank.sharding import gradient_sync, parameter_resharding, reduces_now, reshards_now
+from trainer.rank.tensor_parallel import local_loss, loss_context
 from trainer.rank.trainee import Trainee
 from trainer.saves.background import Saves
 from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
@@ -74,36 +64,17 @@ LEAK_ENV = "ZEROLAB_TEST_LEAK_MIB"
 step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to find. Unset in real runs."""
 
 
-def build_trainee(config: TrainConfig, world: World) -> Trainee:
-    if config.parallel.pp > 1:
-        return build_pipeline_trainee(config, world)
-    model = build_model(config.model, device="meta")
-    apply_fp8(model, config.precision, world.device.type)  # precision=fp8: first, as torchtitan converts
-    mesh = parallel_mesh(world, config.parallel) if config.parallel.tp > 1 else None
-    if mesh is not None:  # before checkpointing and sharding (torchtitan's order): the layers' own names
-        apply_tensor_parallel(model, mesh[TP], config.parallel.sequence_parallel)
-    apply_sdpa_choice(
-        model, run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
-    )  # the attention kernel, explicit
-    apply_loss_choice(model, config.loss)  # loss=chunked: the chunk size
-    apply_activation_checkpointing(model, config.checkpointing)  # before sharding: wraps blocks
-    apply_compile(
-        model, config.compile, config.compile_backend
-    )  # after checkpointing, before sharding: in place
-    if not config.compile:  # a compiled block would trace the hooks' side effects into its graph
-        watch_blocks(model.layers)  # an out-of-memory failure names its block (trainer/faults/failures.py)
-    model = apply_zero(
-        model,
-        config.zero,
-        config.precision,
-        config.offload,
-        world,
-        config.seed,
-        config.model.weights,
-        None if mesh is None else mesh[DP],
-    )  # shard, then materialise (or load model.weights into) only this rank's part
-    if mesh is not None and not config.zero.uses_fsdp:
-        replicate_partial_grads(model)
+def build_trainee(config: TrainConfig, world: World, layout: Layout | None = None) -> Trainee:
+    """The model this rank trains (trainer/rank/parallelize.py, on the job's one mesh), its optimizer,
+    LR schedule and loss scaler; under parallel.pp > 1 each of its stages, and their schedule. `layout`:
+    the job's (trainer/layout.py), made from `config` when not given."""
+    layout = layout or Layout.from_config(config, world.world_size)
+    mesh = build_mesh(layout, world.device.type, config.zero)
+    if layout.enabled("pp"):
+        return build_pipeline_trainee(config, world, layout, mesh)
+    model = parallelize(
+        build_model(config.model, device="meta"), config=config, layout=layout, mesh=mesh, world=world
+    )
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
     )
@@ -112,10 +83,13 @@ def build_trainee(config: TrainConfig, world: World) -> Trainee:
     return Trainee(model, optimizer, scheduler, scaler)
 
 
-def build_pipeline_trainee(config: TrainConfig, world: World) -> Trainee:
-    """parallel.pp > 1: this rank's stages (trainer/rank/pipeline.py), one optimizer over them."""
-    mesh = pipeline_mesh(world, config.parallel)
-    parts = build_stage_modules(config, world, mesh)
+def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, mesh: DeviceMesh) -> Trainee:
+    """parallel.pp > 1: this rank's stages, each parallelized as a whole model is (trainer/rank/pipeline.py),
+    one optimizer over them."""
+    parts = [
+        parallelize(part, config=config, layout=layout, mesh=mesh, world=world)
+        for part in build_stage_parts(config, layout.coords(world.rank)["pp"])
+    ]
     model = rank_model(parts)
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
@@ -142,12 +116,13 @@ def train(
     torch.manual_seed(config.seed)
     # memory.snapshot: recording starts before the model exists, so its allocations are in the history.
     snapshots = Snapshots(config.memory, world.device, out_dir, world.rank)
-    trainee = build_trainee(config, world)
+    layout = Layout.from_config(config, world.world_size)
+    trainee = build_trainee(config, world, layout)
     spec = SaveSpec.of(config)
     start = resume_training(
         trainee, spec, config.resume, world, out_dir
     )  # step 0 unless resuming or restarted
-    batches = build_batches(config, *dp_coordinates(world, config.parallel), start_step=start.step)
+    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     meter.pipeline = None if trainee.pipeline is None else trainee.pipeline.clock  # parallel.pp > 1
     if trainee.pipeline is not None and meter.memory is not None:

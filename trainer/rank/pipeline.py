@@ -1,15 +1,16 @@
 """Pipeline parallelism (parallel.pp) on torch.distributed.pipelining, composed with ZeRO over dp as
 torchtitan composes it (pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py):
 
-- the mesh: dims ordered (dp, pp) (tp, innermost, is refused with pp > 1: ParallelConfig.check_pipeline_composition),
-  so rank = dp_index * pp + pp_index and the stages of one replica are consecutive ranks;
+- the mesh: the job's one mesh (trainer/rank/mesh.py), pp its outermost dim (trainer/layout.py), so a
+  pipeline's stages are ranks dp * tp apart and every stage of one replica holds the same data-parallel
+  coordinates;
 - each rank builds its stages' modules only (trainer/model/pipeline_split.py: `stage_blocks` decides the
   split), as a manual `PipelineStage`; under interleaved_1f1b it holds stages pp_index, pp_index + pp, ...
   (torchtitan's "loop" style);
-- ZeRO over dp, per stage module: stage0 wraps it in DDP over the dp group, stage2 and stage3 in FSDP2 over
-  the mesh's dp dim (trainer/rank/sharding.py apply_fsdp: blocks, then the stage's root). PipelineStage
-  itself skips the dp reduction for every backward but the step's last, then reduces once
-  (`backward_maybe_with_nosync`, `perform_reduce_grad`);
+- each stage module goes through the same `parallelize` as a whole model (trainer/rank/parallelize.py), as
+  torchtitan's `pipeline_llm` runs its `parallelize_fn` on every part: ZeRO over dp is DDP (with its
+  buckets and hook) or FSDP2 per stage module. PipelineStage itself skips the dp reduction for every
+  backward but the step's last, then reduces once (`backward_maybe_with_nosync`, `perform_reduce_grad`);
 - the schedules ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B stream the step's grad_accum
   micro-batches; the loss is the schedule's loss_fn on the last stage, and gradients are divided by the
   micro-batches' count (scale_grads), as the loop divides each micro-batch's loss by grad_accum;
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -47,15 +48,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.data import to_device
-from trainer.faults.failures import watch_blocks
-from trainer.model.attention import run_choice
-from trainer.model.checkpointing import apply_activation_checkpointing
-from trainer.model.decoder import apply_sdpa_choice, materialize
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
 from trainer.private_apis.of_torch import scale_on_device
 from trainer.rank.precision import build_autocast
-from trainer.rank.sharding import apply_zero
-from trainer.rank.tensor_parallel import DP
 from trainer.telemetry.memory import next_stage_forward
 from trainer.world import World
 
@@ -63,12 +58,6 @@ PP = "pp"
 """The pipeline's mesh dim; DeviceMesh describes its process group as `mesh_pp`."""
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 """parallel.pp_schedule -> torch's single-stage schedule (interleaved_1f1b: ScheduleInterleaved1F1B)."""
-
-
-def pipeline_mesh(world: World, parallel: ParallelConfig) -> DeviceMesh:
-    """The (dp, pp) mesh: rank = dp_index * pp + pp_index."""
-    dp = parallel.dp(world.world_size)
-    return init_device_mesh(world.device.type, (dp, parallel.pp), mesh_dim_names=(DP, PP))
 
 
 def rank_stages(pp_index: int, parallel: ParallelConfig) -> list[int]:
@@ -193,26 +182,13 @@ class Pipeline:
         return [buffer for stage in self.stages for buffer in stage.receive_buffers()]
 
 
-def build_stage_modules(config: TrainConfig, world: World, mesh: DeviceMesh) -> list[nn.Module]:
-    """This rank's stage modules, sharded over dp and materialised (weights drawn by name as on one rank)."""
-    parts = []
-    for stage in rank_stages(mesh[PP].get_local_rank(), config.parallel):
-        part = build_stage(config.model, stage, config.parallel.stages)
-        choice = run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
-        apply_sdpa_choice(part, choice)
-        apply_activation_checkpointing(part, config.checkpointing)
-        watch_blocks(list(part.layers))
-        if config.zero.uses_fsdp:
-            z = config.zero
-            parts.append(
-                apply_zero(part, z, config.precision, config.offload, world, config.seed, None, mesh[DP])
-            )
-            continue
-        materialize(part, world.device, seed=config.seed)
-        if mesh[DP].size() > 1:  # zero=stage0: DDP over this stage's replicas only
-            part = DistributedDataParallel(part, process_group=mesh[DP].get_group())
-        parts.append(part)
-    return parts
+def build_stage_parts(config: TrainConfig, pp_index: int) -> list[nn.Module]:
+    """This rank's stage modules on the meta device, each the decoder less what other stages hold; the
+    caller parallelizes each as it would the whole model (trainer/rank/parallelize.py)."""
+    return [
+        build_stage(config.model, stage, config.parallel.stages)
+        for stage in rank_stages(pp_index, config.parallel)
+    ]
 
 
 def rank_model(parts: list[nn.Module]) -> nn.Module:

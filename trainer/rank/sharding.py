@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -47,15 +47,18 @@ def apply_zero(
     offload: OffloadConfig,
     world: World,
     seed: int,
-    weights: str | None = None,
-    dp_mesh: DeviceMesh | None = None,
+    weights: str | None,
+    *,
+    dp_mesh: DeviceMesh,
+    replicas: bool,
 ) -> nn.Module:
-    """Shard (or replicate) a meta-device model, then give each rank real memory for what it holds,
-    initialised, or filled from `weights` (model.weights: each rank reads what it holds).
+    """Shard (or replicate) a meta-device model over `dp_mesh` (the job mesh's data-parallel dims,
+    trainer/rank/mesh.py), then give each rank real memory for what it holds, initialised, or filled
+    from `weights` (model.weights: each rank reads what it holds).
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
-    DDP wraps real parameters, so it comes after. `dp_mesh`: the data-parallel dim of a tensor-parallel
-    job's mesh (trainer/rank/tensor_parallel.py), which zero shards or replicates over; None: every rank.
+    DDP wraps real parameters, so it comes after, and only where `replicas` (trainer/rank/parallelize.py
+    `replicas_to_wrap`).
     """
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
@@ -64,15 +67,22 @@ def apply_zero(
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
     materialize(model, world.device, seed=seed, load=load)
-    if dp_mesh is not None:
-        # One data-parallel replica (ParallelConfig.check_world refuses stage0 with dp > 1): nothing to
-        # replicate over. torch's DDP would swap the DTensor parameters for local tensors
-        # (_pre_dp_module_transform), which hides them from model.parameters() and the global gradient norm.
-        return model
+    return apply_ddp(model, zero, world, dp_mesh) if replicas else model
+
+
+def apply_ddp(model: nn.Module, zero: ZeroConfig, world: World, dp_mesh: DeviceMesh) -> nn.Module:
+    """DDP over `dp_mesh`'s group, the one way every part is replicated: its buckets, their view and
+    its communication hook as zero's keys set them, whether the part is a model or a pipeline stage."""
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     buckets = {} if zero.bucket_cap_mb is None else {"bucket_cap_mb": zero.bucket_cap_mb}
     # Gradients as views into DDP's buckets: without it DDP keeps a second copy of every gradient.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=dp_mesh.get_group(),
+        gradient_as_bucket_view=True,
+        **buckets,
+    )
     if zero.reduce_dtype == ReduceDType.bf16:
         # torch's own hook: each bucket is cast to bf16, all-reduced, and written back in fp32.
         ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
@@ -91,15 +101,16 @@ def apply_fsdp(
     precision: PrecisionConfig,
     offload: OffloadConfig,
     world: World,
-    dp_mesh: DeviceMesh | None = None,
+    dp_mesh: DeviceMesh,
 ) -> None:
-    """fully_shard each transformer block, then the root (embeddings, final norm, output head); over
-    `dp_mesh` under tensor parallelism (FSDP2 shards the TP layers' DTensors again over dp)."""
-    groups = shard_groups(zero, world.world_size if dp_mesh is None else dp_mesh.size())
-    mesh = fsdp_mesh(world, groups) if dp_mesh is None else dp_mesh
+    """fully_shard each transformer block, then the root (embeddings, final norm, output head), over
+    `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
+    gradient shards over the first: torchtitan's data_parallel_replicate_degree x data_parallel_shard_degree,
+    pytorch/torchtitan docs/fsdp.md). Under tensor parallelism FSDP2 shards the TP layers' DTensors again."""
+    groups = shard_groups(zero, dp_mesh.size())
     reshard = block_reshard(zero, groups)
     common = dict(
-        mesh=mesh,
+        mesh=dp_mesh,
         mp_policy=build_mp_policy(precision, zero),
         offload_policy=build_offload_policy(offload, world),
     )
@@ -108,17 +119,6 @@ def apply_fsdp(
     # The root's parameters are used again at the very start of backward (the output head), so
     # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
     fully_shard(model, reshard_after_forward=False, **common)
-
-
-def fsdp_mesh(world: World, groups: ShardGroups) -> DeviceMesh:
-    """1-D over every rank, or HSDP's 2-D `(replicate, shard)` mesh (trainer/plan/groups.py): FSDP2
-    shards over the last dim and all-reduces gradient shards over the first (torchtitan's
-    data_parallel_replicate_degree x data_parallel_shard_degree, pytorch/torchtitan docs/fsdp.md)."""
-    if not groups.hsdp:
-        return init_device_mesh(world.device.type, (world.world_size,))
-    return init_device_mesh(
-        world.device.type, (groups.replicate, groups.shard), mesh_dim_names=("replicate", "shard")
-    )
 
 
 def block_reshard(zero: ZeroConfig, groups: ShardGroups) -> bool | int:

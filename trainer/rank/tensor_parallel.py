@@ -14,8 +14,8 @@ torchtitan/models/llama3/infra/parallelize.py `apply_tp`):
 Without SP (parallel.sp=false) the residual stream is replicated over the TP group and the norms hold a
 replicated DTensor weight (`distribute_module`), so that every parameter lives on the TP mesh.
 
-The mesh: dims ordered (dp, tp), `tp` innermost, so a TP group is `tp` consecutive ranks (inside one
-node: parallel.tp divides nproc); a later `pp` dim goes between them. zero shards over `dp`.
+The mesh: the job's one mesh (trainer/rank/mesh.py); `tp` is its innermost dim (trainer/layout.py), so a TP
+group is `tp` consecutive ranks inside one node (parallel.tp divides nproc). zero shards over the dp dims.
 Applied on the meta-device model, before activation checkpointing and FSDP2 (torchtitan's order).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -37,24 +37,6 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-
-from trainer.config import ParallelConfig
-from trainer.world import World
-
-DP, TP = "dp", "tp"
-"""The mesh's dim names; DeviceMesh describes each dim's process group as `mesh_<name>`."""
-
-
-def parallel_mesh(world: World, parallel: ParallelConfig) -> DeviceMesh:
-    """The (dp, tp) mesh: rank = dp_index * tp + tp_index."""
-    dp = parallel.dp(world.world_size)
-    return init_device_mesh(world.device.type, (dp, parallel.tp), mesh_dim_names=(DP, TP))
-
-
-def dp_coordinates(world: World, parallel: ParallelConfig) -> tuple[int, int]:
-    """This rank's data-parallel index and the dp size: the ranks of one TP group (and of one pipeline) read
-    the same batch."""
-    return world.rank // (parallel.tp * parallel.pp), parallel.dp(world.world_size)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:

@@ -59,16 +59,15 @@ GROUP_FIELDS = tuple(f"{group}:{kind}" for group in GROUPS for kind in KINDS)
 """The same bytes by the process group the recorder names for each entry (trainer/plan/groups.py)."""
 FIELDS = (*KINDS, "time_s", "time_covered_pct", "exposed_pct", "profiled_step_s", *GROUP_FIELDS)
 # The recorder's `process_group` is (name, description); DeviceMesh describes the groups of a dim
-# `mesh_<dim name>` (torch/distributed/device_mesh.py): zerolab's HSDP mesh names its dims replicate
-# and shard, and the post-forward mesh FSDP2 builds for reshard_after_forward=<int> has none (its
-# second dim: `mesh_dim_1`, _fsdp_init.py). A 1-D mesh over every rank is the default group.
-# A tensor-parallel job's (dp, tp) mesh (trainer/rank/tensor_parallel.py): FSDP2 shards over dp, its
-# `shard` group; the layers' collectives run in tp.
+# `mesh_<dim name>` (torch/distributed/device_mesh.py). The job's one mesh (trainer/rank/mesh.py) names its
+# dims after the layout's axes: FSDP2 shards over dp_shard and HSDP replicates over dp_replicate; the
+# post-forward mesh FSDP2 builds for reshard_after_forward=<int> has no names (its second dim:
+# `mesh_dim_1`, _fsdp_init.py); the layers' collectives run in tp. A 1-D mesh over every rank is the
+# default group.
 GROUP_DESCRIPTIONS = {
-    "mesh_shard": "shard",
-    "mesh_replicate": "replicate",
+    "mesh_dp_shard": "shard",
+    "mesh_dp_replicate": "replicate",
     "mesh_dim_1": "hpz",
-    "mesh_dp": "shard",
     "mesh_tp": "tp",
 }
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
+from trainer.layout import Layout
 from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, shard_groups
 from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
@@ -215,7 +216,10 @@ class Meter:
         memory_start = len(BASE_FIELDS)
         if self.pipeline is not None:
             record.update(
-                pipeline_fields(per_rank[:, memory_start : memory_start + 2], self.config.parallel.pp)
+                pipeline_fields(
+                    per_rank[:, memory_start : memory_start + 2],
+                    Layout.from_config(self.config, self.world.world_size),
+                )
             )
             memory_start += len(PIPELINE_FIELDS)
         if self.memory is not None:
@@ -421,14 +425,15 @@ def worst_rank_memory(record: dict[str, Any]) -> str | None:
     return f"rss {format_gib(rss[key])} ({key.split('/')[1].replace('rank', 'rank ')})"
 
 
-def pipeline_fields(per_rank: torch.Tensor, pp: int) -> dict[str, float]:
-    """Each rank's idle share, and per pipeline position (rank % pp: the pp dim is inside dp) the mean over the
-    replicas of the idle share and of the bytes sent; the bytes one replica's stages sent each other."""
+def pipeline_fields(per_rank: torch.Tensor, layout: Layout) -> dict[str, float]:
+    """Each rank's idle share, and per pipeline position (its pp coordinate, trainer/layout.py) the mean over
+    the replicas of the idle share and of the bytes sent; the bytes one replica's stages sent each other."""
+    pp = layout.pp
     record: dict[str, float] = {}
     idle, sent = per_rank[:, 0], per_rank[:, 1]
     for rank, share in enumerate(idle.tolist()):
         record[keys.pp_rank_idle_key(rank)] = share
-    by_stage = torch.arange(per_rank.shape[0]) % pp
+    by_stage = torch.tensor([layout.coords(rank)["pp"] for rank in range(per_rank.shape[0])])
     for stage in range(pp):
         record[keys.pp_idle_key(stage)] = idle[by_stage == stage].mean().item()
         record[keys.pp_sent_key(stage)] = sent[by_stage == stage].mean().item()

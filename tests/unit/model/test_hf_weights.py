@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import HF_FAMILIES, HF_SEQUENCES, WORLD, hf_checkpoint, hf_logits
-from trainer.config import ConfigError, ModelConfig, OffloadConfig, PrecisionConfig, Stage, ZeroConfig
+from tests.helpers import HF_FAMILIES, HF_SEQUENCES, WORLD, hf_checkpoint, hf_logits, zero_over_world
+from trainer.config import ConfigError, ModelConfig, Stage, ZeroConfig
 from trainer.model import hf_weights
 from trainer.model.decoder import build_model
 from trainer.model.hf_weights import check_weights, expected_tensors, to_hf_layout, to_meta_layout
-from trainer.rank.sharding import apply_zero
 
 pytestmark = (
     pytest.mark.torch_versions
@@ -33,10 +32,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 
 def zerolab_logits(weights: Path, stage: str) -> torch.Tensor:
     config = ModelConfig(name="hf", weights=str(weights))
-    zero = ZeroConfig(stage=Stage(stage))
-    model = apply_zero(
-        build_model(config), zero, PrecisionConfig(), OffloadConfig(), WORLD, 0, config.weights
-    )
+    model = zero_over_world(build_model(config), ZeroConfig(stage=Stage(stage)), WORLD, config.weights)
     with torch.no_grad():
         return model(HF_SEQUENCES)
 

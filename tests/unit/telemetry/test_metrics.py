@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trainer.config import DType, PrecisionConfig
+from trainer.layout import Layout
 from trainer.telemetry import keys
 from trainer.telemetry.memory import CPU_FIELDS, CUDA_FIELDS
 from trainer.telemetry.metrics import (
@@ -142,10 +143,13 @@ def test_ranks_that_disagree_on_the_loss_scale_or_skips_raise_an_error_not_an_as
 
 
 def test_pipeline_fields_per_rank_per_stage_and_per_replica() -> None:
-    """4 ranks, pp=2: ranks 0 and 2 are stage 0 of two replicas; each sent the bytes of its stage."""
+    """4 ranks, pp=2 outermost (trainer/layout.py): ranks 0 and 1 are stage 0 of two replicas; each sent the
+    bytes of its stage."""
     per_rank = torch.tensor([[0.2, 100.0], [0.4, 100.0], [0.3, 100.0], [0.6, 100.0]], dtype=torch.float64)
-    record = pipeline_fields(per_rank, pp=2)
+    record = pipeline_fields(per_rank, Layout(pp=2, dp_replicate=2))
     assert record[keys.pp_rank_idle_key(3)] == 0.6
-    assert record[keys.pp_idle_key(0)] == 0.25 and record[keys.pp_idle_key(1)] == 0.5
+    assert record[keys.pp_idle_key(0)] == pytest.approx(0.3) and record[keys.pp_idle_key(1)] == pytest.approx(
+        0.45
+    )
     assert record[keys.pp_sent_key(0)] == record[keys.pp_sent_key(1)] == 100.0
     assert record[keys.PP_MEASURED_BYTES] == 200.0

@@ -4,8 +4,8 @@ A refactor of trainer/plan/ that moves code and changes no figure leaves the che
 run this before and after and compare the last line. Nothing is trained or allocated (plans are
 arithmetic on the meta model's shapes); about 40 s of CPU time, most of it Hydra composing.
 
-    python benchmarks/plan_snapshot.py                         # writes /tmp/plan_snapshot.json
-    python benchmarks/plan_snapshot.py --out snapshot.json     # elsewhere, to diff two runs
+    python checks/plan_snapshot.py                         # writes /tmp/plan_snapshot.json
+    python checks/plan_snapshot.py --out snapshot.json     # elsewhere, to diff two runs
 
 The grid (each axis as a Hydra override of conf/): ZeRO stages 0-3 x precision x checkpointing x
 grad_accum x loss x device kind for the tiny model; FSDP2's accumulation choices (zero.reduce_every,
@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.cli import register_configs
 from trainer.config import TrainConfig, validate
+from trainer.layout import Layout
 from trainer.plan import Plan, build_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -126,10 +127,13 @@ def jobs() -> Iterator[list[str]]:
 
 
 def rank_coords(plan: Plan, rank: int) -> list[int]:
-    """A rank's (pp, dp, tp) coordinates: the record names a rank by where it stands, so that a change
-    of rank order (which global rank holds which stage) is not read as a change of any rank's plan."""
-    tp, pp = plan.config.parallel.tp, plan.config.parallel.pp
-    return [rank // tp % pp, rank // (tp * pp), rank % tp]
+    """A rank's (pp, dp, tp) coordinates (trainer/layout.py): the record names a rank by where it stands,
+    so that a change of rank order (which global rank holds which stage) is not read as a change of any
+    rank's plan. Before the layout (its first checksum, 5495a9f3...) the same three were the plan's own
+    formulas: stage rank // tp % pp, replica rank // (tp * pp), tp rank % tp."""
+    layout = Layout.from_config(plan.config, plan.world_size)
+    coords = layout.coords(rank)
+    return [coords["pp"], layout.dp_index(rank), coords["tp"]]
 
 
 def plan_record(plan: Plan) -> list[dict[str, Any]]:

@@ -1,0 +1,221 @@
+"""The layout of a job's ranks: its parallel axes, their degrees and their order, and the one formula
+that places a rank on them.
+
+Free of torch.distributed, so that the plan, the advisor, telemetry and the data stream read the same
+arithmetic the ranks do; trainer/rank/mesh.py builds the job's one DeviceMesh from it. The axes,
+outermost first, as torchtitan orders them (pytorch/torchtitan torchtitan/distributed/parallel_dims.py:
+pp, dp_replicate, dp_shard, cp, tp):
+
+    pp            pipeline stages (parallel.pp): a PP group strides over everything inside it, so a
+                  pipeline spans nodes while the axes below stay inside one
+    dp_replicate  data-parallel replicas holding the same states: DDP's ranks (zero=stage0/1), or
+                  HSDP's replicate dim (zero.shard_ranks)
+    dp_shard      FSDP2's shard dim (zero=stage2/3): every data-parallel rank, or zero.shard_ranks
+    tp            tensor-parallel ranks (parallel.tp): innermost, so a TP group is consecutive ranks
+                  inside one node
+
+    rank = ((pp * dp_replicate_degree + dp_replicate) * dp_shard_degree + dp_shard) * tp_degree + tp
+
+The data-parallel axes together ("dp") split the batch: the ranks of one TP group and of one pipeline
+read the same samples. hpZ (zero.hpz_ranks) is not an axis of its own: FSDP2 keeps its secondary shards
+over consecutive groups of the dp_shard axis (`group("hpz", rank)`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.config import ConfigError, ZeroConfig
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Every axis, outermost first."""
+DP_AXES = ("dp_replicate", "dp_shard")
+"""The data-parallel axes: the batch is split over both; ZeRO shards over dp_shard (FSDP2) or
+dp_replicate (ZeroRedundancyOptimizer over DDP's ranks)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks that share every coordinate but those of `axes` with one rank, in coordinate order."""
+
+    axes: tuple[str, ...]
+    members: tuple[int, ...]
+    intra_node: bool
+    """Whether every member sits on one node (ranks are numbered node by node)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degree of every axis, and how many ranks each node holds."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    ranks_per_node: int | None = None
+    """None: every rank on one node."""
+    hpz: int | None = None
+    """zero.hpz_ranks: FSDP2's secondary shard groups inside dp_shard, or None."""
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, world_size: int) -> Layout:
+        """The layout of `config` on `world_size` ranks, `config.nodes` nodes (whole shard and hpZ groups:
+        ConfigError naming the key otherwise; `check_world` checks the rest before a job starts)."""
+        tp, pp = config.parallel.tp, config.parallel.pp
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"parallel.pp={pp} * parallel.tp={tp} must divide the world of {world_size} ranks (nodes * nproc)"
+            )
+        dp = world_size // (tp * pp)
+        replicate, shard, hpz = data_parallel_degrees(config.zero, dp)
+        per_node = world_size // config.nodes if config.nodes > 1 else None
+        return cls(pp, replicate, shard, tp, per_node, hpz)
+
+    def degree(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def size(self, *axes: str) -> int:
+        """The product of the degrees of `axes` ("dp": both data-parallel axes); of every axis when none."""
+        return math.prod(self.degree(axis) for axis in expand(axes or AXES))
+
+    @property
+    def world_size(self) -> int:
+        return self.size()
+
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
+
+    def enabled(self, axis: str) -> bool:
+        return self.size(axis) > 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Where `rank` stands on every axis: the one formula (the module's docstring)."""
+        out = {}
+        for axis in reversed(AXES):
+            rank, out[axis] = divmod(rank, self.degree(axis))
+        return {axis: out[axis] for axis in AXES}
+
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at `coords` (an axis left out: 0)."""
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.degree(axis) + coords.get(axis, 0)
+        return rank
+
+    def dp_index(self, rank: int) -> int:
+        """The rank's data-parallel index: which share of the batch it reads."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def group(self, axes: str | tuple[str, ...], rank: int) -> Group:
+        """The group of `rank` along `axes` ("dp": both data-parallel axes; "hpz": its secondary shard
+        group, consecutive members of its dp_shard group)."""
+        names = expand((axes,) if isinstance(axes, str) else axes)
+        if names == ("hpz",):
+            return self.hpz_group(rank)
+        at = self.coords(rank)
+        sizes = [range(self.degree(axis)) for axis in names]
+        members = tuple(self.rank_at(**{**at, **dict(zip(names, point))}) for point in product(sizes))
+        return Group(names, members, self.on_one_node(members))
+
+    def hpz_group(self, rank: int) -> Group:
+        shard = self.group("dp_shard", rank).members
+        width = self.hpz or len(shard)
+        start = shard.index(rank) // width * width
+        members = shard[start : start + width]
+        return Group(("hpz",), members, self.on_one_node(members))
+
+    def per_node(self, axes: str | tuple[str, ...]) -> int:
+        """How many members of a group along `axes` share one node (rank 0's group, on rank 0's node):
+        what a group's link depends on."""
+        members = self.group(axes, 0).members
+        return sum(self.node(rank) == self.node(0) for rank in members)
+
+    def node(self, rank: int) -> int:
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def on_one_node(self, members: tuple[int, ...]) -> bool:
+        return len({self.node(rank) for rank in members}) <= 1
+
+
+def expand(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Axis names with "dp" read as both data-parallel axes; an unknown name is our own error."""
+    out: list[str] = []
+    for axis in axes:
+        out += DP_AXES if axis == "dp" else [axis]
+    assert all(axis in (*AXES, "hpz") for axis in out), f"unknown axis in {axes}"
+    return tuple(out)
+
+
+def product(ranges: list[range]) -> list[tuple[int, ...]]:
+    """Every point of `ranges`, the last varying fastest (the order of the ranks)."""
+    points: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        points = [(*point, i) for point in points for i in r]
+    return points
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def data_parallel_degrees(zero: ZeroConfig, dp: int) -> tuple[int, int, int | None]:
+    """(dp_replicate, dp_shard, hpz) of `zero` over `dp` data-parallel ranks; ConfigError (naming the
+    key) for a size torch refuses. DDP's ranks (stage0/1) are replicas; FSDP2 shards over every dp rank,
+    or over zero.shard_ranks of them with the groups replicated (HSDP)."""
+    if not zero.uses_fsdp:
+        return dp, 1, None
+    shard = dp if zero.shard_ranks is None else zero.shard_ranks
+    if shard > dp:
+        raise ConfigError(
+            f"zero.shard_ranks={shard} is larger than the world ({dp} ranks); "
+            f"allowed: a divisor of {dp}: {', '.join(map(str, divisors(dp)))}"
+        )
+    if dp % shard:
+        raise ConfigError(
+            f"zero.shard_ranks={shard} must divide the world size {dp} (HSDP: whole shard groups); "
+            f"allowed: {', '.join(map(str, divisors(dp)))}"
+        )
+    hpz = zero.hpz_ranks
+    if hpz is not None and (shard % hpz or not 1 < hpz < shard):
+        allowed = [d for d in divisors(shard) if 1 < d < shard]
+        raise ConfigError(
+            f"zero.hpz_ranks={hpz} must divide the shard group of {shard} ranks, other than 1 and {shard} "
+            f"(FSDP2 reshard_after_forward=<int>); allowed: {', '.join(map(str, allowed)) or 'none (hpZ needs a shard group of 4 or more ranks)'}"
+        )
+    return dp // shard, shard, hpz
+
+
+def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
+    """Before a job starts: a TP group is consecutive ranks inside one node (tp divides nproc), whole
+    pipelines and TP groups fill the world, and DDP replicates no tensor-parallel parameters (torch's DDP
+    holds them as local tensors), so zero=stage0 only with one data-parallel replica."""
+    tp, pp, zero = config.parallel.tp, config.parallel.pp, config.zero
+    allowed = ", ".join(str(d) for d in divisors(nproc))
+    world = nodes * nproc
+    if nproc % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide nproc={nproc} (a tensor-parallel group stays inside one node "
+            f"of {nproc} ranks); allowed: {allowed}"
+        )
+    if world % (tp * pp):
+        raise ConfigError(
+            f"parallel.pp={pp} * parallel.tp={tp} must divide the world of {world} ranks (nodes * nproc); "
+            f"allowed parallel.pp: {', '.join(str(d) for d in divisors(world // tp))}"
+        )
+    dp = world // (tp * pp)
+    if not (tp == 1 or zero.uses_fsdp or dp == 1):
+        raise ConfigError(
+            f"parallel.tp={tp} with zero={zero.stage.value} on {dp} data-parallel replicas is not supported (torch's "
+            f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3, or parallel.tp={world}"
+        )

@@ -1,0 +1,77 @@
+"""The one sequence of transforms that turns a meta-device model part into what this rank trains.
+
+Applied to the whole model, or to each of this rank's pipeline stages (trainer/rank/pipeline.py), in the
+one order torchtitan applies them (pytorch/torchtitan torchtitan/models/llama3/parallelize.py
+`parallelize_llama`), each step taking its sub-mesh of the job's one mesh by name (trainer/rank/mesh.py):
+
+1. fp8: the block linears become Float8Linear (precision=fp8), so that every later step wraps them;
+2. tensor parallelism over `mesh["tp"]` (parallel.tp), on the layers' own names;
+3. the attention kernel and the loss's chunk size (attention, loss.chunk_tokens);
+4. activation checkpointing of the blocks (checkpointing), before sharding: it wraps blocks;
+5. compile of each block (compile), after checkpointing and before sharding, in place;
+6. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
+   fully_shard, or nothing at one model-parallel replica; then each rank materialises (or loads
+   model.weights into) only what it holds.
+
+What does not compose is refused before any rank starts (the composition table); nothing here drops a
+setting it was given.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.config import TrainConfig
+from trainer.faults.failures import watch_blocks
+from trainer.layout import Layout
+from trainer.model.attention import run_choice
+from trainer.model.checkpointing import apply_activation_checkpointing
+from trainer.model.compile import apply_compile
+from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice
+from trainer.model.fp8 import apply_fp8
+from trainer.rank.mesh import data_parallel_mesh
+from trainer.rank.sharding import apply_zero
+from trainer.rank.tensor_parallel import apply_tensor_parallel, replicate_partial_grads
+from trainer.world import World
+
+
+def parallelize(
+    part: nn.Module, *, config: TrainConfig, layout: Layout, mesh: DeviceMesh, world: World
+) -> nn.Module:
+    """Transform one meta-device part (the decoder, or a pipeline stage of it) in the module's order;
+    returns the module this rank trains (DDP's wrapper, or the part itself)."""
+    apply_fp8(part, config.precision, world.device.type)
+    if layout.enabled("tp"):
+        apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
+    apply_sdpa_choice(part, choice)
+    apply_loss_choice(part, config.loss)
+    apply_activation_checkpointing(part, config.checkpointing)
+    apply_compile(part, config.compile, config.compile_backend)
+    if not config.compile:  # a compiled block would trace the hooks' side effects into its graph
+        watch_blocks(
+            list(part.layers)
+        )  # an out-of-memory failure names its block (trainer/faults/failures.py)
+    part = apply_zero(
+        part,
+        config.zero,
+        config.precision,
+        config.offload,
+        world,
+        config.seed,
+        config.model.weights,
+        dp_mesh=data_parallel_mesh(mesh, layout, config.zero),
+        replicas=replicas_to_wrap(layout),
+    )
+    if layout.enabled("tp") and not config.zero.uses_fsdp:
+        replicate_partial_grads(part)
+    return part
+
+
+def replicas_to_wrap(layout: Layout) -> bool:
+    """Whether DDP wraps the part (zero=stage0/1): over several data-parallel replicas always; a plain
+    data-parallel job keeps its DDP at one rank too (the plan's DDP walk counts its buckets there). A
+    model-parallel part at one replica has nothing to replicate, and torch's DDP would swap TP's DTensor
+    parameters for local tensors (_pre_dp_module_transform), hiding them from the gradient norm."""
+    return layout.dp > 1 or not (layout.enabled("tp") or layout.enabled("pp"))
