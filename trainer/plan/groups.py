@@ -2,8 +2,8 @@
 
 FSDP2 shards over the shard dim of its device mesh and replicates over the other
 (torch/distributed/fsdp/_fully_shard/_fully_shard.py, `mesh` in fully_shard's docstring: a 2-D mesh
-gives HSDP with `(Replicate(), Shard(0))`). zerolab builds that mesh as `(replicate, shard)` =
-`(world / zero.shard_ranks, zero.shard_ranks)` (trainer/rank/sharding.py), so a shard group is
+gives HSDP with `(Replicate(), Shard(0))`). zerolab's layout names the two dims `(dp_replicate, dp_shard)` =
+`(world / zero.shard_ranks, zero.shard_ranks)` (trainer/layout.py; the mesh: trainer/rank/mesh.py), so a shard group is
 `shard_ranks` consecutive global ranks (one node when shard_ranks = nproc) and a replicate group
 takes one rank of each shard group. torchtitan calls the two degrees `data_parallel_replicate_degree`
 and `data_parallel_shard_degree` (pytorch/torchtitan docs/fsdp.md maps the 2-D mesh to MiCS).

@@ -10,7 +10,7 @@ from trainer.advise.advisor import choices, pp_options, schedule_options
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step_tiers
 from trainer.config import DType
-from trainer.plan import INTRA_NODE, NETWORK, build_plan
+from trainer.plan import NETWORK, build_plan
 
 EXAMPLE = (
     "mode=plan", "model=llama3-405b", "nodes=128", "nproc=4", "parallel.pp=8", "zero=stage3",
@@ -22,7 +22,8 @@ EXAMPLE = (
 @pytest.mark.parametrize(("schedule", "rounds"), [("1f1b", 16), ("gpipe", 16), ("interleaved_1f1b", 32)])
 def test_step_adds_the_bubble_and_the_sends_between_stages(schedule: str, rounds: int) -> None:
     """f = (pp - 1) / (rounds + pp - 1), rounds m (v·m interleaved); the sends P: the busiest stage's bytes over the
-    slowest boundary's link (nodes of 4: stage 3 to 4 crosses the network); the bubble (C + P)·f / (1 - f)."""
+    slowest boundary's link (pp outermost, trainer/layout.py: stages 64 ranks apart, each boundary crosses the
+    network between nodes of 4); the bubble (C + P)·f / (1 - f)."""
     config = compose_config(*EXAMPLE, f"parallel.pp_schedule={schedule}")
     plan = build_plan(config, "cuda", 512)
     rates = accelerator_rates(
@@ -31,7 +32,7 @@ def test_step_adds_the_bubble_and_the_sends_between_stages(schedule: str, rounds
     step = predict_step_tiers(config, 512, plan.comm, 1, 1e9, rates, "cuda")
     share = 7 / (rounds + 7)
     assert step.bubble == pytest.approx(share, rel=1e-12)
-    assert plan.comm.p2p.network and INTRA_NODE in plan.comm.p2p.links
+    assert set(plan.comm.p2p.links) == {NETWORK}
     p2p_s = max(plan.comm.p2p.sent) / rates.group_bus_bytes_per_s(NETWORK, 1)
     assert step.p2p_s == pytest.approx(p2p_s, rel=1e-12)
     assert step.bubble_s == pytest.approx((step.compute_s + p2p_s) * share / (1 - share), rel=1e-12)

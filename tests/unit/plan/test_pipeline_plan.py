@@ -188,16 +188,21 @@ def test_bf16_under_fsdp_sends_half_precision() -> None:
 
 @pytest.mark.parametrize(
     ("nodes", "nproc", "links"),
-    [(64, 8, ("intra-node",) * 7), (128, 4, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3)],
+    [
+        (1, 8, ("intra-node",) * 7),
+        (2, 8, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3),
+        (128, 4, ("network",) * 7),
+    ],
 )
-def test_boundary_links_follow_the_mesh(nodes: int, nproc: int, links: tuple[str, ...]) -> None:
-    """(dp, pp) with pp innermost: stage s of the first replica is rank s, so 8 stages stay in a node of 8 and
-    cross the network once on nodes of 4; B·T·D bf16 under FSDP2's mixed precision."""
+def test_boundary_links_follow_the_layout(nodes: int, nproc: int, links: tuple[str, ...]) -> None:
+    """pp outermost (trainer/layout.py): stage s of the first replica is rank s·dp, so 8 stages of one replica
+    stay in a node of 8; over 2 nodes (dp 2) they cross the network once, between stages 3 and 4; over 128
+    nodes of 4 (dp 64) every boundary crosses it. B·T·D bf16 under FSDP2's mixed precision."""
     config = compose_config(
         "mode=plan", "model=llama3-405b", f"nodes={nodes}", f"nproc={nproc}", "parallel.pp=8", "zero=stage3",
         "zero.reduce_every=step", "precision=bf16", "seq_len=8192", "micro_batch=1", "grad_accum=16",
         "plan.accelerator=h100",
     )  # fmt: skip
-    plan = build_plan(config, "cuda", 512)
+    plan = build_plan(config, "cuda", nodes * nproc)
     assert plan.comm.p2p.links == links
     assert plan.comm.p2p.boundary == 8192 * 16384 * 2
