@@ -19,6 +19,7 @@ and the FLOPs come from shapes on the meta device.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -43,6 +44,7 @@ from trainer.config import (
     ReduceEvery,
     Stage,
     TrainConfig,
+    first_refusal,
 )
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
@@ -196,10 +198,8 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
-        if tp is not None and (stage not in (Stage.stage2, Stage.stage3) or offload != OffloadTarget.none):
-            continue  # what tensor parallelism composes with here (ParallelConfig.check_composition)
-        if pp is not None and (offload != OffloadTarget.none or tp is not None or stage == Stage.stage1):
-            continue  # what the pipeline composes with here (ParallelConfig.check_pipeline_composition)
+        if tp is not None and stage == Stage.stage0:
+            continue  # DDP holds TP's parameters as local tensors: refused on several replicas (trainer/layout.py)
         dp = world_size // (tp or 1) // (pp or 1)
         if dp == 0 or world_size % ((tp or 1) * (pp or 1)):
             continue
@@ -212,14 +212,16 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
         for reduce_dtype, (shard, hpz), mb in splits:
             accum = per_rank // mb
             for schedule in schedule_options(pp, accum, config.model.n_layers):
-                out += accumulation_choices(
-                    config,
-                    stage,
-                    accum,
-                    (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule),
-                    (stage, checkpointing, offload),
-                )
+                split = (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule)
+                ways = accumulation_choices(config, stage, accum, split, (stage, checkpointing, offload))
+                out += [choice for choice in ways if composes(config, choice)]
     return out
+
+
+def composes(config: TrainConfig, choice: dict[str, Any]) -> bool:
+    """Whether the composition table (trainer/config/composition.py) lets the choice run. It reads the config
+    the choice makes unchecked: the full checks of every choice would cost more than planning the few that run."""
+    return first_refusal(configure(config, choice, check=False)) is None
 
 
 def pp_options(config: TrainConfig, world_size: int) -> list[int | None]:
@@ -317,9 +319,10 @@ def reshard_options(config: TrainConfig, stage: Stage, grad_accum: int) -> list[
     return list(dict.fromkeys(config.advise.reshard_after_backward))
 
 
-def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
-    """The config with a choice applied; dataclasses.replace runs every __post_init__ check again."""
-    replace = dataclasses.replace
+def configure(config: TrainConfig, choice: dict[str, Any], check: bool = True) -> TrainConfig:
+    """The config with a choice applied; dataclasses.replace runs every __post_init__ check again
+    (check=False: copies with the choice's values set, nothing checked)."""
+    replace = dataclasses.replace if check else unchecked_replace
     return replace(
         config,
         zero=replace(
@@ -345,6 +348,13 @@ def configure(config: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
             pp_schedule=choice.get("parallel.pp_schedule") or config.parallel.pp_schedule,
         ),
     )
+
+
+def unchecked_replace(obj: Any, **changes: Any) -> Any:
+    """dataclasses.replace without __post_init__: a shallow copy with `changes` set."""
+    new = copy.copy(obj)
+    vars(new).update(changes)
+    return new
 
 
 def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:

@@ -16,8 +16,10 @@ One module per config group, the root last; other modules import every name from
 - offload.py: `offload:` (OffloadConfig);
 - data.py: `data:`, `dataloader:` and `eval:` (DataConfig, DataloaderConfig, EvalConfig);
 - optim.py: `optim:` (OptimConfig);
-- parallel.py: `parallel:` (ParallelConfig), PIPELINE_SCHEDULES, and what tensor and pipeline parallelism
-  do not compose with (`model_parallel_refusals`);
+- parallel.py: `parallel:` (ParallelConfig), PIPELINE_SCHEDULES;
+- composition.py: what tensor and pipeline parallelism do not compose with, one table (REFUSALS of
+  `Refusal` rows, each with its reason and way out) read by the config check (`check_composition`,
+  `first_refusal`), the advisor and docs/design.md (`refusals_markdown`);
 - runtime.py: `save:`, `logger:`, `fault:`, `telemetry:` and `memory:` (SaveConfig, LoggerConfig,
   FaultConfig, TelemetryConfig, MemoryConfig and its SnapshotMode);
 - planning.py: `plan:` and `advise:` (PlanConfig, AdviseConfig);
@@ -26,6 +28,13 @@ One module per config group, the root last; other modules import every name from
 """
 
 from trainer.config.checkpointing import TORCHTITAN_SAVE_OPS, CheckpointingConfig
+from trainer.config.composition import (
+    REFUSALS,
+    Refusal,
+    check_composition,
+    first_refusal,
+    refusals_markdown,
+)
 from trainer.config.data import DataConfig, DataloaderConfig, EvalConfig
 from trainer.config.enums import (
     AttentionKernel,
@@ -54,7 +63,7 @@ from trainer.config.errors import _require as _require  # private, kept importab
 from trainer.config.model import LossConfig, ModelConfig
 from trainer.config.offload import OffloadConfig
 from trainer.config.optim import OptimConfig
-from trainer.config.parallel import PIPELINE_SCHEDULES, ParallelConfig, model_parallel_refusals
+from trainer.config.parallel import PIPELINE_SCHEDULES, ParallelConfig
 from trainer.config.planning import AdviseConfig, PlanConfig
 from trainer.config.precision import PrecisionConfig
 from trainer.config.runtime import (
@@ -112,7 +121,11 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "OptimConfig",
-    "model_parallel_refusals",
+    "Refusal",
+    "REFUSALS",
+    "first_refusal",
+    "check_composition",
+    "refusals_markdown",
     "PIPELINE_SCHEDULES",
     "ParallelConfig",
     "SaveConfig",

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.checkpointing import CheckpointingConfig
+from trainer.config.composition import check_composition
 from trainer.config.data import DataConfig, DataloaderConfig, EvalConfig
 from trainer.config.enums import AttentionKernel, DataKind, DeviceKind, Mode, NonFinitePolicy, OffloadTarget
 from trainer.config.errors import ConfigError, _require
@@ -161,7 +162,7 @@ class TrainConfig:
             "eval.every with data=text needs data.validation_files or data.validation_fraction > 0",
         )
         self.parallel.check_model(self.model, self.seq_len)
-        self.parallel.check_composition(self)
+        check_composition(self)  # the composition table's rows, in its order (composition.py)
         self.parallel.check_pipeline(self.model, self.grad_accum)
 
     def _check_global_batch(self) -> None:

@@ -245,7 +245,7 @@ def test_compressed_variants_where_the_network_waits_are_marked_and_never_lead()
     )
     config = compose_config(*overrides)
     ranked, rates = advise(config, "cuda", 32)
-    # pipeline candidates reduce within a stage's dp group and take no compression (check_pipeline_composition)
+    # pipeline candidates reduce within a stage's dp group and take no compression (trainer/config/composition.py)
     exact = {
         json.dumps({**c.choice, "zero.compression": None}): c
         for c in ranked

@@ -60,7 +60,7 @@ def test_schedules_follow_the_micro_batches() -> None:
 
 
 def test_pipeline_candidates_compose_as_the_runtime_does() -> None:
-    """No tp, stage1 or offload beside pp (ParallelConfig.check_pipeline_composition); one reduction per step."""
+    """No tp, stage1 or offload beside pp (trainer/config/composition.py); one reduction per step."""
     tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2")
     rows = [row for row in choices(tiny, 8, "cuda") if row["parallel.pp"] is not None]
     assert {row["zero"] for row in rows} == {"stage0", "stage2", "stage3"}

@@ -1,0 +1,224 @@
+"""The composition table (trainer/config/composition.py): each row refuses its pair in its own one line, the
+advisor offers nothing the table refuses, and docs/design.md holds the table as it renders."""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+import pytest
+
+from tests.helpers import REPO, compose_config
+from trainer.advise.advisor import choices
+from trainer.config import REFUSALS, ConfigError, Refusal, refusals_markdown
+
+DESIGN = REPO / "docs" / "design.md"
+BEGIN = "<!-- composition table: rendered from trainer/config/composition.py by tests/unit/test_composition.py -->"
+END = "<!-- end composition table -->"
+
+TP = ("parallel.tp=2",)
+PP = ("parallel.pp=2", "grad_accum=2")  # 1F1B streams a micro-batch per stage at least
+STAGE3 = ("zero=stage3", "zero.reduce_every=step")  # stage3's file reduces every micro-batch: pp refuses that
+TEXT = ("data=text", "data.files=[a.txt]", "data.tokenizer=tokenizer.json")
+
+# Each row: (a config that composes, what makes the row refuse it, the message, word for word).
+ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "parallel.tp x model.tie_embeddings=true": (
+        TP,
+        ("model=qwen3-0.6b",),
+        "parallel.tp=2 with model.tie_embeddings=true is not supported: the embedding (row-wise) and the "
+        "output head (column-wise) shard the one tied weight two ways; use parallel.tp=1",
+    ),
+    "parallel.pp x parallel.tp > 1": (
+        PP,
+        ("parallel.tp=2",),
+        "parallel.pp=2 with parallel.tp=2 is not supported; use parallel.tp=1 or parallel.pp=1",
+    ),
+    "parallel.pp x offload=cpu": (
+        (*PP, *STAGE3),
+        ("offload=cpu",),
+        "parallel.pp=2 with offload=cpu is not supported; use offload=none or parallel.pp=1",
+    ),
+    "parallel.pp x loss=chunked": (
+        PP,
+        ("loss=chunked",),
+        "parallel.pp=2 with loss=chunked is not supported; use loss=full (the last stage takes the loss) or "
+        "parallel.pp=1",
+    ),
+    "parallel.pp x zero=stage1": (
+        PP,
+        ("zero=stage1",),
+        "parallel.pp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.pp=1",
+    ),
+    "parallel.pp x zero.shard_ranks": (
+        (*PP, *STAGE3),
+        ("zero.shard_ranks=2",),
+        "parallel.pp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.pp=1",
+    ),
+    "parallel.pp x zero.hpz_ranks": (
+        (*PP, *STAGE3),
+        ("zero.hpz_ranks=2",),
+        "parallel.pp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.pp=1",
+    ),
+    "parallel.pp x zero.compression": (
+        PP,
+        ("zero.compression=powersgd",),
+        "parallel.pp=2 with zero.compression is not supported; use zero.compression=none or parallel.pp=1",
+    ),
+    "parallel.pp x zero.sync_every": (
+        PP,
+        ("zero.sync_every=2",),
+        "parallel.pp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.pp=1",
+    ),
+    "parallel.pp x model.weights": (
+        PP,
+        ("model.weights=/nowhere",),
+        "parallel.pp=2 with model.weights is not supported; use model.weights=null or parallel.pp=1",
+    ),
+    "parallel.pp x precision=fp8": (
+        PP,
+        ("precision=fp8",),
+        "parallel.pp=2 with precision=fp8 is not supported; use precision=bf16 or parallel.pp=1",
+    ),
+    "parallel.pp x data.packing=document": (
+        (*PP, *TEXT),
+        ("data.packing=document",),
+        "parallel.pp=2 with data.packing=document is not supported; use data.packing=concat or parallel.pp=1",
+    ),
+    "parallel.pp x zero.reduce_every=micro_batch": (
+        PP,
+        ("zero.reduce_every=micro_batch",),
+        "parallel.pp=2 with zero.reduce_every=micro_batch is not supported; use zero.reduce_every=step or "
+        "parallel.pp=1",
+    ),
+    "parallel.pp x zero.reshard_after_backward=false": (
+        (*PP, *STAGE3),
+        ("zero.reshard_after_backward=false",),
+        "parallel.pp=2 with zero.reshard_after_backward=false is not supported; use "
+        "zero.reshard_after_backward=true or parallel.pp=1",
+    ),
+    "parallel.pp x model.tie_embeddings=true": (
+        PP,
+        ("model=qwen3-0.6b",),
+        "parallel.pp=2 with model.tie_embeddings=true is not supported; the embedding (first stage) and the "
+        "head (last stage) cannot share one weight; use a model without tied embeddings or parallel.pp=1",
+    ),
+    "parallel.pp x eval.every": (
+        PP,
+        ("eval.every=10",),
+        "parallel.pp=2 with eval.every is not supported; use eval.every=0 or parallel.pp=1",
+    ),
+    "parallel.pp x fault.kind": (
+        PP,
+        ("fault.kind=nan_loss",),
+        "parallel.pp=2 with fault.kind is not supported; use fault.kind=none or parallel.pp=1",
+    ),
+    "parallel.tp x offload=cpu": (
+        (*TP, "zero=stage3"),
+        ("offload=cpu",),
+        "parallel.tp=2 with offload=cpu is not supported; use offload=none or parallel.tp=1",
+    ),
+    "parallel.tp x loss=chunked": (
+        TP,
+        ("loss=chunked",),
+        "parallel.tp=2 with loss=chunked is not supported; use loss=full (loss_parallel shards the logits) or "
+        "parallel.tp=1",
+    ),
+    "parallel.tp x zero=stage1": (
+        TP,
+        ("zero=stage1",),
+        "parallel.tp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.tp=1",
+    ),
+    "parallel.tp x zero.shard_ranks": (
+        (*TP, "zero=stage3"),
+        ("zero.shard_ranks=2",),
+        "parallel.tp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.tp=1",
+    ),
+    "parallel.tp x zero.hpz_ranks": (
+        (*TP, "zero=stage3"),
+        ("zero.hpz_ranks=2",),
+        "parallel.tp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.tp=1",
+    ),
+    "parallel.tp x zero.compression": (
+        TP,
+        ("zero.compression=powersgd",),
+        "parallel.tp=2 with zero.compression is not supported; use zero.compression=none or parallel.tp=1",
+    ),
+    "parallel.tp x zero.sync_every": (
+        TP,
+        ("zero.sync_every=2",),
+        "parallel.tp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.tp=1",
+    ),
+    "parallel.tp x compile=true": (
+        TP,
+        ("compile=true",),
+        "parallel.tp=2 with compile=true is not supported; use compile=false or parallel.tp=1",
+    ),
+    "parallel.tp x model.weights": (
+        TP,
+        ("model.weights=/nowhere",),
+        "parallel.tp=2 with model.weights is not supported; use model.weights=null or parallel.tp=1",
+    ),
+    "parallel.tp x precision=fp8": (
+        TP,
+        ("precision=fp8",),
+        "parallel.tp=2 with precision=fp8 is not supported; use precision=bf16 or parallel.tp=1",
+    ),
+    "parallel.tp x data.packing=document": (
+        (*TP, *TEXT),
+        ("data.packing=document",),
+        "parallel.tp=2 with data.packing=document is not supported; use data.packing=concat or parallel.tp=1",
+    ),
+}
+
+
+def row_id(row: Refusal) -> str:
+    return f"{row.first} x {row.second}"
+
+
+def test_every_row_has_its_case() -> None:
+    assert [row_id(row) for row in REFUSALS] == list(ROWS)  # one case per row, in the table's order
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_each_row_refuses_in_its_one_line(name: str) -> None:
+    """The pair is the config's only trouble: without the row's setting it composes; with it, the row's
+    message (the words users and scripts have seen) is the error."""
+    composes, setting, message = ROWS[name]
+    compose_config(*composes)
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        compose_config(*composes, *setting)
+
+
+def test_the_pipeline_compiles_per_stage() -> None:
+    """No row for parallel.pp with compile=true: each stage goes through the same parallelize as a whole model
+    (trainer/rank/parallelize.py), compile included."""
+    compose_config(*PP, "compile=true")
+
+
+def test_the_advisor_offers_nothing_the_table_refuses() -> None:
+    """On two nodes the advisor offers tp and pp; with compile=true, which tensor parallelism does not compose
+    with (and the pipeline does), no tp."""
+    job = ("mode=advise", "global_batch=64", "nproc=4", "nodes=2")
+    plain = choices(compose_config(*job), 8, "cuda")
+    compiled = choices(compose_config(*job, "compile=true"), 8, "cuda")
+    assert {row["parallel.tp"] for row in plain} == {None, 2}
+    assert {row["parallel.tp"] for row in compiled} == {None}
+    assert {row["parallel.pp"] for row in compiled} == {None, 2, 4}
+
+
+def test_docs_hold_the_rendered_table() -> None:
+    """docs/design.md, between its two markers, is `refusals_markdown()`: a row's change shows in the docs."""
+    text = DESIGN.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"docs/design.md needs one {BEGIN} and one {END}"
+    held = text.split(BEGIN)[1].split(END)[0].strip("\n")
+    expected = refusals_markdown()
+    diff = "\n".join(
+        difflib.unified_diff(
+            held.splitlines(), expected.splitlines(), "docs/design.md", "refusals_markdown()", lineterm=""
+        )
+    )
+    assert held == expected, (
+        f"docs/design.md's composition table differs from trainer/config/composition.py:\n{diff}\n\n"
+        f"Put this between the markers:\n{expected}"
+    )

@@ -1,0 +1,307 @@
+"""What does not compose: one table (REFUSALS), read by the config check (TrainConfig.__post_init__ calls
+`check_composition`), the advisor's candidate search (trainer/advise/advisor.py `choices` offers nothing a
+row refuses) and docs/design.md's "What does not compose" section (`refusals_markdown`, held to the docs
+by tests/unit/test_composition.py).
+
+Each row pairs a parallelism (`first`: parallel.tp or parallel.pp, when > 1) with a setting it does not
+compose with here (`second`), says why (a real limit, or what is not yet built or proven) and the way
+out. A config is refused by the first row that applies, in the table's order, in one line naming both
+keys. To print the docs' table (tests/unit/test_composition.py's failure shows it too):
+
+    python -c "from trainer.config import refusals_markdown; print(refusals_markdown())"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.config.enums import (
+    Compression,
+    DataKind,
+    FaultKind,
+    LossKind,
+    OffloadTarget,
+    Packing,
+    ReduceEvery,
+    Stage,
+)
+from trainer.config.errors import ConfigError
+
+if TYPE_CHECKING:  # train.py imports this module: the root config is named in annotations only
+    from trainer.config.train import TrainConfig
+
+TP, PP = "parallel.tp", "parallel.pp"
+
+SAYS = "{row.first}={degree} with {row.second} is not supported; {row.way_out} or {row.first}=1"
+"""The one-line message of most rows (a str.format template over the row, its `degree` and the `config`)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One pair that does not compose: `first` (refused only when > 1) with `second`."""
+
+    first: str
+    """parallel.tp or parallel.pp."""
+    second: str
+    """The other setting, as the message names it."""
+    applies: Callable[[TrainConfig], bool]
+    """Whether the config sets `second` (`first` > 1 is checked apart)."""
+    reason: str
+    """Why: a real limit, or "not yet built/proven" and what is missing."""
+    way_out: str
+    """What to set instead (the message adds: or `first`=1)."""
+    message: str = SAYS
+    """The message's template; three rows keep the words their messages have always had (two say why)."""
+
+    def degree(self, config: TrainConfig) -> int:
+        return getattr(config.parallel, self.first.removeprefix("parallel."))
+
+    def refuses(self, config: TrainConfig) -> bool:
+        return self.degree(config) > 1 and self.applies(config)
+
+    def says(self, config: TrainConfig) -> str:
+        return self.message.format(row=self, degree=self.degree(config), config=config)
+
+
+def _document_packing(c: TrainConfig) -> bool:
+    """data.packing is read by data=text only: another kind never packs documents, whatever the key says."""
+    return c.data.kind == DataKind.text and c.data.packing == Packing.document
+
+
+# In the order they are checked: the first that applies is the message. Tensor parallelism's tied-embedding
+# row comes first: it was the last of the model's shape checks (ParallelConfig.check_model), which run just
+# before this table, so a config with several refusals still hears the one it always did.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        TP,
+        "model.tie_embeddings=true",
+        lambda c: c.model.tie_embeddings,
+        "the embedding (row-wise) and the output head (column-wise) shard the one tied weight two ways",
+        "use a model without tied embeddings",
+        "{row.first}={degree} with {row.second} is not supported: {row.reason}; use {row.first}=1",
+    ),
+    Refusal(
+        PP,
+        "parallel.tp > 1",
+        lambda c: c.parallel.tp > 1,
+        "not yet built: tensor-parallel pipeline stages, the 3-D layout (pp, dp, tp), are their own issue",
+        "use parallel.tp=1",
+        "{row.first}={degree} with parallel.tp={config.parallel.tp} is not supported; {row.way_out} or {row.first}=1",
+    ),
+    Refusal(
+        PP,
+        "offload=cpu",
+        lambda c: c.offload.target != OffloadTarget.none,
+        "not yet planned: a stage's FSDP2 CPUOffloadPolicy trains (2 CPU ranks), but the pipeline's memory walk "
+        "does not yet count a stage's states as offloaded, so its GPU plan would be wrong",
+        "use offload=none",
+    ),
+    Refusal(
+        PP,
+        "loss=chunked",
+        lambda c: c.loss.kind == LossKind.chunked,
+        "not yet built: the chunked loss is the model's own forward given the targets; a schedule takes its "
+        "loss_fn of the last stage's logits",
+        "use loss=full (the last stage takes the loss)",
+    ),
+    Refusal(
+        PP,
+        "zero=stage1",
+        lambda c: c.zero.stage == Stage.stage1,
+        "not yet built: ZeroRedundancyOptimizer over a stage's data-parallel ranks",
+        "use zero=stage0, stage2 or stage3",
+    ),
+    Refusal(
+        PP,
+        "zero.shard_ranks",
+        lambda c: c.zero.shard_ranks is not None,
+        "not yet proven: HSDP's shard groups over a stage's data-parallel ranks",
+        "use zero.shard_ranks=null",
+    ),
+    Refusal(
+        PP,
+        "zero.hpz_ranks",
+        lambda c: c.zero.hpz_ranks is not None,
+        "not yet proven: hpZ's secondary groups over a stage's data-parallel ranks",
+        "use zero.hpz_ranks=null",
+    ),
+    Refusal(
+        PP,
+        "zero.compression",
+        lambda c: c.zero.compression != Compression.none,
+        "not yet proven: a compression hook on a stage's DDP, which reduces once after the step's last backward",
+        "use zero.compression=none",
+    ),
+    Refusal(
+        PP,
+        "zero.sync_every",
+        lambda c: c.zero.sync_every > 1,
+        "not yet proven: local SGD's periodic parameter averaging per stage",
+        "use zero.sync_every=1",
+    ),
+    Refusal(
+        PP,
+        "model.weights",
+        lambda c: c.model.weights is not None,
+        "not yet proven: each stage reading its part of a Hugging Face checkpoint",
+        "use model.weights=null",
+    ),
+    Refusal(
+        PP,
+        "precision=fp8",
+        lambda c: c.precision.is_fp8,
+        "not yet proven: Float8Linear blocks in pipeline stages",
+        "use precision=bf16",
+    ),
+    Refusal(
+        PP,
+        "data.packing=document",
+        _document_packing,
+        "not yet built: a schedule sends each micro-batch's activations on, not its document boundaries "
+        "(the block-causal mask every stage's attention needs)",
+        "use data.packing=concat",
+    ),
+    Refusal(
+        PP,
+        "zero.reduce_every=micro_batch",
+        lambda c: c.zero.reduce_every != ReduceEvery.step,
+        "PipelineStage reduces the gradients once, after the step's last backward",
+        "use zero.reduce_every=step",
+    ),
+    Refusal(
+        PP,
+        "zero.reshard_after_backward=false",
+        lambda c: not c.zero.reshard_after_backward,
+        "PipelineStage sets FSDP2's resharding itself: none between the step's backwards, all after the last",
+        "use zero.reshard_after_backward=true",
+    ),
+    Refusal(
+        PP,
+        "model.tie_embeddings=true",
+        lambda c: c.model.tie_embeddings,
+        "the embedding (first stage) and the head (last stage) cannot share one weight",
+        "use a model without tied embeddings",
+        "{row.first}={degree} with {row.second} is not supported; {row.reason}; {row.way_out} or {row.first}=1",
+    ),
+    Refusal(
+        PP,
+        "eval.every",
+        lambda c: c.eval.every > 0,
+        "not yet built: the held-out pass runs a whole model's forward; a pipeline's would run the schedule's",
+        "use eval.every=0",
+    ),
+    Refusal(
+        PP,
+        "fault.kind",
+        lambda c: c.fault.kind != FaultKind.none,
+        "not yet built: the drills inject into the loop's own loss (trainer/rank/loop.py inject_fault); a "
+        "schedule takes the loss itself",
+        "use fault.kind=none",
+    ),
+    Refusal(
+        TP,
+        "offload=cpu",
+        lambda c: c.offload.target != OffloadTarget.none,
+        "not yet proven: FSDP2's CPUOffloadPolicy on tensor-parallel DTensor shards",
+        "use offload=none",
+    ),
+    Refusal(
+        TP,
+        "loss=chunked",
+        lambda c: c.loss.kind == LossKind.chunked,
+        "not yet built: loss_parallel takes the cross-entropy of logits sharded over the vocabulary; the "
+        "chunked loss projects whole-vocabulary chunks",
+        "use loss=full (loss_parallel shards the logits)",
+    ),
+    Refusal(
+        TP,
+        "zero=stage1",
+        lambda c: c.zero.stage == Stage.stage1,
+        "not yet built: ZeroRedundancyOptimizer shards over DDP's ranks, and DDP holds tensor-parallel "
+        "parameters as local tensors",
+        "use zero=stage0, stage2 or stage3",
+    ),
+    Refusal(
+        TP,
+        "zero.shard_ranks",
+        lambda c: c.zero.shard_ranks is not None,
+        "not yet proven: HSDP's shard groups beside the tensor-parallel dim",
+        "use zero.shard_ranks=null",
+    ),
+    Refusal(
+        TP,
+        "zero.hpz_ranks",
+        lambda c: c.zero.hpz_ranks is not None,
+        "not yet proven: hpZ's secondary groups beside the tensor-parallel dim",
+        "use zero.hpz_ranks=null",
+    ),
+    Refusal(
+        TP,
+        "zero.compression",
+        lambda c: c.zero.compression != Compression.none,
+        "not yet built: compression hooks DDP's all-reduce, and DDP holds tensor-parallel parameters as "
+        "local tensors",
+        "use zero.compression=none",
+    ),
+    Refusal(
+        TP,
+        "zero.sync_every",
+        lambda c: c.zero.sync_every > 1,
+        "not yet built: local SGD hooks DDP's all-reduce, and DDP holds tensor-parallel parameters as "
+        "local tensors",
+        "use zero.sync_every=1",
+    ),
+    Refusal(
+        TP,
+        "compile=true",
+        lambda c: c.compile,
+        "not yet proven: compiled blocks over tensor-parallel DTensors",
+        "use compile=false",
+    ),
+    Refusal(
+        TP,
+        "model.weights",
+        lambda c: c.model.weights is not None,
+        "not yet proven: the weights' reader slices FSDP2's shards, not tensor-parallel ones",
+        "use model.weights=null",
+    ),
+    Refusal(
+        TP,
+        "precision=fp8",
+        lambda c: c.precision.is_fp8,
+        "not yet proven: Float8Linear under the column- and row-wise layouts (torchao's fp8 "
+        "tensor-parallel styles are not used here)",
+        "use precision=bf16",
+    ),
+    Refusal(
+        TP,
+        "data.packing=document",
+        _document_packing,
+        "not yet proven: the block-causal mask's attention under sequence parallelism",
+        "use data.packing=concat",
+    ),
+)
+
+
+def first_refusal(config: TrainConfig) -> str | None:
+    """The one-line message of the first row that refuses `config`; None where everything composes."""
+    return next((row.says(config) for row in REFUSALS if row.refuses(config)), None)
+
+
+def check_composition(config: TrainConfig) -> None:
+    """Raise ConfigError with the first refusal's message (TrainConfig.__post_init__, after the model's shape
+    checks)."""
+    message = first_refusal(config)
+    if message is not None:
+        raise ConfigError(message)
+
+
+def refusals_markdown() -> str:
+    """The table as docs/design.md holds it: tensor parallelism's rows, then the pipeline's."""
+    lines = ["| with | refused | why | way out |", "|---|---|---|---|"]
+    for row in sorted(REFUSALS, key=lambda row: row.first != TP):  # stable: each keeps the table's order
+        way_out = f"{row.way_out} or {row.first}=1"
+        lines.append(f"| `{row.first} > 1` | `{row.second}` | {row.reason} | {way_out} |")
+    return "\n".join(lines)
