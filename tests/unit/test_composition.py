@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import REPO, compose_config
 from trainer.advise.advisor import choices
-from trainer.config import REFUSALS, ConfigError, Refusal, refusals_markdown
+from trainer.config import REFUSALS, ConfigError, Refusal, first_refusal, refusals_markdown
 
 DESIGN = REPO / "docs" / "design.md"
 BEGIN = "<!-- composition table: rendered from trainer/config/composition.py by tests/unit/test_composition.py -->"
@@ -74,11 +74,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         PP,
         ("model.weights=/nowhere",),
         "parallel.pp=2 with model.weights is not supported; use model.weights=null or parallel.pp=1",
-    ),
-    "parallel.pp x precision=fp8": (
-        PP,
-        ("precision=fp8",),
-        "parallel.pp=2 with precision=fp8 is not supported; use precision=bf16 or parallel.pp=1",
     ),
     "parallel.pp x data.packing=document": (
         (*PP, *TEXT),
@@ -190,10 +185,13 @@ def test_each_row_refuses_in_its_one_line(name: str) -> None:
         compose_config(*composes, *setting)
 
 
-def test_the_pipeline_compiles_per_stage() -> None:
-    """No row for parallel.pp with compile=true: each stage goes through the same parallelize as a whole model
-    (trainer/rank/parallelize.py), compile included."""
-    compose_config(*PP, "compile=true")
+@pytest.mark.parametrize("setting", ["compile=true", "precision=fp8"])
+def test_the_pipeline_takes_what_parallelize_applies_per_stage(setting: str) -> None:
+    """No row for parallel.pp with compile=true or precision=fp8: each stage goes through the same parallelize
+    as a whole model (trainer/rank/parallelize.py); tests/integration/test_pipeline.py trains both."""
+    config = compose_config(*PP, setting)
+    assert config.parallel.pp == 2 and (config.compile or config.precision.is_fp8)
+    assert first_refusal(config) is None
 
 
 def test_the_advisor_offers_nothing_the_table_refuses() -> None:

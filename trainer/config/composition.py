@@ -150,13 +150,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "precision=fp8",
-        lambda c: c.precision.is_fp8,
-        "not yet proven: Float8Linear blocks in pipeline stages",
-        "use precision=bf16",
-    ),
-    Refusal(
-        PP,
         "data.packing=document",
         _document_packing,
         "not yet built: a schedule sends each micro-batch's activations on, not its document boundaries "
@@ -257,7 +250,8 @@ REFUSALS: tuple[Refusal, ...] = (
         TP,
         "compile=true",
         lambda c: c.compile,
-        "not yet proven: compiled blocks over tensor-parallel DTensors",
+        "measured wrong: blocks compiled over tensor-parallel DTensors (aot_eager, 2 CPU ranks, parallel.tp=2 "
+        "zero=stage3) give a step-1 gradient norm of 1.509 against eager's 1.620, and the losses part after it",
         "use compile=false",
     ),
     Refusal(
