@@ -47,6 +47,7 @@ from typing import Protocol
 import psutil
 
 from trainer.config import OffloadTarget, SaveAsync, TrainConfig, uses_fused
+from trainer.layout import Layout
 from trainer.model.hf_weights import largest_tensor_bytes, safetensors_files
 from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
 from trainer.units import GIB
@@ -226,10 +227,15 @@ def staging_bytes(config: TrainConfig, states: RankStates) -> int:
 
 
 def host_rank(
-    config: TrainConfig, device_kind: str, shard_size: int, shape: ModelShape, planned: PlannedRank
+    config: TrainConfig,
+    device_kind: str,
+    shard: tuple[int, int],
+    shape: ModelShape,
+    planned: PlannedRank,
 ) -> HostRank:
-    """A rank's host memory: its states and tensors (at_rest), and what saving in the background adds."""
-    rank = at_rest(config, device_kind, shard_size, shape, planned)
+    """A rank's host memory: its states and tensors (at_rest), and what saving in the background adds.
+    `shard`: FSDP2's shard group size and the rank's place in it (trainer/layout.py)."""
+    rank = at_rest(config, device_kind, shard, shape, planned)
     writer = config.save.async_mode == SaveAsync.process and config.save.every > 0
     return dataclasses.replace(
         rank,
@@ -266,7 +272,7 @@ def checkpoint_largest_tensor(weights: str) -> int:
 
 
 def at_rest(
-    config: TrainConfig, device_kind: str, shard_size: int, shape: ModelShape, planned: PlannedRank
+    config: TrainConfig, device_kind: str, shard: tuple[int, int], shape: ModelShape, planned: PlannedRank
 ) -> HostRank:
     runtime = runtime_bytes(config, device_kind)
     if device_kind == "cpu":
@@ -274,7 +280,7 @@ def at_rest(
     if not offload_applies(config, device_kind):
         return HostRank(runtime)
     pin = config.offload.pin_memory
-    shards = offload_shard_bytes(shape.order, shard_size, planned.rank % shard_size, pin)
+    shards = offload_shard_bytes(shape.order, *shard, pin)
     states = planned.states
     # The CPU AdamW runs on the offloaded shards: fused in place, else a per-tensor loop whose
     # temporaries trainer/plan/states.py sizes (loop_temporary).
@@ -294,8 +300,9 @@ def build_host_plan(
     """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory;
     FSDP2's states are sharded over `shard_size` ranks (the world, or HSDP's shard group)."""
     available, source, cores = host_memory(config, device_kind)
+    layout = Layout.from_config(config, world_size)
     per_node = [
-        host_rank(config, device_kind, shard_size, shape, ranks[r])
+        host_rank(config, device_kind, (shard_size, layout.coords(r)["dp_shard"]), shape, ranks[r])
         for r in node_ranks(world_size, config.nodes)
     ]
     return HostPlan(tuple(per_node), available, source, cores)
