@@ -4,6 +4,7 @@ plan.json and summary.json carry (the design note is trainer/plan/__init__.py's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -243,9 +244,14 @@ class Plan:
             **({"pipeline": self.pipeline_json()} if self.pipeline is not None else {}),
         }
 
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """Where each of the job's ranks stands (trainer/layout.py): made once, read per rank."""
+        return Layout.from_config(self.config, self.world_size)
+
     def pipeline_stage(self, rank: int) -> int:
-        """The pipeline rank (stage) of a global rank (trainer/layout.py)."""
-        return Layout.from_config(self.config, self.world_size).coords(rank)["pp"]
+        """The pipeline rank (stage) of a global rank."""
+        return self.layout.coords(rank)["pp"]
 
     @property
     def worst_stage(self) -> int:

@@ -75,12 +75,19 @@ def build_trainee(config: TrainConfig, world: World, layout: Layout | None = Non
     model = parallelize(
         build_model(config.model, device="meta"), config=config, layout=layout, mesh=mesh, world=world
     )
+    optimizer, scheduler = build_optimization(model, config, world)
+    scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
+    return Trainee(model, optimizer, scheduler, scaler)
+
+
+def build_optimization(
+    model: torch.nn.Module, config: TrainConfig, world: World
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over what this rank holds (fused where the device allows) and its LR schedule."""
     optimizer = build_optimizer(
         model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
     )
-    scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
-    return Trainee(model, optimizer, scheduler, scaler)
+    return optimizer, build_scheduler(optimizer, config.optim, config.steps)
 
 
 def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, mesh: DeviceMesh) -> Trainee:
@@ -91,10 +98,7 @@ def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, me
         for part in build_stage_parts(config, layout.coords(world.rank)["pp"])
     ]
     model = rank_model(parts)
-    optimizer = build_optimizer(
-        model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
-    )
-    scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    optimizer, scheduler = build_optimization(model, config, world)
     scaler = build_grad_scaler(config.precision, config.zero, world.device, pipelined=True)
     # The scaler makes its scale on its first scale(); only the last stage scales a loss, yet every stage
     # unscales its gradients (public API: scaling a zero makes the scale, at the configured initial value).
