@@ -236,3 +236,37 @@ def test_fp8_stages_equal_one_rank_and_their_plan(tmp_path: Path) -> None:
     summary = pipelined.summary
     measured, planned = summary[keys.MAX_RANK_PEAK], summary[keys.PREDICTED_PEAK]
     assert abs(measured - planned) <= 0.01 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize(
+    "ranks", [("nproc=2", "micro_batch=2"), ("nproc=4", "micro_batch=1")], ids=["dp1", "dp2"]
+)
+def test_every_step_tensor_tracked_from_the_first(
+    ranks: tuple[str, str], tmp_path: Path, reference: Run
+) -> None:
+    """telemetry.memory_every=1 tracks every step, the first too: torch's PipelineStage infers its shapes in
+    step 1 with an autograd.grad that MemTracker's hooks cannot run under, so that step's tracker starts at
+    its first stage forward (trainer/telemetry/memory.py). 1F1B on 2 and 4 ranks, 2 steps: the losses are the
+    1-rank reference's; every rank has a peak at both steps, step 1's below step 2's (no Adam state yet)."""
+    steps = ("steps=2", "precision=fp32", "optim.warmup_steps=2", "save=off", "telemetry.memory_every=1")
+    run = job(tmp_path / "run", *PP2, "zero=stage0", *ranks, *steps)
+    assert run.summary["status"] == "ok"
+    assert max(abs(a - b) for a, b in zip(run.losses, reference.losses[:2])) < 1e-5, run.losses
+    world = int(ranks[0].removeprefix("nproc="))
+    for rank in range(world):
+        first, second = (r[f"memory/rank{rank}/peak_allocated_gib"] for r in run.records)
+        assert 0 < first < second, (rank, first, second)
+
+
+def test_micro_batch_auto_probes_and_trains_a_pipeline(tmp_path: Path) -> None:
+    """micro_batch=auto under parallel.pp=2: the capped probes track their first step (where PipelineStage
+    infers its shapes), run ok, and measure the planned peak within 0.5%; the job trains with the chosen size
+    (at device_memory_gib=0.5 the plan's largest candidate, 32, fits: one probe)."""
+    auto = ("micro_batch=auto", "grad_accum=4", "device_memory_gib=0.5", "steps=2", "save=off")
+    run = job(tmp_path / "run", *PP2, "nproc=2", *auto)
+    record = run.summary["micro_batch_auto"]
+    assert run.summary["status"] == "ok" and (record["chosen"], record["grad_accum"]) == (32, 4), record
+    (probe,) = record["tried"]
+    assert probe["status"] == "ok", probe
+    assert abs(probe["measured_peak_gib"] - probe["planned_peak_gib"]) < 0.005 * probe["planned_peak_gib"]
+    assert [r["step"] for r in run.records] == [1, 2]

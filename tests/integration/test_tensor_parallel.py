@@ -94,3 +94,19 @@ def test_a_tp_save_resumes_at_tp1_on_four_data_parallel_ranks(
     assert [r["step"] for r in resumed.records] == [5, 6, 7, 8]
     for record, expected in zip(resumed.records, reference.records[4:]):
         assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
+
+
+def test_validation_loss_equals_one_rank(tmp_path: Path) -> None:
+    """eval.every under tp=2 (2 ranks, dp 1): the held-out loss is taken under loss_parallel like training's,
+    and each TP group reads its data-parallel replica's held-out batches; losses and `loss/val` equal one
+    rank's of the same global batch within 1e-5, 4 steps, evaluated at steps 2 and 4."""
+    short = ("steps=4", "precision=fp32", "optim.warmup_steps=2", "eval.every=2", "save=off")
+    one = run_trainer(tmp_path / "one", *TINY, *short, "nproc=1", timeout=900)
+    tp = run_trainer(tmp_path / "tp", *TINY, *short, "nproc=2", "parallel.tp=2", timeout=900)
+    for run in (one, tp):
+        assert [r["step"] for r in run.records if "loss/val" in r] == [2, 4], run.records
+    for key in ("loss/train", "loss/val"):
+        ours = [r[key] for r in tp.records if key in r]
+        theirs = [r[key] for r in one.records if key in r]
+        assert len(ours) == len(theirs) == (4 if key == "loss/train" else 2), (key, ours, theirs)
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-5, (key, ours, theirs)

@@ -1,9 +1,12 @@
 """The held-out loss (`loss/val`): the same validation batches every `eval.every` steps, under no_grad.
 
-The batches are `eval.batches` global batches of the held-out stream, partitioned over ranks and
-micro-batches as training's first steps are (trainer/data.py `validation_batches`), read once and
-kept. Each micro-batch's mean loss is summed over the ranks (one all-reduce) and divided by their
-count: the mean training would report for those batches, the same on 1 rank or N.
+The batches are `eval.batches` global batches of the held-out stream, partitioned over data-parallel
+ranks and micro-batches as training's first steps are (trainer/data.py `validation_batches`), read once
+and kept. Each micro-batch's mean loss is summed over the ranks (one all-reduce) and divided by their
+count: the mean training would report for those batches, the same on 1 rank or N. Under parallel.tp the
+ranks of a TP group read the same batches and take the loss as training does, under `loss_parallel` of
+the vocabulary-sharded logits (trainer/rank/tensor_parallel.py), each holding the same value: the sum
+over all ranks counts each replica's tp times, and the count of ranks divides it out.
 
 Memory: under no_grad no activation is kept for backward and no gradient is made, so an evaluation's
 peak is a forward's working set on top of the states the step already holds, within the training
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from trainer.config import TrainConfig
 from trainer.data import to_device
 from trainer.rank.precision import build_autocast
+from trainer.rank.tensor_parallel import local_loss, loss_context
 from trainer.world import World
 
 
@@ -42,9 +46,14 @@ def evaluate(
     """The mean loss over every rank's held-out micro-batches (a collective: every rank calls it);
     `compute_loss` is the loop's own (trainer/rank/loop.py), so eval takes training's loss."""
     total = torch.zeros((), dtype=torch.float64, device=world.device)
-    with torch.no_grad(), build_autocast(config.precision, config.zero, world.device):
+    with (
+        torch.no_grad(),
+        build_autocast(config.precision, config.zero, world.device),
+        loss_context(config.parallel.tp),  # vocabulary-sharded logits under TP, as in training's loss
+    ):
         for batch in batches:
-            total += compute_loss(model, [to_device(t, world.device) for t in batch], config).double()
+            loss = compute_loss(model, [to_device(t, world.device) for t in batch], config)
+            total += local_loss(loss).double()
     if world.world_size > 1:
         dist.all_reduce(total)
     return total.item() / (len(batches) * world.world_size)

@@ -132,7 +132,8 @@ def train(
     if trainee.pipeline is not None and meter.memory is not None:
         meter.memory.held = trainee.pipeline.receive_buffers
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
-    held_out = validation_batches(config, world.rank, world.world_size) if config.eval.every else []
+    # A TP group's ranks read their data-parallel replica's held-out batches, as they read its training ones.
+    held_out = validation_batches(config, layout.dp_index(world.rank), layout.dp) if config.eval.every else []
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
     guard = NonFiniteGuard(
         config.nonfinite,

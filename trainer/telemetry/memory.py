@@ -89,6 +89,8 @@ def should_track_tensors(step: int, anchor: int, memory_every: int) -> bool:
 
 
 _ACTIVE_TRACKER: list = []  # the MemTracker of the step being tracked, if any (one per rank process)
+_PENDING_START: list[Callable[[], None]] = []
+"""A pipeline's first tracked step: how to start its tracker, at the step's first stage forward."""
 AT_FAILURE: dict[str, float] = {}
 """Bytes by category (`held`, then `params`, `grads`, ... of TENSOR_CATEGORIES) that this rank's tensors
 held when a tracked step raised; empty when the failing step was not tracked."""
@@ -118,12 +120,15 @@ def next_micro_batch() -> None:
 
 def next_stage_forward(stage_module: nn.Module) -> None:
     """Tell an active MemTracker that a pipeline schedule calls a stage's module again (parallel.pp > 1),
-    before the backward of its earlier micro-batches.
+    before the backward of its earlier micro-batches; on the run's first step, start the tracker.
 
     MemTracker refuses a second forward of a top-level module (one whose only parent is its `Global`);
     a stage's blocks have the stage as parent, so only the stage's own stats are forgotten: the blocks'
     stay for their backwards still to come, and the step's global peak is kept.
     """
+    for start in _PENDING_START:  # the first step's tracker, once the stages know their shapes
+        start()
+    _PENDING_START.clear()
     for tracker in _ACTIVE_TRACKER:
         tracker.memory_tracking.pop(stage_module, None)
 
@@ -142,8 +147,13 @@ class MemoryProbe:
         last_step: int,
         track_first: bool = False,
         also: frozenset[int] = frozenset(),
+        pipelined: bool = False,
     ) -> None:
         self.device = device
+        # parallel.pp > 1: on the run's first step torch's PipelineStage infers its shapes with a forward and
+        # an autograd.grad that MemTracker's module hooks cannot run under; that step is tracked from the
+        # first stage forward (`next_stage_forward`), after the inference.
+        self.pipelined = pipelined
         self.also = also  # steps tracked besides (memory.snapshot=steps on CPU)
         self.step_peak: dict[str, float] | None = None  # the last tracked step's peak by category
         # Under a memory cap the first step is tracked too: that is where an activation-bound OOM
@@ -179,7 +189,9 @@ class MemoryProbe:
         if self._anchor is None:
             self._anchor = min(step + 1, self.last_step)
             self._first = step
-        return self._track_tensors(model, optimizer) if self.tracks(step) else contextlib.nullcontext()
+        if not self.tracks(step):
+            return contextlib.nullcontext()
+        return self._track_tensors(model, optimizer, deferred=self.pipelined and step == self._first)
 
     def tracks(self, step: int) -> bool:
         """Whether `step`, once `measure` has wrapped the run's first, runs under the tensor tracker."""
@@ -192,26 +204,42 @@ class MemoryProbe:
         return self.device.type == "cpu" and chosen
 
     @contextlib.contextmanager
-    def _track_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    def _track_tensors(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, deferred: bool = False
+    ) -> Iterator[None]:
+        """The step under a fresh MemTracker, entered now or (`deferred`) at its first stage forward."""
         # A fresh tracker per step: its peak starts at what exists when it is entered, and a
         # module seen in an earlier step would otherwise need reset_mod_stats().
         tracker = new_mem_tracker()
-        # What exists before the step (parameters, their gradients, optimizer moments, a compression
-        # hook's error feedback, a pipeline stage's receive buffers) is invisible to a dispatch mode
-        # until an op creates it anew; register it up front.
-        tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model), *self.held())
-        with tracker:
-            _ACTIVE_TRACKER.append(tracker)
+        with contextlib.ExitStack() as entered:
+
+            def start() -> None:
+                # What exists before (parameters, their gradients, optimizer moments, a compression hook's
+                # error feedback, a pipeline stage's receive buffers) is invisible to a dispatch mode until
+                # an op creates it anew; register it as the tracker starts.
+                tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model), *self.held())
+                entered.enter_context(tracker)
+                _ACTIVE_TRACKER.append(tracker)
+
+            if deferred:
+                _PENDING_START.append(start)
+            else:
+                start()
             try:
                 yield
             except BaseException:
                 # What the rank held when the step failed (an allocation that did not fit is not in
                 # it): the failure record's measured split (trainer/faults/failures.py).
                 AT_FAILURE.clear()
-                AT_FAILURE.update(category_bytes(tracker.get_tracker_snapshot("current"), "held"))
+                if _ACTIVE_TRACKER:
+                    AT_FAILURE.update(category_bytes(tracker.get_tracker_snapshot("current"), "held"))
                 raise
             finally:
+                started = bool(_ACTIVE_TRACKER)
                 _ACTIVE_TRACKER.clear()
+                _PENDING_START.clear()
+        if not started:  # a deferred start whose step ran no stage forward: nothing measured
+            return
         peak = category_bytes(tracker.get_tracker_snapshot("peak"), "peak_allocated", "peak_")
         self.step_peak = peak
         if peak["peak_allocated"] > self._tensor_peak.get("peak_allocated", -1.0):

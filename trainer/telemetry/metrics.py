@@ -89,6 +89,7 @@ class Meter:
                 also=frozenset(
                     config.memory.snapshot_steps if config.memory.snapshot.value == "steps" else ()
                 ),
+                pipelined=config.parallel.pp > 1,
             )
             if telemetry.enabled
             else None
