@@ -7,6 +7,7 @@ precision). The rows are plan_accuracy.py's: each rank's peak, plan against MemT
 and its model states to the byte, here held to 0.5%.
 
     .venv/bin/python checks/pipeline_plan.py      # docs/memory_plan.md, "Pipeline parallelism": 12 jobs, ~1 min
+    .venv/bin/python checks/pipeline_plan.py --tp 2   # "Tensor-parallel stages": the same 12 on 4 ranks, tp=2
 
 Exits 1 when a rank misses, 2 on a job that failed.
 """
@@ -34,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "checks" / "pipeline_plan")
     parser.add_argument("--peak-tolerance-pct", type=float, default=0.5)
+    parser.add_argument("--tp", type=int, default=1, help="parallel.tp of each stage (nproc = 2 x tp)")
     args = parser.parse_args(argv)
+    job = [o for o in JOB if not o.startswith("nproc=")] + [f"nproc={2 * args.tp}", f"parallel.tp={args.tp}"]
     all_rows = []
     for schedule, (precision, zero) in itertools.product(SCHEDULES, REGIMES):
         name = f"{schedule} {precision} {zero}"
-        command = [*JOB, f"parallel.pp_schedule={schedule}", f"precision={precision}", f"zero={zero}"]
+        command = [*job, f"parallel.pp_schedule={schedule}", f"precision={precision}", f"zero={zero}"]
         try:
             result = run_point([*command, f"steps={args.steps}"], args.out / name.replace(" ", "-"))
         except RuntimeError as err:

@@ -147,7 +147,8 @@ def gpus_per_node(nproc: str, device: Any, auto: int | None = None) -> int:
 
 
 def register_resolvers() -> None:
-    """`${zerolab.gpus_per_node:${nproc},${device}[,auto]}` for conf/hydra/launcher/*.yaml."""
+    """`${zerolab.gpus_per_node:${nproc},${device}[,auto]}` for conf/hydra/launcher/*.yaml (conf/zero's
+    `${zerolab.reduce_every:...}` is registered by trainer/config/zero.py, which every composition imports)."""
     if not OmegaConf.has_resolver("zerolab.gpus_per_node"):
         OmegaConf.register_new_resolver("zerolab.gpus_per_node", gpus_per_node)
 

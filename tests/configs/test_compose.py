@@ -90,7 +90,11 @@ def test_every_option_composes(group: str, option: str) -> None:
     if (group, option) == ("model", "hf"):  # the shapes come from the config.json, not the option file
         assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 256)
         return
-    chosen = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")) or {}
+    # the file's values as the job resolves them (conf/zero's `${zerolab.reduce_every:...,${parallel.pp}}`)
+    context = OmegaConf.create(
+        {"parallel": {"pp": config.parallel.pp}, group: OmegaConf.load(CONF / group / f"{option}.yaml")}
+    )
+    chosen = OmegaConf.to_container(context, resolve=True)[group] or {}
     by_partner = {
         o.split("=")[0].removeprefix(f"{group}."): yaml.safe_load(o.split("=")[1])  # `[a]` is a list
         for o in partners
@@ -139,3 +143,7 @@ def test_each_stage_sets_when_gradients_are_reduced(stage: str) -> None:
     assert config.zero.reduce_every.value == ("micro_batch" if stage in ("stage2", "stage3") else "step")
     other = "step" if config.zero.reduce_every.value == "micro_batch" else "micro_batch"
     assert compose_config(f"zero={stage}", f"zero.reduce_every={other}").zero.reduce_every.value == other
+    # under a pipeline the stage's file says step: PipelineStage reduces once, after the step's last backward
+    if stage != "stage1":  # which the pipeline refuses (the composition table)
+        pipelined = compose_config(f"zero={stage}", "parallel.pp=2", "grad_accum=2")
+        assert pipelined.zero.reduce_every.value == "step"

@@ -29,11 +29,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.tp=2 with model.tie_embeddings=true is not supported: the embedding (row-wise) and the "
         "output head (column-wise) shard the one tied weight two ways; use parallel.tp=1",
     ),
-    "parallel.pp x parallel.tp > 1": (
-        PP,
-        ("parallel.tp=2",),
-        "parallel.pp=2 with parallel.tp=2 is not supported; use parallel.tp=1 or parallel.pp=1",
-    ),
     "parallel.pp x offload=cpu": (
         (*PP, *STAGE3),
         ("offload=cpu",),
@@ -185,12 +180,13 @@ def test_each_row_refuses_in_its_one_line(name: str) -> None:
         compose_config(*composes, *setting)
 
 
-@pytest.mark.parametrize("setting", ["compile=true", "precision=fp8"])
+@pytest.mark.parametrize("setting", ["compile=true", "precision=fp8", "parallel.tp=2"])
 def test_the_pipeline_takes_what_parallelize_applies_per_stage(setting: str) -> None:
-    """No row for parallel.pp with compile=true or precision=fp8: each stage goes through the same parallelize
-    as a whole model (trainer/rank/parallelize.py); tests/integration/test_pipeline.py trains both."""
-    config = compose_config(*PP, setting)
-    assert config.parallel.pp == 2 and (config.compile or config.precision.is_fp8)
+    """No row for parallel.pp with compile=true, precision=fp8 or parallel.tp: each stage goes through the same
+    parallelize as a whole model (trainer/rank/parallelize.py); tests/integration/test_pipeline.py trains the
+    first two, tests/integration/test_3d.py tensor-parallel stages."""
+    config = compose_config(*PP, setting, "nproc=4")
+    assert config.parallel.pp == 2 and (config.compile or config.precision.is_fp8 or config.parallel.tp == 2)
     assert first_refusal(config) is None
 
 

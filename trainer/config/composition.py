@@ -84,14 +84,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "parallel.tp > 1",
-        lambda c: c.parallel.tp > 1,
-        "not yet built: tensor-parallel pipeline stages, the 3-D layout (pp, dp, tp), are their own issue",
-        "use parallel.tp=1",
-        "{row.first}={degree} with parallel.tp={config.parallel.tp} is not supported; {row.way_out} or {row.first}=1",
-    ),
-    Refusal(
-        PP,
         "offload=cpu",
         lambda c: c.offload.target != OffloadTarget.none,
         "not yet planned: a stage's FSDP2 CPUOffloadPolicy trains (2 CPU ranks), but the pipeline's memory walk "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 from trainer.config.enums import Compression, ReduceDType, ReduceEvery, Stage
 from trainer.config.errors import _require
 
@@ -16,6 +18,18 @@ STAGE_REDUCE_EVERY = {
 }
 """zero.reduce_every as each conf/zero option file sets it (tests/configs checks they agree): what a
 suggestion that changes the stage (`zero=stage3`) runs with."""
+
+
+def reduce_every_default(choice: str, pp: int) -> str:
+    """`${zerolab.reduce_every:micro_batch,${parallel.pp}}`, conf/zero/stage2.yaml's and stage3.yaml's value:
+    their `choice`, or `step` under a pipeline, whose PipelineStage reduces the gradients once after the step's
+    last backward (the composition table refuses an explicit zero.reduce_every=micro_batch with parallel.pp)."""
+    return ReduceEvery.step.value if int(pp) > 1 else choice
+
+
+# Registered on import: whatever composes conf/ (the job, the checks, the tests) validates into ZeroConfig.
+if not OmegaConf.has_resolver("zerolab.reduce_every"):
+    OmegaConf.register_new_resolver("zerolab.reduce_every", reduce_every_default)
 
 
 @dataclass

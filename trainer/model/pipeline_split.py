@@ -59,6 +59,8 @@ class StageModel(Transformer):
         super().__init__(config)  # on the meta device (build_stage): the whole decoder costs nothing there
         blocks = stage_blocks(config.n_layers, stages)[stage]
         self.stage, self.stages = stage, stages
+        self.sequence_shards = 1
+        """How many TP ranks share the sequence a stage receives (parallel.tp under SP; set by the rank)."""
         self.layers = StageBlocks({str(i): self.layers[i] for i in blocks})
         if stage > 0:
             self.tok_embeddings = None
@@ -67,9 +69,11 @@ class StageModel(Transformer):
             self.output = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Beyond the first stage under sequence parallelism the stage receives its TP rank's T / tp positions;
+        # the rotary tables are of the whole sequence (attention all-gathers it first).
+        T = x.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-        T = x.shape[1]
         cos_TF, sin_TF = (table[:T] for table in self.rope_tables(x.device))
         for layer in self.layers:
             x = layer(x, cos_TF, sin_TF, None)

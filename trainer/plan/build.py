@@ -261,10 +261,12 @@ class Plan:
         """plan.json's `pipeline` section: per stage its blocks, in-flight micro-batches and peak; the bubble."""
         assert self.pipeline is not None
         peaks: dict[int, int] = {}
+        members: dict[int, list[int]] = {}
         for rank in self.ranks:
             stage = self.pipeline_stage(rank.rank)
             peaks[stage] = max(peaks.get(stage, 0), rank.peak_total)
-        return self.pipeline.to_json(peaks, self.worst_stage)
+            members.setdefault(stage, []).append(rank.rank)
+        return self.pipeline.to_json(peaks, self.worst_stage, members)
 
 
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:

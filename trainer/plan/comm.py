@@ -120,18 +120,23 @@ class GroupComm:
     link: str  # intra-node or network (trainer/plan/groups.py)
     bytes_by_collective: dict[str, int]
     calls_by_collective: dict[str, int]
+    per_stage: tuple[dict[str, int], ...] = ()
+    """parallel.pp > 1, the tp group: bytes by collective of each pipeline rank, whose stages differ (the
+    figures above are the first stage's, as the dp groups' are)."""
 
     @property
     def total(self) -> int:
         return sum(self.bytes_by_collective.values())
 
     def to_json(self) -> dict[str, Any]:
+        stages = {"bytes_by_collective_per_stage": list(self.per_stage)} if self.per_stage else {}
         return {
             "ranks": self.ranks,
             "link": self.link,
             "bytes_per_step": self.total,
             "bytes_by_collective": dict(self.bytes_by_collective),
             "calls_by_collective": dict(self.calls_by_collective),
+            **stages,
         }
 
 
@@ -143,6 +148,7 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     config = tp_local(config)  # one TP rank's layers; zero works over the dp ranks
     shape = model_shape(config.model)
     p2p = plan_p2p(config, world_size, precisions(config.precision, config.zero).residual) if pp > 1 else None
+    per_stage = tp_per_stage(config, backend) if pp > 1 and tp > 1 else ()
     if pp > 1:
         config, shape = pipelined(config, shape)
     dp = config.parallel.dp(world_size)
@@ -154,12 +160,15 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     else:
         by_group = {"world": ddp_moves(config, shape, world_size)}
     if tp > 1:
-        by_group["tp"] = tp_moves(config, PARAM_BYTES[config.precision.compute_dtype], backend)
+        by_group["tp"] = tp_moves(
+            config, PARAM_BYTES[config.precision.compute_dtype], backend, head=config.parallel.stages == 1
+        )
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     plans = {}
     for name, moves in by_group.items():
         group_bytes, group_calls = tally(moves, backend)
-        plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls)
+        stages = per_stage if name == "tp" else ()
+        plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
         for kind in COLLECTIVES:
             bytes_by[kind] += group_bytes[kind]
             calls_by[kind] += group_calls[kind]
@@ -179,6 +188,20 @@ def pipelined(config: TrainConfig, shape: ModelShape) -> tuple[TrainConfig, Mode
     local.zero.reshard_after_backward = not config.zero.uses_fsdp
     first = stage_model_shape(shape, blocks, True, config.parallel.stages == 1)
     return local, first
+
+
+def tp_per_stage(config: TrainConfig, backend: str) -> tuple[dict[str, int], ...]:
+    """The tp group's bytes by collective on each pipeline rank (`config`: one TP rank's job): its stages'
+    blocks, and the embedding's collectives on the first stage, the head's and the loss's on the last."""
+    p, split = config.parallel, stage_blocks(config.model.n_layers, config.parallel.stages)
+    compute = PARAM_BYTES[config.precision.compute_dtype]
+    out = []
+    for rank in range(p.pp):
+        mine = rank_stages(p, rank)
+        local = stage_config(config, sum(len(split[s]) for s in mine))
+        moves = tp_moves(local, compute, backend, embedding=0 in mine, head=p.stages - 1 in mine)
+        out.append(tally(moves, backend)[0])
+    return tuple(out)
 
 
 Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step

@@ -52,7 +52,7 @@ from typing import Any
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.layout import Layout
 from trainer.model.pipeline_split import stage_blocks
-from trainer.plan.activations import Activations
+from trainer.plan.activations import Activations, sequence_shards
 from trainer.plan.groups import INTRA_NODE, NETWORK
 from trainer.plan.states import ModelShape
 from trainer.private_apis.of_torch import interleaved_1f1b_order
@@ -248,6 +248,9 @@ class Pipeline:
     first_backwards: tuple[InFlight, ...]  # per pipeline rank: the start of its step's first backward
     activations: tuple[int, ...]  # one micro-batch's activation bytes, per stage
     buffers: tuple[int, ...]  # send/recv buffers per pipeline rank
+    within_step: tuple[tuple[int, int], ...] = ()
+    """Per pipeline rank, what PipelineStage's accumulation holds from its first backward to the step's end
+    beyond the rank's states at rest: (unsharded parameters, unsharded gradient) bytes (pipeline_walk.py)."""
 
     @property
     def bubble(self) -> float:
@@ -256,8 +259,9 @@ class Pipeline:
     def stage_range(self, rank: int) -> list[range]:
         return [self.blocks[s] for s in rank_stages(self.parallel, rank)]
 
-    def to_json(self, peaks: dict[int, int], worst: int) -> dict[str, Any]:
-        """plan.json's `pipeline` section (docs/design.md); `peaks`: each pipeline rank's peak bytes."""
+    def to_json(self, peaks: dict[int, int], worst: int, members: dict[int, list[int]]) -> dict[str, Any]:
+        """plan.json's `pipeline` section (docs/design.md); `peaks`: each pipeline rank's peak bytes;
+        `members`: the global ranks at each pipeline coordinate (every dp and tp rank of the stage)."""
         p = self.parallel
         return {
             "pp": p.pp,
@@ -269,6 +273,7 @@ class Pipeline:
             "stages": [
                 {
                     "rank": r,
+                    "global_ranks": members[r],
                     "stages": list(rank_stages(p, r)),
                     "blocks": [[b.start, b.stop] for b in self.stage_range(r)],
                     "embedding": r == 0,
@@ -276,17 +281,26 @@ class Pipeline:
                     "in_flight_micro_batches": self.in_flight[r].count,
                     "activations_per_micro_batch_bytes": sum(self.activations[s] for s in rank_stages(p, r)),
                     "buffers_bytes": self.buffers[r],
+                    **self.within_step_json(r),
                     "peak_bytes": peaks[r],
                 }
                 for r in range(p.pp)
             ],
         }
 
+    def within_step_json(self, rank: int) -> dict[str, int]:
+        if not self.within_step:
+            return {}
+        params, grads = self.within_step[rank]
+        return {"within_step_unsharded_params_bytes": params, "within_step_unsharded_grads_bytes": grads}
+
 
 def boundary_bytes(config: TrainConfig, residual_bytes: int) -> int:
     """One micro-batch's tensor across a stage boundary: B·T·D in the residual stream's dtype (an
-    activation forward, its gradient back)."""
-    return config.micro_batch * config.seq_len * config.model.dim * residual_bytes
+    activation forward, its gradient back); under sequence parallelism each TP rank's T / tp positions,
+    which it sends to the same TP rank of the next stage (trainer/rank/tensor_parallel.py)."""
+    tokens = config.micro_batch * config.seq_len // sequence_shards(config)
+    return tokens * config.model.dim * residual_bytes
 
 
 def logits_bytes(config: TrainConfig, compute_bytes: int) -> int:

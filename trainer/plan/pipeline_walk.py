@@ -18,6 +18,7 @@ unsharded stage (FSDP2 frees them once copied out).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,6 +48,11 @@ from trainer.plan.pipeline import (
     stage_model_shape,
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
+from trainer.plan.tp_walk import (
+    parallel_loss_backward_temporary,
+    parallel_loss_temporary,
+    sequence_gather_temporary,
+)
 
 
 class Forward(NamedTuple):
@@ -81,7 +87,18 @@ class Kept:
     block: int = 0  # stage3: the block whose forward or backward runs, unsharded (FSDP2 reshards it after)
 
 
-def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, dp: int) -> Kept:
+def replicated_embedding_gradient(config: TrainConfig, width: int) -> int:
+    """What a TP rank's embedding gradient holds beyond its shard: torch's DTensor embedding backward
+    (RowwiseParallel over the vocabulary, torch 2.13) returns the weight's gradient Replicate, the whole
+    V·D table on every TP rank, `width` bytes an element (measured on 2 gloo ranks: a [512, 128] Replicate
+    gradient for a [256, 128] Shard(0) weight). `config` is one TP rank's (its vocab_size is V / tp)."""
+    tp = config.parallel.tp
+    return width * config.model.vocab_size * config.model.dim * (tp - 1)
+
+
+def kept(
+    config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, dp: int, first: bool = False
+) -> Kept:
     """FSDP2 under set_requires_gradient_sync(False): its parameters unsharded (at stage2 all of them, never
     resharded; at stage3 the root, and the block whose forward or backward runs, as each forward reshards its
     block again: measured on CPU ranks, no prefetched block beside it), and from the first backward the
@@ -94,14 +111,25 @@ def kept(config: TrainConfig, prec: Precisions, shape: ModelShape, blocks: int, 
         root = sum(math.prod(s) for s in shape.root)
         block = shape.block_numel
         param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
+        grads = reduce * numel + (replicated_embedding_gradient(config, reduce) if first else 0)
         if config.zero.stage == Stage.stage2:
-            return Kept(param * numel, reduce * numel, False)
-        return Kept(param * root, reduce * numel, False, param * block if blocks else 0)
+            return Kept(param * numel, grads, False)
+        return Kept(param * root, grads, False, param * block if blocks else 0)
     head = config.model.vocab_size * config.model.dim if len(shape.root) > 1 else 0
     casts = 2 * (shape.block_linear_numel * blocks + head) if prec.regime == "autocast" else 0
     if dp > 1:
         return Kept(casts, 4 * numel if config.grad_accum > 1 else 0, True)
-    return Kept(casts, 4 * numel, False)
+    return Kept(casts, 4 * numel + (replicated_embedding_gradient(config, 4) if first else 0), False)
+
+
+def within_step(config: TrainConfig, shape: ModelShape, keeps: Kept) -> tuple[int, int]:
+    """What a stage holds from its first backward to the step's end beyond its states at rest (the pipeline's
+    law): under FSDP2 every parameter unsharded in the compute dtype (stage3's backwards leave each block so) and
+    the unsharded gradient in the reduce dtype; under DDP and on one rank per stage, the fp32 gradient DDP's
+    buckets do not hold (`Kept.growth`). So at ZeRO-3 a stage holds, per parameter of its TP shard, 2 + 4 bytes
+    beside its 12 / dp of master weights and Adam: 6 + 12/dp (Megatron-LM's distributed optimizer's figure)."""
+    params = PARAM_BYTES[config.precision.compute_dtype] * shape.num_params if config.zero.uses_fsdp else 0
+    return params, keeps.growth
 
 
 def stage_output(acts: Activations, last: bool) -> int:
@@ -161,8 +189,27 @@ def last_block_backward(
     # accumulated one (`to_accumulated_grad_if_needed`).
     if not keeps.grads_at_rest and (not fsdp or ctx.prec.param == 4):
         weight_grad, held = (weight_grad, False) if peak.done else (4, True)
-    block = block_backward_temporary(ctx, weight_grad, weight_grad_held=held) - received
+    block = max(block_backward_temporary(ctx, weight_grad, weight_grad_held=held), w2_gathered(ctx, fsdp))
+    block -= received
     return ctx.moment("backward: last block", grads, backward, fixed + running + block)
+
+
+def w2_gathered(ctx: StepContext, fsdp: bool) -> int:
+    """Under sequence parallelism, w2's backward (the phase block_backward_temporary's SwiGLU phase follows):
+    the gradient arriving, its all-gather over the TP group (and under autocast its cast;
+    tp_walk.sequence_gather_temporary), w2's input gradient (B·T·M/tp) and its weight gradient being written
+    (the compute dtype under autocast, FSDP2's parameter dtype, else fp32). 0 without SP."""
+    gathered = sequence_gather_temporary(ctx)
+    if not gathered:
+        return 0
+    m, prec = ctx.config.model, ctx.prec
+    written = prec.param if fsdp else prec.compute
+    return (
+        incoming_gradient(ctx)
+        + gathered
+        + prec.compute * ctx.tokens * m.ffn_dim
+        + written * m.dim * m.ffn_dim
+    )
 
 
 def stage_moments(
@@ -182,9 +229,14 @@ def stage_moments(
     if last and ctx.config.loss.kind == LossKind.full:
         fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
         total = peak.held + acts.total
+        tp = (
+            ctx.config.parallel.tp > 1
+        )  # the vocabulary-sharded logits' loss_parallel (trainer/plan/tp_walk.py)
+        forward = parallel_loss_temporary(ctx) if tp else loss_forward_temporary(ctx)
+        backward = parallel_loss_backward_temporary(ctx) if tp else loss_backward_temporary(ctx)
         moments += [
-            ctx.moment("forward: loss", grads, total, fixed + loss_forward_temporary(ctx)),
-            ctx.moment("backward: loss", grads, total, fixed + loss_backward_temporary(ctx)),
+            ctx.moment("forward: loss", grads, total, fixed + forward),
+            ctx.moment("backward: loss", grads, total, fixed + backward),
         ]
     moments.append(last_block_backward(ctx, acts, peak, last, keeps, grads))
     if first is not None:
@@ -217,7 +269,7 @@ def pipeline_stage_plans(
     blocks = [sum(len(split[s]) for s in rank_stages(p, rank)) for rank in range(p.pp)]
     ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
     locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
-    keeps = [kept(config, prec, locals_[r], blocks[r], dp) for r in range(p.pp)]
+    keeps = [kept(config, prec, locals_[r], blocks[r], dp, first=ends[r][0]) for r in range(p.pp)]
     regathered = None
     if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
         block = PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel
@@ -225,6 +277,9 @@ def pipeline_stage_plans(
     growth = tuple(k.growth for k in keeps)
     upcast, casts = norm_upcasts_input(prec, device_kind), rope_casts(config, prec)
     pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast, casts)
+    pipe = dataclasses.replace(
+        pipe, within_step=tuple(within_step(config, locals_[r], k) for r, k in enumerate(keeps))
+    )
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
@@ -240,7 +295,8 @@ def pipeline_stage_plans(
         count = len(pipe.blocks[moment.stage])
         if count < 2 or keeps[rank].grads_at_rest:
             return None
-        width = keeps[rank].growth // locals_[rank].num_params  # the gradient's bytes per element
+        # the gradient's bytes per element: FSDP2's unsharded one in the reduce dtype, else the fp32 .grad
+        width = REDUCE_BYTES[config.zero.reduce_dtype] if config.zero.uses_fsdp else 4
         head = sum(math.prod(s) for s in shape.root[1:]) if moment.stage == last_stage else 0
         made = width * (shape.block_numel * (count - 1) + head)
         return FirstBackward(moment, stage_acts(moment), moment.stage == last_stage, count, made)

@@ -106,6 +106,17 @@ def pipeline_lines(plan: Plan) -> list[str]:
             f"buffers {format_bytes(stage['buffers_bytes'])}, sends {format_bytes(p2p.sent[stage['rank']])} per step, "
             f"peak {format_bytes(stage['peak_bytes'])}"
         )
+    worst = record["stages"][record["worst_stage"]]
+    if "within_step_unsharded_grads_bytes" in worst:
+        params, grads = (
+            worst["within_step_unsharded_params_bytes"],
+            worst["within_step_unsharded_grads_bytes"],
+        )
+        unsharded = f"its parameters unsharded ({format_bytes(params)}) and " if params else ""
+        lines.append(
+            f"  within the step (PipelineStage reduces once, after the last backward) stage {worst['rank']} holds "
+            f"{unsharded}its gradient unsharded ({format_bytes(grads)}) beside its states at rest"
+        )
     return lines
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from trainer.config import CheckpointMode, ModelConfig, TrainConfig
+from trainer.config import CheckpointMode, ModelConfig, ReduceEvery, TrainConfig
 from trainer.model.checkpointing import should_checkpoint
 
 Move = tuple[
@@ -77,8 +77,12 @@ def recomputed_blocks(config: TrainConfig) -> int:
     return sum(should_checkpoint(i, config.checkpointing) for i in range(config.model.n_layers))
 
 
-def tp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move]:
+def tp_moves(
+    config: TrainConfig, compute_bytes: int, backend: str, embedding: bool = True, head: bool = True
+) -> list[Move]:
     """The tp group's collectives per optimizer step (module docstring), `compute_bytes` the compute dtype's.
+    `config.model.n_layers` blocks; a pipeline rank (parallel.pp > 1) passes its stages' blocks, and whether it
+    holds the `embedding` (the first stage) and the final norm, the output `head` and the loss (the last).
 
     Under autocast the residual stream, the norms' outputs and the gradients of fp32 tensors stay fp32
     (4 bytes); wo's and w2's outputs, and their gradients, are in the compute dtype. Besides the activations:
@@ -92,28 +96,45 @@ def tp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move
     tokens = config.micro_batch * config.seq_len
     fp32, compute = tokens * m.dim * ACTIVATION_BYTES, tokens * m.dim * compute_bytes
     blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
-    layers, accum = m.n_layers, config.grad_accum
-    reduces = [(3 * 4 * tokens, 3)]  # loss_parallel
+    layers, accum, ends = m.n_layers, config.grad_accum, int(embedding) + int(head)
+    reduces = [(3 * 4 * tokens, 3)] if head else []  # loss_parallel
+    norm_grads: list[Move] = []  # per step, not per micro-batch (norm_reductions)
     if config.parallel.sequence_parallel:
-        reduces.append((4 * m.dim * (2 * layers + 1), 2 * layers + 1))  # the norms' weight gradients
+        norms = 2 * layers + int(head)  # the blocks' and the final norm's weight gradients
+        norm_grads = [
+            ("all_reduce", 4 * m.dim * norms * norm_reductions(config), norms * norm_reductions(config))
+        ]
         # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: the adjoints;
         # the root: the embedding's scatter (its backward's gather) and the head's gather (its backward's scatter)
-        gathered = 2 * blocks * fp32 + 2 * layers * compute + 2 * fp32
+        gathered = 2 * blocks * fp32 + 2 * layers * compute + ends * fp32
         # ProcessGroupGloo's flight-recorder entry of a functional all_gather_into_tensor lists its output as
         # one rank's chunk ([1, *input]), measured with torch 2.13 at tp=2; NCCL's lists the whole output.
         gathered //= tp if backend == "gloo" else 1
-        gathers = [("all_gather", gathered, 2 * blocks + 2 * layers + 2)]
+        gathers = [("all_gather", gathered, 2 * blocks + 2 * layers + ends)]
         scatters = [
             (
                 "reduce_scatter",
-                2 * blocks * compute + 2 * layers * fp32 + 2 * fp32,
-                2 * blocks + 2 * layers + 2,
+                2 * blocks * compute + 2 * layers * fp32 + ends * fp32,
+                2 * blocks + 2 * layers + ends,
             )
         ]
     else:
         # forward: wo's and w2's outputs and the embedding's; backward: each column-parallel layer's input
         # gradient (wq, wk, wv, w1, w3: Megatron-LM's f, one per layer) and the head's, fp32
         gathers, scatters = [], []
-        reduces.append((2 * blocks * compute + fp32 + 5 * layers * fp32 + fp32, 2 * blocks + 5 * layers + 2))
+        reduces.append(
+            (2 * blocks * compute + ends * fp32 + 5 * layers * fp32, 2 * blocks + 5 * layers + ends)
+        )
     moves = [*gathers, *scatters, ("all_reduce", sum(b for b, _ in reduces), sum(c for _, c in reduces))]
-    return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves]
+    return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves] + norm_grads
+
+
+def norm_reductions(config: TrainConfig) -> int:
+    """How many times a step all-reduces the sequence-parallel norms' Partial weight gradients: in every backward
+    without FSDP2 (trainer/rank/tensor_parallel.py `replicate_partial_grads`, a post-accumulate hook), with it
+    at each of FSDP2's gradient reductions (every micro-batch, or once under zero.reduce_every=step and in a
+    pipeline, whose PipelineStage syncs only the last backward): measured at tp=2 pp=2 interleaved_1f1b stage3,
+    one all-reduce of the norms a step where 1f1b stage0 has four."""
+    if config.zero.uses_fsdp and config.zero.reduce_every == ReduceEvery.step:
+        return 1
+    return config.grad_accum

@@ -37,13 +37,7 @@ def tp_moments(ctx: StepContext) -> list[Moment]:
     vd = m.vocab_size * m.dim
     fixed = autocast_casts(ctx)
     nv = n * m.vocab_size
-    # The parallel log-softmax (torch/distributed/tensor/parallel/loss.py `_log_softmax`) writes the shifted
-    # logits and their exponential before its result (fp32, B·T·V/tp each), beside the logits (and, under
-    # autocast, their fp32 cast `logits.float()`); the result is the saved log-softmax in `acts.total`.
-    logits = 4 * nv if prec.regime == "fp32" else 6 * nv
-    # Its backward (`_nll_loss_and_log_softmax_backward`): `grad_input = zeros_like(x)`, then
-    # `(grad_input + exp(x)) * grad_output`: three fp32 B·T·V/tp tensors at once, and the target's bookkeeping.
-    loss_backward = 3 * 4 * nv + LOSS_PARALLEL_TARGET_BYTES * n + 4
+    loss_forward, loss_backward = parallel_loss_temporary(ctx), parallel_loss_backward_temporary(ctx)
     if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
         head = max(2 * nv + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
     else:
@@ -55,7 +49,7 @@ def tp_moments(ctx: StepContext) -> list[Moment]:
             activations=acts.before_last_block + acts.full_block,
             temporary=fixed,
         ),
-        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + logits + 4 * nv),
+        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + loss_forward),
         ctx.moment("backward: loss", grads=0, activations=acts.total, temporary=fixed + loss_backward),
         ctx.moment(
             "backward: output head",
@@ -72,6 +66,34 @@ def tp_moments(ctx: StepContext) -> list[Moment]:
         ),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
     ]
+
+
+def parallel_loss_temporary(ctx: StepContext) -> int:
+    """loss_parallel's forward: the parallel log-softmax (torch/distributed/tensor/parallel/loss.py
+    `_log_softmax`) writes the shifted logits and their exponential before its result (fp32, B·T·V/tp each),
+    beside the logits (and, under autocast, their fp32 cast `logits.float()`); the result is the saved
+    log-softmax in the activations."""
+    nv = ctx.tokens * ctx.config.model.vocab_size
+    return (4 * nv if ctx.prec.regime == "fp32" else 6 * nv) + 4 * nv
+
+
+def parallel_loss_backward_temporary(ctx: StepContext) -> int:
+    """loss_parallel's backward (`_nll_loss_and_log_softmax_backward`): `grad_input = zeros_like(x)`, then
+    `(grad_input + exp(x)) * grad_output`: three fp32 B·T·V/tp tensors at once, and the target's bookkeeping."""
+    return 3 * 4 * ctx.tokens * ctx.config.model.vocab_size + LOSS_PARALLEL_TARGET_BYTES * ctx.tokens + 4
+
+
+def sequence_gather_temporary(ctx: StepContext) -> int:
+    """What w2's backward holds under sequence parallelism beside block_backward_temporary's tensors (as
+    `block_backward` below counts it): the all-gather of the gradient arriving down the residual (all T
+    positions, the adjoint of RowwiseParallel's reduce-scatter) and, under autocast, its cast to the compute
+    dtype (T / tp positions)."""
+    shards = sequence_shards(ctx.config)
+    if shards == 1:
+        return 0
+    n, d, prec = ctx.tokens, ctx.config.model.dim, ctx.prec
+    cast = prec.compute * n * d // shards if prec.regime == "autocast" else 0
+    return cast + prec.compute * n * d
 
 
 def autocast_casts(ctx: StepContext) -> int:

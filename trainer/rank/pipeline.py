@@ -51,6 +51,7 @@ from trainer.data import to_device
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
 from trainer.private_apis.of_torch import scale_on_device
 from trainer.rank.precision import build_autocast
+from trainer.rank.tensor_parallel import local_loss, loss_context
 from trainer.telemetry.memory import next_stage_forward
 from trainer.world import World
 
@@ -155,7 +156,7 @@ class PipelineLoss:
         """The sum of the step's losses as the schedule returned them, scaled back (the scale is a power of
         two: exact). Read from the schedule's `losses`, not kept by the loss_fn, which torch may also call
         while it infers the stages' shapes on the first step."""
-        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        total = torch.stack([local_loss(loss).detach().float() for loss in losses]).sum()
         if not self.scaler.is_enabled():
             return total
         return total / scale_on_device(self.scaler)
@@ -185,10 +186,14 @@ class Pipeline:
 def build_stage_parts(config: TrainConfig, pp_index: int) -> list[nn.Module]:
     """This rank's stage modules on the meta device, each the decoder less what other stages hold; the
     caller parallelizes each as it would the whole model (trainer/rank/parallelize.py)."""
-    return [
+    parts = [
         build_stage(config.model, stage, config.parallel.stages)
         for stage in rank_stages(pp_index, config.parallel)
     ]
+    p = config.parallel
+    for part in parts:  # under SP a stage receives its TP rank's sequence shard (StageModel.forward)
+        part.sequence_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
+    return parts
 
 
 def rank_model(parts: list[nn.Module]) -> nn.Module:
@@ -249,7 +254,13 @@ def pipeline_forward_backward(
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
     # losses. Each micro-batch's logits then live in `fwd_cache` until its backward.
-    with build_autocast(config.precision, config.zero, world.device), pipeline.clock.timing("step"):
+    # Under TP the last stage's logits are vocabulary-sharded: loss_parallel around the whole schedule, whose
+    # loss_fn and backwards both run inside it (torchtitan wraps its pp_schedule.step in its train_context so).
+    with (
+        build_autocast(config.precision, config.zero, world.device),
+        loss_context(config.parallel.tp),
+        pipeline.clock.timing("step"),
+    ):
         pipeline.schedule.step(
             *args, target=targets if pipeline.last else None, losses=losses, return_outputs=False
         )

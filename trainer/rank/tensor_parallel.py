@@ -42,19 +42,21 @@ from torch.distributed.tensor.parallel import (
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     """Shard the meta model's layers over `tp_mesh` (torchtitan's apply_tp, with or without SP)."""
     between = Shard(1) if sp else Replicate()  # the residual stream between the layers
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-            "output": ColwiseParallel(
-                input_layouts=between, output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+    }
+    # A pipeline stage (trainer/model/pipeline_split.py) holds the embedding only on the first stage, the
+    # final norm and head only on the last: the rest are None, and the plan names only what is there. Between
+    # stages the residual stream crosses as each TP rank's local tensor (its sequence shard under SP), so the
+    # next stage's first norm and attention receive it as they would from the block before.
+    held = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+    if held:
+        parallelize_module(model, tp_mesh, held)
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan(block, sp))
-    norms = [model.norm, *(n for b in model.layers for n in (b.attention_norm, b.ffn_norm))]
+    final = [model.norm] if model.norm is not None else []
+    norms = [*final, *(n for b in model.layers for n in (b.attention_norm, b.ffn_norm))]
     if sp:
         for norm in norms:
             parallelize_module(norm, tp_mesh, SequenceParallel())

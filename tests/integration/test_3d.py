@@ -1,0 +1,174 @@
+"""Tensor-parallel pipeline stages (parallel.tp=2 x parallel.pp=2) on the job's one mesh, with ZeRO over dp.
+
+One job per configuration, started on first use and shared by the module, each carrying every check it can:
+
+- parity: the three schedules at zero=stage0 and stage3 on 4 CPU ranks (tp 2, pp 2, dp 1), fp32, grad_accum=4
+  micro-batches of 2 sequences, 8 steps, against one 1-rank run of the same global batch: per-step losses within
+  1e-5 and gradient norms within 1e-4 relative (so that a gradient scale AdamW cannot see still fails);
+  8 ranks (dp 2 x tp 2 x pp 2, stage3, micro_batch=1) likewise, marked slow (`-m slow`: ~1 min on one core);
+- the mesh: the layout's groups (tp {0,1}, {2,3}; pp {0,2}, {1,3}) are the plan's stage members, and each
+  stage's ranks measure its tp and pp traffic;
+- the plan: every rank's measured tensor peak within 0.5% of its plan, in fp32 (the parity runs) and in bf16
+  (one run per schedule, 2 steps; checks/pipeline_plan.py --tp 2 runs all twelve points); the tp group's
+  bytes by collective per stage and the bytes each stage sends, equal to the plan's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import TINY, Run, run_trainer
+from trainer.layout import Layout
+from trainer.units import GIB
+
+PARITY_STEPS = ("steps=8", "precision=fp32", "optim.warmup_steps=2")
+TP2_PP2 = ("nproc=4", "parallel.tp=2", "parallel.pp=2", "grad_accum=4", "zero.reduce_every=step", "save=off")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PARITY = {
+    f"{schedule} {zero}": (f"parallel.pp_schedule={schedule}", f"zero={zero}", *PARITY_STEPS)
+    for schedule in SCHEDULES
+    for zero in ("stage0", "stage3")
+}
+BF16 = {
+    f"{schedule} {zero} bf16": (
+        f"parallel.pp_schedule={schedule}",
+        f"zero={zero}",
+        "precision=bf16",
+        "steps=2",
+    )
+    for schedule, zero in zip(SCHEDULES, ("stage3", "stage0", "stage0"))
+}
+CONFIGS = {**PARITY, **BF16}
+PLAN_BOUND = 0.005
+
+
+def job(out_dir: Path, *overrides: str) -> Run:
+    return run_trainer(out_dir, *TINY, *overrides, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return job(tmp_path_factory.mktemp("ref") / "run", "nproc=1", "grad_accum=4", "save=off", *PARITY_STEPS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """Each configuration's job, run once on first use."""
+
+    @functools.cache
+    def run(name: str) -> Run:
+        return job(tmp_path_factory.mktemp("3d") / "run", *TP2_PP2, *CONFIGS[name])
+
+    return run
+
+
+def plan_of(run: Run) -> dict[str, Any]:
+    return json.loads((run.out_dir / "plan.json").read_text())
+
+
+def assert_matches(run: Run, reference: Run, name: str) -> None:
+    """Losses of every step within 1e-5 of the reference's, and gradient norms within 1e-4 relative (fp32
+    sums in another order: 1.3e-5 seen; a gradient scaled by the micro-batches or the ranks is off by 2x)."""
+    assert len(run.records) == len(reference.records) == 8
+    for ours, theirs in zip(run.records, reference.records):
+        assert abs(ours["loss/train"] - theirs["loss/train"]) < 1e-5, (name, ours["step"], ours, theirs)
+        assert math.isclose(ours["optim/grad_norm"], theirs["optim/grad_norm"], rel_tol=1e-4), (name, ours)
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_losses_and_norms_equal_one_rank_of_the_same_global_batch(
+    name: str, runs: Callable[[str], Run], reference: Run
+) -> None:
+    assert_matches(runs(name), reference, name)
+
+
+@pytest.mark.slow
+def test_eight_ranks_dp2_tp2_pp2_equal_one_rank(tmp_path: Path, reference: Run) -> None:
+    """dp 2 x tp 2 x pp 2 at stage3 (FSDP2 over dp inside each TP stage), one sequence per micro-batch per
+    replica: the same 8 sequences a step."""
+    overrides = ("nproc=8", "micro_batch=1", "zero=stage3", *PARITY_STEPS)
+    run = job(tmp_path / "run", *TP2_PP2[1:], *overrides)
+    assert_matches(run, reference, "dp2 tp2 pp2")
+    stages = plan_of(run)["pipeline"]["stages"]
+    assert [stage["global_ranks"] for stage in stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_mesh_groups_are_the_layouts_in_plan_and_telemetry(runs: Callable[[str], Run]) -> None:
+    """tp innermost, pp outermost: TP groups {0,1} and {2,3}, pipelines {0,2} and {1,3}; the plan's stages hold
+    the same ranks, and each rank measures traffic in its tp group and sends as its stage does."""
+    layout = Layout(pp=2, tp=2)
+    assert [layout.group("tp", r).members for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [layout.group("pp", r).members for r in range(4)] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    run = runs("1f1b stage0")
+    stages = plan_of(run)["pipeline"]["stages"]
+    assert [stage["global_ranks"] for stage in stages] == [[0, 1], [2, 3]]
+    assert (
+        "pipeline: 2 stages over parallel.pp=2 ranks; stage 0 (rank 0): blocks 0-1 + embedding" in run.stdout
+    )
+    first = run.records[0]
+    for rank in range(4):
+        assert first[f"comm/rank{rank}/tp/bytes_per_step"] > 0, rank
+
+
+def tensor_peak(run: Run, rank: int) -> float:
+    key = f"memory/rank{rank}/peak_allocated_gib"
+    return max(r[key] * GIB for r in run.records if key in r)
+
+
+UNEXPLAINED = pytest.mark.xfail(
+    strict=True,
+    reason="interleaved_1f1b at stage3 with tp: the embedding's rank measures one more embedding-gradient-sized "
+    "tensor (the parameter dtype's, 256 x 128 here) at the forward's end than the plan holds: -1.19% fp32, "
+    "-0.66% bf16 (docs/memory_plan.md, 'Tensor-parallel stages'); not yet traced",
+)
+
+
+@pytest.mark.torch_versions  # the plan reads torch's schedules: their order, and the sends they keep
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=UNEXPLAINED) if n == "interleaved_1f1b stage3" else n for n in sorted(CONFIGS)],
+)
+def test_every_ranks_peak_within_half_a_percent_of_its_plan(name: str, runs: Callable[[str], Run]) -> None:
+    run = runs(name)
+    for rank in plan_of(run)["ranks"]:
+        measured = tensor_peak(run, rank["rank"])
+        planned = rank["peak_gib"] * GIB
+        assert abs(planned - measured) / measured < PLAN_BOUND, (name, rank["rank"], planned, measured)
+
+
+def parameter_tensors(run: Run, stage: int) -> int:
+    """How many parameter tensors a stage of the tiny model holds: 9 per block, the embedding on the first,
+    the final norm and the head on the last (trainer/model/pipeline_split.py)."""
+    blocks = plan_of(run)["pipeline"]["stages"][stage]["blocks"]
+    count = 9 * sum(stop - start for start, stop in blocks)
+    return count + (stage == 0) + 2 * (stage == len(plan_of(run)["pipeline"]["stages"]) - 1)
+
+
+@pytest.mark.parametrize("name", ["1f1b stage0", "interleaved_1f1b stage3"])
+def test_tp_bytes_per_collective_per_stage_and_sends_equal_the_plan(
+    name: str, runs: Callable[[str], Run]
+) -> None:
+    """Step 2 (step 1 also runs PipelineStage's shape inference, a forward with its TP collectives): each rank's
+    tp bytes by collective are its stage's plan, plus the loop's clipping all-reduce (one fp32 norm per DTensor
+    parameter tensor, docs/communication.md); each stage sends what comm.p2p plans."""
+    run = runs(name)
+    plan = plan_of(run)
+    per_stage = plan["comm"]["groups"]["tp"]["bytes_by_collective_per_stage"]
+    first = run.records[1]
+    assert first["step"] == 2
+    for rank in range(4):
+        stage = Layout(pp=2, tp=2).coords(rank)["pp"]
+        for kind, payload in per_stage[stage].items():
+            extra = 4 * parameter_tensors(run, stage) if kind == "all_reduce" else 0
+            measured = first.get(f"comm/rank{rank}/tp/{kind}_bytes_per_step", 0)
+            assert measured == payload + extra, (name, rank, kind, measured, payload)
+    for stage, planned in enumerate(plan["comm"]["p2p"]["sent_bytes_per_step"]):
+        # each stage's figure is its ranks' mean; every TP rank sends its sequence shard
+        assert first[f"comm/pp/stage{stage}/sent_bytes_per_step"] == planned, (name, stage)
