@@ -218,6 +218,7 @@ class Plan:
             "seq_len": c.seq_len,
             "grad_accum": c.grad_accum,
             "reduce_every": c.zero.reduce_every.value,
+            "parallel": parallel_fields(c, self.world_size),
             "device_memory_gib": None
             if self.memory.per_rank_bytes is None
             else self.memory.per_rank_bytes / GIB,
@@ -366,12 +367,27 @@ def walk(config: TrainConfig) -> Callable[[StepContext], list[Moment]]:
     return tp_moments if config.parallel.tp > 1 else ddp_moments
 
 
+def parallel_fields(config: TrainConfig, world_size: int) -> dict[str, Any]:
+    """plan.json's `parallel`: the layout's degrees (trainer/layout.py), and the pipeline's schedule."""
+    p = config.parallel
+    fields: dict[str, Any] = {"dp": p.dp(world_size), "tp": p.tp, "pp": p.pp}
+    if p.tp > 1:
+        fields["sequence_parallel"] = p.sequence_parallel
+    if p.pp > 1:
+        fields["pp_schedule"] = p.pp_schedule
+    return fields
+
+
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:
-    c = config
+    c, p = config, config.parallel
+    layout = "".join(
+        f" parallel.{key}={value}" for key, value in (("tp", p.tp), ("pp", p.pp)) if value > 1
+    ) + (f" parallel.pp_schedule={p.pp_schedule}" if p.pp > 1 else "")
     return (
         f"model={c.model.name} zero={c.zero.stage.value} precision={c.precision.name} "
         f"checkpointing={c.checkpointing.mode.value} offload={c.offload.target.value} micro_batch={c.micro_batch} "
-        f"seq_len={c.seq_len} grad_accum={c.grad_accum}{reduce_every_text(c)} on {world_size} {device_kind} ranks"
+        f"seq_len={c.seq_len} grad_accum={c.grad_accum}{reduce_every_text(c)}{layout} on {world_size} {device_kind} "
+        "ranks"
     )
 
 
