@@ -3,18 +3,21 @@
     python -m trainer mode=advise model=13b nproc=8 plan.accelerator=h100 seq_len=4096 precision=bf16 global_batch=512
 
 Every combination of `advise.stages` x `advise.checkpointing` x `advise.offload` x
-`advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / ranks; grad_accum
+`advise.reduce_dtypes` x micro-batch (the powers of two dividing global_batch / dp; grad_accum
 makes up the rest) x, where grad_accum > 1, `advise.reduce_every` (one reduction per step and a
 full gradient held between micro-batches, or one per micro-batch and only the shard) x, where
 grad_accum > 1 at stage2/3, `advise.reshard_after_backward` (false: parameters kept unsharded
-between micro-batches, one forward's all-gathers per step), on several nodes x parallel.tp (`tp_options`) and
-parallel.pp with its schedule (`pp_options`, `schedule_options`: pp dividing the blocks and the world, 1F1B
-with grad_accum >= pp, interleaved with whole rounds; the best of each listed with its bubble), is planned (trainer/plan: the worst rank's peak, which must leave
-`advise.headroom` of the memory free) and timed (trainer/advise/predict.py, with trainer/advise/calibrate.py's
-rates and trainer/plan/comm.py's bytes). The table ranks what fits by predicted tokens/s and
-gives each row's command line; advice.json keeps every candidate. `advise.verify=K` then runs
-the K best on this host as real jobs (trainer/advise/verify.py). No model is allocated: the plan
-and the FLOPs come from shapes on the meta device.
+between micro-batches, one forward's all-gathers per step), on several nodes x the layout (`layouts`:
+parallel.tp of `tp_options` x parallel.pp of `pp_options`, pp dividing world / tp up to the blocks, where
+dp = world / (tp·pp) divides the global batch) and the pipeline's schedule (`schedule_options`: 1F1B with
+grad_accum >= pp, interleaved with whole rounds, GPipe where 1F1B cannot run; the best of each listed with
+its bubble), is planned (trainer/plan: the worst rank's peak, which must leave `advise.headroom` of the
+memory free; `evaluate_screened` skips what a configuration of less memory shows cannot fit) and timed
+(trainer/advise/predict.py, with trainer/advise/calibrate.py's rates and trainer/plan/comm.py's bytes). The
+table ranks what fits by predicted tokens/s and gives each row's command line; advice.json keeps every
+candidate planned. `advise.verify=K` then runs the K best on this host as real jobs
+(trainer/advise/verify.py). No model is allocated: the plan and the FLOPs come from shapes on the meta
+device.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import dataclasses
 import itertools
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.advise.calibrate import ACCELERATORS, Rates, accelerator_rates, advisor_accelerator, host_rates
 from trainer.advise.fp8 import FIT_ERROR_PP, NO_FP8_REASON, Fp8Prediction, offers_fp8, predict_fp8
-from trainer.advise.predict import StepTime, predict_step_tiers
+from trainer.advise.predict import StepTime, predict_step_tiers, tp_local_model
+from trainer.advise.throughput import COMPILE_SPEEDUP
 from trainer.advise.verify import Proposal, verify
 from trainer.config import (
     STAGE_REDUCE_EVERY,
@@ -38,6 +43,7 @@ from trainer.config import (
     Compression,
     ConfigError,
     DType,
+    Fp8Recipe,
     LossKind,
     OffloadTarget,
     ReduceDType,
@@ -161,13 +167,26 @@ def override_value(value: Any) -> str:
 
 
 def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
-    """mode=advise, before anything is planned: the ranks split the global batch evenly, and
-    verification runs on this host only."""
+    """mode=advise, before anything is planned: the data-parallel ranks of some layout considered split the
+    global batch evenly, and verification runs on this host only."""
     assert config.global_batch is not None  # TrainConfig requires it in mode=advise
-    if config.global_batch % world_size:
+    degrees = data_parallel_options(config, world_size)
+    if not any(config.global_batch % dp == 0 for dp in degrees):
+        smallest = min(degrees)
+        nearest = (
+            f"nearest: {max(smallest, config.global_batch // smallest * smallest)} or "
+            f"{-(-config.global_batch // smallest) * smallest}"
+        )
+        if list(degrees) == [world_size]:
+            raise ConfigError(
+                f"global_batch ({config.global_batch}) must be divisible by the {world_size} ranks "
+                f"(nodes={config.nodes} x nproc={config.nproc}); {nearest}"
+            )
+        layouts_named = ", ".join(f"{dp} (tp={tp or 1} pp={pp or 1})" for dp, (tp, pp) in degrees.items())
         raise ConfigError(
-            f"global_batch ({config.global_batch}) must be divisible by the {world_size} ranks (nodes={config.nodes} x nproc={config.nproc}); "
-            f"nearest: {max(world_size, config.global_batch // world_size * world_size)} or {-(-config.global_batch // world_size) * world_size}"
+            f"global_batch ({config.global_batch}) must be divisible by the data-parallel ranks, world / "
+            f"(parallel.tp x parallel.pp), of a layout the advisor considers on {world_size} ranks "
+            f"(nodes={config.nodes} x nproc={config.nproc}): {layouts_named}; {nearest}"
         )
     if config.advise.verify and config.plan.accelerator is not None:
         raise ConfigError(
@@ -180,9 +199,9 @@ def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
         )  # a device the plan knows but the advisor has no rates for
 
 
-def micro_batches(config: TrainConfig, world_size: int) -> list[int]:
-    """advise.micro_batches, else every power of two dividing the sequences per rank."""
-    per_rank = config.global_batch // world_size  # type: ignore[operator]
+def micro_batches(config: TrainConfig, dp: int) -> list[int]:
+    """advise.micro_batches, else every power of two dividing the sequences per data-parallel rank (`dp` of them)."""
+    per_rank = config.global_batch // dp  # type: ignore[operator]
     if config.advise.micro_batches is not None:
         return sorted(mb for mb in set(config.advise.micro_batches) if per_rank % mb == 0)
     return [2**k for k in range(per_rank.bit_length()) if per_rank % 2**k == 0]
@@ -193,16 +212,14 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
     a, out = config.advise, []
     options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
-    for (stage, checkpointing, offload), tp, pp in itertools.product(
-        itertools.product(*options), tp_options(config, world_size), pp_options(config, world_size)
+    for (stage, checkpointing, offload), (tp, pp) in itertools.product(
+        itertools.product(*options), layouts(config, world_size)
     ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
-        if tp is not None and stage == Stage.stage0:
-            continue  # DDP holds TP's parameters as local tensors: refused on several replicas (trainer/layout.py)
         dp = world_size // (tp or 1) // (pp or 1)
-        if dp == 0 or world_size % ((tp or 1) * (pp or 1)):
-            continue
+        if tp is not None and stage == Stage.stage0 and dp > 1:
+            continue  # DDP holds TP's parameters as local tensors: refused on several replicas (trainer/layout.py)
         per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
         splits = itertools.product(
             dict.fromkeys(a.reduce_dtypes),
@@ -218,31 +235,57 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     return out
 
 
+def data_parallel_options(config: TrainConfig, world_size: int) -> dict[int, tuple[int | None, int | None]]:
+    """Each data-parallel degree world / (tp·pp) of the layouts considered, largest first, with the first
+    (tp, pp) that gives it."""
+    out: dict[int, tuple[int | None, int | None]] = {}
+    for tp in tp_options(config, world_size):
+        for pp in pp_options(config, world_size, tp):
+            out.setdefault(world_size // (tp or 1) // (pp or 1), (tp, pp))
+    return dict(sorted(out.items(), reverse=True))
+
+
+def layouts(config: TrainConfig, world_size: int) -> list[tuple[int | None, int | None]]:
+    """(parallel.tp, parallel.pp) pairs to consider, None for 1: every tp of `tp_options` with every pp of
+    `pp_options` for it, where the data-parallel degree world / (tp·pp) divides the global batch (each
+    data-parallel rank reads whole sequences)."""
+    return [
+        (tp, pp)
+        for tp in tp_options(config, world_size)
+        for pp in pp_options(config, world_size, tp)
+        if config.global_batch % (world_size // (tp or 1) // (pp or 1)) == 0  # type: ignore[operator]
+    ]
+
+
 def composes(config: TrainConfig, choice: dict[str, Any]) -> bool:
     """Whether the composition table (trainer/config/composition.py) lets the choice run. It reads the config
     the choice makes unchecked: the full checks of every choice would cost more than planning the few that run."""
     return first_refusal(configure(config, choice, check=False)) is None
 
 
-def pp_options(config: TrainConfig, world_size: int) -> list[int | None]:
-    """parallel.pp to consider: none (None), and on several nodes every pp > 1 that divides the blocks' count
-    and the world (whole stages of equal blocks, whole pipelines)."""
+def pp_options(config: TrainConfig, world_size: int, tp: int | None = None) -> list[int | None]:
+    """parallel.pp to consider beside parallel.tp=`tp`: none (None), and on several nodes every pp > 1 that
+    divides world / tp (whole pipelines of whole TP groups) up to the blocks' count. The blocks need not divide:
+    stages split unevenly, the earlier ones taking one more (trainer/model/pipeline_split.py `stage_blocks`;
+    torchtitan runs llama3-405b's 126 blocks on pp=8)."""
     if config.nodes == 1:
         return [None]
-    layers = config.model.n_layers
-    return [None, *(pp for pp in range(2, layers + 1) if layers % pp == 0 and world_size % pp == 0)]
+    ranks = world_size // (tp or 1)
+    return [None, *(pp for pp in range(2, min(ranks, config.model.n_layers) + 1) if ranks % pp == 0)]
 
 
 def schedule_options(pp: int | None, grad_accum: int, layers: int) -> list[str | None]:
     """The schedules a pipeline of pp stages can run grad_accum micro-batches with (ParallelConfig.check_pipeline):
-    GPipe always, 1F1B with a micro-batch per stage, interleaved (2 virtual stages) with whole rounds."""
+    1F1B with a micro-batch per stage, interleaved (2 virtual stages) with whole rounds and a block per virtual
+    stage; GPipe only where 1F1B cannot run (grad_accum < pp): it has 1F1B's bubble and holds every micro-batch's
+    activations, 1F1B at most pp of them, so beside 1F1B it is never the better choice."""
     if pp is None:
         return [None]
-    options: list[str | None] = ["gpipe"]
-    if grad_accum >= pp:
-        options.append("1f1b")
-        if grad_accum % pp == 0 and 2 * pp <= layers:
-            options.append("interleaved_1f1b")
+    if grad_accum < pp:
+        return ["gpipe"]
+    options: list[str | None] = ["1f1b"]
+    if grad_accum % pp == 0 and 2 * pp <= layers:
+        options.append("interleaved_1f1b")
     return options
 
 
@@ -392,10 +435,8 @@ def predict_config(
     run_flops = (flops_per_token(m, config.seq_len) if flops is None else flops) + (
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
-    # Each rank of a TP group runs 1/tp of its replica's FLOPs (the column- and row-parallel GEMMs), each
-    # pipeline stage 1/pp of them (its blocks; the embedding's and head's share is not split out).
-    rank_flops = run_flops / config.parallel.tp / config.parallel.pp
-    return predict_step_tiers(config, world_size, plan.comm, local_numel, rank_flops, rates, device_kind)
+    # Each TP rank runs 1/tp of the GEMMs, each pipeline rank its stages (predict.rank_flops: the busiest).
+    return predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
 
 
 def evaluate(
@@ -409,8 +450,9 @@ def evaluate(
     except ConfigError:
         return None
     plan = build_plan(candidate, device_kind, world_size)
-    peak = plan.peak_bytes  # a max over every rank's moments: once
-    reserved = plan.required_bytes(plan.worst)  # the allocator's reserved memory on a GPU, else the peak
+    worst = plan.worst  # a max over every rank's moments: once
+    peak = worst.peak.total
+    reserved = plan.required_bytes(worst)  # the allocator's reserved memory on a GPU, else the peak
     budget = (
         None
         if plan.memory.per_rank_bytes is None
@@ -431,7 +473,7 @@ def evaluate(
         plan.host_fits,
         reserved,
         device_fits=device_fits,
-        peak_parts=dict(plan.worst.peak.parts),
+        peak_parts=dict(worst.peak.parts),
     )
 
 
@@ -441,25 +483,22 @@ def loss_share(config: TrainConfig, candidate: Candidate) -> float:
     return 12 * tokens * config.model.vocab_size / candidate.peak_bytes
 
 
-def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
-    """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them."""
+def with_memory_limits(
+    candidates: list[Candidate], unplanned: Sequence[dict[str, Any]] = ()
+) -> list[Candidate]:
+    """Mark rows whose next larger micro-batch (same everything else) does not fit: memory stops them
+    (`unplanned`: choices known not to fit without a plan, evaluate_screened)."""
     refused = set()
-    for c in candidates:
-        if c.fits is False:  # at grad_accum 1 either reduce_every is this one's
-            everies = (
-                [e.value for e in ReduceEvery]
-                if c.choice["grad_accum"] == 1
-                else [c.choice["zero.reduce_every"]]
-            )
-            keeps = (
-                [True, False]
-                if c.choice["grad_accum"] == 1
-                else [c.choice.get("zero.reshard_after_backward")]
-            )
-            for every, keep in itertools.product(everies, keeps):
-                changed = {"zero.reduce_every": every, "zero.reshard_after_backward": keep}
-                key = tuple({**c.choice, **changed}.get(k) for k in SHAPE_KEYS)
-                refused.add((key, c.choice["micro_batch"]))
+    for choice in [c.choice for c in candidates if c.fits is False] + list(unplanned):
+        # at grad_accum 1 either reduce_every is this one's
+        everies = (
+            [e.value for e in ReduceEvery] if choice["grad_accum"] == 1 else [choice["zero.reduce_every"]]
+        )
+        keeps = [True, False] if choice["grad_accum"] == 1 else [choice.get("zero.reshard_after_backward")]
+        for every, keep in itertools.product(everies, keeps):
+            changed = {"zero.reduce_every": every, "zero.reshard_after_backward": keep}
+            key = tuple({**choice, **changed}.get(k) for k in SHAPE_KEYS)
+            refused.add((key, choice["micro_batch"]))
     out = []
     for c in candidates:
         key = tuple(c.choice.get(k) for k in SHAPE_KEYS)
@@ -469,16 +508,27 @@ def with_memory_limits(candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
+@dataclass(frozen=True)
+class Advice:
+    """Every candidate planned and timed, best first (`rank`), the rates that timed them, and the choices not
+    planned because a configuration of theirs with less memory does not fit (`evaluate_screened`)."""
+
+    candidates: list[Candidate]
+    rates: Rates
+    unplanned: list[dict[str, Any]]
+
+
 def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list[Candidate], Rates]:
     """Every candidate, the fitting ones first (`rank`: ties within the model's error, then by speed)."""
+    advice = advise_all(config, device_kind, world_size)
+    return advice.candidates, advice.rates
+
+
+def advise_all(config: TrainConfig, device_kind: str, world_size: int) -> Advice:
     options = choices(config, world_size, device_kind)
     rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options}))
     flops = flops_per_token(config.model, config.seq_len)
-    evaluated = [
-        c
-        for c in (evaluate(config, o, device_kind, world_size, rates, flops) for o in options)
-        if c is not None
-    ]
+    evaluated, unplanned = evaluate_screened(config, options, device_kind, world_size, rates, flops)
     chunked = [
         evaluate(config, {**c.choice, "loss": LossKind.chunked.value}, device_kind, world_size, rates, flops)
         for c in evaluated
@@ -486,7 +536,43 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
     ]
     evaluated += [c for c in chunked if c is not None]
     evaluated += compressed_variants(config, evaluated, device_kind, world_size, rates, flops)
-    return rank(with_memory_limits(evaluated), rates.tie_tolerance), rates
+    ranked = rank(with_memory_limits(evaluated, unplanned), rates.tie_tolerance)
+    return Advice(ranked, rates, unplanned)
+
+
+SCREEN_FREE = ("zero", "checkpointing")
+"""What varies inside a screened group: the ZeRO stage and activation checkpointing, each ordered by memory."""
+
+
+def evaluate_screened(
+    config: TrainConfig,
+    options: list[dict[str, Any]],
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float,
+) -> tuple[list[Candidate], list[dict[str, Any]]]:
+    """Plan and time every option, but where a group's least-memory member does not fit the device, not the
+    others. A group is the options that differ only in the ZeRO stage and activation checkpointing; its least
+    is zero=stage3 with checkpointing=full, which hold the least of each (stage3 shards what the others hold
+    whole; full checkpointing saves only each block's input, the other modes more), so what does not fit there
+    fits nowhere in the group. The planned candidates, and the options not planned."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for option in options:
+        groups.setdefault(tuple(v for k, v in option.items() if k not in SCREEN_FREE), []).append(option)
+    evaluated: list[Candidate] = []
+    unplanned: list[dict[str, Any]] = []
+    for members in groups.values():
+        least = next((m for m in members if (m["zero"], m["checkpointing"]) == ("stage3", "full")), None)
+        first = None if least is None else evaluate(config, least, device_kind, world_size, rates, flops)
+        if first is not None and first.device_fits is False and len(members) > 1:
+            evaluated.append(first)
+            unplanned += [m for m in members if m is not least]
+            continue
+        for member in members:
+            c = first if member is least else evaluate(config, member, device_kind, world_size, rates, flops)
+            evaluated += [c] if c is not None else []
+    return evaluated, unplanned
 
 
 def compressed_variants(
@@ -563,6 +649,7 @@ def format_advice(
     base: list[str],
     world_size: int,
     memory: str,
+    unplanned: int = 0,
 ) -> str:
     fitting = [c for c in candidates if c.fits is not False]
     reserved = "reserved" if any(c.reserved_bytes != c.peak_bytes for c in candidates) else "peak"
@@ -570,7 +657,7 @@ def format_advice(
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
         f"with {config.advise.headroom:.0%} headroom on {reserved} memory ({memory}){host_note(candidates)}"
-        f"{fp8_summary(config)}",
+        f"{unplanned_note(unplanned)}{fp8_summary(config)}",
         f"rates: {rates.source}",
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20} {'bubble':>6}  limited by",
@@ -636,15 +723,9 @@ def fp8_summary(config: TrainConfig) -> str:
 
 def fp8_predictions(config: TrainConfig, candidate: Candidate) -> list[Fp8Prediction]:
     name = advisor_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
-    return predict_fp8(
-        config.model,
-        config.seq_len,
-        candidate.choice["micro_batch"],
-        name,
-        ACCELERATORS[name].hbm_tbps,
-        candidate.step.compute_s,
-        candidate.step.step_s,
-    )
+    local = tp_local_model(config.model, candidate.choice.get("parallel.tp") or 1)
+    gain = 1.0 if config.compile else COMPILE_SPEEDUP.get(ACCELERATORS[name].family, 1.0)
+    return predict_fp8(local, config.seq_len, candidate.choice["micro_batch"], name, candidate.step, gain)
 
 
 def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> list[str]:
@@ -654,7 +735,9 @@ def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> li
         return []
     lines = [
         f"fp8: predicted from the GEMM shapes, fitted to torchtitan's Llama-3.1-8B points on 8 H100 within "
-        f"{FIT_ERROR_PP} percentage points (trainer/advise/fp8.py); memory as bf16 (torchao keeps no fp8 casts)"
+        f"{FIT_ERROR_PP} percentage points (trainer/advise/fp8.py); x: over the same in bf16, both compiled; "
+        "tokens/s compiled (compile's published gain where the row above is eager, trainer/advise/throughput.py); "
+        "memory as bf16 (torchao keeps no fp8 casts)"
     ]
     for i, c in enumerate(best, 1):
         for p in fp8_predictions(config, c):
@@ -664,18 +747,28 @@ def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> li
                     "tokens per GEMM: the casts cost more than the fp8 GEMMs save)"
                 )
                 continue
-            gather = (
-                ["precision.fp8_all_gather=true"]
-                if p.recipe == "tensorwise" and c.choice["zero"] in ("stage2", "stage3")
-                else []
-            )
-            extra = ["precision=fp8", f"precision.fp8_recipe={p.recipe}", *gather, "compile=true"]
+            gather = p.recipe == "tensorwise" and c.choice["zero"] in ("stage2", "stage3")
+            refused = fp8_refusal(config, c, p.recipe, gather)
+            if refused is not None:
+                lines.append(f"{i:>3} {p.recipe:<10} x{p.speedup:.3f}, but refused here: {refused}")
+                continue
+            extra = ["precision=fp8", f"precision.fp8_recipe={p.recipe}"]
+            extra += ["precision.fp8_all_gather=true"] * gather + ["compile=true"]
             args = [a for a in command_args(base, c) if split_override(a)[0] not in ("precision", "compile")]
             lines.append(
-                f"{i:>3} {p.recipe:<10} x{p.speedup:.3f} {c.tokens_per_s * p.speedup:>12,.0f} tokens/s: "
+                f"{i:>3} {p.recipe:<10} x{p.speedup:.3f} {c.tokens_per_s * p.tokens_factor:>12,.0f} tokens/s: "
                 + shlex.join(["python", "-m", "trainer", *args, *extra])
             )
     return lines
+
+
+def fp8_refusal(config: TrainConfig, candidate: Candidate, recipe: str, gather: bool) -> str | None:
+    """The composition table's line refusing a candidate's fp8 row (precision=fp8, compile=true), else None."""
+    chosen = configure(config, candidate.choice, check=False)
+    precision = unchecked_replace(
+        chosen.precision, name="fp8", fp8_recipe=Fp8Recipe(recipe), fp8_all_gather=gather
+    )
+    return first_refusal(unchecked_replace(chosen, precision=precision, compile=True))
 
 
 def nothing_fits_cause(candidates: list[Candidate]) -> str:
@@ -687,6 +780,16 @@ def nothing_fits_cause(candidates: list[Candidate]) -> str:
         return cause_of(least.peak_parts, True, False, least.host_bytes)
     smallest = min(candidates, key=lambda c: c.reserved_bytes)
     return cause_of(smallest.peak_parts, False, smallest.host_fits, smallest.host_bytes)
+
+
+def unplanned_note(unplanned: int) -> str:
+    """The configurations not planned: their least-memory sibling does not fit (evaluate_screened)."""
+    if not unplanned:
+        return ""
+    return (
+        f"; {unplanned} more not planned: the same with zero=stage3 and checkpointing=full, which hold less, "
+        "does not fit"
+    )
 
 
 def host_note(candidates: list[Candidate]) -> str:
@@ -788,6 +891,7 @@ def advice_json(
                 "bubble": c.step.bubble,
                 "bubble_s": c.step.bubble_s,
                 "p2p_s": c.step.p2p_s,
+                "tp_s": c.step.tp_s,
                 "limited_by": c.limiter,
                 "command": command_line(base, c),
             }
@@ -816,13 +920,15 @@ def run_advice(
     config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]
 ) -> list[Candidate]:
     """mode=advise: print the ranked table, write advice.json, verify the best if asked."""
-    candidates, rates = advise(config, device_kind, world_size)
+    advice = advise_all(config, device_kind, world_size)
+    candidates, rates, unplanned = advice.candidates, advice.rates, len(advice.unplanned)
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes
     ).source
-    print(format_advice(config, candidates, rates, base_overrides, world_size, memory), flush=True)
+    print(format_advice(config, candidates, rates, base_overrides, world_size, memory, unplanned), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
+    record["unplanned"] = unplanned
     path = out_dir / "advice.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"advice.json: {path}", flush=True)

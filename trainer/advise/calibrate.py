@@ -69,6 +69,12 @@ class Rates:
     host_memory_bytes_per_s: float | None = None
     """The host's memory rate for offload=cpu's gradient accumulation on the CPU (None: HOST_MEMORY_BYTES_PER_S)."""
     gpus_per_node: int = 1
+    accelerator: str | None = None
+    """The ACCELERATORS key the rates are for (None: this host, measured); a precision=fp8 job's GEMMs are
+    timed on its fp8 tensor cores (trainer/advise/fp8.py)."""
+    gemm_shaped: bool = False
+    """Whether `compute_flops` follow the model's GEMM shapes (a named accelerator: the fitted efficiency times
+    trainer/advise/throughput.py's shape factor), so that a TP rank's narrower GEMMs are rated by their own."""
     tie_tolerance: float = 0.10
     """How far apart two predicted tokens/s may be and still be a tie (fractions of the faster): a named
     accelerator's error between two configurations of one model (throughput.FIT_ERROR); on this host the 10% its ranking is held to
@@ -266,6 +272,8 @@ def accelerator_rates(
         host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
         link_bus_bytes_per_s={INTRA_NODE: nvlink * GB, NETWORK: network * GB},
         gpus_per_node=spec.gpus_per_node,
+        accelerator=name,
+        gemm_shaped=model is not None,
         tie_tolerance=FIT_ERROR[spec.family].between,
     )
 

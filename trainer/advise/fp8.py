@@ -22,17 +22,25 @@ FIT_ERROR_PP either way (tests/unit/advise/test_fp8_advice.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.advise.calibrate import ACCELERATORS
 from trainer.config import ModelConfig
 from trainer.model.decoder import flops_per_token
 from trainer.model.fp8 import block_linears, fp8_split
 
-FP8_DENSE_TFLOPS = {"h100": 1978.9, "h200": 1978.9}
-"""Dense fp8 (e4m3) tensor-core peaks, the NVIDIA H100 SXM5 and H200 SXM datasheets (3,958 with sparsity).
-b200 joins when the advisor has its rates (trainer/advise/calibrate.py)."""
-BF16_DENSE_TFLOPS = {"h100": 989.4, "h200": 989.4}  # the same datasheets; trainer/devices.py's figures
+if TYPE_CHECKING:  # predict.py times fp8 jobs with this module: the step's type only in annotations
+    from trainer.advise.predict import StepTime
+
+FP8_DENSE_TFLOPS = {"h100": 1978.9, "h200": 1978.9, "h100-hbm2e": 1978.9}
+"""Dense fp8 (e4m3) tensor-core peaks, the NVIDIA H100 SXM5 and H200 SXM datasheets (3,958 with sparsity); the
+96 GB HBM2e H100 torchtitan measured on takes the SXM part's, as its bf16 peak does (trainer/devices.py; its
+own clocks are not published). b200 joins when the advisor has its rates (trainer/advise/calibrate.py)."""
+BF16_DENSE_TFLOPS = {
+    "h100": 989.4,
+    "h200": 989.4,
+    "h100-hbm2e": 989.4,
+}  # the same; trainer/devices.py's figures
 NO_FP8_REASON = "no fp8 tensor cores (fp8 GEMMs need compute capability 8.9 or later: Ada, Hopper, Blackwell)"
 CAST_BYTES = 6  # per element of each operand: two casts (forward, backward) of 2 bytes read + 1 written
 
@@ -120,11 +128,24 @@ def fit_cast_cost(m: ModelConfig, hbm_tbps: float, recipe: str) -> float:
     return (ratio - free) / per_unit
 
 
+def fp8_compute_factor(
+    m: ModelConfig, seq_len: int, micro_batch: int, accelerator: str, recipe: str
+) -> float | None:
+    """compute_fp8 / compute_bf16 of a step of `m` (a TP rank's local model under parallel.tp) in `recipe`;
+    None where the accelerator has no fp8 tensor cores or the recipe no published point to fit its casts by
+    (rowwise_with_gw_hp)."""
+    if not offers_fp8(accelerator) or recipe not in {p.recipe for p in PUBLISHED}:
+        return None
+    cost = fit_cast_cost(LLAMA31_8B, ACCELERATORS[PUBLISHED_SHAPE["accelerator"]].hbm_tbps, recipe)
+    return compute_factor(m, seq_len, micro_batch, accelerator, ACCELERATORS[accelerator].hbm_tbps, cost)
+
+
 @dataclass(frozen=True)
 class Fp8Prediction:
     recipe: str
-    speedup: float  # tokens/s over the same configuration in bf16, compiled
+    speedup: float  # tokens/s over the same configuration in bf16, both compiled
     pays: bool
+    tokens_factor: float = 1.0  # tokens/s over the bf16 candidate as it was timed (eager unless compile=true)
 
 
 def predict_fp8(
@@ -132,17 +153,18 @@ def predict_fp8(
     seq_len: int,
     micro_batch: int,
     accelerator: str,
-    hbm_tbps: float,
-    compute_s: float,
-    step_s: float,
+    step: StepTime,
+    compile_gain: float = 1.0,
 ) -> list[Fp8Prediction]:
-    """Each recipe's predicted speed-up for one candidate: its compute time scaled by `compute_factor`,
-    its communication, optimizer and offload time as in bf16."""
+    """Each recipe's predicted speed-up for one bf16 candidate (`m`: the model its ranks run, a TP rank's local
+    one under parallel.tp; `compile_gain`: its compute time over compiled compute's, 1 if it compiles already),
+    compiled as the fp8 rows run: its compute time scaled, with the pipeline bubble that follows it; its
+    communication, optimizer and offload time as timed (StepTime.with_compute_scaled)."""
+    compiled = step.with_compute_scaled(1.0 / compile_gain).step_s
     out = []
     for recipe in ("tensorwise", "rowwise"):
-        cost = fit_cast_cost(LLAMA31_8B, ACCELERATORS[PUBLISHED_SHAPE["accelerator"]].hbm_tbps, recipe)
-        factor = compute_factor(m, seq_len, micro_batch, accelerator, hbm_tbps, cost)
-        fp8_step = step_s - compute_s * (1.0 - factor)
-        speedup = step_s / fp8_step
-        out.append(Fp8Prediction(recipe, speedup, speedup > 1.0))
+        factor = fp8_compute_factor(m, seq_len, micro_batch, accelerator, recipe)
+        assert factor is not None, f"{accelerator} offers fp8 and {recipe} has published points"
+        fp8_s = step.with_compute_scaled(factor / compile_gain).step_s
+        out.append(Fp8Prediction(recipe, compiled / fp8_s, compiled > fp8_s, step.step_s / fp8_s))
     return out

@@ -2,21 +2,32 @@
 
 The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/test_predict.py pins it):
 
-    tokens per rank per step   t = micro_batch · grad_accum · seq_len
-    compute                    C = t · (F + R) / rate(micro_batch · seq_len)
+    tokens per rank per step   t = micro_batch · grad_accum · seq_len   (its data-parallel share of the batch)
+    compute                    C = t · (S·F + R) / rate(micro_batch · seq_len)   of the busiest rank (`rank_flops`)
         F = 6N + 12·L·H·Q·T, the model's training FLOPs per token (trainer.model.decoder.flops_per_token)
-        R = k · (2·(N_block − D·M) + 4·H·Q·T), recompute per token for k checkpointed blocks: the
-            block's forward again, less its last matmul (w2), which non-reentrant checkpointing's
-            early stop never reruns (its output is not saved for backward)
-        R = L · (2·Σ numel of the recomputed matmuls + 4·H·Q·T unless the SDPA op is saved) for
+        S = the rank's share of F: 1/tp of each GEMM (its local model: H/tp and K/tp heads, ffn_dim/tp,
+            vocab/tp) of its pipeline stages' blocks, (b·blocks + head on the last stage) / F / tp with
+            b = 6·N_block + 12·H·Q·T; the stages split unevenly (trainer/model/pipeline_split.py), the
+            pipeline rank with the most work sets the pace; S = 1 at tp = pp = 1
+        R = k · (2·(N_block − D·M) + 4·H·Q·T), recompute per token for the rank's k checkpointed blocks, on its
+            local model (1/tp of each block): the block's forward again, less its last matmul (w2), which
+            non-reentrant checkpointing's early stop never reruns (its output is not saved for backward)
+        R = k · (2·Σ numel of the recomputed matmuls + 4·H·Q·T unless the SDPA op is saved) for
             checkpointing=op: its policy keeps wq, wv, w1, w2 and attention, so wk, wo and w3
             are rerun (w2 never is), 2·(D·KQ + D·HQ + D·M) per token per block by default
+        rate: calibrate.py's; on a named accelerator (the fitted efficiency times the GEMM-shape factor,
+            trainer/advise/throughput.py) a TP rank's narrower GEMMs by its local model's shape factor;
+            compile=true times throughput.COMPILE_SPEEDUP where published runs measured it (h100 family);
+            precision=fp8 over fp8.py's compute factor for the recipe (on the local model's GEMMs)
     wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
         (ZeroRedundancyOptimizer's broadcasts of each rank's shard add up to an all-gather);
         the plan books gloo's reduce-scatter under all-reduce (gloo runs it as one), so on CPU
         FSDP2's gradient reduction is timed as a ring all-reduce; busbw in the dtype the collective
-        runs in where calibrated (this host: fp32 and bf16; gloo's bf16 reduction is slow)
+        runs in where calibrated (this host: fp32 and bf16; gloo's bf16 reduction is slow); by tier
+        (`predict_step_tiers`) each group on its link, across nodes with the share of the node's NICs
+        its g ranks there hold (g from the layout, trainer/layout.py: a dp group beside tp = nproc has
+        one rank a node, so one NIC's share)
     exposed communication      E = Σ_c max(W_c / L, W_c − window_c) where collectives overlap
         compute (NCCL streams), else E = Σ_c W_c (CPU: gloo's threads share the cores):
         all-gather overlaps the forwards that gather (every micro-batch's; the first one's alone under
@@ -24,15 +35,20 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
         all-reduce (DDP) and reduce-scatter (FSDP2) the backward of the micro-batches that reduce:
         the last one under zero.reduce_every=step, every one under micro_batch (whose bytes
         trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
-        at least one block's share (W_c / L) is always exposed (the first gather, the last bucket)
+        at least one block's share (W_c / L, L the rank's blocks) is always exposed (the first gather, the last bucket)
+    tensor parallelism         T = Σ W_c of the tp group (trainer/plan/tensor_parallel.py's bytes, NVLink), exposed
+        whole: each collective feeds or drains the GEMM beside it, so it is on the critical path (torch's async
+        TP, which overlaps them, is not an option of zerolab); T is in E
     optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
     offload transfers          X = (4/p · B_all_gather + 4/r · B_reduce_scatter) / n / pcie + (k − 1) · 12 · local_numel / host
         (each rank's fp32 shards, once per collective: p, r the bytes of the compute and reduce dtypes;
         k reductions a step, each after the first a blocking copy and a CPU add, FSDP2's foreach_reduce)
-    pipeline (parallel.pp > 1) C is one stage's share (F / pp per token), P = the busiest stage's sends per step
-        / the link between stages (not overlapped), f the bubble: (pp − 1) / (m + pp − 1) for gpipe and 1f1b,
-        (pp − 1) / (v·m + pp − 1) interleaved (m = grad_accum, v = parallel.pp_virtual_stages);
-        B = (C + P) · f / (1 − f)
+    pipeline (parallel.pp > 1) P = the busiest stage's sends per step / the link between stages (not
+        overlapped; across nodes one NIC's share a rank: a node's ranks send at once), f the bubble:
+        (pp − 1) / (m + pp − 1) for gpipe and 1f1b, (pp − 1) / (v·m + pp − 1) interleaved (m = grad_accum,
+        v = parallel.pp_virtual_stages; Narayanan et al. 2021, section 2.2); the busy time C + T + P (the TP
+        collectives run inside every micro-batch's forward and backward) is stretched to (C + T + P) / (1 − f):
+        B = (C + T + P) · f / (1 − f)
     step                       S = C + E + O + X + P + B;  tokens/s = global_batch · seq_len / S
     MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
 """
@@ -40,9 +56,13 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from trainer.advise.calibrate import HOST_MEMORY_BYTES_PER_S, Rates
+from trainer.advise.calibrate import ACCELERATORS, HOST_MEMORY_BYTES_PER_S, Rates
+from trainer.advise.fp8 import fp8_compute_factor
+from trainer.advise.throughput import COMPILE_SPEEDUP, shape_factor
 from trainer.config import (
     CheckpointingConfig,
     CheckpointMode,
@@ -55,6 +75,7 @@ from trainer.config import (
     TrainConfig,
     ZeroConfig,
 )
+from trainer.layout import Layout
 from trainer.model.attention import run_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan import (
@@ -68,6 +89,7 @@ from trainer.plan import (
     model_shape,
     pipeline_bubble,
     reductions,
+    stage_blocks,
 )
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
@@ -99,9 +121,28 @@ class StepTime:
     offload_s: float
     links: dict[str, LinkTime] = field(default_factory=dict)
     """Per link (intra-node, network) where the step was timed by tier (`predict_step_tiers`)."""
+    tp_s: float = 0.0
+    """The tp group's collectives (in exposed_comm_s): each feeds or drains a GEMM, on every micro-batch's path."""
     bubble: float = 0.0  # parallel.pp > 1: the share of the step a stage waits (trainer/plan/pipeline.py)
-    bubble_s: float = 0.0
     p2p_s: float = 0.0  # the sends between stages, on the critical path
+
+    @property
+    def busy_s(self) -> float:
+        """A pipeline rank's work on its micro-batches: compute, its TP collectives and its sends."""
+        return self.compute_s + self.tp_s + self.p2p_s
+
+    @property
+    def bubble_s(self) -> float:
+        """The seconds a stage waits: with busy time B the step's pipeline part is B / (1 - f)."""
+        return self.busy_s * self.bubble / (1 - self.bubble)
+
+    def with_compute_scaled(self, factor: float) -> StepTime:
+        """The step with its compute (recompute included) `factor` times as long: the bubble follows the busy
+        time; communication, optimizer and offload stay as they were (an approximation where compute shrinks:
+        shorter compute hides less of the collectives that overlap it, which this does not re-time)."""
+        return dataclasses.replace(
+            self, compute_s=self.compute_s * factor, recompute_s=self.recompute_s * factor
+        )
 
     @property
     def step_s(self) -> float:
@@ -134,18 +175,30 @@ class StepTime:
 
 
 def recompute_flops_per_token(
-    m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int, *, attention_op: str | None = None
+    m: ModelConfig,
+    checkpointing: CheckpointingConfig,
+    seq_len: int,
+    *,
+    attention_op: str | None = None,
+    blocks: Iterable[int] | None = None,
 ) -> float:
-    """FLOPs per token that activation checkpointing adds: checkpointed blocks' forward, less w2;
-    for mode=op, the matmuls and attention its policy does not save (`attention_op`: the SDPA op
-    the run's kernel runs, None for math, whose composite op the policy never sees)."""
+    """FLOPs per token that activation checkpointing adds over `blocks` (every block of `m` by default):
+    each checkpointed block's `block_recompute_flops_per_token`."""
+    blocks = range(m.n_layers) if blocks is None else blocks
+    checkpointed = sum(should_checkpoint(i, checkpointing) for i in blocks)
+    return checkpointed * block_recompute_flops_per_token(m, checkpointing, seq_len, attention_op)
+
+
+def block_recompute_flops_per_token(
+    m: ModelConfig, checkpointing: CheckpointingConfig, seq_len: int, attention_op: str | None
+) -> float:
+    """One checkpointed block's rerun per token: its forward, less w2; for mode=op, the matmuls and attention
+    its policy does not save (`attention_op`: the SDPA op the run's kernel runs, None for math, whose
+    composite op the policy never sees)."""
     if checkpointing.mode == CheckpointMode.op:
-        return m.n_layers * op_recompute_flops_per_token(m, checkpointing, seq_len, attention_op)
-    shape = model_shape(m)
-    block_params = sum(_numel(s) for s in shape.block)
-    block_forward = 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.head_width * seq_len
-    checkpointed = sum(should_checkpoint(i, checkpointing) for i in range(m.n_layers))
-    return checkpointed * block_forward
+        return op_recompute_flops_per_token(m, checkpointing, seq_len, attention_op)
+    block_params = sum(_numel(s) for s in model_shape(m).block)
+    return 2.0 * (block_params - m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.head_width * seq_len
 
 
 def op_recompute_flops_per_token(
@@ -209,6 +262,106 @@ def overlap_window(
     return 0.0  # broadcast: after the optimizer step, nothing left to overlap
 
 
+def rank_parts(config: TrainConfig) -> list[tuple[list[int], bool]]:
+    """Per pipeline rank: the blocks it runs (their index in the whole model) and whether it holds the output
+    head; at pp = 1 one rank runs them all. The split is the ranks' own (trainer/model/pipeline_split.py
+    `stage_blocks`: uneven where the blocks do not divide, the earlier stages taking one more); under
+    interleaved_1f1b rank r holds stages r, r + pp, ... (trainer/plan/pipeline.py `rank_stages`)."""
+    p, layers = config.parallel, config.model.n_layers
+    if p.pp == 1:
+        return [(list(range(layers)), True)]
+    blocks = stage_blocks(layers, p.stages)
+    held = [range(r, p.stages, p.pp) for r in range(p.pp)]
+    return [([i for s in stages for i in blocks[s]], p.stages - 1 in stages) for stages in held]
+
+
+def tp_local_model(m: ModelConfig, tp: int) -> ModelConfig:
+    """The decoder one TP rank runs: H / tp and K / tp heads of the same width, ffn_dim / tp, vocab / tp, the
+    same width D (trainer/plan/tensor_parallel.py `tp_local_model`, which the plan's facade does not export)."""
+    if tp == 1:
+        return m
+    return dataclasses.replace(
+        m,
+        n_heads=m.n_heads // tp,
+        n_kv_heads=m.n_kv_heads // tp,
+        ffn_dim=m.ffn_dim // tp,
+        vocab_size=m.vocab_size // tp,
+        head_dim=m.head_width,
+    )
+
+
+def block_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """One block's training FLOPs per token, as flops_per_token counts them: 6 per parameter (its norms
+    included) and 12·H·Q·T of attention."""
+    return 6.0 * sum(_numel(s) for s in model_shape(m).block) + 12.0 * m.n_heads * m.head_width * seq_len
+
+
+def rank_flops(config: TrainConfig, attention_op: str | None) -> tuple[float, float]:
+    """(S, R) of the busiest rank: S its share of the model's training FLOPs, R the FLOPs per token its
+    activation checkpointing reruns (module docstring). A TP rank runs 1/tp of every GEMM (its local model,
+    trainer/plan/tensor_parallel.py `tp_local_model`), a pipeline rank its stages' blocks, plus the output
+    head on the last; the rank with the most work sets the pipeline's pace."""
+    m, tp, seq_len = config.model, config.parallel.tp, config.seq_len
+    block = block_flops_per_token(m, seq_len)
+    total = m.n_layers * block + 6.0 * (m.dim + m.dim * m.vocab_size)  # + the final norm and the head
+    rerun = block_recompute_flops_per_token(
+        tp_local_model(m, tp), config.checkpointing, seq_len, attention_op
+    )
+    ranks = [
+        (
+            (len(blocks) * block + has_head * (total - m.n_layers * block)) / total / tp,
+            sum(should_checkpoint(i, config.checkpointing) for i in blocks) * rerun,
+        )
+        for blocks, has_head in rank_parts(config)
+    ]
+    return ranks[0] if len(ranks) == 1 else max(ranks, key=lambda r: r[0] * total + r[1])
+
+
+def rank_rate(config: TrainConfig, rates: Rates) -> float:
+    """FLOP/s at the rank's micro-batch: where the rates follow the model's GEMM shapes (a named accelerator,
+    trainer/advise/throughput.py), a TP rank's narrower GEMMs (its local model's) by their own shape factor;
+    under compile=true times the published compile gain (`compile_speedup`); under precision=fp8 on an
+    accelerator with fp8 tensor cores, over fp8's compute factor for the recipe (trainer/advise/fp8.py: the
+    block linears at the fp8 peak plus their casts, against compiled bf16)."""
+    rows, seq_len = config.micro_batch * config.seq_len, config.seq_len
+    rate = rates.flops_at(rows)
+    local = tp_local_model(config.model, config.parallel.tp)
+    if rates.gemm_shaped and config.parallel.tp > 1:
+        rate *= shape_factor(local, rows, seq_len) / shape_factor(config.model, rows, seq_len)
+    if config.compile:
+        rate *= compile_speedup(rates)
+    fp8 = (
+        fp8_compute_factor(
+            local, seq_len, config.micro_batch, rates.accelerator, config.precision.fp8_recipe.value
+        )
+        if config.precision.is_fp8 and rates.accelerator is not None
+        else None
+    )
+    return rate if fp8 is None else rate / fp8
+
+
+def compile_speedup(rates: Rates) -> float:
+    """compile=true's compute over eager's on these rates' accelerator (throughput.COMPILE_SPEEDUP); 1 where no
+    published pair of runs measured it (this host's calibration, an accelerator family without one)."""
+    if rates.accelerator is None:
+        return 1.0
+    return COMPILE_SPEEDUP.get(ACCELERATORS[rates.accelerator].family, 1.0)
+
+
+def compute_seconds(
+    config: TrainConfig, flops_per_token: float, rates: Rates, device_kind: str
+) -> tuple[float, float, float]:
+    """(C, the forwards' share of it, the recompute's share of it) for the busiest rank: the tokens of its
+    data-parallel batch times its share S of the model's FLOPs plus its recompute R, at its rate."""
+    tokens = config.micro_batch * config.grad_accum * config.seq_len
+    rate = rank_rate(config, rates)
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
+    share, recompute = rank_flops(config, sdpa_op(choice, device_kind))
+    model = tokens * flops_per_token * share / rate
+    recompute_s = tokens * recompute / rate
+    return model + recompute_s, model * FORWARD_SHARE, recompute_s
+
+
 def predict_step(
     config: TrainConfig,
     world_size: int,
@@ -218,15 +371,9 @@ def predict_step(
     rates: Rates,
     device_kind: str = "cpu",
 ) -> StepTime:
-    """The step time of `config` on `world_size` ranks (module docstring: the formulas)."""
-    tokens = config.micro_batch * config.grad_accum * config.seq_len
-    rate = rates.flops_at(config.micro_batch * config.seq_len)
-    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
-    recompute = recompute_flops_per_token(
-        config.model, config.checkpointing, config.seq_len, attention_op=sdpa_op(choice, device_kind)
-    )
-    compute_s = tokens * (flops_per_token + recompute) / rate
-    forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
+    """The step time of `config` on `world_size` ranks (module docstring: the formulas); `flops_per_token`
+    the model's training FLOPs per token, of which the busiest rank runs its share (`rank_flops`)."""
+    compute_s, forward_s, recompute_s = compute_seconds(config, flops_per_token, rates, device_kind)
     backward_s = compute_s - forward_s
     reducing_backward_s = (
         backward_s * reductions(config) / config.grad_accum
@@ -252,7 +399,7 @@ def predict_step(
         rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
     )
     offload_s = offload_seconds(config, comm_bytes, world_size, local_numel, rates) if offload else 0.0
-    return StepTime(compute_s, tokens * recompute / rate, wire_s, exposed, local_numel / adam_rate, offload_s)
+    return StepTime(compute_s, recompute_s, wire_s, exposed, local_numel / adam_rate, offload_s)
 
 
 def offload_seconds(
@@ -304,14 +451,20 @@ def union_window(phases: set[str], windows: dict[str, float]) -> float:
     return sum(windows[phase] for phase in phases)
 
 
-def group_ranks_per_node(name: str, comm: CommPlan, config: TrainConfig, world_size: int) -> int:
-    """How many of a node's ranks a group holds (trainer/plan/groups.py): shard, hpz and world groups are
-    consecutive ranks, a replicate group takes one rank of each shard group (one a node unless a shard
-    group is smaller than a node)."""
-    per_node = world_size // config.nodes
-    if name == "replicate":
-        return max(1, per_node // comm.groups["shard"].ranks)
-    return min(comm.groups[name].ranks, per_node)
+GROUP_AXES = {"shard": "dp_shard", "replicate": "dp_replicate", "world": "dp", "hpz": "hpz", "tp": "tp"}
+"""The layout's axes each of the plan's process groups (trainer/plan/groups.py) runs along: DDP's group
+(`world`) is every data-parallel rank."""
+
+
+def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int:
+    """How many of a node's ranks a group holds, from the layout (trainer/layout.py): under tp or pp a dp group
+    strides over the TP ranks (one rank a node at tp = nproc), and a replicate group over the shard group."""
+    return ranks_per_node(Layout.from_config(config, world_size), GROUP_AXES[name])
+
+
+@functools.lru_cache(maxsize=256)
+def ranks_per_node(layout: Layout, axes: str) -> int:
+    return layout.per_node(axes)
 
 
 def predict_step_tiers(
@@ -340,9 +493,7 @@ def predict_step_tiers(
     base = predict_step(
         config, sharded_over, comm.bytes_by_collective, local_numel, flops_per_token, rates, device_kind
     )
-    tokens = config.micro_batch * config.grad_accum * config.seq_len
-    rate = rates.flops_at(config.micro_batch * config.seq_len)
-    forward_s = tokens * flops_per_token * FORWARD_SHARE / rate
+    forward_s = compute_seconds(config, flops_per_token, rates, device_kind)[1]
     backward_s = base.compute_s - forward_s
     # The backwards that reduce: the last micro-batch's, or every one under zero.reduce_every=micro_batch.
     reducing_s = backward_s * reductions(config) / config.grad_accum
@@ -352,7 +503,8 @@ def predict_step_tiers(
         "last_backward": reducing_s,
     }
     hpz = "hpz" in comm.groups
-    layers = config.model.n_layers
+    # A pipeline rank's collectives are its blocks': one block's share of them is W / its blocks.
+    layers = max(len(blocks) for blocks, _ in rank_parts(config))
     wire: dict[str, float] = {}
     per_link: dict[str, list[tuple[float, tuple[str, ...]]]] = {link: [] for link in LINKS}
     for name, group in comm.groups.items():
@@ -361,7 +513,7 @@ def predict_step_tiers(
                 continue
             factor, kind = wire_factor(collective, group.ranks)
             bus = (
-                rates.group_bus_bytes_per_s(group.link, group_ranks_per_node(name, comm, config, world_size))
+                rates.group_bus_bytes_per_s(group.link, group_ranks_per_node(name, config, world_size))
                 if rates.link_bus_bytes_per_s
                 else bandwidth(rates, kind, collective, config.zero, config.precision)
             )
@@ -382,36 +534,33 @@ def predict_step_tiers(
         else:
             exposed = total
         links[link] = LinkTime(link, total, window, exposed)
-    bubble, bubble_s, p2p_s = pipeline_seconds(config, comm, base.compute_s, rates)
+    tp_s = sum(seconds for key, seconds in wire.items() if key.startswith("tp/"))
+    bubble, p2p_s = pipeline_seconds(config, comm, rates)
     return dataclasses.replace(
         base,
         wire_s=wire,
         exposed_comm_s=sum(link.exposed_s for link in links.values()),
         links=links,
+        tp_s=tp_s,
         bubble=bubble,
-        bubble_s=bubble_s,
         p2p_s=p2p_s,
     )
 
 
-def pipeline_seconds(
-    config: TrainConfig, comm: CommPlan, compute_s: float, rates: Rates
-) -> tuple[float, float, float]:
-    """parallel.pp > 1: (bubble share, bubble seconds, send seconds) of a step (module docstring).
+def pipeline_seconds(config: TrainConfig, comm: CommPlan, rates: Rates) -> tuple[float, float]:
+    """parallel.pp > 1: (bubble share f, send seconds P) of a step (module docstring; StepTime.bubble_s
+    turns f into seconds).
 
-    The busiest pipeline rank's sends P = sent bytes / the bandwidth of the slowest link between stages (the
-    network where a boundary leaves a node, its share for the tp ranks that send at once; else NVLink), not
-    overlapped: torch's schedules wait on each batch of sends and receives before the next compute. The bubble
-    is the share f of the step every stage waits: with busy time C + P, the step is (C + P) / (1 - f), so
-    the bubble adds (C + P) · f / (1 - f)."""
+    The busiest pipeline rank's sends P = sent bytes / the bandwidth of the slowest link between stages, not
+    overlapped: torch's schedules wait on each batch of sends and receives before the next compute. Where a
+    boundary leaves a node every rank of the node sends its own boundary tensor at once (a node's ranks are
+    one stage's dp x tp ranks, or several stages'), so each gets one rank's share of the node's NICs (one NIC
+    of a rail-optimised node); inside a node, NVLink."""
     p2p = comm.p2p
     if p2p is None:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     if rates.link_bus_bytes_per_s:
-        link = NETWORK if p2p.network else INTRA_NODE
-        bus = rates.group_bus_bytes_per_s(link, config.parallel.tp)
+        bus = rates.group_bus_bytes_per_s(NETWORK if p2p.network else INTRA_NODE, 1)
     else:
         bus = rates.bus_bytes_per_s["all_gather"]
-    p2p_s = max(p2p.sent) / bus
-    share = pipeline_bubble(config.parallel, config.grad_accum)
-    return share, (compute_s + p2p_s) * share / (1 - share), p2p_s
+    return pipeline_bubble(config.parallel, config.grad_accum), max(p2p.sent) / bus

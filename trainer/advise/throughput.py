@@ -34,6 +34,17 @@ FAMILY_EFFICIENCY: dict[str, float] = {
 }
 """E_acc: a large GEMM's share of the dense peak inside a training step (fitted)."""
 
+COMPILE_SPEEDUP: dict[str, float] = {
+    # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (at 820504e20), the Grand Teton H100s
+    # (96 GB HBM2e, 500 W): Llama 3.1 8B, FSDP, local batch 2, selective AC; FSDP + torch.compile over FSDP:
+    # Table 1 (8 GPUs) 6,667 / 5,762 = 1.157, Table 3 (128 GPUs) 6,514 / 5,605 = 1.162; their mean.
+    "h100-hbm2e": (6667 / 5762 + 6514 / 5605) / 2,
+}
+"""compile=true: a step's compute over eager's (E_acc is fitted on eager runs), per family where a published
+pair of runs measured it; elsewhere compile=true is timed as eager. Measured on an 8B model: what compile fuses
+(norms, rotary, SwiGLU's elementwise product, the residual adds) moves D- or M-wide rows per token, a share of a
+step that falls as the GEMMs widen, so on larger models this likely overstates the gain."""
+
 
 @dataclass(frozen=True)
 class FitError:

@@ -36,13 +36,11 @@ import dataclasses
 
 from trainer.config import CheckpointMode, ModelConfig, ReduceEvery, TrainConfig
 from trainer.model.checkpointing import should_checkpoint
+from trainer.plan.activations import precisions
 
 Move = tuple[
     str, int, int
 ]  # as trainer/plan/comm.py: kind of collective, payload bytes per step, calls per step
-
-ACTIVATION_BYTES = 4
-"""The residual stream's bytes: fp32 (the embedding's output, and the sums it feeds, stay fp32 under autocast)."""
 
 
 def tp_local_model(model: ModelConfig, tp: int) -> ModelConfig:
@@ -94,7 +92,11 @@ def tp_moves(
         return []
     m, tp = config.model, config.parallel.tp
     tokens = config.micro_batch * config.seq_len
-    fp32, compute = tokens * m.dim * ACTIVATION_BYTES, tokens * m.dim * compute_bytes
+    # The residual stream's bytes: fp32 in fp32 and under autocast (the embedding's output, and the sums it
+    # feeds, stay fp32), the parameters' dtype under FSDP2's mixed precision (activations.py `precisions`);
+    # measured at tp=2 pp=2 stage3 bf16: every residual collective at 2 bytes an element.
+    residual = precisions(config.precision, config.zero).residual
+    stream, compute = tokens * m.dim * residual, tokens * m.dim * compute_bytes
     blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
     layers, accum, ends = m.n_layers, config.grad_accum, int(embedding) + int(head)
     reduces = [(3 * 4 * tokens, 3)] if head else []  # loss_parallel
@@ -106,7 +108,7 @@ def tp_moves(
         ]
         # forward: the norms' outputs gathered, wo's and w2's outputs scattered; backward: the adjoints;
         # the root: the embedding's scatter (its backward's gather) and the head's gather (its backward's scatter)
-        gathered = 2 * blocks * fp32 + 2 * layers * compute + ends * fp32
+        gathered = 2 * blocks * stream + 2 * layers * compute + ends * stream
         # ProcessGroupGloo's flight-recorder entry of a functional all_gather_into_tensor lists its output as
         # one rank's chunk ([1, *input]), measured with torch 2.13 at tp=2; NCCL's lists the whole output.
         gathered //= tp if backend == "gloo" else 1
@@ -114,16 +116,16 @@ def tp_moves(
         scatters = [
             (
                 "reduce_scatter",
-                2 * blocks * compute + 2 * layers * fp32 + ends * fp32,
+                2 * blocks * compute + 2 * layers * stream + ends * stream,
                 2 * blocks + 2 * layers + ends,
             )
         ]
     else:
         # forward: wo's and w2's outputs and the embedding's; backward: each column-parallel layer's input
-        # gradient (wq, wk, wv, w1, w3: Megatron-LM's f, one per layer) and the head's, fp32
+        # gradient (wq, wk, wv, w1, w3: Megatron-LM's f, one per layer) and the head's, in the residual stream's dtype
         gathers, scatters = [], []
         reduces.append(
-            (2 * blocks * compute + ends * fp32 + 5 * layers * fp32, 2 * blocks + 5 * layers + ends)
+            (2 * blocks * compute + ends * stream + 5 * layers * stream, 2 * blocks + 5 * layers + ends)
         )
     moves = [*gathers, *scatters, ("all_reduce", sum(b for b, _ in reduces), sum(c for _, c in reduces))]
     return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves] + norm_grads

@@ -268,3 +268,24 @@ def test_compressed_variants_where_the_network_waits_are_marked_and_never_lead()
     assert all(not c.lossy or "~" in c.label() for c in ranked)
     table = format_advice(config, ranked, rates, list(overrides), 32, "h100")
     assert "~<method>: zero.compression" in table
+
+
+def test_what_does_not_fit_at_stage3_with_full_checkpointing_is_not_planned_and_would_not_fit() -> None:
+    """evaluate_screened: a group (the same but for zero and checkpointing) whose least-memory member does not fit
+    is left unplanned; planning every member anyway finds none that fits."""
+    from trainer.advise.advisor import evaluate, evaluate_screened, rates_for
+    from trainer.model.decoder import flops_per_token
+
+    config = compose_config(
+        "mode=advise", "model=70b", "nodes=4", "nproc=8", "plan.accelerator=h100", "seq_len=4096",
+        "precision=bf16", "global_batch=32", "advise.stages=[stage2,stage3]", "advise.checkpointing=[none,full]",
+        "advise.reduce_dtypes=[bf16]", "advise.offload=[none]",
+    )  # fmt: skip
+    options = choices(config, 32, "cuda")
+    rates = rates_for(config, 32, sorted({o["micro_batch"] for o in options}))
+    flops = flops_per_token(config.model, config.seq_len)
+    planned, unplanned = evaluate_screened(config, options, "cuda", 32, rates, flops)
+    assert unplanned and any(c.fits for c in planned)
+    assert {c.choice["zero"] for c in planned if c.fits is False} >= {"stage3"}
+    every = [evaluate(config, o, "cuda", 32, rates, flops) for o in unplanned]
+    assert all(c is None or c.device_fits is False for c in every)

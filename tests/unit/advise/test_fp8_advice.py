@@ -63,3 +63,50 @@ def test_a100_is_offered_no_fp8_and_the_summary_says_why() -> None:
     assert fp8_summary(h100) == "; fp8: predicted for the 3 best below (compiled, torchao Float8Linear)"
     fp32 = compose_config("mode=advise", "global_batch=32", "precision=fp32", "plan.accelerator=h100")
     assert fp8_summary(fp32) == ""  # fp8 rows are for bf16 jobs
+
+
+def test_an_eager_rows_fp8_figure_adds_compiles_gain_and_the_bubble_follows_the_compute() -> None:
+    """The fit is over compiled bf16; a row timed eager gets compile's published gain too (the fp8 rows run
+    compile=true), and a pipeline's bubble shrinks with the compute it stretches."""
+    from trainer.advise.fp8 import fp8_compute_factor, predict_fp8
+    from trainer.advise.predict import StepTime
+
+    factor = fp8_compute_factor(LLAMA31_8B, 8192, 1, "h100", "tensorwise")
+    assert factor is not None
+    plain = StepTime(10.0, 0.0, {}, 0.0, 0.0, 0.0)
+    tensorwise = predict_fp8(LLAMA31_8B, 8192, 1, "h100", plain, compile_gain=1.16)[0]
+    assert tensorwise.speedup == pytest.approx(1 / factor)
+    assert tensorwise.tokens_factor == pytest.approx(1.16 / factor)
+    piped = StepTime(10.0, 0.0, {}, 2.0, 0.0, 0.0, tp_s=2.0, bubble=0.5)  # 2 s of TP among the exposed
+    assert piped.step_s == pytest.approx(10.0 + 2.0 + 12.0)  # busy 12 s, as long again waiting
+    fp8_s = (10.0 * factor + 2.0) * 2  # compute shrinks, the TP seconds stay, the bubble follows both
+    assert predict_fp8(LLAMA31_8B, 8192, 1, "h100", piped)[0].tokens_factor == pytest.approx(24.0 / fp8_s)
+
+
+def test_an_fp8_row_the_composition_table_refuses_names_the_refusal_not_a_command() -> None:
+    from trainer.advise.advisor import Candidate, configure, fp8_refusal, unchecked_replace
+    from trainer.advise.predict import StepTime
+    from trainer.config import Fp8Recipe, first_refusal
+
+    config = compose_config(
+        "mode=advise", "global_batch=64", "precision=bf16", "plan.accelerator=h100", "nodes=2", "nproc=8"
+    )
+    choice = {
+        "zero": "stage3", "checkpointing": "full", "offload": "none", "zero.reduce_dtype": "fp32",
+        "zero.reduce_every": "micro_batch", "zero.reshard_after_backward": True, "micro_batch": 1,
+        "grad_accum": 4, "loss": "full", "zero.shard_ranks": None, "zero.hpz_ranks": None, "parallel.tp": None,
+        "parallel.pp": None, "parallel.pp_schedule": None, "zero.compression": None,
+    }  # fmt: skip
+    step = StepTime(1.0, 0.0, {}, 0.0, 0.0, 0.0)
+    assert (
+        fp8_refusal(config, Candidate(choice, 0, True, step, 1.0, None, "compute"), "tensorwise", True)
+        is None
+    )
+    tp = {**choice, "parallel.tp": 2}
+    line = fp8_refusal(config, Candidate(tp, 0, True, step, 1.0, None, "compute"), "tensorwise", True)
+    chosen = configure(config, tp, check=False)
+    fp8 = unchecked_replace(
+        chosen.precision, name="fp8", fp8_recipe=Fp8Recipe.tensorwise, fp8_all_gather=True
+    )
+    assert line == first_refusal(unchecked_replace(chosen, precision=fp8, compile=True))
+    assert line is None or line.startswith("parallel.tp=2 with ")

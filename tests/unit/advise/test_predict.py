@@ -224,3 +224,74 @@ def test_full_checkpointing_recomputes_each_blocks_forward_but_w2(preset: str) -
     expected = blocks / 3 - 2.0 * model.n_layers * model.dim * model.ffn_dim
     full = CheckpointingConfig(mode=CheckpointMode.full)
     assert recompute_flops_per_token(model, full, seq_len) == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_tp_and_pipeline_rank_reruns_only_its_own_share_under_checkpointing() -> None:
+    """Issue 57: the busiest rank of tp=8 x pp=8 (16 of llama3-405b's 126 blocks, on 1/8 of each GEMM) runs 1/8 of
+    its stage's FLOPs and reruns 1/8 of its stage's blocks, so recompute over compute is the whole model's (about
+    0.25 under full checkpointing), not eight times it."""
+    from tests.helpers import compose_config
+    from trainer.advise.predict import block_flops_per_token, rank_flops
+    from trainer.model.decoder import flops_per_token
+
+    common = ("mode=plan", "model=llama3-405b", "nodes=64", "nproc=8", "seq_len=8192", "checkpointing=full")
+    whole = compose_config(*common)
+    split = compose_config(
+        *common, "parallel.tp=8", "parallel.pp=8", "zero=stage3", "zero.reduce_every=step", "grad_accum=8"
+    )
+    F = flops_per_token(whole.model, 8192)
+    share, recompute = rank_flops(split, None)
+    assert rank_flops(whole, None) == (
+        pytest.approx(1.0),
+        recompute_flops_per_token(whole.model, whole.checkpointing, 8192),
+    )
+    assert share == pytest.approx(16 * block_flops_per_token(whole.model, 8192) / F / 8, rel=1e-6)
+    whole_ratio = recompute_flops_per_token(whole.model, whole.checkpointing, 8192) / F
+    assert 0.24 < whole_ratio < 0.26
+    assert recompute / (share * F) == pytest.approx(whole_ratio, rel=0.01)  # the head's share aside
+
+
+def test_compile_and_fp8_change_the_rate_where_published_points_measured_them() -> None:
+    """compile=true: torchtitan's measured gain on the H100s (Tables 1 and 3), none on an A100 (no published pair);
+    precision=fp8: bf16's rate over fp8.py's compute factor, on a TP rank's local GEMMs."""
+    from tests.helpers import compose_config
+    from trainer.advise.advisor import rates_for, unchecked_replace
+    from trainer.advise.fp8 import fp8_compute_factor
+    from trainer.advise.predict import rank_rate, tp_local_model
+    from trainer.advise.throughput import COMPILE_SPEEDUP
+    from trainer.config import Fp8Recipe
+
+    for accelerator, gain in (("h100", COMPILE_SPEEDUP["h100-hbm2e"]), ("a100-80gb", 1.0)):
+        config = compose_config(
+            "mode=plan", "model=llama3-70b", "nodes=4", "nproc=8", f"plan.accelerator={accelerator}",
+            "precision=bf16", "seq_len=8192", "parallel.tp=8", "zero=stage3", "micro_batch=1",
+        )  # fmt: skip
+        rates = rates_for(config, 32, [1])
+        eager = rank_rate(config, rates)
+        assert rank_rate(unchecked_replace(config, compile=True), rates) == pytest.approx(eager * gain)
+    assert COMPILE_SPEEDUP["h100-hbm2e"] == pytest.approx(1.1596, abs=1e-4)
+    fp8 = unchecked_replace(config, plan=unchecked_replace(config.plan, accelerator="h100"))
+    fp8 = unchecked_replace(fp8, precision=unchecked_replace(fp8.precision, fp8_recipe=Fp8Recipe.tensorwise))
+    rates = rates_for(fp8, 32, [1])
+    factor = fp8_compute_factor(tp_local_model(fp8.model, 8), 8192, 1, "h100", "tensorwise")
+    assert factor is not None and 0.5 < factor < 1.0
+    bf16 = unchecked_replace(fp8, precision=unchecked_replace(fp8.precision, fp8_recipe=Fp8Recipe.none))
+    assert rank_rate(fp8, rates) == pytest.approx(rank_rate(bf16, rates) / factor)
+
+
+def test_a_tp_ranks_narrower_gemms_run_at_their_own_shape_factor() -> None:
+    from tests.helpers import compose_config
+    from trainer.advise.advisor import rates_for
+    from trainer.advise.predict import rank_rate, tp_local_model
+
+    config = compose_config(
+        "mode=plan", "model=llama3-70b", "nodes=4", "nproc=8", "plan.accelerator=h100", "precision=bf16",
+        "seq_len=8192", "parallel.tp=8", "zero=stage3", "micro_batch=1",
+    )  # fmt: skip
+    rates = rates_for(config, 32, [1])
+    local = shape_factor(tp_local_model(config.model, 8), 8192, 8192)
+    assert rank_rate(config, rates) == pytest.approx(
+        rates.flops_at(8192) * local / shape_factor(config.model, 8192, 8192)
+    )
+    ratio = local / shape_factor(config.model, 8192, 8192)
+    assert 0.95 < ratio < 0.97  # wk and wv are 128 columns wide at tp=8

@@ -10,7 +10,7 @@ from trainer.advise.advisor import choices, tp_options
 from trainer.advise.calibrate import accelerator_rates
 from trainer.advise.predict import predict_step_tiers
 from trainer.config import DType
-from trainer.plan import INTRA_NODE, build_plan
+from trainer.plan import INTRA_NODE, NETWORK, build_plan
 
 WORLD = 32
 EXAMPLE = (
@@ -30,15 +30,16 @@ D, T = 8192, 8192  # llama3-70b's width, the sequence
 
 
 def test_tp_bytes_per_block_are_the_activations_gathered_and_scattered() -> None:
-    """SP with full checkpointing, per micro-batch: each block's forward (twice: once recomputed) gathers two fp32
-    B·T·D inputs and scatters two bf16 outputs; its backward the adjoints; the root one of each both ways."""
+    """SP with full checkpointing, per micro-batch: each block's forward (twice: once recomputed) gathers two
+    B·T·D inputs and scatters two outputs; its backward the adjoints; the root one of each both ways. Under
+    FSDP2's bf16 policy the residual stream is bf16 too (measured at tp=2 pp=2 stage3 bf16, test_3d.py)."""
     plan = build_plan(compose_config(*EXAMPLE), "cuda", WORLD)
     tp = plan.comm.groups["tp"]
     blocks, layers = 160, 80  # forwards run (80 + 80 recomputed), backwards
-    fp32, bf16 = T * D * 4, T * D * 2
+    bf16 = T * D * 2
     assert tp.ranks == 8 and tp.link == INTRA_NODE
-    assert tp.bytes_by_collective["all_gather"] == 2 * blocks * fp32 + 2 * layers * bf16 + 2 * fp32
-    assert tp.bytes_by_collective["reduce_scatter"] == 2 * blocks * bf16 + 2 * layers * fp32 + 2 * fp32
+    assert tp.bytes_by_collective["all_gather"] == 2 * blocks * bf16 + 2 * layers * bf16 + 2 * bf16
+    assert tp.bytes_by_collective["reduce_scatter"] == 2 * blocks * bf16 + 2 * layers * bf16 + 2 * bf16
     # loss_parallel's three fp32 values per token; SP's norm weight gradients (2 per block and the final norm)
     assert tp.bytes_by_collective["all_reduce"] == 3 * 4 * T + 4 * D * (2 * layers + 1)
     assert plan.comm.groups["shard"].ranks == 4  # zero shards over dp = 32 / 8
@@ -83,10 +84,25 @@ def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
     )  # 4 heads, 2 kv
     assert tp_options(tiny, 8) == [None, 2]
     rows = choices(tiny, 8, "cuda")
-    tp_rows = [row for row in rows if row["parallel.tp"] == 2]
+    tp_rows = [row for row in rows if row["parallel.tp"] == 2 and row["parallel.pp"] is None]
     assert {row["zero"] for row in tp_rows} == {
         "stage2",
         "stage3",
     }  # DDP's stages refuse TP on several replicas
     assert {row["offload"] for row in tp_rows} == {"none"}
     assert {row["micro_batch"] * row["grad_accum"] for row in tp_rows} == {16}  # 64 sequences over dp = 4
+
+
+def test_a_dp_group_beside_tp8_holds_one_rank_a_node_and_one_nics_share() -> None:
+    """Under tp=8 the shard group's 4 ranks sit on 4 nodes, one each (trainer/layout.py: dp outside tp), and the
+    node's 8 TP ranks run their 8 shard groups at once: each group gets 1/8 of the node's NICs."""
+    config = compose_config(*EXAMPLE)
+    plan = build_plan(config, "cuda", WORLD)
+    rates = accelerator_rates("h100", DType.bfloat16, WORLD, model=config.model, seq_len=T, micro_batches=[1])
+    step = predict_step_tiers(config, WORLD, plan.comm, 1, 1e9, rates, "cuda")
+    shard = plan.comm.groups["shard"]
+    assert shard.ranks == 4 and shard.link == NETWORK
+    one_nic = rates.link_bus_bytes_per_s[NETWORK] / 8
+    assert step.wire_s["shard/all_gather"] == pytest.approx(
+        shard.bytes_by_collective["all_gather"] * 3 / 4 / one_nic
+    )
