@@ -26,6 +26,7 @@ from typing import Any
 
 from trainer.advise.fit import AutoProposal, grad_accum_for, propose_micro_batch
 from trainer.config import ConfigError, Mode, TrainConfig, to_plain
+from trainer.console import warn
 from trainer.jsonl import read_jsonl
 from trainer.telemetry import keys
 
@@ -68,7 +69,21 @@ def choose_micro_batch(
     accum = grad_accum_for(chosen, config, world_size)
     record.update(chosen=chosen, grad_accum=accum)
     print(f"micro_batch=auto: {summary_line(record)}", flush=True)
-    return dataclasses.replace(config, micro_batch=chosen, grad_accum=accum, global_batch=None), record
+    chosen_config = dataclasses.replace(config, micro_batch=chosen, grad_accum=accum, global_batch=None)
+    if config.global_batch is None:
+        warn(memory_batch_line(chosen_config, world_size))
+    return chosen_config, record
+
+
+def memory_batch_line(config: TrainConfig, world_size: int) -> str:
+    """What micro_batch=auto without global_batch changed: the global batch, which then follows the
+    rank's memory (another device or cap trains another batch size)."""
+    sequences = config.sequences_per_step(world_size)
+    return (
+        f"micro_batch=auto without global_batch: the global batch follows memory: micro_batch={config.micro_batch} "
+        f"x grad_accum={config.grad_accum} x {config.parallel.dp(world_size)} data-parallel ranks = {sequences} "
+        f"sequences per step; global_batch={sequences} keeps it on other devices"
+    )
 
 
 def probe_all(

@@ -27,10 +27,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.config import ConfigError, ZeroConfig
+from trainer.config import TP_SPLIT_KEYS, ConfigError, ZeroConfig
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.config import ModelConfig, TrainConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Every axis, outermost first."""
@@ -215,7 +215,16 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
         )
     dp = world // (tp * pp)
     if not (tp == 1 or zero.uses_fsdp or dp == 1):
+        # The one tp leaving one replica, where it is a valid size (inside a node, dividing the model's heads).
+        whole = [t for t in tp_sizes(config.model, nproc) if t * pp == world]
         raise ConfigError(
             f"parallel.tp={tp} with zero={zero.stage.value} on {dp} data-parallel replicas is not supported (torch's "
-            f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3, or parallel.tp={world}"
+            f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3"
+            + "".join(f", or parallel.tp={t}" for t in whole)
         )
+
+
+def tp_sizes(model: ModelConfig, nproc: int) -> list[int]:
+    """The parallel.tp sizes allowed on nodes of `nproc` ranks: a group inside one node, dividing the
+    model's heads, kv heads, ffn_dim and vocabulary (ParallelConfig.check_model)."""
+    return [t for t in divisors(nproc) if all(getattr(model, key) % t == 0 for key in TP_SPLIT_KEYS)]

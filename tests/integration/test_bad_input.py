@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, run_trainer, train_tokenizer, write_documents
+from tests.helpers import REPO, hf_checkpoint, run_trainer, train_tokenizer, write_documents
 
 TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cache")
 CASES = [
@@ -101,6 +101,32 @@ CASES = [
         "data.tokenizer",
         "model.vocab_size=512",
     ),
+    # Issue 60: a 0-byte file, a checkpoint cut short, and what was silently changed
+    (
+        [*TEXT, "data.files=[{tmp}/corpus.jsonl,{tmp}/zero.jsonl]"],
+        "data.files",
+        "zero.jsonl is empty (0 bytes)",
+    ),
+    (
+        [
+            *TEXT,
+            "data.files=[{tmp}/corpus.jsonl]",
+            "data.validation_files=[{tmp}/corpus.jsonl]",
+            "data.validation_fraction=0.1",
+        ],
+        "data.validation_files and data.validation_fraction=0.1",
+        "choose one",
+    ),
+    (
+        ["model=hf", "model.weights={tmp}/cut", "seq_len=32"],
+        "model.weights=",
+        "model.safetensors is truncated",
+    ),
+    (
+        ["micro_batch=auto", "global_batch=16", "grad_accum=2"],
+        "grad_accum=2 with micro_batch=auto",
+        "drop grad_accum",
+    ),
     # Tensor parallelism (trainer/rank/tensor_parallel.py): heads, nodes, what it does not compose with
     (
         ["mode=plan", "model=7b", "model.n_heads=8", "model.n_kv_heads=8", "parallel.tp=3"],
@@ -190,9 +216,12 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
 
 
 def write_text_inputs(tmp: Path) -> None:
-    """A corpus and its tokenizer, a corpus without text, one without the `text` field, and a
-    tokenizer of 603 tokens (the tiny model has 512)."""
+    """A corpus and its tokenizer, a corpus without text, one without the `text` field, a 0-byte file,
+    a tokenizer of 603 tokens (the tiny model has 512), and a Hugging Face checkpoint cut short."""
     texts = write_documents(tmp / "corpus.jsonl", 20)
+    (tmp / "zero.jsonl").write_text("")
+    weights = hf_checkpoint(tmp / "cut", "LlamaForCausalLM") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
     train_tokenizer(tmp / "tokenizer", texts)
     (tmp / "empty.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
     (tmp / "body.jsonl").write_text('{"body": "a document under another field"}\n')

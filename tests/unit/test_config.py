@@ -149,3 +149,29 @@ def test_the_default_save_ops_are_torchtitans_list_and_defined_once() -> None:
     assert len(set(TORCHTITAN_SAVE_OPS)) == len(TORCHTITAN_SAVE_OPS)
     assert "save_ops" not in OmegaConf.load(CONF / "checkpointing" / "op.yaml")
     assert compose_config("checkpointing=op").checkpointing.save_ops == list(TORCHTITAN_SAVE_OPS)
+
+
+# ----------------------------------------------------------------------------- issue 60: silent changes refused
+
+
+def test_micro_batch_auto_with_global_batch_refuses_an_explicit_grad_accum() -> None:
+    """auto with global_batch sets grad_accum from it: an explicit grad_accum=4 was silently replaced."""
+    with pytest.raises(ConfigError) as err:
+        compose_config("micro_batch=auto", "global_batch=16", "grad_accum=4")
+    assert str(err.value) == (
+        "grad_accum=4 with micro_batch=auto and global_batch=16: auto sets grad_accum to global_batch / "
+        "(ranks x micro_batch); drop grad_accum, or drop global_batch to keep it"
+    )
+    assert compose_config("micro_batch=auto", "grad_accum=4").grad_accum == 4  # without global_batch: kept
+
+
+def test_validation_files_with_validation_fraction_is_refused() -> None:
+    """Both held the fraction out of training and evaluated only the files."""
+    text = ("data=text", "data.files=[a.jsonl]", "data.tokenizer=t", "data.validation_files=[b.jsonl]")
+    with pytest.raises(ConfigError) as err:
+        compose_config(*text, "data.validation_fraction=0.1")
+    assert str(err.value) == (
+        "data.validation_files and data.validation_fraction=0.1: choose one (held-out files, or that fraction of "
+        "data.files' documents); set data.validation_fraction=0 with validation_files"
+    )
+    assert compose_config(*text).data.validation_files == ["b.jsonl"]

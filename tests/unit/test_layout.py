@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import compose_config
 from trainer.config import ConfigError
-from trainer.layout import Layout
+from trainer.layout import Layout, check_world
 from trainer.plan import build_plan
 
 
@@ -88,3 +88,28 @@ def test_ddp_ranks_are_replicas() -> None:
 def test_refuses_what_does_not_fill_the_world(overrides: tuple[str, ...], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Layout.from_config(compose_config(*overrides), world)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "nproc", "way_out"),
+    [
+        # 4 nodes of 8: no tp inside a node leaves one replica (it once offered parallel.tp=32)
+        (("model=llama3-70b", "parallel.tp=8"), 4, 8, ""),
+        (("model=llama3-70b", "parallel.tp=2", "parallel.pp=2", "grad_accum=2"), 1, 8, ", or parallel.tp=4"),
+        # one node of 16 ranks, 8 kv heads: tp=16 would leave one replica but splits no kv head evenly
+        (("model=llama3-70b", "parallel.tp=2"), 1, 16, ""),
+    ],
+)
+def test_stage0_with_tp_offers_only_a_valid_tp(
+    overrides: tuple[str, ...], nodes: int, nproc: int, way_out: str
+) -> None:
+    """Issue 60: the one-replica way out is a tp inside a node that divides the model's heads, or none."""
+    config = compose_config("mode=plan", *overrides)
+    tp = config.parallel.tp
+    dp = nodes * nproc // (tp * config.parallel.pp)
+    with pytest.raises(ConfigError) as err:
+        check_world(config, nproc, nodes)
+    assert str(err.value) == (
+        f"parallel.tp={tp} with zero=stage0 on {dp} data-parallel replicas is not supported (torch's DDP holds "
+        f"tensor-parallel parameters as local tensors); use zero=stage2 or stage3{way_out}"
+    )

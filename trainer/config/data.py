@@ -60,7 +60,7 @@ class DataConfig:
     """text only: concat (documents joined with EOS, attending across) or document (block-causal: a row's
     documents do not attend to each other, and no target crosses a document boundary)."""
     validation_files: list[str] = field(default_factory=list)
-    """text only: held-out files for eval (loss/val); else `validation_fraction` of the documents."""
+    """text only: held-out files for eval (loss/val); else `validation_fraction` of the documents (not both)."""
     validation_fraction: float = 0.0
     """text only: the fraction of documents set apart for eval, chosen by `data_seed`; 0 with no
     validation_files: no held-out text."""
@@ -79,6 +79,12 @@ class DataConfig:
         _require(
             0 <= self.validation_fraction < 1,
             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
+        )
+        # Both would hold the fraction out of training yet evaluate only the files: refused, not dropped.
+        _require(
+            not (self.validation_files and self.validation_fraction > 0),
+            f"data.validation_files and data.validation_fraction={self.validation_fraction}: choose one (held-out "
+            "files, or that fraction of data.files' documents); set data.validation_fraction=0 with validation_files",
         )
 
     @property

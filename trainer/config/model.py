@@ -109,23 +109,33 @@ class ModelConfig:
             model_fields,
         )
 
+        own = self.weights is not None and self.config == self.weights  # model.weights' own config.json
+        _require(
+            not own or (Path(self.config or "") / "config.json").is_file(),
+            f"model.weights={self.weights}: no config.json there, and model=hf builds the model its config.json "
+            "describes; give a directory written by transformers' save_pretrained, or model.config=<a config.json>",
+        )
         try:
             path = config_path(self.config or "")
             fields = model_fields(path)
             absent = absent_shape_fields(path)
         except HfConfigError as err:
-            raise ConfigError(str(err)) from None
+            own_file = own and err.path is not None
+            raise ConfigError(
+                f"model.weights={self.weights}: its config.json: {err.detail}" if own_file else str(err)
+            ) from None
+        source = f"model.weights={self.weights} (its config.json)" if own else f"model.config={path}"
         # The file is the model: a shape key set beside it would be dropped, so it is refused instead.
         defaults = ModelConfig.__dataclass_fields__
         for key in sorted(set(fields) & {*SHAPE_FIELDS.values(), "head_dim"}):
             _require(
                 getattr(self, key) == defaults[key].default,
-                f"model.{key}={getattr(self, key)} beside model=hf: the shapes come from model.config={self.config}; "
+                f"model.{key}={getattr(self, key)} beside model=hf: the shapes come from {source}; "
                 "edit that config.json, or drop the override",
             )
         if absent:
             warn(
-                f"model.config={path}: {', '.join(absent)} absent: transformers' defaults taken "
+                f"{source}: {', '.join(absent)} absent: transformers' defaults taken "
                 f"({', '.join(f'{k}={fields[SHAPE_FIELDS[k]]}' for k in absent)}), likely not the checkpoint's model"
             )
         for key, value in fields.items():

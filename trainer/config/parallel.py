@@ -14,6 +14,10 @@ from trainer.config.model import ModelConfig
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
+TP_SPLIT_KEYS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+"""The model's sizes every parallel.tp must divide (each rank holds whole heads and equal slices)."""
+
+
 @dataclass
 class ParallelConfig:
     """conf/parallel/*.yaml: model parallelism inside each data-parallel replica (trainer/rank/tensor_parallel.py).
@@ -91,7 +95,7 @@ class ParallelConfig:
         """Every rank must hold whole heads and equal slices (ColwiseParallel / RowwiseParallel shard evenly here)."""
         if self.tp == 1:
             return
-        tp, keys = self.tp, ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        tp, keys = self.tp, TP_SPLIT_KEYS
         values = [getattr(model, key) for key in keys]
         allowed = ", ".join(str(d) for d in range(1, min(values) + 1) if all(v % d == 0 for v in values))
         for key, value in zip(keys, values):

@@ -50,8 +50,9 @@ class TrainConfig:
 
     micro_batch: Any = 8
     """Sequences per rank per forward pass (an integer), or `auto`: the largest the plan says fits,
-    confirmed by probe runs (trainer/job.py `choose_micro_batch`), with grad_accum from global_batch
-    where that is given; the job replaces it by the integer before anything is planned or run."""
+    confirmed by probe runs (trainer/autobatch.py `choose_micro_batch`), with grad_accum from global_batch
+    where that is given (then grad_accum=N is refused), else the job's grad_accum and a global batch that
+    follows memory (said on the console); the job replaces it by the integer before anything is planned or run."""
     grad_accum: int = 1
     """Micro-batches per optimizer step; the global batch is micro_batch * grad_accum * world size."""
     seq_len: int = 128
@@ -173,6 +174,15 @@ class TrainConfig:
             _require(
                 self.global_batch is None or self.global_batch >= 1,
                 f"global_batch must be >= 1, got {self.global_batch}",
+            )
+            # With global_batch, auto derives grad_accum from it: an explicit one would be overridden.
+            # grad_accum's schema default (1) cannot be told from grad_accum=1, which is what auto may set.
+            _require(
+                self.global_batch is None
+                or self.grad_accum == TrainConfig.__dataclass_fields__["grad_accum"].default,
+                f"grad_accum={self.grad_accum} with micro_batch=auto and global_batch={self.global_batch}: auto sets "
+                "grad_accum to global_batch / (ranks x micro_batch); drop grad_accum, or drop "
+                "global_batch to keep it",
             )
             return
         if self.mode != Mode.advise:

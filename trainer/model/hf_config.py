@@ -32,7 +32,13 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 
 
 class HfConfigError(ValueError):
-    """A config.json zerolab cannot read or does not support (one line)."""
+    """A config.json zerolab cannot read or does not support (one line): `detail` about the file at
+    `path`, named as model.config unless the caller names it otherwise (model.weights' own config.json)."""
+
+    def __init__(self, detail: str, path: object = None) -> None:
+        super().__init__(detail if path is None else f"model.config={path}: {detail}")
+        self.detail = detail
+        self.path = path
 
 
 def config_path(value: str) -> Path:
@@ -41,9 +47,7 @@ def config_path(value: str) -> Path:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise HfConfigError(
-            f"model.config={value}: no such config.json (give the file or a directory holding one)"
-        )
+        raise HfConfigError("no such config.json (give the file or a directory holding one)", value)
     return path
 
 
@@ -52,9 +56,7 @@ def architecture(raw: dict[str, Any], path: Path) -> str:
     names = raw.get("architectures") or []
     if len(names) != 1 or names[0] not in SUPPORTED:
         found = ", ".join(names) if names else f"none (model_type {raw.get('model_type')})"
-        raise HfConfigError(
-            f"model.config={path}: architecture {found} is not supported; supported: {', '.join(SUPPORTED)}"
-        )
+        raise HfConfigError(f"architecture {found} is not supported; supported: {', '.join(SUPPORTED)}", path)
     return names[0]
 
 
@@ -79,9 +81,7 @@ def rope_fields(hf: Any, path: Path) -> dict[str, Any]:
     if kind == "default":
         return {**fields, "rope_scaling": "none"}
     if kind != "llama3":
-        raise HfConfigError(
-            f"model.config={path}: rope scaling {kind} is not supported; supported: llama3, none"
-        )
+        raise HfConfigError(f"rope scaling {kind} is not supported; supported: llama3, none", path)
     return {
         **fields,
         "rope_scaling": "llama3",
@@ -102,8 +102,9 @@ def refuse_unsupported(hf: Any, name: str, path: Path) -> None:
     for key, refused in unsupported.items():
         if refused:
             raise HfConfigError(
-                f"model.config={path}: {name} with {key}={getattr(hf, key)} is not supported "
-                "(zerolab's decoder: SwiGLU with silu, no biases but Qwen2's on q, k, v)"
+                f"{name} with {key}={getattr(hf, key)} is not supported "
+                "(zerolab's decoder: SwiGLU with silu, no biases but Qwen2's on q, k, v)",
+                path,
             )
 
 
@@ -134,18 +135,16 @@ def read_json(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise HfConfigError(
-            f"model.config={path}: not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+            f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}", path
         ) from None
     except UnicodeDecodeError:
-        raise HfConfigError(f"model.config={path}: not a UTF-8 text file") from None
+        raise HfConfigError("not a UTF-8 text file", path) from None
     if not isinstance(raw, dict):
-        raise HfConfigError(
-            f"model.config={path}: a JSON object of fields expected, got {type(raw).__name__}"
-        )
+        raise HfConfigError(f"a JSON object of fields expected, got {type(raw).__name__}", path)
     for key in SHAPE_FIELDS:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise HfConfigError(f"model.config={path}: {key} must be an integer >= 1, got {value!r}")
+            raise HfConfigError(f"{key} must be an integer >= 1, got {value!r}", path)
     return raw
 
 
@@ -163,7 +162,7 @@ def model_fields(path: Path) -> dict[str, Any]:
         hf = hf_config_class(name).from_json_file(str(path))
     except (TypeError, ValueError, KeyError) as err:  # transformers' own checks of the fields
         line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise HfConfigError(f"model.config={path}: transformers refuses it: {line}") from None
+        raise HfConfigError(f"transformers refuses it: {line}", path) from None
     refuse_unsupported(hf, name, path)
     heads = hf.num_attention_heads
     return {

@@ -129,25 +129,68 @@ def safetensors_files(weights: Path) -> list[Path]:
 
 def header_shapes(files: list[Path]) -> dict[str, tuple[list[int], Path]]:
     """Each tensor's shape and file, from the safetensors headers only (no tensor data is read)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     shapes: dict[str, tuple[list[int], Path]] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = (list(f.get_slice(key).get_shape()), path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = (list(f.get_slice(key).get_shape()), path)
+        except SafetensorError as err:  # what check_sizes does not catch: safetensors' own word, one line
+            raise ConfigError(
+                f"model.weights={path.parent}: {path.name} is not a readable safetensors file "
+                f"({str(err).splitlines()[0]}); give the files transformers' save_pretrained wrote"
+            ) from None
     return shapes
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header length and JSON header (the format: an 8-byte little-endian
+    length, then the header, then the tensors' bytes); ConfigError naming the file where it is cut
+    short or unreadable."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else None
+        if length is None or size < 8 + length:
+            raise ConfigError(
+                f"model.weights={path.parent}: {path.name} is truncated: {size} bytes, less than its "
+                f"header{'' if length is None else f' ({8 + length} bytes)'}; copy the file again"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise ConfigError(
+            f"model.weights={path.parent}: {path.name} has no safetensors header (not JSON); "
+            "give the files transformers' save_pretrained wrote"
+        )
+    return length, header
+
+
+def check_sizes(files: list[Path]) -> None:
+    """Each file holds the bytes its header promises: 8 + the header + the largest `data_offsets`
+    end (a copy cut short, which safetensors reports as a traceback, is named in one line)."""
+    for path in files:
+        length, header = read_header(path)
+        data = max(
+            (entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0
+        )
+        size = path.stat().st_size
+        if size < 8 + length + data:
+            raise ConfigError(
+                f"model.weights={path.parent}: {path.name} is truncated: {size} bytes, its header "
+                f"describes {8 + length + data}; copy the file again"
+            )
 
 
 def largest_tensor_bytes(files: list[Path]) -> int:
     """The bytes of the checkpoint's largest tensor as stored, from the headers only: each entry's
-    `data_offsets` (the safetensors format: an 8-byte little-endian header length, then the JSON
-    header; safe_open gives shapes and dtype names, not sizes)."""
+    `data_offsets` (safe_open gives shapes and dtype names, not sizes)."""
     largest = 0
     for path in files:
-        with path.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for key, entry in header.items():
+        for key, entry in read_header(path)[1].items():
             if key != "__metadata__":
                 largest = max(largest, entry["data_offsets"][1] - entry["data_offsets"][0])
     return largest
@@ -169,8 +212,9 @@ def fingerprint(files: list[Path]) -> str:
 
 def check_weights(config: ModelConfig) -> list[Path]:
     """`model.weights` against the model, from headers only: one ConfigError line for a directory
-    without safetensors, a config.json that is another model (naming the differing keys), and the
-    first missing, mis-shaped or unexpected tensor (naming it and both shapes). Its files on success."""
+    without safetensors, a shard missing, a file cut short, a config.json that is another model (naming
+    the differing keys), and the first missing, mis-shaped or unexpected tensor (naming it and both
+    shapes). Its files on success."""
     weights = Path(config.weights or "")
     files = safetensors_files(weights) if weights.is_dir() else []
     if not files:
@@ -178,6 +222,13 @@ def check_weights(config: ModelConfig) -> list[Path]:
             f"model.weights={weights}: no safetensors files there (model.safetensors, or shards with "
             f"{INDEX}); give a directory written by transformers' save_pretrained"
         )
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise ConfigError(
+            f"model.weights={weights}: {INDEX} names {missing[0]}, which is not there "
+            f"({len(missing)} of {len(files)} shards missing); copy the checkpoint again"
+        )
+    check_sizes(files)
     check_config_json(config, weights)
     check_shapes(config, weights, header_shapes(files))
     return files
@@ -192,7 +243,7 @@ def check_config_json(config: ModelConfig, weights: Path) -> None:
     try:
         fields = model_fields(weights / "config.json")
     except HfConfigError as err:
-        raise ConfigError(f"model.weights={weights}: {err}") from None
+        raise ConfigError(f"model.weights={weights}: its config.json: {err.detail}") from None
     here = {key: _value(getattr(config, key)) for key in fields} | {"head_dim": config.head_width}
     differing = [
         f"{key} ({value} there, {here[key]} here)" for key, value in fields.items() if value != here[key]

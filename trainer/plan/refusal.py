@@ -1,6 +1,6 @@
 """The refusal of a plan that does not fit, and its way out: the first few single changes
-(checkpointing, ZeRO stage, reducing every micro-batch, smaller micro-batches, offload, more GPUs)
-whose plans fit."""
+(checkpointing, ZeRO stage, reducing every micro-batch, smaller micro-batches, offload, more GPUs;
+under a pipeline, more stages or tensor parallelism, of sizes the config check allows) whose plans fit."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from typing import Any
 from trainer.config import (
     STAGE_REDUCE_EVERY,
     CheckpointMode,
+    ConfigError,
     OffloadTarget,
     ReduceEvery,
     SaveAsync,
     Stage,
     TrainConfig,
 )
+from trainer.config.composition import check_composition
+from trainer.layout import check_world, divisors, tp_sizes
 from trainer.plan.build import Plan, build_plan, describe
 from trainer.units import GIB
 
@@ -72,6 +75,8 @@ def single_changes(
             (f"micro_batch={mb} grad_accum={accum}", {"micro_batch": mb, "grad_accum": accum}, world_size)
         )
         factor *= 2
+    if c.parallel.pp > 1:  # the stage's unsharded parameters and gradient: split the stage
+        options += stage_splits(c, world_size)
     if device_kind == "cuda":
         # GPUs each bring their own memory (CPU ranks share one host, so more of them never helps).
         if c.offload.target == OffloadTarget.none:  # FSDP2's CPUOffloadPolicy: stage2 or stage3
@@ -98,6 +103,29 @@ def single_changes(
     return options
 
 
+def stage_splits(c: TrainConfig, world_size: int) -> list[tuple[str, dict[str, Any], int]]:
+    """A pipeline's smaller stages on the same ranks: more stages (parallel.pp), or the stage's tensors
+    split over more ranks (parallel.tp); only sizes the config check allows (`allowed`)."""
+    nproc = world_size // c.nodes
+    pps = [n for n in divisors(world_size // c.parallel.tp) if n > c.parallel.pp]
+    tps = [t for t in tp_sizes(c.model, nproc) if t > c.parallel.tp]
+    options = [(f"parallel.pp={n}", {"parallel__pp": n}, world_size) for n in pps]
+    options += [(f"parallel.tp={t}", {"parallel__tp": t}, world_size) for t in tps]
+    return [option for option in options if allowed(_changed(c, **option[1]), world_size)]
+
+
+def allowed(config: TrainConfig, world_size: int) -> bool:
+    """Whether the config check and the job's world check accept `config` (a way out must be valid)."""
+    try:
+        config.parallel.check_model(config.model, config.seq_len)
+        check_composition(config)
+        config.parallel.check_pipeline(config.model, config.grad_accum)
+        check_world(config, world_size // config.nodes, config.nodes)
+    except ConfigError:
+        return False
+    return True
+
+
 def fits_text(plan: Plan) -> str:
     """The figure an option is judged by: reserved memory on a GPU, the tensor peak on CPU."""
     if plan.device_kind == "cuda":
@@ -117,10 +145,17 @@ def way_out(plan: Plan) -> str:
         fitting = fitting_changes(plan, savers)
     if fitting:
         return f"Try {', or '.join(fitting)}, or plan.enforce=false to try anyway."
-    return (
-        f"Nothing simple fits ({binding_cause(plan)}): a smaller model or more memory per rank, or "
-        "plan.enforce=false to try anyway."
-    )
+    return f"Nothing simple fits ({binding_cause(plan)}): {larger_ways(plan)}, or plan.enforce=false to try anyway."
+
+
+def larger_ways(plan: Plan) -> str:
+    """What is left when no change fits: under a pipeline, its stages split over more ranks (naming the
+    valid sizes, which alone do not fit on these ranks), else more memory."""
+    if plan.pipeline is None:
+        return "a smaller model or more memory per rank"
+    splits = [text for text, _, _ in stage_splits(plan.config, plan.world_size)]
+    alone = f" ({' or '.join(splits)} on these ranks do not fit alone)" if splits else ""
+    return f"a smaller model, more ranks for more pipeline stages or tensor parallelism{alone}, or more memory per rank"
 
 
 def fitting_changes(plan: Plan, bases: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -153,11 +188,24 @@ def binding_cause(plan: Plan) -> str:
     if plan.device_kind == "cuda":
         least["offload__target"] = OffloadTarget.cpu
     floor = build_plan(_changed(c, **least), plan.device_kind, plan.world_size)
-    return cause_of(floor.worst.peak.parts, floor.fits, floor.host_fits, floor.host.need_bytes)
+    stage = (
+        sum(floor.pipeline.within_step[floor.worst_stage])
+        if floor.pipeline and floor.pipeline.within_step
+        else 0
+    )
+    return cause_of(floor.worst.peak.parts, floor.fits, floor.host_fits, floor.host.need_bytes, stage)
 
 
-def cause_of(parts: dict[str, int], device_fits: bool | None, host_fits: bool | None, host_need: int) -> str:
-    """One clause naming what binds a configuration that does not fit (mode=plan's refusal and mode=advise)."""
+def cause_of(
+    parts: dict[str, int],
+    device_fits: bool | None,
+    host_fits: bool | None,
+    host_need: int,
+    stage_unsharded: int = 0,
+) -> str:
+    """One clause naming what binds a configuration that does not fit (mode=plan's refusal and mode=advise).
+    `stage_unsharded`: under a pipeline, the bytes of the worst stage's parameters and gradient that
+    PipelineStage holds unsharded within the step (part of `temporary`), which then names that part."""
     if device_fits is not False and host_fits is False:
         return (
             f"what binds: host memory (a node needs {host_need / GIB:.0f} GiB of it, plan.host_memory_gib: more "
@@ -174,16 +222,27 @@ def cause_of(parts: dict[str, int], device_fits: bool | None, host_fits: bool | 
             activations,
             f"activations ({activations / GIB:.1f} GiB at micro_batch 1 with full checkpointing: a shorter seq_len)",
         ),
-        (
-            temporary,
-            f"per-block buffers ({temporary / GIB:.1f} GiB: FSDP2's gathered blocks, a block's unsharded gradient "
-            "and the loss's temporaries, which more ranks do not shrink: a device with more memory, or smaller blocks)",
-        ),
+        (temporary, temporary_clause(temporary, stage_unsharded)),
     ]
     clauses.sort(key=lambda clause: -clause[0])
     # The largest part binds; a second one at least half its size binds too (removing one is not enough).
     binding = [text for size, text in clauses[:2] if size >= clauses[0][0] / 2]
     return "what binds: " + ", and ".join(binding)
+
+
+def temporary_clause(temporary: int, stage_unsharded: int) -> str:
+    """What the plan's `temporary` part holds, and what shrinks it."""
+    if stage_unsharded * 2 >= temporary:  # a pipeline whose stage's unsharded tensors are most of it
+        return (
+            f"the stage's unsharded parameters and gradient ({stage_unsharded / GIB:.1f} of {temporary / GIB:.1f} "
+            "GiB of buffers: PipelineStage gathers the stage's parameters and accumulates its whole gradient "
+            "unsharded within the step, which more data-parallel ranks do not shrink: more pipeline stages or "
+            "tensor parallelism split the stage)"
+        )
+    return (
+        f"per-block buffers ({temporary / GIB:.1f} GiB: FSDP2's gathered blocks, a block's unsharded gradient "
+        "and the loss's temporaries, which more ranks do not shrink: a device with more memory, or smaller blocks)"
+    )
 
 
 # ----------------------------------------------------------------------------- the host

@@ -15,7 +15,8 @@ BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parq
 
 
 def check_files(files: list[str], key: str) -> list[Path]:
-    """The files as paths; ConfigError naming `key` for a missing file or an unknown suffix."""
+    """The files as paths; ConfigError naming `key` for a missing or empty (0-byte) file or an unknown
+    suffix (an empty json file is a StopIteration traceback in `datasets`' builder)."""
     paths = []
     for name in files:
         path = Path(name).expanduser()
@@ -23,6 +24,8 @@ def check_files(files: list[str], key: str) -> list[Path]:
             raise ConfigError(f"{key}: {name} does not exist")
         if path.suffix not in BUILDERS:
             raise ConfigError(f"{key}: {name} has suffix {path.suffix!r}; allowed: {', '.join(BUILDERS)}")
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{key}: {name} is empty (0 bytes); list files that hold documents")
         paths.append(path)
     return paths
 

@@ -152,6 +152,46 @@ def test_a_directory_without_safetensors_is_one_line(tmp_path: Path) -> None:
     )
 
 
+def test_a_truncated_safetensors_file_is_named_with_its_sizes(
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Issue 60: a copy cut short was safetensors' traceback; its header says how long the file must be."""
+    source = checkpoints["LlamaForCausalLM"][0]
+    cut = copy_checkpoint(source, tmp_path / "cut", {})
+    whole = (source / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(whole[:8], "little")
+    (cut / "model.safetensors").write_bytes(whole[: len(whole) - 1000])
+    assert refusal(cut) == (
+        f"model.weights={cut}: model.safetensors is truncated: {len(whole) - 1000} bytes, its header describes "
+        f"{len(whole)}; copy the file again"
+    )
+    (cut / "model.safetensors").write_bytes(whole[: header - 1])
+    assert refusal(cut) == (
+        f"model.weights={cut}: model.safetensors is truncated: {header - 1} bytes, less than its header "
+        f"({header} bytes); copy the file again"
+    )
+
+
+def test_model_weights_own_config_json_is_named_as_model_weights(
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Issue 60: model=hf with model.weights alone reads its config.json; a bad one names model.weights."""
+    weights = copy_checkpoint(checkpoints["LlamaForCausalLM"][0], tmp_path / "w", {})
+    (weights / "config.json").write_text('{"architectures": ')
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(name="hf", weights=str(weights))
+    assert str(err.value) == (
+        f"model.weights={weights}: its config.json: not valid JSON: Expecting value at line 1 column 19"
+    )
+    (weights / "config.json").unlink()
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(name="hf", weights=str(weights))
+    assert str(err.value) == (
+        f"model.weights={weights}: no config.json there, and model=hf builds the model its config.json describes; "
+        "give a directory written by transformers' save_pretrained, or model.config=<a config.json>"
+    )
+
+
 # ----------------------------------------------------------------------------- export's config.json
 
 

@@ -119,6 +119,34 @@ def test_txt_paragraphs_parquet_records_and_their_errors(tmp_path: Path) -> None
         check_files([str(tmp_path / "c.csv")], "data.files")
 
 
+def test_a_0_byte_file_is_one_line_in_the_job_and_in_make_tokens(
+    corpus: tuple[Path, list[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 60: a 0-byte .jsonl was `generator raised StopIteration` from datasets' json builder."""
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError) as err:
+        check_files([str(corpus[0]), str(tmp_path / "empty.jsonl")], "data.files")
+    assert (
+        str(err.value)
+        == f"data.files: {tmp_path / 'empty.jsonl'} is empty (0 bytes); list files that hold documents"
+    )
+    with pytest.raises(SystemExit) as exit:
+        main(
+            [
+                "make-tokens",
+                "--tokenizer",
+                str(corpus[2]),
+                str(tmp_path / "empty.jsonl"),
+                str(tmp_path / "cache"),
+            ]
+        )
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m trainer.data: error: FILES: {tmp_path / 'empty.jsonl'} is empty (0 bytes); list files that "
+        "hold documents"
+    )
+
+
 def test_windows_documents_and_the_held_out_split(
     corpus: tuple[Path, list[str], Path], tmp_path: Path
 ) -> None:
