@@ -162,3 +162,19 @@ def test_tp_bytes_per_collective_per_stage_and_sends_equal_the_plan(
     for stage, planned in enumerate(plan["comm"]["p2p"]["sent_bytes_per_step"]):
         # each stage's figure is its ranks' mean; every TP rank sends its sequence shard
         assert first[f"comm/pp/stage{stage}/sent_bytes_per_step"] == planned, (name, stage)
+
+
+def test_held_out_loss_through_the_schedule_equals_one_rank(tmp_path: Path) -> None:
+    """eval.every under tp=2 x pp=2: the held-out micro-batches go through the schedule's forward only (torch's
+    eval()), the last stage's loss on every stage; losses and `loss/val` equal one rank's within 1e-5 (4 steps,
+    evaluated at steps 2 and 4), and the evaluation leaves the step's pipeline figures alone."""
+    short = ("steps=4", "precision=fp32", "optim.warmup_steps=2", "eval.every=2", "grad_accum=4", "save=off")
+    one = job(tmp_path / "one", "nproc=1", *short)
+    three_d = job(tmp_path / "3d", *TP2_PP2, *short)
+    for key in ("loss/train", "loss/val"):
+        ours = [r[key] for r in three_d.records if key in r]
+        theirs = [r[key] for r in one.records if key in r]
+        assert len(ours) == len(theirs) == (4 if key == "loss/train" else 2), (key, ours, theirs)
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-5, (key, ours, theirs)
+    sent = [r["comm/pp/stage0/sent_bytes_per_step"] for r in three_d.records]
+    assert len(set(sent)) == 1, sent  # eval steps (2, 4) send what the others do

@@ -93,11 +93,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.pp=2 with model.tie_embeddings=true is not supported; the embedding (first stage) and the "
         "head (last stage) cannot share one weight; use a model without tied embeddings or parallel.pp=1",
     ),
-    "parallel.pp x eval.every": (
-        PP,
-        ("eval.every=10",),
-        "parallel.pp=2 with eval.every is not supported; use eval.every=0 or parallel.pp=1",
-    ),
     "parallel.pp x fault.kind": (
         PP,
         ("fault.kind=nan_loss",),
@@ -180,13 +175,15 @@ def test_each_row_refuses_in_its_one_line(name: str) -> None:
         compose_config(*composes, *setting)
 
 
-@pytest.mark.parametrize("setting", ["compile=true", "precision=fp8", "parallel.tp=2"])
+@pytest.mark.parametrize("setting", ["compile=true", "precision=fp8", "parallel.tp=2", "eval.every=2"])
 def test_the_pipeline_takes_what_parallelize_applies_per_stage(setting: str) -> None:
     """No row for parallel.pp with compile=true, precision=fp8 or parallel.tp: each stage goes through the same
     parallelize as a whole model (trainer/rank/parallelize.py); tests/integration/test_pipeline.py trains the
-    first two, tests/integration/test_3d.py tensor-parallel stages."""
+    first two, tests/integration/test_3d.py tensor-parallel stages and their held-out loss (eval.every, through
+    the schedule's forward)."""
     config = compose_config(*PP, setting, "nproc=4")
-    assert config.parallel.pp == 2 and (config.compile or config.precision.is_fp8 or config.parallel.tp == 2)
+    assert config.parallel.pp == 2
+    assert config.compile or config.precision.is_fp8 or config.parallel.tp == 2 or config.eval.every == 2
     assert first_refusal(config) is None
 
 

@@ -172,13 +172,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "eval.every",
-        lambda c: c.eval.every > 0,
-        "not yet built: the held-out pass runs a whole model's forward; a pipeline's would run the schedule's",
-        "use eval.every=0",
-    ),
-    Refusal(
-        PP,
         "fault.kind",
         lambda c: c.fault.kind != FaultKind.none,
         "not yet built: the drills inject into the loop's own loss (trainer/rank/loop.py inject_fault); a "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainer.config import TrainConfig
 from trainer.data import to_device
+from trainer.rank.pipeline import Pipeline, pipeline_evaluate
 from trainer.rank.precision import build_autocast
 from trainer.rank.tensor_parallel import local_loss, loss_context
 from trainer.world import World
@@ -42,9 +43,16 @@ def evaluate(
     config: TrainConfig,
     world: World,
     compute_loss: LossFn,
+    pipeline: Pipeline | None = None,
 ) -> float:
     """The mean loss over every rank's held-out micro-batches (a collective: every rank calls it);
-    `compute_loss` is the loop's own (trainer/rank/loop.py), so eval takes training's loss."""
+    `compute_loss` is the loop's own (trainer/rank/loop.py), so eval takes training's loss. Under
+    parallel.pp the micro-batches go through the schedule's forward (`pipeline_evaluate`), and every stage of
+    a pipeline holds their sum, as every rank of a TP group does."""
+    if pipeline is not None:
+        total = pipeline_evaluate(pipeline, batches, config, world)
+        dist.all_reduce(total)
+        return total.item() / (len(batches) * world.world_size)
     total = torch.zeros((), dtype=torch.float64, device=world.device)
     with (
         torch.no_grad(),

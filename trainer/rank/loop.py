@@ -165,7 +165,7 @@ def train(
         stopping = bool(stop.agreed) and step < config.steps  # agreed with the non-finite flags
         meter.update(dataclasses.replace(stats, nonfinite_skipped=guard.skipped))  # device tensors, no sync
         if evaluates_now(config, step):  # a log step too (Meter.should_log): the record carries it
-            meter.val_loss = evaluate(trainee.model, held_out, config, world, compute_loss)
+            meter.val_loss = evaluate(trainee.model, held_out, config, world, compute_loss, trainee.pipeline)
         if meter.should_log(step) or stopping:
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,

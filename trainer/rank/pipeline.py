@@ -90,6 +90,17 @@ class StageClock:
         yield
         self.add(what, time.perf_counter() - began)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs inside is not this window's (the held-out pass, eval.every): its forwards' time and
+        sends are dropped, so the step's idle share and bytes stay the training step's."""
+        compute_s, step_s, sent, events = self.compute_s, self.step_s, self.sent_bytes, len(self.events)
+        try:
+            yield
+        finally:
+            self.compute_s, self.step_s, self.sent_bytes = compute_s, step_s, sent
+            del self.events[events:]
+
     def add(self, what: str, seconds: float) -> None:
         if what == "compute":
             self.compute_s += seconds
@@ -267,3 +278,32 @@ def pipeline_forward_backward(
     loss_sum = pipeline.loss.unscaled(losses) if pipeline.last else torch.zeros((), device=world.device)
     dist.all_reduce(loss_sum, group=pipeline.group)  # the last stage's figure, on every stage
     return loss_sum, data_s
+
+
+def pipeline_evaluate(
+    pipeline: Pipeline, batches: list[tuple[torch.Tensor, ...]], config: TrainConfig, world: World
+) -> torch.Tensor:
+    """The summed loss of this rank's held-out micro-batches through the schedule's forward only (torch's
+    `eval()`: the step's order without backwards), grad_accum micro-batches a call as training streams them;
+    the last stage's sum, on every stage of the pipeline (trainer/rank/evaluate.py divides)."""
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    m = config.grad_accum
+    with (
+        torch.no_grad(),
+        pipeline.clock.paused(),
+        build_autocast(config.precision, config.zero, world.device),
+        loss_context(config.parallel.tp),
+    ):
+        for start in range(0, len(batches), m):
+            micro = [[to_device(t, world.device) for t in batch] for batch in batches[start : start + m]]
+            inputs, targets = (torch.cat([b[i] for b in micro]) for i in (0, 1))
+            losses: list[torch.Tensor] = []
+            pipeline.schedule.eval(
+                *((inputs,) if pipeline.first else ()),
+                target=targets if pipeline.last else None,
+                losses=losses,
+            )
+            if pipeline.last:
+                total += pipeline.loss.unscaled(losses).double()
+    dist.all_reduce(total, group=pipeline.group)
+    return total
