@@ -149,11 +149,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("precision=fp8",),
         "parallel.tp=2 with precision=fp8 is not supported; use precision=bf16 or parallel.tp=1",
     ),
-    "parallel.tp x data.packing=document": (
-        (*TP, *TEXT),
-        ("data.packing=document",),
-        "parallel.tp=2 with data.packing=document is not supported; use data.packing=concat or parallel.tp=1",
-    ),
 }
 
 

@@ -254,13 +254,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "tensor-parallel styles are not used here)",
         "use precision=bf16",
     ),
-    Refusal(
-        TP,
-        "data.packing=document",
-        _document_packing,
-        "not yet proven: the block-causal mask's attention under sequence parallelism",
-        "use data.packing=concat",
-    ),
 )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from trainer.config import TrainConfig
 from trainer.model.fp8 import converted_numel
 from trainer.plan.activations import sequence_shards
 from trainer.plan.moments import (
@@ -64,8 +65,23 @@ def tp_moments(ctx: StepContext) -> list[Moment]:
             activations=acts.batch,
             temporary=fixed + 4 * vd + embedding_backward(ctx),
         ),
-        ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)),
+        # the embedding's gradient is whole by now (`replicated_embedding_gradient`)
+        ctx.moment(
+            "optimizer step",
+            grads=ctx.states.grads + replicated_embedding_gradient(ctx.config, 4),
+            temporary=optimizer_temporary(ctx),
+        ),
     ]
+
+
+def replicated_embedding_gradient(config: TrainConfig, width: int) -> int:
+    """What a TP rank's embedding gradient holds beyond its shard: torch's DTensor embedding backward
+    (RowwiseParallel over the vocabulary, torch 2.13) returns the weight's gradient Replicate, the whole
+    V·D table on every TP rank, `width` bytes an element (measured on 2 gloo ranks: a [512, 128] Replicate
+    gradient for a [256, 128] Shard(0) weight; at the optimizer step of tp=2 stage0, the plan less it was
+    131,072 bytes short of the measured peak). `config` is one TP rank's (its vocab_size is V / tp)."""
+    tp = config.parallel.tp
+    return width * config.model.vocab_size * config.model.dim * (tp - 1)
 
 
 def parallel_loss_temporary(ctx: StepContext) -> int:

@@ -77,8 +77,8 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, Any]:
         "feed_forward.w3": ColwiseParallel(),
     }
     if sp:  # the norm's sequence shard is gathered whole before the column-parallel layers
-        # attention(x, cos, sin, mask): only x is a sequence-sharded activation (the mask, data.packing=document,
-        # is refused with tp > 1, so it is None here)
+        # attention(x, cos, sin, mask): only x is a sequence-sharded activation; the block-causal mask
+        # (data.packing=document) is the whole sequence's on every TP rank, which read the same documents
         plan["attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
