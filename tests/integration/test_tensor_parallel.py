@@ -1,7 +1,7 @@
 """Tensor parallelism (parallel.tp=2, sequence parallelism on) composed with ZeRO, on CPU ranks.
 
 One job per configuration, shared by the module: tp=2 on 2 ranks (dp 1) at stage0, and on 4 ranks (dp 2)
-at stage2 and stage3, each against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
+at stage2 and stage3 (and stage3 with offload=cpu), each against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
 per-step losses within 1e-5; the bytes of every collective in the tp and dp (shard) groups as planned; the
 stage3 run's save resumes at tp=1 on 4 data-parallel ranks.
 """
@@ -24,6 +24,8 @@ CONFIGS = {
     "tp2 dp1 stage0": ("nproc=2", "micro_batch=8", "zero=stage0", "save=off"),
     "tp2 dp2 stage2": ("nproc=4", "micro_batch=4", "zero=stage2", "save=off"),
     "tp2 dp2 stage3": ("nproc=4", "micro_batch=4", "zero=stage3", "save.every=4"),
+    # FSDP2's CPUOffloadPolicy on the 2-D (dp, tp) shards: the states on the host, the same collectives
+    "tp2 dp2 stage3 offload": ("nproc=4", "micro_batch=4", "zero=stage3", "offload=cpu", "save=off"),
 }
 
 
@@ -87,7 +89,7 @@ def test_a_tp_save_resumes_at_tp1_on_four_data_parallel_ranks(
     """The step-4 save of tp=2 dp=2 (DTensors sharded over the 2-D mesh) goes on at tp=1 dp=4, the same global
     batch: DCP reshards; steps 5-8 as the uninterrupted run's, within test_resume.py's reshard tolerance (rel 1e-5)."""
     name, run = tp_run
-    if "stage3" not in name:
+    if "save.every=4" not in CONFIGS[name]:
         pytest.skip("the stage3 run saves")
     save = run.out_dir / "checkpoints" / "step_00000004"
     resumed = job(tmp_path / "run", "nproc=4", "micro_batch=2", "zero=stage3", "save=off", f"resume={save}")

@@ -98,11 +98,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("fault.kind=nan_loss",),
         "parallel.pp=2 with fault.kind is not supported; use fault.kind=none or parallel.pp=1",
     ),
-    "parallel.tp x offload=cpu": (
-        (*TP, "zero=stage3"),
-        ("offload=cpu",),
-        "parallel.tp=2 with offload=cpu is not supported; use offload=none or parallel.tp=1",
-    ),
     "parallel.tp x loss=chunked": (
         TP,
         ("loss=chunked",),

@@ -180,13 +180,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "offload=cpu",
-        lambda c: c.offload.target != OffloadTarget.none,
-        "not yet proven: FSDP2's CPUOffloadPolicy on tensor-parallel DTensor shards",
-        "use offload=none",
-    ),
-    Refusal(
-        TP,
         "loss=chunked",
         lambda c: c.loss.kind == LossKind.chunked,
         "not yet built: loss_parallel takes the cross-entropy of logits sharded over the vocabulary; the "
