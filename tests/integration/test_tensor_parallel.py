@@ -1,7 +1,8 @@
 """Tensor parallelism (parallel.tp=2, sequence parallelism on) composed with ZeRO, on CPU ranks.
 
 One job per configuration, shared by the module: tp=2 on 2 ranks (dp 1) at stage0, and on 4 ranks (dp 2)
-at stage2 and stage3 (and stage3 with offload=cpu), each against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
+at stage2 and stage3 (and stage3 with offload=cpu), and on 8 (HSDP: 2 replicas of 2 shards) at stage3, each
+against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
 per-step losses within 1e-5; the bytes of every collective in the tp and dp (shard) groups as planned; the
 stage3 run's save resumes at tp=1 on 4 data-parallel ranks.
 """
@@ -26,6 +27,8 @@ CONFIGS = {
     "tp2 dp2 stage3": ("nproc=4", "micro_batch=4", "zero=stage3", "save.every=4"),
     # FSDP2's CPUOffloadPolicy on the 2-D (dp, tp) shards: the states on the host, the same collectives
     "tp2 dp2 stage3 offload": ("nproc=4", "micro_batch=4", "zero=stage3", "offload=cpu", "save=off"),
+    # HSDP beside TP: the mesh (dp_replicate 2, dp_shard 2, tp 2) on 8 ranks, FSDP2 over its two dp dims
+    "tp2 hsdp 2x2 stage3": ("nproc=8", "micro_batch=2", "zero=stage3", "zero.shard_ranks=2", "save=off"),
 }
 
 
@@ -51,6 +54,23 @@ def test_losses_equal_one_rank_of_the_same_global_batch(tp_run: tuple[str, Run],
     assert worst < 1e-5, (name, run.losses, reference.losses)
 
 
+def test_composed_pairs_peaks_within_half_a_percent_of_their_plans(tp_run: tuple[str, Run]) -> None:
+    """The pairs this module added to TP's (offload=cpu, HSDP): every rank's measured peak within 0.5% of its
+    plan (the other points' peaks: test_tensor_parallel_plan.py)."""
+    name, run = tp_run
+    if "offload" not in name and "hsdp" not in name:
+        pytest.skip("test_tensor_parallel_plan.py holds TP's own points")
+    for rank in json.loads((run.out_dir / "plan.json").read_text())["ranks"]:
+        key = f"memory/rank{rank['rank']}/peak_allocated_gib"
+        measured = max(r[key] for r in run.records if key in r)
+        assert abs(rank["peak_gib"] - measured) / measured < 0.005, (
+            name,
+            rank["rank"],
+            rank["peak_gib"],
+            measured,
+        )
+
+
 def test_plan_json_names_the_tp_group(tp_run: tuple[str, Run]) -> None:
     name, run = tp_run
     groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
@@ -62,7 +82,8 @@ def loop_bytes(group: str, default_group: str, world: int) -> int:
     (world + 2 fp32 flags) on the default group; clipping's fp32 norm per parameter tensor in each group
     the DTensor parameters are sharded over (tp, and dp's `shard` under FSDP2)."""
     tensors = len(model_shape(ModelConfig()).order)
-    return 4 * tensors + (4 * (world + 2) if group == default_group else 0)
+    clipping = 4 * tensors if group in ("tp", "shard") else 0  # HSDP's replicate dim holds whole shards
+    return clipping + (4 * (world + 2) if group == default_group else 0)
 
 
 def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) -> None:
@@ -70,8 +91,11 @@ def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) 
     name, run = tp_run
     groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
     world = int(CONFIGS[name][0].removeprefix("nproc="))
-    default_group = "tp" if world == 2 else "shard"
-    assert set(groups) == ({"tp"} if world == 2 else {"tp", "shard"}), name
+    hsdp = "zero.shard_ranks=2" in CONFIGS[name]
+    # the group whose mesh is every rank (the non-finite agreement's): none of the plan's under HSDP
+    default_group = "tp" if world == 2 else "world" if hsdp else "shard"
+    expected = {"tp"} | ({"shard"} if world > 2 else set()) | ({"replicate"} if hsdp else set())
+    assert set(groups) == expected, name
     first = run.records[0]
     assert first["step"] == 1
     for rank in range(world):

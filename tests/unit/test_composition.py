@@ -109,11 +109,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero=stage1",),
         "parallel.tp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.tp=1",
     ),
-    "parallel.tp x zero.shard_ranks": (
-        (*TP, "zero=stage3"),
-        ("zero.shard_ranks=2",),
-        "parallel.tp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.tp=1",
-    ),
     "parallel.tp x zero.hpz_ranks": (
         (*TP, "zero=stage3"),
         ("zero.hpz_ranks=2",),

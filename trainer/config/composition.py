@@ -196,13 +196,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "zero.shard_ranks",
-        lambda c: c.zero.shard_ranks is not None,
-        "not yet proven: HSDP's shard groups beside the tensor-parallel dim",
-        "use zero.shard_ranks=null",
-    ),
-    Refusal(
-        TP,
         "zero.hpz_ranks",
         lambda c: c.zero.hpz_ranks is not None,
         "not yet proven: hpZ's secondary groups beside the tensor-parallel dim",
