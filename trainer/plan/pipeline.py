@@ -251,6 +251,9 @@ class Pipeline:
     within_step: tuple[tuple[int, int], ...] = ()
     """Per pipeline rank, what PipelineStage's accumulation holds from its first backward to the step's end
     beyond the rank's states at rest: (unsharded parameters, unsharded gradient) bytes (pipeline_walk.py)."""
+    backwards: tuple[tuple[InFlight, ...], ...] = ()
+    """Per pipeline rank, every backward's start in its schedule's order: the walk plans each (pipeline_walk.py),
+    as a later one's blocks can be held otherwise than at the worst one by activations (`in_flight`)."""
 
     @property
     def bubble(self) -> float:
@@ -329,7 +332,7 @@ def build_pipeline(
         s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast, casts).total
         for s in range(p.stages)
     }
-    in_flight, forward_peaks, first_backwards, buffers = [], [], [], []
+    in_flight, forward_peaks, first_backwards, buffers, backwards = [], [], [], [], []
     for rank in range(p.pp):
         mine = rank_stages(p, rank)
         order = schedule_order(p, m, rank)
@@ -343,6 +346,7 @@ def build_pipeline(
         in_flight.append(worst_of(moments, per_stage, rank_growth))
         forward_peaks.append(worst_of(moments, per_stage, rank_growth, forward=True))
         first_backwards.append(next(moment for moment in moments if not moment.forward))
+        backwards.append(tuple(moment for moment in moments if not moment.forward))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)
         buffers.append(receives * m * boundary)  # one per micro-batch, allocated once (module docstring)
     activations = tuple(per_stage[s] for s in range(p.stages))
@@ -355,6 +359,7 @@ def build_pipeline(
         tuple(first_backwards),
         activations,
         tuple(buffers),
+        backwards=tuple(backwards),
     )
 
 

@@ -2,18 +2,19 @@
 
 The moments are the last block of the forward that ends holding the most (`pipeline.worst_of` with
 forward=True: under interleaving a forward after backwards of the rank's other stage, beside that stage's
-unsharded parameters and the gradient accumulated so far); those of the micro-batch whose backward starts
-holding the most (`pipeline.worst_of`): the other micro-batches' stages held beside it, its loss where
-the stage has the head, the start of its last block's backward; the step's first backward at its stage's
-first block, its later blocks' gradients made; then the optimizer step. Throughout, the stage holds its model
-states, its send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's
-accumulation keeps: the unsharded gradient of the stage (every backward but the last runs without gradient
-sync), under autocast the cached casts of its weights, and under FSDP2 its parameters unsharded
-(set_reshard_after_backward(False)).
+unsharded parameters and the gradient accumulated so far; under sequence parallelism at w2's reduce-scatter
+where that holds more than the residual add); the loss of the micro-batch whose backward starts holding the
+most activations (`pipeline.worst_of`) where the stage has the head; the worst of every backward's start of its
+last block (the other micro-batches' stages held beside it; at stage3 over dp > 1 the block below prefetched)
+and of every backward's reach of its stage's first block (the first backward's later blocks' gradients made, a
+later one's whole gradient held); then the optimizer step. Throughout, the stage holds its model states, its
+send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's accumulation keeps:
+the unsharded gradient of the stage (every backward but the last runs without gradient sync), under autocast
+the cached casts of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
 
-Not modelled: the forward's own temporaries inside a block but those at its last residual add (under
-interleaving a forward can be the peak), and the stage-2/3 all-gather buffers of one block beside the
-unsharded stage (FSDP2 frees them once copied out).
+Not modelled: the forward's own temporaries inside a block but those at its last residual add and (SP) w2's
+reduce-scatter (under interleaving a forward can be the peak), and in a forward the stage-2/3 all-gather
+buffer of one block beside the unsharded stage (FSDP2 frees it once copied out).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainer.config import LossKind, Stage, TrainConfig
-from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts
+from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
 from trainer.plan.loss import loss_backward_temporary, loss_forward_temporary
 from trainer.plan.moments import (
@@ -51,6 +52,7 @@ from trainer.plan.states import ModelShape, RankStates, rank_states
 from trainer.plan.tp_walk import (
     parallel_loss_backward_temporary,
     parallel_loss_temporary,
+    replicated_embedding_gradient,
     sequence_gather_temporary,
 )
 
@@ -63,10 +65,11 @@ class Forward(NamedTuple):
     last: bool
 
 
-class FirstBackward(NamedTuple):
-    """The step's first backward on a rank, when it reaches its stage's first block (a stage of several):
-    the moment, the stage's activations, whether it has the head, its blocks, and the gradients its later
-    blocks (and, on the last stage, the final norm and head) have made by then."""
+class Backward(NamedTuple):
+    """A backward on a rank: the moment of its start, its stage's activations, whether that stage has the head,
+    its blocks, and in the step's first backward the gradients its later blocks (and, on the last stage, the
+    final norm and head) have made by the time it reaches its stage's first block (0 in a later one, which
+    holds the whole accumulated gradient)."""
 
     moment: InFlight
     acts: Activations
@@ -85,15 +88,6 @@ class Kept:
     growth: int
     grads_at_rest: bool
     block: int = 0  # stage3: the block whose forward or backward runs, unsharded (FSDP2 reshards it after)
-
-
-def replicated_embedding_gradient(config: TrainConfig, width: int) -> int:
-    """What a TP rank's embedding gradient holds beyond its shard: torch's DTensor embedding backward
-    (RowwiseParallel over the vocabulary, torch 2.13) returns the weight's gradient Replicate, the whole
-    V·D table on every TP rank, `width` bytes an element (measured on 2 gloo ranks: a [512, 128] Replicate
-    gradient for a [256, 128] Shard(0) weight). `config` is one TP rank's (its vocab_size is V / tp)."""
-    tp = config.parallel.tp
-    return width * config.model.vocab_size * config.model.dim * (tp - 1)
 
 
 def kept(
@@ -140,39 +134,102 @@ def stage_output(acts: Activations, last: bool) -> int:
     return 0 if last else acts.head
 
 
-def first_block_moment(ctx: StepContext, keeps: Kept, first: FirstBackward) -> Moment:
-    """The first backward at its stage's first block, where the stage's gradients are made during the step
-    (FSDP2, one rank per stage; not DDP's buckets): the gradients of its later blocks made, and at stage3 every
-    block unsharded (each backward leaves its block so, set_reshard_after_backward(False)), where the later
-    blocks' activations and the stage's output are freed. Measured with MemTracker on GPipe's stages at
-    zero=stage3 fp32, where it is the peak: both blocks unsharded, the later one's gradients beside w2's."""
-    fsdp = ctx.config.zero.uses_fsdp
-    weight_grad = ctx.prec.param if fsdp else 4  # FSDP2's gradient in its param dtype, else the fp32 .grad
-    made = first.made + block_backward_temporary(ctx, weight_grad, weight_grad_held=True)
-    temporary = keeps.always + first.moment.kept + keeps.block * first.blocks + made
-    output = stage_output(first.acts, first.last) if first.moment.output_sent else 0  # else freed by now
+def first_block_moment(ctx: StepContext, keeps: Kept, first: Backward) -> Moment:
+    """A backward at its stage's first block, where the stage's gradients are made during the step (FSDP2, one
+    rank per stage; not DDP's buckets), and at stage3 every block unsharded (each backward leaves its block so,
+    set_reshard_after_backward(False)), where the later blocks' activations are freed, not the stage's output.
+    The step's first backward has its later blocks' gradients made (`first.made`), w2's beside them. Measured
+    with MemTracker on GPipe's stages at zero=stage3 fp32, where it is the peak: both blocks unsharded, the later
+    one's gradients beside w2's. A later backward holds the stage's whole gradient (`Kept.growth`) and adds w2's
+    new one into it (`weight_gradient`): measured on Schedule1F1B's first stage at zero=stage3 fp32, dp 1,
+    micro_batch 1, where it is the peak (the third backward, with the fourth micro-batch in flight)."""
+    if first.moment.done:
+        made = keeps.growth + block_backward_temporary(ctx, *weight_gradient(ctx, keeps, done=True))
+    else:
+        # FSDP2's gradient in its param dtype, else the fp32 .grad
+        weight_grad = ctx.prec.param if ctx.config.zero.uses_fsdp else 4
+        made = first.made + block_backward_temporary(ctx, weight_grad, weight_grad_held=True)
+    # a stage left unsharded by its previous backward has its blocks in the walk's `kept` already
+    blocks = 0 if first.moment.unsharded else keeps.block * first.blocks
+    temporary = keeps.always + first.moment.kept + blocks + made
+    # The stage's output is held through its whole backward: backward_one_chunk pops it from `fwd_cache` and
+    # stage_backward holds it (`stage_output_tensors`) across torch.autograd.backward
+    output = stage_output(first.acts, first.last)
     activations = first.moment.held + first.acts.in_backward - first.acts.received + output
     return ctx.moment("backward: first block", 0, activations, temporary)
 
 
 def forward_moment(ctx: StepContext, keeps: Kept, grads: int | None, forward_end: Forward) -> Moment:
-    """The worst forward's end, at its last block's residual add: w2's output beside the output it makes (the
-    stage's, `stage_output`) and, where the ffn norm saved an upcast rather than its input, the attention's
-    residual sum."""
+    """The worst forward's end, in its last block: at the residual add, w2's output beside the output it makes
+    (the stage's, `stage_output`) and, where the ffn norm saved an upcast rather than its input, the attention's
+    residual sum; under sequence parallelism, where it holds more, at w2's reduce-scatter (`w2_scattered`)."""
     fwd, acts, last = forward_end
     fixed = keeps.always + (keeps.growth if fwd.done else 0) + fwd.kept + keeps.block
-    held = fwd.held + acts.before_last_block + acts.full_block + stage_output(acts, last)
+    held = fwd.held + acts.before_last_block + acts.full_block
     residual = incoming_gradient(ctx)
-    upcast = norm_upcasts_input(ctx.prec, ctx.device_kind)
-    residual_add = residual * ctx.prec.compute // ctx.prec.residual + (residual if upcast else 0)
-    return ctx.moment("forward: last block", grads, held, fixed + residual_add)
+    residual_sum = residual if norm_upcasts_input(ctx.prec, ctx.device_kind) else 0  # alive until the add
+    residual_add = residual * ctx.prec.compute // ctx.prec.residual + residual_sum
+    at_add = ctx.moment("forward: last block", grads, held + stage_output(acts, last), fixed + residual_add)
+    scattered = w2_scattered(ctx)
+    if not scattered:
+        return at_add
+    at_scatter = ctx.moment("forward: last block", grads, held, fixed + residual_sum + scattered)
+    return max(at_add, at_scatter, key=lambda moment: moment.total)
+
+
+def w2_scattered(ctx: StepContext) -> int:
+    """Under sequence parallelism, w2's reduce-scatter in a block's forward (RowwiseParallel to Shard(1)): w2's
+    partial output, all T positions (B·T·D, compute dtype), its copy with the sequence chunks concatenated along
+    dim 0 (_functional_collectives.py `reduce_scatter_single` runs `_chunk_or_narrow_cat` for a scatter_dim
+    other than 0) and the output, T / tp positions; beside them the feed-forward's input, the ffn norm's output
+    over T / tp positions, which FeedForward.forward's argument holds until it returns (w1 and w3 save its
+    all-gathered copy, not it). Measured with MemTracker on interleaved_1f1b's first rank at tp 2, pp 2,
+    zero=stage3 fp32, where it is the peak (the forward of the rank's later stage after three backwards).
+    0 without SP."""
+    shards = sequence_shards(ctx.config)
+    if shards == 1:
+        return 0
+    full = ctx.prec.compute * ctx.tokens * ctx.config.model.dim
+    return 2 * full + full // shards + incoming_gradient(ctx)
+
+
+def weight_gradient(ctx: StepContext, keeps: Kept, done: int) -> tuple[int, bool]:
+    """The bytes per element of w2's weight gradient as a block's backward makes it, and whether it stays held
+    (block_backward_temporary's `weight_grad_held`). Where the weights' gradient is their fp32 .grad (one rank
+    per stage, no DDP; FSDP2 without a half-precision param_dtype), the stage's first backward makes w2's .grad,
+    which stays beside the SwiGLU product's backward; later backwards (`done`) add a transient (autocast's bf16
+    one and its fp32 cast) into it in place (AccumulateGrad). FSDP2's half-precision gradients wait for its
+    post-backward to be added into the fp32 accumulated one (`to_accumulated_grad_if_needed`)."""
+    fsdp = ctx.config.zero.uses_fsdp
+    weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
+    if not keeps.grads_at_rest and (not fsdp or ctx.prec.param == 4):
+        return (weight_grad, False) if done else (4, True)
+    return weight_grad, fsdp
+
+
+def prefetched(ctx: StepContext, keeps: Kept, peak: InFlight, blocks: int) -> int:
+    """The all-gather output of the block below, beside the last block's backward of a stage whose blocks a
+    forward resharded: FSDP2's pre-backward unshards the running block and prefetches the next one in reverse
+    forward order (_fsdp_param_group.py `pre_backward`, `_backward_prefetch`, `_prefetch_unshard`), whose
+    `foreach_all_gather` allocates its whole flat output in the parameter dtype (`all_gather_comm.allocate`), kept
+    in `_all_gather_result` until that block's own pre-backward copies it out. Over one rank (dp 1) FSDP2 skips
+    the all-gather and copies the shard at the copy-out; a stage left unsharded by its previous backward has
+    nothing to gather; the root's parameters are never resharded. Measured with MemTracker on Schedule1F1B's
+    stages at zero=stage3 fp32, dp 2, micro_batch 1: a 787,456-byte TEMP (tiny's block) from `_prefetch_unshard`
+    at the peak."""
+    return keeps.block if ctx.world_size > 1 and blocks > 1 and not peak.unsharded else 0
 
 
 def last_block_backward(
-    ctx: StepContext, acts: Activations, peak: InFlight, last: bool, keeps: Kept, grads: int | None
+    ctx: StepContext,
+    acts: Activations,
+    peak: InFlight,
+    last: bool,
+    keeps: Kept,
+    grads: int | None,
+    blocks: int,
 ) -> Moment:
-    """The start of the last block's backward of the micro-batch at the peak (`peak`)."""
-    fsdp = ctx.config.zero.uses_fsdp
+    """The start of the last block's backward of the micro-batch at `peak`, its stage's `blocks` blocks."""
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
     running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
     backward = peak.held + acts.before_last_block + acts.in_backward + stage_output(acts, last)
@@ -180,17 +237,13 @@ def last_block_backward(
     # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
     # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
     received = 0 if last else incoming_gradient(ctx)
-    weight_grad = ctx.prec.param if fsdp else (6 if ctx.prec.regime == "autocast" else 4)
-    held = fsdp
-    # Where the weights' gradient is their fp32 .grad (one rank per stage, no DDP; FSDP2 without a half-precision
-    # param_dtype), the stage's first backward makes w2's .grad, which stays beside the SwiGLU product's
-    # backward; later backwards add a transient (autocast's bf16 one and its fp32 cast) into it in place
-    # (AccumulateGrad). FSDP2's half-precision gradients wait for its post-backward to be added into the fp32
-    # accumulated one (`to_accumulated_grad_if_needed`).
-    if not keeps.grads_at_rest and (not fsdp or ctx.prec.param == 4):
-        weight_grad, held = (weight_grad, False) if peak.done else (4, True)
-    block = max(block_backward_temporary(ctx, weight_grad, weight_grad_held=held), w2_gathered(ctx, fsdp))
+    weight_grad, held = weight_gradient(ctx, keeps, peak.done)
+    block = max(
+        block_backward_temporary(ctx, weight_grad, weight_grad_held=held),
+        w2_gathered(ctx, ctx.config.zero.uses_fsdp),
+    )
     block -= received
+    running += prefetched(ctx, keeps, peak, blocks)
     return ctx.moment("backward: last block", grads, backward, fixed + running + block)
 
 
@@ -219,11 +272,14 @@ def stage_moments(
     last: bool,
     keeps: Kept,
     forward_end: Forward,
-    first: FirstBackward | None = None,
+    backwards: list[Backward],
 ) -> list[Moment]:
-    """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts at
-    the peak (`peak`), `last` whether that stage has the head and loss, `keeps` what the stage keeps through its
-    backwards; `forward_end`: the worst forward's end; `first`: the first backward at its stage's first block."""
+    """One pipeline rank's moments. `acts`: one micro-batch's activations of the stage whose backward starts
+    holding the most (`peak`), `last` whether that stage has the head and loss (its loss moments are that
+    micro-batch's), `keeps` what the stage keeps through its backwards; `forward_end`: the worst forward's end;
+    `backwards`: every backward of the rank, each planned at its last block's start and, where its stage has
+    several blocks and makes its gradients during the step, at its first block (the worst of each is kept: a
+    backward beside fewer micro-batches can gather more parameters)."""
     grads = None if keeps.grads_at_rest else 0
     moments = [forward_moment(ctx, keeps, grads, forward_end)]
     if last and ctx.config.loss.kind == LossKind.full:
@@ -238,9 +294,13 @@ def stage_moments(
             ctx.moment("forward: loss", grads, total, fixed + forward),
             ctx.moment("backward: loss", grads, total, fixed + backward),
         ]
-    moments.append(last_block_backward(ctx, acts, peak, last, keeps, grads))
-    if first is not None:
-        moments.append(first_block_moment(ctx, keeps, first))
+    lasts = (last_block_backward(ctx, b.acts, b.moment, b.last, keeps, grads, b.blocks) for b in backwards)
+    moments.append(max(lasts, key=lambda moment: moment.total))
+    firsts = [
+        first_block_moment(ctx, keeps, b) for b in backwards if b.blocks > 1 and not keeps.grads_at_rest
+    ]
+    if firsts:
+        moments.append(max(firsts, key=lambda moment: moment.total))
     moments.append(ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)))
     return moments
 
@@ -282,24 +342,27 @@ def pipeline_stage_plans(
     )
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their
-    # concatenation, which the schedule splits again (trainer/rank/pipeline.py)
-    batch = 2 * 16 * config.micro_batch * config.seq_len * m
+    # concatenation, which the schedule splits again (trainer/rank/pipeline.py). On CPU the loaded ones are the
+    # collated tensors themselves (to_device keeps them); of one sample each, `.contiguous()` returns the row
+    # slices of the stacked B x (T + 1) tokens (data.py split_inputs_targets), which they then share.
+    tokens = config.micro_batch * config.seq_len
+    one_row = device_kind == "cpu" and config.micro_batch == 1
+    batch = m * (8 * (config.seq_len + 1) if one_row else 16 * tokens) + 16 * tokens * m
     out = []
 
     def stage_acts(moment: InFlight) -> Activations:
         first, last = moment.stage == 0, moment.stage == last_stage
         return stage_activations(acts, pipe.blocks[moment.stage], first, last, boundary, upcast, casts)
 
-    def first_backward(rank: int) -> FirstBackward | None:
-        moment = pipe.first_backwards[rank]
+    def backward(rank: int, moment: InFlight) -> Backward:
         count = len(pipe.blocks[moment.stage])
-        if count < 2 or keeps[rank].grads_at_rest:
-            return None
-        # the gradient's bytes per element: FSDP2's unsharded one in the reduce dtype, else the fp32 .grad
-        width = REDUCE_BYTES[config.zero.reduce_dtype] if config.zero.uses_fsdp else 4
-        head = sum(math.prod(s) for s in shape.root[1:]) if moment.stage == last_stage else 0
-        made = width * (shape.block_numel * (count - 1) + head)
-        return FirstBackward(moment, stage_acts(moment), moment.stage == last_stage, count, made)
+        made = 0
+        if moment is pipe.first_backwards[rank] and count > 1:
+            # the gradient's bytes per element: FSDP2's unsharded one in the reduce dtype, else the fp32 .grad
+            width = REDUCE_BYTES[config.zero.reduce_dtype] if config.zero.uses_fsdp else 4
+            head = sum(math.prod(s) for s in shape.root[1:]) if moment.stage == last_stage else 0
+            made = width * (shape.block_numel * (count - 1) + head)
+        return Backward(moment, stage_acts(moment), moment.stage == last_stage, count, made)
 
     for rank in range(p.pp):
         peak, forward_end = pipe.in_flight[rank], pipe.forward_peaks[rank]
@@ -320,7 +383,7 @@ def pipeline_stage_plans(
                     peak.stage == last_stage,
                     keeps[rank],
                     Forward(forward_end, stage_acts(forward_end), forward_end.stage == last_stage),
-                    first_backward(rank),
+                    [backward(rank, moment) for moment in pipe.backwards[rank]],
                 )
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))

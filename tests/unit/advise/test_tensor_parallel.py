@@ -89,7 +89,10 @@ def test_advisor_considers_tp_that_divides_nproc_and_the_heads() -> None:
         "stage2",
         "stage3",
     }  # DDP's stages refuse TP on several replicas
-    assert {row["offload"] for row in tp_rows} == {"none"}
+    assert {row["offload"] for row in tp_rows} == {
+        "none",
+        "cpu",
+    }  # CPUOffloadPolicy on (dp, tp) shards composes
     assert {row["micro_batch"] * row["grad_accum"] for row in tp_rows} == {16}  # 64 sequences over dp = 4
 
 

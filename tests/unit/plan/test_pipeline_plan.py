@@ -186,6 +186,57 @@ def test_bf16_under_fsdp_sends_half_precision() -> None:
     assert plan.comm.p2p.boundary == 2 * 64 * 128 * 2
 
 
+# tiny at zero=stage3 fp32, micro_batch 1, Schedule1F1B: each rank's MemTracker peak of step 2, measured
+# 2026-12-05 (docs/memory_plan.md, "Pipeline parallelism"), and the moment it falls at
+MICRO_BATCH_1 = (
+    "model=tiny",
+    "device=cpu",
+    "seq_len=64",
+    "micro_batch=1",
+    "grad_accum=4",
+    "parallel.pp=2",
+    "zero=stage3",
+    "zero.reduce_every=step",
+    "precision=fp32",
+)
+SYNTHETIC_TABLES = 36_864  # synthetic data's transition tables: planned, never seen by a tracked step
+
+
+@pytest.mark.parametrize(
+    ("nproc", "measured", "moment"),
+    [
+        (4, [9_784_428, 8_472_452], "backward: last block"),
+        (2, [11_883_116, 10_539_140], "backward: first block"),
+    ],
+)
+def test_stage3_micro_batch_1_plans_the_measured_peak(nproc: int, measured: list[int], moment: str) -> None:
+    """At dp 2 the worst moment is the second backward's start on each stage (two micro-batches in flight, the
+    gradient accumulated, its blocks resharded by the forward before): beside the block it runs FSDP2 holds the
+    all-gather output of the block below, prefetched (`prefetched`). At dp 1 (no all-gather) it is a later
+    backward at its stage's first block, both blocks unsharded beside the whole gradient and, on the first
+    stage, the stage's output, which stage_backward holds through the backward. Each is measured to the byte
+    (the last stage's to the loss's 20 bytes of scalars, which the plan leaves out), the loaded micro-batches included: of one sample each
+    the inputs and targets are row views of the stacked tokens."""
+    plan = build_plan(compose_config(*MICRO_BATCH_1, f"nproc={nproc}"), "cpu", nproc)
+    stage_peaks = [plan.ranks[0].peak, plan.ranks[nproc - 1].peak]
+    assert [p.name for p in stage_peaks] == [moment, moment]
+    for planned, peak in zip(stage_peaks, measured, strict=True):
+        assert 0 <= peak - (planned.total - SYNTHETIC_TABLES) <= 20
+
+
+@pytest.mark.parametrize(("precision", "measured"), [("fp32", 9_471_564), ("bf16", 7_115_340)])
+def test_interleaved_stage3_tp_forward_peaks_at_w2s_reduce_scatter(precision: str, measured: int) -> None:
+    """tp 2 x pp 2, interleaved_1f1b, zero=stage3: the first stage's rank peaks in the forward of its later stage
+    after three backwards, at w2's reduce-scatter under sequence parallelism (w2's partial output over all T, its
+    chunk-concatenated copy, the output being made and the feed-forward's input: `w2_scattered`), not at the
+    residual add. Measured 2026-12-05 with MemTracker: the plan less the TP rank's synthetic tables (18,432
+    bytes) is the peak to the byte."""
+    overrides = (*TINY_PP, "nproc=4", "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", "zero=stage3")
+    config = compose_config(*overrides, "zero.reduce_every=step", f"precision={precision}")
+    peak = build_plan(config, "cpu", 4).ranks[0].peak
+    assert (peak.name, peak.total - 18_432) == ("forward: last block", measured)
+
+
 @pytest.mark.parametrize(
     ("nodes", "nproc", "links"),
     [
