@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -131,6 +132,16 @@ def keeping_stop_handlers() -> Iterator[None]:
 def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this one) with a fresh ZEROLAB_JOB_ID: the mark of every process the job starts."""
     return {**(os.environ if env is None else env), JOB_MARKER: uuid.uuid4().hex}
+
+
+@contextlib.contextmanager
+def short_tmpdir() -> Iterator[Path]:
+    """A job's TMPDIR directly under /tmp: multiprocessing's fork server binds an AF_UNIX socket at
+    TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and such a path may hold 107 bytes. Under a pytest tmp_path
+    (/tmp/pytest-of-USER/pytest-NNN/popen-gwN/<test name, 30 characters>0/tmp) it has 109 once pytest's
+    session counter reaches three digits: `OSError: AF_UNIX path too long`."""
+    with tempfile.TemporaryDirectory(prefix="zl-", dir="/tmp") as scratch:
+        yield Path(scratch)
 
 
 def left_in(tmp: Path) -> list[str]:

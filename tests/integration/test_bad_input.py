@@ -138,7 +138,7 @@ CASES = [
         "parallel.tp=16 must divide nproc=8",
         "1, 2, 4, 8",
     ),
-    (["zero=stage3", "offload=cpu", "parallel.tp=2"], "parallel.tp=2 with offload=cpu", "offload=none"),
+    (["compile=true", "parallel.tp=2"], "parallel.tp=2 with compile=true", "compile=false"),
     (["loss=chunked", "parallel.tp=2"], "parallel.tp=2 with loss=chunked", "loss=full"),
     (["model.n_kv_heads=1", "parallel.tp=2"], "parallel.tp=2 must divide model.n_kv_heads=1", "allowed: 1"),
     (

@@ -8,7 +8,17 @@ import threading
 import time
 from pathlib import Path
 
-from tests.helpers import REPO, TINY, Run, assert_nothing_left, job_env, job_zygote, left_in, trainer_args
+from tests.helpers import (
+    REPO,
+    TINY,
+    Run,
+    assert_nothing_left,
+    job_env,
+    job_zygote,
+    left_in,
+    short_tmpdir,
+    trainer_args,
+)
 from trainer.faults.leftovers import JOB_MARKER, marked
 
 JOB = (*TINY, "nproc=2", "steps=3", "save=off", "zero=stage1")  # stage1: the fork server preloads more
@@ -29,9 +39,10 @@ def run(way: str, out_dir: Path, tmp: Path | None = None) -> Run:
 
 
 def test_a_job_from_the_server_trains_bitwise_as_a_fresh_process_and_leaves_nothing(tmp_path: Path) -> None:
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    fresh, forked = run("process", tmp_path / "process", scratch), run("server", tmp_path / "server")
+    with short_tmpdir() as scratch:  # the fork server's socket lives there
+        fresh = run("process", tmp_path / "process", scratch)
+        left = left_in(scratch)
+    forked = run("server", tmp_path / "server")
     assert len(forked.losses) == 3 and forked.losses == fresh.losses  # bitwise
     assert forked.summary["status"] == fresh.summary["status"] == "ok"
     # The forked fork server ends with its job, as a spawned one does: it holds no end of its
@@ -41,7 +52,7 @@ def test_a_job_from_the_server_trains_bitwise_as_a_fresh_process_and_leaves_noth
     # Nor anything in its temporary directory but torch's compile cache (torchinductor_USER, kept
     # across runs by design): the launcher's directory of error files goes with the job (torch's
     # default, /tmp/torchelastic_*, stays forever), as does multiprocessing's fork-server socket's.
-    assert left_in(scratch) == []
+    assert left == []
 
 
 def test_every_process_of_a_job_from_the_server_carries_its_mark(tmp_path: Path) -> None:

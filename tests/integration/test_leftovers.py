@@ -21,6 +21,7 @@ from tests.helpers import (
     job_env,
     left_in,
     run_trainer,
+    short_tmpdir,
     trainer_args,
 )
 from trainer.faults.leftovers import JOB_MARKER, describe, marked
@@ -39,8 +40,11 @@ def wait_for_step(proc: subprocess.Popen[str], out_dir: Path, step: int, timeout
 
 
 def test_a_killed_fork_server_takes_its_ranks_with_it_and_is_named(tmp_path: Path) -> None:
-    scratch = tmp_path / "tmp"  # the job's TMPDIR
-    scratch.mkdir()
+    with short_tmpdir() as scratch:  # the job's TMPDIR, where the fork server's socket lives
+        killed_fork_server(tmp_path, scratch)
+
+
+def killed_fork_server(tmp_path: Path, scratch: Path) -> None:
     out_dir, env = tmp_path / "run", {**job_env(), "TMPDIR": str(scratch)}
     args = trainer_args(*TINY, "nproc=2", "steps=400", "save=off", f"hydra.run.dir={out_dir}")
     proc = subprocess.Popen(

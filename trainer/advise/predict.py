@@ -90,6 +90,7 @@ from trainer.plan import (
     pipeline_bubble,
     reductions,
     stage_blocks,
+    tp_local_model,
 )
 
 FORWARD_SHARE = 1 / 3  # forward is 2 of the 6 FLOPs per parameter per token, backward the other 4
@@ -273,21 +274,6 @@ def rank_parts(config: TrainConfig) -> list[tuple[list[int], bool]]:
     blocks = stage_blocks(layers, p.stages)
     held = [range(r, p.stages, p.pp) for r in range(p.pp)]
     return [([i for s in stages for i in blocks[s]], p.stages - 1 in stages) for stages in held]
-
-
-def tp_local_model(m: ModelConfig, tp: int) -> ModelConfig:
-    """The decoder one TP rank runs: H / tp and K / tp heads of the same width, ffn_dim / tp, vocab / tp, the
-    same width D (trainer/plan/tensor_parallel.py `tp_local_model`, which the plan's facade does not export)."""
-    if tp == 1:
-        return m
-    return dataclasses.replace(
-        m,
-        n_heads=m.n_heads // tp,
-        n_kv_heads=m.n_kv_heads // tp,
-        ffn_dim=m.ffn_dim // tp,
-        vocab_size=m.vocab_size // tp,
-        head_dim=m.head_width,
-    )
 
 
 def block_flops_per_token(m: ModelConfig, seq_len: int) -> float:

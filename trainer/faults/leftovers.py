@@ -37,10 +37,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from multiprocessing import forkserver
 from pathlib import Path
 
 import psutil
+
+from trainer.private_apis.of_python import close_inherited_fork_server_alive_fd
 
 JOB_MARKER = "ZEROLAB_JOB_ID"
 REAP_GRACE_S = 5.0
@@ -138,15 +139,11 @@ def release_fork_server() -> None:
     a rank that made one would start a server of its own first (a forked child's `_forkserver_pid`
     is None), with a pipe of its own.
 
-    Private attributes of the standard library's forkserver module, the same in Python 3.10.13,
-    3.11.7 (the suite's), 3.12.1 and 3.13.0; nothing to close in a process that no fork server forked
-    (`get_inherited_fds()` is None there: the job process, torchrun's ranks).
+    The copy is a private attribute of the standard library's forkserver module
+    (trainer/private_apis/of_python.py); nothing to close in a process that no fork server forked (the
+    job process, torchrun's ranks).
     """
-    server = forkserver._forkserver
-    if forkserver.get_inherited_fds() is None or server._forkserver_alive_fd is None:
-        return
-    os.close(server._forkserver_alive_fd)
-    server._forkserver_alive_fd = None  # not a closed number left behind, which a later file reuses
+    close_inherited_fork_server_alive_fd()
 
 
 @dataclass(frozen=True)

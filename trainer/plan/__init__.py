@@ -79,6 +79,7 @@ from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out
 from trainer.plan.states import model_shape
 from trainer.plan.table import format_plan, verdict
 from trainer.plan.target import planned_device_kind, planned_world_size
+from trainer.plan.tensor_parallel import tp_local_model  # one TP rank's decoder: the plan's and the advisor's
 
 __all__ = [
     "COLLECTIVES",
@@ -108,6 +109,7 @@ __all__ = [
     "model_shape",
     "plan_comm",
     "topk_count",
+    "tp_local_model",
     "MIN_COMPRESSION_RATE",
     "PARAM_BYTES",
     "REDUCE_BYTES",

@@ -1,4 +1,4 @@
-"""Every private API of torch, wandb and submitit that zerolab calls, in one place: the upgrade surface.
+"""Every private API of torch, wandb, submitit and the standard library that zerolab calls, in one place: the upgrade surface.
 
 Each is called through a function of this package, never directly, so that a new torch or wandb
 release is checked here first. Checked against torch 2.11.0 and 2.13.0 (tests/unit/private_apis/test_of_torch.py runs under both in CI), wandb 0.31.0, wandb-workspaces 0.4.13
@@ -28,8 +28,10 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `wandb.sdk.mailbox` `MailboxClosedError`, `HandleAbandonedError` | what a call raises once the service process is gone (no public error class for it) | `of_wandb.service_lost_errors` |
 | `wandb_workspaces` `Report._to_model`, `Report._from_model`, `reports.v2.internal.ReportViewspec` | the Report's serialised form, offline (the library saves it only to a server) | `of_wandb.report_json`, `of_wandb.report_from_json` |
 | `submitit.JobEnvironment._usr_sig` | the signal submitit's requeue handler is installed for | `of_submitit.requeue_signal` |
+| `multiprocessing.forkserver._forkserver._forkserver_alive_fd` | a forked process's copy of the fork server's alive pipe, which keeps the server (and so its children) alive after the job process dies; the module has no public way to drop it | `of_python.close_inherited_fork_server_alive_fd` |
 
-- of_torch.py, of_wandb.py, of_submitit.py: the calls above, one module per library.
+- of_torch.py, of_wandb.py, of_submitit.py, of_python.py: the calls above, one module per library (of_python.py: the
+  standard library's).
 
 Split by library so that a launched rank, which imports `of_torch`, never imports wandb
 (tests/unit/test_imports.py).
