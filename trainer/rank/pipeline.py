@@ -251,6 +251,13 @@ def build_pipeline(
     )
 
 
+def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches' inputs and targets as one batch each: the schedule splits a batch along dim 0 into
+    grad_accum equal chunks, the micro-batches again."""
+    inputs, targets = (torch.cat([batch[i] for batch in micro]) for i in (0, 1))
+    return inputs, targets
+
+
 def pipeline_forward_backward(
     pipeline: Pipeline, batches: Iterator[tuple[torch.Tensor, ...]], config: TrainConfig, world: World
 ) -> tuple[torch.Tensor, float]:
@@ -259,8 +266,7 @@ def pipeline_forward_backward(
     start = time.perf_counter()
     micro = [[to_device(t, world.device) for t in next(batches)] for _ in range(config.grad_accum)]
     data_s = time.perf_counter() - start
-    # The schedule splits the step's batch along dim 0 into grad_accum equal chunks: the micro-batches.
-    inputs, targets = (torch.cat([m[i] for m in micro]) for i in (0, 1))
+    inputs, targets = schedule_batch(micro)
     args, losses = ((inputs,) if pipeline.first else ()), []
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
@@ -295,8 +301,9 @@ def pipeline_evaluate(
         loss_context(config.parallel.tp),
     ):
         for start in range(0, len(batches), m):
-            micro = [[to_device(t, world.device) for t in batch] for batch in batches[start : start + m]]
-            inputs, targets = (torch.cat([b[i] for b in micro]) for i in (0, 1))
+            inputs, targets = schedule_batch(
+                [[to_device(t, world.device) for t in batch] for batch in batches[start : start + m]]
+            )
             losses: list[torch.Tensor] = []
             pipeline.schedule.eval(
                 *((inputs,) if pipeline.first else ()),
