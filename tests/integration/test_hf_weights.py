@@ -171,15 +171,15 @@ def test_the_run_reports_each_ranks_host_memory_while_loading_and_the_plan_its_o
             assert math.isfinite(run.summary[f"memory/rank{rank}/{figure}"])
 
 
-def trained_logits(run: Run) -> torch.Tensor:
-    """zerolab's logits of the run's last save (its model entry, loaded in this process)."""
+def trained_logits(run: Run, step: int = 5) -> torch.Tensor:
+    """zerolab's logits of the run's step-`step` save (its model entry, loaded in this process)."""
     model = build_model(from_plain(run.summary["config"]).model)
     materialize(model, "cpu", seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no process group: intended
         dcp.load(
             {"model": model.state_dict()},
-            checkpoint_id=run.out_dir / "checkpoints" / "step_00000005",
+            checkpoint_id=run.out_dir / "checkpoints" / f"step_{step:08d}",
             no_dist=True,
         )
     with torch.no_grad():
@@ -210,6 +210,77 @@ def test_a_bf16_export_halves_the_tensors(run: Run, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert exported.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- tensor parallelism inside FSDP2
+
+TP_BASE = ("model=hf", *(setting for setting in JOB if not setting.startswith("nproc=")), "precision=fp32")
+TP_STEPS = ("steps=4", "optim.warmup_steps=2")
+TP_JOB = (*TP_BASE, *TP_STEPS, "nproc=4", "parallel.tp=2")
+"""tp=2 x dp=2 at stage3 (JOB's), fp32: every parameter a DTensor over the 2-D (dp_shard, tp) mesh, each rank
+holding a tensor-parallel slice of an FSDP2 shard, or an FSDP2 shard of a replicated norm."""
+
+
+@pytest.fixture(scope="module")
+def tp_run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """4 steps of tp=2 x dp=2 at stage3 from the Llama checkpoint, saved at steps 2 and 4."""
+    weights = checkpoints["LlamaForCausalLM"]
+    out = tmp_path_factory.mktemp("tp") / "run"
+    return run_trainer(out, *TP_JOB, f"model.weights={weights}", "save.every=2")
+
+
+def test_tensor_parallel_ranks_start_from_transformers_loss(
+    checkpoints: dict[str, Path], tp_run: Run
+) -> None:
+    """Each rank read its 2-D slice of every tensor: the first loss is transformers' on the two data-parallel
+    replicas' batches (a TP group's two ranks read the same one)."""
+    weights = checkpoints["LlamaForCausalLM"]
+    config = compose_config(*TP_JOB, f"model.weights={weights}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    losses = []
+    for replica in range(2):
+        inputs, targets = next(build_batches(config, replica, 2))
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item())
+    assert (tp_run.summary["config"]["nproc"], tp_run.summary["config"]["parallel"]["tp"]) == ("4", 2)
+    assert abs(tp_run.losses[0] - sum(losses) / 2) < 1e-5, (tp_run.losses[0], losses)
+
+
+def test_a_tensor_parallel_save_exports_to_transformers_with_zerolabs_logits(
+    checkpoints: dict[str, Path], tp_run: Run, tmp_path: Path
+) -> None:
+    """`python -m trainer.export` of the run (its step-4 save, DTensors over the 2-D mesh) loads in
+    transformers with the logits zerolab's model has from the same save, which 4 steps moved from the start."""
+    from trainer.export import main
+
+    main([str(tp_run.out_dir), str(tmp_path)])
+    exported = hf_logits(tmp_path)
+    assert (exported - trained_logits(tp_run, step=4)).abs().max().item() < 1e-5
+    assert (exported - hf_logits(checkpoints["LlamaForCausalLM"])).abs().max().item() > 1e-3
+
+
+def test_a_tensor_parallel_save_resumes_at_tp1(
+    checkpoints: dict[str, Path], tp_run: Run, tmp_path: Path
+) -> None:
+    """The step-2 save goes on at tp=1 on 2 ranks at stage3, the same global batch: DCP reshards the 2-D
+    shards (weights and optimizer state) into 1-D ones; steps 3-4 as the uninterrupted run's, within
+    test_resume.py's reshard tolerance (rel 1e-5)."""
+    save = tp_run.out_dir / "checkpoints" / "step_00000002"
+    weights = checkpoints["LlamaForCausalLM"]
+    resumed = run_trainer(
+        tmp_path / "run",
+        *TP_BASE,
+        *TP_STEPS,
+        "nproc=2",
+        f"model.weights={weights}",
+        "save=off",
+        f"resume={save}",
+    )
+    config = resumed.summary["config"]
+    assert (config["nproc"], config["parallel"]["tp"]) == ("2", 1)
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    for record, expected in zip(resumed.records, tp_run.records[2:]):
+        assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
 
 
 # ----------------------------------------------------------------------------- bad weights, before any rank

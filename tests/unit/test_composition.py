@@ -129,11 +129,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("compile=true",),
         "parallel.tp=2 with compile=true is not supported; use compile=false or parallel.tp=1",
     ),
-    "parallel.tp x model.weights": (
-        TP,
-        ("model.weights=/nowhere",),
-        "parallel.tp=2 with model.weights is not supported; use model.weights=null or parallel.tp=1",
-    ),
     "parallel.tp x precision=fp8": (
         TP,
         ("precision=fp8",),

@@ -227,13 +227,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "model.weights",
-        lambda c: c.model.weights is not None,
-        "not yet proven: the weights' reader slices FSDP2's shards, not tensor-parallel ones",
-        "use model.weights=null",
-    ),
-    Refusal(
-        TP,
         "precision=fp8",
         lambda c: c.precision.is_fp8,
         "not yet proven: Float8Linear under the column- and row-wise layouts (torchao's fp8 "

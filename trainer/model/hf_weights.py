@@ -14,10 +14,12 @@ weights (one head's worth). Everything else is copied as it is.
 What each rank reads (`load_weights`): the tensors that are not permuted go through
 torch.distributed.checkpoint with its `HuggingFaceStorageReader`, which reads from the
 safetensors files only the slice of each tensor that the rank's parameter holds (a DTensor
-shard under FSDP2, the whole tensor under DDP). A permuted tensor's shard is not one slice of
+shard under FSDP2, tensor parallelism or both, planned from its placements; the whole tensor under
+DDP alone). A permuted tensor's shard is not one slice of
 the file's tensor (the permutation moves rows within each head, and a shard boundary may cut a
 head), so those are read one whole tensor at a time with safetensors' `safe_open`, permuted,
-and only the rank's slice kept: besides its shard, a rank holds for a moment one such tensor
+and only the rank's slice kept (`distribute_tensor` on the parameter's own mesh and
+placements, `copy_full_into`): besides its shard, a rank holds for a moment one such tensor
 twice (as read and permuted), or one slice DCP reads.
 
 The checks (`check_weights`, in the job process before any rank starts) read only the files'
