@@ -124,11 +124,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.sync_every=2",),
         "parallel.tp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.tp=1",
     ),
-    "parallel.tp x compile=true": (
-        TP,
-        ("compile=true",),
-        "parallel.tp=2 with compile=true is not supported; use compile=false or parallel.tp=1",
-    ),
     "parallel.tp x precision=fp8": (
         TP,
         ("precision=fp8",),
@@ -168,14 +163,14 @@ def test_the_pipeline_takes_what_parallelize_applies_per_stage(setting: str) -> 
 
 
 def test_the_advisor_offers_nothing_the_table_refuses() -> None:
-    """On two nodes the advisor offers tp and pp; with compile=true, which tensor parallelism does not compose
-    with (and the pipeline does), no tp."""
+    """On two nodes the advisor offers tp and pp; with local SGD (zero.sync_every), which neither composes
+    with, it offers neither."""
     job = ("mode=advise", "global_batch=64", "nproc=4", "nodes=2")
     plain = choices(compose_config(*job), 8, "cuda")
-    compiled = choices(compose_config(*job, "compile=true"), 8, "cuda")
+    local_sgd = choices(compose_config(*job, "zero.sync_every=2"), 8, "cuda")
     assert {row["parallel.tp"] for row in plain} == {None, 2}
-    assert {row["parallel.tp"] for row in compiled} == {None}
-    assert {row["parallel.pp"] for row in compiled} == {None, 2, 4}
+    assert {row["parallel.pp"] for row in plain} == {None, 2, 4}
+    assert local_sgd and {(row["parallel.tp"], row["parallel.pp"]) for row in local_sgd} == {(None, None)}
 
 
 def test_docs_hold_the_rendered_table() -> None:

@@ -219,14 +219,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "compile=true",
-        lambda c: c.compile,
-        "measured wrong: blocks compiled over tensor-parallel DTensors (aot_eager, 2 CPU ranks, parallel.tp=2 "
-        "zero=stage3) give a step-1 gradient norm of 1.509 against eager's 1.620, and the losses part after it",
-        "use compile=false",
-    ),
-    Refusal(
-        TP,
         "precision=fp8",
         lambda c: c.precision.is_fp8,
         "not yet proven: Float8Linear under the column- and row-wise layouts (torchao's fp8 "
