@@ -283,6 +283,55 @@ def test_a_tensor_parallel_save_resumes_at_tp1(
         assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
 
 
+# ----------------------------------------------------------------------------- pipeline stages
+
+PP_JOB = (*TP_BASE, *TP_STEPS, "nproc=2", "grad_accum=2")
+"""2 ranks, dp 1, stage3, fp32: a step of 2 micro-batches of 2 sequences, under pp=2 (1F1B) or tp=2."""
+
+
+@pytest.fixture(scope="module")
+def pp_run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """4 steps of pp=2 from the Llama checkpoint, each stage loading its own blocks; saved at steps 2 and 4."""
+    weights = checkpoints["LlamaForCausalLM"]
+    out = tmp_path_factory.mktemp("pp") / "run"
+    return run_trainer(
+        out, *PP_JOB, "parallel.pp=2", "zero.reduce_every=step", f"model.weights={weights}", "save.every=2"
+    )
+
+
+def test_pipeline_stages_start_from_transformers_loss(checkpoints: dict[str, Path], pp_run: Run) -> None:
+    """Each stage read its blocks' tensors (stage 0 the embedding and block 0, stage 1 block 1, the norm and
+    the head): the first loss is transformers' mean over the step's two micro-batches."""
+    weights = checkpoints["LlamaForCausalLM"]
+    config = compose_config(*PP_JOB, "parallel.pp=2", "zero.reduce_every=step", f"model.weights={weights}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    batches, losses = build_batches(config, 0, 1), []
+    for _ in range(2):
+        inputs, targets = next(batches)
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item())
+    assert pp_run.summary["config"]["parallel"]["pp"] == 2
+    assert abs(pp_run.losses[0] - sum(losses) / 2) < 1e-5, (pp_run.losses[0], losses)
+
+
+def test_a_pipelined_save_resumes_under_tensor_parallelism(
+    checkpoints: dict[str, Path], pp_run: Run, tmp_path: Path
+) -> None:
+    """The step-2 save (each stage wrote its blocks' parameters and optimizer state under the whole decoder's
+    names) goes on at tp=2 on the same 2 ranks and global batch, DCP resharding into tensor-parallel
+    DTensors: steps 3-4 as the pipelined run's, within test_resume.py's reshard tolerance (rel 1e-5)."""
+    save = pp_run.out_dir / "checkpoints" / "step_00000002"
+    weights = checkpoints["LlamaForCausalLM"]
+    resumed = run_trainer(
+        tmp_path / "run", *PP_JOB, "parallel.tp=2", f"model.weights={weights}", "save=off", f"resume={save}"
+    )
+    parallel = resumed.summary["config"]["parallel"]
+    assert (parallel["pp"], parallel["tp"]) == (1, 2)
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    for record, expected in zip(resumed.records, pp_run.records[2:]):
+        assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
+
+
 # ----------------------------------------------------------------------------- bad weights, before any rank
 
 

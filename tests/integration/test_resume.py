@@ -117,23 +117,6 @@ def test_a_stage3_save_resumes_on_another_world_size_and_stage(
         )
 
 
-PP_TO_TP = ("nproc=2", "precision=fp32", "steps=4", "optim.warmup_steps=2", "zero=stage3", "grad_accum=2")
-
-
-def test_a_pipelined_save_resumes_under_tensor_parallelism(tmp_path: Path) -> None:
-    """pp=2 (1F1B over the step's 2 micro-batches) saves at step 2, each stage its blocks' parameters and
-    optimizer state under the decoder's own names; tp=2 on the same 2 ranks and global batch goes on from it,
-    DCP resharding into tensor-parallel DTensors: steps 3-4 as the pipelined run's, within the tolerance above."""
-    pipelined = job(tmp_path / "pp", *PP_TO_TP, "parallel.pp=2", "zero.reduce_every=step", "save.every=2")
-    save = pipelined.out_dir / "checkpoints" / "step_00000002"
-    resumed = job(tmp_path / "tp", *PP_TO_TP, "parallel.tp=2", "save=off", f"resume={save}")
-    parallel = resumed.summary["config"]["parallel"]
-    assert (parallel["pp"], parallel["tp"]) == (1, 2)
-    assert [r["step"] for r in resumed.records] == [3, 4]
-    for record, expected in zip(resumed.records, pipelined.records[2:]):
-        assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
-
-
 # ----------------------------------------------------------------------------- non-finite policy
 
 NAN_ON_RANK1_AT_3 = ("fault.kind=nan_loss", "fault.step=3", "fault.rank=1")

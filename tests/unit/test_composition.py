@@ -65,11 +65,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.sync_every=2",),
         "parallel.pp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.pp=1",
     ),
-    "parallel.pp x model.weights": (
-        PP,
-        ("model.weights=/nowhere",),
-        "parallel.pp=2 with model.weights is not supported; use model.weights=null or parallel.pp=1",
-    ),
     "parallel.pp x data.packing=document": (
         (*PP, *TEXT),
         ("data.packing=document",),

@@ -135,13 +135,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "model.weights",
-        lambda c: c.model.weights is not None,
-        "not yet proven: each stage reading its part of a Hugging Face checkpoint",
-        "use model.weights=null",
-    ),
-    Refusal(
-        PP,
         "data.packing=document",
         _document_packing,
         "not yet built: a schedule sends each micro-batch's activations on, not its document boundaries "

@@ -20,7 +20,8 @@ the file's tensor (the permutation moves rows within each head, and a shard boun
 head), so those are read one whole tensor at a time with safetensors' `safe_open`, permuted,
 and only the rank's slice kept (`distribute_tensor` on the parameter's own mesh and
 placements, `copy_full_into`): besides its shard, a rank holds for a moment one such tensor
-twice (as read and permuted), or one slice DCP reads.
+twice (as read and permuted), or one slice DCP reads. A pipeline stage's model holds its own
+blocks only, under the whole decoder's names, so it asks both readers for those tensors alone.
 
 The checks (`check_weights`, in the job process before any rank starts) read only the files'
 headers: missing, unexpected and mis-shaped tensors, and a config.json that is not the model.

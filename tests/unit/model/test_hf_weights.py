@@ -76,6 +76,38 @@ def test_a_tied_head_asks_for_no_lm_head(checkpoints: dict[str, tuple[Path, torc
     assert "model.layers.1.self_attn.q_norm.weight" in keys
 
 
+def test_a_pipeline_stage_reads_its_own_tensors_only(
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], process_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of 2 stages asks DCP's reader and the permuted reader for its own parameters' tensors only (stage 0
+    the embedding and block 0, stage 1 block 1, the norm and the head), and holds them as the whole model does."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.model.decoder import materialize
+    from trainer.model.pipeline_split import build_stage
+
+    weights = checkpoints["LlamaForCausalLM"][0]
+    config = ModelConfig(name="hf", weights=str(weights))
+    whole = build_model(config, device="meta")
+    materialize(whole, "cpu", seed=0, load=lambda m: hf_weights.load_weights(m, weights))
+    asked: list[str] = []
+    load, load_permuted = dcp.load, hf_weights.load_permuted
+    monkeypatch.setattr(dcp, "load", lambda state, **kw: (asked.extend(state), load(state, **kw))[1])
+    monkeypatch.setattr(hf_weights, "load_permuted", lambda p, w: (asked.extend(p), load_permuted(p, w))[1])
+    expected = {name: tensor.key for name, (tensor, _) in expected_tensors(config).items()}
+    held = []
+    for stage in range(2):
+        asked.clear()
+        part = build_stage(config, stage, 2)
+        materialize(part, "cpu", seed=0, load=lambda m: hf_weights.load_weights(m, weights))
+        names = [name for name, _ in part.named_parameters()]
+        assert sorted(asked) == sorted(expected[name] for name in names)
+        for name, param in part.named_parameters():
+            assert torch.equal(param, whole.get_parameter(name)), (stage, name)
+        held += names
+    assert sorted(held) == sorted(expected)  # the two stages together: every tensor, each once
+
+
 # ----------------------------------------------------------------------------- the checks' lines
 
 
