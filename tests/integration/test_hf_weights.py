@@ -2,7 +2,10 @@
 transformers' logits; each rank's host memory while loading stays below its shard and the largest
 tensor, the plan's figure; `model=hf model.weights=DIR` starts from transformers' loss; after 5 steps
 at stage3 the run's export (save.hf=last) loads in transformers with zerolab's logits, and
-`python -m trainer.export --dtype bf16` halves the tensors; bad weights are one line, exit 2."""
+`python -m trainer.export --dtype bf16` halves the tensors; bad weights are one line, exit 2.
+
+Issue 58: the same start from transformers' loss at tp=2 x dp=2 (stage3, 4 ranks), whose save exports with
+zerolab's logits and resumes at tp=1, and at pp=2 (2 ranks), whose save resumes at tp=2."""
 
 from __future__ import annotations
 
