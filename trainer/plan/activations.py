@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from trainer.config import (
     CheckpointMode,
+    DataKind,
     DType,
     LossKind,
     ModelConfig,
+    Packing,
     PrecisionConfig,
     TrainConfig,
     ZeroConfig,
@@ -24,6 +26,7 @@ from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_check
 from trainer.model.fp8 import autocast_input_saving
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
+DOCUMENTS_BYTES_PER_TOKEN = 8  # data.packing=document: each position's int64 document number, with the batch
 NLL_TOTAL_WEIGHT = 4  # nll_loss's fp32 total weight, saved for its backward
 
 
@@ -145,6 +148,37 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     return 2 * (HQ - KQ) * prec.compute if choice.repeat_kv else 0
 
 
+def document_packing(config: TrainConfig) -> bool:
+    """data.packing=document, which data=text alone reads (trainer/data.py): the model gets each token's document."""
+    return config.data.kind == DataKind.text and config.data.packing == Packing.document
+
+
+def document_mask_per_token(config: TrainConfig, device_kind: str) -> int:
+    """data.packing=document: what each block's attention saves of the block-causal mask, per token.
+
+    The mask (trainer/model/decoder.py `block_causal_mask`) is B·T·T bools, made once per forward and
+    handed to every block. SDPA turns a boolean attn_mask into an additive one in q's dtype (0 where
+    True, -inf where False: aten's `convert_boolean_attn_mask`) before it dispatches, so every block
+    makes a B·1·T·T tensor of the compute dtype, which the fused kernels (CPU's flash, CUDA's
+    efficient) save for backward: T values per token. Math's composite adds it to the scores, whose
+    backward needs nothing of it. Measured (MemTracker, tiny, fp32, 1 CPU rank, micro_batch=2): 4 x 2·T·T
+    fp32 beyond concat packing's peak at T = 128 and 512, and the document numbers (DOCUMENTS_BYTES_PER_TOKEN)."""
+    if not document_packing(config):
+        return 0
+    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
+    return 0 if choice.saves_scores else precisions(config.precision, config.zero).compute * config.seq_len
+
+
+def document_mask_kept(config: TrainConfig) -> int:
+    """data.packing=document: the boolean mask itself (B·T·T bytes), beside the batch from forward through
+    backward where a block is checkpointed (its recompute takes the mask as an input, which the checkpoint
+    keeps); without checkpointing it dies with forward's end, SDPA having saved its own copy (above)."""
+    if not document_packing(config):
+        return 0
+    checkpointed = any(should_checkpoint(i, config.checkpointing) for i in range(config.model.n_layers))
+    return config.micro_batch * config.seq_len * config.seq_len if checkpointed else 0
+
+
 def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> int:
     """checkpointing=op: what a block keeps from its forward to its backward, per token.
 
@@ -240,6 +274,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     full = (
         block_bytes_per_token(m, prec.regime, device_kind)
         + attention_extra_per_token(config, device_kind)
+        + document_mask_per_token(config, device_kind)
         - fp8_saving_per_token(config, prec, device_kind)
     ) * tokens - block_sp
     # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
@@ -255,7 +290,8 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     )
     kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens // sequence_shards(config)
     inputs_kept = tuple(kept if should_checkpoint(i, config.checkpointing) else 0 for i in range(m.n_layers))
-    batch = BATCH_BYTES_PER_TOKEN * tokens
+    documents = DOCUMENTS_BYTES_PER_TOKEN * tokens if document_packing(config) else 0
+    batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config)
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept)

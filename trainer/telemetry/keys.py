@@ -75,6 +75,13 @@ PREDICTED_PEAK = "memory/predicted_peak_gib"
 PREDICTION_ERROR_PCT = "memory/prediction_error_pct"
 PREDICTED_RESERVED = "memory/predicted_reserved_gib"
 RESERVED_PREDICTION_ERROR_PCT = "memory/reserved_prediction_error_pct"
+MEMORY_COMPARED_WINDOWS = "memory/compared_windows"
+"""summary.json: the log windows with a measured peak compared with the plan (they carry the error)."""
+MEMORY_EXCLUDED_WINDOWS = "memory/excluded_windows"
+"""summary.json: the windows with a measured peak but no error, none of whose measured steps the plan's peak
+describes (trainer/plan/schedule.py `holds_peak`: PowerSGD before its error feedback, local SGD off its averages)."""
+MEMORY_ERROR_STEP = "memory/prediction_error_step"
+"""summary.json: the log step of the compared window `memory/prediction_error_pct` is of (its worst peak)."""
 EVERY_MEMORY_KEY = "memory/*"
 """W&B's pattern of every memory key (its summary keeps their maximum)."""
 PEAK_RSS_SUFFIX = "/peak_rss_gib"
@@ -91,6 +98,19 @@ SKIPPED_STEPS = "precision/skipped_steps"
 # ----------------------------------------------------------------------------- communication
 COMM_PREDICTED_BYTES = "comm/predicted_bytes_per_step"
 COMM_PREDICTION_ERROR_PCT = "comm/prediction_error_pct"
+"""`100 * (predicted - measured) / measured`, where the prediction is at least NEAR_ZERO_BYTES (else absent)."""
+COMM_PREDICTION_ERROR_BYTES = "comm/prediction_error_bytes"
+"""`predicted - measured` in bytes per step: the error a near-zero prediction (one rank, pp at dp=1, local SGD's
+steps between averages) is given in, written beside the percentage wherever the plan and the measurement are."""
+COMM_WINDOW_PREDICTED_BYTES = "comm/window_predicted_bytes_per_step"
+"""The plan of the window's own steps (mean per step) where it is not the steady figure: PowerSGD's exact
+reductions before zero.powersgd_start_step, local SGD's warm-up and its steps with and without the average
+(trainer/plan/schedule.py); the errors are against it. summary.json: the plan of the compared steps."""
+COMM_COMPARED_STEPS = "comm/compared_steps"
+"""summary.json: the steps (after the warm-up, measured on every rank) whose bytes the error compares."""
+NEAR_ZERO_BYTES = 4096
+"""A prediction under this many bytes per step gets its error in bytes only: the loop's own collectives, which
+the plan leaves out (its agreements, the log's gather: under 2 KiB on 2 ranks), would be most of a percentage."""
 COMM_EXPOSED_PCT = "comm/exposed_pct"
 COMM_RANK_PREFIX = "comm/rank"
 

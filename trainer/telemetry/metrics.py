@@ -20,11 +20,13 @@ from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.layout import Layout
 from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, shard_groups
+from trainer.plan.schedule import StepSchedule
 from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.comm import CommProbe, comm_fields
 from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
+from trainer.telemetry.summary import comm_error
 from trainer.units import GIB
 from trainer.world import World
 
@@ -117,6 +119,19 @@ class Meter:
             for group, key in PREDICTED_GROUP_KEYS.items()
             if key in predicted and telemetry.enabled and world.is_main
         }
+        # The plan of each step where steps differ (PowerSGD's warm-up, local SGD): what each window is compared with.
+        self.schedule = (
+            StepSchedule.of(
+                config,
+                world.world_size,
+                "nccl" if world.device.type == "cuda" else "gloo",
+                steady=self.predicted_comm,
+            )
+            if self.predicted_comm is not None
+            else None
+        )
+        self.first_step: int | None = None
+        """The process's first step: the n = 1 of the schedule (the hooks' counts start afresh on resume)."""
         # On a GPU, also what the allocator will reserve for it (trainer/plan/headroom.py).
         self.predicted_reserved_gib = (
             HEADROOM.reserved(int(self.predicted_peak_gib * GIB)) / GIB
@@ -140,6 +155,8 @@ class Meter:
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> AbstractContextManager:
         """Wrap a training step: tensor-level memory tracking, or profiling of communication, on the steps chosen for them."""
+        if self.first_step is None:
+            self.first_step = step
         if self.memory is None or self.comm is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -224,22 +241,21 @@ class Meter:
             )
             memory_start += len(PIPELINE_FIELDS)
         if self.memory is not None:
-            record.update(
-                memory_fields(
-                    self.memory.fields,
-                    per_rank[:, memory_start : memory_start + len(self.memory.fields)],
-                    self.predicted_peak_gib,
-                    self.predicted_reserved_gib,
-                )
+            memory = memory_fields(
+                self.memory.fields,
+                per_rank[:, memory_start : memory_start + len(self.memory.fields)],
+                self.predicted_peak_gib,
+                self.predicted_reserved_gib,
             )
+            if not self.window_holds_peak(step):  # none of its measured steps is the plan's: no error
+                memory.pop(keys.PREDICTION_ERROR_PCT, None)
+                memory.pop(keys.RESERVED_PREDICTION_ERROR_PCT, None)
+            record.update(memory)
+            # The plan and its error are this module's (comm_fields' own, without a prediction, is left out).
             record.update(
-                comm_fields(
-                    per_rank[:, -len(COMM_FIELDS) :],
-                    self.window_steps,
-                    self.predicted_comm,
-                    self.predicted_groups,
-                )
+                comm_fields(per_rank[:, -len(COMM_FIELDS) :], self.window_steps, None, self.predicted_groups)
             )
+            record.update(self.comm_plan_fields(step, record, per_rank.shape[0]))
         if self.val_loss is not None:
             record[keys.LOSS_VAL] = self.val_loss
             record[keys.PERPLEXITY_VAL] = math.exp(self.val_loss) if self.val_loss < 700 else math.inf
@@ -249,6 +265,39 @@ class Meter:
             record[keys.OVERFLOW] = self.window_overflows
             record[keys.SKIPPED_STEPS] = self.skipped_steps
         return record
+
+    def window_steps_n(self, step: int) -> range:
+        """The window's steps as the schedule numbers them (the process's first step is 1)."""
+        first = step - self.window_steps + 1
+        origin = self.first_step if self.first_step is not None else first
+        return range(first - origin + 1, step - origin + 2)
+
+    def window_holds_peak(self, step: int) -> bool:
+        """Whether a step of the window whose peak was measured (every step on a GPU, tracked ones on a CPU) is
+        one the memory plan's peak describes (trainer/plan/schedule.py `holds_peak`)."""
+        if self.schedule is None or self.schedule.uniform or self.memory is None:
+            return True
+        origin = self.first_step or 1
+        return any(
+            self.schedule.holds_peak(n)
+            and (self.world.device.type == "cuda" or self.memory.tracks(n + origin - 1))
+            for n in self.window_steps_n(step)
+        )
+
+    def comm_plan_fields(self, step: int, record: dict[str, Any], world_size: int) -> dict[str, float]:
+        """The plan next to the worst rank's bytes per step: plan.json's steady figure, the plan of the window's
+        own steps where that differs, and the error against the latter where every rank measured."""
+        if self.predicted_comm is None or self.schedule is None:
+            return {}
+        fields: dict[str, float] = {keys.COMM_PREDICTED_BYTES: self.predicted_comm}
+        steps = self.window_steps_n(step)
+        predicted = self.schedule.mean_bytes(steps.start, steps.stop - 1)
+        if predicted != self.predicted_comm:
+            fields[keys.COMM_WINDOW_PREDICTED_BYTES] = predicted
+        totals = [record.get(keys.comm_key(rank, "bytes_per_step")) for rank in range(world_size)]
+        if all(total is not None for total in totals):
+            fields.update(comm_error(predicted, max(totals)))
+        return fields
 
     def throughput_fields(self, per_rank: torch.Tensor) -> dict[str, float]:
         # The slowest rank sets the pace: every rank waits for it at the collectives.

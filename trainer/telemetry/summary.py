@@ -63,21 +63,35 @@ def steady_tokens_per_s(
     return steady_mean(records, keys.TOKENS_PER_S, warmup_end(records, total_steps, warmup_steps))
 
 
+def comm_error(predicted: float, measured: float) -> dict[str, float]:
+    """The plan's error against a measurement of bytes per step: in bytes always, in percent (of the measurement;
+    positive: the plan over-predicts) where the prediction is not near zero (keys.NEAR_ZERO_BYTES)."""
+    error = {keys.COMM_PREDICTION_ERROR_BYTES: predicted - measured}
+    if predicted >= keys.NEAR_ZERO_BYTES and measured > 0:
+        error[keys.COMM_PREDICTION_ERROR_PCT] = 100.0 * (predicted - measured) / measured
+    return error
+
+
 def worst_memory(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The worst rank's peak over the whole run, which rank, and the plan next to it."""
+    """The worst rank's peak over the whole run, which rank, and the plan next to it: the error of the worst
+    window that was compared with it (the records that carry an error), and how many were and were not."""
     measured = [r for r in records if keys.MAX_RANK_PEAK in r]
     figures: dict[str, Any] = {}
     if measured:
         worst = max(measured, key=lambda r: r[keys.MAX_RANK_PEAK])
-        for key in (
-            keys.MAX_RANK_PEAK,
-            keys.ARGMAX_RANK,
-            keys.IMBALANCE,
-            keys.PREDICTION_ERROR_PCT,
-        ):
+        for key in (keys.MAX_RANK_PEAK, keys.ARGMAX_RANK, keys.IMBALANCE):
             if key in worst:
                 figures[key] = worst[key]
         figures[keys.PEAK_STEP] = worst["step"]
+        planned = [r for r in measured if keys.PREDICTED_PEAK in r]
+        compared = [r for r in planned if keys.PREDICTION_ERROR_PCT in r]
+        if planned:
+            figures[keys.MEMORY_COMPARED_WINDOWS] = len(compared)
+            figures[keys.MEMORY_EXCLUDED_WINDOWS] = len(planned) - len(compared)
+        if compared:
+            worst_compared = max(compared, key=lambda r: r[keys.MAX_RANK_PEAK])
+            figures[keys.PREDICTION_ERROR_PCT] = worst_compared[keys.PREDICTION_ERROR_PCT]
+            figures[keys.MEMORY_ERROR_STEP] = worst_compared["step"]
     predicted = [r[keys.PREDICTED_PEAK] for r in records if keys.PREDICTED_PEAK in r]
     if predicted:
         figures[keys.PREDICTED_PEAK] = predicted[-1]
@@ -107,14 +121,38 @@ def steady_comm(records: list[dict[str, Any]], after_step: int) -> dict[str, Any
         measured = [(r[key], steps[id(r)]) for r in steady if key in r]
         figures[key] = sum(v * n for v, n in measured) / sum(n for _, n in measured)
     predicted = [r[keys.COMM_PREDICTED_BYTES] for r in records if keys.COMM_PREDICTED_BYTES in r]
-    totals = [v for k, v in figures.items() if k.endswith(keys.BYTES_PER_STEP_SUFFIX)]
     if predicted:
         figures[keys.COMM_PREDICTED_BYTES] = predicted[-1]
-        if totals and max(totals) > 0:
-            figures[keys.COMM_PREDICTION_ERROR_PCT] = 100.0 * (predicted[-1] - max(totals)) / max(totals)
+        figures.update(compared_comm(steady, steps))
     exposed = [r[keys.COMM_EXPOSED_PCT] for r in records if keys.COMM_EXPOSED_PCT in r]
     if exposed:
         figures[keys.COMM_EXPOSED_PCT] = sum(exposed) / len(exposed)
+    return figures
+
+
+def compared_comm(steady: list[dict[str, Any]], steps: dict[int, int]) -> dict[str, Any]:
+    """The plan against the worst rank's bytes per step over the steady windows that every rank measured, each
+    window's measurement against the plan of its own steps (keys.COMM_WINDOW_PREDICTED_BYTES where that is not
+    the steady figure), the error of their step-weighted means and how many steps they hold."""
+    compared = [
+        r
+        for r in steady
+        if keys.COMM_PREDICTION_ERROR_BYTES in r or keys.COMM_PREDICTION_ERROR_PCT in r  # every rank measured
+    ]
+    if not compared:
+        return {}
+    count = sum(steps[id(r)] for r in compared)
+    planned = sum(
+        r.get(keys.COMM_WINDOW_PREDICTED_BYTES, r[keys.COMM_PREDICTED_BYTES]) * steps[id(r)] for r in compared
+    )
+    ranks = {m.group(1) for r in compared for k in r if (m := keys.COMM_KEY.fullmatch(k))}
+    measured = max(
+        sum(r[keys.comm_key(int(rank), "bytes_per_step")] * steps[id(r)] for r in compared) / count
+        for rank in ranks
+    )
+    figures: dict[str, Any] = {keys.COMM_COMPARED_STEPS: count, **comm_error(planned / count, measured)}
+    if any(keys.COMM_WINDOW_PREDICTED_BYTES in r for r in compared):
+        figures[keys.COMM_WINDOW_PREDICTED_BYTES] = planned / count
     return figures
 
 
@@ -274,6 +312,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         )
     if keys.PREDICTED_PEAK in summary:
         rows.append(("predicted peak", f"{summary[keys.PREDICTED_PEAK]:.4f} GiB"))
+    rows += plan_error_rows(summary)
     if keys.MAX_RANK_PEAK_RSS in summary:
         rows.append(("worst-rank host RSS", f"{summary[keys.MAX_RANK_PEAK_RSS]:.2f} GiB"))
     if keys.SKIPPED_STEPS in summary:
@@ -285,6 +324,28 @@ def summary_table(summary: dict[str, Any]) -> str:
         )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def plan_error_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The console's rows of the plan's errors, each with what it compared (like with like, docs/telemetry.md)."""
+    rows = []
+    if keys.MEMORY_COMPARED_WINDOWS in summary:
+        excluded = summary[keys.MEMORY_EXCLUDED_WINDOWS]
+        left_out = f", {excluded} left out (planned otherwise)" if excluded else ""
+        compared = f"{summary[keys.MEMORY_COMPARED_WINDOWS]} measured windows compared{left_out}"
+        if keys.PREDICTION_ERROR_PCT in summary:
+            error = f"{summary[keys.PREDICTION_ERROR_PCT]:+.2f}% at step {summary[keys.MEMORY_ERROR_STEP]}"
+            rows.append(("peak plan error", f"{error} ({compared})"))
+        else:
+            rows.append(("peak plan error", f"none ({compared})"))
+    if keys.COMM_COMPARED_STEPS in summary:
+        error_bytes = f"{summary[keys.COMM_PREDICTION_ERROR_BYTES]:+,.0f} B per step"
+        if keys.COMM_PREDICTION_ERROR_PCT in summary:
+            error = f"{summary[keys.COMM_PREDICTION_ERROR_PCT]:+.2f}% ({error_bytes})"
+        else:
+            error = f"{error_bytes} (predicted near zero)"
+        rows.append(("comm plan error", f"{error} over {summary[keys.COMM_COMPARED_STEPS]} steps"))
+    return rows
 
 
 SECRET_NAME_PARTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")

@@ -3,11 +3,15 @@ torch's powerSGD_hook and our TopK hook worked by hand on the tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from trainer.config import Compression, DeviceKind, TrainConfig, ZeroConfig
+import pytest
+
+from trainer.config import Compression, DeviceKind, ReduceEvery, TrainConfig, ZeroConfig
 from trainer.plan.comm import plan_comm, powersgd_elements, topk_count
 from trainer.plan.ddp_walk import hook_state
+from trainer.plan.schedule import StepSchedule
 from trainer.plan.states import model_shape
 
 
@@ -97,3 +101,37 @@ def test_powersgds_hook_holds_a_copy_of_its_bucket_and_the_new_error_by_hand() -
     last = moments["backward: embedding + PowerSGD hook"] - moments["backward: embedding"]
     first = moments["backward: last block + PowerSGD hook"] - moments["backward: last block"]
     assert (first, last) == (4 * (2 * 262_528 + 384), 4 * (2 * 656_128 + 768)) == (2_101_760, 5_252_096)
+
+
+def test_the_steps_before_powersgd_starts_are_planned_as_exact_all_reduces() -> None:
+    """trainer/plan/schedule.py: zero.powersgd_start_step=2 reductions exact (steps 1-2; with grad_accum=2
+    reducing every micro-batch, step 1's two), then compressed; the plan's peak from the step after the first
+    compressed one (the error feedback exists when it starts)."""
+    exact = plan_comm(config(), 2, backend="gloo").total
+    compressed = config(compression=Compression.powersgd, powersgd_start_step=2)
+    schedule = StepSchedule.of(compressed, 2, backend="gloo")
+    assert schedule.steady == plan_comm(compressed, 2, backend="gloo").total < exact / 10
+    assert [schedule.bytes_at(n) for n in (1, 2, 3, 9)] == [exact, exact, schedule.steady, schedule.steady]
+    assert [schedule.holds_peak(n) for n in (1, 2, 3, 4, 9)] == [False, False, False, True, True]
+    assert schedule.mean_bytes(2, 5) == (exact + 3 * schedule.steady) / 4
+    accumulating = dataclasses.replace(
+        compressed,
+        grad_accum=2,
+        zero=dataclasses.replace(compressed.zero, reduce_every=ReduceEvery.micro_batch),
+    )
+    twice = StepSchedule.of(accumulating, 2, backend="gloo")
+    assert twice.bytes_at(1) == 2 * exact and twice.bytes_at(2) == twice.steady
+    assert StepSchedule.of(config(), 2, backend="gloo").uniform
+
+
+def test_local_sgd_plans_its_warmup_and_each_average_on_its_own_step() -> None:
+    """zero.sync_every=4 after zero.sync_warmup_steps=2: steps 1-2 all-reduce the gradients, steps 3 and 7 average
+    the fp32 parameters (PeriodicModelAverager), the others move nothing: four steps from 3 average the plan's
+    per-step figure, and only the averaging steps hold the plan's peak."""
+    local = config(sync_every=4, sync_warmup_steps=2)
+    schedule = StepSchedule.of(local, 2, backend="gloo")
+    params = 4 * model_shape(local.model).num_params
+    exact = plan_comm(config(), 2, backend="gloo").total
+    assert [schedule.bytes_at(n) for n in range(1, 9)] == [exact, exact, params, 0, 0, 0, params, 0]
+    assert schedule.mean_bytes(3, 6) == pytest.approx(plan_comm(local, 2, backend="gloo").total, abs=1)
+    assert [n for n in range(1, 12) if schedule.holds_peak(n)] == [3, 7, 11]

@@ -25,6 +25,7 @@ def test_every_per_step_key_is_in_the_designs_metric_table() -> None:
         keys.STEP_S, keys.DATA_S, keys.MAX_RANK_PEAK, keys.ARGMAX_RANK, keys.IMBALANCE, keys.PREDICTED_PEAK,
         keys.PREDICTION_ERROR_PCT, keys.LOSS_SCALE, keys.OVERFLOW, keys.SKIPPED_STEPS,
         keys.COMM_PREDICTED_BYTES, keys.COMM_PREDICTION_ERROR_PCT, keys.COMM_EXPOSED_PCT,
+        keys.COMM_PREDICTION_ERROR_BYTES, keys.COMM_WINDOW_PREDICTED_BYTES,
     ]  # fmt: skip
     assert [key for key in per_step if f"`{key}`" not in table] == []
 
@@ -36,3 +37,11 @@ def test_per_rank_keys_and_their_patterns_agree() -> None:
     assert keys.COMM_KEY.fullmatch(keys.comm_key(1, "all_reduce_bytes_per_step")) is None
     assert keys.comm_key(0, "bytes_per_step").startswith(keys.COMM_RANK_PREFIX)
     assert keys.comm_key(0, "bytes_per_step").endswith(keys.BYTES_PER_STEP_SUFFIX)
+
+
+def test_every_summary_only_key_of_the_plans_errors_is_in_the_design() -> None:
+    """summary.json's counts of what the plan's errors compared (issue 60 item 3), named in docs/design.md."""
+    summary_only = [
+        keys.COMM_COMPARED_STEPS, keys.MEMORY_COMPARED_WINDOWS, keys.MEMORY_EXCLUDED_WINDOWS, keys.MEMORY_ERROR_STEP,
+    ]  # fmt: skip
+    assert [key for key in summary_only if f"`{key}`" not in DESIGN] == []

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from trainer.telemetry.summary import build_summary, redact_secrets, steady_tokens_per_s
+from trainer.telemetry.summary import (
+    build_summary,
+    comm_error,
+    plan_error_rows,
+    redact_secrets,
+    steady_tokens_per_s,
+)
 
 
 def window(step: int, tokens_per_s: float, step_s: float, **extra: float) -> dict[str, float]:
@@ -72,3 +78,71 @@ def test_secrets_from_the_environment_are_redacted_everywhere(monkeypatch) -> No
     }
     assert "0123456789abcdef" not in json.dumps(redact_secrets(nested))
     assert redact_secrets({"lr": 0.1, "name": "zero=stage3"}) == {"lr": 0.1, "name": "zero=stage3"}
+
+
+def comm_window(
+    step: int, predicted: float, measured: float, window_plan: float | None = None
+) -> dict[str, float]:
+    """A 2-rank window as trainer/telemetry/metrics.py writes it (both ranks measured alike)."""
+    record = window(step, 100.0, 1.0, **{"comm/predicted_bytes_per_step": predicted})
+    record |= {f"comm/rank{rank}/bytes_per_step": measured for rank in (0, 1)}
+    if window_plan is not None:
+        record["comm/window_predicted_bytes_per_step"] = window_plan
+    record["comm/prediction_error_bytes"] = (predicted if window_plan is None else window_plan) - measured
+    return record
+
+
+def test_an_error_against_a_near_zero_prediction_is_in_bytes_not_percent() -> None:
+    """One rank, or pp at dp=1: the plan's 0 against the loop's own few hundred bytes is -424 B, not -100%."""
+    assert comm_error(0, 424.0) == {"comm/prediction_error_bytes": -424.0}
+    assert comm_error(4095, 4500.0) == {"comm/prediction_error_bytes": -405.0}
+    assert comm_error(48_640, 49_504.0) == {
+        "comm/prediction_error_bytes": -864.0,
+        "comm/prediction_error_pct": pytest.approx(-1.7453, abs=1e-4),
+    }
+    summary = build_summary("ok", [comm_window(step, 0, 424.0) for step in (1, 2, 3)], total_steps=3)
+    assert "comm/prediction_error_pct" not in summary
+    assert (summary["comm/prediction_error_bytes"], summary["comm/compared_steps"]) == (-424.0, 2)
+    assert (
+        dict(plan_error_rows(summary))["comm plan error"]
+        == "-424 B per step (predicted near zero) over 2 steps"
+    )
+
+
+def test_each_window_is_compared_with_the_plan_of_its_own_steps() -> None:
+    """PowerSGD from step 3: steps 1-2 all-reduce exactly, and the steady windows (2-8) are compared with
+    the plan of their own steps, not the compressed figure: -0.2% over 7 steps, where the compressed
+    plan against their mean was -91.4%."""
+    exact, compressed, loop = 3_674_624, 48_640, 864.0
+    records = [comm_window(s, compressed, exact + loop, window_plan=exact) for s in (1, 2)]
+    records += [comm_window(s, compressed, compressed + loop) for s in range(3, 9)]
+    summary = build_summary("ok", records, total_steps=8)
+    plan = (exact + 6 * compressed) / 7
+    assert summary["comm/compared_steps"] == 7
+    assert summary["comm/window_predicted_bytes_per_step"] == pytest.approx(plan)
+    assert summary["comm/prediction_error_bytes"] == pytest.approx(-loop)
+    assert summary["comm/prediction_error_pct"] == pytest.approx(-100 * loop / (plan + loop))
+    assert summary["comm/predicted_bytes_per_step"] == compressed  # plan.json's figure, as before
+    assert dict(plan_error_rows(summary))["comm plan error"] == "-0.15% (-864 B per step) over 7 steps"
+
+
+def test_the_memory_error_is_the_worst_compared_windows_and_the_excluded_are_counted() -> None:
+    """A window none of whose measured steps the plan's peak describes carries no error (metrics.py): the
+    summary's error is the worst window that has one, with both counts."""
+    peak = {"memory/predicted_peak_gib": 2.0}
+    records = [
+        window(2, 100.0, 1.0, **peak, **{"memory/max_rank_peak_gib": 2.1}),  # excluded, yet the run's worst
+        window(
+            3, 100.0, 1.0, **peak, **{"memory/max_rank_peak_gib": 1.9, "memory/prediction_error_pct": 5.26}
+        ),
+        window(
+            4, 100.0, 1.0, **peak, **{"memory/max_rank_peak_gib": 1.99, "memory/prediction_error_pct": 0.5}
+        ),
+    ]
+    summary = build_summary("ok", records, total_steps=4)
+    assert (summary["memory/max_rank_peak_gib"], summary["memory/peak_step"]) == (2.1, 2)
+    assert (summary["memory/prediction_error_pct"], summary["memory/prediction_error_step"]) == (0.5, 4)
+    assert (summary["memory/compared_windows"], summary["memory/excluded_windows"]) == (2, 1)
+    assert dict(plan_error_rows(summary))["peak plan error"] == (
+        "+0.50% at step 4 (2 measured windows compared, 1 left out (planned otherwise))"
+    )
