@@ -18,7 +18,7 @@ from trainer.plan.fsdp_buffers import (
     fsdp_sizes,
     secondaries,
 )
-from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
+from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import Moment, StepContext, optimizer_temporary
 
 
@@ -115,6 +115,7 @@ def fsdp_loss_moments(
     # The head's new weight gradient is alive as mm writes it, also where autograd then adds it into the
     # accumulated one in place and frees it (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h).
     head = prec.compute * n * (m.vocab_size + m.dim) + f.output_grad
+    loss_forward, loss_backward = full_loss_temporaries(ctx)
     return [
         ctx.moment(
             "forward: output head",
@@ -122,8 +123,8 @@ def fsdp_loss_moments(
             acts.total - acts.log_softmax - NLL_TOTAL_WEIGHT,
             after_forward + last_gathered + prec.compute * n * m.vocab_size,  # + the logits being written
         ),
-        ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward_temporary(ctx)),
-        ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward_temporary(ctx)),
+        ctx.moment("forward: loss", held, acts.total, after_forward + loss_forward),
+        ctx.moment("backward: loss", held, acts.total, after_forward + loss_backward),
         ctx.moment("backward: output head", held, acts.total - acts.log_softmax, after_forward + head),
     ]
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from trainer.plan.moments import Moment, StepContext
+from trainer.plan.tp_walk import parallel_loss_backward_temporary, parallel_loss_temporary
 
 
 def loss_forward_temporary(ctx: StepContext) -> int:
@@ -15,6 +16,14 @@ def loss_forward_temporary(ctx: StepContext) -> int:
 def loss_backward_temporary(ctx: StepContext) -> int:
     """log_softmax's backward: the incoming gradient and the outgoing one, both fp32 B·T·V."""
     return 8 * ctx.tokens * ctx.config.model.vocab_size
+
+
+def full_loss_temporaries(ctx: StepContext) -> tuple[int, int]:
+    """The full loss's forward and backward temporaries: over vocabulary-sharded logits (parallel.tp > 1)
+    loss_parallel's, which hold more than log_softmax's (trainer/plan/tp_walk.py), whatever wraps the model."""
+    if ctx.config.parallel.tp > 1:
+        return parallel_loss_temporary(ctx), parallel_loss_backward_temporary(ctx)
+    return loss_forward_temporary(ctx), loss_backward_temporary(ctx)
 
 
 def chunked_loss_moments(

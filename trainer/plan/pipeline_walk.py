@@ -27,7 +27,7 @@ from typing import NamedTuple
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
-from trainer.plan.loss import loss_backward_temporary, loss_forward_temporary
+from trainer.plan.loss import full_loss_temporaries
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -50,8 +50,6 @@ from trainer.plan.pipeline import (
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
 from trainer.plan.tp_walk import (
-    parallel_loss_backward_temporary,
-    parallel_loss_temporary,
     replicated_embedding_gradient,
     sequence_gather_temporary,
 )
@@ -285,11 +283,7 @@ def stage_moments(
     if last and ctx.config.loss.kind == LossKind.full:
         fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
         total = peak.held + acts.total
-        tp = (
-            ctx.config.parallel.tp > 1
-        )  # the vocabulary-sharded logits' loss_parallel (trainer/plan/tp_walk.py)
-        forward = parallel_loss_temporary(ctx) if tp else loss_forward_temporary(ctx)
-        backward = parallel_loss_backward_temporary(ctx) if tp else loss_backward_temporary(ctx)
+        forward, backward = full_loss_temporaries(ctx)
         moments += [
             ctx.moment("forward: loss", grads, total, fixed + forward),
             ctx.moment("backward: loss", grads, total, fixed + backward),
