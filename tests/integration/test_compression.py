@@ -227,7 +227,7 @@ def test_the_hooks_state_is_the_plans(measured: dict[str, Any], method: str) -> 
 
 
 # ----------------------------------------------------------------------------- summary.json compares like with like
-JOB = ("model=tiny", "device=cpu", "logger=none", "nproc=2", "seq_len=16", "micro_batch=2", "log_every=1",
+JOB = ("model=tiny", "device=cpu", "logger=none", "nproc=2", "seq_len=64", "micro_batch=2", "log_every=1",
        "steps=5", "save=off", "telemetry.memory_every=1")  # fmt: skip
 JOBS = {
     "powersgd": ("zero.compression=powersgd", "zero.powersgd_rank=2", f"zero.powersgd_start_step={START}"),
@@ -245,8 +245,10 @@ def test_summary_compares_each_step_with_its_own_plan(job: tuple[str, Run]) -> N
     """Issue 60 item 3: steps 1-2 all-reduce exactly (PowerSGD before it starts, local SGD's warm-up), local SGD
     then averages at step 3 only: each window is compared with the plan of its own steps, so the steady error
     (steps 2-5) is the loop's own unplanned bytes, under 1% (it was -91.4% and -41.7%); the memory error is the
-    worst window the plan's peak describes (PowerSGD from step 4, local SGD's averaging step 3), within 1% (the
-    warm-up's step 2 was +25.1%), the others counted out."""
+    worst window the plan's peak describes (PowerSGD from step 4, local SGD's averaging step 3), within 0.5% (the
+    warm-up's step 2 was +25.1%; PowerSGD's peak is its first bucket's hook at the end of the last block,
+    trainer/plan/ddp_walk.py `hook_at_block_end`, which the last block's moment planned +6.2%), the others
+    counted out."""
     name, run = job
     summary = run.summary
     assert summary["comm/compared_steps"] == 4
@@ -278,5 +280,5 @@ def test_summary_compares_each_step_with_its_own_plan(job: tuple[str, Run]) -> N
         len(compared),
         5 - len(compared),
     )
-    assert abs(summary["memory/prediction_error_pct"]) < 1, summary["memory/prediction_error_pct"]
+    assert abs(summary["memory/prediction_error_pct"]) < 0.5, summary["memory/prediction_error_pct"]
     assert "comm plan error" in run.stdout and "peak plan error" in run.stdout

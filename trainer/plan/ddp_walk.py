@@ -9,6 +9,7 @@ import math
 
 from trainer.config import Compression, LossKind, ZeroConfig
 from trainer.model.fp8 import converted_numel
+from trainer.plan.activations import norm_bytes_per_token
 from trainer.plan.comm import powersgd_elements
 from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
 from trainer.plan.moments import (
@@ -16,6 +17,7 @@ from trainer.plan.moments import (
     StepContext,
     accumulation_grads,
     block_backward_temporary,
+    incoming_gradient,
     optimizer_temporary,
 )
 from trainer.plan.states import ModelShape
@@ -50,7 +52,7 @@ def ddp_moments(ctx: StepContext) -> list[Moment]:
         ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding + held),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + held),
     ]
-    moments += powersgd_hook_moments(ctx, moments)
+    moments += powersgd_hook_moments(ctx, moments, fixed + tied)
     if ctx.config.zero.sync_every > 1:
         # PeriodicModelAverager's average_parameters all-reduces one flat fp32 copy of every parameter
         # (torch.cat), made after the optimizer's step while the gradients are still held.
@@ -73,26 +75,37 @@ def hook_state(zero: ZeroConfig, shape: ModelShape) -> int:
     return 0
 
 
-def powersgd_hook_moments(ctx: StepContext, moments: list[Moment]) -> list[Moment]:
+def powersgd_hook_moments(ctx: StepContext, moments: list[Moment], held: int) -> list[Moment]:
     """PowerSGD's hook at work on one bucket (torch's powerSGD_hook.py): a copy of the bucket
     (`input_tensor_cp`, to compute the error later), the uncompressed tensors concatenated for their
     all-reduce, and, made in its last callback while the previous one is still held, the new error
     feedback (`input_tensor_cp - input_tensor`): 4 * (2 * bucket + uncompressed) bytes beyond the
     state (hook_state) until the hook returns. P and Q are written in place (warm start), the
     decompression into the bucket too. The last bucket, the embedding's, runs at the end of backward
-    (`backward: embedding`); every other one during the blocks' backward, planned at the last block's
-    moment: an upper bound, as less activation memory is left when a later block finishes."""
+    (`backward: embedding`). A bucket whose last gradient is a block's last (wq's: the hook runs once
+    it is ready) is planned at that block's end (`hook_at_block_end`); any other during the blocks'
+    backward at the last block's moment: an upper bound, as less activation memory is left when a
+    later block finishes. `held`: the temporaries alive all backward long (autocast's casts, a tied head's
+    gradient)."""
     zero = ctx.config.zero
     if zero.compression != Compression.powersgd:
         return []
+    buckets = ddp_buckets(ctx.shape, zero)
     transients = [  # per tensor: its copy and its new error; an uncompressed one is concatenated too
         4 * sum((2 if powersgd_elements(s, zero) < math.prod(s) else 3) * math.prod(s) for s in bucket)
-        for bucket in ddp_buckets(ctx.shape, zero)
+        for bucket in buckets
     ]
     at = {mo.name: mo for mo in moments}
     hooks = [("backward: embedding", transients[-1])]
-    if len(transients) > 1:
-        hooks.append(("backward: last block", max(transients[:-1])))
+    at_block_ends = []
+    ready = 0  # gradients ready before the bucket's, in the plan's ready order (ddp_buckets)
+    for bucket, transient in zip(buckets[:-1], transients[:-1]):
+        ready += len(bucket)
+        block = block_ended_by(ctx.shape, ready - 1)
+        if block is None:
+            hooks.append(("backward: last block", transient))
+        else:
+            at_block_ends.append(hook_at_block_end(ctx, block, held + transient))
     return [
         dataclasses.replace(
             at[name],
@@ -100,7 +113,38 @@ def powersgd_hook_moments(ctx: StepContext, moments: list[Moment]) -> list[Momen
             parts={**at[name].parts, "temporary": at[name].parts["temporary"] + extra},
         )
         for name, extra in hooks
-    ]
+    ] + at_block_ends
+
+
+def block_ended_by(shape: ModelShape, ready_index: int) -> int | None:
+    """The block whose backward a gradient ends, where the gradient at `ready_index` of the plan's ready
+    order (the parameters' reversed: output head, final norm, the last block's, ..., the embedding) is a
+    block's last (wq's); None otherwise."""
+    per_block = len(shape.block)
+    blocks = (len(shape.order) - len(shape.root)) // per_block
+    tail = len(shape.root) - 1  # the final norm and the output head come before the blocks' gradients
+    position = ready_index - tail
+    if position < 0 or position >= blocks * per_block or position % per_block != per_block - 1:
+        return None
+    return blocks - 1 - position // per_block
+
+
+def hook_at_block_end(ctx: StepContext, block: int, temporary: int) -> Moment:
+    """A bucket's hook at the end of block `block`'s backward, once wq's gradient is ready: the blocks below
+    it keep their saved sets, the block itself its attention RMSNorm's (norm_bytes_per_token) and the norm's
+    output that wk and wv saved (4·D per token: one fp32 tensor, or two bf16 casts under autocast); beside
+    the gradient down the residual and the one into the norm's output (2 x B·T·D, residual dtype). Measured
+    with MemTracker (tiny, fp32, stage0, 2 CPU ranks, T = 64, micro_batch=2; the first bucket ends at the
+    last block's wq): activations and temporaries of the step's peak to within 0.1%, where the last block's
+    moment planned it 6.2% high."""
+    acts, m = ctx.acts, ctx.config.model
+    attention_head = (norm_bytes_per_token(m.dim, ctx.prec.regime, ctx.device_kind) + 4 * m.dim) * ctx.tokens
+    activations = sum(acts.blocks[:block]) + acts.batch - acts.received + attention_head
+    return ctx.moment(
+        f"backward: end of block {block} + PowerSGD hook",
+        activations=activations,
+        temporary=temporary + 2 * incoming_gradient(ctx),
+    )
 
 
 def ddp_buckets(shape: ModelShape, zero: ZeroConfig) -> list[list[tuple[int, ...]]]:

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from trainer.config import Compression, DeviceKind, ReduceEvery, TrainConfig, ZeroConfig
+from trainer.plan.activations import activations
 from trainer.plan.comm import plan_comm, powersgd_elements, topk_count
 from trainer.plan.ddp_walk import hook_state
 from trainer.plan.schedule import StepSchedule
@@ -88,19 +89,21 @@ def test_powersgds_hook_holds_a_copy_of_its_bucket_and_the_new_error_by_hand() -
     (65,536), the final norm and the last block (262,528 elements, 3 norms uncompressed), the other
     with the rest (656,128, 6 norms). While its hook works on a bucket of B with U uncompressed,
     PowerSGD holds 4 * (2B + U) bytes more: the last bucket's at the end of backward, the first's at the
-    last block's. (DDP's own first bucket, measured, leaves out the last block's attention norm:
-    262,400 and 656,256 elements, 4 * (2B + U) = 2,100,224 and 5,253,632 bytes at its two hooks.)"""
+    end of the last block's backward, its wq gradient being the bucket's last: then the blocks below keep
+    their saved sets, the last one its attention norm's (8·D + 4 per token) and the norm's output (4·D),
+    beside two B·T·D fp32 gradients. (DDP's own first bucket, measured, leaves out the last block's
+    attention norm: 262,400 and 656,256 elements, 4 * (2B + U) = 2,100,224 and 5,253,632 bytes at its two hooks.)"""
     from trainer.plan import build_plan
 
-    moments = {
-        m.name: m.total
-        for m in build_plan(config(compression=Compression.powersgd, powersgd_rank=2), "cpu", 2)
-        .ranks[0]
-        .moments
-    }
-    last = moments["backward: embedding + PowerSGD hook"] - moments["backward: embedding"]
-    first = moments["backward: last block + PowerSGD hook"] - moments["backward: last block"]
-    assert (first, last) == (4 * (2 * 262_528 + 384), 4 * (2 * 656_128 + 768)) == (2_101_760, 5_252_096)
+    compressed = config(compression=Compression.powersgd, powersgd_rank=2)
+    moments = {m.name: m for m in build_plan(compressed, "cpu", 2).ranks[0].moments}
+    last = moments["backward: embedding + PowerSGD hook"].total - moments["backward: embedding"].total
+    assert last == 4 * (2 * 656_128 + 768) == 5_252_096
+    end = moments["backward: end of block 3 + PowerSGD hook"].parts
+    tokens, dim = compressed.micro_batch * compressed.seq_len, compressed.model.dim
+    assert end["temporary"] - 2 * 4 * tokens * dim == 4 * (2 * 262_528 + 384) == 2_101_760
+    acts = activations(compressed, "cpu")
+    assert end["activations"] == sum(acts.blocks[:3]) + acts.batch + (12 * dim + 4) * tokens
 
 
 def test_the_steps_before_powersgd_starts_are_planned_as_exact_all_reduces() -> None:
