@@ -111,6 +111,9 @@ class AcceleratorSpec:
     pcie_gbps: float  # host link per direction (offload)
     hbm_tbps: float  # memory bandwidth (AdamW is memory-bound)
     sources: str
+    unvalidated: str = ""
+    """Why the rates' error is unknown (no published run zerolab can express on this part); "" where the family's
+    fit was validated on published runs (throughput.FIT_ERROR)."""
 
     @property
     def network_bus_gbps(self) -> float:
@@ -200,6 +203,37 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md lines 11-15 (Grand Teton: 8 H100 per host on "
         "NVLink, 96GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU); dense peaks of the SXM part",
     ),
+    # B200 (HGX/DGX B200, 1,000 W), each figure from NVIDIA's datasheets:
+    # - dense bf16 2,250 TFLOPS, dense fp8 4,500 TFLOPS per GPU: the HGX B200 datasheet's 8-GPU figures with
+    #   sparsity (bf16 36 PFLOPS, fp8 72 PFLOPS) halved and divided by 8 (trainer/devices.py's 2250.0; the
+    #   per-GPU table at glennklockwood.com/garden/processors/B200 lists the same, "HGX variant ... 1,000 W");
+    # - HBM3e 8 TB/s per GPU: DGX B200 "64 TB/s HBM3e bandwidth" over its 8 GPUs (nvidia.com/en-us/data-center/dgx-b200/);
+    #   memory 1,440 GB / 8 = 180 GB (nvidia-smi: 183,359 MiB, trainer/devices.py);
+    # - NVLink 5: 1.8 TB/s bidirectional per GPU (DGX B200 "14.4 TB/s aggregate NVLink bandwidth" / 8), 900 GB/s a
+    #   direction, of which NCCL's ring bus bandwidth is taken at H100's 0.8 (an assumption: no nccl-tests B200
+    #   figure was found), 720 GB/s;
+    # - network: DGX B200's 8 single-port ConnectX-7 at 400 Gb/s, one per GPU, at the NDR NIC's measured
+    #   47 GB/s (NVIDIA/nccl-tests#290); host PCIe Gen5 (DGX B200's Xeon Platinum 8570 hosts), 64 GB/s a direction.
+    # The matmul efficiency is the h100-hbm2e fit's (Hopper's): no published run zerolab can express exists on
+    # B200, so its tokens/s are unvalidated. The one published cross-check, Megatron Bridge's Llama 3 8B FP8 on
+    # 8 GPUs (B200 30,624 tokens/s per GPU, H100 14,451; NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md,
+    # 25.11), is another framework: tests/unit/advise/test_accelerators.py holds the predicted H100/B200 ratio
+    # to it, not B200's absolute tokens/s.
+    "b200": AcceleratorSpec(
+        "b200",
+        "h100-hbm2e",
+        0.8 * 900,
+        8,
+        47,
+        8,
+        64,
+        8.0,
+        "NVIDIA HGX B200 datasheet (dense bf16 2,250 TFLOPS and fp8 4,500 per GPU: the sparse 8-GPU 36 / 72 PFLOPS "
+        "halved), DGX B200 (8 GPUs, 1,440 GB HBM3e, 64 TB/s, NVLink 5 14.4 TB/s aggregate: 1.8 TB/s a GPU "
+        "bidirectional; 8 x 400 Gb/s ConnectX-7)",
+        unvalidated="no published training run zerolab can express on B200; the matmul efficiency is Hopper's "
+        "h100-hbm2e fit and NCCL's share of NVLink 5 H100's 0.8, both assumed",
+    ),
 }
 ADAM_BYTES_PER_PARAM = 28  # fused/foreach AdamW reads fp32 param, grad, m, v and writes param, m, v
 HBM_EFFICIENCY = 0.8
@@ -257,10 +291,11 @@ def accelerator_rates(
         }
     dtype = "tf32" if compute_dtype == DType.float32 and tf32 else compute_dtype.value
     validation = "" if model is None else validation_note(model_shape(model).num_params)
+    expected = f"unvalidated: {spec.unvalidated}" if spec.unvalidated else str(FIT_ERROR[spec.family])
     return Rates(
         source=(
             f"published fit: {name}, dense {dtype} {dense / 1e12:.1f} TFLOPS x {efficiency} ({spec.family} fit, "
-            f"expected error: {FIT_ERROR[spec.family]}{validation}) x the GEMM-shape factor; "
+            f"expected error: {expected}{validation}) x the GEMM-shape factor; "
             f"{link_note(spec, nvlink, network, network_bus_gbps, nvlink_bus_gbps)}; sources: {spec.sources}"
         ),
         peak_flops=dense,
@@ -276,6 +311,20 @@ def accelerator_rates(
         gemm_shaped=model is not None,
         tie_tolerance=FIT_ERROR[spec.family].between,
     )
+
+
+def fit_error_cell(name: str, model: ModelConfig | None = None) -> str:
+    """The advisor's expected error on an accelerator, short: the family's range of tokens/s errors on its
+    published validation runs (throughput.FIT_ERROR), or "unvalidated" where there are none for the part or
+    for the model's size (throughput.validation_note)."""
+    from trainer.advise.throughput import FIT_ERROR, validation_note
+    from trainer.plan import model_shape
+
+    spec = ACCELERATORS[advisor_accelerator(name)]
+    if spec.unvalidated or (model is not None and validation_note(model_shape(model).num_params)):
+        return "unvalidated"
+    error = FIT_ERROR[spec.family]
+    return f"{error.low:+.0%}..{error.high:+.0%}"
 
 
 def link_note(

@@ -32,14 +32,16 @@ from trainer.model.fp8 import block_linears, fp8_split
 if TYPE_CHECKING:  # predict.py times fp8 jobs with this module: the step's type only in annotations
     from trainer.advise.predict import StepTime
 
-FP8_DENSE_TFLOPS = {"h100": 1978.9, "h200": 1978.9, "h100-hbm2e": 1978.9}
+FP8_DENSE_TFLOPS = {"h100": 1978.9, "h200": 1978.9, "h100-hbm2e": 1978.9, "b200": 4500.0}
 """Dense fp8 (e4m3) tensor-core peaks, the NVIDIA H100 SXM5 and H200 SXM datasheets (3,958 with sparsity); the
 96 GB HBM2e H100 torchtitan measured on takes the SXM part's, as its bf16 peak does (trainer/devices.py; its
-own clocks are not published). b200 joins when the advisor has its rates (trainer/advise/calibrate.py)."""
+own clocks are not published). B200: the HGX B200 datasheet's 72 PFLOPS fp8 for 8 GPUs with sparsity, halved,
+per GPU (trainer/advise/calibrate.py's b200 row; the cast fit is Hopper's, unvalidated there)."""
 BF16_DENSE_TFLOPS = {
     "h100": 989.4,
     "h200": 989.4,
     "h100-hbm2e": 989.4,
+    "b200": 2250.0,
 }  # the same; trainer/devices.py's figures
 NO_FP8_REASON = "no fp8 tensor cores (fp8 GEMMs need compute capability 8.9 or later: Ada, Hopper, Blackwell)"
 CAST_BYTES = 6  # per element of each operand: two casts (forward, backward) of 2 bytes read + 1 written

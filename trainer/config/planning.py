@@ -4,6 +4,7 @@ candidates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.config.enums import CheckpointMode, Compression, OffloadTarget, ReduceDType, ReduceEvery, Stage
 from trainer.config.errors import _require
@@ -97,6 +98,21 @@ class AdviseConfig:
     """Where this host's calibration (matmul, Adam and collective rates) is kept, with its date and host."""
     recalibrate: bool = False
     """Measure this host again even when a cached calibration matches it."""
+    accelerators: list[str] = field(default_factory=list)
+    """Rank these accelerators (names of trainer/advise/calibrate.py ACCELERATORS: h100, h200, a100-80gb, b200 ...)
+    against each other: the best fitting configuration on each, at nodes x nproc of them, in one table
+    (trainer/advise/accelerators.py); [] (default): one accelerator, plan.accelerator or this host."""
+    gpu_hour_cost: Any = (
+        None  # dict[str, float] | None: typed Any, as OmegaConf merges no dict into a typed empty or null one
+    )
+    """The user's price per GPU-hour of each listed accelerator (any currency, the same for all), e.g.
+    {h100: 2.5, a100-80gb: 1.5}; zerolab ships no prices (conf/advise/prices_example.yaml's are examples).
+    null (default): ranked by tokens/s per GPU. A price for some listed accelerators must be one for all."""
+    tokens: float | None = None
+    """A token budget (e.g. 1e12): the table adds days to it, GPU-hours and, with prices, its cost."""
+    rank_by: str = "cost"
+    """cost: by cost per million tokens (without prices: tokens/s per GPU, and the table says so); time: by
+    time to the tokens (the cluster's tokens/s)."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -116,3 +132,42 @@ class AdviseConfig:
         _require(self.top >= 1, f"advise.top must be >= 1, got {self.top}")
         _require(self.verify >= 0, f"advise.verify must be >= 0, got {self.verify}")
         _require(self.verify_steps >= 2, f"advise.verify_steps must be >= 2, got {self.verify_steps}")
+        self.check_accelerators()
+
+    def check_accelerators(self) -> None:
+        """advise.accelerators and what goes with it: names normalised (any case), prices > 0 and one for every
+        listed accelerator once any is given, a budget > 0, rank_by cost or time."""
+        self.accelerators = [str(name).strip().lower() for name in self.accelerators]
+        prices = {str(k).strip().lower(): v for k, v in dict(self.gpu_hour_cost or {}).items()}
+        _require(
+            len(set(self.accelerators)) == len(self.accelerators),
+            f"advise.accelerators lists an accelerator twice: {self.accelerators}",
+        )
+        _require(self.rank_by in ("cost", "time"), f"advise.rank_by must be cost or time, got {self.rank_by}")
+        _require(
+            self.tokens is None or self.tokens > 0,
+            f"advise.tokens must be > 0 (a token budget) or null, got {self.tokens}",
+        )
+        for name, price in prices.items():
+            _require(
+                isinstance(price, (int, float)) and price > 0,
+                f"advise.gpu_hour_cost.{name} must be a price per GPU-hour > 0, got {price}",
+            )
+        if not self.accelerators:
+            for key, given in (
+                ("gpu_hour_cost", bool(prices)),
+                ("tokens", self.tokens is not None),
+                ("rank_by", self.rank_by != "cost"),
+            ):
+                _require(
+                    not given,
+                    f"advise.{key} is read only with advise.accelerators=[...] (the table across accelerators)",
+                )
+            return
+        self.gpu_hour_cost = prices or None
+        missing = [name for name in self.accelerators if name not in prices]
+        _require(
+            not prices or not missing,
+            f"advise.gpu_hour_cost has no price for {', '.join(missing)} (advise.accelerators="
+            f"[{','.join(self.accelerators)}]): give one for every listed accelerator, or none to rank by tokens/s per GPU",
+        )

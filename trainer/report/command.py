@@ -7,6 +7,9 @@
                                                        outputs/reports/<date>/<time>/)
     python -m trainer.report --wandb DIR               publish DIR's wandb_report.json (after `wandb sync`
                                                        uploaded the runs) and write its URL into DIR/report.md
+    python -m trainer.report ADVICE_DIR [--out OUT]    a mode=advise run across accelerators (advise.accelerators):
+                                                       its table again, in report.md, and in W&B with logger=wandb
+                                                       (trainer/report/accelerators.py)
 
 A directory that is neither a run nor a sweep is refused in one line naming it (exit 2).
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from trainer.console import error
 from trainer.files import claim_directory
+from trainer.report.accelerators import is_accelerator_advice, write_accelerator_report
 from trainer.report.markdown import summary_line
 from trainer.report.run_dirs import Point, Report, load_point, load_points
 from trainer.report.summary_run import mirror_to_wandb, publish_and_link
@@ -89,6 +93,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if publish_and_link(args.wandb) else 1)
     if not args.dirs:
         error("name at least one run or sweep directory (python -m trainer.report DIR [DIR ...])")
+    if any(is_accelerator_advice(path) for path in args.dirs):
+        others = [str(path) for path in args.dirs if not is_accelerator_advice(path)]
+        if others:
+            error(
+                f"{', '.join(others)}: not a mode=advise run across accelerators; report those apart from "
+                "the advice runs"
+            )
+        write_accelerator_report(args.dirs, args.out or claim_reports_dir(datetime.datetime.now()))
+        return
     for path in args.dirs:
         if not (is_run_dir(path) or is_sweep_dir(path)):
             error(

@@ -193,9 +193,9 @@ def test_accelerator_rates_follow_the_model_gemm_shapes() -> None:
 
 def test_advise_refuses_an_accelerator_without_rates_in_one_line_naming_them() -> None:
     with pytest.raises(
-        ConfigError, match=r"no rates for plan.accelerator=b200: missing its matmul efficiency"
+        ConfigError, match=r"no rates for plan.accelerator=l40s: missing its matmul efficiency"
     ) as info:
-        accelerator_rates("b200", DType.bfloat16, 8)
+        accelerator_rates("l40s", DType.bfloat16, 8)
     assert "\n" not in str(info.value)
 
 
