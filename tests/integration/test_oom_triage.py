@@ -25,8 +25,6 @@ from tests.helpers import REPO, Run, assert_nothing_left, compose_config, job_en
 from trainer.advise.fit import propose_micro_batch
 from trainer.faults.failures import where
 from trainer.faults.leftovers import JOB_MARKER
-from trainer.faults.oom import plan_moment
-from trainer.plan import build_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,6 +40,16 @@ CAP = (
 )
 QUIET = ("logger=none", "save=off")
 M = 5
+NEAREST_MOMENT = {
+    ("forward", True): "forward: last block",
+    ("forward", False): "forward: loss",
+    ("backward", True): "backward: last block",
+    ("backward", False): "backward: loss",
+    ("optimizer", False): "optimizer step",
+}
+"""(phase, inside a block?) -> the plan's moment an OOM there is compared with, at micro_batch=2M (stage0 on 2
+ranks: each phase's largest moment, the forward's last block holding the most), written out rather than
+asked of trainer/faults/oom.py plan_moment, which explain_oom calls."""
 
 
 def test_the_plan_puts_the_largest_fitting_micro_batch_at_m() -> None:
@@ -101,8 +109,7 @@ def test_twice_m_runs_out_and_is_explained(too_big: tuple[Run, float]) -> None:
     # activations fill up in the first step's forward, or the second's, once Adam's states exist
     assert record["step"] in (1, 2) and record["micro_batch"] == 0
     assert explained["moment"] == where(record)
-    plan = build_plan(compose_config(*CAP, f"micro_batch={2 * M}"), "cpu", 2)
-    assert explained["plan_moment"] == plan_moment(plan.ranks[rank], record["phase"], record["block"])
+    assert explained["plan_moment"] == NEAREST_MOMENT[(record["phase"], record["block"] is not None)]
     assert set(explained["plan_gib"]) == set(explained["measured_gib"]) == {
         "params", "grads", "optimizer", "activations", "temporary", "other",
     }  # fmt: skip

@@ -54,6 +54,25 @@ def test_the_allocators_messages_give_the_failed_allocation() -> None:
     assert failed_allocation_bytes("injected fault") is None
 
 
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ("1.50 GiB", 1_610_612_736),
+        ("20.00 MiB", 20_971_520),
+        ("512.00 KiB", 524_288),
+        ("2.25 MiB", 2_359_296),
+    ],
+)
+def test_a_cuda_message_in_gib_mib_or_kib_gives_its_bytes(size: str, expected: int) -> None:
+    """The caching allocator's message states the size with c10's format_size (GiB, MiB or KiB, two
+    decimals): each unit's bytes, the literal figure (1.5 x 2**30, 20 x 2**20, 512 x 2**10, 2.25 x 2**20)."""
+    message = (
+        f"CUDA out of memory. Tried to allocate {size}. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.06 MiB is free. Of the allocated memory 77.50 GiB is allocated by PyTorch"
+    )
+    assert failed_allocation_bytes(message) == expected
+
+
 @pytest.fixture(scope="module")
 def plan():
     return build_plan(compose_config(*CAPPED), "cpu", 2)

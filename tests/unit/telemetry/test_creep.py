@@ -63,3 +63,34 @@ def test_one_jump_among_flat_windows_is_no_creep() -> None:
     a step over steps 5-8, but two of its three rises are 0.2 MiB."""
     jump = [0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 20.2, 20.4]
     assert find_creep(records(0.0, jump), 1, 0.5, 0.25, "cpu") is None
+
+
+def two_creeping(per_step_mib: dict[int, float], base_gib: dict[int, float], figure: str) -> list[dict]:
+    """Three ranks' windows at steps 1..8: each of `per_step_mib`'s ranks grows by its MiB per step from
+    its `base_gib`, the other one (rank 0) stays flat."""
+    return [
+        {"step": step, f"memory/rank0/{figure}_gib": 1.0}
+        | {
+            f"memory/rank{rank}/{figure}_gib": base_gib[rank] + step * mib * MIB
+            for rank, mib in per_step_mib.items()
+        }
+        for step in range(1, 9)
+    ]
+
+
+def test_of_two_creeping_ranks_the_faster_is_the_worst_whichever_comes_first() -> None:
+    """Ranks 1 and 2 both creep (8 and 5 MiB a step): the one reported is the one growing faster, rank 1
+    here and rank 2 with the rates swapped; its own figures (slope, last window) are the ones reported,
+    whatever order the ranks' keys come in (the faster's first or last in a record)."""
+    for fast, rates in ((1, {2: 5.0, 1: 8.0}), (1, {1: 8.0, 2: 5.0}), (2, {1: 5.0, 2: 8.0})):
+        creep = find_creep(two_creeping(rates, {1: 1.0, 2: 1.0}, "peak_rss"), 1, 0.5, 0.25, "cpu")
+        assert creep is not None and creep["rank"] == fast
+        assert abs(creep["gib_per_step"] - 8 * MIB) < 1e-12 and creep["last_gib"] == 1.0 + 8 * 8 * MIB
+        assert creep["reaches_limit_at_step"] == 5 + 32  # 0.25 GiB of room at 8 MiB a step, from step 5
+        assert creep_line(creep).startswith(f"memory creeps on rank {fast}: peak_rss grows 8.00 MiB per step")
+    # On a GPU too: the faster, its growth run on from its own last peak (the slower's is 1.0391 GiB)
+    creep = find_creep(
+        two_creeping({2: 5.0, 1: 8.0}, {1: 1.0, 2: 1.0}, "peak_allocated"), 1, 2.0, None, "cuda"
+    )
+    assert creep is not None and (creep["rank"], creep["last_gib"]) == (1, 1.0 + 64 * MIB)
+    assert creep["reaches_limit_at_step"] == 8 + 120  # (2.0 - 1.0625) GiB = 960 MiB at 8 MiB a step

@@ -3,6 +3,7 @@ made once; the corpus readers; the packed windows and the held-out split."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import compose_config, train_tokenizer, write_documents
-from trainer.config import ConfigError
-from trainer.data import main
+from trainer.config import ConfigError, DataConfig, DataKind
+from trainer.data import main, text_entries
 from trainer.text.cache import ensure_entry, read_meta, token_dtype
 from trainer.text.corpus import check_files, documents
 from trainer.text.packed import IGNORE_INDEX, PackedText, document_batch, held_out
@@ -20,6 +21,11 @@ from trainer.text.tokenizer import TokenizerFiles
 
 pytest.importorskip("tokenizers")  # the `data` extra
 pytest.importorskip("datasets")
+
+
+HELD_OUT_1234 = [5, 6, 17, 18, 20, 24, 28, 34, 36, 38, 48, 49, 64, 71, 72, 75, 77, 80, 81, 83, 85, 89, 92, 93, 99, 103,
+                 107, 114, 118]  # fmt: skip
+"""held_out(120, 0.25, seed=1234): 29 documents."""
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +86,38 @@ def test_the_key_follows_the_content(corpus: tuple[Path, list[str], Path], tmp_p
     edited.write_text(path.read_text().replace("cat", "dog", 1))
     second, existed = ensure_entry(str(tmp_path), [edited], "text", files, "data.files")
     assert second != first and not existed
+
+
+def test_the_key_changes_with_the_tokenizer_alone_or_the_text_field_alone(
+    corpus: tuple[Path, list[str], Path], tmp_path: Path
+) -> None:
+    """data=text's cache entry (trainer/data.py text_entries, the job's own path to it): the same config
+    twice and a byte-identical copy of the tokenizer elsewhere are the same entry; another tokenizer
+    (trained on the same texts, 48 ids), another tokenizer_config.json alone, or data.text_field alone
+    are each another entry. No tokenization: the key is the inputs' hash."""
+    path, texts, tokenizer = corpus
+    data = DataConfig(
+        kind=DataKind.text, files=[str(path)], tokenizer=str(tokenizer), cache_dir=str(tmp_path)
+    )
+
+    def entry(tokenizer_dir: Path, text_field: str = "text") -> Path:
+        return text_entries(dataclasses.replace(data, tokenizer=str(tokenizer_dir), text_field=text_field))[0]
+
+    base = entry(tokenizer)
+    assert base.parent == tmp_path and entry(tokenizer) == base
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((tokenizer / name).read_bytes())
+    assert entry(copy) == base  # the key is the files' content, not where they are
+    other = train_tokenizer(tmp_path / "other", texts, vocab_size=48)
+    assert (other / "tokenizer.json").read_bytes() != (tokenizer / "tokenizer.json").read_bytes()
+    (other / "tokenizer_config.json").write_bytes((tokenizer / "tokenizer_config.json").read_bytes())
+    assert entry(other) != base  # only tokenizer.json differs
+    (copy / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<unk>"}))
+    assert entry(copy) != base  # only tokenizer_config.json differs
+    assert entry(tokenizer, "body") != base  # only the field differs
+    assert len({base, entry(other), entry(copy), entry(tokenizer, "body")}) == 4
 
 
 def test_ids_past_uint16_are_kept_as_uint32(tmp_path: Path) -> None:
@@ -163,11 +201,15 @@ def test_windows_documents_and_the_held_out_split(
     assert torch.equal(inputs[0], sample[0, :-1]) and torch.equal(numbers[0], sample[1, :-1])
 
     apart = held_out(len(texts), 0.25, seed=1234)
+    # 29 of the 120 documents at fraction 0.25 and seed 1234, pinned: numpy's PCG64 from SeedSequence(1234),
+    # each draw (raw >> 11) * 2**-53 < 0.25, computed once from the raw bits (not with held_out)
+    assert (len(apart), int(apart.sum())) == (120, 29) and np.flatnonzero(apart).tolist() == HELD_OUT_1234
     train, validation = (PackedText(entry, 16, False, keep) for keep in (~apart, apart))
     assert train.num_tokens + validation.num_tokens == len(stream)
-    first_held = int(np.flatnonzero(apart)[0])
+    first_held = HELD_OUT_1234[0]  # document 5: the held-out stream starts with it
     assert validation[0].tolist() == stream[starts[first_held] : starts[first_held] + 17].tolist()
-    assert np.array_equal(held_out(len(texts), 0.25, seed=1234), apart)  # the same documents every run
+    held_tokens = sum(int(starts[d + 1] - starts[d]) for d in HELD_OUT_1234)
+    assert validation.num_tokens == held_tokens
 
 
 def test_model_hf_lends_data_text_the_tokenizer_of_its_directory() -> None:
