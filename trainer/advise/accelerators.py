@@ -4,7 +4,9 @@
         advise.accelerators=[h100,a100-80gb,b200] advise.gpu_hour_cost={h100:2.5,a100-80gb:1.5,b200:4} advise.tokens=1e12
 
 Each listed accelerator gets the advisor's own search, once (`advise_all` with plan.accelerator set to it, on
-nodes x nproc of them): its best fitting configuration (the first row of its ranked table) is its row. The
+nodes x nproc of them): its best fitting configuration (the first row of its ranked table) is its row. A
+configuration's plan is made once and given each accelerator's memory (advisor.shared_plans): only the fit and
+the timing are the accelerator's. The
 derived columns (tokens/s per GPU, days and GPU-hours to advise.tokens, cost per million tokens) are arithmetic
 on that row's predicted tokens/s and the user's prices (trainer/advise/cost.py); the table is ranked by cost,
 by time (advise.rank_by=time), or without prices by tokens/s per GPU. advice.json's `accelerators` keeps the
@@ -18,7 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.advise.advisor import advise_all, command_line, nothing_fits_cause, unchecked_replace
+from trainer.advise.advisor import (
+    advise_all,
+    command_line,
+    nothing_fits_cause,
+    shared_plans,
+    unchecked_replace,
+)
 from trainer.advise.calibrate import advisor_accelerator, fit_error_cell
 from trainer.advise.cost import cost_figures, table_lines
 from trainer.config import ConfigError, TrainConfig
@@ -88,6 +96,8 @@ def across_accelerators(config: TrainConfig, world_size: int, base: list[str]) -
     """advice.json's `accelerators` record: the table's settings and one row per accelerator (unranked; the
     table ranks them, trainer/advise/cost.py)."""
     names = check_accelerators(config)
+    with shared_plans():  # each choice planned once, for the first accelerator that plans it
+        rows = [accelerator_row(config, name, world_size, base) for name in names]
     return {
         "model": config.model.name,
         "global_batch": config.global_batch,
@@ -97,7 +107,7 @@ def across_accelerators(config: TrainConfig, world_size: int, base: list[str]) -
         "nproc": world_size // config.nodes,
         "tokens": config.advise.tokens,
         "rank_by": config.advise.rank_by,
-        "rows": [accelerator_row(config, name, world_size, base) for name in names],
+        "rows": rows,
     }
 
 

@@ -22,12 +22,13 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -453,7 +454,7 @@ def evaluate(
         shard_groups(candidate.zero, world_size, world_size // config.nodes)
     except ConfigError:
         return None
-    plan = build_plan(candidate, device_kind, world_size)
+    plan = planned(candidate, choice, device_kind, world_size)
     worst = plan.worst  # a max over every rank's moments: once
     peak = worst.peak.total
     reserved = plan.required_bytes(worst)  # the allocator's reserved memory on a GPU, else the peak
@@ -479,6 +480,53 @@ def evaluate(
         device_fits=device_fits,
         peak_parts=dict(worst.peak.parts),
     )
+
+
+_SHARED_PLANS: dict[tuple[Any, ...], Plan] | None = None
+"""Within `shared_plans()`: each choice's plan by the choice, for the next accelerator (advise.accelerators)."""
+
+
+@contextlib.contextmanager
+def shared_plans() -> Iterator[None]:
+    """Within: a choice planned for one accelerator is not planned again for the next, only given that one's
+    memory (`retarget`). build_plan reads plan.accelerator for the device's memory alone (trainer/plan/build.py
+    `device_memory`: the datasheet's total less the CUDA context and NCCL's buffers, which depend on the job, not
+    the part); the moments, communication and host plan are the job's. Used by trainer/advise/accelerators.py."""
+    global _SHARED_PLANS
+    _SHARED_PLANS = {}
+    try:
+        yield
+    finally:
+        _SHARED_PLANS = None
+
+
+def planned(config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int) -> Plan:
+    """build_plan, or inside `shared_plans()` the choice's plan for another accelerator retargeted to this one's."""
+    if _SHARED_PLANS is None or config.plan.accelerator is None or config.device_memory_gib is not None:
+        return build_plan(config, device_kind, world_size)
+    key = tuple(sorted(choice.items()))
+    known = _SHARED_PLANS.get(key)
+    if known is None:
+        _SHARED_PLANS[key] = plan = build_plan(config, device_kind, world_size)
+        return plan
+    return retarget(known, config)
+
+
+def retarget(plan: Plan, config: TrainConfig) -> Plan:
+    """`plan` for config.plan.accelerator's memory: the same share outside the allocator (the CUDA context and the
+    job's NCCL communicators) taken from that device's total."""
+    from trainer.devices import find_accelerator
+    from trainer.plan.build import DeviceMemory
+    from trainer.units import MIB
+
+    was, now = find_accelerator(plan.config.plan.accelerator), find_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
+    assert was is not None and now is not None and plan.memory.per_rank_bytes is not None
+    before, after = was.memory_mib * MIB, now.memory_mib * MIB
+    source = plan.memory.source.replace(
+        f"{was.short}, {before / GIB:.1f} GiB", f"{now.short}, {after / GIB:.1f} GiB", 1
+    )
+    memory = DeviceMemory(plan.memory.per_rank_bytes - before + after, source)
+    return dataclasses.replace(plan, config=config, memory=memory)
 
 
 def loss_share(config: TrainConfig, candidate: Candidate) -> float:

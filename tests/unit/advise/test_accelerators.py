@@ -11,12 +11,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from trainer.advise.accelerators import across_accelerators
+from trainer.advise.advisor import retarget
 from trainer.advise.calibrate import ACCELERATORS, accelerator_rates, fit_error_cell
 from trainer.advise.cost import cost_figures, rank_rows, table_lines
 from trainer.advise.fp8 import BF16_DENSE_TFLOPS, FP8_DENSE_TFLOPS
 from trainer.cli import register_configs
 from trainer.config import AdviseConfig, ConfigError, DType, TrainConfig, validate
 from trainer.devices import find_accelerator
+from trainer.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[3]
 CONF = REPO / "conf"
@@ -160,3 +162,21 @@ def test_the_example_prices_are_marked_as_examples_and_nothing_else_names_a_pric
     config = composed("mode=advise", "global_batch=16", "nproc=8", "+advise=prices_example")
     assert config.advise.gpu_hour_cost == {"h100": 2.5, "h200": 3.0, "a100-80gb": 1.5, "b200": 4.0}
     assert AdviseConfig().gpu_hour_cost is None  # the schema's default: no price
+
+
+def test_a_plan_made_for_one_accelerator_is_the_next_ones_with_its_memory() -> None:
+    """advisor.shared_plans: each choice planned once across the listed accelerators; retargeted, its fit is the
+    one build_plan gives for the other accelerator (the device's total less the same CUDA context and NCCL share)."""
+    base = (
+        "mode=plan",
+        "model=7b",
+        "seq_len=2048",
+        "precision=bf16",
+        "zero=stage3",
+        "micro_batch=2",
+        "nproc=8",
+    )
+    h100, b200 = (composed(*base, f"plan.accelerator={name}") for name in ("h100", "b200"))
+    fresh, moved = build_plan(b200, "cuda", 8), retarget(build_plan(h100, "cuda", 8), b200)
+    assert moved.memory == fresh.memory and moved.config is b200
+    assert moved.required_bytes(moved.worst) == fresh.required_bytes(fresh.worst) and moved.fits == fresh.fits
