@@ -54,12 +54,19 @@ def check_accelerators(config: TrainConfig) -> list[str]:
         raise ConfigError(
             "advise.accelerators needs nproc=N, the GPUs of a node (and nodes=M): the cluster to price"
         )
-    return [advisor_accelerator(name) for name in a.accelerators]
+    names = [advisor_accelerator(name) for name in a.accelerators]
+    if len(set(names)) < len(names):
+        raise ConfigError(
+            f"advise.accelerators=[{','.join(a.accelerators)}] names one accelerator twice (h100-sxm is h100)"
+        )
+    return names
 
 
-def accelerator_row(config: TrainConfig, name: str, world_size: int, base: list[str]) -> dict[str, Any]:
-    """One accelerator's search, its best fitting configuration and the row's figures."""
-    price = (config.advise.gpu_hour_cost or {}).get(name)
+def accelerator_row(
+    config: TrainConfig, name: str, world_size: int, base: list[str], price: float | None = None
+) -> dict[str, Any]:
+    """One accelerator's search (`name`: an ACCELERATORS key), its best fitting configuration and the row's figures
+    at `price` per GPU-hour (the user's, None: none given)."""
     on = unchecked_replace(config, plan=dataclasses.replace(config.plan, accelerator=name))
     advice = advise_all(on, "cuda", world_size)
     fitting = [c for c in advice.candidates if c.fits is not False]
@@ -97,7 +104,11 @@ def across_accelerators(config: TrainConfig, world_size: int, base: list[str]) -
     table ranks them, trainer/advise/cost.py)."""
     names = check_accelerators(config)
     with shared_plans():  # each choice planned once, for the first accelerator that plans it
-        rows = [accelerator_row(config, name, world_size, base) for name in names]
+        prices = config.advise.gpu_hour_cost or {}  # by the name as listed (h100-sxm is the h100 row)
+        rows = [
+            accelerator_row(config, name, world_size, base, prices.get(listed))
+            for listed, name in zip(config.advise.accelerators, names)
+        ]
     return {
         "model": config.model.name,
         "global_batch": config.global_batch,

@@ -11,6 +11,8 @@
 - fit_table.py: a sweep's fit table (plan_table.md), every point's plan and how it ended;
 - wandb_report.py: the W&B Report built from what was swept (wandb-workspaces);
 - summary_run.py: with logger=wandb, the W&B summary run and the Report published and linked.
+- accelerators.py: a mode=advise run across accelerators (advise.accelerators): its table again, in
+  report.md and with logger=wandb in W&B (a bar chart of cost per million tokens per accelerator).
 
 The names other modules use are imported from `trainer.report` itself.
 """
