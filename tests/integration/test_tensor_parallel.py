@@ -86,8 +86,8 @@ def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) 
     groups: dict[str, Any] = json.loads((run.out_dir / "plan.json").read_text())["comm"]["groups"]
     world = int(CONFIGS[name][0].removeprefix("nproc="))
     hsdp = "zero.shard_ranks=2" in CONFIGS[name]
-    # the group whose mesh is every rank (the non-finite agreement's): none of the plan's under HSDP
-    default_group = "tp" if world == 2 else "world" if hsdp else "shard"
+    # the group whose mesh is every rank (the non-finite agreement's): tp on 2 ranks, else none of the plan's
+    default_group = "tp" if world == 2 else "world"
     fsdp = "zero=stage3" in CONFIGS[name] or "zero=stage2" in CONFIGS[name]
     expected = {"tp"} | ({"shard"} if fsdp else set()) | ({"replicate"} if hsdp else set())
     assert set(groups) == expected, name
@@ -98,7 +98,9 @@ def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) 
             for kind, payload in planned["bytes_by_collective"].items():
                 # a one-rank group (FSDP2's shard dim at dp 1) records no collective
                 one_rank = planned["ranks"] == 1
-                extra = loop_bytes(group, default_group, world) if kind == "all_reduce" and not one_rank else 0
+                extra = (
+                    loop_bytes(group, default_group, world) if kind == "all_reduce" and not one_rank else 0
+                )
                 measured = first.get(f"comm/rank{rank}/{group}/{kind}_bytes_per_step", 0)
                 assert measured == payload + extra, (name, rank, group, kind, measured, payload)
             assert first[f"comm/{group}/predicted_bytes_per_step"] == planned["bytes_per_step"]

@@ -437,9 +437,16 @@ def union_window(phases: set[str], windows: dict[str, float]) -> float:
     return sum(windows[phase] for phase in phases)
 
 
-GROUP_AXES = {"shard": "dp_shard", "replicate": "dp_replicate", "world": "dp", "hpz": "hpz", "tp": "tp"}
+GROUP_AXES = {
+    "shard": "dp_shard",
+    "replicate": "dp_replicate",
+    "world": "dp",
+    "hpz": "hpz",
+    "tp": "tp",
+    "pp": "pp",
+}
 """The layout's axes each of the plan's process groups (trainer/plan/groups.py) runs along: DDP's group
-(`world`) is every data-parallel rank."""
+(`world`) is every data-parallel rank; the pipeline's loss and norm all-reduces (`pp`) run along pp."""
 
 
 def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int:

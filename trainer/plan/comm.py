@@ -37,7 +37,11 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
   is planned, and measured, under `all_reduce`.
 
-Left out, by design: the scalar collectives the training loop issues itself (trainer/telemetry/comm.py
+- parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
+  (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
+  (trainer/rank/optim.py `clip_gradients`), 4 bytes each (`PIPELINE_MOVES`), in `groups["pp"]`.
+
+Left out, by design: the other scalar collectives the training loop issues itself (trainer/telemetry/comm.py
 LOOP_COLLECTIVES names them) and one-time ones (DDP's parameter broadcast at construction, its
 bucket rebuild after the first step).
 """
@@ -52,7 +56,7 @@ from typing import Any
 from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
 from trainer.layout import Layout
 from trainer.plan.activations import precisions
-from trainer.plan.groups import ShardGroups, shard_groups
+from trainer.plan.groups import INTRA_NODE, NETWORK, ShardGroups, shard_groups
 from trainer.plan.pipeline import (
     P2PPlan,
     plan_p2p,
@@ -89,7 +93,7 @@ class CommPlan:
     backend: str
     """gloo or nccl: gloo records a reduce-scatter as an all-reduce."""
     groups: dict[str, GroupComm] = field(default_factory=dict)
-    """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world)."""
+    """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world, tp, pp)."""
     p2p: P2PPlan | None = None
     """parallel.pp > 1: the sends between stages (trainer/plan/pipeline.py), not in `total` (no collective)."""
 
@@ -145,6 +149,7 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     if backend is None:
         backend = "nccl" if planned_device_kind(config.plan, config.device) == "cuda" else "gloo"
     tp, pp = config.parallel.tp, config.parallel.pp
+    pipeline = pipeline_group(config, world_size, backend) if pp > 1 else None
     config = tp_local(config)  # one TP rank's layers; zero works over the dp ranks
     shape = model_shape(config.model)
     p2p = plan_p2p(config, world_size, precisions(config.precision, config.zero).residual) if pp > 1 else None
@@ -169,10 +174,26 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
         group_bytes, group_calls = tally(moves, backend)
         stages = per_stage if name == "tp" else ()
         plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
+    if pipeline is not None:
+        plans["pp"] = pipeline
+    for group in plans.values():
         for kind in COLLECTIVES:
-            bytes_by[kind] += group_bytes[kind]
-            calls_by[kind] += group_calls[kind]
+            bytes_by[kind] += group.bytes_by_collective[kind]
+            calls_by[kind] += group.calls_by_collective[kind]
     return CommPlan(bytes_by, calls_by, backend, plans, p2p)
+
+
+PIPELINE_MOVES: list[Move] = [("all_reduce", 4, 1), ("all_reduce", 4, 1)]
+"""parallel.pp > 1, per step over the pp group: the fp32 loss, the fp32 squared gradient norm."""
+
+
+def pipeline_group(config: TrainConfig, world_size: int, backend: str) -> GroupComm:
+    """The pp group (trainer/plan/groups.py): `parallel.pp` ranks, on one node or across the network."""
+    members = Layout.from_config(config, world_size).group("pp", 0)
+    group_bytes, group_calls = tally(PIPELINE_MOVES, backend)
+    return GroupComm(
+        config.parallel.pp, INTRA_NODE if members.intra_node else NETWORK, group_bytes, group_calls
+    )
 
 
 def pipelined(config: TrainConfig, shape: ModelShape) -> tuple[TrainConfig, ModelShape]:

@@ -21,6 +21,12 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
     world      every rank: DDP's collectives (stages 0-1) and, under HSDP, the loop's own flags
     tp         parallel.tp: the tensor-parallel layers' all-gathers, reduce-scatters and all-reduces of
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
+    pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
+               all-reduces of the step's loss and squared gradient norm (trainer/plan/comm.py
+               `PIPELINE_MOVES`); the sends between its stages are `comm.p2p`, not collectives
+Under a pipeline (parallel.pp > 1) DDP runs over the mesh's dp_replicate dim, not every rank: `world` then
+names the data-parallel world (`ShardGroups.world` counts data-parallel ranks), and telemetry names that
+dim's group alike (trainer/telemetry/comm.py `group_names`).
 A group lies inside one node when its ranks all sit on one (ranks are numbered node by node,
 `nproc` per node); else it crosses the network, the slowest link it uses.
 """
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 from trainer.config import ZeroConfig
 from trainer.layout import data_parallel_degrees
 
-GROUPS = ("world", "shard", "replicate", "hpz", "tp")
+GROUPS = ("world", "shard", "replicate", "hpz", "tp", "pp")
 """Every group name, in the order metrics list them."""
 INTRA_NODE, NETWORK = "intra-node", "network"
 LINKS = (INTRA_NODE, NETWORK)

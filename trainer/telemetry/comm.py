@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
+from trainer.layout import Layout
 from trainer.plan import COLLECTIVES, GROUPS, plan_comm
 from trainer.private_apis.of_torch import flight_recorder_dumps, flight_recorder_json
 from trainer.telemetry import keys
@@ -62,24 +63,44 @@ FIELDS = (*KINDS, "time_s", "time_covered_pct", "exposed_pct", "profiled_step_s"
 # `mesh_<dim name>` (torch/distributed/device_mesh.py). The job's one mesh (trainer/rank/mesh.py) names its
 # dims after the layout's axes: FSDP2 shards over dp_shard and HSDP replicates over dp_replicate; the
 # post-forward mesh FSDP2 builds for reshard_after_forward=<int> has no names (its second dim:
-# `mesh_dim_1`, _fsdp_init.py); the layers' collectives run in tp. A 1-D mesh over every rank is the
-# default group.
+# `mesh_dim_1`, _fsdp_init.py); the layers' collectives run in tp, the pipeline's loss and norm in pp.
+# A dim spanning every rank reuses the default group (`default_pg`): `group_names` names it.
 GROUP_DESCRIPTIONS = {
     "mesh_dp_shard": "shard",
     "mesh_dp_replicate": "replicate",
     "mesh_dim_1": "hpz",
     "mesh_tp": "tp",
+    "mesh_pp": "pp",
 }
+
+
+def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, str]]:
+    """The plan's name (trainer/plan/groups.py) for the default group, and for each mesh dim's description.
+
+    The default group is the one a mesh dim spanning every rank reuses: tp's or pp's when either is the
+    whole world, FSDP2's shard group when it shards over every rank, else `world`. DDP (zero=stage0/1)
+    replicates over dp_replicate, which the plan calls `world` (the data-parallel world, every rank unless
+    tp or pp takes some): under a pipeline that dim is a group of its own, named alike here.
+    """
+    layout = Layout.from_config(config, world_size)
+    descriptions = dict(GROUP_DESCRIPTIONS)
+    if not config.zero.uses_fsdp:
+        descriptions["mesh_dp_replicate"] = "world"
+    spanning = [axis for axis in ("tp", "pp") if 1 < layout.degree(axis) == world_size]
+    if spanning:
+        return spanning[0], descriptions
+    sharded_over_all = config.zero.uses_fsdp and layout.dp_shard == world_size
+    return ("shard" if sharded_over_all else "world"), descriptions
+
 
 LOOP_COLLECTIVES = {
     "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/rank/nonfinite.py)",
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
-    "pipeline loss and norm": "parallel.pp > 1: all_reduce of the step's fp32 loss and of the squared gradient norm "
-    "over the pp group, every step (trainer/rank/pipeline.py, trainer/rank/optim.py)",
 }
-"""The collectives the training loop issues besides ZeRO's, which the plan leaves out."""
+"""The collectives the training loop issues besides ZeRO's, which the plan leaves out (the pipeline's loss and
+norm all-reduces over its pp group it plans: trainer/plan/comm.py `PIPELINE_MOVES`)."""
 
 # c10d ScalarType names as the flight recorder writes them -> bytes per element.
 ELEMENT_BYTES = {
@@ -241,15 +262,20 @@ class WindowReader:
         return True
 
 
-def entry_group(entry: dict[str, Any], default_group: str) -> str:
-    """The group an entry ran in: by DeviceMesh's description of it; the default group is `default_group`
-    (the shard group when FSDP2 shards over every rank, else world)."""
+def entry_group(
+    entry: dict[str, Any], default_group: str, descriptions: dict[str, str] = GROUP_DESCRIPTIONS
+) -> str:
+    """The group an entry ran in: by DeviceMesh's description of it (`group_names`); the default group is
+    `default_group`."""
     description = (entry.get("process_group") or ["", ""])[-1]
-    return GROUP_DESCRIPTIONS.get(description, default_group)
+    return descriptions.get(description, default_group)
 
 
 def window_figures(
-    entries: list[dict[str, Any]] | None, default_group: str = "world", timing: Timing | None = None
+    entries: list[dict[str, Any]] | None,
+    default_group: str = "world",
+    timing: Timing | None = None,
+    descriptions: dict[str, str] = GROUP_DESCRIPTIONS,
 ) -> dict[str, float]:
     """Payload bytes by kind (and by group and kind) over a window's entries, and the time in
     collectives its read could account for (NaN: not measured)."""
@@ -265,7 +291,7 @@ def window_figures(
             return figures
         kind = collective_kind(entry.get("profiling_name", ""))
         totals[kind] += payload
-        totals[f"{entry_group(entry, default_group)}:{kind}"] += payload
+        totals[f"{entry_group(entry, default_group, descriptions)}:{kind}"] += payload
     figures.update(totals)
     return figures
 
@@ -303,10 +329,15 @@ class CommProbe:
     """This rank's communication over a log window, as a fixed-order row of floats (FIELDS)."""
 
     def __init__(
-        self, device: torch.device, memory_every: int, last_step: int, default_group: str = "world"
+        self,
+        device: torch.device,
+        memory_every: int,
+        last_step: int,
+        default_group: str = "world",
+        descriptions: dict[str, str] = GROUP_DESCRIPTIONS,
     ) -> None:
         self.device = device
-        self.default_group = default_group
+        self.default_group, self.descriptions = default_group, descriptions
         self.memory_every = memory_every
         self.last_step = last_step
         self.reader = WindowReader()
@@ -350,7 +381,7 @@ class CommProbe:
     def read(self) -> list[float]:
         """This window's figures in FIELDS order (bytes and seconds in total, not yet per step)."""
         entries = self.reader.take()
-        figures = window_figures(entries, self.default_group, self.reader.timing)
+        figures = window_figures(entries, self.default_group, self.reader.timing, self.descriptions)
         figures.update(exposed_pct=self._exposed_pct, profiled_step_s=self._profiled_step_s)
         self._exposed_pct = self._profiled_step_s = NAN
         return [figures[name] for name in FIELDS]

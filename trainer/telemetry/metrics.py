@@ -19,12 +19,12 @@ from torch import nn
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.layout import Layout
-from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, shard_groups
+from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS
 from trainer.plan.schedule import StepSchedule
 from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
-from trainer.telemetry.comm import CommProbe, comm_fields
+from trainer.telemetry.comm import CommProbe, comm_fields, group_names
 from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.telemetry.summary import comm_error
 from trainer.units import GIB
@@ -98,7 +98,9 @@ class Meter:
         )
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = (
-            CommProbe(world.device, telemetry.memory_every, config.steps, default_group(config, world))
+            CommProbe(
+                world.device, telemetry.memory_every, config.steps, *group_names(config, world.world_size)
+            )
             if telemetry.enabled
             else None
         )
@@ -494,12 +496,3 @@ def pipeline_fields(per_rank: torch.Tensor, layout: Layout) -> dict[str, float]:
 def format_gib(gib: float) -> str:
     """A memory figure readable at every scale: MiB below 1 GiB."""
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
-
-
-def default_group(config: TrainConfig, world: World) -> str:
-    """What the default process group is to the plan: FSDP2's shard group when it shards over every rank;
-    the tp group when it spans every rank (DeviceMesh then reuses the default group for its dim)."""
-    if config.parallel.tp > 1 and config.parallel.tp == world.world_size:
-        return "tp"
-    sharded_over_all = config.zero.uses_fsdp and not shard_groups(config.zero, world.world_size).hsdp
-    return "shard" if sharded_over_all else "world"

@@ -237,23 +237,34 @@ def test_interleaved_stage3_tp_forward_peaks_at_w2s_reduce_scatter(precision: st
     assert (peak.name, peak.total - 18_432) == ("forward: last block", measured)
 
 
+INTERLEAVED_TWO_NODES = (("intra-node",) * 3 + ("network",)) * 3 + ("intra-node",) * 3
+
+
 @pytest.mark.parametrize(
-    ("nodes", "nproc", "links"),
+    ("schedule", "nodes", "nproc", "links"),
     [
-        (1, 8, ("intra-node",) * 7),
-        (2, 8, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3),
-        (128, 4, ("network",) * 7),
+        ("1f1b", 1, 8, ("intra-node",) * 7),
+        ("1f1b", 2, 8, ("intra-node",) * 3 + ("network",) + ("intra-node",) * 3),
+        ("1f1b", 128, 4, ("network",) * 7),
+        ("interleaved_1f1b", 1, 8, ("intra-node",) * 15),
+        ("interleaved_1f1b", 2, 8, INTERLEAVED_TWO_NODES),
+        ("interleaved_1f1b", 128, 4, ("network",) * 15),
     ],
 )
-def test_boundary_links_follow_the_layout(nodes: int, nproc: int, links: tuple[str, ...]) -> None:
+def test_boundary_links_follow_the_layout(
+    schedule: str, nodes: int, nproc: int, links: tuple[str, ...]
+) -> None:
     """pp outermost (trainer/layout.py): stage s of the first replica is rank s·dp, so 8 stages of one replica
     stay in a node of 8; over 2 nodes (dp 2) they cross the network once, between stages 3 and 4; over 128
-    nodes of 4 (dp 64) every boundary crosses it. B·T·D bf16 under FSDP2's mixed precision."""
+    nodes of 4 (dp 64) every boundary crosses it. Interleaved (16 stages, stage s on pipeline rank s mod 8):
+    over 2 nodes at 3->4 and 11->12 (node 0 to 1) and at 7->8 (pipeline rank 7 back to 0: node 1 to 0).
+    B·T·D bf16 under FSDP2's mixed precision."""
     config = compose_config(
         "mode=plan", "model=llama3-405b", f"nodes={nodes}", f"nproc={nproc}", "parallel.pp=8", "zero=stage3",
         "zero.reduce_every=step", "precision=bf16", "seq_len=8192", "micro_batch=1", "grad_accum=16",
-        "plan.accelerator=h100",
+        "plan.accelerator=h100", f"parallel.pp_schedule={schedule}",
     )  # fmt: skip
     plan = build_plan(config, "cuda", nodes * nproc)
     assert plan.comm.p2p.links == links
+    assert plan.comm.groups["pp"].link == ("intra-node" if nodes == 1 else "network")
     assert plan.comm.p2p.boundary == 8192 * 16384 * 2

@@ -135,3 +135,37 @@ def test_the_profiled_step_follows_a_tracked_step_and_is_never_tracked_itself(
             seen.append(step)
         assert memory.tracks(step) == (not isinstance(tracking, contextlib.nullcontext))
     assert seen == profiled
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "default", "replicate"),
+    [
+        ({"parallel__pp": 2}, 2, "pp", "world"),  # the pp dim is every rank: the default group
+        ({"parallel__pp": 2}, 4, "world", "world"),  # DDP's replicas under a pipeline: the plan's world
+        ({"parallel__pp": 2, "zero__stage": "stage3"}, 4, "world", "replicate"),
+        ({"parallel__tp": 2, "zero__stage": "stage3", "model__n_kv_heads": 2}, 2, "tp", "replicate"),
+        ({"zero__stage": "stage3"}, 2, "shard", "replicate"),
+        ({"zero__stage": "stage3", "zero__shard_ranks": 2}, 4, "world", "replicate"),  # HSDP
+        ({}, 2, "world", "world"),
+    ],
+)
+def test_groups_are_named_as_the_plan_names_them(
+    overrides: dict[str, Any], world: int, default: str, replicate: str
+) -> None:
+    """Each mesh dim's description (`mesh_<dim>`) -> plan.json's group name, and the default group's name: the
+    dim spanning every rank, FSDP2's shard group over every rank, else world (trainer/plan/groups.py)."""
+    from tests.helpers import tiny_config
+    from trainer.telemetry.comm import entry_group, group_names
+
+    config = tiny_config(**{"nproc": str(world), "grad_accum": 2, **overrides})
+    default_group, descriptions = group_names(config, world)
+    assert default_group == default
+    named = {d: entry_group({"process_group": ["1", d]}, default_group, descriptions) for d in descriptions}
+    assert named == {
+        "mesh_dp_shard": "shard",
+        "mesh_dp_replicate": replicate,
+        "mesh_dim_1": "hpz",
+        "mesh_tp": "tp",
+        "mesh_pp": "pp",
+    }
+    assert entry_group({"process_group": ["0", "default_pg"]}, default_group, descriptions) == default
