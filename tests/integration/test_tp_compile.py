@@ -30,7 +30,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
     base = tmp_path_factory.mktemp("tp_compile")
     eager_one_rank = job(base / "eager", "nproc=1")
     compiled_tp = job(
-        base / "compiled", "nproc=2", "parallel.tp=2", "zero=stage3", "compile=true", "compile_backend=aot_eager"
+        base / "compiled",
+        "nproc=2",
+        "parallel.tp=2",
+        "zero=stage3",
+        "compile=true",
+        "compile_backend=aot_eager",
     )
     return eager_one_rank, compiled_tp
 
