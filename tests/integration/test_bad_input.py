@@ -69,8 +69,8 @@ CASES = [
     (["attention=efficient"], "attention=efficient", "allowed on CPU: auto, flash, math"),
     (["plan.accelerator=H300"], "plan.accelerator=H300", "h100-pcie"),
     (
-        ["mode=advise", "global_batch=16", "plan.accelerator=b200"],
-        "no rates for plan.accelerator=b200",
+        ["mode=advise", "global_batch=16", "plan.accelerator=l40s"],
+        "no rates for plan.accelerator=l40s",
         "missing its matmul efficiency",
     ),
     (["compile=true", "compile_backend=tvm"], "compile_backend", "inductor, aot_eager, eager"),
