@@ -143,9 +143,12 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         check_world(config, nproc, config.nodes)  # a tensor-parallel group inside one node
         Layout.from_config(config, world_size)  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
         if config.mode == Mode.advise:
+            from trainer.advise.accelerators import check_accelerators
             from trainer.advise.advisor import check_advice_inputs
 
             check_advice_inputs(config, world_size)
+            if config.advise.accelerators:
+                check_accelerators(config)
         if config.mode == Mode.train and not is_under_torchrun() and config.resume != "false":
             from trainer.saves.resume import prepare_resume  # DCP: only for a job that resumes
 
@@ -215,10 +218,15 @@ def check_model_weights(config: TrainConfig) -> list[Path]:
 
 
 def advise_job(job: Job) -> None:
-    """mode=advise (trainer/advise/advisor.py): rank configurations, run none unless advise.verify."""
+    """mode=advise (trainer/advise/advisor.py): rank configurations, run none unless advise.verify;
+    advise.accelerators: the best of each accelerator, across them (trainer/advise/accelerators.py)."""
+    from trainer.advise.accelerators import run_across_accelerators
     from trainer.advise.advisor import run_advice
 
     overrides = list(HydraConfig.get().overrides.task)
+    if job.config.advise.accelerators:
+        run_across_accelerators(job.config, job.out_dir, job.world_size, overrides)
+        return
     run_advice(job.config, job.out_dir, job.device_kind, job.world_size, overrides)
 
 

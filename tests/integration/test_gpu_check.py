@@ -60,6 +60,7 @@ def adopting_orphans() -> Iterator[None]:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
+@pytest.mark.slow  # about 150 s of 2 CPU cores, a third of them alone at the suite's end: .ci/run runs it
 @pytest.mark.timeout(1800)
 def test_dry_run_produces_every_row_and_passes(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory

@@ -219,8 +219,8 @@ def test_each_groups_bytes_are_the_plans_under_its_name(name: str, runs: Callabl
     first step reduces twice): the groups telemetry measures are plan.json's, by the same names (pp: the loss
     and the squared gradient norm, 4 bytes each; world: DDP's replicas; shard: FSDP2's), and the default group
     where no plan group spans every rank (world: the loop's agreement); each group's bytes by collective are
-    the plan's plus the loop's own. The pp group on every rank, the dp groups on the first stage's ranks (the
-    plan's dp figures are the first stage's: trainer/plan/comm.py `pipelined`)."""
+    the plan's plus the loop's own: the pp group's figures on every rank, a dp group's pipeline rank's own
+    (`bytes_by_collective_per_stage`: the last stage also reduces the final norm and the head)."""
     run = runs(name)
     groups = plan_of(run)["comm"]["groups"]
     world = int(CONFIGS[name][0].removeprefix("nproc="))
@@ -236,9 +236,12 @@ def test_each_groups_bytes_are_the_plans_under_its_name(name: str, runs: Callabl
         assert measured == set(groups) | {default_group}, (name, rank, measured)
         stage = layout.coords(rank)["pp"]
         for group, planned in groups.items():
-            if group != "pp" and stage != 0:
-                continue
-            for kind, payload in planned["bytes_by_collective"].items():
+            figures = (
+                planned["bytes_by_collective_per_stage"][stage]
+                if group != "pp"
+                else planned["bytes_by_collective"]
+            )
+            for kind, payload in figures.items():
                 extra = loop_extra(group, default_group, world, kind, parameter_tensors(run, stage), fsdp)
                 got = record.get(f"comm/rank{rank}/{group}/{kind}_bytes_per_step", 0)
                 assert got == payload + extra, (name, rank, group, kind, got, payload, extra)

@@ -8,7 +8,7 @@ nodes x nproc of them): its best fitting configuration (the first row of its ran
 configuration's plan is made once and given each accelerator's memory (advisor.shared_plans): only the fit and
 the timing are the accelerator's. The
 derived columns (tokens/s per GPU, days and GPU-hours to advise.tokens, cost per million tokens) are arithmetic
-on that row's predicted tokens/s and the user's prices (trainer/advise/cost.py); the table is ranked by cost,
+on that row's predicted tokens/s and the user's prices (trainer/report/cost.py); the table is ranked by cost,
 by time (advise.rank_by=time), or without prices by tokens/s per GPU. advice.json's `accelerators` keeps the
 table's rows and each accelerator's best few, which `python -m trainer.report` prints again.
 """
@@ -28,8 +28,8 @@ from trainer.advise.advisor import (
     unchecked_replace,
 )
 from trainer.advise.calibrate import advisor_accelerator, fit_error_cell
-from trainer.advise.cost import cost_figures, table_lines
 from trainer.config import ConfigError, TrainConfig
+from trainer.report.cost import cost_figures, table_lines
 from trainer.units import GIB
 
 BEST_KEPT = 3
@@ -101,7 +101,7 @@ def accelerator_row(
 
 def across_accelerators(config: TrainConfig, world_size: int, base: list[str]) -> dict[str, Any]:
     """advice.json's `accelerators` record: the table's settings and one row per accelerator (unranked; the
-    table ranks them, trainer/advise/cost.py)."""
+    table ranks them, trainer/report/cost.py)."""
     names = check_accelerators(config)
     with shared_plans():  # each choice planned once, for the first accelerator that plans it
         prices = config.advise.gpu_hour_cost or {}  # by the name as listed (h100-sxm is the h100 row)

@@ -189,10 +189,6 @@ def check_advice_inputs(config: TrainConfig, world_size: int) -> None:
             f"(parallel.tp x parallel.pp), of a layout the advisor considers on {world_size} ranks "
             f"(nodes={config.nodes} x nproc={config.nproc}): {layouts_named}; {nearest}"
         )
-    if config.advise.accelerators:
-        from trainer.advise.accelerators import check_accelerators  # it imports this module
-
-        check_accelerators(config)
     if config.advise.verify and config.plan.accelerator is not None:
         raise ConfigError(
             f"advise.verify runs jobs on this host, which is not plan.accelerator={config.plan.accelerator}; "
@@ -516,7 +512,7 @@ def retarget(plan: Plan, config: TrainConfig) -> Plan:
     """`plan` for config.plan.accelerator's memory: the same share outside the allocator (the CUDA context and the
     job's NCCL communicators) taken from that device's total."""
     from trainer.devices import find_accelerator
-    from trainer.plan.build import DeviceMemory
+    from trainer.plan import DeviceMemory
     from trainer.units import MIB
 
     was, now = find_accelerator(plan.config.plan.accelerator), find_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
@@ -971,13 +967,8 @@ def fp8_json(config: TrainConfig, candidates: list[Candidate]) -> dict[str, Any]
 def run_advice(
     config: TrainConfig, out_dir: Path, device_kind: str, world_size: int, base_overrides: list[str]
 ) -> list[Candidate]:
-    """mode=advise: print the ranked table, write advice.json, verify the best if asked (advise.accelerators:
-    the table across accelerators instead, trainer/advise/accelerators.py)."""
-    if config.advise.accelerators:
-        from trainer.advise.accelerators import run_across_accelerators  # it imports this module
-
-        run_across_accelerators(config, out_dir, world_size, base_overrides)
-        return []
+    """mode=advise: print the ranked table, write advice.json, verify the best if asked (advise.accelerators
+    runs trainer/advise/accelerators.py instead: trainer/job.py `advise_job`)."""
     advice = advise_all(config, device_kind, world_size)
     candidates, rates, unplanned = advice.candidates, advice.rates, len(advice.unplanned)
     memory = device_memory(

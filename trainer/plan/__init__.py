@@ -38,6 +38,8 @@ The planner is this package; each module's docstring is its part of the design n
 - groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
   and which link each one crosses;
 - target.py: the device kind and world size a plan is for;
+- schedule.py: the plan of each step where steps differ (PowerSGD before its start step, local SGD's
+  averaging and quiet steps), and which steps the memory plan's peak describes;
 - host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
 - refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;
 - table.py: what the user reads, the console report (a sweep's fit table is a report:
@@ -76,6 +78,7 @@ from trainer.plan.host import HostPlan, cores_warning
 from trainer.plan.pipeline import bubble as pipeline_bubble
 from trainer.plan.pipeline import stage_blocks  # trainer/model/pipeline_split.py's, the ranks' own split
 from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out
+from trainer.plan.schedule import StepSchedule
 from trainer.plan.states import model_shape
 from trainer.plan.table import format_plan, verdict
 from trainer.plan.target import planned_device_kind, planned_world_size
@@ -123,4 +126,5 @@ __all__ = [
     "verdict",
     "way_out",
     "write_plan",
+    "StepSchedule",
 ]

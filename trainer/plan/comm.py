@@ -125,8 +125,8 @@ class GroupComm:
     bytes_by_collective: dict[str, int]
     calls_by_collective: dict[str, int]
     per_stage: tuple[dict[str, int], ...] = ()
-    """parallel.pp > 1, the tp group: bytes by collective of each pipeline rank, whose stages differ (the
-    figures above are the first stage's, as the dp groups' are)."""
+    """parallel.pp > 1: bytes by collective of each pipeline rank, whose stages differ (the figures above are
+    pipeline rank 0's)."""
 
     @property
     def total(self) -> int:
@@ -154,25 +154,22 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     shape = model_shape(config.model)
     p2p = plan_p2p(config, world_size, precisions(config.precision, config.zero).residual) if pp > 1 else None
     per_stage = tp_per_stage(config, backend) if pp > 1 and tp > 1 else ()
+    dp_stages = (
+        [dp_moves(*pipelined(config, shape, rank), world_size) for rank in range(pp)] if pp > 1 else []
+    )
     if pp > 1:
-        config, shape = pipelined(config, shape)
-    dp = config.parallel.dp(world_size)
-    groups = shard_groups(config.zero, dp, Layout.from_config(config, world_size).per_node("dp"), tp)
-    if config.zero.uses_fsdp:
-        by_group = fsdp_group_moves(config, shape, groups)
-    elif tp > 1 or dp == 1:  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
-        by_group = {}
-    else:
-        by_group = {"world": ddp_moves(config, shape, world_size)}
+        config, shape = pipelined(config, shape, 0)
+    by_group = dp_moves(config, shape, world_size)
     if tp > 1:
         by_group["tp"] = tp_moves(
             config, PARAM_BYTES[config.precision.compute_dtype], backend, head=config.parallel.stages == 1
         )
     bytes_by, calls_by = dict.fromkeys(COLLECTIVES, 0), dict.fromkeys(COLLECTIVES, 0)
     plans = {}
+    groups = data_parallel_groups(config, world_size)
     for name, moves in by_group.items():
         group_bytes, group_calls = tally(moves, backend)
-        stages = per_stage if name == "tp" else ()
+        stages = per_stage if name == "tp" else tuple(tally(by[name], backend)[0] for by in dp_stages)
         plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
     if pipeline is not None:
         plans["pp"] = pipeline
@@ -196,19 +193,35 @@ def pipeline_group(config: TrainConfig, world_size: int, backend: str) -> GroupC
     )
 
 
-def pipelined(config: TrainConfig, shape: ModelShape) -> tuple[TrainConfig, ModelShape]:
-    """The dp collectives of a pipeline rank: those of the stage with the most parameters (the first: it
-    takes the extra block and the embedding), as PipelineStage runs them: every backward but the last
-    without gradient sync and, under FSDP2, without resharding (zero.reduce_every=step,
-    zero.reshard_after_backward=false)."""
-    blocks = len(stage_blocks(config.model.n_layers, config.parallel.stages)[0])
-    blocks *= len(rank_stages(config.parallel, 0))
+def data_parallel_groups(config: TrainConfig, world_size: int) -> ShardGroups:
+    dp = config.parallel.dp(world_size)
+    layout = Layout.from_config(config, world_size)
+    return shard_groups(config.zero, dp, layout.per_node("dp"), config.parallel.tp)
+
+
+def dp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> dict[str, list[Move]]:
+    """The data-parallel groups' collectives of `config` (one TP rank's job, or one pipeline rank's)."""
+    if config.zero.uses_fsdp:
+        return fsdp_group_moves(config, shape, data_parallel_groups(config, world_size))
+    if config.parallel.tp > 1 or config.parallel.dp(world_size) == 1:
+        return {}  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
+    return {"world": ddp_moves(config, shape, world_size)}
+
+
+def pipelined(config: TrainConfig, shape: ModelShape, rank: int) -> tuple[TrainConfig, ModelShape]:
+    """The dp collectives of pipeline rank `rank`: its stages' blocks, the embedding on the first stage's rank,
+    the final norm and the head on the last's, as PipelineStage runs them: every backward but the last without
+    gradient sync and, under FSDP2, without resharding (zero.reduce_every=step, zero.reshard_after_backward=
+    false). The group's headline figures are pipeline rank 0's (the most parameters: the extra block and the
+    embedding); `per_stage` holds every rank's."""
+    p = config.parallel
+    split, mine = stage_blocks(config.model.n_layers, p.stages), rank_stages(p, rank)
+    blocks = sum(len(split[s]) for s in mine)
     local = stage_config(config, blocks)
     local.zero = copy.copy(config.zero)  # as stage_config: not the checks of a job the user wrote
     local.zero.reduce_every = ReduceEvery.step
     local.zero.reshard_after_backward = not config.zero.uses_fsdp
-    first = stage_model_shape(shape, blocks, True, config.parallel.stages == 1)
-    return local, first
+    return local, stage_model_shape(shape, blocks, 0 in mine, p.stages - 1 in mine)
 
 
 def tp_per_stage(config: TrainConfig, backend: str) -> tuple[dict[str, int], ...]:

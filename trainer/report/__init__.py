@@ -12,7 +12,8 @@
 - wandb_report.py: the W&B Report built from what was swept (wandb-workspaces);
 - summary_run.py: with logger=wandb, the W&B summary run and the Report published and linked.
 - accelerators.py: a mode=advise run across accelerators (advise.accelerators): its table again, in
-  report.md and with logger=wandb in W&B (a bar chart of cost per million tokens per accelerator).
+  report.md and with logger=wandb in W&B (a bar chart of cost per million tokens per accelerator);
+- cost.py: that table's arithmetic (tokens/s and the user's prices) and its text, for the console and the report.
 
 The names other modules use are imported from `trainer.report` itself.
 """

@@ -4,7 +4,7 @@ accelerator (tokens/s per GPU where the run had no prices).
 
     python -m trainer.report ADVICE_RUN_DIR [--out OUT]
 
-The table is rebuilt from the run's advice.json by the same code that printed it (trainer/advise/cost.py), so
+The table is rebuilt from the run's advice.json by the same code that printed it (trainer/report/cost.py), so
 report and console agree line for line. W&B is a mirror: a failure there is one warning line.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainer.advise.cost import rank_rows, table_lines
 from trainer.console import warn
+from trainer.report.cost import rank_rows, table_lines
 from trainer.telemetry.summary import redact_secrets
 
 REPORT_MD = "report.md"

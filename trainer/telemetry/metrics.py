@@ -19,8 +19,7 @@ from torch import nn
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.layout import Layout
-from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS
-from trainer.plan.schedule import StepSchedule
+from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, StepSchedule
 from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS

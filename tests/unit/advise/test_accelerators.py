@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from trainer.advise.accelerators import across_accelerators
 from trainer.advise.advisor import retarget
 from trainer.advise.calibrate import ACCELERATORS, accelerator_rates, fit_error_cell
-from trainer.advise.cost import cost_figures, rank_rows, table_lines
 from trainer.advise.fp8 import BF16_DENSE_TFLOPS, FP8_DENSE_TFLOPS
 from trainer.cli import register_configs
 from trainer.config import AdviseConfig, ConfigError, DType, TrainConfig, validate
 from trainer.devices import find_accelerator
 from trainer.plan import build_plan
+from trainer.report.cost import cost_figures, rank_rows, table_lines
 
 REPO = Path(__file__).resolve().parents[3]
 CONF = REPO / "conf"

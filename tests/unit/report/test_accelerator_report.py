@@ -12,9 +12,9 @@ import pytest
 import wandb
 from omegaconf import OmegaConf
 
-from trainer.advise.cost import cost_figures, table_lines
 from trainer.report import command
 from trainer.report.accelerators import is_accelerator_advice, log_advice
+from trainer.report.cost import cost_figures, table_lines
 
 
 def row(name: str, tokens_per_s: float | None, price: float | None, fit_error: str) -> dict[str, Any]:
