@@ -136,6 +136,12 @@ def test_losses_equal_one_rank_of_the_same_global_batch(
         )
 
 
+def measured_peak(run: Run, rank: int) -> float:
+    """A rank's largest tracked peak over the run's records, in bytes."""
+    key = f"memory/rank{rank}/peak_allocated_gib"
+    return max(r[key] * GIB for r in run.records if key in r)
+
+
 @pytest.mark.torch_versions  # the plan reads torch's schedules: their order, and the sends they keep
 @pytest.mark.parametrize("name", PLANNED)
 def test_each_stage_peak_within_half_a_percent_of_its_plan(name: str, runs: Callable[[str], Run]) -> None:
@@ -143,11 +149,7 @@ def test_each_stage_peak_within_half_a_percent_of_its_plan(name: str, runs: Call
     plan = plan_of(run)
     for stage in plan["pipeline"]["stages"]:
         rank = stage["rank"]  # dp 1: pipeline rank i is global rank i
-        measured = max(
-            r[f"memory/rank{rank}/peak_allocated_gib"] * GIB
-            for r in run.records
-            if f"memory/rank{rank}/peak_allocated_gib" in r
-        )
+        measured = measured_peak(run, rank)
         assert abs(stage["peak_bytes"] - measured) / measured < 0.005, (
             name,
             rank,
@@ -174,11 +176,7 @@ def test_every_rank_of_a_data_parallel_pipeline_within_half_a_percent_of_its_sta
     assert sorted(rank for stage in stages for rank in stage["global_ranks"]) == [0, 1, 2, 3]
     for stage in stages:
         for rank in stage["global_ranks"]:
-            measured = max(
-                r[f"memory/rank{rank}/peak_allocated_gib"] * GIB
-                for r in run.records
-                if f"memory/rank{rank}/peak_allocated_gib" in r
-            )
+            measured = measured_peak(run, rank)
             assert abs(stage["peak_bytes"] - measured) / measured < 0.005, (
                 name,
                 rank,
