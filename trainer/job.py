@@ -141,6 +141,7 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         weights = check_model_weights(config)  # model.weights: the files' headers against the model
         world_size = config.nodes * nproc
         check_world(config, nproc, config.nodes)  # a tensor-parallel group inside one node
+        config.telemetry.check_traces(config.steps, world_size)  # traced steps and ranks that exist
         Layout.from_config(config, world_size)  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
         if config.mode == Mode.advise:
             from trainer.advise.accelerators import check_accelerators
@@ -345,9 +346,10 @@ def explain_out_of_memory(
     from trainer.faults.oom import explain_oom, explanation_lines
 
     record = json.loads(record_path.read_text())
-    explained = explain_oom(build_plan(config, device_kind, world_size), record)
+    plan = build_plan(config, device_kind, world_size)
+    explained = explain_oom(plan, record)
     overrides = list(HydraConfig.get().overrides.task)
-    found = remedies(config, device_kind, world_size, overrides)
+    found = remedies(config, device_kind, world_size, overrides, ran_out_bytes=plan.peak_bytes)
     explained["remedies"] = [dataclasses.asdict(r) for r in found]
     lines = explanation_lines(explained)
     lines.append(

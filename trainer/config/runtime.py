@@ -79,9 +79,22 @@ class TelemetryConfig:
     """Dense peak TFLOPS of one device, for MFU; None: looked up from the GPU's name (CPU: no MFU)."""
     warmup_steps: int | None = None
     """Steps that steady-state throughput leaves out; None: 10% of steps, at least the first log window."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Optimizer steps (1-based) that each of `trace_ranks` records with torch.profiler, one chrome trace per
+    rank and step in traces/ (trainer/telemetry/traces.py); empty (the default): no profiler is made."""
+    trace_ranks: list[int] = field(default_factory=lambda: [0])
+    """The global ranks that write `trace_steps`' traces; [0] as Megatron's --profile-ranks (torchtitan traces every rank)."""
 
     def __post_init__(self) -> None:
         _require(self.memory_every >= 0, f"telemetry.memory_every must be >= 0, got {self.memory_every}")
+        _require(
+            all(step >= 1 for step in self.trace_steps),
+            f"telemetry.trace_steps must be steps >= 1, got {self.trace_steps}",
+        )
+        _require(
+            all(rank >= 0 for rank in self.trace_ranks),
+            f"telemetry.trace_ranks must be ranks >= 0, got {self.trace_ranks}",
+        )
         _require(
             self.peak_tflops is None or self.peak_tflops > 0,
             f"telemetry.peak_tflops must be > 0 or null, got {self.peak_tflops}",
@@ -89,6 +102,17 @@ class TelemetryConfig:
         _require(
             self.warmup_steps is None or self.warmup_steps >= 0,
             f"telemetry.warmup_steps must be >= 0 or null, got {self.warmup_steps}",
+        )
+
+    def check_traces(self, steps: int, world_size: int) -> None:
+        """`trace_steps` within the run's steps and `trace_ranks` within its world, once the world is known."""
+        _require(
+            all(step <= steps for step in self.trace_steps),
+            f"telemetry.trace_steps must be within 1..{steps} (steps={steps}), got {self.trace_steps}",
+        )
+        _require(
+            all(rank < world_size for rank in self.trace_ranks),
+            f"telemetry.trace_ranks must be within 0..{world_size - 1} (world size {world_size}), got {self.trace_ranks}",
         )
 
 

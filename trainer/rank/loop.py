@@ -55,6 +55,7 @@ from trainer.saves.resume import resume_training
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
 from trainer.telemetry.snapshot import Snapshots
+from trainer.telemetry.traces import Traces
 from trainer.world import World
 
 Batches = Iterator[tuple[torch.Tensor, ...]]
@@ -128,6 +129,7 @@ def train(
     )  # step 0 unless resuming or restarted
     batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=start.step)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
+    traces = Traces(config.telemetry, world.device, out_dir, world.rank)  # telemetry.trace_steps
     meter.pipeline = None if trainee.pipeline is None else trainee.pipeline.clock  # parallel.pp > 1
     if trainee.pipeline is not None and meter.memory is not None:
         meter.memory.held = trainee.pipeline.receive_buffers
@@ -150,9 +152,10 @@ def train(
         if leak_mib:
             leaked.append(torch.ones(leak_mib * 2**20, dtype=torch.uint8, device=world.device))
         try:
-            with meter.measure(
-                step, trainee.model, trainee.optimizer
-            ):  # tensor-level memory, on chosen steps
+            with (
+                traces.record(step),  # outermost: a step the comm probe profiles too gets one profiler
+                meter.measure(step, trainee.model, trainee.optimizer),  # tensor-level memory, on chosen steps
+            ):
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
             snapshots.after_step(step, meter.memory.step_peak if meter.memory else None)
             if meter.should_log(step) or should_save(config.save, config.steps, step):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from trainer.report.run_dirs import Report, count_statuses, plural
 from trainer.telemetry.keys import Status
+from trainer.telemetry.traces import run_files
 from trainer.units import MIB
 
 
@@ -21,6 +23,7 @@ def markdown(report: Report, wandb_json: Path | None) -> str:
         *markdown_table(report.rows),
         *markdown_failures(report.rows),
         *markdown_charts(report.charts),
+        *markdown_run_files(report),
     ]
     if wandb_json is not None:
         lines += ["", "## W&B", "", wandb_line(None, report.sweep_dir)]
@@ -123,6 +126,17 @@ def markdown_charts(charts: dict[str, Path]) -> list[str]:
     for name, path in charts.items():
         lines += ["", f"## {titles[name]}", "", f"![{titles[name]}]({path.name})"]
     return lines
+
+
+def markdown_run_files(report: Report) -> list[str]:
+    """Each point's profiler traces and memory snapshots (trainer/telemetry/traces.py), linked relative to the
+    report; the same files are artifacts of the point's W&B run."""
+    lines: list[str] = []
+    for point in report.points:
+        for files in run_files(point.path):
+            links = ", ".join(f"[{p.name}]({os.path.relpath(p, report.sweep_dir)})" for p in files.paths)
+            lines.append(f"- `{point.path.name}` {files.kind}: {links}")
+    return ["", "## Traces and memory snapshots", "", *lines] if lines else []
 
 
 def mib(value: float | None) -> str:

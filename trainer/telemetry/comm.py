@@ -53,6 +53,7 @@ from trainer.plan import COLLECTIVES, GROUPS, plan_comm
 from trainer.private_apis.of_torch import flight_recorder_dumps, flight_recorder_json
 from trainer.telemetry import keys
 from trainer.telemetry.memory import should_track_tensors
+from trainer.telemetry.traces import profiled_step
 
 KINDS = (*COLLECTIVES, "other")
 """Columns of a rank's row: payload bytes by kind (`other`: barriers, point-to-point, ...)."""
@@ -363,18 +364,16 @@ class CommProbe:
 
     @contextlib.contextmanager
     def _profile(self) -> Iterator[None]:
-        from torch.profiler import ProfilerActivity, profile
-
-        # Kineto prints `USDT: ... profiler_start/stop` on stderr for every profiled step; level 6
-        # (above its highest, USDT = 5) keeps a job's console to its own lines. A user's setting wins.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        # The step's one profiler session: a traced step (telemetry.trace_steps) has it open already.
+        with profiled_step(self.device) as session:
             start = time.perf_counter()
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - start
+            session.after.append(lambda prof: self._read_profile(prof, step_s))
+
+    def _read_profile(self, prof: Any, step_s: float) -> None:
         self._profiled_step_s = step_s
         self._exposed_pct = 100.0 * exposed_seconds(list(prof.events()), self.device.type) / step_s
 

@@ -25,6 +25,7 @@ from trainer.jsonl import parse_line
 from trainer.private_apis.of_wandb import generate_run_id, service_lost_errors
 from trainer.telemetry.keys import MICRO_BATCH_AUTO, Status
 from trainer.telemetry.summary import redact_secrets
+from trainer.telemetry.traces import run_files
 from trainer.telemetry.wandb_run import SUMMARIZED_BY_WANDB, define_metrics, describe_job, steady_figures
 
 PROVENANCE_KEYS = (
@@ -53,8 +54,10 @@ class NullLogger:
 class WandbLogger:
     """One W&B run: history from metrics.jsonl, summary and final state from summary.json's figures."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, out_dir: Path | None = None) -> None:
         self.run = run
+        self.out_dir = out_dir
+        """The job's directory, whose traces and memory snapshots the run gets as artifacts (None: none)."""
         self.last_step = -1
         self.failed = False
 
@@ -87,6 +90,8 @@ class WandbLogger:
         self.guard(lambda: self.run.summary.update(redact_secrets(figures)))
         if summary["status"] == Status.preempted:
             self.guard(self.run.mark_preempting)  # W&B's own mark of a run a scheduler stopped
+        if self.out_dir is not None:
+            self.guard(lambda: log_run_files(self.run, self.out_dir))
         self.guard(lambda: self.run.finish(exit_code=exit_code))
 
     def guard(self, action: Callable[[], Any]) -> None:
@@ -102,6 +107,19 @@ class WandbLogger:
                     f"W&B stopped working ({describe_failure(err)}); metrics.jsonl and summary.json are complete"
                 )
             )
+
+
+def log_run_files(run: Any, out_dir: Path) -> None:
+    """The run directory's profiler traces and memory snapshots (trainer/telemetry/traces.py), one W&B artifact
+    of each kind named after the run; also offline, where `wandb sync` uploads them with the run.
+    `immutable`: W&B reads the files where they are rather than copying them first (they are not written again)."""
+    import wandb
+
+    for files in run_files(out_dir):
+        artifact = wandb.Artifact(f"{files.kind}-{run.id}", type=files.kind, description=files.description)
+        for path in files.paths:
+            artifact.add_file(str(path), name=path.name, policy="immutable")
+        run.log_artifact(artifact)
 
 
 def describe_failure(err: Exception) -> str:
@@ -179,7 +197,7 @@ def open_logger(
         return
     # Finished when the job ends, also when it raised (failed), so the next job of a sweep (same
     # process under Hydra's basic launcher) gets a run of its own; finish() is a no-op once ended.
-    logger = WandbLogger(run)
+    logger = WandbLogger(run, out_dir)
     try:
         yield logger
     finally:
