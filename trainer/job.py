@@ -346,10 +346,9 @@ def explain_out_of_memory(
     from trainer.faults.oom import explain_oom, explanation_lines
 
     record = json.loads(record_path.read_text())
-    plan = build_plan(config, device_kind, world_size)
-    explained = explain_oom(plan, record)
+    explained = explain_oom(build_plan(config, device_kind, world_size), record)
     overrides = list(HydraConfig.get().overrides.task)
-    found = remedies(config, device_kind, world_size, overrides, ran_out_bytes=plan.peak_bytes)
+    found = remedies(config, device_kind, world_size, overrides)
     explained["remedies"] = [dataclasses.asdict(r) for r in found]
     lines = explanation_lines(explained)
     lines.append(
