@@ -1,6 +1,6 @@
 """What telemetry costs: the same job with telemetry on and off, side by side in one run.
 
-    python benchmarks/telemetry_overhead.py [--rounds 16] [--steps 200] [--parts] [--alternate] [extra overrides]
+    python benchmarks/telemetry_overhead.py [--rounds 16] [--steps 200] [--parts | --traces] [--alternate] [extra overrides]
 
 on:     the defaults: per-rank memory (host RSS every log step, tensor-level tracking on the
         steps `telemetry.memory_every` chooses), MFU, and a W&B run (offline) that the job
@@ -8,6 +8,9 @@ on:     the defaults: per-rank memory (host RSS every log step, tensor-level tra
 off:    telemetry.enabled=false logger=none: loss, lr, grad norm, throughput and loss scale only.
 --parts adds each half of `on` alone: `ranks` (telemetry on, logger=none) and `wandb`
         (telemetry off, logger=wandb), to tell which half a cost comes from.
+--traces compares tracing off (`on`, the defaults: no profiler is made) with `traced`: the same job with
+        `telemetry.trace_steps=[steps/2]` on every rank (trainer/telemetry/traces.py), each rank profiling
+        one step and writing its chrome trace; and measures a traced step's extra seconds.
 
 Every arm trains the default job (tiny model, CPU ranks) with the same seed. By default the
 arms of a round run at the same time, each pinned to its own share of the cores with one rank
@@ -51,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 ARMS = {
     "on": ("logger=wandb",),
     "off": ("telemetry.enabled=false", "logger=none"),
+    "traced": ("logger=wandb",),  # and which step and ranks it traces: start_job
 }
 
 
@@ -60,8 +64,15 @@ def start_job(arm: str, steps: int, extra: list[str], cores: list[int]) -> tuple
     out = Path(tempfile.mkdtemp(prefix=f"telemetry-{arm}-"))
     # save=off: a save's disk writes take a log window 20% longer, by an amount that varies with
     # the disk's other traffic; that noise is not telemetry's.
+    # One step in the steady windows, on every rank of the job.
+    ranks = ",".join(str(rank) for rank in range(len(cores)))
+    traced = (
+        [f"telemetry.trace_steps=[{steps // 2}]", f"telemetry.trace_ranks=[{ranks}]"]
+        if arm == "traced"
+        else []
+    )
     args = [sys.executable, "-m", "trainer", "device=cpu", f"nproc={len(cores)}", f"steps={steps}", "save=off", *ARMS[arm],
-            *extra, f"hydra.run.dir={out}"]  # fmt: skip
+            *traced, *extra, f"hydra.run.dir={out}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     with (out / "console.log").open("w") as log:
         proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -125,6 +136,11 @@ def main() -> int:
         "--parts", action="store_true", help="also run each half of `on` alone (arms ranks and wandb)"
     )
     parser.add_argument(
+        "--traces",
+        action="store_true",
+        help="tracing off (arm on) against one traced step (arm traced) instead",
+    )
+    parser.add_argument(
         "--alternate", action="store_true", help="arms one after another on every core, not side by side"
     )
     parser.add_argument(
@@ -133,13 +149,19 @@ def main() -> int:
     parser.add_argument("extra", nargs="*", help="overrides for every arm, e.g. model=125m")
     args = parser.parse_args()
     os.environ["WANDB_SILENT"] = "true"
-    arms = ["off", "ranks", "wandb", "on"] if args.parts else ["on", "off"]
+    arms = (
+        ["off", "ranks", "wandb", "on"] if args.parts else ["on", "traced"] if args.traces else ["on", "off"]
+    )
     results: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for round_index in range(args.rounds):
         for arm, result in run_round(arms, round_index, args).items():
             results[arm].append(result)
         print(f"round {round_index + 1}: " + "; ".join(
             f"{arm} {results[arm][-1]['steady']:,.0f} tok/s, {results[arm][-1]['cpu_s']:.1f} cpu s" for arm in arms), flush=True)  # fmt: skip
+    if args.traces:  # tracing's cost is one step's: no budget verdict, its ratio and that step's seconds
+        report(results, args.budget_pct, baseline="on", subject="traced")
+        report_traced_step(args.extra)
+        return 0
     code = report(results, args.budget_pct)
     report_components(args.extra)
     return code
@@ -171,15 +193,17 @@ def bootstrap_interval(
     return medians[int(tail * draws)], medians[int((1 - tail) * draws) - 1]
 
 
-def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> int:
-    """The table of every arm against `off`; returns verdict()'s exit status for `on`."""
+def report(
+    results: dict[str, list[dict[str, float]]], budget_pct: float, baseline: str = "off", subject: str = "on"
+) -> int:
+    """The table of every arm against `baseline`; returns verdict()'s exit status for `subject`."""
     cycle = len(results)
     print(
-        "\n| arm vs off | figure | median of arm | median of off | median overhead per cycle | 95% interval | off-arm spread |"
+        f"\n| arm vs {baseline} | figure | median of arm | median of {baseline} | median overhead per cycle | 95% interval | {baseline}-arm spread |"
     )
     print("|---|---|---|---|---|---|---|")
-    off = results["off"]
-    for arm in (a for a in results if a != "off"):
+    off = results[baseline]
+    for arm in (a for a in results if a != baseline):
         for figure in ("steady", "all_steps", "cpu_s"):
             overheads = paired_overheads(results[arm], off, figure, cycle)
             low, high = bootstrap_interval(overheads)
@@ -188,9 +212,9 @@ def report(results: dict[str, list[dict[str, float]]], budget_pct: float) -> int
             print(f"| {arm} | {figure} ({unit}) | {statistics.median(r[figure] for r in results[arm]):,.1f} | "
                   f"{statistics.median(r[figure] for r in off):,.1f} | {100 * statistics.median(overheads):+.2f}% | "
                   f"{100 * low:+.2f}% .. {100 * high:+.2f}% | {100 * spread:.1f}% |")  # fmt: skip
-    low, high = bootstrap_interval(paired_overheads(results["on"], off, "steady", cycle))
+    low, high = bootstrap_interval(paired_overheads(results[subject], off, "steady", cycle))
     code, text = verdict(low, high, budget_pct)
-    print(f"\nsteady-throughput cost of telemetry: {text}")
+    print(f"\nsteady-throughput cost of {'telemetry' if subject == 'on' else subject}: {text}")
     return code
 
 
@@ -293,6 +317,23 @@ def wandb_cpu_per_s(record_every_s: float, duration_s: float = 30.0) -> float:
             time.sleep(record_every_s)
         used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
     return used / duration_s
+
+
+def report_traced_step(extra: list[str]) -> None:
+    """The extra seconds of a traced step (both ranks profile it and export their trace inside its log window)
+    against the median plain step of a 12-step job, and the traces' size."""
+    with tempfile.TemporaryDirectory() as out:
+        args = [sys.executable, "-m", "trainer", "device=cpu", "nproc=2", "steps=12", "log_every=1", "logger=none",
+                "save=off", "telemetry.trace_steps=[8]", "telemetry.trace_ranks=[0,1]", *extra, f"hydra.run.dir={out}"]  # fmt: skip
+        subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True)
+        step_s = {
+            r["step"]: r["time/step_s"]
+            for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
+        }
+        trace_mib = sum(p.stat().st_size for p in (Path(out) / "traces").iterdir()) / 2**20
+    plain = statistics.median(t for step, t in step_s.items() if step > 3 and step != 8)
+    print(f"\n| traced step (step 8 of 12, ranks 0 and 1) | +{step_s[8] - plain:.3f} s on a {plain:.3f} s step | "
+          f"{trace_mib:.1f} MiB of traces |")  # fmt: skip
 
 
 def report_components(extra: list[str]) -> None:
