@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from trainer.config import TelemetryConfig
+from trainer.console import warn
 from trainer.telemetry.snapshot import SNAPSHOT_DIR
 
 TRACE_DIR = "traces"
+VIEW = "open it in https://ui.perfetto.dev or chrome://tracing"
 
 
 def trace_path(out_dir: Path, rank: int, step: int) -> Path:
@@ -98,10 +100,17 @@ class Traces:
             yield
             session.after.append(functools.partial(self.export, step))
 
-    def export(self, step: int, profiler: Any) -> Path:
+    def export(self, step: int, profiler: Any) -> Path | None:
+        """The step's trace, written; a trace that cannot be written (a full disk) is warned about, and
+        training goes on: it is a diagnostic, not the run's state."""
         path = trace_path(self.out_dir, self.rank, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(path))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(path))
+        except OSError as err:
+            warn(f"rank {self.rank} could not write its trace of step {step} to {path}: {err}")
+            return None
+        print(f"trace of rank {self.rank}, step {step}: {path}; {VIEW}", flush=True)
         return path
 
 

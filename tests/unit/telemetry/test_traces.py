@@ -15,7 +15,7 @@ import trainer.job
 from tests.helpers import compose, compose_config
 from trainer.config import ConfigError, TelemetryConfig
 from trainer.telemetry.comm import FIELDS, CommProbe
-from trainer.telemetry.traces import Traces, run_files, trace_path
+from trainer.telemetry.traces import VIEW, Traces, run_files, trace_path
 
 CPU = torch.device("cpu")
 
@@ -94,17 +94,34 @@ def test_tracing_off_makes_no_profiler(profilers: list[object], tmp_path: Path) 
 
 
 def test_a_traced_step_leaves_a_chrome_trace_naming_its_rank_and_step(
-    profilers: list[object], tmp_path: Path
+    profilers: list[object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     traces = Traces(TelemetryConfig(trace_steps=[2], trace_ranks=[1]), CPU, tmp_path, rank=1)
     for step in range(1, 4):
         with traces.record(step):
             matmul()
     assert len(profilers) == 1
+    assert capsys.readouterr().out == f"trace of rank 1, step 2: {trace_path(tmp_path, 1, 2)}; {VIEW}\n"
     assert [p.name for p in (tmp_path / "traces").iterdir()] == ["rank1_step2.json"]
     trace = json.loads(trace_path(tmp_path, 1, 2).read_text())
     assert trace["zerolab"] == {"rank": 1, "step": 2}
     assert "aten::mm" in {event.get("name") for event in trace["traceEvents"]}
+
+
+def test_a_trace_that_cannot_be_written_is_warned_about_and_the_steps_go_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run directory's `traces` is a file here: no directory can be made."""
+    (tmp_path / "traces").write_text("")
+    traces = Traces(TelemetryConfig(trace_steps=[1]), CPU, tmp_path, rank=0)
+    for step in (1, 2):
+        with traces.record(step):
+            matmul()
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"warning: rank 0 could not write its trace of step 1 to {trace_path(tmp_path, 0, 1)}: "
+    )
+    assert len(err.splitlines()) == 1
 
 
 def test_a_step_the_comm_probe_profiles_is_traced_by_the_same_profiler(
