@@ -89,15 +89,6 @@ class DeviceKind(str, Enum):
 NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
 
 
-class SpikeAction(str, Enum):
-    """stability.spike.action: what a loss spike agreed by every rank does (trainer/rank/spikes.py)."""
-
-    none = "none"
-    log = "log"
-    skip = "skip"
-    rollback = "rollback"
-
-
 class AttentionKernel(str, Enum):
     auto = "auto"
     flash = "flash"
@@ -130,7 +121,6 @@ class FaultKind(str, Enum):
     term_during_save = "term_during_save"
     oom = "oom"
     hang = "hang"
-    loss_spike = "loss_spike"
 
 
 class SaveAsync(str, Enum):
