@@ -23,6 +23,7 @@ One module per config group, the root last; other modules import every name from
 - runtime.py: `save:`, `logger:`, `fault:`, `telemetry:` and `memory:` (SaveConfig, LoggerConfig,
   FaultConfig, TelemetryConfig, MemoryConfig and its SnapshotMode);
 - planning.py: `plan:` and `advise:` (PlanConfig, AdviseConfig);
+- stability.py: `stability:` (StabilityConfig) and its `spike:` (SpikeConfig), loss spikes and skipped steps;
 - train.py: the root, `TrainConfig`, and what reads it whole: `validate`, `to_plain`, `from_plain`;
   `uses_fused`, `global_batch`, `is_endpoint`.
 """
@@ -56,6 +57,7 @@ from trainer.config.enums import (
     ReduceEvery,
     RopeScaling,
     SaveAsync,
+    SpikeAction,
     Stage,
 )
 from trainer.config.errors import ConfigError
@@ -74,6 +76,7 @@ from trainer.config.runtime import (
     SnapshotMode,
     TelemetryConfig,
 )
+from trainer.config.stability import SpikeConfig, StabilityConfig
 from trainer.config.train import (
     AUTO,
     TrainConfig,
@@ -110,6 +113,7 @@ __all__ = [
     "HfExport",
     "FaultKind",
     "SaveAsync",
+    "SpikeAction",
     "ModelConfig",
     "LossConfig",
     "PrecisionConfig",
@@ -135,6 +139,8 @@ __all__ = [
     "TelemetryConfig",
     "SnapshotMode",
     "MemoryConfig",
+    "SpikeConfig",
+    "StabilityConfig",
     "PlanConfig",
     "AdviseConfig",
     "TrainConfig",

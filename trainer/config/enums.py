@@ -89,6 +89,15 @@ class DeviceKind(str, Enum):
 NonFinitePolicy = Enum("NonFinitePolicy", {"raise": "raise", "skip": "skip"}, type=str)
 
 
+class SpikeAction(str, Enum):
+    """stability.spike.action: what a loss spike agreed by every rank does (trainer/rank/spikes.py)."""
+
+    none = "none"
+    log = "log"
+    skip = "skip"
+    rollback = "rollback"
+
+
 class AttentionKernel(str, Enum):
     auto = "auto"
     flash = "flash"
@@ -121,6 +130,7 @@ class FaultKind(str, Enum):
     term_during_save = "term_during_save"
     oom = "oom"
     hang = "hang"
+    loss_spike = "loss_spike"
 
 
 class SaveAsync(str, Enum):

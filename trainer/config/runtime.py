@@ -57,7 +57,8 @@ class FaultConfig:
     the background), term_during_save (the rank sends itself SIGTERM while the background write
     of `step` runs), or oom (an allocation no device can hold, which the allocator refuses: a real
     out-of-memory error on one rank), or hang (the rank stops where it is and never returns, as one
-    stuck in a collective does: only a kill or a timeout ends the job). Fires in the launcher's first
+    stuck in a collective does: only a kill or a timeout ends the job), or loss_spike (the rank's loss
+    multiplied by 100, a finite spike for stability.spike to catch). Fires in the launcher's first
     attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""

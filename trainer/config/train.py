@@ -13,7 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config.checkpointing import CheckpointingConfig
 from trainer.config.composition import check_composition
 from trainer.config.data import DataConfig, DataloaderConfig, EvalConfig
-from trainer.config.enums import AttentionKernel, DataKind, DeviceKind, Mode, NonFinitePolicy, OffloadTarget
+from trainer.config.enums import (
+    AttentionKernel,
+    DataKind,
+    DeviceKind,
+    Mode,
+    NonFinitePolicy,
+    OffloadTarget,
+    SpikeAction,
+)
 from trainer.config.errors import ConfigError, _require
 from trainer.config.model import LossConfig, ModelConfig
 from trainer.config.offload import OffloadConfig
@@ -22,6 +30,7 @@ from trainer.config.parallel import ParallelConfig
 from trainer.config.planning import AdviseConfig, PlanConfig
 from trainer.config.precision import PrecisionConfig
 from trainer.config.runtime import FaultConfig, LoggerConfig, MemoryConfig, SaveConfig, TelemetryConfig
+from trainer.config.stability import StabilityConfig
 from trainer.config.zero import ZeroConfig
 
 
@@ -47,6 +56,7 @@ class TrainConfig:
     advise: AdviseConfig = field(default_factory=AdviseConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
     micro_batch: Any = 8
     """Sequences per rank per forward pass (an integer), or `auto`: the largest the plan says fits,
@@ -130,6 +140,11 @@ class TrainConfig:
             f"device_memory_gib must be > 0, got {self.device_memory_gib}",
         )
         _require(self.save.every == 0 or self.save.every >= 1, "save.every must be >= 0")
+        _require(
+            self.stability.spike.action != SpikeAction.rollback or self.save.every >= 1,
+            "stability.spike.action=rollback reloads the last save: needs save.every >= 1 (save=default), "
+            "got save.every=0",
+        )
         _require(self.nodes >= 1, f"nodes must be an integer >= 1, got {self.nodes}")
         _require(
             0 <= self.node_rank < self.nodes,

@@ -15,5 +15,6 @@
 - optim.py: AdamW, its ZeRO-1 sharding, the schedule, clipping;
 - evaluate.py: the held-out loss (`loss/val`) every eval.every steps;
 - nonfinite.py: the non-finite policy, agreed by every rank before each step;
+- spikes.py: loss spikes (stability.spike), folded into that agreement: log, skip or roll back to the last save;
 - preload.py: what the fork server imports before it forks the ranks.
 """

@@ -47,6 +47,7 @@ from trainer.rank.precision import (
     update_loss_scale,
 )
 from trainer.rank.sharding import gradient_sync, parameter_resharding, reduces_now, reshards_now
+from trainer.rank.spikes import SpikeGuard, roll_back, skip_batches, untrained_steps
 from trainer.rank.tensor_parallel import local_loss, loss_context
 from trainer.rank.trainee import Trainee
 from trainer.saves.background import Saves
@@ -63,6 +64,9 @@ Batches = Iterator[tuple[torch.Tensor, ...]]
 LEAK_ENV = "ZEROLAB_TEST_LEAK_MIB"
 """Tests only (tests/integration/test_memory_creep.py): a rank keeps one tensor of this many MiB per
 step, a deliberate leak for the creep report (trainer/telemetry/creep.py) to find. Unset in real runs."""
+LOSS_SPIKE_FACTOR = 100.0
+"""fault.kind=loss_spike: the chosen rank's loss at the chosen step is multiplied by this (its gradients
+too), ten times stability.spike.factor's default."""
 
 
 def build_trainee(config: TrainConfig, world: World, layout: Layout | None = None) -> Trainee:
@@ -136,6 +140,8 @@ def train(
     meter.skipped_steps = start.overflow_skipped  # the fp16 skip count goes on across a resume
     # A TP group's ranks read their data-parallel replica's held-out batches, as they read its training ones.
     held_out = validation_batches(config, layout.dp_index(world.rank), layout.dp) if config.eval.every else []
+    spikes = SpikeGuard.of(config, world, out_dir, start.step)  # None unless stability.spike is on
+    untrained = untrained_steps(config, out_dir, start.step)  # stability.skip_steps, and rollbacks' windows
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
     guard = NonFiniteGuard(
         config.nonfinite,
@@ -143,7 +149,8 @@ def train(
         world,
         fp16=config.precision.is_fp16,
         skipped=start.nonfinite_skipped,
-        defer=uses_fused(config.optim, world.device.type),
+        defer=uses_fused(config.optim, world.device.type) and spikes is None,
+        spikes=spikes,
     )
     saves = Saves(spec, world, out_dir, trainee)  # in place or in the background (save.async_mode)
     leak_mib, leaked = int(os.environ.get(LEAK_ENV, "0")), []
@@ -151,12 +158,18 @@ def train(
         saves.poll()  # a background write that has completed becomes a save (rank 0 lists it)
         if leak_mib:
             leaked.append(torch.ones(leak_mib * 2**20, dtype=torch.uint8, device=world.device))
+        if step in untrained:  # its batches read past: no forward, no optimizer step, no LR step
+            skip_batches(batches, config.grad_accum)
+            continue
         try:
             with (
                 traces.record(step),  # outermost: a step the comm probe profiles too gets one profiler
                 meter.measure(step, trainee.model, trainee.optimizer),  # tensor-level memory, on chosen steps
             ):
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
+            if spikes is not None and spikes.rollback_at == step:  # every rank: they agreed
+                roll_back(spikes, trainee, spec, step, saves)
+                batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=step)
             snapshots.after_step(step, meter.memory.step_peak if meter.memory else None)
             if meter.should_log(step) or should_save(config.save, config.steps, step):
                 guard.settle(stop)  # where the loop synchronises anyway: read the window's agreement
@@ -173,7 +186,8 @@ def train(
             # Gathers every rank's figures: the host syncs of a log step. With the per-tensor AdamW
             # (CPU's default) train_step reads the agreement (non-finite check and stop,
             # trainer/rank/nonfinite.py) on every step as well; with the fused one it does not.
-            meter.log(step, trainee.model, trainee.optimizer, extra=saves.record_fields())
+            spiked = spikes.fields() if spikes is not None else {}
+            meter.log(step, trainee.model, trainee.optimizer, extra={**saves.record_fields(), **spiked})
         save = None
         if should_save(config.save, config.steps, step) or (stopping and config.save.every > 0):
             save = saves.save(trainee, progress(step, guard, meter))
@@ -213,7 +227,9 @@ def train_step(
     grad_norm = clip_gradients(model, config.optim.grad_clip, stages)
     # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
     # this step (trainer/faults/stop.py); under fp16 a gradient overflow is the scaler's.
-    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop))
+    spikes = guard.spikes  # stability.spike: this rank's loss-spike flag joins the agreement
+    spike = None if spikes is None else spikes.detector.observe(loss_sum / config.grad_accum, grad_norm)
+    flags = agree(loss_sum, grad_norm, world, stop=stop_request(stop), spike=spike)
     if guard.defer:
         step_unless(optimizer, scaler, guard.record(step, flags))  # decided on the device: no host sync
     elif guard.check_now(step, flags, stop):
@@ -323,6 +339,8 @@ def inject_fault(
         return loss
     if fault.kind == FaultKind.nan_loss:
         return loss * float("nan")
+    if fault.kind == FaultKind.loss_spike:  # finite, far above the running median (stability.spike)
+        return loss * LOSS_SPIKE_FACTOR
     if fault.kind == FaultKind.raise_error:
         raise RuntimeError(f"injected fault at step {step}")
     if fault.kind == FaultKind.oom:  # 2**60 bytes: the allocator itself refuses, nothing is taken

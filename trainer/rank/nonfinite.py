@@ -12,9 +12,11 @@ backward pass) and goes through the policy in every precision.
 
 Where the ranks agree, and when the host learns of it. The agreement is one all-reduce (MAX)
 of a small flags tensor per step: a loss flag per rank, the gradient flag, and the ranks' stop
-requests (trainer/faults/stop.py: a signal number per rank, MAX-reduced), so one collective carries
-every per-step decision. A stop is agreed where the flags are read: at once on the per-step
-path, at the next log step or save on the deferred one. The result stays on
+requests (trainer/faults/stop.py: a signal number per rank, MAX-reduced) and, with stability.spike
+on, each rank's loss-spike flag (trainer/rank/spikes.py), so one collective carries every per-step
+decision. Spikes are read on the host every step (no deferred read: a rollback is the host's act).
+A stop is agreed where the flags are read: at once on the per-step path, at the next log step or
+save on the deferred one. The result stays on
 the device. With a fused AdamW (trainer/rank/optim.py; the default on CUDA) the optimizer skips a
 non-finite step on the device through its `found_inf` input, the mechanism GradScaler uses
 for fused optimizers, so the host reads the flags only where it synchronises anyway: at log
@@ -43,6 +45,7 @@ from trainer.world import World
 
 if TYPE_CHECKING:
     from trainer.faults.stop import RankStop
+    from trainer.rank.spikes import SpikeGuard
 
 
 class NonFiniteError(RuntimeError):
@@ -74,9 +77,12 @@ class NonFinite:
 @dataclass(frozen=True)
 class Slots:
     """Where each decision sits in the agreed flags: `world_size` loss flags (one per rank), the
-    gradient flag, the stop request (the largest signal number any rank noted: trainer/faults/stop.py)."""
+    gradient flag, the stop request (the largest signal number any rank noted: trainer/faults/stop.py);
+    with `spikes` (stability.spike on, trainer/rank/spikes.py) `world_size` loss-spike ratios and the
+    gradient norm over its bound after them (absent when off: the agreement is as small as before)."""
 
     world_size: int
+    spikes: bool = False
 
     @property
     def losses(self) -> slice:
@@ -91,17 +97,33 @@ class Slots:
         return self.world_size + 1
 
     @property
+    def spike_losses(self) -> slice:
+        return slice(self.world_size + 2, 2 * self.world_size + 2)
+
+    @property
+    def spike_grad(self) -> int:
+        return 2 * self.world_size + 2
+
+    @property
     def size(self) -> int:
-        return self.world_size + 2
+        return 2 * self.world_size + 3 if self.spikes else self.world_size + 2
 
 
 def agree(
-    loss: torch.Tensor, grad_norm: torch.Tensor, world: World, stop: torch.Tensor | float = 0.0
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    world: World,
+    stop: torch.Tensor | float = 0.0,
+    spike: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The flags every rank agrees on for this step (laid out as `Slots` says), after one
-    all-reduce (MAX), left on the device. `stop`: this rank's stop request (`stop_request`)."""
-    slots = Slots(world.world_size)
+    all-reduce (MAX), left on the device. `stop`: this rank's stop request (`stop_request`);
+    `spike`: this rank's loss-spike ratio and the gradient norm over its bound (SpikeDetector.observe)."""
+    slots = Slots(world.world_size, spikes=spike is not None)
     flags = torch.zeros(slots.size, device=world.device)
+    if spike is not None:
+        flags[slots.spike_losses][world.rank] = spike[0]
+        flags[slots.spike_grad] = spike[1]
     flags[world.rank] = (~torch.isfinite(loss.detach().float())).float()
     flags[slots.gradient] = (~torch.isfinite(grad_norm.detach().float())).float()
     # fill_ takes the number as a kernel argument; `flags[i] = number` copies it from pageable host
@@ -143,10 +165,14 @@ class NonFiniteGuard:
         fp16: bool,
         skipped: int = 0,
         defer: bool = False,  # type: ignore[valid-type]
+        spikes: SpikeGuard | None = None,
     ) -> None:
         self.is_main = world.is_main
         self.world_size = world.world_size
-        self.slots = Slots(world.world_size)
+        self.slots = Slots(world.world_size, spikes=spikes is not None)
+        self.spikes = spikes
+        """stability.spike on: a finite step's agreed spike slots go through it (read per step: no defer)."""
+        assert not (defer and spikes is not None), "spikes are read on the host every step"
         self.skip = policy.value == "skip"
         self.max_in_a_row = max_in_a_row
         self.scaler_enabled = fp16  # a gradient overflow alone is then the GradScaler's to skip
@@ -164,7 +190,11 @@ class NonFiniteGuard:
         rows = flags.tolist()
         if stop is not None:
             stop.agree(rows[self.slots.stop])
-        return self.check(decode(rows, step, self.world_size, self.scaler_enabled))
+        if not self.check(decode(rows, step, self.world_size, self.scaler_enabled)):
+            return False  # non-finite: the non-finite policy's step, not a spike
+        if self.spikes is None:
+            return True
+        return self.spikes.check_flags(rows[self.slots.spike_losses], rows[self.slots.spike_grad], step)
 
     def record(self, step: int, flags: torch.Tensor) -> torch.Tensor:
         """Keep this step's flags for `settle`; the optimizer's found_inf (1.0: skip), on the device.
@@ -219,8 +249,12 @@ class NonFiniteGuard:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The skipped-step count for summary.json, from the last metrics record that has it."""
-    for record in reversed(records):
-        if keys.NONFINITE_SKIPPED in record:
-            return {keys.NONFINITE_SKIPPED: record[keys.NONFINITE_SKIPPED]}
-    return {}
+    """The skipped-step count for summary.json, and the loss-spike count where stability.spike was
+    on (trainer/rank/spikes.py), each from the last metrics record that has it."""
+    found: dict[str, Any] = {}
+    for key in (keys.NONFINITE_SKIPPED, keys.LOSS_SPIKES):
+        for record in reversed(records):
+            if key in record:
+                found[key] = record[key]
+                break
+    return found

@@ -47,6 +47,8 @@ PERPLEXITY_VAL = "loss/val_perplexity"
 """exp(loss/val)."""
 NONFINITE_SKIPPED = "train/nonfinite_skipped"
 """Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py)."""
+LOSS_SPIKES = "stability/loss_spikes"
+"""Cumulative loss spikes every rank agreed on (stability.spike, trainer/rank/spikes.py); absent when off."""
 
 # ----------------------------------------------------------------------------- saves (trainer/saves/background.py)
 SAVE_STEP = "save/step"
