@@ -320,20 +320,25 @@ def wandb_cpu_per_s(record_every_s: float, duration_s: float = 30.0) -> float:
 
 
 def report_traced_step(extra: list[str]) -> None:
-    """The extra seconds of a traced step (both ranks profile it and export their trace inside its log window)
-    against the median plain step of a 12-step job, and the traces' size."""
+    """The extra seconds of a traced step (both ranks profile it and export their trace inside its log window):
+    the median of steps 6, 8 and 10 of a 12-step job against the median of its other steps after the
+    third (the first three hold the warm-up, the tracked and the communication-profiled step), and the size
+    of one step's traces."""
+    traced = (6, 8, 10)
     with tempfile.TemporaryDirectory() as out:
         args = [sys.executable, "-m", "trainer", "device=cpu", "nproc=2", "steps=12", "log_every=1", "logger=none",
-                "save=off", "telemetry.trace_steps=[8]", "telemetry.trace_ranks=[0,1]", *extra, f"hydra.run.dir={out}"]  # fmt: skip
+                "save=off", f"telemetry.trace_steps=[{','.join(map(str, traced))}]", "telemetry.trace_ranks=[0,1]",
+                *extra, f"hydra.run.dir={out}"]  # fmt: skip
         subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True)
         step_s = {
             r["step"]: r["time/step_s"]
             for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
         }
-        trace_mib = sum(p.stat().st_size for p in (Path(out) / "traces").iterdir()) / 2**20
-    plain = statistics.median(t for step, t in step_s.items() if step > 3 and step != 8)
-    print(f"\n| traced step (step 8 of 12, ranks 0 and 1) | +{step_s[8] - plain:.3f} s on a {plain:.3f} s step | "
-          f"{trace_mib:.1f} MiB of traces |")  # fmt: skip
+        trace_mib = sum(p.stat().st_size for p in (Path(out) / "traces").iterdir()) / 2**20 / len(traced)
+    plain = statistics.median(t for step, t in step_s.items() if step > 3 and step not in traced)
+    extra_s = statistics.median(step_s[step] for step in traced) - plain
+    print(f"\n| traced step (steps 6, 8, 10 of 12, ranks 0 and 1) | {extra_s:+.3f} s on a {plain:.3f} s step | "
+          f"{trace_mib:.1f} MiB of traces a step |")  # fmt: skip
 
 
 def report_components(extra: list[str]) -> None:
