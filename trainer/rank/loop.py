@@ -142,6 +142,7 @@ def train(
     held_out = validation_batches(config, layout.dp_index(world.rank), layout.dp) if config.eval.every else []
     spikes = SpikeGuard.of(config, world, out_dir, start.step)  # None unless stability.spike is on
     untrained = untrained_steps(config, out_dir, start.step)  # stability.skip_steps, and rollbacks' windows
+    trained = start.step > 0  # the optimizer has state (a save before any step would make it)
     # A fused AdamW skips a non-finite step on the device: the host reads the agreement later.
     guard = NonFiniteGuard(
         config.nonfinite,
@@ -160,6 +161,8 @@ def train(
             leaked.append(torch.ones(leak_mib * 2**20, dtype=torch.uint8, device=world.device))
         if step in untrained:  # its batches read past: no forward, no optimizer step, no LR step
             skip_batches(batches, config.grad_accum)
+            if should_save(config.save, config.steps, step) and trained:  # the state of the step before
+                saves.save(trainee, progress(step, guard, meter))  # (before any step: no optimizer state yet)
             continue
         try:
             with (
@@ -167,6 +170,7 @@ def train(
                 meter.measure(step, trainee.model, trainee.optimizer),  # tensor-level memory, on chosen steps
             ):
                 stats = train_step(trainee, batches, config, world, step, guard, stop)
+            trained = True
             if spikes is not None and spikes.rollback_at == step:  # every rank: they agreed
                 roll_back(spikes, trainee, spec, step, saves)
                 batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=step)
