@@ -95,7 +95,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
 
 
 LOOP_COLLECTIVES = {
-    "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags, every step (trainer/rank/nonfinite.py)",
+    "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags (2 x world_size + 3 with stability.spike), every step (trainer/rank/nonfinite.py)",
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
