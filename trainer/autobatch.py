@@ -2,8 +2,10 @@
 (trainer/advise/fit.py), short probe runs of every rank confirm it and check the next one, and the
 job trains with what was confirmed.
 
-A probe is a real launch of the job's ranks for two steps (Adam's state exists from the second) into
-`auto/micro_batch_<n>/` of the job's directory. Its ranks agree the way every job's ranks do: a rank
+A probe is a real launch of the job's ranks into `auto/micro_batch_<n>/` of the job's directory, for as
+many steps as the job's memory takes to settle (PROBE_STEPS: Adam's state exists from the second step,
+which the tensor tracker measures; the third is the communication profiler's), with an evaluation and
+a save at its end where the job has them (their checkpoint then deleted). Its ranks agree the way every job's ranks do: a rank
 that runs out ends the probe through the elastic launcher, which stops the others, so no rank waits
 in a collective for one that died (Composer's in-process halving deadlocked on exactly that:
 mosaicml/composer#2117). At most MAX_PROBES probes: the proposal, smaller ones the plan says fit
@@ -21,17 +23,20 @@ reset by peer"; NCCL: the watchdog's timeout), or at the launcher's SIGTERM then
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
 from trainer.advise.fit import AutoProposal, grad_accum_for, propose_micro_batch
-from trainer.config import ConfigError, Mode, TrainConfig, to_plain
+from trainer.config import ConfigError, HfExport, Mode, TrainConfig, to_plain
 from trainer.console import warn
+from trainer.files import SAVES_DIR
 from trainer.jsonl import read_jsonl
 from trainer.telemetry import keys
 
 MAX_PROBES = 4
-PROBE_STEPS = 2
+PROBE_STEPS = 3
+"""The tracked step (2, trainer/telemetry/memory.py) and the profiled one (3, trainer/telemetry/comm.py)."""
 
 
 def check_auto(config: TrainConfig, world_size: int) -> None:
@@ -124,19 +129,22 @@ def probe(
     nproc: int,
     world_size: int,
 ) -> dict[str, Any]:
-    """One probe run: every rank trains PROBE_STEPS steps at `micro_batch`; its status and measured peak."""
+    """One probe run: every rank trains PROBE_STEPS steps at `micro_batch`, then evaluates and saves where
+    the job does; its status and measured peak."""
     from trainer.launch import RankFailure, launch_local
 
+    steps = min(PROBE_STEPS, config.steps)
     probe_config = dataclasses.replace(
         config,
         micro_batch=micro_batch,
         grad_accum=grad_accum_for(micro_batch, config, world_size),
         global_batch=None,
-        steps=min(PROBE_STEPS, config.steps),
+        steps=steps,
         log_every=1,
         resume="false",
         max_restarts=0,
-        save=dataclasses.replace(config.save, every=0),
+        save=dataclasses.replace(config.save, every=steps if config.save.every else 0, hf=HfExport.none),
+        eval=dataclasses.replace(config.eval, every=steps if config.eval.every else 0),
     )
     probe_dir = out_dir / "auto" / f"micro_batch_{micro_batch}"
     probe_dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +153,7 @@ def probe(
         status, error = "ok", None
     except RankFailure as failure:
         status, error = ("oom" if failure.oom else "crashed"), str(failure)
+    shutil.rmtree(probe_dir / SAVES_DIR, ignore_errors=True)  # saved for its memory, not to resume from
     metrics = probe_dir / "metrics.jsonl"
     peaks = (
         [r[keys.MAX_RANK_PEAK] for r in read_jsonl(metrics) if keys.MAX_RANK_PEAK in r]

@@ -329,8 +329,30 @@ def text_dataset(data: DataConfig, seq_len: int, validation: bool) -> PackedText
     if data.validation_fraction > 0:  # documents set apart: the same ones every run
         apart = held_out(read_meta(train).documents, data.validation_fraction, data.data_seed)
         keep = apart if validation else ~apart
-    return PackedText(
-        train, seq_len, document, keep, key="data.validation_fraction" if validation else "data.files"
+    if validation:  # evaluation reads the same sequences every time, in stream order
+        return PackedText(train, seq_len, document, keep, key="data.validation_fraction")
+    shuffle_seed = data.data_seed if data.shuffle else None
+    return PackedText(train, seq_len, document, keep, key="data.files", shuffle_seed=shuffle_seed)
+
+
+def corpus_line(config: TrainConfig, world_size: int) -> str | None:
+    """data=text in words before training: the tokens and documents it trains on, the share of an epoch
+    the run reads, and in what order (None for other data)."""
+    data = config.data
+    if data.kind != DataKind.text:
+        return None
+    train = text_dataset(data, config.seq_len, validation=False)
+    documents = len(train.stream()[1]) - 1
+    read = config.steps * config.sequences_per_step(world_size) * config.seq_len
+    epochs = read / train.num_tokens
+    order = (
+        f"each epoch's {train.windows:,} windows shuffled (data.shuffle, data_seed={data.data_seed})"
+        if data.shuffle
+        else "in stream order, wrapping to the start each epoch (data.shuffle=false)"
+    )
+    return (
+        f"data=text: {train.num_tokens:,} training tokens in {documents:,} documents; {config.steps} steps read "
+        f"{read:,} tokens, {epochs:.2f} epochs, {order}"
     )
 
 

@@ -1,9 +1,13 @@
-"""Directories that concurrent jobs and reports claim on a shared file system."""
+"""Directories that concurrent jobs and reports claim on a shared file system, and the run directory's
+saves, named where both the ranks (trainer/saves/dcp.py) and the job process (trainer/autobatch.py) find
+them."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
+
+SAVES_DIR = "checkpoints"
 
 
 def claim_directory(base: Path) -> Path:

@@ -30,7 +30,7 @@ from trainer.config import (
 )
 from trainer.console import BAD_INPUT, error_line, one_line, say, warn
 from trainer.cuda import check_local_ranks
-from trainer.data import check_data
+from trainer.data import check_data, corpus_line
 from trainer.faults.stop import (
     STOP_STATUSES,
     JobStop,
@@ -204,6 +204,8 @@ def check_this_host(config: TrainConfig) -> tuple[TrainConfig, str, int]:
     check_data(
         config.data, config.model.vocab_size, config.seq_len, config.seed
     )  # a bad token file: before any rank starts
+    if (line := corpus_line(config, nproc * config.nodes)) is not None:
+        print(line, flush=True)
     config = place_node(config)  # node_rank and rdzv_endpoint, from the allocation under SLURM
     return config, device_kind, nproc
 
@@ -346,9 +348,10 @@ def explain_out_of_memory(
     from trainer.faults.oom import explain_oom, explanation_lines
 
     record = json.loads(record_path.read_text())
-    explained = explain_oom(build_plan(config, device_kind, world_size), record)
+    plan = build_plan(config, device_kind, world_size)
+    explained = explain_oom(plan, record)
     overrides = list(HydraConfig.get().overrides.task)
-    found = remedies(config, device_kind, world_size, overrides)
+    found = remedies(config, device_kind, world_size, overrides, ran_out_bytes=plan.peak_bytes)
     explained["remedies"] = [dataclasses.asdict(r) for r in found]
     lines = explanation_lines(explained)
     lines.append(

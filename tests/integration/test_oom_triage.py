@@ -2,11 +2,12 @@
 what the plan says fits and probes confirm; twice that runs out and is explained by moment and
 category with remedies, one of which, run as printed, ends ok; an OOM on one rank names that rank.
 
-At device_memory_gib=0.15, seq_len=256, model=tiny the plan's largest micro-batch within
-advise.headroom=0.45 (0.0825 GiB) is 5 (0.0743 GiB planned, 0.0743 measured); 10 plans 0.135 GiB. The
-headroom is the capped CPU process's own growth beyond its tensors (docs/faults.md: about 0.05 GiB
-here). Small micro-batches keep the jobs short: every step of a capped CPU run up to the second is
-tensor-tracked, which is several times slower.
+At seq_len=256, model=tiny the plan puts micro_batch 5 at 0.0743 GiB and 6 at 0.0865 GiB; the cap,
+device_memory_gib=0.0804, lies midway, and counts what the plan counts (tensor bytes,
+trainer/faults/tensor_cap.py), so no headroom is set aside (advise.headroom=0): the plan's largest
+fitting micro-batch is 5, its probe runs, 6's runs out, and the job trains 20 steps with 5. Small
+micro-batches keep the jobs short: every step of a capped CPU run up to the second is tensor-tracked,
+which is several times slower.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from tests.helpers import REPO, Run, assert_nothing_left, compose_config, job_env, run_trainer
 from trainer.advise.fit import propose_micro_batch
+from trainer.autobatch import PROBE_STEPS
 from trainer.faults.failures import where
 from trainer.faults.leftovers import JOB_MARKER
 
@@ -33,10 +35,9 @@ CAP = (
     "device=cpu",
     "nproc=2",
     "seq_len=256",
-    "steps=2",
     "log_every=1",
-    "device_memory_gib=0.15",
-    "advise.headroom=0.45",
+    "device_memory_gib=0.0804",
+    "advise.headroom=0",
 )
 QUIET = ("logger=none", "save=off")
 M = 5
@@ -55,7 +56,8 @@ asked of trainer/faults/oom.py plan_moment, which explain_oom calls."""
 def test_the_plan_puts_the_largest_fitting_micro_batch_at_m() -> None:
     """The same choice as a sweep over 1..32 of the plan: every micro-batch up to M fits the budget, none above."""
     proposal = propose_micro_batch(compose_config(*CAP, "micro_batch=auto"), "cpu", 2)
-    assert proposal.budget_gib == pytest.approx(0.0825)
+    assert proposal.budget_gib == pytest.approx(0.0804)
+    assert proposal.peaks_gib[M] < 0.0804 < proposal.peaks_gib[M + 1]  # the cap midway between M and M + 1
     assert [mb for mb, peak in proposal.peaks_gib.items() if peak <= proposal.budget_gib] == list(
         range(1, M + 1)
     )
@@ -64,17 +66,23 @@ def test_the_plan_puts_the_largest_fitting_micro_batch_at_m() -> None:
 
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return run_trainer(tmp_path_factory.mktemp("auto") / "run", *CAP, *QUIET, "micro_batch=auto")
+    return run_trainer(tmp_path_factory.mktemp("auto") / "run", *CAP, *QUIET, "micro_batch=auto", "steps=20")
 
 
 def test_micro_batch_auto_trains_with_m_after_at_most_four_probes(auto: Run) -> None:
+    """Issue 60, acceptance 2: at a cap midway between two micro-batches' plans, auto chooses the smaller,
+    whose probe ran past the tracked and profiled steps, and the job then trains 20 steps to ok; the
+    larger one's probe ran out under the cap."""
     record = auto.summary["micro_batch_auto"]
     assert auto.summary["status"] == "ok" and record["chosen"] == M and record["grad_accum"] == 1
+    assert len(auto.losses) == 20
     tried = record["tried"]
-    assert 1 <= len(tried) <= 4
-    assert (tried[0]["micro_batch"], tried[0]["status"]) == (M, "ok")
+    assert [(t["micro_batch"], t["status"]) for t in tried] == [(M, "ok"), (M + 1, "oom")]
+    assert len(Run(0, "", "", Path(tried[0]["dir"])).losses) == PROBE_STEPS == 3
     assert tried[0]["measured_peak_gib"] == max(
-        r["memory/max_rank_peak_gib"] for r in Run(0, "", "", Path(tried[0]["dir"])).records
+        r["memory/max_rank_peak_gib"]
+        for r in Run(0, "", "", Path(tried[0]["dir"])).records
+        if "memory/max_rank_peak_gib" in r
     )
     assert auto.summary["config"]["micro_batch"] == M  # the ranks trained with it
     assert (
@@ -89,6 +97,7 @@ def too_big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, float]:
         tmp_path_factory.mktemp("oom") / "run",
         *CAP,
         *QUIET,
+        "steps=2",
         f"micro_batch={2 * M}",
         "plan.enforce=false",
         check=False,
@@ -182,6 +191,7 @@ import json, sys
 from pathlib import Path
 from tests.helpers import compose_config
 from trainer.advise.fit import propose_micro_batch
+from trainer.autobatch import PROBE_STEPS
 from trainer.autobatch import probe
 config = compose_config(*sys.argv[2:])
 print(json.dumps(probe(config, propose_micro_batch(config, "cpu", 2), 2, Path(sys.argv[1]), "cpu", 2, 2)))

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers import (
@@ -26,6 +27,7 @@ from tests.helpers import (
 from trainer.config import Packing
 from trainer.plan import build_plan
 from trainer.report.command import write_comparison
+from trainer.text.packed import held_out
 
 pytest.importorskip("tokenizers")  # the `data` extra
 pytest.importorskip("datasets")
@@ -54,6 +56,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
         f"data.cache_dir={tmp / 'cache'}",
         "data.packing=document",
         "data.validation_fraction=0.1",
+        "data.shuffle=true",  # each epoch shuffled: still rank-count independent, and a resume exact
     )
 
 
@@ -79,11 +82,30 @@ def val_losses(run: Run) -> dict[int, float]:
 
 
 def test_one_rank_and_two_give_the_same_losses(runs: dict[str, Run]) -> None:
+    """With data.shuffle: the permutation is a function of the sample's index, not of the rank."""
     one, two = runs["one"], runs["two"]
     assert len(one.losses) == len(two.losses) == 20
     assert max(abs(a - b) for a, b in zip(one.losses, two.losses)) < 1e-5
     assert sorted(val_losses(one)) == sorted(val_losses(two)) == [10, 20]
     assert all(abs(val_losses(one)[s] - val_losses(two)[s]) < 1e-6 for s in (10, 20))
+
+
+def test_the_console_states_the_corpus_its_epochs_and_order(
+    runs: dict[str, Run], text: tuple[str, ...]
+) -> None:
+    """Issue 60 item 5: the tokens trained on (the held-out documents apart), the epochs the run reads and the
+    shuffle, before training; the figures worked out here from the cache's own arrays."""
+    cache = Path(next(arg for arg in text if arg.startswith("data.cache_dir=")).split("=", 1)[1])
+    (entry,) = {p.parent for p in cache.rglob("starts.npy")}
+    lengths = np.diff(np.load(entry / "starts.npy"))
+    kept = lengths[~held_out(len(lengths), 0.1, seed=1234)]
+    tokens, read = int(kept.sum()), 20 * 4 * 32  # steps x sequences a step x seq_len
+    line = next(line for line in runs["two"].stdout.splitlines() if line.startswith("data=text: "))
+    assert line == (
+        f"data=text: {tokens:,} training tokens in {len(kept):,} documents; 20 steps read {read:,} tokens, "
+        f"{read / tokens:.2f} epochs, each epoch's {(tokens - 1) // 32:,} windows shuffled (data.shuffle, "
+        "data_seed=1234)"
+    )
 
 
 def test_a_killed_run_resumes_with_bitwise_equal_losses(runs: dict[str, Run]) -> None:

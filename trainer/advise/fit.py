@@ -75,9 +75,17 @@ def distance(keys: list[str]) -> int:
     )
 
 
-def remedies(config: TrainConfig, device_kind: str, world_size: int, overrides: list[str]) -> list[Remedy]:
+def remedies(
+    config: TrainConfig,
+    device_kind: str,
+    world_size: int,
+    overrides: list[str],
+    ran_out_bytes: int | None = None,
+) -> list[Remedy]:
     """The advisor's candidates for this job's global batch that the plan says fit, nearest first
-    (fewest changes, then the largest peak: the least memory given up), as runnable command lines."""
+    (fewest changes, then the largest peak: the least memory given up), as runnable command lines.
+    `ran_out_bytes`: the planned peak of what just ran out; a candidate planned at as much or more is
+    no remedy, whatever the budget says."""
     sequences = config.sequences_per_step(world_size)
     space = dataclasses.replace(config, mode=Mode.advise, global_batch=sequences)
     budget = budget_bytes(config, device_kind, world_size)
@@ -87,6 +95,8 @@ def remedies(config: TrainConfig, device_kind: str, world_size: int, overrides: 
     for choice in choices(space, world_size, device_kind):
         keys = changed_keys(now, choice)
         if not keys or not (peak := fitting_peak(config, choice, device_kind, world_size, budget)):
+            continue
+        if ran_out_bytes is not None and peak >= ran_out_bytes:
             continue
         args = [
             arg for arg in command_args(overrides, _Choice(choice)) if not arg.startswith("micro_batch=auto")

@@ -49,7 +49,8 @@ class DataConfig:
     branching: int = 4
     """synthetic only: how many next tokens each token may be followed by."""
     data_seed: int = 1234
-    """synthetic: seed of the Markov chain's transition table (fixed across runs); text: of the held-out split."""
+    """synthetic: seed of the Markov chain's transition table (fixed across runs); text: of the held-out split
+    and of data.shuffle's permutations."""
     files: list[str] = field(default_factory=list)
     """text only: .txt (one document per blank-line-separated paragraph), .json/.jsonl, .parquet files."""
     text_field: str = "text"
@@ -59,6 +60,9 @@ class DataConfig:
     packing: Packing = Packing.concat
     """text only: concat (documents joined with EOS, attending across) or document (block-causal: a row's
     documents do not attend to each other, and no target crosses a document boundary)."""
+    shuffle: bool = False
+    """text only: each epoch reads the corpus's seq_len windows in a permutation drawn from data_seed and
+    the epoch (the same on any number of ranks; a resume reads on exactly); false: in stream order."""
     validation_files: list[str] = field(default_factory=list)
     """text only: held-out files for eval (loss/val); else `validation_fraction` of the documents (not both)."""
     validation_fraction: float = 0.0

@@ -6,5 +6,7 @@
   every process of a job carries its mark, and what outlives the launcher is ended;
 - oom.py: an out-of-memory failure explained: its moment, the plan's figure there by category beside
   what the rank held, the category most over its plan;
+- tensor_cap.py: `device_memory_gib` on CPU: the bytes a rank's tensors hold, counted op by op and
+  refused past the cap with torch's out-of-memory error;
 - stop.py: a signal (Ctrl-C, preemption) stops every rank after an agreed step, saved.
 """

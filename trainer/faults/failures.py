@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import resource
 import signal
 import time
 import traceback
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from trainer.console import one_line
+from trainer.faults.tensor_cap import TensorCap, active_cap
 from trainer.telemetry.memory import AT_FAILURE
 from trainer.telemetry.snapshot import ACTIVE
 from trainer.units import GIB
@@ -34,11 +34,6 @@ FAILURES_DIR = "failures"
 # ("DefaultCPUAllocator: can't allocate memory" / "not enough memory"), C++ code that
 # allocates with new raises std::bad_alloc, CUDA raises torch.OutOfMemoryError.
 OOM_MARKERS = ("can't allocate memory", "not enough memory", "out of memory", "bad_alloc")
-# What oneDNN (CPU bf16 matmuls) says when creating a primitive or its memory fails. Its error
-# carries dnnl_out_of_memory as a status torch drops from the message, so the words alone are
-# ambiguous: they count as out of memory only in a rank under the CPU cap (device_memory_gib),
-# where a malloc past RLIMIT_DATA is what makes a primitive that builds uncapped fail.
-CAPPED_CPU_OOM_MARKERS = ("could not create a primitive", "could not create a memory")
 # What gloo and NCCL say when the process at the other end of a connection is gone.
 # (RendezvousConnectionError: the node hosting the rendezvous store has ended; launch.py.)
 LOST_PEER_MARKERS = (
@@ -64,7 +59,6 @@ class Position:
 
 
 POSITION = Position()  # one per rank process; the loop moves it, a failure reads it
-_capped_rlimit: tuple[int, int] | None = None  # the RLIMIT_DATA this process had before the cap
 
 
 def mark_phase(step: int, phase: str, micro_batch: int | None = None) -> None:
@@ -117,28 +111,21 @@ def where(record: dict[str, Any]) -> str:
     return f"step {record['step']} ({', '.join(parts)})"
 
 
-def is_out_of_memory(err: BaseException, capped: bool = False) -> bool:
-    """Whether an exception is an allocation failure (CPU or GPU), by type or by the allocator's words;
-    `capped`: the rank ran under the CPU cap, where oneDNN's failures are allocation failures too."""
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether an exception is an allocation failure (CPU or GPU, or the CPU cap's), by type or by the
+    allocator's words."""
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
-    markers = OOM_MARKERS + (CAPPED_CPU_OOM_MARKERS if capped else ())
-    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in markers)
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in OOM_MARKERS)
 
 
 def apply_memory_cap(cap_gib: float | None, device: torch.device) -> None:
-    """Let this rank allocate at most `cap_gib` GiB beyond what its runtime holds now.
+    """Let this rank's tensors hold at most `cap_gib` GiB, the quantity the plan counts.
 
     GPU: the caching allocator's per-process fraction of the device (the CUDA context is outside
-    it, as it is here). CPU: RLIMIT_DATA, raised above what the process already uses (torch,
-    gloo and Python hold ~0.25 GiB of data before any tensor). RLIMIT_DATA rather than RLIMIT_AS:
-    the address-space limit also counts the ~0.4 GiB of mapped library code and every thread's
-    reserved (PROT_NONE) malloc arena, which are not memory the rank uses; RLIMIT_DATA counts
-    the private writable mappings (malloc'd tensors, heap, thread stacks), and an allocation
-    past it fails inside the process (a RuntimeError from torch's CPU allocator) instead of
-    bringing in the kernel's OOM killer. Linux only (it reads /proc/self/status).
+    it, as it is here). CPU: the bytes of live tensor storages, counted op by op and refused past the
+    cap with torch.OutOfMemoryError (trainer/faults/tensor_cap.py, which says why not a process limit).
     """
-    global _capped_rlimit
     if cap_gib is None:
         return
     cap = int(cap_gib * GIB)
@@ -146,28 +133,13 @@ def apply_memory_cap(cap_gib: float | None, device: torch.device) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
         return
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = data_bytes() + cap
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    _capped_rlimit = (soft, hard)
+    TensorCap(cap).__enter__()  # left on for the rank's life; lift_memory_cap ends it on a failure
 
 
 def lift_memory_cap() -> None:
     """Undo the CPU cap, so that a rank that ran out can still write its record and exit."""
-    global _capped_rlimit
-    if _capped_rlimit is not None:
-        resource.setrlimit(resource.RLIMIT_DATA, _capped_rlimit)
-        _capped_rlimit = None
-
-
-def data_bytes() -> int:
-    """This process's data segment (VmData): the figure the kernel checks against RLIMIT_DATA."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmData:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("device_memory_gib on CPU needs Linux (/proc/self/status has no VmData)")
+    if (cap := active_cap()) is not None:
+        cap.__exit__(None, None, None)
 
 
 def failure_path(out_dir: Path, rank: int) -> Path:
@@ -182,9 +154,9 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        capped = _capped_rlimit is not None
+        cap = active_cap()
         lift_memory_cap()
-        oom = is_out_of_memory(err, capped)
+        oom = is_out_of_memory(err)
         record = {
             **asdict(POSITION),
             "rank": rank,
@@ -192,7 +164,7 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
             "message": one_line(err),
             "time": time.time(),  # torch's failure timestamps are whole seconds; see explain()
             "traceback": traceback.format_exc(),  # the console shows one line; the whole story is kept here
-            **({"measured_bytes": held_at_failure()} if oom else {}),
+            **({"measured_bytes": held_at_failure(cap)} if oom else {}),
         }
         if oom and ACTIVE:  # memory.snapshot: the allocator's history (CUDA) or the held split (CPU)
             record["snapshot"] = str(ACTIVE[0].on_oom(record["measured_bytes"]))
@@ -206,12 +178,16 @@ def recording_failures(out_dir: Path, rank: int) -> Iterator[None]:
         raise
 
 
-def held_at_failure() -> dict[str, float]:
-    """What this rank's tensors held when it ran out, by category where the tensor tracker ran that step
-    (CPU, trainer/telemetry/memory.py), else the CUDA allocator's own figures (no split); empty when
-    neither was measured."""
-    if AT_FAILURE:
-        return dict(AT_FAILURE)
+def held_at_failure(cap: TensorCap | None = None) -> dict[str, float]:
+    """What this rank's tensors held when it ran out: under the CPU cap, the capped quantity and the cap
+    (and what the refused op added), by category where the tensor tracker ran that step (CPU,
+    trainer/telemetry/memory.py), else the CUDA allocator's own figures (no split); empty when
+    nothing was measured."""
+    held: dict[str, float] = dict(AT_FAILURE)
+    if cap is not None:
+        return {**held, **cap.at_failure()}
+    if held:
+        return held
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return {
             "held": float(torch.cuda.memory_allocated()),

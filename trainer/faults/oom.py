@@ -87,11 +87,8 @@ def explain_oom(plan: Plan, record: dict[str, Any]) -> dict[str, Any]:
     tried = failed_allocation_bytes(record.get("message", ""))
     if tried is not None:
         explained["failed_allocation_gib"] = tried / GIB
-        if "held_gib" in explained and explained["limit_gib"] is not None and plan.device_kind == "cpu":
-            # The cap counts the process's data segment: what tensors and the failed allocation leave of it.
-            outside = explained["limit_gib"] - explained["held_gib"] - tried / GIB
-            if outside >= 0:  # else the allocation alone was past the limit
-                explained["outside_tensors_gib"] = outside
+    if "cap" in held:  # the CPU cap (trainer/faults/tensor_cap.py): tensor bytes, the plan's own quantity
+        explained["cap_gib"] = held["cap"] / GIB
     return explained
 
 
@@ -127,8 +124,10 @@ def explanation_lines(explained: dict[str, Any]) -> list[str]:
         tail.append(f"the allocation that failed: {explained['failed_allocation_gib']:.4f} GiB")
     if explained["limit_gib"] is not None:
         tail.append(f"each rank may use {explained['limit_gib']:.4f} GiB ({explained['limit_source']})")
-    if "outside_tensors_gib" in explained:
-        tail.append(f"held outside tensors: {explained['outside_tensors_gib']:.4f} GiB (runtime, allocator)")
+    if "cap_gib" in explained and held is not None:
+        tail.append(
+            f"the cap counts tensor bytes: {held:.4f} GiB held + the allocation > the cap's {explained['cap_gib']:.4f} GiB"
+        )
     if tail:
         lines.append("  " + "; ".join(tail))
     return lines

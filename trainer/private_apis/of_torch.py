@@ -16,6 +16,8 @@ from torch.amp import GradScaler
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import distributed as ddp_module
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from trainer.units import MIB
 
@@ -38,6 +40,10 @@ __all__ = [
     "dump_memory_snapshot",
     "record_memory_history",
     "stop_memory_history",
+    "storage_key",
+    "tensor_storages",
+    "TorchDispatchMode",
+    "tree_leaves",
     "OpOverload",
     "OpOverloadPacket",
     "powersgd_hook_in_this_thread",
@@ -94,6 +100,20 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+
+
+def tensor_storages(tensor: torch.Tensor) -> set[torch.UntypedStorage]:
+    """The storages a tensor holds, a wrapper subclass's (float8) inner tensors' included: MemTracker's
+    own walk (torch.distributed._tools.common_utils.get_untyped_storages)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return get_untyped_storages(tensor)
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The address of a storage's StorageImpl (`_cdata`): views share it, and it is unique while the storage
+    lives; the key MemTracker's weak dictionary stands in for."""
+    return storage._cdata
 
 
 def new_mem_tracker() -> Any:

@@ -53,11 +53,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.config import ConfigError, FaultConfig, FaultKind, SaveConfig, Stage, TrainConfig, global_batch
 from trainer.faults.failures import mark_phase
+from trainer.files import SAVES_DIR
 from trainer.rank.trainee import Trainee, local_optimizer
 from trainer.saves.integrity import save_error
 from trainer.world import World
 
-SAVES_DIR = "checkpoints"
 SAVE_NAME = re.compile(r"^step_(\d{8})$")
 METADATA = ".metadata"  # written by DCP last, on rank 0, once every rank's data is written
 

@@ -5,6 +5,12 @@ trainer/data.py's TokenFile reads a token file: a function of i alone, so the gl
 (and a resumed run's batches) are the same on any number of ranks. Documents are packed end to
 end, EOS after each, and a row may start or end inside one.
 
+data.shuffle: the stream is cut into its `windows` whole windows (window k at k * seq_len), and
+epoch e = i // windows reads them in a permutation drawn from (data_seed, e): still a function of i
+alone, so shuffling keeps the order rank-count independent and a resume exact. (torch's
+DistributedSampler shuffles per rank's share and per epoch set by the caller; here the sampler is
+step-indexed, trainer/data.py StepSampler, so the permutation lives in the dataset.)
+
 packing=document adds each position's document number as a second row of the sample, from which
 the batch gets a block-causal mask (trainer/model/decoder.py) and targets that never cross a
 document boundary (IGNORE_INDEX where they would).
@@ -55,14 +61,20 @@ class PackedText(Dataset[Tensor]):
         document: bool,
         keep: np.ndarray | None = None,
         key: str = "data.files",
+        shuffle_seed: int | None = None,
     ) -> None:
         self.entry, self.seq_len, self.document, self.keep, self.key = entry, seq_len, document, keep, key
+        self.shuffle_seed = shuffle_seed
+        """data.shuffle: the data_seed each epoch's permutation is drawn from; None: stream order."""
         self._stream: tuple[np.ndarray, np.ndarray] | None = None
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation of the windows)
         self.num_tokens = int(self.stream()[0].shape[0])
         if self.num_tokens < seq_len + 2:
             raise ConfigError(
                 f"{key}: the corpus holds {self.num_tokens} tokens; seq_len={seq_len} needs >= {seq_len + 2}"
             )
+        self.windows = (self.num_tokens - 1) // seq_len
+        """Whole windows of seq_len + 1 tokens in the stream, seq_len apart: a shuffled epoch's samples."""
 
     def stream(self) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, starts), memory-mapped (a selection is copied into memory)."""
@@ -78,14 +90,24 @@ class PackedText(Dataset[Tensor]):
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers re-open the entry rather than receive a pickled copy of its stream.
-        return {**self.__dict__, "_stream": None}
+        return {**self.__dict__, "_stream": None, "_order": None}
 
     def __len__(self) -> int:
         return sys.maxsize  # windows wrap around the stream
 
+    def start(self, index: int) -> int:
+        """Where sample `index` starts in the stream."""
+        if self.shuffle_seed is None:
+            return (index * self.seq_len) % (self.num_tokens - self.seq_len - 1)
+        epoch, k = divmod(index, self.windows)
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng([self.shuffle_seed, epoch])
+            self._order = (epoch, rng.permutation(self.windows))
+        return int(self._order[1][k]) * self.seq_len
+
     def __getitem__(self, index: int) -> Tensor:
         tokens, starts = self.stream()
-        start = (index * self.seq_len) % (self.num_tokens - self.seq_len - 1)
+        start = self.start(index)
         window = torch.from_numpy(np.asarray(tokens[start : start + self.seq_len + 1], dtype=np.int64))
         if not self.document:
             return window

@@ -12,7 +12,13 @@ from torch import nn
 from tests.helpers import CPU_OOM, compose_config
 from trainer.advise.fit import remedies
 from trainer.faults.failures import POSITION, mark_phase, watch_blocks, where
-from trainer.faults.oom import CATEGORIES, explain_oom, failed_allocation_bytes, plan_moment
+from trainer.faults.oom import (
+    CATEGORIES,
+    explain_oom,
+    explanation_lines,
+    failed_allocation_bytes,
+    plan_moment,
+)
 from trainer.plan import build_plan
 from trainer.units import GIB
 
@@ -97,11 +103,25 @@ def test_the_category_most_over_its_plan_is_named(plan) -> None:
     assert explained["plan_gib"] == {part: parts[part] / GIB for part in CATEGORIES}
     assert (explained["most_over"], explained["most_over_gib"]) == ("activations", 3 * 2**20 / GIB)
     assert explained["failed_allocation_gib"] == 8388608 / GIB
-    assert "outside_tensors_gib" not in explained  # what was held is past the 0.5 GiB limit already
-    quarter = {name: value / 4 for name, value in held.items()}
-    explained = explain_oom(plan, {**record, "measured_bytes": quarter})
-    # the limit less what tensors held and the allocation that failed: the process's own share
-    assert explained["outside_tensors_gib"] == 0.5 - quarter["held"] / GIB - 8388608 / GIB
+    assert "cap_gib" not in explained  # no CPU cap in this record
+
+
+def test_the_cpu_caps_record_is_told_against_the_cap(plan) -> None:
+    """Under device_memory_gib on CPU the record carries the capped quantity (tensor bytes) and the cap,
+    and the console's account sets one against the other."""
+    record = {"rank": 0, "step": 4, "phase": "backward", "block": 1, "micro_batch": 0}
+    message = (
+        f"CPU out of memory under device_memory_gib: tried to allocate {2**26} bytes while tensors held ..."
+    )
+    held = {"held": 0.46 * GIB, "cap": 0.5 * GIB, "refused": float(2**26)}
+    explained = explain_oom(plan, {**record, "message": message, "measured_bytes": held})
+    assert (explained["held_gib"], explained["cap_gib"], explained["failed_allocation_gib"]) == (
+        0.46,
+        0.5,
+        2**26 / GIB,
+    )
+    last = explanation_lines(explained)[-1]
+    assert "0.4600 GiB held + the allocation > the cap's 0.5000 GiB" in last
 
 
 def test_remedies_are_the_advisors_fitting_candidates_nearest_first() -> None:
@@ -114,3 +134,14 @@ def test_remedies_are_the_advisors_fitting_candidates_nearest_first() -> None:
     assert first.command.startswith("python -m trainer device_memory_gib=0.5 zero=stage0 ")
     assert "micro_batch=2 grad_accum=31" in first.command and "micro_batch=62" not in first.command
     assert [r.distance for r in found] == sorted(r.distance for r in found)
+
+
+def test_no_remedy_plans_as_much_as_what_ran_out() -> None:
+    """A job that ran out although its plan fit: no candidate planned at its peak or above is offered."""
+    config = compose_config(*CAPPED)
+    found = remedies(config, "cpu", 2, ["micro_batch=62", "device_memory_gib=0.5"])
+    bound = int(max(r.peak_gib for r in found) * GIB)  # the largest remedy's peak: it would be offered
+    kept = remedies(config, "cpu", 2, ["micro_batch=62", "device_memory_gib=0.5"], ran_out_bytes=bound)
+    assert kept and all(r.peak_gib * GIB < bound for r in kept)
+    largest = max(found, key=lambda r: r.peak_gib)
+    assert largest.changes not in {r.changes for r in kept}

@@ -212,6 +212,29 @@ def test_windows_documents_and_the_held_out_split(
     assert validation.num_tokens == held_tokens
 
 
+def test_a_shuffled_epoch_reads_every_window_once_in_its_own_seeded_order(
+    corpus: tuple[Path, list[str], Path], tmp_path: Path
+) -> None:
+    """data.shuffle: epoch e is a permutation of the stream's whole windows drawn from (data_seed, e); the
+    same index gives the same window in a fresh dataset (a resume, another rank count)."""
+    path, _, tokenizer = corpus
+    entry, _ = ensure_entry(str(tmp_path), [path], "text", TokenizerFiles.of(str(tokenizer)), "data.files")
+    stream = np.load(entry / "tokens.npy")
+    dataset = PackedText(entry, 16, False, shuffle_seed=1234)
+    n = dataset.windows
+    assert n == (len(stream) - 1) // 16
+    epochs = [[dataset.start(e * n + k) for k in range(n)] for e in (0, 1)]
+    assert all(sorted(starts) == [16 * k for k in range(n)] for starts in epochs)
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])
+    fresh = PackedText(entry, 16, False, shuffle_seed=1234)
+    index = n + 7
+    assert (
+        fresh[index].tolist() == dataset[index].tolist() == stream[epochs[1][7] : epochs[1][7] + 17].tolist()
+    )
+    other = PackedText(entry, 16, False, shuffle_seed=99)
+    assert [other.start(k) for k in range(n)] != epochs[0]  # another data_seed, another order
+
+
 def test_model_hf_lends_data_text_the_tokenizer_of_its_directory() -> None:
     pytest.importorskip("transformers")
     config_json = Path(__file__).parents[2] / "configs" / "llama_config.json"
