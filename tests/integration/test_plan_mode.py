@@ -135,7 +135,7 @@ def test_plan_enforce_false_starts_the_ranks_anyway(tmp_path: Path) -> None:
     ), tried.stderr[-3000:]
     record = json.loads((tried.out_dir / "failures" / f"rank{summary['failed_rank']}.json").read_text())
     assert (record["rank"], record["oom"], record["phase"]) == (summary["failed_rank"], True, "setup")
-    assert "DefaultCPUAllocator: can't allocate memory" in record["message"]
+    assert "CPU out of memory under device_memory_gib: tried to allocate" in record["message"]
 
 
 @pytest.mark.parametrize(

@@ -40,10 +40,12 @@ from trainer.world import World
 
 # Keys that say how a job runs rather than what it trains: a run that differs only in these is
 # the same run for `resume=true` (the resumed invocation itself differs in `resume`, and a killed
-# rehearsal in `fault`).
+# rehearsal in `fault`). `stability` too: a spike policy is how a run reacts, and skipping a bad
+# window on resume (`stability.skip_steps`, Megatron's --iterations-to-skip) is done to the same run.
 NOT_IDENTITY = (
     "resume", "fault", "max_restarts", "save", "logger", "nonfinite", "max_nonfinite_skips", "log_every",
     "telemetry", "dataloader", "plan", "fail_fast", "device_memory_gib", "node_rank", "rdzv_endpoint",
+    "stability",
 )  # fmt: skip
 
 

@@ -68,3 +68,14 @@ def test_resume_a_path_to_a_run_or_to_a_save(tmp_path: Path) -> None:
     )  # e.g. other ranks or stage
     with pytest.raises(ConfigError, match=r"^resume=.*allowed: false, true, a run directory"):
         resolve_resume(tiny_config(resume=str(tmp_path / "nothing")), here)
+
+
+def test_resume_true_finds_the_run_whatever_its_stability_settings(tmp_path: Path) -> None:
+    """A spike policy, or a data window to skip on resume (Megatron's --iterations-to-skip), does not make
+    another run: resume=true with them continues the run saved without them."""
+    day = tmp_path / "runs" / "day"
+    fake_run(day / "t0", tiny_config(), (4,))
+    new_dir = day / "t1"
+    new_dir.mkdir()
+    resumed = tiny_config(resume="true", stability__skip_steps=[5], stability__spike__action="log")
+    assert resolve_resume(resumed, new_dir) == (str(day / "t0" / "checkpoints" / "step_00000004"), day / "t0")
