@@ -1,6 +1,7 @@
 """What telemetry costs: the same job with telemetry on and off, side by side in one run.
 
-    python benchmarks/telemetry_overhead.py [--rounds 16] [--steps 200] [--parts | --traces] [--alternate] [extra overrides]
+    python benchmarks/telemetry_overhead.py [--rounds 16] [--steps 200] [--parts | --traces | --layer-norms]
+                                            [--alternate] [extra overrides]
 
 on:     the defaults: per-rank memory (host RSS every log step, tensor-level tracking on the
         steps `telemetry.memory_every` chooses), MFU, and a W&B run (offline) that the job
@@ -11,6 +12,8 @@ off:    telemetry.enabled=false logger=none: loss, lr, grad norm, throughput and
 --traces compares tracing off (`on`, the defaults: no profiler is made) with `traced`: the same job with
         `telemetry.trace_steps=[steps/2]` on every rank (trainer/telemetry/traces.py), each rank profiling
         one step and writing its chrome trace; and measures a traced step's extra seconds.
+--layer-norms compares `on` (the defaults: each layer's gradient and parameter norm every log step,
+        trainer/telemetry/layer_norms.py) with `norms_off`: the same job with telemetry.layer_norms=false.
 
 Every arm trains the default job (tiny model, CPU ranks) with the same seed. By default the
 arms of a round run at the same time, each pinned to its own share of the cores with one rank
@@ -55,6 +58,7 @@ ARMS = {
     "on": ("logger=wandb",),
     "off": ("telemetry.enabled=false", "logger=none"),
     "traced": ("logger=wandb",),  # and which step and ranks it traces: start_job
+    "norms_off": ("logger=wandb", "telemetry.layer_norms=false"),
 }
 
 
@@ -141,6 +145,11 @@ def main() -> int:
         help="tracing off (arm on) against one traced step (arm traced) instead",
     )
     parser.add_argument(
+        "--layer-norms",
+        action="store_true",
+        help="the defaults (arm on) against telemetry.layer_norms=false (arm norms_off) instead",
+    )
+    parser.add_argument(
         "--alternate", action="store_true", help="arms one after another on every core, not side by side"
     )
     parser.add_argument(
@@ -150,7 +159,13 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["WANDB_SILENT"] = "true"
     arms = (
-        ["off", "ranks", "wandb", "on"] if args.parts else ["on", "traced"] if args.traces else ["on", "off"]
+        ["off", "ranks", "wandb", "on"]
+        if args.parts
+        else ["on", "traced"]
+        if args.traces
+        else ["on", "norms_off"]
+        if args.layer_norms
+        else ["on", "off"]
     )
     results: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for round_index in range(args.rounds):
@@ -162,6 +177,13 @@ def main() -> int:
         report(results, args.budget_pct, baseline="on", subject="traced")
         report_traced_step(args.extra)
         return 0
+    if args.layer_norms:  # the verdict: the per-layer norms' cost against the budget
+        code = report(results, args.budget_pct, baseline="norms_off", subject="on")
+        norms_s, window_s = layer_norms_cost_s(), 10 * tracked_step_extra_s(args.extra)[2]
+        print(
+            f"\nper-layer norms, per log window: {norms_s * 1e6:.0f} us, {100 * norms_s / window_s:.4f}% of a window"
+        )
+        return code
     code = report(results, args.budget_pct)
     report_components(args.extra)
     return code
@@ -341,6 +363,39 @@ def report_traced_step(extra: list[str]) -> None:
           f"{trace_mib:.1f} MiB of traces a step |")  # fmt: skip
 
 
+def layer_norms_cost_s() -> float:
+    """Seconds one log step spends on telemetry.layer_norms (trainer/telemetry/layer_norms.py) in the default
+    job's model: the gradients' and parameters' squared sums per layer and the one all-reduce (a 1-rank gloo
+    group in this process, the vector weighed as 2 DDP ranks weigh it)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import TrainConfig
+    from trainer.model.decoder import build_model, init_weights
+    from trainer.telemetry.layer_norms import LayerNorms
+
+    config = TrainConfig()
+    model = build_model(config.model, device="cpu")
+    init_weights(model, seed=0)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    norms = LayerNorms(config.model, world_size=2, pp=1, device=torch.device("cpu"))
+    norms.world_size = 1  # the all-reduce over this process's group of one
+    start = time.perf_counter()
+    for _ in range(100):
+        norms.fields(norms.reduce(norms.squares(model, grads=True), model))
+    spent = (time.perf_counter() - start) / 100
+    dist.destroy_process_group()
+    return spent
+
+
 def report_components(extra: list[str]) -> None:
     probe_s = probe_cost_s()
     extra_s, profiled_s, plain_s = tracked_step_extra_s(extra)
@@ -352,6 +407,10 @@ def report_components(extra: list[str]) -> None:
     comm_s = comm_read_cost_s()
     print(
         f"| flight-recorder read (communication bytes), per log window | {comm_s * 1e6:.0f} us | {100 * comm_s / window_s:.4f}% |"
+    )
+    norms_s = layer_norms_cost_s()
+    print(
+        f"| per-layer gradient and parameter norms (telemetry.layer_norms), per log window | {norms_s * 1e6:.0f} us | {100 * norms_s / window_s:.4f}% |"
     )
     print(f"| communication-profiled step (step 3, then every 500) | +{profiled_s:.3f} s on a {plain_s:.3f} s step | "
           f"{100 * profiled_s / (500 * plain_s):.2f}% per 500 steps; in the warm-up of runs under 503 steps |")  # fmt: skip

@@ -176,6 +176,7 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (TP, "precision=fp8"): ("precision=fp8",),
     (PP, "offload=cpu"): ("zero=stage3", "offload=cpu"),
     (PP, "loss=chunked"): ("loss=chunked",),
+    (PP, "loss.z_loss"): ("loss.z_loss=1e-4",),
     (PP, "zero=stage1"): ("zero=stage1",),
     (PP, "zero.shard_ranks"): ("nproc=4", "zero=stage3", "zero.reduce_every=step", "zero.shard_ranks=1"),
     (PP, "zero.hpz_ranks"): ("nproc=8", "zero=stage3", "zero.reduce_every=step", "zero.hpz_ranks=2"),

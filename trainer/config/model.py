@@ -157,6 +157,10 @@ class LossConfig:
     """full: all logits at once (fp32 B x T x V); chunked: chunk_tokens at a time, each recomputed in backward."""
     chunk_tokens: int = 1024
     """chunked only: tokens (of micro_batch x seq_len) per chunk of the output projection and loss."""
+    z_loss: float = 0.0
+    """The z-loss's weight: z_loss * mean over the tokens of logsumexp(logits)^2, added to the training loss and
+    logged apart (`loss/z_loss`); 0: off (PaLM's 1e-4, OLMo-core's 1e-5; docs/stability.md, "z-loss")."""
 
     def __post_init__(self) -> None:
         _require(self.chunk_tokens >= 1, f"loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        _require(self.z_loss >= 0, f"loss.z_loss must be >= 0, got {self.z_loss}")

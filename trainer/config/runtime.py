@@ -72,6 +72,9 @@ class TelemetryConfig:
 
     enabled: bool = True
     """false: no memory figures and no MFU, only loss, lr, grad norm, throughput and the loss scale."""
+    layer_norms: bool = True
+    """Every log step, each layer's gradient and parameter L2 norm over the whole model (`grad_norm/<layer>`,
+    `param_norm/<layer>`: trainer/telemetry/layer_norms.py, docs/stability.md); false: none."""
     memory_every: int = 500
     """CPU: tensor-level memory tracking (torch's MemTracker, several times slower than a plain step)
     runs on the run's second step and then every this many steps; 0: that step only. GPU counters

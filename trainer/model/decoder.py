@@ -196,6 +196,7 @@ class Transformer(nn.Module):
         # `model.to(bfloat16)`, and be broadcast by DDP (broadcast_buffers) on every forward.
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_chunk_tokens = 1024  # tokens per chunk when forward is given targets (apply_loss_choice)
+        self.loss_z_weight = 0.0  # loss.z_loss, when forward is given targets (apply_loss_choice)
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
@@ -215,13 +216,16 @@ class Transformer(nn.Module):
         documents_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits in the compute dtype, for the caller to take the loss in fp32; or, given
-        `targets_BT`, the mean loss by chunks (`loss_chunk_tokens`, trainer/model/loss.py), inside
+        `targets_BT`, the mean loss by chunks (`loss_chunk_tokens`, trainer/model/loss.py; with the z-loss
+        beside it when `loss_z_weight` > 0), inside
         forward so that FSDP2's root hooks see the output head's use. `documents_BT` (data.packing=
         document): each token's document; a token attends only to earlier tokens of its own."""
         hidden_BTD = self.hidden(tokens_BT, documents_BT)
         if targets_BT is None:
             return self.output(hidden_BTD)
-        return chunked_cross_entropy(hidden_BTD, self.output.weight, targets_BT, self.loss_chunk_tokens)
+        return chunked_cross_entropy(
+            hidden_BTD, self.output.weight, targets_BT, self.loss_chunk_tokens, self.loss_z_weight
+        )
 
     def hidden(self, tokens_BT: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, what the output head projects."""
@@ -261,8 +265,9 @@ def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
 
 
 def apply_loss_choice(model: Transformer, loss: LossConfig) -> None:
-    """Give the model the run's chunk size (loss=chunked: the loop passes targets to forward)."""
+    """Give the model the run's chunk size and z-loss weight (loss=chunked: the loop passes targets to forward)."""
     model.loss_chunk_tokens = loss.chunk_tokens
+    model.loss_z_weight = loss.z_loss
 
 
 def build_model(config: ModelConfig, device: str | torch.device = "meta") -> Transformer:

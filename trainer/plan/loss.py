@@ -6,16 +6,33 @@ from __future__ import annotations
 from trainer.plan.moments import Moment, StepContext
 from trainer.plan.tp_walk import parallel_loss_backward_temporary, parallel_loss_temporary
 
+Z_LOSS_FORWARD_BYTES = 21
+"""loss.z_loss > 0 (trainer/model/loss.py `cross_entropy_and_z_sums`), per token, as log_softmax is written: the
+row and target indices the logits are indexed by (int64 each, kept for the index's backward), the
+indexed logits (fp32) and the mask of the targets that count (bool)."""
+Z_LOSS_BACKWARD_BYTES = 20
+"""loss.z_loss > 0, per token, through log_softmax's backward: the two int64 indices and the indexed logits'
+fp32 gradient, waiting for the index's backward, which autograd runs after log_softmax's (measured: the
+default job's peak, fp32 or bf16, stage0 or stage3, grew by 20 bytes a token and 12, its scalars)."""
+
+
+def z_loss_bytes(ctx: StepContext, per_token: int, tokens: int | None = None) -> int:
+    """What the z-loss adds to a moment of the loss, `per_token` bytes for each of `tokens` (the step's)."""
+    if ctx.config.loss.z_loss <= 0:
+        return 0
+    return per_token * (ctx.tokens if tokens is None else tokens)
+
 
 def loss_forward_temporary(ctx: StepContext) -> int:
     """Logits, their fp32 copy (`logits.float()`, none in fp32) and the log-softmax being written."""
     nv = ctx.tokens * ctx.config.model.vocab_size
-    return 4 * nv if ctx.prec.regime == "fp32" else 2 * nv + 4 * nv
+    z = z_loss_bytes(ctx, Z_LOSS_FORWARD_BYTES)
+    return z + (4 * nv if ctx.prec.regime == "fp32" else 2 * nv + 4 * nv)
 
 
 def loss_backward_temporary(ctx: StepContext) -> int:
     """log_softmax's backward: the incoming gradient and the outgoing one, both fp32 B·T·V."""
-    return 8 * ctx.tokens * ctx.config.model.vocab_size
+    return 8 * ctx.tokens * ctx.config.model.vocab_size + z_loss_bytes(ctx, Z_LOSS_BACKWARD_BYTES)
 
 
 def full_loss_temporaries(ctx: StepContext) -> tuple[int, int]:
@@ -42,7 +59,7 @@ def chunked_loss_moments(
     k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
     r = n - (k - 1) * c
     held = (weight_grad if k > 1 else 0) + res * (n - c) * D  # before chunk 0 (run last): the most
-    logits = (8 if prec.regime == "fp32" else 10) * c * V
+    logits = (8 if prec.regime == "fp32" else 10) * c * V + z_loss_bytes(ctx, Z_LOSS_FORWARD_BYTES, c)
     chunk_head = prec.compute * c * (V + D) + weight_grad
     # The additions: the second chunk run (its own input gradient still in the compute dtype), and chunk 0.
     added = [3 * weight_grad + res * r * D + prec.compute * c * D] if k > 1 else [0]
@@ -52,7 +69,11 @@ def chunked_loss_moments(
     return [
         ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
         ctx.moment("backward: loss recompute", activations=acts.total, temporary=back + held + logits),
-        ctx.moment("backward: loss", activations=acts.total, temporary=back + held + 12 * c * V),
+        ctx.moment(
+            "backward: loss",
+            activations=acts.total,
+            temporary=back + held + 12 * c * V + z_loss_bytes(ctx, Z_LOSS_BACKWARD_BYTES, c),
+        ),
         ctx.moment("backward: output head", activations=acts.total, temporary=back + held + chunk_head),
         ctx.moment("backward: head gradient added", activations=acts.total, temporary=back + max(added)),
         ctx.moment(

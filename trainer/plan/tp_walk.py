@@ -90,13 +90,22 @@ def parallel_loss_temporary(ctx: StepContext) -> int:
     beside the logits (and, under autocast, their fp32 cast `logits.float()`); the result is the saved
     log-softmax in the activations."""
     nv = ctx.tokens * ctx.config.model.vocab_size
-    return (4 * nv if ctx.prec.regime == "fp32" else 6 * nv) + 4 * nv
+    return (4 * nv if ctx.prec.regime == "fp32" else 6 * nv) + 4 * nv + parallel_z_loss_temporary(ctx)
 
 
 def parallel_loss_backward_temporary(ctx: StepContext) -> int:
     """loss_parallel's backward (`_nll_loss_and_log_softmax_backward`): `grad_input = zeros_like(x)`, then
     `(grad_input + exp(x)) * grad_output`: three fp32 B·T·V/tp tensors at once, and the target's bookkeeping."""
-    return 3 * 4 * ctx.tokens * ctx.config.model.vocab_size + LOSS_PARALLEL_TARGET_BYTES * ctx.tokens + 4
+    nv = ctx.tokens * ctx.config.model.vocab_size
+    return 3 * 4 * nv + LOSS_PARALLEL_TARGET_BYTES * ctx.tokens + 4 + parallel_z_loss_temporary(ctx)
+
+
+def parallel_z_loss_temporary(ctx: StepContext) -> int:
+    """loss.z_loss > 0 (trainer/model/loss.py `sharded_squared_logsumexp_sum`): its exponentials, fp32
+    B·T·V/tp, written beside the shifted logits and the saved log-softmax, then kept for exp's backward,
+    whose output the logits' gradient holds while loss_parallel's backward runs (measured: tp=2 on the
+    default job, fp32 stage0, the peak grew by exactly these bytes and 12)."""
+    return 4 * ctx.tokens * ctx.config.model.vocab_size if ctx.config.loss.z_loss > 0 else 0
 
 
 def sequence_gather_temporary(ctx: StepContext) -> int:

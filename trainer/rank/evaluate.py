@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainer.config import TrainConfig
 from trainer.data import to_device
+from trainer.model.loss import LossTerms
 from trainer.rank.pipeline import Pipeline, pipeline_evaluate
 from trainer.rank.precision import build_autocast
 from trainer.rank.tensor_parallel import local_loss, loss_context
@@ -34,7 +35,7 @@ def evaluates_now(config: TrainConfig, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == config.steps)
 
 
-LossFn = Callable[[torch.nn.Module, list[torch.Tensor], TrainConfig], torch.Tensor]
+LossFn = Callable[[torch.nn.Module, list[torch.Tensor], TrainConfig], LossTerms]
 
 
 def evaluate(
@@ -60,7 +61,8 @@ def evaluate(
         loss_context(config.parallel.tp),  # vocabulary-sharded logits under TP, as in training's loss
     ):
         for batch in batches:
-            loss = compute_loss(model, [to_device(t, world.device) for t in batch], config)
+            # The held-out loss is the cross-entropy alone, as loss/train is (the z-loss is logged apart).
+            loss = compute_loss(model, [to_device(t, world.device) for t in batch], config).cross_entropy
             total += local_loss(loss).double()
     if world.world_size > 1:
         dist.all_reduce(total)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.amp import GradScaler
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -21,6 +20,7 @@ from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
 from trainer.layout import Layout
 from trainer.model.decoder import build_model, flops_per_token
+from trainer.model.loss import LossTerms, full_loss
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.mesh import build_mesh
@@ -53,6 +53,7 @@ from trainer.rank.trainee import Trainee
 from trainer.saves.background import Saves
 from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
 from trainer.saves.resume import resume_training
+from trainer.telemetry.layer_norms import LayerNorms
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepStats
 from trainer.telemetry.snapshot import Snapshots
@@ -169,7 +170,8 @@ def train(
                 traces.record(step),  # outermost: a step the comm probe profiles too gets one profiler
                 meter.measure(step, trainee.model, trainee.optimizer),  # tensor-level memory, on chosen steps
             ):
-                stats = train_step(trainee, batches, config, world, step, guard, stop)
+                norms = meter.layer_norms if meter.should_log(step) else None  # telemetry.layer_norms
+                stats = train_step(trainee, batches, config, world, step, guard, stop, norms)
             trained = True
             if spikes is not None and spikes.rollback_at == step:  # every rank: they agreed
                 roll_back(spikes, trainee, spec, step, saves)
@@ -216,17 +218,21 @@ def train_step(
     step: int,
     guard: NonFiniteGuard,
     stop: RankStop | None = None,
+    norms: LayerNorms | None = None,
 ) -> StepStats:
-    """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite)."""
+    """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite);
+    with `norms`, each layer's gradient and parameter norm too (trainer/telemetry/layer_norms.py)."""
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
     if trainee.pipeline is not None:
         loss_sum, data_s = pipeline_forward_backward(trainee.pipeline, batches, config, world)
+        z_sum = None  # parallel.pp x loss.z_loss is refused (trainer/config/composition.py)
     else:
-        loss_sum, data_s = accumulate(trainee, batches, config, world, step)
+        loss_sum, z_sum, data_s = accumulate(trainee, batches, config, world, step)
     mark_phase(step, "optimizer")
     scaler.unscale_(optimizer)  # clipping must see true gradients
+    grad_squares = None if norms is None else norms.squares(model, grads=True)  # before clipping
     stages = None if trainee.pipeline is None else trainee.pipeline.group
     grad_norm = clip_gradients(model, config.optim.grad_clip, stages)
     # Every rank agrees (one all-reduce) before stepping: on non-finite values, and on stopping after
@@ -244,6 +250,8 @@ def train_step(
     trainee.scheduler.step()
     return StepStats(
         loss=loss_sum / config.grad_accum,
+        z_loss=None if z_sum is None else z_sum / config.grad_accum,
+        layer_norms=None if grad_squares is None else norms.reduce(grad_squares, model),
         grad_norm=grad_norm.detach(),
         lr=trainee.scheduler.get_last_lr()[0],
         loss_scale=loss_scale(scaler),
@@ -255,10 +263,12 @@ def train_step(
 
 def accumulate(
     trainee: Trainee, batches: Batches, config: TrainConfig, world: World, step: int
-) -> tuple[torch.Tensor, float]:
-    """The step's grad_accum forwards and backwards on this rank: the summed loss and the data time."""
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """The step's grad_accum forwards and backwards on this rank: the summed loss (the cross-entropy), the
+    summed z-loss (loss.z_loss > 0, else None) and the data time."""
     model, scaler = trainee.model, trainee.scaler
     loss_sum = torch.zeros((), device=world.device)
+    z_sum = torch.zeros((), device=world.device) if config.loss.z_loss > 0 else None
     data_s = 0.0
     for micro in range(config.grad_accum):
         if micro > 0:
@@ -284,26 +294,31 @@ def accumulate(
             loss_context(config.parallel.tp),  # vocabulary-sharded logits: forward and backward
         ):
             mark_phase(step, "forward", micro)  # where an out-of-memory failure is reported to have happened
-            loss = inject_fault(compute_loss(model, batch, config), config.fault, world, step, is_last)
+            terms = compute_loss(model, batch, config)
+            loss = inject_fault(terms.cross_entropy, config.fault, world, step, is_last)
             loss_sum += local_loss(loss).detach()
+            if terms.z_loss is not None and z_sum is not None:  # the objective adds it; logged apart
+                z_sum += local_loss(terms.z_loss).detach()
+                loss = loss + terms.z_loss
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
-    return loss_sum, data_s
+    return loss_sum, z_sum, data_s
 
 
-def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: TrainConfig) -> torch.Tensor:
+def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: TrainConfig) -> LossTerms:
     """loss=full: the logits, then their loss; loss=chunked: the model takes the targets and returns the
     loss by chunks (trainer/model/loss.py), so that the whole logits never exist. A third tensor of
-    the batch is each token's document (data.packing=document: block-causal attention)."""
+    the batch is each token's document (data.packing=document: block-causal attention). The z-loss
+    (loss.z_loss > 0) comes beside the cross-entropy, from the same logits."""
     inputs, targets, *documents = batch
     if config.loss.kind == LossKind.chunked:
-        return model(inputs, targets, *documents)
-    return cross_entropy(model(inputs, None, *documents), targets)
+        return LossTerms.of_chunked(model(inputs, targets, *documents), config.loss.z_loss)
+    return full_loss(model(inputs, None, *documents), targets, config.loss.z_loss)
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+    """Mean next-token loss, computed in fp32 whatever the compute dtype (the pipeline's loss_fn)."""
+    return full_loss(logits_BTV, targets_BT).cross_entropy
 
 
 def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:

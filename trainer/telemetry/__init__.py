@@ -5,6 +5,8 @@
 - memory.py: one rank's peak memory (MemTracker / RSS on CPU, allocator counters on GPU) (rank);
 - snapshot.py: `memory.snapshot`, the CUDA allocator's history dumped on OOM or named steps (rank);
 - comm.py: the communication a rank measured from c10d's flight recorder (rank);
+- layer_norms.py: `telemetry.layer_norms`, each layer's gradient and parameter norm over the whole model,
+  in one all-reduce a log step (rank);
 - traces.py: `telemetry.trace_steps`, torch.profiler's chrome trace of chosen steps on chosen ranks (rank),
   and the traces and memory snapshots a run's W&B artifacts and the sweep report list (job process);
 - creep.py: memory that creeps, the per-window peak growing beyond the plan's steady state (job process);

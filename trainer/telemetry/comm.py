@@ -99,6 +99,7 @@ LOOP_COLLECTIVES = {
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
     "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
+    "per-layer norms": "all_reduce of 2 x layers float64, on log steps (telemetry.layer_norms, trainer/telemetry/layer_norms.py)",
 }
 """The collectives the training loop issues besides ZeRO's, which the plan leaves out (the pipeline's loss and
 norm all-reduces over its pp group it plans: trainer/plan/comm.py `PIPELINE_MOVES`)."""

@@ -45,6 +45,14 @@ LOSS_VAL = "loss/val"
 """The held-out loss, on eval steps (eval.every, trainer/rank/evaluate.py)."""
 PERPLEXITY_VAL = "loss/val_perplexity"
 """exp(loss/val)."""
+Z_LOSS = "loss/z_loss"
+"""loss.z_loss > 0: the z-loss the objective adds, its weight included (trainer/model/loss.py), mean over ranks
+like loss/train, which stays the cross-entropy alone; absent when off."""
+LAYER_GRAD_NORM_PREFIX = "grad_norm/"
+"""telemetry.layer_norms: `grad_norm/<layer>`, a layer's gradient L2 norm over the whole model, before clipping
+(trainer/telemetry/layer_norms.py); the layers' squares add up to optim/grad_norm's."""
+LAYER_PARAM_NORM_PREFIX = "param_norm/"
+"""telemetry.layer_norms: `param_norm/<layer>`, a layer's parameter L2 norm after the step."""
 NONFINITE_SKIPPED = "train/nonfinite_skipped"
 """Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py)."""
 LOSS_SPIKES = "stability/loss_spikes"
@@ -139,6 +147,16 @@ def pp_rank_idle_key(rank: int) -> str:
 def pp_sent_key(stage: int) -> str:
     """`comm/pp/stage{i}/sent_bytes_per_step`: the bytes the rank at pipeline position i sent per step."""
     return f"comm/pp/stage{stage}/sent_bytes_per_step"
+
+
+def layer_grad_norm_key(layer: str) -> str:
+    """`grad_norm/<layer>` (LAYER_GRAD_NORM_PREFIX)."""
+    return LAYER_GRAD_NORM_PREFIX + layer
+
+
+def layer_param_norm_key(layer: str) -> str:
+    """`param_norm/<layer>` (LAYER_PARAM_NORM_PREFIX)."""
+    return LAYER_PARAM_NORM_PREFIX + layer
 
 
 """Every per-rank communication key starts so (`comm/rank{r}/...`)."""

@@ -24,12 +24,23 @@ from trainer.rank.trainee import local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.comm import CommProbe, comm_fields, group_names
+from trainer.telemetry.layer_norms import LayerNorms
 from trainer.telemetry.memory import COUNT_FIELDS, TENSOR_CATEGORIES, MemoryProbe
 from trainer.telemetry.summary import comm_error
 from trainer.units import GIB
 from trainer.world import World
 
-BASE_FIELDS = ("loss", "window_s", "data_s", "params", "grads", "optimizer", "loss_scale", "skipped_steps")
+BASE_FIELDS = (
+    "loss",
+    "window_s",
+    "data_s",
+    "params",
+    "grads",
+    "optimizer",
+    "loss_scale",
+    "skipped_steps",
+    "z_loss",
+)
 PIPELINE_FIELDS = ("pp_idle_share", "pp_sent_bytes_per_step")
 """Under parallel.pp > 1, after BASE_FIELDS: what the rank's StageClock read (trainer/rank/pipeline.py)."""
 """The first columns of every rank's gathered row, in this order; with telemetry on, the memory
@@ -55,6 +66,11 @@ class StepStats:
     data_s: float
     nonfinite_skipped: int = 0
     """Cumulative steps skipped by nonfinite=skip (trainer/rank/nonfinite.py), the same on every rank."""
+    z_loss: torch.Tensor | None = None
+    """loss.z_loss > 0: the step's mean z-loss on this rank (a device scalar, read at log steps)."""
+    layer_norms: torch.Tensor | None = None
+    """Log steps (telemetry.layer_norms): every layer's gradient and parameter norm, the same on every rank
+    (trainer/telemetry/layer_norms.py `LayerNorms.reduce`; a device vector, read at the log)."""
 
 
 class Meter:
@@ -139,6 +155,12 @@ class Meter:
             if self.predicted_peak_gib is not None and world.device.type == "cuda"
             else None
         )
+        self.layer_norms = (
+            LayerNorms(config.model, world.world_size, config.parallel.pp, world.device)
+            if telemetry.layer_norms
+            else None
+        )
+        """telemetry.layer_norms: what train_step is given on log steps (the loop's `should_log`)."""
         self.pipeline: Any = None
         """parallel.pp > 1: the rank's StageClock (trainer/rank/pipeline.py), read at each log (`read(steps)`)."""
         self._open_window()
@@ -203,6 +225,7 @@ class Meter:
             optimizer=optimizer_state,
             loss_scale=self.last.loss_scale,
             skipped_steps=self.skipped_steps,
+            z_loss=float("nan") if self.last.z_loss is None else self.last.z_loss.item(),
         )
         row = [fields[name] for name in BASE_FIELDS]
         if self.pipeline is not None:
@@ -226,6 +249,10 @@ class Meter:
             keys.NONFINITE_SKIPPED: self.last.nonfinite_skipped,
             **self.throughput_fields(per_rank),
         }
+        if self.last.z_loss is not None:
+            record[keys.Z_LOSS] = columns(per_rank, "z_loss")[:, 0].mean().item()
+        if self.last.layer_norms is not None and self.layer_norms is not None:
+            record.update(self.layer_norms.fields(self.last.layer_norms))
         for rank, (params, grads, optimizer) in enumerate(
             columns(per_rank, "params", "grads", "optimizer").tolist()
         ):
