@@ -1,15 +1,38 @@
 """precision=fp8 on 2 CPU ranks (torchao's emulated Float8Linear): every rank's measured peak against the plan's,
 within 0.5%, and the plan at or under it by less than 0.05% at stages 0-1 and 0.2% at stages 2-3, at zero stages
-0-3, both recipes (tensorwise, rowwise), checkpointing none and full (one sweep of 16 tiny jobs shared by the
-file, tests/helpers.py plan_sweep)."""
+0-3, both recipes (tensorwise, rowwise), checkpointing none and full.
+
+The 16 configurations are tests/helpers.py plan_sweep's points (tiny 3-step jobs on a token file, steps 2 and 3
+tracked), composed from the same overrides; one 2-rank process group trains them in turn, as a job's ranks
+would (a fresh trainee each, step 1 untracked, steps 2 and 3 each under the MemoryProbe a job's Meter uses), so
+the grid costs one process group where the sweep started a job, a fork server and two ranks per point. Each
+point is read back as plan_sweep gives it: the plan.json its job would write, and its records of steps 2 and 3.
+"""
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+import torch.multiprocessing as mp
 
-from tests.helpers import assert_plan_holds_peaks, plan_sweep
+from tests.helpers import (
+    TINY,
+    assert_plan_holds_peaks,
+    compose_config,
+    free_port,
+    freeze_imports,
+    torchrun_env,
+)
+from trainer.config import TrainConfig
+from trainer.plan import build_plan
+from trainer.units import GIB
 
 pytest.importorskip("torchao")
 PLAN_BOUND = 0.005
@@ -22,20 +45,92 @@ POINTS = [
     for recipe in ("tensorwise", "rowwise")
     for mode in ("none", "full")
 ]
+WORLD = 2
+TRACKED = (
+    2,
+    3,
+)  # plan_sweep's: Adam's state exists from step 2, and the lower of two identical steps is held
+
+
+def point_config(tokens: Path, stage: str, recipe: str, mode: str) -> TrainConfig:
+    """The TrainConfig plan_sweep's point runs: its overrides, then this point's."""
+    return compose_config(
+        *TINY,
+        "save=off",
+        "steps=3",
+        "telemetry.memory_every=0",
+        "memory.snapshot=steps",
+        "memory.snapshot_steps=[3]",
+        "data=tokens",
+        f"data.path={tokens}",
+        "nproc=2",
+        "precision=fp8",
+        f"zero={stage}",
+        f"precision.fp8_recipe={recipe}",
+        f"checkpointing={mode}",
+    )
+
+
+def tracked_peaks(config: TrainConfig, world: Any) -> list[float]:
+    """This rank's peak tensor bytes in each TRACKED step, trained as a job's rank trains (trainer/rank/loop.py
+    `train`: seeded, the trainee, its data-parallel rank's batches, train_step)."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.telemetry.memory import MemoryProbe
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    train_step(trainee, batches, config, world, 1, guard)
+    peaks = []
+    for step in TRACKED:
+        probe = MemoryProbe(world.device, memory_every=0, last_step=step)  # tracks this step alone
+        with probe.measure(step, trainee.model, trainee.optimizer):
+            train_step(trainee, batches, config, world, step, guard)
+        peaks.append(probe.read()[probe.fields.index("peak_allocated")])
+    del trainee
+    gc.collect()
+    return peaks
+
+
+def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
+    os.environ.update(torchrun_env(rank, WORLD, port))
+    from trainer.world import init_world, shutdown_world
+
+    world = init_world("cpu")
+    torch.set_num_threads(1)
+    freeze_imports()
+    peaks = {name: tracked_peaks(config, world) for name, config in configs.items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
+    shutdown_world()
 
 
 @pytest.fixture(scope="module")
 def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict[str, Any]]:
-    """(zero, precision.fp8_recipe, checkpointing) -> the job's plan.json and last metrics record."""
-    return plan_sweep(
-        tmp_path_factory.mktemp("fp8_plan"),
-        ("zero", "precision.fp8_recipe", "checkpointing"),
-        "nproc=2",
-        "precision=fp8",
-        f"zero={','.join(STAGES)}",
-        "precision.fp8_recipe=tensorwise,rowwise",
-        "checkpointing=none,full",
-    )
+    """(zero, precision.fp8_recipe, checkpointing) -> the plan.json its job writes (trainer/job.py plan_job)
+    and its records of steps 2 and 3, each rank's `memory/rank{r}/peak_allocated_gib`."""
+    out = tmp_path_factory.mktemp("fp8_plan")
+    tokens = out / "tokens.npy"  # plan_sweep's token file
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
+    configs = {" ".join(point): point_config(tokens, *point) for point in POINTS}
+    mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
+    peaks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {
+        point: {
+            "plan": build_plan(configs[" ".join(point)], "cpu", WORLD).to_json(),
+            "records": [
+                {"step": step}
+                | {
+                    f"memory/rank{r}/peak_allocated_gib": peaks[r][" ".join(point)][i] / GIB
+                    for r in range(WORLD)
+                }
+                for i, step in enumerate(TRACKED)
+            ],
+        }
+        for point in POINTS
+    }
 
 
 @pytest.mark.parametrize(("stage", "recipe", "mode"), POINTS)
