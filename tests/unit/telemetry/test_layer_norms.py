@@ -64,3 +64,34 @@ def test_one_rank_norms_are_the_tensors_own(process_group: None) -> None:
         assert abs(value - math.sqrt(squares[key])) <= 1e-6, key
     grads = [logged[keys.layer_grad_norm_key(n)] for n in norms.layers]
     assert sum(g * g for g in grads) == pytest.approx(grad_norm**2, rel=1e-6)
+
+
+class DTensor:
+    """Just what LayerNorms.local_piece reads of a DTensor (named so, as it tells one by its type's name): a
+    2 x 2 mesh of 4 ranks, as FSDP2 over 2 data-parallel ranks lays out a tensor-parallel model's weights."""
+
+    def __init__(self, *placements: object) -> None:
+        self.placements = placements
+        self.device_mesh = type("Mesh", (), {"size": lambda self, dim: 2})()
+
+    def to_local(self) -> str:
+        return "the local piece"
+
+
+def test_every_placement_but_replicate_cuts_the_tensor() -> None:
+    """The weight of a piece in the ranks' sum: (product of the cutting dims' sizes) / the stage's ranks. FSDP2's
+    _StridedShard (dp over a TP-sharded dim) says is_shard() False; counted as not cutting, a tp=2 x dp=2
+    stage3 job's norms came out 1/sqrt(2) of the whole's."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    norms = LayerNorms(tiny_config().model, world_size=4, pp=1, device=WORLD.device)
+    strided = _StridedShard(0, split_factor=2)
+    assert norms.local_piece(DTensor(strided, Shard(0))) == (
+        "the local piece",
+        1.0,
+    )  # a column-parallel weight
+    assert norms.local_piece(DTensor(Shard(0), Replicate())) == (
+        "the local piece",
+        0.5,
+    )  # a norm's, without SP
+    assert norms.local_piece(DTensor(Shard(0), Shard(1))) == ("the local piece", 1.0)  # a row-parallel weight
