@@ -4,8 +4,9 @@
 One 2-rank process group runs every configuration in turn (a fresh trainee each; step 1, of one micro-batch,
 untracked; step 2 under the same MemoryProbe the Meter uses, as `telemetry.memory_every=0` does in a job, and
 below 4 x 128 tokens later steps too, until every rank has measured the plan's peak once: tracked_steps),
-so the whole grid costs one process group. Each rank writes every tracked step's peak to a JSON file the
-tests read.
+so the whole grid costs one process group. The same process group then trains each loss-parity case, 8
+steps as a job's rank would (train_losses), its config composed from the job's own overrides. Each rank
+writes every tracked step's peak and every parity step's loss to a JSON file the tests read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.helpers import TINY, Run, free_port, freeze_imports, run_trainer, sweep_runs, torchrun_env
+from tests.helpers import TINY, compose_config, free_port, freeze_imports, run_trainer, torchrun_env
 from trainer.config import (
     DeviceKind,
     DType,
@@ -200,7 +201,27 @@ def every_rank_escaped(lowest: float, planned: int) -> bool:
     return bool(escaped.item())
 
 
-def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
+def train_losses(config: TrainConfig, world: Any) -> list[float]:
+    """This rank's loss of each of config.steps steps, trained as a job's rank trains (trainer/rank/loop.py
+    `train`: seeded, then the trainee, its data-parallel rank's batches and train_step, step by step)."""
+    from trainer.data import build_batches
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    batches = build_batches(config, world.rank, world.world_size, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    losses = [
+        train_step(trainee, batches, config, world, step, guard).loss.item()
+        for step in range(1, config.steps + 1)
+    ]
+    del trainee
+    gc.collect()
+    return losses
+
+
+def worker(rank: int, port: int, out_dir: str, cases: list[tuple], parity: dict[str, TrainConfig]) -> None:
     os.environ.update(torchrun_env(rank, WORLD, port))
     from trainer.world import init_world, shutdown_world
 
@@ -208,15 +229,24 @@ def worker(rank: int, port: int, out_dir: str, cases: list[tuple]) -> None:
     torch.set_num_threads(1)
     freeze_imports()
     peaks = {key(case): measure_peaks(make_config(*case), world) for case in cases}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
+    losses = {name: train_losses(config, world) for name, config in parity.items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peaks": peaks, "losses": losses}))
     shutdown_world()
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[float]]]:
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, list[float]]]]:
+    """Each rank's figures of the one 2-rank process group that runs both grids: the peaks of every CASE
+    (measure_peaks), then the losses of every PARITY case (train_losses)."""
     out = tmp_path_factory.mktemp("accumulation")
-    mp.spawn(worker, args=(free_port(), str(out), CASES), nprocs=WORLD)
+    parity = {parity_name(*case): parity_config(*case) for case in PARITY}
+    mp.spawn(worker, args=(free_port(), str(out), CASES, parity), nprocs=WORLD)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def measured(spawned: list[dict[str, dict[str, list[float]]]]) -> list[dict[str, list[float]]]:
+    return [figures["peaks"] for figures in spawned]
 
 
 @pytest.mark.parametrize("case", CASES, ids=key)
@@ -258,45 +288,45 @@ PARITY += [
 ]  # DDP all-reducing into buckets that accumulate
 
 
+def parity_config(stage: str, every: str) -> TrainConfig:
+    """2 ranks x micro_batch 1 x grad_accum 4 (parameters kept between micro-batches where `every` says
+    "keep"): the TrainConfig `python -m trainer` composes and checks from these overrides."""
+    every, _, keep = every.partition(" ")
+    return compose_config(
+        *TINY,
+        *PARITY_STEPS,
+        "nproc=2",
+        "micro_batch=1",
+        "grad_accum=4",
+        f"zero={stage}",
+        f"zero.reduce_every={every}",
+        f"zero.reshard_after_backward={str(not keep).lower()}",
+    )
+
+
+def parity_name(stage: str, every: str) -> str:
+    return f"{stage} {every}"
+
+
 @pytest.fixture(scope="module")
-def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
-    """2 ranks x micro_batch 1 x grad_accum 4 for each PARITY case: the cartesian ones as the points of
-    two sweeps, the two that keep parameters as jobs of their own."""
-    common = (*TINY, *PARITY_STEPS, "nproc=2", "micro_batch=1", "grad_accum=4")
-    runs = {}
-    for stages, everys in (
-        (("stage2", "stage3"), ("micro_batch", "step")),
-        (("stage0", "stage1"), ("micro_batch",)),
-    ):
-        runs.update(
-            sweep_runs(
-                tmp_path_factory.mktemp("parity"),
-                *common,
-                f"zero={','.join(stages)}",
-                f"zero.reduce_every={','.join(everys)}",
-                "zero.reshard_after_backward=true",
-                by=("zero", "zero.reduce_every"),
-            )
-        )
-    for stage, every in (("stage2", "step"), ("stage3", "micro_batch")):
-        runs[(stage, f"{every} keep")] = run_trainer(
-            tmp_path_factory.mktemp("keep"),
-            *common,
-            f"zero={stage}",
-            f"zero.reduce_every={every}",
-            "zero.reshard_after_backward=false",
-        )
-    return runs
+def parity_losses(spawned: list[dict[str, dict[str, list[float]]]]) -> dict[str, list[float]]:
+    """Each PARITY case's loss per step as its job logs `loss/train`: the mean of the ranks' losses
+    (trainer/telemetry/metrics.py `build_record`)."""
+    names = spawned[0]["losses"]
+    return {
+        name: [sum(step) / WORLD for step in zip(*(figures["losses"][name] for figures in spawned))]
+        for name in names
+    }
 
 
 @pytest.mark.parametrize("stage,every", PARITY)
 def test_accumulating_4_micro_batches_on_2_ranks_is_one_rank_s_step(
-    parity_runs: dict[tuple[str, str], Run], one_rank_losses: list[float], stage: str, every: str
+    parity_losses: dict[str, list[float]], one_rank_losses: list[float], stage: str, every: str
 ) -> None:
     """Acceptance 4: 2 ranks x micro_batch 1 x grad_accum 4, either reduce_every (and with parameters
     kept between micro-batches), lose what 1 rank with micro_batch 8 loses, step by step, within 1e-5 (fp32)."""
-    run = parity_runs[(stage, every)]
-    assert len(run.losses) == len(one_rank_losses) == 8
-    for step, (got, want) in enumerate(zip(run.losses, one_rank_losses), start=1):
+    losses = parity_losses[parity_name(stage, every)]
+    assert len(losses) == len(one_rank_losses) == 8
+    for step, (got, want) in enumerate(zip(losses, one_rank_losses), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
-    assert run.losses[-1] < run.losses[0]
+    assert losses[-1] < losses[0]
