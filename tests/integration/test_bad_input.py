@@ -173,7 +173,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (TP, "zero.hpz_ranks"): ("nproc=8", "zero=stage3", "zero.hpz_ranks=2"),
     (TP, "zero.compression"): ("zero.compression=powersgd",),
     (TP, "zero.sync_every"): ("zero.sync_every=4",),
-    (TP, "precision=fp8"): ("precision=fp8",),
     (PP, "offload=cpu"): ("zero=stage3", "offload=cpu"),
     (PP, "loss=chunked"): ("loss=chunked",),
     (PP, "loss.z_loss"): ("loss.z_loss=1e-4",),

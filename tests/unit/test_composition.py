@@ -124,11 +124,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.sync_every=2",),
         "parallel.tp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.tp=1",
     ),
-    "parallel.tp x precision=fp8": (
-        TP,
-        ("precision=fp8",),
-        "parallel.tp=2 with precision=fp8 is not supported; use precision=bf16 or parallel.tp=1",
-    ),
 }
 
 

@@ -172,7 +172,6 @@ def test_every_pipeline_and_tensor_parallel_row_refuses_one_generated_pair(
         "offload=cpu",
         "loss=chunked",
         "model.tie_embeddings=true",
-        "precision=fp8",
         "zero.shard_ranks",
         "zero.reshard_after_backward=false",
         "fault.kind",

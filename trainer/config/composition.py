@@ -218,16 +218,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "local tensors",
         "use zero.sync_every=1",
     ),
-    Refusal(
-        TP,
-        "precision=fp8",
-        lambda c: c.precision.is_fp8,
-        "measured off-plan: Float8Linear under the column- and row-wise layouts trains (tp=2 fp8 losses within "
-        "2.2e-5 relative of one rank's) and its plan holds without checkpointing (+0.07%), but with "
-        "checkpointing=full it misses the peak by -12.9% at zero=stage0 (either recipe, SP on or off) and -1.8% at "
-        "stage3; torchao's fp8 tensor-parallel styles are not used",
-        "use precision=bf16",
-    ),
 )
 
 
