@@ -57,9 +57,19 @@ REPO = Path(__file__).resolve().parent.parent
 ARMS = {
     "on": ("logger=wandb",),
     "off": ("telemetry.enabled=false", "logger=none"),
+    "ranks": ("logger=none",),  # --parts: telemetry on, no W&B
+    "wandb": ("telemetry.enabled=false", "logger=wandb"),  # --parts: W&B fed, telemetry off
     "traced": ("logger=wandb",),  # and which step and ranks it traces: start_job
     "norms_off": ("logger=wandb", "telemetry.layer_norms=false"),
 }
+
+OPTION_ARMS: dict[str | None, list[str]] = {
+    None: ["on", "off"],
+    "parts": ["off", "ranks", "wandb", "on"],
+    "traces": ["on", "traced"],
+    "layer_norms": ["on", "norms_off"],
+}
+"""The arms each option runs (none given: on against off)."""
 
 
 def start_job(arm: str, steps: int, extra: list[str], cores: list[int]) -> tuple[subprocess.Popen, Path]:
@@ -158,15 +168,8 @@ def main() -> int:
     parser.add_argument("extra", nargs="*", help="overrides for every arm, e.g. model=125m")
     args = parser.parse_args()
     os.environ["WANDB_SILENT"] = "true"
-    arms = (
-        ["off", "ranks", "wandb", "on"]
-        if args.parts
-        else ["on", "traced"]
-        if args.traces
-        else ["on", "norms_off"]
-        if args.layer_norms
-        else ["on", "off"]
-    )
+    chosen = next((option for option in ("parts", "traces", "layer_norms") if getattr(args, option)), None)
+    arms = OPTION_ARMS[chosen]
     results: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for round_index in range(args.rounds):
         for arm, result in run_round(arms, round_index, args).items():

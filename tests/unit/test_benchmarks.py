@@ -160,6 +160,14 @@ def test_telemetry_overhead_verdict_is_the_exit_status() -> None:
     assert telemetry_overhead.verdict(0.010, 0.030, 2.0)[0] == 3  # spans the budget: not shown to hold
 
 
+def test_telemetry_overhead_names_every_arm_its_options_run() -> None:
+    """--parts, --traces and --layer-norms run arms that ARMS defines (--parts once named two it did not)."""
+    for option, arms in telemetry_overhead.OPTION_ARMS.items():
+        assert set(arms) <= set(telemetry_overhead.ARMS), (option, set(arms) - set(telemetry_overhead.ARMS))
+    assert telemetry_overhead.ARMS["ranks"] == ("logger=none",)
+    assert telemetry_overhead.ARMS["wandb"] == ("telemetry.enabled=false", "logger=wandb")
+
+
 def test_telemetry_overhead_over_budget_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     """A fake measurement: `on` 5% slower than `off` in every round (4 cycles of 2 rounds)."""
     off = [{"steady": 10_000.0 + 100 * i, "all_steps": 9_000.0, "cpu_s": 20.0} for i in range(8)]
