@@ -257,6 +257,14 @@ def plan_sweep(
     return out
 
 
+def layer_norms_bytes(model: ModelConfig | None = None) -> int:
+    """telemetry.layer_norms' all-reduce on a log step (trainer/telemetry/layer_norms.py): 2 x layers float64
+    over every rank, on the default group (a loop collective the plan leaves out, docs/communication.md)."""
+    from trainer.telemetry.layer_norms import layer_names
+
+    return 2 * 8 * len(layer_names(model or ModelConfig()))
+
+
 def assert_plan_holds_peaks(point: dict[str, Any], bound: float) -> None:
     """Every rank's measured peak (MemTracker's, the lower of steps 2 and 3: plan_sweep says why) within
     `bound` of the plan's, relative. A miss of the plan is in both steps and still fails."""

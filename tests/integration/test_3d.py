@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer
 from trainer.config import DataConfig, ModelConfig
 from trainer.layout import Layout
 from trainer.plan import GROUPS
@@ -124,7 +124,7 @@ def test_mesh_groups_are_the_layouts_in_plan_and_telemetry(runs: Callable[[str],
         assert first[f"comm/rank{rank}/tp/bytes_per_step"] > 0, rank
     # telemetry names each mesh dim's group as plan.json does: tp, pp (mesh_pp: its loss and squared gradient
     # norm, 4 fp32 bytes each, as planned), and world, the default group no plan group spans here (the
-    # loop's agreement: 4 + 2 fp32 flags), at step 2 (step 1 also runs PipelineStage's shape inference)
+    # loop's agreement: 4 + 2 fp32 flags; the per-layer norms, a log step's), at step 2 (step 1 also runs PipelineStage's shape inference)
     groups = plan_of(run)["comm"]["groups"]
     assert set(groups) == {"tp", "pp"} and groups["pp"]["bytes_by_collective"]["all_reduce"] == 8
     second = run.records[1]
@@ -132,7 +132,9 @@ def test_mesh_groups_are_the_layouts_in_plan_and_telemetry(runs: Callable[[str],
         measured = {g for g in GROUPS if f"comm/rank{rank}/{g}/bytes_per_step" in second}
         assert measured == {"tp", "pp", "world"}, (rank, measured)
         assert second[f"comm/rank{rank}/pp/bytes_per_step"] == groups["pp"]["bytes_per_step"], rank
-        assert second[f"comm/rank{rank}/world/all_reduce_bytes_per_step"] == 4 * (4 + 2), rank
+        assert (
+            second[f"comm/rank{rank}/world/all_reduce_bytes_per_step"] == 4 * (4 + 2) + layer_norms_bytes()
+        ), rank
 
 
 def tensor_peak(run: Run, rank: int) -> float:

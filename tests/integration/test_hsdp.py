@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 
@@ -61,10 +61,11 @@ def hsdp_run(request: pytest.FixtureRequest, runs: Any) -> tuple[str, Run]:
 
 def loop_bytes(group: str, default_group: str) -> dict[str, int]:
     """The loop's own collectives (docs/communication.md) by group: the non-finite and stop agreement
-    (world + 2 fp32 flags) on the default group, clipping's fp32 norm per tensor on the shard group."""
+    (world + 2 fp32 flags) and the per-layer norms (a log step) on the default group, clipping's fp32 norm
+    per tensor on the shard group."""
     tensors = len(model_shape(ModelConfig()).order)
     extra = 4 * tensors if group == "shard" else 0
-    extra += 4 * (WORLD + 2) if group == default_group else 0
+    extra += 4 * (WORLD + 2) + layer_norms_bytes() if group == default_group else 0
     return {"all_reduce": extra}
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer
 from trainer.config import DataConfig, ModelConfig
 from trainer.layout import Layout
 from trainer.plan import GROUPS
@@ -224,7 +224,8 @@ def test_bytes_between_stages_are_the_activations_and_their_gradients(
 
 def loop_extra(group: str, default_group: str, world: int, kind: str, stage_tensors: int, fsdp: bool) -> int:
     """The loop's own collectives the plan leaves out (docs/communication.md), in a step-2 window: on the default
-    group the non-finite and stop agreement (world + 2 fp32 flags) and step 1's metric gather (world rows of
+    group the non-finite and stop agreement (world + 2 fp32 flags), the per-layer norms (every layer on every
+    stage's vector: layer_norms_bytes) and step 1's metric gather (world rows of
     float64 columns: the loop's, the stage clock's, the memory probe's and the comm probe's); under FSDP2,
     clipping's fp32 norm per parameter tensor of the rank's stage on the shard group (DTensor)."""
     columns = len(BASE_FIELDS) + len(PIPELINE_FIELDS) + len(CPU_FIELDS) + len(COMM_FIELDS)
@@ -232,7 +233,7 @@ def loop_extra(group: str, default_group: str, world: int, kind: str, stage_tens
         return 8 * world * columns if group == default_group else 0
     if kind != "all_reduce":
         return 0
-    extra = 4 * (world + 2) if group == default_group else 0
+    extra = 4 * (world + 2) + layer_norms_bytes() if group == default_group else 0
     return extra + (4 * stage_tensors if fsdp and group == "shard" else 0)
 
 

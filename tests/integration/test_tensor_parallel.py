@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import TINY, Run, run_trainer, train_tokenizer, write_documents
+from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer, train_tokenizer, write_documents
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 
@@ -73,11 +73,12 @@ def test_plan_json_names_the_tp_group(tp_run: tuple[str, Run]) -> None:
 
 def loop_bytes(group: str, default_group: str, world: int) -> int:
     """The loop's own all-reduces (docs/communication.md), by group: the non-finite and stop agreement
-    (world + 2 fp32 flags) on the default group; clipping's fp32 norm per parameter tensor in each group
-    the DTensor parameters are sharded over (tp, and dp's `shard` under FSDP2)."""
+    (world + 2 fp32 flags) and the per-layer norms (a log step) on the default group; clipping's fp32 norm
+    per parameter tensor in each group the DTensor parameters are sharded over (tp, and dp's `shard` under
+    FSDP2)."""
     tensors = len(model_shape(ModelConfig()).order)
     clipping = 4 * tensors if group in ("tp", "shard") else 0  # HSDP's replicate dim holds whole shards
-    return clipping + (4 * (world + 2) if group == default_group else 0)
+    return clipping + (4 * (world + 2) + layer_norms_bytes() if group == default_group else 0)
 
 
 def test_bytes_per_collective_per_group_equal_the_plan(tp_run: tuple[str, Run]) -> None:

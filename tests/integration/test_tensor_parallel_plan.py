@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_plan_holds_peaks, plan_sweep
+from tests.helpers import assert_plan_holds_peaks, layer_norms_bytes, plan_sweep
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
@@ -91,7 +91,8 @@ def test_each_ranks_peak_is_the_plans_at_dp2_stage3_bf16(
 
 def loop_bytes(group: str, kind: str, world: int) -> int:
     """The loop's own collectives in a step-2 window (docs/communication.md), by group: on the default group
-    (tp's on 2 ranks, every rank's `world` on 4) the non-finite agreement (world + 2 fp32 flags) and step 1's
+    (tp's on 2 ranks, every rank's `world` on 4) the non-finite agreement (world + 2 fp32 flags), the per-layer
+    norms (layer_norms_bytes) and step 1's
     metric gather (world float64 rows: the loop's, the memory probe's and the comm probe's columns); clipping's
     fp32 norm per parameter tensor in each group the DTensor parameters are sharded over (tp, and shard)."""
     default_group = "tp" if world == 2 else "world"
@@ -101,7 +102,7 @@ def loop_bytes(group: str, kind: str, world: int) -> int:
     if kind != "all_reduce":
         return 0
     clipping = 4 * len(model_shape(ModelConfig()).order) if group in ("tp", "shard") else 0
-    return clipping + (4 * (world + 2) if group == default_group else 0)
+    return clipping + (4 * (world + 2) + layer_norms_bytes() if group == default_group else 0)
 
 
 def assert_bytes_per_collective_are_the_plans(point: dict[str, Any], world: int) -> None:
