@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,20 @@ PLAN_SWEEP_EXCLUDED = (
 )
 
 
+def plan_sweep_point(tokens: Path) -> tuple[str, ...]:
+    """The overrides every point of plan_sweep shares (its docstring says why each), on the token file `tokens`."""
+    return (
+        *TINY,
+        "save=off",
+        "steps=3",
+        "telemetry.memory_every=0",
+        "memory.snapshot=steps",
+        "memory.snapshot_steps=[3]",
+        "data=tokens",
+        f"data.path={tokens}",
+    )
+
+
 def plan_sweep(
     sweep_dir: Path, keys: tuple[str, ...], *overrides: str, timeout: float = 1800
 ) -> dict[tuple[str, ...], dict[str, Any]]:
@@ -233,14 +247,7 @@ def plan_sweep(
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
     proc = run_sweep(
         sweep_dir / "sweep",
-        *TINY,
-        "save=off",
-        "steps=3",
-        "telemetry.memory_every=0",
-        "memory.snapshot=steps",
-        "memory.snapshot_steps=[3]",
-        "data=tokens",
-        f"data.path={tokens}",
+        *plan_sweep_point(tokens),
         *overrides,
         # the token file's path stays out of the points' directory names (it holds slashes)
         f"hydra.job.config.override_dirname.exclude_keys=[{','.join(PLAN_SWEEP_EXCLUDED)}]",
@@ -255,6 +262,33 @@ def plan_sweep(
             "records": [r for r in read_jsonl(point / "metrics.jsonl") if r["step"] >= 2],
         }
     return out
+
+
+def tracked_peaks(config: TrainConfig, world: World, steps: Sequence[int] = (2, 3)) -> list[float]:
+    """This rank's peak tensor bytes in each of `steps`, trained as a job's rank trains (trainer/rank/loop.py
+    `train`: seeded, the trainee, its data-parallel rank's batches, train_step): step 1 untracked, then each
+    step under the MemoryProbe a job's Meter uses, which tracks that step alone."""
+    from trainer.data import build_batches
+    from trainer.layout import Layout
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.telemetry.memory import MemoryProbe
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    layout = Layout.from_config(config, world.world_size)
+    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    train_step(trainee, batches, config, world, 1, guard)
+    peaks = []
+    for step in steps:
+        probe = MemoryProbe(world.device, memory_every=0, last_step=step)
+        with probe.measure(step, trainee.model, trainee.optimizer):
+            train_step(trainee, batches, config, world, step, guard)
+        peaks.append(probe.read()[probe.fields.index("peak_allocated")])
+    del trainee
+    gc.collect()
+    return peaks
 
 
 def layer_norms_bytes(model: ModelConfig | None = None) -> int:

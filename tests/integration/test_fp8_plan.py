@@ -11,7 +11,6 @@ point is read back as plan_sweep gives it: the plan.json its job would write, an
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
@@ -23,12 +22,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.helpers import (
-    TINY,
     assert_plan_holds_peaks,
     compose_config,
     free_port,
     freeze_imports,
+    plan_sweep_point,
     torchrun_env,
+    tracked_peaks,
 )
 from trainer.config import TrainConfig
 from trainer.plan import build_plan
@@ -55,44 +55,13 @@ TRACKED = (
 def point_config(tokens: Path, stage: str, recipe: str, mode: str) -> TrainConfig:
     """The TrainConfig plan_sweep's point runs: its overrides, then this point's."""
     return compose_config(
-        *TINY,
-        "save=off",
-        "steps=3",
-        "telemetry.memory_every=0",
-        "memory.snapshot=steps",
-        "memory.snapshot_steps=[3]",
-        "data=tokens",
-        f"data.path={tokens}",
+        *plan_sweep_point(tokens),
         "nproc=2",
         "precision=fp8",
         f"zero={stage}",
         f"precision.fp8_recipe={recipe}",
         f"checkpointing={mode}",
     )
-
-
-def tracked_peaks(config: TrainConfig, world: Any) -> list[float]:
-    """This rank's peak tensor bytes in each TRACKED step, trained as a job's rank trains (trainer/rank/loop.py
-    `train`: seeded, the trainee, its data-parallel rank's batches, train_step)."""
-    from trainer.data import build_batches
-    from trainer.rank.loop import build_trainee, train_step
-    from trainer.rank.nonfinite import NonFiniteGuard
-    from trainer.telemetry.memory import MemoryProbe
-
-    torch.manual_seed(config.seed)
-    trainee = build_trainee(config, world)
-    batches = build_batches(config, world.rank, world.world_size, start_step=0)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
-    train_step(trainee, batches, config, world, 1, guard)
-    peaks = []
-    for step in TRACKED:
-        probe = MemoryProbe(world.device, memory_every=0, last_step=step)  # tracks this step alone
-        with probe.measure(step, trainee.model, trainee.optimizer):
-            train_step(trainee, batches, config, world, step, guard)
-        peaks.append(probe.read()[probe.fields.index("peak_allocated")])
-    del trainee
-    gc.collect()
-    return peaks
 
 
 def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
@@ -102,7 +71,7 @@ def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) 
     world = init_world("cpu")
     torch.set_num_threads(1)
     freeze_imports()
-    peaks = {name: tracked_peaks(config, world) for name, config in configs.items()}
+    peaks = {name: tracked_peaks(config, world, TRACKED) for name, config in configs.items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
     shutdown_world()
 

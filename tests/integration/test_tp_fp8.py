@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import TINY, compose_config, free_port, freeze_imports, torchrun_env
+from tests.helpers import TINY, compose_config, free_port, freeze_imports, torchrun_env, tracked_peaks
 from trainer.config import TrainConfig
 from trainer.layout import Layout
 from trainer.plan import build_plan
@@ -47,30 +47,6 @@ def point_config(name: str) -> TrainConfig:
         *tiny, "seq_len=256", "save=off", "steps=3", "nproc=2", "parallel.tp=2", "precision=fp8",
         "checkpointing=full", *POINTS[name],
     )  # fmt: skip
-
-
-def tracked_peaks(config: TrainConfig, world: Any) -> list[float]:
-    """This rank's peak tensor bytes at steps 2 and 3, trained as a job's rank trains."""
-    from trainer.data import build_batches
-    from trainer.rank.loop import build_trainee, train_step
-    from trainer.rank.nonfinite import NonFiniteGuard
-    from trainer.telemetry.memory import MemoryProbe
-
-    torch.manual_seed(config.seed)
-    trainee = build_trainee(config, world)
-    layout = Layout.from_config(config, world.world_size)
-    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)  # as the loop reads
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
-    train_step(trainee, batches, config, world, 1, guard)
-    peaks = []
-    for step in (2, 3):
-        probe = MemoryProbe(world.device, memory_every=0, last_step=step)  # tracks this step alone
-        with probe.measure(step, trainee.model, trainee.optimizer):
-            train_step(trainee, batches, config, world, step, guard)
-        peaks.append(probe.read()[probe.fields.index("peak_allocated")])
-    del trainee
-    gc.collect()
-    return peaks
 
 
 def step_losses(config: TrainConfig, world: Any, steps: int) -> list[float]:
