@@ -22,7 +22,6 @@ from trainer.config import (
     DataKind,
     HfExport,
     Mode,
-    OffloadTarget,
     Packing,
     TrainConfig,
     to_plain,
@@ -45,6 +44,7 @@ from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
     build_plan,
+    check_offload_path,
     cores_warning,
     format_plan,
     host_refusal,
@@ -143,6 +143,7 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         check_world(config, nproc, config.nodes)  # a tensor-parallel group inside one node
         config.telemetry.check_traces(config.steps, world_size)  # traced steps and ranks that exist
         Layout.from_config(config, world_size)  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
+        check_offload_path(config, world_size)  # offload=nvme training here: offload.path and its free space
         if config.mode == Mode.advise:
             from trainer.advise.accelerators import check_accelerators
             from trainer.advise.advisor import check_advice_inputs
@@ -398,7 +399,7 @@ def run_under_torchrun(config: TrainConfig, device_kind: str) -> None:
     from trainer.telemetry.comm import enable_recording
 
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu)
+    world = init_world(device_kind, offload_to_cpu=config.offload.on_host)
     resume, run_dir = resolve_resume(config, Path(HydraConfig.get().runtime.output_dir))
     shared = [to_plain(dataclasses.replace(config, resume=resume)), str(run_dir), None, {}]
     if world.is_main:

@@ -85,10 +85,25 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         PP,
         "offload=cpu",
-        lambda c: c.offload.target != OffloadTarget.none,
+        lambda c: c.offload.target == OffloadTarget.cpu,
         "not yet planned: a stage's FSDP2 CPUOffloadPolicy trains (2 CPU ranks), but the pipeline's memory walk "
         "does not yet count a stage's states as offloaded, so its GPU plan would be wrong",
         "use offload=none",
+    ),
+    Refusal(
+        PP,
+        "offload=nvme",
+        lambda c: c.offload.target == OffloadTarget.nvme,
+        "not yet planned: as offload=cpu (the pipeline's memory walk does not count a stage's states as offloaded)",
+        "use offload=none",
+    ),
+    Refusal(
+        TP,
+        "offload=nvme",
+        lambda c: c.offload.target == OffloadTarget.nvme,
+        "not yet proven: the moments' files follow any DTensor shard, but no run with tensor parallelism "
+        "has checked them against offload=cpu",
+        "use offload=cpu",
     ),
     Refusal(
         PP,

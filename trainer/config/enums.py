@@ -55,6 +55,7 @@ class CheckpointMode(str, Enum):
 class OffloadTarget(str, Enum):
     none = "none"
     cpu = "cpu"
+    nvme = "nvme"
 
 
 class DataKind(str, Enum):

@@ -28,6 +28,9 @@ class PlanConfig:
     host_memory_gib: float | None = None
     """Host memory of each node, for a plan made for another machine (null: this host's available memory
     when the job runs here, else unknown and only the need is printed)."""
+    disk_gbps: float | None = None
+    """offload=nvme: the local disk's read and write bandwidth per node, GB/s, for the disk stall the plan
+    prints (null: measured on offload.path when the job runs here, else the traffic is printed without a stall)."""
     network_bus_gbps: float | None = None
     """mode=advise with plan.accelerator: a cluster's own bus bandwidth across nodes, GB/s, as nccl-tests'
     all_reduce_perf reports it over whole nodes (null: the node's NICs, trainer/advise/calibrate.py)."""
@@ -38,7 +41,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         from trainer.devices import accelerator_names, find_accelerator  # devices imports torch only
 
-        for key in ("network_bus_gbps", "nvlink_bus_gbps"):
+        for key in ("network_bus_gbps", "nvlink_bus_gbps", "disk_gbps"):
             value = getattr(self, key)
             _require(value is None or value > 0, f"plan.{key} must be > 0 (GB/s) or null, got {value}")
 

@@ -20,6 +20,7 @@ from trainer.config.enums import (
     Mode,
     NonFinitePolicy,
     OffloadTarget,
+    SaveAsync,
     SpikeAction,
 )
 from trainer.config.errors import ConfigError, _require
@@ -133,7 +134,18 @@ class TrainConfig:
         )
         _require(
             self.offload.target == OffloadTarget.none or self.zero.uses_fsdp,
-            f"offload=cpu needs zero=stage2 or zero=stage3 (FSDP2 CPUOffloadPolicy), got zero={self.zero.stage.value}",
+            f"offload={self.offload.target.value} needs zero=stage2 or zero=stage3 (FSDP2 CPUOffloadPolicy), "
+            f"got zero={self.zero.stage.value}",
+        )
+        _require(
+            self.offload.target != OffloadTarget.nvme or not self.optim.fused,
+            "optim.fused=true with offload=nvme: the step streams Adam's moments from disk in chunks through "
+            "torch's per-tensor AdamW; use optim.fused=null",
+        )
+        _require(
+            self.offload.target != OffloadTarget.nvme or self.save.async_mode == SaveAsync.off,
+            f"save.async_mode={self.save.async_mode.value} with offload=nvme: the asynchronous save's staging copy "
+            "would hold Adam's moments in host memory, which offload=nvme keeps on disk; use save.async_mode=off",
         )
         _require(
             self.device_memory_gib is None or self.device_memory_gib > 0,
@@ -269,11 +281,14 @@ def from_plain(plain: dict[str, Any]) -> TrainConfig:
     return validate(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))  # type: ignore[arg-type]
 
 
-def uses_fused(optim: OptimConfig, device_kind: str) -> bool:
+def uses_fused(optim: OptimConfig, device_kind: str, offload: OffloadTarget = OffloadTarget.none) -> bool:
     """AdamW's fused kernel: `optim.fused`, else on CUDA (one kernel per step instead of a loop of
     small ones; torchtitan's default too). On CPU the per-tensor loop stays the default: the
     memory plan (trainer/plan/moments.py) and its CPU measurements are of that loop, and the ranks
-    (trainer/rank/loop.py) step with the same choice."""
+    (trainer/rank/loop.py) step with the same choice. Never under offload=nvme, whose step streams the
+    moments from disk in chunks through torch's per-tensor AdamW (trainer/rank/nvme.py)."""
+    if offload == OffloadTarget.nvme:
+        return False
     return optim.fused if optim.fused is not None else device_kind == "cuda"
 
 

@@ -19,8 +19,8 @@ at on a device with that much memory.
 
 Counted: every CPU storage an op in this rank's thread creates once the cap is on (the model, its
 gradients, optimizer state, activations, temporaries, communication buffers torch allocates).
-Not counted: tensors made outside the dispatcher (a numpy array's memory, a mapped checkpoint file)
-or on another thread (gloo's workers, an asynchronous save's stager), the same blind spots
+Not counted: tensors made outside the dispatcher (a numpy array's memory, a mapped checkpoint file),
+a mapped file registered in trainee.ON_DISK (offload=nvme's moments) and its views, or tensors made on another thread (gloo's workers, an asynchronous save's stager), the same blind spots
 MemTracker has.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from trainer.private_apis.of_torch import TorchDispatchMode, storage_key, tensor_storages, tree_leaves
+from trainer.rank.trainee import ON_DISK
 from trainer.units import GIB
 
 _ACTIVE: list[TensorCap] = []  # the cap of this rank, while it is on
@@ -80,7 +81,7 @@ class TensorCap(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = storage_key(storage)
-        if key in self._sizes:
+        if key in self._sizes or storage.data_ptr() in ON_DISK:
             return
         self._sizes[key] = storage.nbytes()
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._forget(key))

@@ -13,6 +13,7 @@
 - precision.py: autocast, FSDP2's MixedPrecisionPolicy, the loss scaler;
 - refusals.py: what the ranks would refuse (DDP's bf16 hook off CUDA, fp8's limits), checked in the job process;
 - optim.py: AdamW, its ZeRO-1 sharding, the schedule, clipping;
+- nvme.py: offload=nvme's AdamW, its moments in a file per rank streamed through a bounded buffer;
 - evaluate.py: the held-out loss (`loss/val`) every eval.every steps;
 - nonfinite.py: the non-finite policy, agreed by every rank before each step;
 - spikes.py: loss spikes (stability.spike), folded into that agreement: log, skip or roll back to the last save;

@@ -49,7 +49,7 @@ from trainer.rank.precision import (
 from trainer.rank.sharding import gradient_sync, parameter_resharding, reduces_now, reshards_now
 from trainer.rank.spikes import SpikeGuard, roll_back, skip_batches, untrained_steps
 from trainer.rank.tensor_parallel import local_loss, loss_context
-from trainer.rank.trainee import Trainee
+from trainer.rank.trainee import Trainee, local_optimizer
 from trainer.saves.background import Saves
 from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
 from trainer.saves.resume import resume_training
@@ -90,9 +90,8 @@ def build_optimization(
     model: torch.nn.Module, config: TrainConfig, world: World
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over what this rank holds (fused where the device allows) and its LR schedule."""
-    optimizer = build_optimizer(
-        model, config.optim, config.zero, fused=uses_fused(config.optim, world.device.type)
-    )
+    fused = uses_fused(config.optim, world.device.type, config.offload.target)
+    optimizer = build_optimizer(model, config.optim, config.zero, fused, config.offload, world.rank)
     return optimizer, build_scheduler(optimizer, config.optim, config.steps)
 
 
@@ -151,7 +150,7 @@ def train(
         world,
         fp16=config.precision.is_fp16,
         skipped=start.nonfinite_skipped,
-        defer=uses_fused(config.optim, world.device.type) and spikes is None,
+        defer=uses_fused(config.optim, world.device.type, config.offload.target) and spikes is None,
         spikes=spikes,
     )
     saves = Saves(spec, world, out_dir, trainee)  # in place or in the background (save.async_mode)
@@ -258,7 +257,14 @@ def train_step(
         overflow=overflow,
         data_s=data_s,
         nonfinite_skipped=guard.skipped,
+        disk=take_traffic(optimizer),
     )
+
+
+def take_traffic(optimizer: torch.optim.Optimizer) -> Any:
+    """offload=nvme: what the step read from and wrote to the moments file (trainer/rank/nvme.py); else None."""
+    stepped = local_optimizer(optimizer)
+    return stepped.take_traffic() if hasattr(stepped, "take_traffic") else None
 
 
 def accumulate(

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer.config import OffloadTarget, from_plain
+from trainer.config import from_plain
 from trainer.cuda import apply_tf32
 from trainer.faults.failures import apply_memory_cap, recording_failures
 from trainer.faults.leftovers import die_with_parent
@@ -62,9 +62,7 @@ def rank_main(
     stop = RankStop(Path(out_dir), watches_request=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     config = from_plain(plain)
     enable_recording(config, int(os.environ["WORLD_SIZE"]), device_kind)  # before the process group exists
-    world = init_world(
-        device_kind, offload_to_cpu=config.offload.target == OffloadTarget.cpu, out_dir=Path(out_dir)
-    )
+    world = init_world(device_kind, offload_to_cpu=config.offload.on_host, out_dir=Path(out_dir))
     if world.device.type == "cuda":
         apply_tf32(config.precision.tf32)
     apply_memory_cap(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,23 +12,32 @@ from torch.amp import GradScaler
 from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer.config import OptimConfig, Stage, ZeroConfig
+from trainer.config import OffloadConfig, OffloadTarget, OptimConfig, Stage, ZeroConfig
 from trainer.private_apis.of_torch import found_inf_per_device, set_last_lr
 from trainer.rank.compression import apply_local_sgd
 from trainer.rank.trainee import local_optimizer
+from trainer.units import MIB
 
 
 def build_optimizer(
-    model: nn.Module, optim: OptimConfig, zero: ZeroConfig, fused: bool = False
+    model: nn.Module,
+    optim: OptimConfig,
+    zero: ZeroConfig,
+    fused: bool = False,
+    offload: OffloadConfig | None = None,
+    rank: int = 0,
 ) -> torch.optim.Optimizer:
-    """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only."""
-    kwargs = dict(
-        lr=optim.lr,
-        betas=(optim.beta1, optim.beta2),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        fused=fused,
+    """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only;
+    under offload=nvme its moments live in a file (trainer/rank/nvme.py)."""
+    hyper = dict(
+        lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay
     )
+    if offload is not None and offload.target == OffloadTarget.nvme:
+        from trainer.rank.nvme import NvmeAdamW
+
+        directory, buffer = Path(offload.path), offload.buffer_mib * MIB
+        return apply_local_sgd(NvmeAdamW(model.parameters(), directory, rank, buffer, **hyper), zero)
+    kwargs = dict(**hyper, fused=fused)
     if zero.stage == Stage.stage1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # see trainee.local_optimizer
 

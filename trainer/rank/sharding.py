@@ -92,7 +92,7 @@ def apply_ddp(model: nn.Module, zero: ZeroConfig, world: World, dp_mesh: DeviceM
 
 def state_device(offload: OffloadConfig, world: World) -> torch.device:
     """Where sharded model states live: host memory under offload=cpu, else the training device."""
-    return torch.device("cpu") if offload.target == OffloadTarget.cpu else world.device
+    return torch.device("cpu") if offload.on_host else world.device
 
 
 def apply_fsdp(

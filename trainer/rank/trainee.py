@@ -15,6 +15,11 @@ import torch
 from torch import nn
 from torch.amp import GradScaler
 
+ON_DISK: set[int] = set()
+"""The addresses of the storages that map a file (offload=nvme's moments, trainer/rank/nvme.py): disk, paged
+in and out by the kernel, not the rank's memory, so the CPU cap (trainer/faults/tensor_cap.py) and the memory
+figures (trainer/telemetry) leave them out."""
+
 
 @dataclass
 class Trainee:

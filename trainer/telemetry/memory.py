@@ -217,7 +217,9 @@ class MemoryProbe:
                 # What exists before (parameters, their gradients, optimizer moments, a compression hook's
                 # error feedback, a pipeline stage's receive buffers) is invisible to a dispatch mode until
                 # an op creates it anew; register it as the tracker starts.
-                tracker.track_external(model, local_optimizer(optimizer), *hook_tensors(model), *self.held())
+                tracker.track_external(
+                    model, *optimizer_memory(optimizer), *hook_tensors(model), *self.held()
+                )
                 entered.enter_context(tracker)
                 _ACTIVE_TRACKER.append(tracker)
 
@@ -264,6 +266,13 @@ class MemoryProbe:
             if "peak_allocated" in self._tensor_peak:
                 values["outside_allocator"] = values["peak_rss"] - self._tensor_peak["peak_allocated"]
         return [values.get(field, NAN) for field in self.fields]
+
+
+def optimizer_memory(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer | torch.Tensor]:
+    """What the optimizer holds in memory, to register: itself (its state), or, where its state lives in a
+    file (offload=nvme, trainer/rank/nvme.py, which says so with `in_memory()`), its buffer and counters."""
+    tracked = local_optimizer(optimizer)
+    return tracked.in_memory() if hasattr(tracked, "in_memory") else [tracked]
 
 
 def hook_tensors(model: nn.Module) -> list[torch.Tensor]:

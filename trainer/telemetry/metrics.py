@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,7 +21,7 @@ from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.layout import Layout
 from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, StepSchedule
-from trainer.rank.trainee import local_optimizer
+from trainer.rank.trainee import ON_DISK, local_optimizer
 from trainer.telemetry import keys
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.comm import CommProbe, comm_fields, group_names
@@ -40,6 +41,9 @@ BASE_FIELDS = (
     "loss_scale",
     "skipped_steps",
     "z_loss",
+    "disk_read",
+    "disk_written",
+    "disk_wait_s",
 )
 PIPELINE_FIELDS = ("pp_idle_share", "pp_sent_bytes_per_step")
 """Under parallel.pp > 1, after BASE_FIELDS: what the rank's StageClock read (trainer/rank/pipeline.py)."""
@@ -71,6 +75,8 @@ class StepStats:
     layer_norms: torch.Tensor | None = None
     """Log steps (telemetry.layer_norms): every layer's gradient and parameter norm, the same on every rank
     (trainer/telemetry/layer_norms.py `LayerNorms.reduce`; a device vector, read at the log)."""
+    disk: Any = None
+    """offload=nvme: what the step moved between the moments file and memory (trainer/rank/nvme.py DiskTraffic)."""
 
 
 class Meter:
@@ -172,6 +178,7 @@ class Meter:
         self.window_steps = 0
         self.window_data_s = 0.0
         self.window_overflows = 0
+        self.window_disk = np.zeros(3)  # offload=nvme: bytes read, bytes written, seconds waiting
         self.last: StepStats | None = None
 
     def measure(
@@ -191,6 +198,8 @@ class Meter:
         self.window_steps += 1
         self.window_data_s += stats.data_s
         self.window_overflows += stats.overflow  # a device tensor under fp16: summed without a sync
+        if stats.disk is not None:
+            self.window_disk += (stats.disk.read_bytes, stats.disk.written_bytes, stats.disk.wait_s)
         self.skipped_steps += stats.overflow
         self.last = stats
 
@@ -226,6 +235,7 @@ class Meter:
             loss_scale=self.last.loss_scale,
             skipped_steps=self.skipped_steps,
             z_loss=float("nan") if self.last.z_loss is None else self.last.z_loss.item(),
+            **dict(zip(("disk_read", "disk_written", "disk_wait_s"), self.window_disk.tolist())),
         )
         row = [fields[name] for name in BASE_FIELDS]
         if self.pipeline is not None:
@@ -251,6 +261,10 @@ class Meter:
         }
         if self.last.z_loss is not None:
             record[keys.Z_LOSS] = columns(per_rank, "z_loss")[:, 0].mean().item()
+        if self.last.disk is not None:
+            record.update(
+                disk_fields(columns(per_rank, "disk_read", "disk_written", "disk_wait_s"), self.window_steps)
+            )
         if self.last.layer_norms is not None and self.layer_norms is not None:
             record.update(self.layer_norms.fields(self.last.layer_norms))
         for rank, (params, grads, optimizer) in enumerate(
@@ -445,7 +459,8 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         storage = local.untyped_storage()
-        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+        if storage.data_ptr() not in ON_DISK:  # offload=nvme's moments: on disk, not held
+            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -464,6 +479,17 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
         if torch.is_tensor(value) and value.dim() > 0
     )
     return params, grads, moments
+
+
+def disk_fields(per_rank: torch.Tensor, steps: int) -> dict[str, float]:
+    """offload=nvme's window per step: bytes read and written by all ranks together (a node's traffic when
+    they share one), and the slowest rank's wait on its disk."""
+    read, written, wait_s = per_rank.sum(0).tolist()[:2] + [per_rank[:, 2].max().item()]
+    return {
+        keys.DISK_READ_BYTES: read / steps,
+        keys.DISK_WRITTEN_BYTES: written / steps,
+        keys.DISK_WAIT_S: wait_s / steps,
+    }
 
 
 def gather_rows(local: torch.Tensor, world: World) -> torch.Tensor:
