@@ -184,7 +184,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (PP, "offload=nvme"): ("zero=stage3", "offload=nvme", "offload.path={tmp}"),
     (TP, "offload=nvme"): ("zero=stage3", "offload=nvme", "offload.path={tmp}"),
     (PP, "loss=chunked"): ("loss=chunked",),
-    (PP, "loss.z_loss"): ("loss.z_loss=1e-4",),
     (PP, "zero=stage1"): ("zero=stage1",),
     (PP, "zero.shard_ranks"): ("nproc=4", "zero=stage3", "zero.reduce_every=step", "zero.shard_ranks=1"),
     (PP, "zero.hpz_ranks"): ("nproc=8", "zero=stage3", "zero.reduce_every=step", "zero.hpz_ranks=2"),

@@ -339,6 +339,26 @@ def test_fp8_stages_equal_one_rank_and_their_plan(tmp_path: Path) -> None:
     assert abs(measured - planned) <= 0.01 * planned, (measured, planned)
 
 
+def test_z_loss_on_the_last_stage_equals_one_rank_and_its_plan(tmp_path: Path) -> None:
+    """loss.z_loss through the schedule (trainer/rank/pipeline.py PipelineLoss keeps each micro-batch's terms):
+    1F1B on 2 ranks against one rank of the same global batch, fp32, 4 steps: loss/train (the cross-entropy)
+    and loss/z_loss within 1e-5, and the last stage's peak, which holds the z-loss's tensors, within 0.5% of
+    its plan."""
+    z = ("zero=stage0", "loss.z_loss=1e-2", "precision=fp32", "steps=4", "optim.warmup_steps=2", "save=off")
+    pipelined = job(tmp_path / "pp", *PP2, "nproc=2", "micro_batch=2", *z)
+    one_rank = job(tmp_path / "one", "nproc=1", "micro_batch=2", "grad_accum=4", *z)
+    for key in (keys.LOSS, keys.Z_LOSS):
+        ours, theirs = [r[key] for r in pipelined.records], [r[key] for r in one_rank.records]
+        assert len(ours) == 4 and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, theirs)), (
+            key,
+            ours,
+            theirs,
+        )
+    last = plan_of(pipelined)["pipeline"]["stages"][-1]
+    measured = measured_peak(pipelined, last["rank"])
+    assert abs(last["peak_bytes"] - measured) / measured < 0.005, (last["peak_bytes"], measured)
+
+
 @pytest.mark.parametrize(
     "ranks", [("nproc=2", "micro_batch=2"), ("nproc=4", "micro_batch=1")], ids=["dp1", "dp2"]
 )

@@ -50,11 +50,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.pp=2 with loss=chunked is not supported; use loss=full (the last stage takes the loss) or "
         "parallel.pp=1",
     ),
-    "parallel.pp x loss.z_loss": (
-        PP,
-        ("loss.z_loss=1e-4",),
-        "parallel.pp=2 with loss.z_loss is not supported; use loss.z_loss=0 or parallel.pp=1",
-    ),
     "parallel.pp x zero=stage1": (
         PP,
         ("zero=stage1",),

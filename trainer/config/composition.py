@@ -115,14 +115,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "loss.z_loss",
-        lambda c: c.loss.z_loss > 0,
-        "not yet built: the schedule's loss_fn returns one scalar a micro-batch, read back as loss/train; the "
-        "z-loss would need a second figure out of it, logged apart",
-        "use loss.z_loss=0",
-    ),
-    Refusal(
-        PP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,
         "not yet built: ZeroRedundancyOptimizer over a stage's data-parallel ranks",

@@ -108,7 +108,7 @@ def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, me
     # The scaler makes its scale on its first scale(); only the last stage scales a loss, yet every stage
     # unscales its gradients (public API: scaling a zero makes the scale, at the configured initial value).
     scaler.scale(torch.zeros((), device=world.device))
-    loss = PipelineLoss(cross_entropy, scaler)
+    loss = PipelineLoss(full_loss, scaler, config.loss.z_loss)
     pipeline = build_pipeline(config, world, parts, mesh, loss)
     return Trainee(model, optimizer, scheduler, scaler, pipeline)
 
@@ -225,8 +225,7 @@ def train_step(
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
     if trainee.pipeline is not None:
-        loss_sum, data_s = pipeline_forward_backward(trainee.pipeline, batches, config, world)
-        z_sum = None  # parallel.pp x loss.z_loss is refused (trainer/config/composition.py)
+        loss_sum, z_sum, data_s = pipeline_forward_backward(trainee.pipeline, batches, config, world)
     else:
         loss_sum, z_sum, data_s = accumulate(trainee, batches, config, world, step)
     mark_phase(step, "optimizer")
@@ -320,11 +319,6 @@ def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: Trai
     if config.loss.kind == LossKind.chunked:
         return LossTerms.of_chunked(model(inputs, targets, *documents), config.loss.z_loss)
     return full_loss(model(inputs, None, *documents), targets, config.loss.z_loss)
-
-
-def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype (the pipeline's loss_fn)."""
-    return full_loss(logits_BTV, targets_BT).cross_entropy
 
 
 def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:

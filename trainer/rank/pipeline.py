@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.data import to_device
+from trainer.model.loss import LossTerms
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
 from trainer.private_apis.of_torch import scale_on_device
 from trainer.rank.precision import build_autocast
@@ -155,22 +156,36 @@ class MeasuredStage(PipelineStage):
 
 @dataclass
 class PipelineLoss:
-    """The schedule's loss_fn: the micro-batch's mean loss, scaled under fp16 (GradScaler.scale)."""
+    """The schedule's loss_fn: the micro-batch's mean loss (its z-loss added under loss.z_loss), scaled under
+    fp16 (GradScaler.scale); it keeps each micro-batch's z-loss, which the schedule's `losses` hold only inside
+    the objective, to be logged apart (loss/z_loss) as the loop does without a pipeline."""
 
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor, float], LossTerms]
     scaler: GradScaler
+    z_weight: float = 0.0
+    kept: list[LossTerms] = field(default_factory=list)
+    """loss.z_loss > 0: each micro-batch's terms since the last `unscaled`."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(self.loss(logits, targets))
+        terms = self.loss(logits, targets, self.z_weight)
+        if terms.z_loss is None:
+            return self.scaler.scale(terms.cross_entropy)
+        self.kept.append(LossTerms(*(local_loss(term).detach().float() for term in terms)))
+        return self.scaler.scale(terms.cross_entropy + terms.z_loss)
 
-    def unscaled(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of the step's losses as the schedule returned them, scaled back (the scale is a power of
-        two: exact). Read from the schedule's `losses`, not kept by the loss_fn, which torch may also call
-        while it infers the stages' shapes on the first step."""
+    def unscaled(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's summed cross-entropy and z-loss (None when off), of the micro-batches in the schedule's
+        `losses`. torch also calls the loss_fn while it infers the stages' shapes on the first step, on
+        uninitialized tensors: without the z-loss the schedule's losses are read (scaled back: the scale is a
+        power of two, exact), with it the terms of the loss_fn's last len(losses) calls, the real ones."""
+        if self.kept:
+            real, self.kept = self.kept[len(self.kept) - len(losses) :], []
+            ce_sum, z_sum = (torch.stack(column).sum() for column in zip(*real))
+            return ce_sum, z_sum
         total = torch.stack([local_loss(loss).detach().float() for loss in losses]).sum()
-        if not self.scaler.is_enabled():
-            return total
-        return total / scale_on_device(self.scaler)
+        if self.scaler.is_enabled():
+            total = total / scale_on_device(self.scaler)
+        return total, None
 
 
 @dataclass
@@ -260,9 +275,9 @@ def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch
 
 def pipeline_forward_backward(
     pipeline: Pipeline, batches: Iterator[tuple[torch.Tensor, ...]], config: TrainConfig, world: World
-) -> tuple[torch.Tensor, float]:
-    """The step's grad_accum micro-batches through the schedule: the summed loss (every rank's, over the
-    pp group) and the host time spent waiting for data."""
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """The step's grad_accum micro-batches through the schedule: the summed loss and z-loss (every rank's,
+    over the pp group; None without loss.z_loss) and the host time spent waiting for data."""
     start = time.perf_counter()
     micro = [[to_device(t, world.device) for t in next(batches)] for _ in range(config.grad_accum)]
     data_s = time.perf_counter() - start
@@ -281,9 +296,12 @@ def pipeline_forward_backward(
         pipeline.schedule.step(
             *args, target=targets if pipeline.last else None, losses=losses, return_outputs=False
         )
-    loss_sum = pipeline.loss.unscaled(losses) if pipeline.last else torch.zeros((), device=world.device)
-    dist.all_reduce(loss_sum, group=pipeline.group)  # the last stage's figure, on every stage
-    return loss_sum, data_s
+    zeros = [torch.zeros((), device=world.device) for _ in range(2)]  # two tensors: each is all-reduced
+    loss_sum, z_sum = pipeline.loss.unscaled(losses) if pipeline.last else zeros
+    dist.all_reduce(loss_sum, group=pipeline.group)  # the last stage's figures, on every stage
+    if config.loss.z_loss > 0:
+        dist.all_reduce(z_sum, group=pipeline.group)
+    return loss_sum, (z_sum if config.loss.z_loss > 0 else None), data_s
 
 
 def pipeline_evaluate(
@@ -311,6 +329,6 @@ def pipeline_evaluate(
                 losses=losses,
             )
             if pipeline.last:
-                total += pipeline.loss.unscaled(losses).double()
+                total += pipeline.loss.unscaled(losses)[0].double()  # the cross-entropy: loss/val's
     dist.all_reduce(total, group=pipeline.group)
     return total
