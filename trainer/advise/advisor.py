@@ -103,6 +103,8 @@ class Candidate:
     tie: bool = False  # within the model's error of the fastest that fits (`rank`)
     device_fits: bool | None = None  # the device alone, with headroom
     peak_parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the worst rank's peak by kind
+    # offload=nvme: the bytes of Adam's moments a node's disk reads and writes per step (trainer/plan/disk.py)
+    disk_bytes: int = 0
 
     def moving_parts(self) -> tuple[str, ...]:
         """What the configuration adds to plain FSDP2/DDP that can go wrong or change the result: a tie
@@ -111,6 +113,7 @@ class Candidate:
         c = self.choice
         parts = {
             "offload=cpu": c["offload"] != "none",
+            "NVMe": c["offload"] == "nvme",
             "hpZ": c.get("zero.hpz_ranks") is not None,
             "HSDP": c.get("zero.shard_ranks") is not None,
             "keep": c.get("zero.reshard_after_backward") is False,
@@ -124,6 +127,15 @@ class Candidate:
     def lossy(self) -> bool:
         """Gradient compression: a different optimisation, not the same one faster (never in a tie)."""
         return self.choice.get("zero.compression") is not None
+
+    def disk_note(self) -> str:
+        """offload=nvme rows: what the disk costs each step."""
+        if not self.disk_bytes:
+            return ""
+        return (
+            f"; disk: {self.disk_bytes / GIB:.1f} GiB read and written per node per step, {self.step.disk_s:.3g} s "
+            "of the step"
+        )
 
     def numerics_note(self) -> str:
         """Rows whose choice changes the numbers the job computes say so."""
@@ -150,13 +162,16 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """Every chosen key; the group sizes only where set (null, their default, is every rank / none),
-        zero.reshard_after_backward only where false (true is every option file's)."""
-        return [
+        zero.reshard_after_backward only where false (true is every option file's); offload=nvme's
+        directory where the user gave none (`nvme_variants`)."""
+        chosen = [
             f"{key}={override_value(self.choice[key])}"
             for key in CHOSEN_KEYS
             if self.choice.get(key) is not None
             and not (key == "zero.reshard_after_backward" and self.choice[key] is True)
         ]
+        path = self.choice.get("offload.path")
+        return chosen + ([f"offload.path={path}"] if path is not None else [])
 
     def exposed_by_link(self) -> dict[str, float]:
         return {link: time.exposed_s for link, time in self.step.links.items()}
@@ -210,9 +225,12 @@ def micro_batches(config: TrainConfig, dp: int) -> list[int]:
 
 def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict[str, Any]]:
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
-    parameters are in host memory already: offloading moves nothing, docs/memory_plan.md)."""
+    parameters are in host memory already: offloading moves nothing, docs/memory_plan.md). offload=nvme
+    is not one of them: it is offered in place of an offload=cpu candidate whose host cannot hold its
+    states (`nvme_variants`), so offload=cpu is planned where advise.offload lists either."""
     a, out = config.advise, []
-    options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(a.offload))
+    offloads = [OffloadTarget.cpu if o == OffloadTarget.nvme else o for o in a.offload]
+    options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(offloads))
     for (stage, checkpointing, offload), (tp, pp) in itertools.product(
         itertools.product(*options), layouts(config, world_size)
     ):
@@ -380,7 +398,11 @@ def configure(config: TrainConfig, choice: dict[str, Any], check: bool = True) -
             compression=Compression(choice.get("zero.compression") or Compression.none),
         ),
         checkpointing=replace(config.checkpointing, mode=CheckpointMode(choice["checkpointing"])),
-        offload=replace(config.offload, target=OffloadTarget(choice["offload"])),
+        offload=replace(
+            config.offload,
+            target=OffloadTarget(choice["offload"]),
+            path=choice.get("offload.path") or config.offload.path,
+        ),
         micro_batch=choice["micro_batch"],
         grad_accum=choice["grad_accum"],
         loss=replace(config.loss, kind=LossKind(choice["loss"])),
@@ -437,7 +459,9 @@ def predict_config(
         2.0 * m.vocab_size * m.dim if config.loss.kind == LossKind.chunked else 0.0
     )
     # Each TP rank runs 1/tp of the GEMMs, each pipeline rank its stages (predict.rank_flops: the busiest).
-    return predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
+    step = predict_step_tiers(config, world_size, plan.comm, local_numel, run_flops, rates, device_kind)
+    stall = plan.disk.stall_s if plan.disk is not None else None
+    return step if stall is None else dataclasses.replace(step, disk_s=stall)
 
 
 def evaluate(
@@ -475,6 +499,7 @@ def evaluate(
         reserved,
         device_fits=device_fits,
         peak_parts=dict(worst.peak.parts),
+        disk_bytes=plan.disk.traffic_bytes_per_node if plan.disk is not None else 0,
     )
 
 
@@ -583,9 +608,71 @@ def advise_all(config: TrainConfig, device_kind: str, world_size: int) -> Advice
         if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
     ]
     evaluated += [c for c in chunked if c is not None]
+    evaluated += nvme_variants(config, evaluated, device_kind, world_size, rates, flops)
+    if OffloadTarget.cpu not in config.advise.offload and config.plan.disk_gbps is not None:
+        # planned only for offload=nvme's sake (without a disk rate they stay: nvme_note counts them)
+        evaluated = [c for c in evaluated if c.choice["offload"] != OffloadTarget.cpu.value]
     evaluated += compressed_variants(config, evaluated, device_kind, world_size, rates, flops)
     ranked = rank(with_memory_limits(evaluated, unplanned), rates.tie_tolerance)
     return Advice(ranked, rates, unplanned)
+
+
+NVME_DIR = "NVME_DIR"
+"""offload.path in an offload=nvme row's command where the user gave none: a directory on each node's NVMe."""
+
+
+def host_bound(candidates: list[Candidate]) -> list[Candidate]:
+    """offload=cpu candidates whose devices would hold them but whose node's host cannot: nvme's cases."""
+    return [
+        c
+        for c in candidates
+        if c.choice["offload"] == OffloadTarget.cpu.value
+        and c.device_fits is not False
+        and c.host_fits is False
+    ]
+
+
+def nvme_variants(
+    config: TrainConfig,
+    candidates: list[Candidate],
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float,
+) -> list[Candidate]:
+    """offload=nvme in place of each offload=cpu candidate whose host cannot hold its states: the same device
+    plan, Adam's moments on the node's disk, the stall at plan.disk_gbps in its step time. None without
+    plan.disk_gbps (the advisor measures no disk; `nvme_note` says so) or where advise.offload leaves nvme out."""
+    if OffloadTarget.nvme not in config.advise.offload or config.plan.disk_gbps is None:
+        return []
+    path = None if config.offload.path is not None else NVME_DIR
+    options = [{**c.choice, "offload": "nvme", "offload.path": path} for c in host_bound(candidates)]
+    variants = (
+        evaluate(config, choice, device_kind, world_size, rates, flops)
+        for choice in options
+        if composes(config, choice)  # the composition table refuses nvme beside tensor parallelism
+    )
+    return [v for v in variants if v is not None]
+
+
+def nvme_note(config: TrainConfig, candidates: list[Candidate]) -> str:
+    """Said once: why no offload=nvme row where one would have been offered, or what nvme rows are."""
+    if OffloadTarget.nvme not in config.advise.offload:
+        return ""
+    if config.plan.disk_gbps is None:
+        bound = len(host_bound(candidates))
+        if not bound:
+            return ""
+        return (
+            f"; offload=nvme not offered: {bound} offload=cpu configurations fit their devices but not the node's "
+            "host, and nvme's disk stall needs the disk's bandwidth: give plan.disk_gbps (GB/s per node)"
+        )
+    if any(c.choice["offload"] == "nvme" for c in candidates):
+        return (
+            "; offload=nvme: where a node's host cannot hold offload=cpu's states, Adam's moments on its disk at "
+            f"plan.disk_gbps={config.plan.disk_gbps:g}, ranked after every configuration that needs no disk"
+        )
+    return ""
 
 
 SCREEN_FREE = ("zero", "checkpointing")
@@ -653,11 +740,19 @@ def rank(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
     """What fits, best first: the exact candidates whose predicted tokens/s lie within `tolerance` (the
     model's error, Rates.tie_tolerance) of the fastest exact one are a tie, ordered by fewer moving parts,
     then smaller reserved memory, then speed, and marked; the rest by speed, compressed ones (marked `~`)
-    among them; then what does not fit, smallest first."""
+    among them; then, ranked alike, what fits only with Adam's moments on disk (offload=nvme: a disk that
+    wears and a step bound to it); then what does not fit, smallest first."""
     fitting = [c for c in candidates if c.fits is not False]
     refused = sorted((c for c in candidates if c.fits is False), key=lambda c: c.reserved_bytes)
+    on_disk = [c for c in fitting if c.disk_bytes]
+    in_memory = [c for c in fitting if not c.disk_bytes]
+    return rank_fitting(in_memory, tolerance) + rank_fitting(on_disk, tolerance) + refused
+
+
+def rank_fitting(fitting: list[Candidate], tolerance: float) -> list[Candidate]:
+    """Candidates that fit, best first (`rank`)."""
     if not fitting:
-        return refused
+        return []
     exact = [c for c in fitting if not c.lossy] or fitting
     best = max(c.tokens_per_s for c in exact)
     tied = [c for c in exact if c.tokens_per_s >= best * (1 - tolerance)]
@@ -669,7 +764,7 @@ def rank(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
         (c for c in fitting if id(c) not in in_tie),
         key=lambda c: (-c.tokens_per_s, c.reserved_bytes),
     )
-    return tied + rest + refused
+    return tied + rest
 
 
 # ----------------------------------------------------------------------------- what the user reads
@@ -705,6 +800,7 @@ def format_advice(
         f"advice: model={config.model.name} global_batch={config.global_batch} seq_len={config.seq_len} "
         f"precision={config.precision.name} on {world_size} ranks; {len(fitting)} of {len(candidates)} configurations fit "
         f"with {config.advise.headroom:.0%} headroom on {reserved} memory ({memory}){host_note(candidates)}"
+        f"{nvme_note(config, candidates)}"
         f"{unplanned_note(unplanned)}{fp8_summary(config)}",
         f"rates: {rates.source}",
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
@@ -715,6 +811,7 @@ def format_advice(
         lines.append(
             f"{i:>3}{'=' if c.tie else ' '} {c.label():<72} {c.reserved_bytes / GIB:>12.2f} {c.host_bytes / GIB:>9.1f} "
             f"{c.tokens_per_s:>12,.0f} {mfu:>6} {exposed_cell(c):>20} {bubble_cell(c):>6}  {c.limiter}{c.numerics_note()}"
+            f"{c.disk_note()}"
         )
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
@@ -735,6 +832,11 @@ def format_advice(
         lines.append(
             "    keep: zero.reshard_after_backward=false, parameters stay unsharded from one micro-batch's backward "
             "to the next forward: one forward's all-gathers per step instead of grad_accum"
+        )
+    if any(c.choice.get("offload.path") == NVME_DIR for c in fitting[: config.advise.top]):
+        lines.append(
+            f"    offload.path={NVME_DIR}: a directory on each node's local NVMe, for Adam's moments "
+            '(docs/memory_plan.md, "offload=nvme")'
         )
     if not fitting and candidates:
         smallest = min(candidates, key=lambda c: c.reserved_bytes)
@@ -846,9 +948,11 @@ def host_note(candidates: list[Candidate]) -> str:
     if not over:
         return ""
     least = min(over, key=lambda c: c.host_bytes)
-    offload = sum(c.choice["offload"] != "none" for c in over)
+    offload = sum(c.choice["offload"] == "cpu" for c in over)
+    nvme = sum(c.choice["offload"] == "nvme" for c in over)
+    offload_text = f"{offload} with offload=cpu" + (f", {nvme} with offload=nvme" if nvme else "")
     return (
-        f"; {len(over)} need more host memory than a node has ({offload} with offload=cpu; the least "
+        f"; {len(over)} need more host memory than a node has ({offload_text}; the least "
         f"{least.host_bytes / GIB:.1f} GiB per node, {least.label()})"
     )
 
@@ -936,6 +1040,8 @@ def advice_json(
                 "wire_by_link_s": {link: t.wire_s for link, t in c.step.links.items()},
                 "optimizer_s": c.step.optimizer_s,
                 "offload_s": c.step.offload_s,
+                "disk_s": c.step.disk_s,
+                "disk_bytes_per_node_per_step": c.disk_bytes,
                 "bubble": c.step.bubble,
                 "bubble_s": c.step.bubble_s,
                 "p2p_s": c.step.p2p_s,

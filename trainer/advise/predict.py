@@ -39,7 +39,7 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
     tensor parallelism         T = Σ W_c of the tp group (trainer/plan/tensor_parallel.py's bytes, NVLink), exposed
         whole: each collective feeds or drains the GEMM beside it, so it is on the critical path (torch's async
         TP, which overlaps them, is not an option of zerolab); T is in E
-    optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu)
+    optimizer                  O = local_numel / adam_rate   (host AdamW under offload=cpu and nvme)
     offload transfers          X = (4/p · B_all_gather + 4/r · B_reduce_scatter) / n / pcie + (k − 1) · 12 · local_numel / host
         (each rank's fp32 shards, once per collective: p, r the bytes of the compute and reduce dtypes;
         k reductions a step, each after the first a blocking copy and a CPU add, FSDP2's foreach_reduce)
@@ -49,7 +49,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
         v = parallel.pp_virtual_stages; Narayanan et al. 2021, section 2.2); the busy time C + T + P (the TP
         collectives run inside every micro-batch's forward and backward) is stretched to (C + T + P) / (1 − f):
         B = (C + T + P) · f / (1 − f)
-    step                       S = C + E + O + X + P + B;  tokens/s = global_batch · seq_len / S
+    disk (offload=nvme)        D = the node's moment bytes read and written per step / plan.disk_gbps
+        (trainer/plan/disk.py; the chunked step reads, updates and writes in turn: nothing overlaps it)
+    step                       S = C + E + O + X + P + B + D;  tokens/s = global_batch · seq_len / S
     MFU                        F · tokens/s / (peak · n)    (model FLOPs: recompute excluded)
 """
 
@@ -68,7 +70,6 @@ from trainer.config import (
     CheckpointMode,
     DType,
     ModelConfig,
-    OffloadTarget,
     PrecisionConfig,
     ReduceDType,
     Stage,
@@ -126,6 +127,9 @@ class StepTime:
     """The tp group's collectives (in exposed_comm_s): each feeds or drains a GEMM, on every micro-batch's path."""
     bubble: float = 0.0  # parallel.pp > 1: the share of the step a stage waits (trainer/plan/pipeline.py)
     p2p_s: float = 0.0  # the sends between stages, on the critical path
+    disk_s: float = (
+        0.0  # offload=nvme: the node's disk reading and writing Adam's moments (trainer/plan/disk.py)
+    )
 
     @property
     def busy_s(self) -> float:
@@ -154,6 +158,7 @@ class StepTime:
             + self.offload_s
             + self.bubble_s
             + self.p2p_s
+            + self.disk_s
         )
 
     @property
@@ -171,6 +176,7 @@ class StepTime:
             "offload transfers": self.offload_s,
             "pipeline bubble": self.bubble_s,
             "pipeline sends": self.p2p_s,
+            "disk (offload=nvme)": self.disk_s,
         }
         return max(parts, key=parts.__getitem__)
 
@@ -380,7 +386,7 @@ def predict_step(
             exposed += max(wire_s[collective] / config.model.n_layers, wire_s[collective] - window)
         else:
             exposed += wire_s[collective]
-    offload = config.offload.target == OffloadTarget.cpu and rates.offload_bytes_per_s is not None
+    offload = config.offload.on_host and rates.offload_bytes_per_s is not None  # cpu and nvme move alike
     adam_rate = (
         rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
     )

@@ -41,6 +41,8 @@ The planner is this package; each module's docstring is its part of the design n
 - schedule.py: the plan of each step where steps differ (PowerSGD before its start step, local SGD's
   averaging and quiet steps), and which steps the memory plan's peak describes;
 - host.py: the host memory of a node: its ranks' runtime, CPU ranks' tensors, offloaded states;
+- disk.py: offload=nvme: Adam's moments in a file per rank, the files' size, the bytes a step reads and
+  writes, the stall at the disk's bandwidth (plan.disk_gbps or measured), and the refusals of offload.path;
 - refusal.py: the refusal of a plan that does not fit (a rank's device, a node's host), and its way out;
 - table.py: what the user reads, the console report (a sweep's fit table is a report:
   trainer/report/fit_table.py).
@@ -72,6 +74,7 @@ from trainer.plan.comm import (
     reductions,
     topk_count,
 )
+from trainer.plan.disk import DiskPlan, check_offload_path, measure_disk
 from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
@@ -100,15 +103,18 @@ __all__ = [
     "RANK_FIGURES",
     "CommPlan",
     "DeviceMemory",
+    "DiskPlan",
     "Plan",
     "RankPlan",
     "build_plan",
+    "check_offload_path",
     "cores_warning",
     "describe",
     "device_memory",
     "format_plan",
     "HostPlan",
     "host_refusal",
+    "measure_disk",
     "model_shape",
     "plan_comm",
     "topk_count",

@@ -22,10 +22,11 @@ from trainer.model.fp8 import fp8_split
 from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, plan_comm
 from trainer.plan.ddp_walk import ddp_moments
+from trainer.plan.disk import DiskPlan, build_disk_plan, nvme_buffer_bytes
 from trainer.plan.fsdp_walk import fsdp_moments
 from trainer.plan.groups import GROUPS, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
-from trainer.plan.host import HostPlan, build_host_plan
+from trainer.plan.host import HostPlan, build_host_plan, offload_applies
 from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
@@ -72,7 +73,9 @@ class RankPlan:
     states: RankStates
     activations: int
     moments: tuple[Moment, ...]
-    offloaded: int  # model states kept in host memory instead (offload=cpu on a GPU)
+    offloaded: int  # model states kept in host memory instead (offload=cpu or nvme on a GPU)
+    on_disk: int = 0  # Adam's moments in offload.path's file instead of memory (offload=nvme)
+    buffer: int = 0  # offload=nvme: the host buffer the moments stream through, held in their place
 
     @property
     def peak(self) -> Moment:
@@ -89,12 +92,13 @@ class RankPlan:
         return {
             "params_gib": self.states.params / GIB,
             "grads_gib": self.states.grads / GIB,
-            "optimizer_gib": self.states.optimizer / GIB,
+            "optimizer_gib": (self.buffer if self.on_disk else self.states.optimizer) / GIB,
             "activations_gib": self.activations / GIB,
             "temporary_gib": peak.parts["temporary"] / GIB,
             "other_gib": peak.parts["other"] / GIB,
             "peak_gib": peak.total / GIB,
             "offloaded_gib": self.offloaded / GIB,
+            **({"on_disk_gib": self.on_disk / GIB} if self.on_disk else {}),
         }
 
 
@@ -166,6 +170,8 @@ class Plan:
     comm: CommPlan  # bytes each rank's collectives move per optimizer step (trainer/plan/comm.py)
     host: HostPlan  # the host memory of a node: its ranks' runtime, CPU tensors, offloaded states
     pipeline: Pipeline | None = None  # parallel.pp > 1: the stages (trainer/plan/pipeline.py)
+    # offload=nvme: the moments' files, their traffic per step, the stall (trainer/plan/disk.py)
+    disk: DiskPlan | None = None
 
     @property
     def worst(self) -> RankPlan:
@@ -242,6 +248,7 @@ class Plan:
             ],
             "comm": self.comm.to_json(),
             "host": self.host.to_json(),
+            **({"disk": self.disk.to_json()} if self.disk is not None else {}),
             **({"pipeline": self.pipeline_json()} if self.pipeline is not None else {}),
         }
 
@@ -279,7 +286,6 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     )  # one TP rank's layers (trainer/plan/tensor_parallel.py); the job itself at tp=1
     shape = model_shape(config.model)
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
-    offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks, planned = [], {}
     layout = Layout.from_config(full, world_size)
     dp = config.parallel.dp(world_size)
@@ -302,15 +308,32 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 other_bytes(config.model, config.data, states),
             )
             planned[states] = tuple(walk(config)(ctx))
-        offloaded = states.params + states.grads + states.optimizer if offload else 0
-        ranks.append(RankPlan(rank, states, acts.total, planned[states], offloaded))
+        ranks.append(rank_plan(config, device_kind, rank, states, acts.total, planned[states]))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers)
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
     )
     comm = plan_comm(full, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
     host = build_host_plan(config, device_kind, world_size, shape, ranks, shard_size=sharded_over)
-    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host)
+    disk = build_disk_plan(config, world_size, shape, [r.states for r in ranks], shard=sharded_over)
+    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, disk=disk)
+
+
+def rank_plan(
+    config: TrainConfig,
+    device_kind: str,
+    rank: int,
+    states: RankStates,
+    acts: int,
+    moments: tuple[Moment, ...],
+) -> RankPlan:
+    """A rank's plan, with where its states are: on the device, in host memory (offload=cpu or nvme on a
+    GPU), its moments on disk and a buffer in their place (offload=nvme)."""
+    nvme = config.offload.target == OffloadTarget.nvme
+    buffer = nvme_buffer_bytes(config.offload.buffer_mib) if nvme else 0
+    held = states.params + states.grads + (buffer if nvme else states.optimizer)
+    offloaded = held if offload_applies(config, device_kind) else 0
+    return RankPlan(rank, states, acts, moments, offloaded, states.optimizer if nvme else 0, buffer)
 
 
 def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
@@ -341,13 +364,11 @@ def build_pipeline_plan(
         sharded_over,
         config.parallel.dp(world_size),
     )
-    offload = config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
     ranks = []
     for rank in range(world_size):
         stage = stages[layout.coords(rank)["pp"]]
         states = stage.shards[shard_index(layout, rank, config.zero)]
-        offloaded = states.params + states.grads + states.optimizer if offload else 0
-        ranks.append(RankPlan(rank, states, stage.activations, stage.moments[states], offloaded))
+        ranks.append(rank_plan(config, device_kind, rank, states, stage.activations, stage.moments[states]))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers) + 1  # + the pp group's
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators

@@ -11,6 +11,10 @@ row measures it). On top of that:
   fp32 parameters and gradients, pinned when `offload.pin_memory` is on, and Adam's moments
   (`torch.zeros_like` of a pinned tensor is not pinned), plus Adam's per-tensor temporaries
   when the optimizer is not fused.
+- `offload=nvme` keeps the same shards there, but not Adam's moments, which live in a file per rank
+  (trainer/plan/disk.py): instead the rank's one buffer of `offload.buffer_mib` MiB (pageable: the
+  step runs on host tensors, nothing copies it to a device), its step counters and one chunk's AdamW
+  temporaries.
 - `save.async_mode=thread|process` keeps a staging copy of each rank's saved state for the whole
   run (torch's DefaultStager copies every tensor's storage once and reuses it at every save): the
   rank's fp32 parameters as it holds them (whole under stage0/1, padded shards under stage2/3),
@@ -49,6 +53,7 @@ import psutil
 from trainer.config import OffloadTarget, SaveAsync, TrainConfig, uses_fused
 from trainer.layout import Layout
 from trainer.model.hf_weights import largest_tensor_bytes, safetensors_files
+from trainer.plan.disk import chunk_temporary_bytes, nvme_buffer_bytes
 from trainer.plan.states import ModelShape, RankStates, padded_numel, shard_rows
 from trainer.units import GIB
 from trainer.world import is_under_torchrun, usable_cores
@@ -72,7 +77,10 @@ class HostRank:
     pinned: int = 0
     """offload=cpu with pinning: parameter and gradient shards, each rounded up to a power of two."""
     pageable: int = 0
-    """offload=cpu: the rest of the offloaded states (Adam's moments, unpinned shards, step temporaries)."""
+    """offload=cpu: the rest of the offloaded states (Adam's moments, unpinned shards, step temporaries);
+    offload=nvme: the same less the moments (their step counters, one chunk's temporaries)."""
+    buffer: int = 0
+    """offload=nvme on a GPU: the buffer the moments stream through (a CPU rank's is in `tensors`)."""
     staging: int = 0
     """save.async_mode=thread|process: the staging copy of the rank's saved state."""
     writer: int = 0
@@ -83,15 +91,18 @@ class HostRank:
     @property
     def total(self) -> int:
         """The runtime and the larger of training's parts (together) and loading's, which comes before."""
-        training = self.tensors + self.pinned + self.pageable + self.staging + self.writer
+        training = self.tensors + self.pinned + self.pageable + self.buffer + self.staging + self.writer
         return self.runtime + max(training, self.loading)
 
 
-def offloaded_host_rank(runtime: int, shards: int, optimizer: int, temporary: int, pin: bool) -> HostRank:
-    """An offloading rank: `shards` is the bytes of its parameter and gradient shards (offload_shard_bytes)."""
+def offloaded_host_rank(
+    runtime: int, shards: int, optimizer: int, temporary: int, pin: bool, buffer: int = 0
+) -> HostRank:
+    """An offloading rank: `shards` is the bytes of its parameter and gradient shards (offload_shard_bytes),
+    `buffer` offload=nvme's."""
     if pin:
-        return HostRank(runtime, pinned=shards, pageable=optimizer + temporary)
-    return HostRank(runtime, pageable=shards + optimizer + temporary)
+        return HostRank(runtime, pinned=shards, pageable=optimizer + temporary, buffer=buffer)
+    return HostRank(runtime, pageable=shards + optimizer + temporary, buffer=buffer)
 
 
 # ----------------------------------------------------------------------------- a node against its host
@@ -132,6 +143,7 @@ class HostPlan:
                 "tensors": worst.tensors / GIB,
                 "pinned": worst.pinned / GIB,
                 "pageable": worst.pageable / GIB,
+                "buffer": worst.buffer / GIB,
                 "staging": worst.staging / GIB,
                 "writer": worst.writer / GIB,
             },
@@ -146,6 +158,7 @@ class HostPlan:
             ("tensors", worst.tensors),
             ("pinned offloaded states", worst.pinned),
             ("pageable offloaded states", worst.pageable),
+            ("offload=nvme buffer", worst.buffer),
             ("staging copy of the save", worst.staging),
             ("save process runtime", worst.writer),
         )
@@ -187,7 +200,8 @@ def node_ranks(world_size: int, nodes: int) -> range:
 
 
 def offload_applies(config: TrainConfig, device_kind: str) -> bool:
-    return config.offload.target == OffloadTarget.cpu and device_kind == "cuda"
+    """Whether a rank's sharded parameters and gradients move to host memory: offload=cpu or nvme on a GPU."""
+    return config.offload.on_host and device_kind == "cuda"
 
 
 def runtime_bytes(config: TrainConfig, device_kind: str) -> int:
@@ -282,6 +296,11 @@ def at_rest(
     pin = config.offload.pin_memory
     shards = offload_shard_bytes(shape.order, *shard, pin)
     states = planned.states
+    if config.offload.target == OffloadTarget.nvme:  # the moments on disk, one buffer and chunk in memory
+        buffer_mib = config.offload.buffer_mib
+        temporary = chunk_temporary_bytes(buffer_mib, states.largest_numel)
+        buffer = nvme_buffer_bytes(buffer_mib)
+        return offloaded_host_rank(runtime, shards, states.step_counters, temporary, pin, buffer)
     # The CPU AdamW runs on the offloaded shards: fused in place, else a per-tensor loop whose
     # temporaries trainer/plan/states.py sizes (loop_temporary).
     temporary = 0 if uses_fused(config.optim, device_kind) else 4 * states.loop_temporary

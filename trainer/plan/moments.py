@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from trainer.config import DataConfig, ModelConfig, OffloadTarget, ReduceEvery, TrainConfig, uses_fused
 from trainer.plan.activations import Activations, Precisions, norm_bytes_per_token, sequence_shards
 from trainer.plan.comm import REDUCE_BYTES
+from trainer.plan.disk import chunk_temporary_bytes, nvme_buffer_bytes
 from trainer.plan.fp8_backward import fp8_w2_backward
 from trainer.plan.states import ModelShape, RankStates
 
@@ -48,16 +49,24 @@ class StepContext:
 
     @property
     def offloaded(self) -> bool:
-        """States in host memory while compute runs on the GPU (FSDP2 CPUOffloadPolicy)."""
-        return self.config.offload.target == OffloadTarget.cpu and self.device_kind == "cuda"
+        """States in host memory while compute runs on the GPU (FSDP2 CPUOffloadPolicy: offload=cpu and nvme)."""
+        return self.config.offload.on_host and self.device_kind == "cuda"
+
+    @property
+    def moments_on_disk(self) -> bool:
+        """offload=nvme: Adam's moments live in a file per rank, streamed through one buffer (trainer/plan/disk.py)."""
+        return self.config.offload.target == OffloadTarget.nvme
 
     def moment(self, name: str, grads: int | None = None, activations: int = 0, temporary: int = 0) -> Moment:
-        """Model states at rest plus what the moment adds; `grads` replaces the at-rest gradients."""
+        """Model states at rest plus what the moment adds; `grads` replaces the at-rest gradients. Under
+        offload=nvme the optimizer holds its buffer in memory instead of its moments."""
         if self.offloaded:  # on the host: not in the device's figure
             params = grads = optimizer = 0
         else:
             params, optimizer = self.states.params, self.states.optimizer
             grads = self.states.grads if grads is None else grads
+            if self.moments_on_disk:
+                optimizer = nvme_buffer_bytes(self.config.offload.buffer_mib)
         parts = dict(
             params=params, grads=grads, optimizer=optimizer, activations=activations, temporary=temporary
         )
@@ -126,9 +135,14 @@ def ffn_norm_backward(ctx: StepContext) -> tuple[int, int]:
 
 def optimizer_temporary(ctx: StepContext) -> int:
     """Adam's temporaries: the fused kernel (trainer/rank/optim.py's default on CUDA) updates in place
-    and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`. Offloaded states
-    are updated on the host."""
-    if ctx.offloaded or uses_fused(ctx.config.optim, ctx.device_kind):
+    and makes none; the per-tensor loop (CPU's default) makes `loop_temporary`; offload=nvme's chunked
+    loop makes one chunk's (trainer/plan/disk.py), each chunk its own call, so nothing carries over from
+    the tensor before. Offloaded states are updated on the host."""
+    if ctx.offloaded:
+        return 0
+    if ctx.moments_on_disk:
+        return chunk_temporary_bytes(ctx.config.offload.buffer_mib, ctx.states.largest_numel)
+    if uses_fused(ctx.config.optim, ctx.device_kind):
         return 0
     return 4 * ctx.states.loop_temporary
 

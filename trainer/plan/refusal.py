@@ -185,7 +185,7 @@ def binding_cause(plan: Plan) -> str:
     c = plan.config
     least = {"zero__stage": Stage.stage3, "checkpointing__mode": CheckpointMode.full}
     least |= {"micro_batch": 1, "grad_accum": c.grad_accum * c.micro_batch}
-    if plan.device_kind == "cuda":
+    if plan.device_kind == "cuda" and not c.offload.on_host:  # offload=nvme's device plan is offload=cpu's
         least["offload__target"] = OffloadTarget.cpu
     floor = build_plan(_changed(c, **least), plan.device_kind, plan.world_size)
     stage = (
@@ -262,10 +262,11 @@ def host_refusal(plan: Plan, way_out: bool = True) -> str | None:
             f"+ {worst.tensors / GIB:.3f} GiB of tensors"
         )
     else:
+        buffer = f", {worst.buffer / GIB:.2f} GiB offload=nvme buffer" if worst.buffer else ""
         held = (
             f"{n} ranks per node each hold {worst.runtime / GIB:.2f} GiB of process runtime (plan.cuda_rank_runtime_gib) "
-            f"+ {(worst.pinned + worst.pageable) / GIB:.2f} GiB of offloaded states ({worst.pinned / GIB:.2f} GiB pinned, "
-            "rounded up to powers of two)"
+            f"+ {(worst.pinned + worst.pageable + worst.buffer) / GIB:.2f} GiB of offloaded states ({worst.pinned / GIB:.2f} "
+            f"GiB pinned, rounded up to powers of two{buffer})"
         )
     if worst.staging:
         held += f" + {(worst.staging + worst.writer) / GIB:.2f} GiB to save in the background (save.async_mode={plan.config.save.async_mode.value})"
@@ -277,7 +278,8 @@ def host_refusal(plan: Plan, way_out: bool = True) -> str | None:
 
 
 def host_changes(plan: Plan) -> list[tuple[str, TrainConfig, int]]:
-    """Changes that lower a node's host memory: fewer CPU ranks; more nodes, no offload, no pinning."""
+    """Changes that lower a node's host memory: fewer CPU ranks; more nodes, no offload, no pinning, Adam's
+    moments on disk (offload=nvme, its directory named by the user)."""
     c, ranks = plan.config, len(plan.host.ranks)
     options = []
     if plan.host.worst.staging:  # saving in place needs no staging copy
@@ -285,7 +287,7 @@ def host_changes(plan: Plan) -> list[tuple[str, TrainConfig, int]]:
     if plan.device_kind == "cpu":  # every CPU rank holds about the same: the most that fit here
         most = min(ranks - 1, plan.host.available_bytes // plan.host.worst.total)  # type: ignore[operator]
         return options + ([(f"nproc={most}", c, most * c.nodes)] if most >= 1 else [])
-    if c.offload.target == OffloadTarget.cpu:
+    if c.offload.on_host:
         no_offload = {"offload__target": OffloadTarget.none}
         options.append(("offload=none", _changed(c, **no_offload), plan.world_size))
         full = {**no_offload, "checkpointing__mode": CheckpointMode.full}
@@ -298,6 +300,10 @@ def host_changes(plan: Plan) -> list[tuple[str, TrainConfig, int]]:
         options.append(("zero=stage3", _changed(c, zero__stage=Stage.stage3), plan.world_size))
     for nodes in (c.nodes * 2**k for k in range(1, 8)):
         options.append((f"nodes={nodes}", _changed(c, nodes=nodes), nodes * ranks))
+    if c.offload.target == OffloadTarget.cpu:  # last: the moments leave host memory for a disk's stall
+        path = c.offload.path or "DIR"  # DIR: a directory on the node's local NVMe, for the user to name
+        nvme = {"offload__target": OffloadTarget.nvme, "offload__path": path}
+        options.append((f"offload=nvme offload.path={path}", _changed(c, **nvme), plan.world_size))
     return options
 
 

@@ -130,6 +130,7 @@ class RankStates:
     step_counters: int  # Adam's 0-dim fp32 `step` per tensor
     local_numel: int  # elements this rank's optimizer updates
     loop_temporary: int  # elements of Adam's per-tensor temporaries at their worst (see below)
+    largest_numel: int = 0  # elements of its largest tensor (offload=nvme's chunk temporaries)
 
 
 def loop_temporary(numels: list[int]) -> int:
@@ -153,14 +154,17 @@ def rank_states(shape: ModelShape, stage: Stage, world_size: int) -> list[RankSt
             local = {s: shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in counts}
             local_numel = sum(counts[s] * local[s] for s in counts)
             temporary = max(2 * local[s] + (local[before] if before else 0) for before, s in pairs)
+            largest = max(local.values())
             states.append(
-                RankStates(4 * padded, 4 * padded, 8 * local_numel, 4 * count, local_numel, temporary)
+                RankStates(
+                    4 * padded, 4 * padded, 8 * local_numel, 4 * count, local_numel, temporary, largest
+                )
             )
         return states
     total = sum(numels)
     if stage == Stage.stage0:
         return [
-            RankStates(4 * total, 4 * total, 8 * total, 4 * count, total, loop_temporary(numels))
+            RankStates(4 * total, 4 * total, 8 * total, 4 * count, total, loop_temporary(numels), max(numels))
         ] * world_size
     states = []
     for mine in zero1_partition(
@@ -169,7 +173,13 @@ def rank_states(shape: ModelShape, stage: Stage, world_size: int) -> list[RankSt
         local = [numels[i] for i in mine]
         states.append(
             RankStates(
-                4 * total, 4 * total, 8 * sum(local), 4 * len(local), sum(local), loop_temporary(local)
+                4 * total,
+                4 * total,
+                8 * sum(local),
+                4 * len(local),
+                sum(local),
+                loop_temporary(local),
+                max(local, default=0),
             )
         )
     return states

@@ -66,6 +66,10 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         if worst.offloaded
         else ""
     )
+    if worst.on_disk:  # offload=nvme: the optimizer column is its buffer
+        offloaded += (
+            f"; Adam's moments on disk, the optimizer column their {worst.buffer / MIB:.0f} MiB buffer"
+        )
     lines = [
         f"memory plan: {describe(plan.config, plan.world_size, plan.device_kind)}, {plan.num_params:,} parameters",
         format_table(plan),
@@ -74,6 +78,7 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         *pipeline_lines(plan),
         comm_line(plan),
         plan.host.describe(),
+        *disk_lines(plan),
         verdict(plan, way_out),
     ]
     host_verdict = host_refusal(plan, way_out)
@@ -118,6 +123,26 @@ def pipeline_lines(plan: Plan) -> list[str]:
             f"{unsharded}its gradient unsharded ({format_bytes(grads)}) beside its states at rest"
         )
     return lines
+
+
+def disk_lines(plan: Plan) -> list[str]:
+    """offload=nvme (trainer/plan/disk.py): the moments' files, what a step reads and writes, the stall."""
+    disk = plan.disk
+    if disk is None:
+        return []
+    rate = disk.rate.bytes_per_s
+    stall = (
+        f"stall {disk.stall_s:.3g} s per step at {rate / 1e9:.3g} GB/s ({disk.rate.source})"
+        if disk.stall_s is not None and rate is not None
+        else f"stall {disk.rate.source}"
+    )
+    return [
+        f"disk (offload=nvme, offload.path={disk.path}): Adam's moments in files of {format_bytes(disk.file_bytes_per_rank)} "
+        f"per rank, {format_bytes(disk.file_bytes_per_node)} per node ({len(disk.file_bytes)} ranks); each step reads "
+        f"{format_bytes(disk.read_bytes_per_rank)} and writes {format_bytes(disk.written_bytes_per_rank)} per rank "
+        f"({format_bytes(disk.traffic_bytes_per_node)} per node) through a {format_bytes(disk.buffer_bytes)} buffer "
+        f"per rank; {stall}"
+    ]
 
 
 def fp8_line(plan: Plan) -> str:
