@@ -1,7 +1,7 @@
 """Tensor parallelism (parallel.tp=2, sequence parallelism on) composed with ZeRO, on CPU ranks.
 
 One job per configuration, shared by the module: tp=2 on 2 ranks (dp 1) at stage0, and on 4 ranks (dp 2)
-at stage2 and stage3 (and stage3 with offload=cpu), and on 8 (HSDP: 2 replicas of 2 shards) at stage3, each
+at stage2 and stage3 (and stage3 with offload=nvme), and on 8 (HSDP: 2 replicas of 2 shards) at stage3, each
 against one 1-rank run of the same global batch (8 sequences), fp32, 8 steps:
 per-step losses within 1e-5; the bytes of every collective in the tp and dp (shard) groups as planned; the
 stage3 run's save resumes at tp=1 on 4 data-parallel ranks.
@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer, train_tokenizer, write_documents
+from tests.helpers import (
+    TINY,
+    Run,
+    compose_config,
+    layer_norms_bytes,
+    run_trainer,
+    train_tokenizer,
+    write_documents,
+)
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 
@@ -27,8 +35,10 @@ CONFIGS = {
     "tp2 dp1 stage3": ("nproc=2", "micro_batch=8", "zero=stage3", "save=off"),
     "tp2 dp2 stage2": ("nproc=4", "micro_batch=4", "zero=stage2", "save=off"),
     "tp2 dp2 stage3": ("nproc=4", "micro_batch=4", "zero=stage3", "save.every=4"),
-    # FSDP2's CPUOffloadPolicy on the 2-D (dp, tp) shards: the states on the host, the same collectives
-    "tp2 dp2 stage3 offload": ("nproc=4", "micro_batch=4", "zero=stage3", "offload=cpu", "save=off"),
+    # FSDP2's CPUOffloadPolicy on the 2-D (dp, tp) shards: the states on the host, the same collectives; under
+    # offload=nvme, which is that policy with Adam's moments in a file per rank (bitwise offload=cpu's training:
+    # tests/integration/test_nvme.py), the files hold the 2-D shards' moments
+    "tp2 dp2 stage3 offload": ("nproc=4", "micro_batch=4", "zero=stage3", "offload=nvme", "save=off"),
     # HSDP beside TP: the mesh (dp_replicate 2, dp_shard 2, tp 2) on 8 ranks, FSDP2 over its two dp dims
     "tp2 hsdp 2x2 stage3": ("nproc=8", "micro_batch=2", "zero=stage3", "zero.shard_ranks=2", "save=off"),
 }
@@ -46,7 +56,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
     out = tmp_path_factory.mktemp("tp") / "run"
-    return request.param, job(out, "parallel.tp=2", *CONFIGS[request.param])
+    disk = [f"offload.path={out.parent}"] if "offload=nvme" in CONFIGS[request.param] else []
+    return request.param, job(out, "parallel.tp=2", *CONFIGS[request.param], *disk)
 
 
 def test_losses_equal_one_rank_of_the_same_global_batch(tp_run: tuple[str, Run], reference: Run) -> None:
@@ -54,6 +65,19 @@ def test_losses_equal_one_rank_of_the_same_global_batch(tp_run: tuple[str, Run],
     assert len(run.losses) == len(reference.losses) == 8
     worst = max(abs(a - b) for a, b in zip(run.losses, reference.losses))
     assert worst < 1e-5, (name, run.losses, reference.losses)
+
+
+def test_the_moments_files_hold_each_tp_ranks_shards(tp_run: tuple[str, Run]) -> None:
+    """offload=nvme under TP: each step reads and writes 8 bytes per element of every rank's shards: the model's
+    parameters once, and the norms' weights, which the tp ranks each hold whole, once more per extra tp rank."""
+    name, run = tp_run
+    if "offload" not in name:
+        pytest.skip("offload=nvme's point only")
+    model = compose_config(*TINY).model
+    replicated = (2 * model.n_layers + 1) * model.dim  # the RMSNorm weights: Replicate() over tp
+    moments = 8 * (model_shape(model).num_params + replicated)
+    assert {r["offload/disk_read_bytes"] for r in run.records} == {moments}
+    assert {r["offload/disk_written_bytes"] for r in run.records} == {moments}
 
 
 def test_composed_pairs_peaks_within_half_a_percent_of_their_plans(tp_run: tuple[str, Run]) -> None:

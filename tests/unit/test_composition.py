@@ -39,11 +39,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("offload=nvme", "offload.path=/tmp"),
         "parallel.pp=2 with offload=nvme is not supported; use offload=none or parallel.pp=1",
     ),
-    "parallel.tp x offload=nvme": (
-        (*TP, "zero=stage3"),
-        ("offload=nvme", "offload.path=/tmp"),
-        "parallel.tp=2 with offload=nvme is not supported; use offload=cpu or parallel.tp=1",
-    ),
     "parallel.pp x loss=chunked": (
         PP,
         ("loss=chunked",),

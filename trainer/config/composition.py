@@ -98,14 +98,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "use offload=none",
     ),
     Refusal(
-        TP,
-        "offload=nvme",
-        lambda c: c.offload.target == OffloadTarget.nvme,
-        "not yet proven: the moments' files follow any DTensor shard, but no run with tensor parallelism "
-        "has checked them against offload=cpu",
-        "use offload=cpu",
-    ),
-    Refusal(
         PP,
         "loss=chunked",
         lambda c: c.loss.kind == LossKind.chunked,
