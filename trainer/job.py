@@ -131,6 +131,8 @@ def run_job(cfg: DictConfig) -> None:
 def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
     """The typed config checked against what it runs on: any device and world size for mode=plan
     and advise, this host (and node) for a job that trains. None after one `error:` line."""
+    from trainer.rank.refusals import check_pipeline_fault
+
     try:
         config = validate(cfg)
         if config.mode in (Mode.plan, Mode.advise):  # nothing checked against this host
@@ -142,7 +144,12 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         world_size = config.nodes * nproc
         check_world(config, nproc, config.nodes)  # a tensor-parallel group inside one node
         config.telemetry.check_traces(config.steps, world_size)  # traced steps and ranks that exist
-        Layout.from_config(config, world_size)  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
+        layout = Layout.from_config(
+            config, world_size
+        )  # zero.shard_ranks / zero.hpz_ranks against the dp ranks
+        check_pipeline_fault(
+            config, layout
+        )  # a fault in the loss: on a rank that takes one (trainer/rank/refusals.py)
         check_offload_path(config, world_size)  # offload=nvme training here: offload.path and its free space
         if config.mode == Mode.advise:
             from trainer.advise.accelerators import check_accelerators

@@ -33,6 +33,11 @@ CASES = [
     (["steps=-1"], "steps", ">= 1"),
     (["seq_len=1024"], "seq_len", "model.max_seq_len (512)"),
     (["offload=cpu", "zero=stage1"], "offload=cpu", "zero=stage2 or zero=stage3"),
+    (
+        ["nproc=2", "parallel.pp=2", "grad_accum=2", "fault.kind=nan_loss", "fault.rank=0"],
+        "fault.kind=nan_loss with parallel.pp=2",
+        "use fault.rank in 1",
+    ),
     (["offload=nvme", "offload.path={tmp}", "zero=stage1"], "offload=nvme", "zero=stage2 or zero=stage3"),
     (["offload=nvme", "zero=stage3"], "offload=nvme needs offload.path", "writable directory"),
     (
@@ -196,7 +201,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "zero.reshard_after_backward=false",
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
-    (PP, "fault.kind"): ("fault.kind=nan_loss",),
 }
 DEGREE = {TP: ("parallel.tp=2",), PP: ("parallel.pp=2", "grad_accum=2")}  # 1F1B streams >= 2 micro-batches
 REFUSAL_CASES = [

@@ -25,7 +25,8 @@ KILL_RANK1_AT_7 = ("fault.kind=kill", "fault.step=7", "fault.rank=1")  # after s
 
 
 def nvme(disk: Path) -> tuple[str, ...]:
-    return ("offload=nvme", f"offload.path={disk}", "offload.buffer_mib=1")
+    # plan.disk_gbps: the plan's stall from a given rate, not a 256 MiB measurement of the path per job
+    return ("offload=nvme", f"offload.path={disk}", "offload.buffer_mib=1", "plan.disk_gbps=1")
 
 
 def planned_peak(*offload: str) -> float:

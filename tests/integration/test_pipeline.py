@@ -359,6 +359,22 @@ def test_z_loss_on_the_last_stage_equals_one_rank_and_its_plan(tmp_path: Path) -
     assert abs(last["peak_bytes"] - measured) / measured < 0.005, (last["peak_bytes"], measured)
 
 
+def test_faults_in_a_pipeline_skip_a_step_or_name_the_killed_rank(tmp_path: Path) -> None:
+    """fault.kind under parallel.pp (trainer/rank/loop.py pipeline_fault): a nan loss on the last stage's rank is
+    skipped by nonfinite=skip on both ranks; a kill on the first stage's rank ends the job naming it."""
+    base = (*PP2, "nproc=2", "micro_batch=2", "zero=stage0", "steps=3", "save=off", "fault.step=2")
+    skipped = job(tmp_path / "nan", *base, "fault.kind=nan_loss", "fault.rank=1", "nonfinite=skip")
+    assert skipped.summary["status"] == "ok" and skipped.summary["train/nonfinite_skipped"] == 1
+    assert [r["train/nonfinite_skipped"] for r in skipped.records] == [0, 1, 1]
+    killed = run_trainer(tmp_path / "kill", *TINY, *base, "fault.kind=kill", "fault.rank=0", check=False)
+    assert (
+        killed.returncode == 1
+        and killed.summary["status"] == "crashed"
+        and killed.summary["failed_rank"] == 0
+    )
+    assert len(killed.losses) == 1  # step 1 logged, step 2 never finished
+
+
 @pytest.mark.parametrize(
     "ranks", [("nproc=2", "micro_batch=2"), ("nproc=4", "micro_batch=1")], ids=["dp1", "dp2"]
 )

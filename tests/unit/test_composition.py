@@ -93,11 +93,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.pp=2 with model.tie_embeddings=true is not supported; the embedding (first stage) and the "
         "head (last stage) cannot share one weight; use a model without tied embeddings or parallel.pp=1",
     ),
-    "parallel.pp x fault.kind": (
-        PP,
-        ("fault.kind=nan_loss",),
-        "parallel.pp=2 with fault.kind is not supported; use fault.kind=none or parallel.pp=1",
-    ),
     "parallel.tp x loss=chunked": (
         TP,
         ("loss=chunked",),

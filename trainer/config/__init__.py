@@ -38,6 +38,7 @@ from trainer.config.composition import (
 )
 from trainer.config.data import DataConfig, DataloaderConfig, EvalConfig
 from trainer.config.enums import (
+    LOSS_FAULTS,
     AttentionKernel,
     CheckpointMode,
     Compression,
@@ -112,6 +113,7 @@ __all__ = [
     "LossKind",
     "HfExport",
     "FaultKind",
+    "LOSS_FAULTS",
     "SaveAsync",
     "SpikeAction",
     "ModelConfig",

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from trainer.config.enums import (
     Compression,
     DataKind,
-    FaultKind,
     LossKind,
     OffloadTarget,
     Packing,
@@ -169,14 +168,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "the embedding (first stage) and the head (last stage) cannot share one weight",
         "use a model without tied embeddings",
         "{row.first}={degree} with {row.second} is not supported; {row.reason}; {row.way_out} or {row.first}=1",
-    ),
-    Refusal(
-        PP,
-        "fault.kind",
-        lambda c: c.fault.kind != FaultKind.none,
-        "not yet built: the drills inject into the loop's own loss (trainer/rank/loop.py inject_fault); a "
-        "schedule takes the loss itself",
-        "use fault.kind=none",
     ),
     Refusal(
         TP,

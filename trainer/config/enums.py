@@ -134,6 +134,11 @@ class FaultKind(str, Enum):
     loss_spike = "loss_spike"
 
 
+LOSS_FAULTS = frozenset({FaultKind.inf_grad, FaultKind.nan_loss, FaultKind.loss_spike})
+"""The fault kinds injected into the rank's loss (trainer/rank/loop.py inject_fault); the others act on the
+rank itself (raise, kill, run out of memory, hang) or on its save."""
+
+
 class SaveAsync(str, Enum):
     """save.async_mode: how a save is written (torch.distributed.checkpoint.async_save's AsyncCheckpointerType)."""
 

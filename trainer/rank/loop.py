@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from torch.amp import GradScaler
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.config import FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
+from trainer.config import LOSS_FAULTS, FaultConfig, FaultKind, LossKind, TrainConfig, uses_fused
 from trainer.data import build_batches, to_device, validation_batches
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
@@ -225,6 +226,7 @@ def train_step(
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
     if trainee.pipeline is not None:
+        trainee.pipeline.loss.fault = pipeline_fault(config.fault, world, step)
         loss_sum, z_sum, data_s = pipeline_forward_backward(trainee.pipeline, batches, config, world)
     else:
         loss_sum, z_sum, data_s = accumulate(trainee, batches, config, world, step)
@@ -337,6 +339,18 @@ def loss_scale(scaler: GradScaler) -> float | torch.Tensor:
     if not scaler.is_enabled():
         return 1.0
     return scale_on_device(scaler).detach().clone()  # update() replaces it in place next step
+
+
+def pipeline_fault(
+    fault: FaultConfig, world: World, step: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """parallel.pp > 1: a fault on the rank itself (raise, kill, out of memory, hang) happens now, on any stage;
+    one in the loss is handed to the last stage's loss_fn, which applies it to each micro-batch's objective
+    (the job process refused it for a rank without the loss: trainer/rank/refusals.py check_pipeline_fault)."""
+    if fault.kind not in LOSS_FAULTS:
+        inject_fault(torch.zeros(()), fault, world, step, is_last=True)
+        return None
+    return functools.partial(inject_fault, fault=fault, world=world, step=step, is_last=True)
 
 
 def inject_fault(

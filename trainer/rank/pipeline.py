@@ -165,13 +165,15 @@ class PipelineLoss:
     z_weight: float = 0.0
     kept: list[LossTerms] = field(default_factory=list)
     """loss.z_loss > 0: each micro-batch's terms since the last `unscaled`."""
+    fault: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """This step's fault injection into the loss (fault.kind in LOSS_FAULTS, the loop's inject_fault), or None."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         terms = self.loss(logits, targets, self.z_weight)
-        if terms.z_loss is None:
-            return self.scaler.scale(terms.cross_entropy)
-        self.kept.append(LossTerms(*(local_loss(term).detach().float() for term in terms)))
-        return self.scaler.scale(terms.cross_entropy + terms.z_loss)
+        if terms.z_loss is not None:
+            self.kept.append(LossTerms(*(local_loss(term).detach().float() for term in terms)))
+        objective = terms.cross_entropy if terms.z_loss is None else terms.cross_entropy + terms.z_loss
+        return self.scaler.scale(objective if self.fault is None else self.fault(objective))
 
     def unscaled(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's summed cross-entropy and z-loss (None when off), of the micro-batches in the schedule's

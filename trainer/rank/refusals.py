@@ -7,7 +7,16 @@ otherwise load for two checks of the config (tests/unit/test_imports.py keeps th
 
 from __future__ import annotations
 
-from trainer.config import ConfigError, Fp8Recipe, PrecisionConfig, ReduceDType, ZeroConfig
+from trainer.config import (
+    LOSS_FAULTS,
+    ConfigError,
+    Fp8Recipe,
+    PrecisionConfig,
+    ReduceDType,
+    TrainConfig,
+    ZeroConfig,
+)
+from trainer.layout import Layout
 from trainer.model.fp8 import float8_config
 
 
@@ -43,4 +52,18 @@ def check_fp8_support(precision: PrecisionConfig, zero: ZeroConfig, device_kind:
         raise ConfigError(
             f"precision.fp8_recipe={recipe} with zero={zero.stage.value} on {device_kind}: torchao's emulated "
             "backward fails under autocast; use precision.fp8_recipe=tensorwise or rowwise, or zero=stage2 or stage3"
+        )
+
+
+def check_pipeline_fault(config: TrainConfig, layout: Layout) -> None:
+    """A fault that changes the loss (LOSS_FAULTS) under parallel.pp: only the ranks of the last stage take a
+    loss (each pipeline's last pp rank, whatever the schedule: trainer/rank/pipeline.py rank_stages)."""
+    if config.parallel.pp == 1 or config.fault.kind not in LOSS_FAULTS:
+        return
+    last = [rank for rank in range(layout.world_size) if layout.coords(rank)["pp"] == config.parallel.pp - 1]
+    if config.fault.rank not in last:
+        raise ConfigError(
+            f"fault.kind={config.fault.kind.value} with parallel.pp={config.parallel.pp} changes the loss, which only "
+            f"the last stage's ranks take: fault.rank={config.fault.rank} is not one; use fault.rank in "
+            f"{', '.join(map(str, last))}"
         )
