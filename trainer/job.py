@@ -19,10 +19,8 @@ from omegaconf import DictConfig
 from trainer.config import (
     AUTO,
     ConfigError,
-    DataKind,
     HfExport,
     Mode,
-    Packing,
     TrainConfig,
     to_plain,
     validate,
@@ -165,10 +163,14 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         if config.mode == Mode.train and weights:
             # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
             config.model.weights_sha256 = fingerprint(weights)
-        choice = run_choice(
-            config.attention, config.model, config.precision.compute_dtype, device_kind
-        )  # an attention kernel this device cannot run: one line, exit 2
-        if config.data.kind == DataKind.text and config.data.packing == Packing.document:
+        choice = run_choice(  # an attention kernel this device cannot run: one line, exit 2
+            config.attention,
+            config.model,
+            config.precision.compute_dtype,
+            device_kind,
+            config.data.masks_documents,
+        )
+        if config.data.masks_documents:
             check_document_mask(choice, device_kind)
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(

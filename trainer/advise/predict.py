@@ -347,7 +347,13 @@ def compute_seconds(
     data-parallel batch times its share S of the model's FLOPs plus its recompute R, at its rate."""
     tokens = config.micro_batch * config.grad_accum * config.seq_len
     rate = rank_rate(config, rates)
-    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, device_kind)
+    choice = run_choice(
+        config.attention,
+        config.model,
+        config.precision.compute_dtype,
+        device_kind,
+        config.data.masks_documents,
+    )
     share, recompute = rank_flops(config, sdpa_op(choice, device_kind))
     model = tokens * flops_per_token * share / rate
     recompute_s = tokens * recompute / rate

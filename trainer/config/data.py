@@ -75,11 +75,6 @@ class DataConfig:
         _require(self.branching >= 1, f"data.branching must be >= 1, got {self.branching}")
         if self.kind == DataKind.tokens:
             _require(bool(self.path), "data.path must name a token file (.npy) when data=tokens")
-        if self.kind == DataKind.text:
-            _require(
-                bool(self.files),
-                "data.files must list at least one file (txt, json, jsonl, parquet) when data=text",
-            )
         _require(
             0 <= self.validation_fraction < 1,
             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
@@ -90,6 +85,11 @@ class DataConfig:
             f"data.validation_files and data.validation_fraction={self.validation_fraction}: choose one (held-out "
             "files, or that fraction of data.files' documents); set data.validation_fraction=0 with validation_files",
         )
+
+    @property
+    def masks_documents(self) -> bool:
+        """data.packing=document, which data=text alone reads: attention gets a block-causal mask."""
+        return self.kind == DataKind.text and self.packing == Packing.document
 
     @property
     def has_validation(self) -> bool:

@@ -176,8 +176,15 @@ class TrainConfig:
             self.data.tokenizer = str(
                 Path(self.model.name[3:]).parent
             )  # model=hf's directory: its own tokenizer
+        # The text itself is read by a job that trains: a plan (mode=plan, advise) for another machine needs
+        # none of it, only the shape of what the ranks will hold (a document mask, evaluations).
+        reads_text = self.data.kind == DataKind.text and self.mode == Mode.train
         _require(
-            self.data.kind != DataKind.text or bool(self.data.tokenizer),
+            not reads_text or bool(self.data.files),
+            "data.files must list at least one file (txt, json, jsonl, parquet) when data=text",
+        )
+        _require(
+            not reads_text or bool(self.data.tokenizer),
             "data.tokenizer must name a tokenizer.json or a model directory when data=text "
             "(model=hf: the directory of model.config, by default)",
         )
@@ -186,7 +193,7 @@ class TrainConfig:
             "eval.every needs held-out data: data=text (data.validation_files or data.validation_fraction) or data=synthetic",
         )
         _require(
-            self.eval.every == 0 or self.data.kind != DataKind.text or self.data.has_validation,
+            self.eval.every == 0 or not reads_text or self.data.has_validation,
             "eval.every with data=text needs data.validation_files or data.validation_fraction > 0",
         )
         self.parallel.check_model(self.model, self.seq_len)

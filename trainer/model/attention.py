@@ -12,10 +12,13 @@ impossible combination fails loudly instead of falling back:
 
 | attention= | CPU | CUDA bf16/fp16 | CUDA fp32 |
 |---|---|---|---|
-| auto | flash (takes grouped K/V) | flash (takes grouped K/V) | efficient, K/V repeated to every query head |
+| auto | flash (takes grouped K/V) | flash (takes grouped K/V); efficient, K/V repeated, under a document mask | efficient, K/V repeated to every query head |
 | flash | flash | flash | refused: flash on CUDA needs bf16 or fp16 |
 | efficient | refused: no such CPU kernel | efficient, K/V repeated | efficient, K/V repeated |
 | math | math: saves the scores | math: saves the scores | math: saves the scores |
+
+CUDA's flash kernel takes no attention mask, so under data.packing=document (a block-causal mask) `auto`
+chooses the efficient kernel, which does, and `flash` is refused (check_document_mask).
 
 Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
 H·T scores of math. trainer/plan/activations.py counts what each choice saves.
@@ -45,8 +48,11 @@ class SdpaChoice:
         return self.backend == SDPBackend.MATH
 
 
-def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped: bool) -> SdpaChoice:
-    """The kernel for this device and dtype (see the module docstring); ConfigError where it cannot run."""
+def choose_sdpa(
+    kernel: AttentionKernel, device_kind: str, dtype: DType, grouped: bool, masked: bool = False
+) -> SdpaChoice:
+    """The kernel for this device and dtype (see the module docstring), `masked` under a document mask;
+    ConfigError where it cannot run."""
     half = dtype in (DType.bfloat16, DType.float16)
     if kernel == AttentionKernel.math:
         return SdpaChoice(SDPBackend.MATH)
@@ -58,14 +64,17 @@ def choose_sdpa(kernel: AttentionKernel, device_kind: str, dtype: DType, grouped
         raise ConfigError(
             "attention=flash needs precision=bf16 or fp16 on CUDA; allowed in fp32: auto, efficient, math"
         )
-    if device_kind == "cuda" and not half:  # auto in fp32 on CUDA
-        return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)
+    if device_kind == "cuda" and (not half or (masked and kernel == AttentionKernel.auto)):
+        return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)  # auto in fp32, or masked
     return SdpaChoice(SDPBackend.FLASH_ATTENTION)
 
 
-def run_choice(kernel: AttentionKernel, model: ModelConfig, dtype: DType, device_kind: str) -> SdpaChoice:
-    """The choice of a run (raises ConfigError before any rank starts, when called from the job)."""
-    return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads)
+def run_choice(
+    kernel: AttentionKernel, model: ModelConfig, dtype: DType, device_kind: str, masked: bool = False
+) -> SdpaChoice:
+    """The choice of a run, `masked` under data.packing=document (raises ConfigError before any rank starts,
+    when called from the job)."""
+    return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads, masked=masked)
 
 
 def check_document_mask(choice: SdpaChoice, device_kind: str) -> None:

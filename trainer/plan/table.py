@@ -7,7 +7,10 @@ report: trainer/report/fit_table.py.
 
 from __future__ import annotations
 
+from trainer.config import TrainConfig
 from trainer.devices import accelerator_names
+from trainer.model.attention import run_choice
+from trainer.plan.activations import document_mask_per_token
 from trainer.plan.build import COMPILE_NOTE, Plan, RankPlan, describe, fp8_fields
 from trainer.plan.refusal import host_refusal, refusal
 from trainer.units import GIB, KIB, MIB
@@ -79,6 +82,7 @@ def format_plan(plan: Plan, way_out: bool = True) -> str:
         comm_line(plan),
         plan.host.describe(),
         *disk_lines(plan),
+        *data_lines(plan),
         verdict(plan, way_out),
     ]
     host_verdict = host_refusal(plan, way_out)
@@ -143,6 +147,41 @@ def disk_lines(plan: Plan) -> list[str]:
         f"({format_bytes(disk.traffic_bytes_per_node)} per node) through a {format_bytes(disk.buffer_bytes)} buffer "
         f"per rank; {stall}"
     ]
+
+
+def data_lines(plan: Plan) -> list[str]:
+    """What the data adds that the table folds into its columns: data.packing=document's mask (in activations),
+    and eval.every's evaluations (held-out batches kept for the run; a forward under no_grad, not walked)."""
+    c, lines = plan.config, []
+    if c.data.masks_documents:
+        mask = c.micro_batch * c.seq_len * c.seq_len
+        per_block = document_mask_per_token(c, plan.device_kind) * c.micro_batch * c.seq_len
+        lines.append(
+            f"document mask (data.packing=document): {format_bytes(mask)} of booleans (B·T·T) per micro-batch, "
+            f"{format_bytes(per_block)} of its additive form saved by each block's attention, and the documents' "
+            f"ids (8 B a token), in the activations column; attention kernel {sdpa_name(c, plan.device_kind)}"
+        )
+    if c.eval.every > 0:
+        sequences = c.eval.batches * c.micro_batch * c.grad_accum
+        held = sequences * c.seq_len * (16 + (8 if c.data.masks_documents else 0))
+        lines.append(
+            f"evaluation every {c.eval.every} steps: {c.eval.batches} global batches, {sequences} sequences a "
+            f"data-parallel rank ({format_bytes(held)} of ids held for the run), each a forward under no_grad "
+            "beside the gradients; not walked: it saves no activations, and measured below the step's peak "
+            '(39-87% of it on 2 CPU ranks; docs/memory_plan.md, "Evaluation")'
+        )
+    return lines
+
+
+def sdpa_name(config: TrainConfig, device_kind: str) -> str:
+    choice = run_choice(
+        config.attention,
+        config.model,
+        config.precision.compute_dtype,
+        device_kind,
+        config.data.masks_documents,
+    )
+    return "SDPA's own" if choice.backend is None else choice.backend.name.lower()
 
 
 def fp8_line(plan: Plan) -> str:

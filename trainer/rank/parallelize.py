@@ -44,7 +44,13 @@ def parallelize(
     apply_fp8(part, config.precision, world.device.type)
     if layout.enabled("tp"):
         apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
-    choice = run_choice(config.attention, config.model, config.precision.compute_dtype, world.device.type)
+    choice = run_choice(
+        config.attention,
+        config.model,
+        config.precision.compute_dtype,
+        world.device.type,
+        config.data.masks_documents,
+    )
     apply_sdpa_choice(part, choice)
     apply_loss_choice(part, config.loss)
     apply_activation_checkpointing(part, config.checkpointing)

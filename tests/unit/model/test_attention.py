@@ -125,3 +125,16 @@ def test_repeated_kv_is_what_the_plan_adds_for_cuda_fp32() -> None:
         SdpaChoice(FLASH), torch.float32
     )
     assert measured == extra * m.n_layers * config.micro_batch * config.seq_len
+
+
+def test_auto_takes_the_kernel_that_takes_a_mask_under_document_packing() -> None:
+    """CUDA's flash kernel takes no attn_mask: under data.packing=document `auto` chooses the efficient one
+    (K/V repeated where grouped), an explicit flash is still refused (check_document_mask)."""
+    masked = choose_sdpa(AttentionKernel.auto, "cuda", DType.bfloat16, grouped=True, masked=True)
+    assert masked == SdpaChoice(EFFICIENT, repeat_kv=True)
+    assert choose_sdpa(AttentionKernel.auto, "cpu", DType.bfloat16, grouped=True, masked=True) == SdpaChoice(
+        FLASH
+    )
+    assert choose_sdpa(
+        AttentionKernel.flash, "cuda", DType.bfloat16, grouped=True, masked=True
+    ) == SdpaChoice(FLASH)

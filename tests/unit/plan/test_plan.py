@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from tests.helpers import CONF, compose_config, saved_storage_bytes
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model.decoder import build_model, init_weights
-from trainer.plan import build_plan, refusal, summary_fields
+from trainer.plan import build_plan, format_plan, refusal, summary_fields
 from trainer.plan.activations import activations
 from trainer.plan.states import model_shape, padded_numel, rank_states, shard_rows, zero1_partition
 from trainer.units import GIB
@@ -383,3 +383,26 @@ def test_a_fitting_plan_is_not_refused_and_its_peak_is_the_jobs_prediction() -> 
         == plan.peak_bytes
         == max(r.peak.total for r in plan.ranks)
     )
+
+
+# ----------------------------------------------------------------------------- what the data adds
+
+
+def test_the_70b_fine_tune_recipe_plans_with_its_document_mask_and_evaluation() -> None:
+    """Issue 58's recipe, planned for another machine: data=text needs no files to be planned (the job that
+    trains reads them); attention=auto takes CUDA's efficient kernel, which takes the document mask; the plan
+    prints the mask's bytes and the evaluation's held-out ids."""
+    recipe = compose_config(
+        "mode=plan", "model=llama3-70b", "nodes=4", "nproc=8", "plan.accelerator=h100", "parallel.tp=8",
+        "zero=stage3", "compile=true", "precision=fp8", "checkpointing=op", "data=text", "data.packing=document",
+        "eval.every=100", "save.async_mode=thread",
+    )  # fmt: skip
+    text = format_plan(build_plan(recipe, "cuda", 32))
+    b, t = recipe.micro_batch, recipe.seq_len
+    assert f"document mask (data.packing=document): {b * t * t / 1024:.2f} KiB of booleans" in text
+    assert f"{2 * b * t * t / 1024:.2f} KiB of its additive form" in text  # bf16 compute: 2 B a value
+    assert "attention kernel efficient_attention" in text
+    sequences = recipe.eval.batches * b * recipe.grad_accum
+    assert f"evaluation every 100 steps: 4 global batches, {sequences} sequences" in text
+    assert f"({sequences * t * 24 / 1024:.2f} KiB of ids held for the run)" in text
+    assert "fits: peak" in text
