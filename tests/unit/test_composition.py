@@ -70,11 +70,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.sync_every=2",),
         "parallel.pp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.pp=1",
     ),
-    "parallel.pp x data.packing=document": (
-        (*PP, *TEXT),
-        ("data.packing=document",),
-        "parallel.pp=2 with data.packing=document is not supported; use data.packing=concat or parallel.pp=1",
-    ),
     "parallel.pp x zero.reduce_every=micro_batch": (
         PP,
         ("zero.reduce_every=micro_batch",),

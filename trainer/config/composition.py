@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING
 
 from trainer.config.enums import (
     Compression,
-    DataKind,
     LossKind,
     OffloadTarget,
-    Packing,
     ReduceEvery,
     Stage,
 )
@@ -62,11 +60,6 @@ class Refusal:
 
     def says(self, config: TrainConfig) -> str:
         return self.message.format(row=self, degree=self.degree(config), config=config)
-
-
-def _document_packing(c: TrainConfig) -> bool:
-    """data.packing is read by data=text only: another kind never packs documents, whatever the key says."""
-    return c.data.kind == DataKind.text and c.data.packing == Packing.document
 
 
 # In the order they are checked: the first that applies is the message. Tensor parallelism's tied-embedding
@@ -138,14 +131,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c: c.zero.sync_every > 1,
         "not yet proven: local SGD's periodic parameter averaging per stage",
         "use zero.sync_every=1",
-    ),
-    Refusal(
-        PP,
-        "data.packing=document",
-        _document_packing,
-        "not yet built: a schedule sends each micro-batch's activations on, not its document boundaries "
-        "(the block-causal mask every stage's attention needs)",
-        "use data.packing=concat",
     ),
     Refusal(
         PP,

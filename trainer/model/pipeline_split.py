@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.model.decoder import NoInitOnMeta, Transformer
+from trainer.model.decoder import NoInitOnMeta, Transformer, block_causal_mask
 
 
 def stage_blocks(n_layers: int, stages: int) -> list[range]:
@@ -68,15 +68,18 @@ class StageModel(Transformer):
             self.norm = None
             self.output = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """`documents_BT` (data.packing=document): every stage gets the micro-batch's document ids from the
+        schedule's kwargs (each rank hands them to its own step) and makes the block-causal mask itself."""
         # Beyond the first stage under sequence parallelism the stage receives its TP rank's T / tp positions;
         # the rotary tables are of the whole sequence (attention all-gathers it first).
         T = x.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
         cos_TF, sin_TF = (table[:T] for table in self.rope_tables(x.device))
+        mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
         for layer in self.layers:
-            x = layer(x, cos_TF, sin_TF, None)
+            x = layer(x, cos_TF, sin_TF, mask_B1TT)
         if self.output is not None:
             x = self.output(self.norm(x))
         return x

@@ -268,11 +268,16 @@ def build_pipeline(
     )
 
 
-def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batches' inputs and targets as one batch each: the schedule splits a batch along dim 0 into
-    grad_accum equal chunks, the micro-batches again."""
-    inputs, targets = (torch.cat([batch[i] for batch in micro]) for i in (0, 1))
-    return inputs, targets
+def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The micro-batches' inputs and targets (and, data.packing=document, document ids) as one batch each: the
+    schedule splits a batch along dim 0 into grad_accum equal chunks, the micro-batches again."""
+    return tuple(torch.cat([batch[i] for batch in micro]) for i in range(len(micro[0])))
+
+
+def documents_kwarg(batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """data.packing=document: the ids every stage's forward takes (StageModel.forward), which the schedule
+    splits into micro-batches as it does the inputs; none otherwise."""
+    return {"documents_BT": batch[2]} if len(batch) > 2 else {}
 
 
 def pipeline_forward_backward(
@@ -283,7 +288,8 @@ def pipeline_forward_backward(
     start = time.perf_counter()
     micro = [[to_device(t, world.device) for t in next(batches)] for _ in range(config.grad_accum)]
     data_s = time.perf_counter() - start
-    inputs, targets = schedule_batch(micro)
+    batch = schedule_batch(micro)
+    inputs, targets = batch[:2]
     args, losses = ((inputs,) if pipeline.first else ()), []
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
@@ -296,7 +302,11 @@ def pipeline_forward_backward(
         pipeline.clock.timing("step"),
     ):
         pipeline.schedule.step(
-            *args, target=targets if pipeline.last else None, losses=losses, return_outputs=False
+            *args,
+            target=targets if pipeline.last else None,
+            losses=losses,
+            return_outputs=False,
+            **documents_kwarg(batch),
         )
     zeros = [torch.zeros((), device=world.device) for _ in range(2)]  # two tensors: each is all-reduced
     loss_sum, z_sum = pipeline.loss.unscaled(losses) if pipeline.last else zeros
@@ -321,14 +331,15 @@ def pipeline_evaluate(
         loss_context(config.parallel.tp),
     ):
         for start in range(0, len(batches), m):
-            inputs, targets = schedule_batch(
+            batch = schedule_batch(
                 [[to_device(t, world.device) for t in batch] for batch in batches[start : start + m]]
             )
             losses: list[torch.Tensor] = []
             pipeline.schedule.eval(
-                *((inputs,) if pipeline.first else ()),
-                target=targets if pipeline.last else None,
+                *((batch[0],) if pipeline.first else ()),
+                target=batch[1] if pipeline.last else None,
                 losses=losses,
+                **documents_kwarg(batch),
             )
             if pipeline.last:
                 total += pipeline.loss.unscaled(losses)[0].double()  # the cross-entropy: loss/val's
