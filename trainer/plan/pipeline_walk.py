@@ -20,6 +20,7 @@ buffer of one block beside the unsharded stage (FSDP2 frees it once copied out).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -132,7 +133,15 @@ def stage_output(acts: Activations, last: bool) -> int:
     return 0 if last else acts.head
 
 
-def first_block_moment(ctx: StepContext, keeps: Kept, first: Backward) -> Moment:
+class Held(NamedTuple):
+    """What a backward holds beside what each of its rank's moments holds alike (the states at rest, the
+    gradients the walk gives them, `other`: `StepContext.moment`)."""
+
+    activations: int
+    temporary: int
+
+
+def first_block_backward(keeps: Kept, first: Backward, made: int) -> Held:
     """A backward at its stage's first block, where the stage's gradients are made during the step (FSDP2, one
     rank per stage; not DDP's buckets), and at stage3 every block unsharded (each backward leaves its block so,
     set_reshard_after_backward(False)), where the later blocks' activations are freed, not the stage's output.
@@ -140,13 +149,9 @@ def first_block_moment(ctx: StepContext, keeps: Kept, first: Backward) -> Moment
     with MemTracker on GPipe's stages at zero=stage3 fp32, where it is the peak: both blocks unsharded, the later
     one's gradients beside w2's. A later backward holds the stage's whole gradient (`Kept.growth`) and adds w2's
     new one into it (`weight_gradient`): measured on Schedule1F1B's first stage at zero=stage3 fp32, dp 1,
-    micro_batch 1, where it is the peak (the third backward, with the fourth micro-batch in flight)."""
-    if first.moment.done:
-        made = keeps.growth + block_backward_temporary(ctx, *weight_gradient(ctx, keeps, done=True))
-    else:
-        # FSDP2's gradient in its param dtype, else the fp32 .grad
-        weight_grad = ctx.prec.param if ctx.config.zero.uses_fsdp else 4
-        made = first.made + block_backward_temporary(ctx, weight_grad, weight_grad_held=True)
+    micro_batch 1, where it is the peak (the third backward, with the fourth micro-batch in flight). `made`:
+    w2's gradient as the block makes it (`first_block_temporary`)."""
+    made += keeps.growth if first.moment.done else first.made
     # a stage left unsharded by its previous backward has its blocks in the walk's `kept` already
     blocks = 0 if first.moment.unsharded else keeps.block * first.blocks
     temporary = keeps.always + first.moment.kept + blocks + made
@@ -154,7 +159,17 @@ def first_block_moment(ctx: StepContext, keeps: Kept, first: Backward) -> Moment
     # stage_backward holds it (`stage_output_tensors`) across torch.autograd.backward
     output = stage_output(first.acts, first.last)
     activations = first.moment.held + first.acts.in_backward - first.acts.received + output
-    return ctx.moment("backward: first block", 0, activations, temporary)
+    return Held(activations, temporary)
+
+
+def first_block_temporary(ctx: StepContext, keeps: Kept, done: bool) -> int:
+    """w2's gradient at a backward's first block (`first_block_backward`): a later backward (`done`) adds its new
+    one into the held gradient (`weight_gradient`); the step's first makes it, FSDP2's in its param dtype, else
+    the fp32 .grad."""
+    if done:
+        return block_backward_temporary(ctx, *weight_gradient(ctx, keeps, done=True))
+    weight_grad = ctx.prec.param if ctx.config.zero.uses_fsdp else 4
+    return block_backward_temporary(ctx, weight_grad, weight_grad_held=True)
 
 
 def forward_moment(ctx: StepContext, keeps: Kept, grads: int | None, forward_end: Forward) -> Moment:
@@ -218,31 +233,30 @@ def prefetched(ctx: StepContext, keeps: Kept, peak: InFlight, blocks: int) -> in
     return keeps.block if ctx.world_size > 1 and blocks > 1 and not peak.unsharded else 0
 
 
-def last_block_backward(
-    ctx: StepContext,
-    acts: Activations,
-    peak: InFlight,
-    last: bool,
-    keeps: Kept,
-    grads: int | None,
-    blocks: int,
-) -> Moment:
-    """The start of the last block's backward of the micro-batch at `peak`, its stage's `blocks` blocks."""
+def last_block_backward(ctx: StepContext, keeps: Kept, backward: Backward, block: int) -> Held:
+    """The start of the last block's backward of `backward`'s micro-batch (`block`: the block's temporaries,
+    `last_block_temporary`)."""
+    peak, acts = backward.moment, backward.acts
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
     running = 0 if peak.unsharded else keeps.block  # else counted in peak.kept with the stage's other blocks
-    backward = peak.held + acts.before_last_block + acts.in_backward + stage_output(acts, last)
-    # Beyond the last stage the gradient arriving into the last block is the receive buffer itself, counted with
-    # the buffers: the backward reads the buffer in place (stage.py `_retrieve_recv_grads`,
-    # `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py `stage_backward` passes it as grad_tensors).
+    held = peak.held + acts.before_last_block + acts.in_backward + stage_output(acts, backward.last)
+    running += prefetched(ctx, keeps, peak, backward.blocks)
+    return Held(held, fixed + running + block)
+
+
+def last_block_temporary(ctx: StepContext, keeps: Kept, done: bool, last: bool) -> int:
+    """What the last block's backward makes at its start (`last_block_backward`), after an earlier backward of
+    the step (`done`) or not, on the last stage (`last`) or not. Beyond the last stage the gradient arriving into
+    the last block is the receive buffer itself, counted with the buffers: the backward reads the buffer in place
+    (stage.py `_retrieve_recv_grads`, `_map_tensor_from_recv_info` returns `info.buffer`; _backward.py
+    `stage_backward` passes it as grad_tensors)."""
     received = 0 if last else incoming_gradient(ctx)
-    weight_grad, held = weight_gradient(ctx, keeps, peak.done)
+    weight_grad, held = weight_gradient(ctx, keeps, done)
     block = max(
         block_backward_temporary(ctx, weight_grad, weight_grad_held=held),
         w2_gathered(ctx, ctx.config.zero.uses_fsdp),
     )
-    block -= received
-    running += prefetched(ctx, keeps, peak, blocks)
-    return ctx.moment("backward: last block", grads, backward, fixed + running + block)
+    return block - received
 
 
 def w2_gathered(ctx: StepContext, fsdp: bool) -> int:
@@ -288,13 +302,26 @@ def stage_moments(
             ctx.moment("forward: loss", grads, total, fixed + forward),
             ctx.moment("backward: loss", grads, total, fixed + backward),
         ]
-    lasts = (last_block_backward(ctx, b.acts, b.moment, b.last, keeps, grads, b.blocks) for b in backwards)
-    moments.append(max(lasts, key=lambda moment: moment.total))
-    firsts = [
-        first_block_moment(ctx, keeps, b) for b in backwards if b.blocks > 1 and not keeps.grads_at_rest
-    ]
-    if firsts:
-        moments.append(max(firsts, key=lambda moment: moment.total))
+    # A rank runs tens of backwards (grad_accum x virtual stages), alike but for what each holds beside its
+    # states, gradients and `other` (`Held`): the worst is the largest of those sums, and only it is made a
+    # moment (max keeps the first of equal ones, as over the moments themselves, whose totals add the same
+    # integers to each). A block's temporaries depend on the backward only through whether one ran before it
+    # in the step and (last block) whether its stage has the head, so each is worked out once per rank: the
+    # caches live for this call, where ctx and keeps are fixed, and key on those bools.
+    last_temporary = functools.cache(functools.partial(last_block_temporary, ctx, keeps))
+    lasts = (
+        last_block_backward(ctx, keeps, b, last_temporary(bool(b.moment.done), b.last)) for b in backwards
+    )
+    moments.append(ctx.moment("backward: last block", grads, *max(lasts, key=sum)))
+    if not keeps.grads_at_rest:
+        first_temporary = functools.cache(functools.partial(first_block_temporary, ctx, keeps))
+        firsts = [
+            first_block_backward(keeps, b, first_temporary(bool(b.moment.done)))
+            for b in backwards
+            if b.blocks > 1
+        ]
+        if firsts:
+            moments.append(ctx.moment("backward: first block", 0, *max(firsts, key=sum)))
     moments.append(ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)))
     return moments
 
@@ -343,10 +370,14 @@ def pipeline_stage_plans(
     one_row = device_kind == "cpu" and config.micro_batch == 1
     batch = m * (8 * (config.seq_len + 1) if one_row else 16 * tokens) + 16 * tokens * m
     out = []
+    # One micro-batch's activations per stage: a function of the stage alone, read at every moment of the walk
+    per_stage = [
+        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast, casts)
+        for s in range(p.stages)
+    ]
 
     def stage_acts(moment: InFlight) -> Activations:
-        first, last = moment.stage == 0, moment.stage == last_stage
-        return stage_activations(acts, pipe.blocks[moment.stage], first, last, boundary, upcast, casts)
+        return per_stage[moment.stage]
 
     def backward(rank: int, moment: InFlight) -> Backward:
         count = len(pipe.blocks[moment.stage])
@@ -365,20 +396,15 @@ def pipeline_stage_plans(
         shards = rank_states(locals_[rank], config.zero.stage, sharded_over)
         # each stage module the rank runs keeps its own rotary tables (other_bytes counts one)
         tables = (len(rank_stages(p, rank)) - 1) * rope_table_bytes(config.model)
+        # the rank's forward end and backwards are its schedule's, alike for each of its shards' states
+        forward = Forward(forward_end, stage_acts(forward_end), forward_end.stage == last_stage)
+        backwards = [backward(rank, moment) for moment in pipe.backwards[rank]]
         moments = {}
         for states in dict.fromkeys(shards):
             other = other_bytes(config.model, config.data, states) + tables + pipe.buffers[rank] + batch
             ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
             moments[states] = tuple(
-                stage_moments(
-                    ctx,
-                    acts_peak,
-                    peak,
-                    peak.stage == last_stage,
-                    keeps[rank],
-                    Forward(forward_end, stage_acts(forward_end), forward_end.stage == last_stage),
-                    [backward(rank, moment) for moment in pipe.backwards[rank]],
-                )
+                stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, keeps[rank], forward, backwards)
             )
         out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
     return pipe, out
