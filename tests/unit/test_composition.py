@@ -39,12 +39,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("offload=nvme", "offload.path=/tmp"),
         "parallel.pp=2 with offload=nvme is not supported; use offload=none or parallel.pp=1",
     ),
-    "parallel.pp x loss=chunked": (
-        PP,
-        ("loss=chunked",),
-        "parallel.pp=2 with loss=chunked is not supported; use loss=full (the last stage takes the loss) or "
-        "parallel.pp=1",
-    ),
     "parallel.pp x zero=stage1": (
         PP,
         ("zero=stage1",),

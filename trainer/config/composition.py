@@ -91,14 +91,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "loss=chunked",
-        lambda c: c.loss.kind == LossKind.chunked,
-        "not yet built: the chunked loss is the model's own forward given the targets; a schedule takes its "
-        "loss_fn of the last stage's logits",
-        "use loss=full (the last stage takes the loss)",
-    ),
-    Refusal(
-        PP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,
         "not yet built: ZeroRedundancyOptimizer over a stage's data-parallel ranks",

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 from trainer.model.decoder import NoInitOnMeta, Transformer, block_causal_mask
+from trainer.model.loss import chunked_cross_entropy
 
 
 def stage_blocks(n_layers: int, stages: int) -> list[range]:
@@ -68,9 +69,16 @@ class StageModel(Transformer):
             self.norm = None
             self.output = None
 
-    def forward(self, x: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        documents_BT: torch.Tensor | None = None,
+        targets_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`documents_BT` (data.packing=document): every stage gets the micro-batch's document ids from the
-        schedule's kwargs (each rank hands them to its own step) and makes the block-causal mask itself."""
+        schedule's kwargs (each rank hands them to its own step) and makes the block-causal mask itself.
+        `targets_BT` (loss=chunked, the last stage only): the output is the chunked loss, as the decoder's
+        forward given targets (the schedule's loss_fn passes it on)."""
         # Beyond the first stage under sequence parallelism the stage receives its TP rank's T / tp positions;
         # the rotary tables are of the whole sequence (attention all-gathers it first).
         T = x.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
@@ -80,9 +88,13 @@ class StageModel(Transformer):
         mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
         for layer in self.layers:
             x = layer(x, cos_TF, sin_TF, mask_B1TT)
-        if self.output is not None:
-            x = self.output(self.norm(x))
-        return x
+        if self.output is None:
+            return x
+        if targets_BT is None:
+            return self.output(self.norm(x))
+        return chunked_cross_entropy(
+            self.norm(x), self.output.weight, targets_BT, self.loss_chunk_tokens, self.loss_z_weight
+        )
 
 
 def build_stage(config: ModelConfig, stage: int, stages: int) -> StageModel:

@@ -44,7 +44,13 @@ def full_loss_temporaries(ctx: StepContext) -> tuple[int, int]:
 
 
 def chunked_loss_moments(
-    ctx: StepContext, fixed: int, weight_grad: int, head_end: int, prefetched: int = 0
+    ctx: StepContext,
+    fixed: int,
+    weight_grad: int,
+    head_end: int,
+    prefetched: int = 0,
+    activations: int | None = None,
+    grads: int | None = None,
 ) -> list[Moment]:
     """loss=chunked (trainer/model/loss.py): the moments of the loss and the output head, chunk by chunk.
 
@@ -52,9 +58,11 @@ def chunked_loss_moments(
     docs/memory_plan.md ("The chunked loss"). `weight_grad` is a chunk's new head weight gradient,
     `head_end` its last form once every chunk is done (autocast's fp32 cast next to its bf16, DDP's
     copy into the bucket), `fixed` what the walk holds throughout, and `prefetched` what it holds
-    through the whole loss backward: at stage3, the last block's all-gather output.
+    through the whole loss backward: at stage3, the last block's all-gather output. A pipeline's last stage
+    gives its own `activations` (its micro-batches in flight) and `grads` (StepContext.moment's).
     """
-    m, n, prec, acts = ctx.config.model, ctx.tokens, ctx.prec, ctx.acts
+    m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
+    saved = ctx.acts.total if activations is None else activations
     c = min(ctx.config.loss.chunk_tokens, n)
     k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
     r = n - (k - 1) * c
@@ -67,18 +75,26 @@ def chunked_loss_moments(
         added.append(2 * weight_grad + res * (n - c) * D + prec.compute * c * D)
     back = fixed + prefetched
     return [
-        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + logits),
-        ctx.moment("backward: loss recompute", activations=acts.total, temporary=back + held + logits),
+        ctx.moment("forward: loss", grads=grads, activations=saved, temporary=fixed + logits),
+        ctx.moment(
+            "backward: loss recompute", grads=grads, activations=saved, temporary=back + held + logits
+        ),
         ctx.moment(
             "backward: loss",
-            activations=acts.total,
+            grads=grads,
+            activations=saved,
             temporary=back + held + 12 * c * V + z_loss_bytes(ctx, Z_LOSS_BACKWARD_BYTES, c),
         ),
-        ctx.moment("backward: output head", activations=acts.total, temporary=back + held + chunk_head),
-        ctx.moment("backward: head gradient added", activations=acts.total, temporary=back + max(added)),
+        ctx.moment(
+            "backward: output head", grads=grads, activations=saved, temporary=back + held + chunk_head
+        ),
+        ctx.moment(
+            "backward: head gradient added", grads=grads, activations=saved, temporary=back + max(added)
+        ),
         ctx.moment(
             "backward: loss end",
-            activations=acts.total,
+            grads=grads,
+            activations=saved,
             temporary=back + max(2 * res * n * D + weight_grad, head_end),
         ),
     ]

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import ParallelConfig, TrainConfig
+from trainer.config import LossKind, ParallelConfig, TrainConfig
 from trainer.layout import Layout
 from trainer.model.pipeline_split import stage_blocks
 from trainer.plan.activations import Activations, sequence_shards
@@ -307,7 +307,10 @@ def boundary_bytes(config: TrainConfig, residual_bytes: int) -> int:
 
 
 def logits_bytes(config: TrainConfig, compute_bytes: int) -> int:
-    """One micro-batch's logits, the last stage's output: B·T·V in the compute dtype."""
+    """One micro-batch's logits, the last stage's output: B·T·V in the compute dtype; under loss=chunked its
+    output is the loss, a scalar (two with the z-loss) whose bytes the walk leaves out."""
+    if config.loss.kind == LossKind.chunked:
+        return 0
     return config.micro_batch * config.seq_len * config.model.vocab_size * compute_bytes
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
-from trainer.plan.loss import full_loss_temporaries
+from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -256,7 +256,20 @@ def last_block_temporary(ctx: StepContext, keeps: Kept, done: bool, last: bool) 
         block_backward_temporary(ctx, weight_grad, weight_grad_held=held),
         w2_gathered(ctx, ctx.config.zero.uses_fsdp),
     )
-    return block - received
+    return block - received + (head_gradient_waiting(ctx) if last else 0)
+
+
+def head_gradient_waiting(ctx: StepContext) -> int:
+    """On the last stage under FSDP2 with a half-precision param_dtype: the head's and final norm's gradient in
+    that dtype, which waits for the stage's root post-backward (at the end of its backward) to be added into the
+    fp32 accumulated one (`to_accumulated_grad_if_needed`), alive through the blocks' backward. Measured with
+    loss=chunked (whose loss moments no longer hide it: zero=stage3 bf16, 1F1B on 2 CPU ranks): the last stage
+    held 2·V·D bytes more than the walk at its last block's backward (V·D = 65,536 and 131,072: tiny at dim 128
+    and 256)."""
+    if not ctx.config.zero.uses_fsdp or ctx.prec.param == 4:
+        return 0
+    m = ctx.config.model
+    return ctx.prec.param * (m.vocab_size * m.dim + m.dim)
 
 
 def w2_gathered(ctx: StepContext, fsdp: bool) -> int:
@@ -277,6 +290,25 @@ def w2_gathered(ctx: StepContext, fsdp: bool) -> int:
     )
 
 
+def stage_loss_moments(ctx: StepContext, fixed: int, total: int, grads: int | None) -> list[Moment]:
+    """The last stage's loss, beside `total` activations and `fixed` temporaries: loss=full's log-softmax,
+    forward and backward; loss=chunked's chunks (trainer/plan/loss.py), the head's gradient made by each
+    chunk in the compute dtype under FSDP2 (its param dtype) or autocast, added into the fp32 .grad else."""
+    if ctx.config.loss.kind == LossKind.full:
+        forward, backward = full_loss_temporaries(ctx)
+        return [
+            ctx.moment("forward: loss", grads, total, fixed + forward),
+            ctx.moment("backward: loss", grads, total, fixed + backward),
+        ]
+    m = ctx.config.model
+    vd = m.vocab_size * m.dim
+    if ctx.config.zero.uses_fsdp:
+        grad = end = ctx.prec.param * vd
+    else:
+        grad, end = (2 * vd, 6 * vd) if ctx.prec.regime == "autocast" else (4 * vd, 4 * vd)
+    return chunked_loss_moments(ctx, fixed, grad, end, activations=total, grads=grads)
+
+
 def stage_moments(
     ctx: StepContext,
     acts: Activations,
@@ -294,14 +326,10 @@ def stage_moments(
     backward beside fewer micro-batches can gather more parameters)."""
     grads = None if keeps.grads_at_rest else 0
     moments = [forward_moment(ctx, keeps, grads, forward_end)]
-    if last and ctx.config.loss.kind == LossKind.full:
+    if last:
         fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
         total = peak.held + acts.total
-        forward, backward = full_loss_temporaries(ctx)
-        moments += [
-            ctx.moment("forward: loss", grads, total, fixed + forward),
-            ctx.moment("backward: loss", grads, total, fixed + backward),
-        ]
+        moments += stage_loss_moments(ctx, fixed, total, grads)
     # A rank runs tens of backwards (grad_accum x virtual stages), alike but for what each holds beside its
     # states, gradients and `other` (`Held`): the worst is the largest of those sums, and only it is made a
     # moment (max keeps the first of equal ones, as over the moments themselves, whose totals add the same

@@ -38,6 +38,7 @@ from trainer.rank.pipeline import (
     PipelineLoss,
     build_pipeline,
     build_stage_parts,
+    chunked_terms,
     pipeline_forward_backward,
     rank_model,
 )
@@ -109,7 +110,8 @@ def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, me
     # The scaler makes its scale on its first scale(); only the last stage scales a loss, yet every stage
     # unscales its gradients (public API: scaling a zero makes the scale, at the configured initial value).
     scaler.scale(torch.zeros((), device=world.device))
-    loss = PipelineLoss(full_loss, scaler, config.loss.z_loss)
+    terms = chunked_terms if config.loss.kind == LossKind.chunked else full_loss
+    loss = PipelineLoss(terms, scaler, config.loss.z_loss)
     pipeline = build_pipeline(config, world, parts, mesh, loss)
     return Trainee(model, optimizer, scheduler, scaler, pipeline)
 

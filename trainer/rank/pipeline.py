@@ -46,7 +46,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import ParallelConfig, TrainConfig
+from trainer.config import LossKind, ParallelConfig, TrainConfig
 from trainer.data import to_device
 from trainer.model.loss import LossTerms
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
@@ -274,10 +274,21 @@ def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat([batch[i] for batch in micro]) for i in range(len(micro[0])))
 
 
-def documents_kwarg(batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-    """data.packing=document: the ids every stage's forward takes (StageModel.forward), which the schedule
-    splits into micro-batches as it does the inputs; none otherwise."""
-    return {"documents_BT": batch[2]} if len(batch) > 2 else {}
+def stage_kwargs(
+    batch: tuple[torch.Tensor, ...], pipeline: Pipeline, config: TrainConfig
+) -> dict[str, torch.Tensor]:
+    """What this rank's stages take besides their input (StageModel.forward), which the schedule splits into
+    micro-batches as it does the inputs: data.packing=document's ids, for every stage; loss=chunked's targets,
+    for the last, whose output is then the loss."""
+    kwargs = {"documents_BT": batch[2]} if len(batch) > 2 else {}
+    if pipeline.last and config.loss.kind == LossKind.chunked:
+        kwargs["targets_BT"] = batch[1]
+    return kwargs
+
+
+def chunked_terms(loss: torch.Tensor, targets: torch.Tensor, z_weight: float) -> LossTerms:
+    """loss=chunked's loss_fn: the last stage's output is the loss already (StageModel.forward given targets)."""
+    return LossTerms.of_chunked(loss, z_weight)
 
 
 def pipeline_forward_backward(
@@ -306,7 +317,7 @@ def pipeline_forward_backward(
             target=targets if pipeline.last else None,
             losses=losses,
             return_outputs=False,
-            **documents_kwarg(batch),
+            **stage_kwargs(batch, pipeline, config),
         )
     zeros = [torch.zeros((), device=world.device) for _ in range(2)]  # two tensors: each is all-reduced
     loss_sum, z_sum = pipeline.loss.unscaled(losses) if pipeline.last else zeros
@@ -339,7 +350,7 @@ def pipeline_evaluate(
                 *((batch[0],) if pipeline.first else ()),
                 target=batch[1] if pipeline.last else None,
                 losses=losses,
-                **documents_kwarg(batch),
+                **stage_kwargs(batch, pipeline, config),
             )
             if pipeline.last:
                 total += pipeline.loss.unscaled(losses)[0].double()  # the cross-entropy: loss/val's
