@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -83,7 +84,16 @@ def schedule_order(parallel: ParallelConfig, micro_batches: int, rank: int) -> l
         warmup = min(m, pp - rank)
         steady = [action for _ in range(m - warmup) for action in ((rank, False), (rank, True))]
         return [(rank, True)] * warmup + steady + [(rank, False)] * warmup
-    return interleaved_1f1b_order(pp, parallel.pp_virtual_stages, m, rank)
+    return list(interleaved_order(pp, parallel.pp_virtual_stages, m, rank))
+
+
+@functools.lru_cache(maxsize=1024)
+def interleaved_order(
+    pp: int, local_stages: int, micro_batches: int, rank: int
+) -> tuple[tuple[int, bool], ...]:
+    """torch's interleaved order (a pure function of four integers), computed once per point: an advisor's
+    search asks for the same few thousands of times."""
+    return tuple(interleaved_1f1b_order(pp, local_stages, micro_batches, rank))
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,9 @@ def walk_in_flight(
     backward leaves unsharded (set_reshard_after_backward(False)) until its next forward reshards them block
     by block."""
     alive: list[int] = []
-    outputs = done = grads = sent = 0
+    # Running sums of what `alive` and `unsharded` hold (integers: the same totals as summing them afresh at
+    # every moment, which an advisor's search of a deep pipeline does millions of times)
+    outputs = done = grads = sent = alive_bytes = unsharded_bytes = 0
     unsharded: set[int] = set()
     regathered = regathered or {}
     backwards: dict[int, int] = {}  # per stage, the backwards run so far (each stage's in micro-batch order)
@@ -148,24 +160,34 @@ def walk_in_flight(
     for stage, forward in order:
         if forward:  # at its last block: every other stage's parameters as they were, its own resharded
             forwards_left -= 1
-            unsharded.discard(stage)
-            params = sum(regathered.get(s, 0) for s in unsharded)
-            held = sum(per_stage[s] for s in alive)
-            yield InFlight(stage, held, len(alive) + 1, outputs + grads + sent + params, done, forward=True)
+            if stage in unsharded:
+                unsharded.discard(stage)
+                unsharded_bytes -= regathered.get(stage, 0)
+            yield InFlight(
+                stage,
+                alive_bytes,
+                len(alive) + 1,
+                outputs + grads + sent + unsharded_bytes,
+                done,
+                forward=True,
+            )
             alive.append(stage)
+            alive_bytes += per_stage[stage]
             outputs += kept.get(stage, 0)
             continue
         after_last += forwards_left == 0
         if after_last == 2:  # Schedule1F1B's cool-down replaces the send Work it kept
             sent, pinned_bytes = sent - pinned_bytes, 0
-        held = sum(per_stage[s] for s in alive) - per_stage[stage]
-        params = sum(regathered.get(s, 0) for s in unsharded)
+        held = alive_bytes - per_stage[stage]
         micro_batch = backwards[stage] = backwards.get(stage, -1) + 1
         output_sent = sends.keeps_all or micro_batch == pinned
-        kept_now = outputs + grads + sent + params
+        kept_now = outputs + grads + sent + unsharded_bytes
         yield InFlight(stage, held, len(alive), kept_now, done, stage in unsharded, output_sent=output_sent)
-        unsharded.add(stage)
+        if stage not in unsharded:
+            unsharded.add(stage)
+            unsharded_bytes += regathered.get(stage, 0)
         alive.remove(stage)
+        alive_bytes -= per_stage[stage]
         outputs -= kept.get(stage, 0)
         done += 1
         gradient = sends.gradients.get(stage, 0)
