@@ -29,6 +29,7 @@ paged in and out by the kernel).
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class MomentsFile:
         path = directory / file_name(rank)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.posix_fallocate(self.fd, 0, max(4, 4 * numel))  # zeros, and the space is ours
+            reserve(self.fd, max(4, 4 * numel))
             self.mapping = torch.empty(0)
             if numel:  # (an empty tensor's address is 0, every freed storage's too: never registered)
                 mapped = np.memmap(path, dtype=np.float32, mode="r+", shape=(numel,))
@@ -116,6 +117,18 @@ class MomentsFile:
                 raise OSError(f"offload=nvme: the moments file ended at byte {offset}")
             view, offset = view[moved:], offset + moved
         self.traffic.wait_s += time.perf_counter() - began
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """The file at its full size, zeros: its blocks allocated now (posix_fallocate), so that a disk too full
+    fails here and not mid-run; where the file system cannot (EOPNOTSUPP, EINVAL: some network ones), sized
+    sparse, as the job process's free-space check (trainer/plan/disk.py) then stands alone."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)
 
 
 class NvmeAdamW(torch.optim.AdamW):
