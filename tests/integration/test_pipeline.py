@@ -359,31 +359,13 @@ def test_fp8_stages_equal_one_rank_and_their_plan(tmp_path: Path) -> None:
     assert abs(measured - planned) <= 0.01 * planned, (measured, planned)
 
 
-def test_z_loss_on_the_last_stage_equals_one_rank_and_its_plan(tmp_path: Path) -> None:
-    """loss.z_loss through the schedule (trainer/rank/pipeline.py PipelineLoss keeps each micro-batch's terms):
-    1F1B on 2 ranks against one rank of the same global batch, fp32, 4 steps: loss/train (the cross-entropy)
-    and loss/z_loss within 1e-5, and the last stage's peak, which holds the z-loss's tensors, within 0.5% of
-    its plan."""
-    z = ("zero=stage0", "loss.z_loss=1e-2", "precision=fp32", "steps=4", "optim.warmup_steps=2", "save=off")
-    pipelined = job(tmp_path / "pp", *PP2, "nproc=2", "micro_batch=2", *z)
-    one_rank = job(tmp_path / "one", "nproc=1", "micro_batch=2", "grad_accum=4", *z)
-    for key in (keys.LOSS, keys.Z_LOSS):
-        ours, theirs = [r[key] for r in pipelined.records], [r[key] for r in one_rank.records]
-        assert len(ours) == 4 and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, theirs)), (
-            key,
-            ours,
-            theirs,
-        )
-    last = plan_of(pipelined)["pipeline"]["stages"][-1]
-    measured = measured_peak(pipelined, last["rank"])
-    assert abs(last["peak_bytes"] - measured) / measured < 0.005, (last["peak_bytes"], measured)
-
-
-def test_document_packing_through_the_stages_equals_one_rank_and_its_plan(tmp_path: Path) -> None:
+def test_document_packing_and_z_loss_through_the_stages_equal_one_rank_and_their_plan(tmp_path: Path) -> None:
     """data.packing=document under parallel.pp=2: every rank hands the micro-batches' document ids to its own
     schedule step (kwargs, which the schedule splits like the inputs), and each stage makes the block-causal mask
-    (trainer/model/pipeline_split.py). 1F1B on 2 ranks against one rank of the same global batch, fp32, 4 steps,
-    evaluated at steps 2 and 4: losses and loss/val within 1e-5; each stage's peak within 0.5% of its plan."""
+    (trainer/model/pipeline_split.py); with loss.z_loss, which the last stage's loss_fn keeps apart
+    (trainer/rank/pipeline.py PipelineLoss). 1F1B on 2 ranks against one rank of the same global batch, fp32,
+    4 steps, evaluated at steps 2 and 4: loss/train (the cross-entropy), loss/z_loss and loss/val within 1e-5;
+    each stage's peak (the last holds the z-loss's tensors) within 0.5% of its plan."""
     pytest.importorskip("tokenizers")  # the `data` extra
     pytest.importorskip("datasets")
     texts = write_documents(tmp_path / "corpus.jsonl", 300)
@@ -393,12 +375,13 @@ def test_document_packing_through_the_stages_equals_one_rank_and_its_plan(tmp_pa
         f"data.cache_dir={tmp_path / 'cache'}", "data.packing=document", "data.validation_fraction=0.1",
     )  # fmt: skip
     short = ("zero=stage0", "precision=fp32", "steps=4", "optim.warmup_steps=2", "eval.every=2", "save=off")
-    pipelined = job(tmp_path / "pp", *PP2, *text, *short, "nproc=2", "micro_batch=2")
-    one_rank = job(tmp_path / "one", *text, *short, "nproc=1", "micro_batch=2", "grad_accum=4")
-    for key in (keys.LOSS, keys.LOSS_VAL):
+    z = "loss.z_loss=1e-2"
+    pipelined = job(tmp_path / "pp", *PP2, *text, *short, z, "nproc=2", "micro_batch=2")
+    one_rank = job(tmp_path / "one", *text, *short, z, "nproc=1", "micro_batch=2", "grad_accum=4")
+    for key in (keys.LOSS, keys.Z_LOSS, keys.LOSS_VAL):
         ours = [r[key] for r in pipelined.records if key in r]
         theirs = [r[key] for r in one_rank.records if key in r]
-        assert len(ours) == len(theirs) == (4 if key == keys.LOSS else 2), (key, ours, theirs)
+        assert len(ours) == len(theirs) == (2 if key == keys.LOSS_VAL else 4), (key, ours, theirs)
         assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-5, (key, ours, theirs)
     for stage in plan_of(pipelined)["pipeline"]["stages"]:
         measured = measured_peak(pipelined, stage["rank"])
