@@ -64,6 +64,7 @@ MECHANISM = re.compile(
 # Options that need a partner to be valid on their own.
 PARTNERS = {
     ("offload", "cpu"): ["zero=stage3"],
+    ("offload", "nvme"): ["zero=stage3", "offload.path=/tmp"],
     ("data", "tokens"): ["data.path=tokens.npy"],
     ("data", "text"): ["data.files=[corpus.jsonl]", "data.tokenizer=tokenizer.json"],
     # A Llama config.json (LlamaConfig's defaults fill the rest); skipped without transformers.
