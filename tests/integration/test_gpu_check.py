@@ -157,6 +157,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # ~35 s, most of it the deadline it waits out: .ci/run runs the slow tier
 @pytest.mark.timeout(400)
 def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skipped(tmp_path: Path) -> None:
     """The first throughput job never ends by itself: at the deadline its process group (the job,

@@ -84,6 +84,7 @@ def test_advise_lists_no_offload_candidate_on_a_host_too_small(tmp_path: Path) -
     )
 
 
+@pytest.mark.slow  # ~35 s of planning ~230 candidates over 64 ranks: .ci/run runs the slow tier
 def test_advise_on_8_nodes_of_8_a100s_weighs_hsdp_and_hpz_per_tier(tmp_path: Path) -> None:
     """Issue 25's command as typed: mode=advise needs no shared directory (it starts no rank on any node)."""
     proc = subprocess.run(

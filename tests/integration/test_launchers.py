@@ -83,6 +83,7 @@ def submitit_task(submitter: int) -> psutil.Process:
     raise AssertionError("no submitit job process")
 
 
+@pytest.mark.slow  # ~40 s of a preemption, a requeue and a resume: .ci/run runs the slow tier
 @pytest.mark.timeout(480)
 def test_a_preempted_point_is_requeued_and_resumes_by_itself(tmp_path: Path) -> None:
     """Acceptance 3 (requeue): submitit's signal (USR2, what SLURM's --signal and the local controller
