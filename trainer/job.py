@@ -37,7 +37,7 @@ from trainer.faults.stop import (
     stopped_at_once,
 )
 from trainer.layout import Layout, check_world
-from trainer.model.attention import check_document_mask, run_choice
+from trainer.model.attention import check_document_mask, config_choice
 from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
@@ -163,13 +163,9 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         if config.mode == Mode.train and weights:
             # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
             config.model.weights_sha256 = fingerprint(weights)
-        choice = run_choice(  # an attention kernel this device cannot run: one line, exit 2
-            config.attention,
-            config.model,
-            config.precision.compute_dtype,
-            device_kind,
-            config.data.masks_documents,
-        )
+        choice = config_choice(
+            config, device_kind
+        )  # an attention kernel this device cannot run: one line, exit 2
         if config.data.masks_documents:
             check_document_mask(choice, device_kind)
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":

@@ -77,7 +77,7 @@ from trainer.config import (
     ZeroConfig,
 )
 from trainer.layout import Layout
-from trainer.model.attention import run_choice, sdpa_op
+from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
 from trainer.plan import (
     INTRA_NODE,
@@ -347,13 +347,7 @@ def compute_seconds(
     data-parallel batch times its share S of the model's FLOPs plus its recompute R, at its rate."""
     tokens = config.micro_batch * config.grad_accum * config.seq_len
     rate = rank_rate(config, rates)
-    choice = run_choice(
-        config.attention,
-        config.model,
-        config.precision.compute_dtype,
-        device_kind,
-        config.data.masks_documents,
-    )
+    choice = config_choice(config, device_kind)
     share, recompute = rank_flops(config, sdpa_op(choice, device_kind))
     model = tokens * flops_per_token * share / rate
     recompute_s = tokens * recompute / rate

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch.nn.attention import SDPBackend
 
-from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
+from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,18 @@ def run_choice(
     """The choice of a run, `masked` under data.packing=document (raises ConfigError before any rank starts,
     when called from the job)."""
     return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads, masked=masked)
+
+
+def config_choice(config: TrainConfig, device_kind: str, model: ModelConfig | None = None) -> SdpaChoice:
+    """run_choice of a config (its kernel, compute dtype, document mask), for its `model` or another (a TP
+    rank's local one)."""
+    return run_choice(
+        config.attention,
+        config.model if model is None else model,
+        config.precision.compute_dtype,
+        device_kind,
+        config.data.masks_documents,
+    )
 
 
 def check_document_mask(choice: SdpaChoice, device_kind: str) -> None:

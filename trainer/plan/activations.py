@@ -19,7 +19,7 @@ from trainer.config import (
     TrainConfig,
     ZeroConfig,
 )
-from trainer.model.attention import run_choice, sdpa_op
+from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
 from trainer.model.fp8 import autocast_input_saving
 
@@ -138,13 +138,7 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     forward, are not modelled.)
     """
     m, prec = config.model, precisions(config.precision, config.zero)
-    choice = run_choice(
-        config.attention,
-        config.model,
-        config.precision.compute_dtype,
-        device_kind,
-        config.data.masks_documents,
-    )
+    choice = config_choice(config, device_kind)
     HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, config.seq_len
     flash = prec.compute * (HQ + 2 * KQ) + 4 * H
     if choice.saves_scores:
@@ -169,13 +163,7 @@ def document_mask_per_token(config: TrainConfig, device_kind: str) -> int:
     fp32 beyond concat packing's peak at T = 128 and 512, and the document numbers (DOCUMENTS_BYTES_PER_TOKEN)."""
     if not document_packing(config):
         return 0
-    choice = run_choice(
-        config.attention,
-        config.model,
-        config.precision.compute_dtype,
-        device_kind,
-        config.data.masks_documents,
-    )
+    choice = config_choice(config, device_kind)
     return 0 if choice.saves_scores else precisions(config.precision, config.zero).compute * config.seq_len
 
 
@@ -203,9 +191,7 @@ def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> in
     widths = {"wq": HQ, "wk": KQ, "wv": KQ, "wo": m.dim, "w1": m.ffn_dim, "w3": m.ffn_dim, "w2": m.dim}
     save_ops = config.checkpointing.save_ops
     kept = prec.residual * m.dim + sum(prec.compute * widths[name] for name in op_saved_matmuls(save_ops))
-    choice = run_choice(
-        config.attention, m, config.precision.compute_dtype, device_kind, config.data.masks_documents
-    )
+    choice = config_choice(config, device_kind, m)
     if op_saves(save_ops, sdpa_op(choice, device_kind)):
         kept += prec.compute * HQ + 4 * m.n_heads
     return kept

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from trainer.config import TrainConfig
 from trainer.devices import accelerator_names
-from trainer.model.attention import run_choice
+from trainer.model.attention import config_choice
 from trainer.plan.activations import document_mask_per_token
 from trainer.plan.build import COMPILE_NOTE, Plan, RankPlan, describe, fp8_fields
 from trainer.plan.refusal import host_refusal, refusal
@@ -174,13 +174,7 @@ def data_lines(plan: Plan) -> list[str]:
 
 
 def sdpa_name(config: TrainConfig, device_kind: str) -> str:
-    choice = run_choice(
-        config.attention,
-        config.model,
-        config.precision.compute_dtype,
-        device_kind,
-        config.data.masks_documents,
-    )
+    choice = config_choice(config, device_kind)
     return "SDPA's own" if choice.backend is None else choice.backend.name.lower()
 
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer.config import TrainConfig
 from trainer.faults.failures import watch_blocks
 from trainer.layout import Layout
-from trainer.model.attention import run_choice
+from trainer.model.attention import config_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
 from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice
@@ -44,13 +44,7 @@ def parallelize(
     apply_fp8(part, config.precision, world.device.type)
     if layout.enabled("tp"):
         apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
-    choice = run_choice(
-        config.attention,
-        config.model,
-        config.precision.compute_dtype,
-        world.device.type,
-        config.data.masks_documents,
-    )
+    choice = config_choice(config, world.device.type)
     apply_sdpa_choice(part, choice)
     apply_loss_choice(part, config.loss)
     apply_activation_checkpointing(part, config.checkpointing)
