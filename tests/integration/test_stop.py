@@ -97,9 +97,7 @@ def signal_job(
     # Nothing of the job may be alive 5 s after it ended. The wait ends sooner once the session is
     # empty: nothing can join it then (a new member is forked by a live one).
     settled = time.monotonic() + 5
-    while (
-        left := [" ".join(p.cmdline()) for p in session_processes(proc.pid)]
-    ) and time.monotonic() < settled:
+    while (left := session_commands(proc.pid)) and time.monotonic() < settled:
         time.sleep(0.1)
     assert_nothing_left(env[JOB_MARKER])  # also what left the session
     run = Run(proc.returncode, "".join(stdout), stderr, out_dir, env[JOB_MARKER])
@@ -116,6 +114,18 @@ def session_processes(sid: int) -> list[psutil.Process]:
         except (psutil.Error, ProcessLookupError, PermissionError):
             continue
     return alive
+
+
+def session_commands(sid: int) -> list[str]:
+    """The command lines of a session's live processes; one that dies (or turns zombie) while it is read is
+    not alive (psutil raises for it, a race the suite once lost)."""
+    commands = []
+    for p in session_processes(sid):
+        try:
+            commands.append(" ".join(p.cmdline()))
+        except psutil.Error:
+            continue
+    return commands
 
 
 def wandb_end(out_dir: Path) -> dict:
