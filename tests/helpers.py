@@ -370,6 +370,43 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+IN_ONE_PROCESS = """
+import contextlib, io, json, runpy, sys
+from hydra.core.global_hydra import GlobalHydra
+
+cases, results_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv in cases:
+    GlobalHydra.instance().clear()
+    sys.argv = ["trainer", *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+with open(results_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_in_one_process(
+    argvs: list[list[str]], results: Path, timeout: float, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """`python -m trainer ARGV` for each argv, one after another in one fresh process (its imports paid
+    once): each one's exit status, stdout and stderr, as a command line would give them."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_ONE_PROCESS, json.dumps(argvs), str(results)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
 # ----------------------------------------------------------------------------- W&B's offline files
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, hf_checkpoint, run_trainer, train_tokenizer, write_documents
+from tests.helpers import hf_checkpoint, run_in_one_process, run_trainer, train_tokenizer, write_documents
 from trainer.config.composition import PP, REFUSALS, TP
 
 TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cache")
@@ -215,24 +212,6 @@ CASES += REFUSAL_CASES
 
 # Every case through `python -m trainer`'s own entry point (trainer/__main__.py, run as __main__),
 # all in one process: a fresh interpreter per case would pay torch's and Hydra's import each time.
-DRIVER = """
-import contextlib, io, json, runpy, sys
-from hydra.core.global_hydra import GlobalHydra
-
-cases, results_path, results = json.loads(sys.argv[1]), sys.argv[2], []
-for argv in cases:
-    GlobalHydra.instance().clear()
-    sys.argv = ["trainer", *argv]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
-        except SystemExit as exit:
-            code = exit.code
-    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-with open(results_path, "w") as f:
-    json.dump(results, f)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -249,18 +228,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         ]
         for n, (overrides, _, _) in enumerate(CASES)
     ]
-    results = tmp / "results.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(argvs), str(results)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = run_in_one_process(argvs, tmp / "results.json", timeout=600)
     return {
-        case_id(case): {**result, "out": tmp / str(n)}
-        for n, (case, result) in enumerate(zip(CASES, json.loads(results.read_text())))
+        case_id(case): {**result, "out": tmp / str(n)} for n, (case, result) in enumerate(zip(CASES, results))
     }
 
 

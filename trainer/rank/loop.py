@@ -349,6 +349,8 @@ def pipeline_fault(
     """parallel.pp > 1: a fault on the rank itself (raise, kill, out of memory, hang) happens now, on any stage;
     one in the loss is handed to the last stage's loss_fn, which applies it to each micro-batch's objective
     (the job process refused it for a rank without the loss: trainer/rank/refusals.py check_pipeline_fault)."""
+    if fault.kind == FaultKind.none or fault.step != step:  # every step of a real run: nothing to make
+        return None
     if fault.kind not in LOSS_FAULTS:
         inject_fault(torch.zeros(()), fault, world, step, is_last=True)
         return None

@@ -16,8 +16,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import pytest
 import torch
 
 import trainer.plan.disk
-from tests.helpers import REPO, compose_config
+from tests.helpers import compose_config, run_in_one_process
 from trainer.advise.advisor import advise, format_advice
 from trainer.config import ConfigError, TrainConfig
 from trainer.model.decoder import build_model
@@ -171,23 +169,6 @@ def test_a_chunk_smaller_than_the_largest_tensor_bounds_the_temporaries() -> Non
 
 # `python -m trainer` in one process for every case (trainer/__main__.py as __main__): one interpreter's
 # imports for all of them.
-DRIVER = """
-import contextlib, io, json, runpy, sys
-from hydra.core.global_hydra import GlobalHydra
-
-cases, results = json.loads(sys.argv[1]), []
-for argv in cases:
-    GlobalHydra.instance().clear()
-    sys.argv = ["trainer", *argv]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
-        except SystemExit as exit:
-            code = exit.code
-    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-print(json.dumps(results))
-"""
 LLAMA3_70B = 70_553_706_496
 PLAN_70B = [
     "mode=plan",
@@ -215,16 +196,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     }
     argvs = [[*argv, f"hydra.run.dir={tmp / 'out' / name}"] for name, argv in cases.items()]
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = run_in_one_process(argvs, tmp / "results.json", timeout=300, env=env)
     return {
         name: {**result, "out": tmp / "out" / name, "disk": tmp / "disk"}
         for name, result in zip(cases, results)
