@@ -11,13 +11,17 @@ pp, dp_replicate, dp_shard, cp, tp):
     dp_replicate  data-parallel replicas holding the same states: DDP's ranks (zero=stage0/1), or
                   HSDP's replicate dim (zero.shard_ranks)
     dp_shard      FSDP2's shard dim (zero=stage2/3): every data-parallel rank, or zero.shard_ranks
+    cp            context-parallel ranks (parallel.cp): each holds 1/cp of every sequence
     tp            tensor-parallel ranks (parallel.tp): innermost, so a TP group is consecutive ranks
                   inside one node
 
-    rank = ((pp * dp_replicate_degree + dp_replicate) * dp_shard_degree + dp_shard) * tp_degree + tp
+    rank = (((pp * dp_replicate_degree + dp_replicate) * dp_shard_degree + dp_shard) * cp_degree + cp)
+           * tp_degree + tp
 
-The data-parallel axes together ("dp") split the batch: the ranks of one TP group and of one pipeline
-read the same samples. hpZ (zero.hpz_ranks) is not an axis of its own: FSDP2 keeps its secondary shards
+The data-parallel axes together ("dp") split the batch: the ranks of one TP group, of one CP group and of
+one pipeline read the same samples. ZeRO works over dp and cp alike (torchtitan folds cp into FSDP's shard
+dim): each cp rank's gradients are its own sequence chunks', so they are reduced over cp as over dp;
+`zero_axes` names the axes. hpZ (zero.hpz_ranks) is not an axis of its own: FSDP2 keeps its secondary shards
 over consecutive groups of the dp_shard axis (`group("hpz", rank)`).
 """
 
@@ -32,7 +36,7 @@ from trainer.config import TP_SPLIT_KEYS, ConfigError, ZeroConfig
 if TYPE_CHECKING:
     from trainer.config import ModelConfig, TrainConfig
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Every axis, outermost first."""
 DP_AXES = ("dp_replicate", "dp_shard")
 """The data-parallel axes: the batch is split over both; ZeRO shards over dp_shard (FSDP2) or
@@ -60,6 +64,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     ranks_per_node: int | None = None
     """None: every rank on one node."""
@@ -70,15 +75,16 @@ class Layout:
     def from_config(cls, config: TrainConfig, world_size: int) -> Layout:
         """The layout of `config` on `world_size` ranks, `config.nodes` nodes (whole shard and hpZ groups:
         ConfigError naming the key otherwise; `check_world` checks the rest before a job starts)."""
-        tp, pp = config.parallel.tp, config.parallel.pp
-        if world_size % (tp * pp):
+        tp, pp, cp = config.parallel.tp, config.parallel.pp, config.parallel.cp
+        if world_size % (tp * pp * cp):
+            context = f" * parallel.cp={cp}" if cp > 1 else ""
             raise ConfigError(
-                f"parallel.pp={pp} * parallel.tp={tp} must divide the world of {world_size} ranks (nodes * nproc)"
+                f"parallel.pp={pp}{context} * parallel.tp={tp} must divide the world of {world_size} ranks (nodes * nproc)"
             )
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * pp * cp)
         replicate, shard, hpz = data_parallel_degrees(config.zero, dp)
         per_node = world_size // config.nodes if config.nodes > 1 else None
-        return cls(pp, replicate, shard, tp, per_node, hpz)
+        return cls(pp, replicate, shard, cp, tp, per_node, hpz)
 
     def degree(self, axis: str) -> int:
         return getattr(self, axis)
@@ -111,6 +117,22 @@ class Layout:
         for axis in AXES:
             rank = rank * self.degree(axis) + coords.get(axis, 0)
         return rank
+
+    def zero_axes(self, uses_fsdp: bool) -> tuple[str, ...]:
+        """The axes ZeRO works over: FSDP2's shard dim folded with cp (HSDP's replicate dim before them),
+        or DDP's replicas folded with cp; the axes of one rank left out, but never all of them."""
+        axes = ("dp_replicate", "dp_shard", "cp") if uses_fsdp else ("dp_replicate", "cp")
+        kept = tuple(axis for axis in axes if self.degree(axis) > 1)
+        return kept or (axes[1] if uses_fsdp else axes[0],)
+
+    def shard_size(self, uses_fsdp: bool = True) -> int:
+        """The ranks one FSDP2 shard group holds: dp_shard x cp (DDP: 1, nothing sharded)."""
+        return self.dp_shard * self.cp if uses_fsdp else 1
+
+    def shard_index(self, rank: int) -> int:
+        """The rank's place in its FSDP2 shard group (dp_shard, then cp): which shard it holds."""
+        c = self.coords(rank)
+        return c["dp_shard"] * self.cp + c["cp"]
 
     def dp_index(self, rank: int) -> int:
         """The rank's data-parallel index: which share of the batch it reads."""
@@ -200,7 +222,7 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
     """Before a job starts: a TP group is consecutive ranks inside one node (tp divides nproc), whole
     pipelines and TP groups fill the world, and DDP replicates no tensor-parallel parameters (torch's DDP
     holds them as local tensors), so zero=stage0 only with one data-parallel replica."""
-    tp, pp, zero = config.parallel.tp, config.parallel.pp, config.zero
+    tp, pp, cp, zero = config.parallel.tp, config.parallel.pp, config.parallel.cp, config.zero
     allowed = ", ".join(str(d) for d in divisors(nproc))
     world = nodes * nproc
     if nproc % tp:
@@ -213,12 +235,17 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
             f"parallel.pp={pp} * parallel.tp={tp} must divide the world of {world} ranks (nodes * nproc); "
             f"allowed parallel.pp: {', '.join(str(d) for d in divisors(world // tp))}"
         )
-    dp = world // (tp * pp)
-    if not (tp == 1 or zero.uses_fsdp or dp == 1):
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the {world // (tp * pp)} ranks of each parallel.pp={pp} x "
+            f"parallel.tp={tp} layer of the world; allowed parallel.cp: {', '.join(map(str, divisors(world // (tp * pp))))}"
+        )
+    dp = world // (tp * pp * cp)
+    if not (tp == 1 or zero.uses_fsdp or dp * cp == 1):
         # The one tp leaving one replica, where it is a valid size (inside a node, dividing the model's heads).
         whole = [t for t in tp_sizes(config.model, nproc) if t * pp == world]
         raise ConfigError(
-            f"parallel.tp={tp} with zero={zero.stage.value} on {dp} data-parallel replicas is not supported (torch's "
+            f"parallel.tp={tp} with zero={zero.stage.value} on {dp * cp} data-parallel replicas is not supported (torch's "
             f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3"
             + "".join(f", or parallel.tp={t}" for t in whole)
         )

@@ -13,11 +13,27 @@ from trainer.plan import build_plan
 
 def test_coords_in_pp_dp_tp_order_and_back() -> None:
     layout = Layout(pp=2, dp_shard=3, tp=2)
-    assert layout.coords(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
-    assert layout.coords(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 2, "tp": 1}
-    assert layout.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    assert layout.coords(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert layout.coords(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 2, "cp": 0, "tp": 1}
+    assert layout.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
     assert [layout.rank_at(**layout.coords(r)) for r in range(12)] == list(range(12))
     assert layout.world_size == 12 and layout.dp == 3 and layout.size("pp", "tp") == 4
+
+
+def test_cp_sits_between_dp_and_tp_and_zero_works_over_it() -> None:
+    """parallel.cp: a cp group is tp ranks apart; the batch is split over dp only, and ZeRO folds cp into
+    FSDP2's shard group (or DDP's replicas)."""
+    layout = Layout(dp_shard=2, cp=2, tp=2)
+    assert layout.coords(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1}
+    assert layout.group("cp", 5).members == (5, 7)
+    assert [layout.dp_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [layout.shard_index(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.shard_size() == 4 and layout.dp == 2
+    assert layout.zero_axes(uses_fsdp=True) == ("dp_shard", "cp")
+    assert Layout(dp_replicate=2, cp=2).zero_axes(uses_fsdp=False) == ("dp_replicate", "cp")
+    assert Layout(cp=2).zero_axes(uses_fsdp=True) == ("cp",)
+    assert Layout().zero_axes(uses_fsdp=True) == ("dp_shard",)
+    assert Layout().zero_axes(uses_fsdp=False) == ("dp_replicate",)
 
 
 def test_groups_tp_consecutive_inside_a_node_pp_strided_across_nodes() -> None:

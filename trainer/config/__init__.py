@@ -16,7 +16,7 @@ One module per config group, the root last; other modules import every name from
 - offload.py: `offload:` (OffloadConfig);
 - data.py: `data:`, `dataloader:` and `eval:` (DataConfig, DataloaderConfig, EvalConfig);
 - optim.py: `optim:` (OptimConfig);
-- parallel.py: `parallel:` (ParallelConfig), PIPELINE_SCHEDULES, TP_SPLIT_KEYS;
+- parallel.py: `parallel:` (ParallelConfig), PIPELINE_SCHEDULES, CONTEXT_PARALLEL_IMPLS, TP_SPLIT_KEYS;
 - composition.py: what tensor and pipeline parallelism do not compose with, one table (REFUSALS of
   `Refusal` rows, each with its reason and way out) read by the config check (`check_composition`,
   `first_refusal`), the advisor and docs/design.md (`refusals_markdown`);
@@ -66,7 +66,7 @@ from trainer.config.errors import _require as _require  # private, kept importab
 from trainer.config.model import LossConfig, ModelConfig
 from trainer.config.offload import OffloadConfig
 from trainer.config.optim import OptimConfig
-from trainer.config.parallel import PIPELINE_SCHEDULES, TP_SPLIT_KEYS, ParallelConfig
+from trainer.config.parallel import CONTEXT_PARALLEL_IMPLS, PIPELINE_SCHEDULES, TP_SPLIT_KEYS, ParallelConfig
 from trainer.config.planning import AdviseConfig, PlanConfig
 from trainer.config.precision import PrecisionConfig
 from trainer.config.runtime import (
@@ -132,6 +132,7 @@ __all__ = [
     "first_refusal",
     "check_composition",
     "refusals_markdown",
+    "CONTEXT_PARALLEL_IMPLS",
     "PIPELINE_SCHEDULES",
     "ParallelConfig",
     "TP_SPLIT_KEYS",

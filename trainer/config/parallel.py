@@ -13,6 +13,10 @@ from trainer.config.model import ModelConfig
 # cannot be a Python name.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
+# parallel.cp_impl: how attention sees the whole sequence when each rank holds 1/cp of it
+# (trainer/model/context_parallel.py).
+CONTEXT_PARALLEL_IMPLS = ("ulysses", "allgather")
+
 
 TP_SPLIT_KEYS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 """The model's sizes every parallel.tp must divide (each rank holds whole heads and equal slices)."""
@@ -40,6 +44,13 @@ class ParallelConfig:
     the warm-up; interleaved_1f1b: 1F1B over pp_virtual_stages stages per rank."""
     pp_virtual_stages: int = 2
     """Stages per rank under interleaved_1f1b (the blocks are split into pp * pp_virtual_stages stages)."""
+    cp: int = 1
+    """Context-parallel ranks: each holds 1/cp of every sequence (2 * cp chunks, head-tail balanced), the
+    ranks of a cp group read the same samples, and FSDP2 shards over dp x cp (torchtitan's folding)."""
+    cp_impl: str = "ulysses"
+    """ulysses: all-to-all of q, k, v to whole sequences of heads / cp heads, and of the output back
+    (DeepSpeed-Ulysses); allgather: K and V all-gathered, each rank's queries against the whole sequence
+    (Megatron's CP, without the ring)."""
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, f"parallel.tp must be an integer >= 1, got {self.tp}")
@@ -52,6 +63,11 @@ class ParallelConfig:
             self.pp_virtual_stages >= 1,
             f"parallel.pp_virtual_stages must be an integer >= 1, got {self.pp_virtual_stages}",
         )
+        _require(self.cp >= 1, f"parallel.cp must be an integer >= 1, got {self.cp}")
+        _require(
+            self.cp_impl in CONTEXT_PARALLEL_IMPLS,
+            f"parallel.cp_impl must be one of {', '.join(CONTEXT_PARALLEL_IMPLS)}, got {self.cp_impl}",
+        )
         _require(
             not self.sp or self.tp > 1,
             "parallel.sp=true shards the sequence over the tensor-parallel group: it needs parallel.tp > 1",
@@ -63,8 +79,8 @@ class ParallelConfig:
         return self.tp > 1 if self.sp is None else self.sp
 
     def dp(self, world_size: int) -> int:
-        """Data-parallel replicas: the ranks zero shards over, and the batch is split over."""
-        return world_size // (self.tp * self.pp)
+        """Data-parallel replicas: the ranks the batch is split over (zero shards over them, times cp)."""
+        return world_size // (self.tp * self.pp * self.cp)
 
     @property
     def stages(self) -> int:
@@ -93,6 +109,7 @@ class ParallelConfig:
 
     def check_model(self, model: ModelConfig, seq_len: int) -> None:
         """Every rank must hold whole heads and equal slices (ColwiseParallel / RowwiseParallel shard evenly here)."""
+        self.check_context(model, seq_len)
         if self.tp == 1:
             return
         tp, keys = self.tp, TP_SPLIT_KEYS
@@ -108,3 +125,26 @@ class ParallelConfig:
             not self.sequence_parallel or seq_len % tp == 0,
             f"parallel.sp=true shards the sequence: seq_len={seq_len} must divide by parallel.tp={tp}",
         )
+
+    def check_context(self, model: ModelConfig, seq_len: int) -> None:
+        """parallel.cp: 2 * cp equal chunks of every sequence; under Ulysses every rank whole heads of its
+        tensor-parallel share (heads and kv heads divisible by tp * cp)."""
+        if self.cp == 1:
+            return
+        cp, tp = self.cp, self.tp
+        _require(
+            seq_len % (2 * cp) == 0,
+            f"parallel.cp={cp} splits every sequence into 2 * cp = {2 * cp} chunks (head-tail balanced): "
+            f"seq_len={seq_len} must be a multiple of {2 * cp}",
+        )
+        if self.cp_impl != "ulysses":
+            return
+        for key in ("n_heads", "n_kv_heads"):
+            value = getattr(model, key)
+            allowed = [d for d in range(1, value + 1) if value % (d * tp) == 0]
+            _require(
+                value % (tp * cp) == 0,
+                f"parallel.cp={cp} with parallel.cp_impl=ulysses gives each rank model.{key}={value} / "
+                f"(parallel.tp={tp} * parallel.cp) heads: not whole; allowed parallel.cp: "
+                f"{', '.join(map(str, allowed))}, or parallel.cp_impl=allgather",
+            )

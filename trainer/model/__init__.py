@@ -7,6 +7,7 @@
 - hf_config.py: `model=hf`: the shapes of a Hugging Face config.json (a leaf: config/model.py reads it);
 - hf_weights.py: `model.weights`: a Hugging Face checkpoint checked, loaded into each rank's shard, its key map;
 - attention.py: the explicit SDPA kernel (`attention=`) and what it keeps for backward;
+- context_parallel.py: `parallel.cp`: the head-tail split of each sequence, Ulysses' all-to-alls, the K/V all-gather;
 - checkpointing.py: activation checkpointing around chosen blocks;
 - compile.py: `torch.compile` per block, in place;
 - op_names.py: `checkpointing.save_ops` names resolved to torch operators (a leaf: config/checkpointing.py checks them).

@@ -19,7 +19,7 @@ import functools
 import math
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,9 @@ from torch.overrides import TorchFunctionMode
 from trainer.config import LossConfig, ModelConfig, RopeScaling
 from trainer.model.attention import SdpaChoice
 from trainer.model.loss import chunked_cross_entropy
+
+if TYPE_CHECKING:
+    from trainer.model.context_parallel import ContextParallel
 
 INIT_STD = 0.02
 """Standard deviation of every linear and embedding weight (GPT-2 / Llama)."""
@@ -107,6 +110,7 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.sdpa = SdpaChoice()  # the run's kernel (apply_sdpa_choice below)
+        self.context: ContextParallel | None = None  # parallel.cp (apply_context_parallel below)
 
     def forward(
         self,
@@ -125,20 +129,31 @@ class Attention(nn.Module):
         q_BTHQ = apply_rope(q_BTHQ, cos_TF, sin_TF)
         k_BTKQ = apply_rope(k_BTKQ, cos_TF, sin_TF)
         v_BTKQ = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        q_BHTQ, k_BKTQ, v_BKTQ = q_BTHQ.transpose(1, 2), k_BTKQ.transpose(1, 2), v_BTKQ.transpose(1, 2)
-        grouped = self.n_kv_heads != self.n_heads
+        if self.context is None:
+            o_BTHQ = self.core(q_BTHQ, k_BTKQ, v_BTKQ, mask_B1TT)
+        else:  # this rank's T / cp queries over the whole sequence (trainer/model/context_parallel.py)
+            o_BTHQ = self.context.attend(self.core, q_BTHQ, k_BTKQ, v_BTKQ, mask_B1TT)
+        return self.wo(o_BTHQ.reshape(B, T, -1))
+
+    def core(
+        self, q_BTHQ: torch.Tensor, k_BSKQ: torch.Tensor, v_BSKQ: torch.Tensor, mask_B1TS: torch.Tensor | None
+    ) -> torch.Tensor:
+        """SDPA of T queries over S keys (S = T but under parallel.cp=allgather), heads after time in and
+        out; `mask_B1TS` None: causal."""
+        q_BHTQ, k_BKSQ, v_BKSQ = q_BTHQ.transpose(1, 2), k_BSKQ.transpose(1, 2), v_BSKQ.transpose(1, 2)
+        grouped = q_BHTQ.shape[1] != k_BKSQ.shape[1]
         if grouped and self.sdpa.repeat_kv:  # the chosen kernel cannot group heads: give it H of them
-            k_BKTQ = k_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            v_BKTQ = v_BKTQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            k_BKSQ = k_BKSQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v_BKSQ = v_BKSQ.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             grouped = False
         # SDPA wants heads before time. enable_gqa shares each K/V head among n_heads/n_kv_heads
         # queries without materialising repeated K/V; asked for only when grouped, because some
         # fused CUDA kernels do not take the flag at all.
         with sdpa_kernel(self.sdpa.backend) if self.sdpa.backend is not None else contextlib.nullcontext():
             o_BHTQ = F.scaled_dot_product_attention(
-                q_BHTQ, k_BKTQ, v_BKTQ, attn_mask=mask_B1TT, is_causal=mask_B1TT is None, enable_gqa=grouped
+                q_BHTQ, k_BKSQ, v_BKSQ, attn_mask=mask_B1TS, is_causal=mask_B1TS is None, enable_gqa=grouped
             )
-        return self.wo(o_BHTQ.transpose(1, 2).reshape(B, T, -1))
+        return o_BHTQ.transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -197,6 +212,7 @@ class Transformer(nn.Module):
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_chunk_tokens = 1024  # tokens per chunk when forward is given targets (apply_loss_choice)
         self.loss_z_weight = 0.0  # loss.z_loss, when forward is given targets (apply_loss_choice)
+        self.context: ContextParallel | None = None  # parallel.cp (apply_context_parallel)
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
@@ -228,14 +244,22 @@ class Transformer(nn.Module):
         )
 
     def hidden(self, tokens_BT: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm's output, what the output head projects."""
-        T = tokens_BT.shape[1]
-        if T > self.config.max_seq_len:
+        """The final norm's output, what the output head projects. Under parallel.cp `tokens_BT` are this
+        rank's T / cp positions of each row (`documents_BT` the whole rows')."""
+        context, T = self.context, tokens_BT.shape[1]
+        row = T if context is None else T * context.size
+        if row > self.config.max_seq_len:
             max_len = self.config.max_seq_len
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({max_len}); lower seq_len")
-        cos_TF, sin_TF = (table[:T] for table in self.rope_tables(tokens_BT.device))
+            raise ValueError(f"sequence length {row} exceeds model.max_seq_len ({max_len}); lower seq_len")
+        tables = self.rope_tables(tokens_BT.device)
         x_BTD = self.tok_embeddings(tokens_BT)
-        mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
+        if context is None:
+            cos_TF, sin_TF = (table[:T] for table in tables)
+            mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
+        else:  # the rotary angles of this rank's positions; the mask its attention takes
+            mine = context.positions(row, tokens_BT.device).mine
+            cos_TF, sin_TF = (table.index_select(0, mine) for table in tables)
+            mask_B1TT = context.mask(documents_BT, row, tokens_BT.device)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos_TF, sin_TF, mask_B1TT)
         return self.norm(x_BTD)
@@ -262,6 +286,13 @@ def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.sdpa = choice
+
+
+def apply_context_parallel(model: nn.Module, context: ContextParallel | None) -> None:
+    """Give the model and every attention layer the rank's cp group (parallel.cp > 1), or None."""
+    for module in model.modules():
+        if isinstance(module, (Attention, Transformer)):
+            module.context = context
 
 
 def apply_loss_choice(model: Transformer, loss: LossConfig) -> None:

@@ -25,6 +25,8 @@ and submitit 1.5.4 (the versions the suite runs with).
 | `GradScaler._found_inf_per_device` | the scaler's own record of an overflow; comparing scales misses one at the scale floor | `of_torch.found_inf_per_device` |
 | `GradScaler._get_scale_async` | the scale without a host sync (`get_scale()` syncs) | `of_torch.scale_on_device` |
 | `ScheduleInterleaved1F1B._calculate_single_rank_operations` | the order of one rank's forwards and backwards, which the plan needs before any stage or process group exists (a schedule object needs both) | `of_torch.interleaved_1f1b_order` |
+| `DeviceMesh._flatten` | one dim of several adjacent mesh dims, so that ZeRO works over dp and cp together (torchtitan's `dp_shard_cp`); DeviceMesh has no public flatten | `of_torch.flatten_mesh` |
+| `torch.distributed._functional_collectives.all_gather_single_autograd` (2.11: `all_gather_tensor_autograd`), `all_to_all_single_autograd` | collectives with autograd that reduce-scatter and exchange gradients on gloo too, for context parallelism; the public `torch.distributed.nn.functional` ones are deprecated for them, and their all-gather's backward on gloo is one scatter per rank | `of_torch.all_gather_autograd`, `of_torch.all_to_all_autograd` |
 | `LRScheduler._last_lr` | what `get_last_lr()` returns after a rewind; LambdaLR has no setter | `of_torch.set_last_lr` |
 | `wandb.sdk.lib.runid.generate_id` | `wandb.util.generate_id` is gone in wandb 0.31 | `of_wandb.generate_run_id` |
 | `wandb.sdk.mailbox` `MailboxClosedError`, `HandleAbandonedError` | what a call raises once the service process is gone (no public error class for it) | `of_wandb.service_lost_errors` |

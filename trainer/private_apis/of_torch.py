@@ -30,6 +30,9 @@ __all__ = [
     "FLIGHT_RECORDER_DUMPS",
     "flight_recorder_dumps",
     "flight_recorder_json",
+    "flatten_mesh",
+    "all_gather_autograd",
+    "all_to_all_autograd",
     "found_inf_per_device",
     "HigherOrderOperator",
     "import_rank_lazy_modules",
@@ -266,3 +269,25 @@ def interleaved_1f1b_order(
         for action in actions
         if action is not None
     ]
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """One dim `name` of every dim of `mesh` (a sub-mesh of adjacent dims), registered on the root mesh."""
+    return mesh._flatten(name)
+
+
+def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's `tensor` along dim 0, rank after rank; its backward reduce-scatters (sums) the gradient.
+    torch 2.13 names it all_gather_single_autograd, 2.11 all_gather_tensor_autograd."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, 0, group)
+
+
+def all_to_all_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal blocks of dim 0 exchanged over `group` (block i to rank i, in rank order), with autograd (the
+    backward exchanges the gradient back)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(tensor, None, None, group)

@@ -20,8 +20,8 @@ from trainer.data import build_batches, to_device, validation_batches
 from trainer.faults.failures import mark_phase
 from trainer.faults.stop import RankStop
 from trainer.layout import Layout
-from trainer.model.decoder import build_model, flops_per_token
-from trainer.model.loss import LossTerms, full_loss
+from trainer.model.decoder import build_model, find_transformer, flops_per_token
+from trainer.model.loss import IGNORE_INDEX, LossTerms, full_loss
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.mesh import build_mesh
@@ -318,11 +318,18 @@ def compute_loss(model: torch.nn.Module, batch: list[torch.Tensor], config: Trai
     """loss=full: the logits, then their loss; loss=chunked: the model takes the targets and returns the
     loss by chunks (trainer/model/loss.py), so that the whole logits never exist. A third tensor of
     the batch is each token's document (data.packing=document: block-causal attention). The z-loss
-    (loss.z_loss > 0) comes beside the cross-entropy, from the same logits."""
+    (loss.z_loss > 0) comes beside the cross-entropy, from the same logits. Under parallel.cp the model
+    takes this rank's positions of the rows (the documents whole), and the loss is its part of the group's
+    (trainer/model/context_parallel.py)."""
     inputs, targets, *documents = batch
+    context = find_transformer(model).context if config.parallel.cp > 1 else None
+    if context is not None:
+        rows, inputs, targets = targets, context.local(inputs), context.local(targets)
     if config.loss.kind == LossKind.chunked:
-        return LossTerms.of_chunked(model(inputs, targets, *documents), config.loss.z_loss)
-    return full_loss(model(inputs, None, *documents), targets, config.loss.z_loss)
+        terms = LossTerms.of_chunked(model(inputs, targets, *documents), config.loss.z_loss)
+    else:
+        terms = full_loss(model(inputs, None, *documents), targets, config.loss.z_loss)
+    return terms if context is None else terms.scaled(context.loss_factor(targets, rows, IGNORE_INDEX))
 
 
 def found_overflow(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:

@@ -6,7 +6,8 @@ one order torchtitan applies them (pytorch/torchtitan torchtitan/models/llama3/p
 
 1. fp8: the block linears become Float8Linear (precision=fp8), so that every later step wraps them;
 2. tensor parallelism over `mesh["tp"]` (parallel.tp), on the layers' own names;
-3. the attention kernel and the loss's chunk size (attention, loss.chunk_tokens);
+3. the attention kernel, context parallelism's group (parallel.cp) and the loss's chunk size (attention,
+   loss.chunk_tokens);
 4. activation checkpointing of the blocks (checkpointing), before sharding: it wraps blocks;
 5. compile of each block (compile), after checkpointing and before sharding, in place;
 6. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
@@ -28,7 +29,8 @@ from trainer.layout import Layout
 from trainer.model.attention import config_choice
 from trainer.model.checkpointing import apply_activation_checkpointing
 from trainer.model.compile import apply_compile
-from trainer.model.decoder import apply_loss_choice, apply_sdpa_choice
+from trainer.model.context_parallel import ContextParallel
+from trainer.model.decoder import apply_context_parallel, apply_loss_choice, apply_sdpa_choice
 from trainer.model.fp8 import apply_fp8
 from trainer.rank.mesh import data_parallel_mesh
 from trainer.rank.sharding import apply_zero
@@ -46,6 +48,12 @@ def parallelize(
         apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
     choice = config_choice(config, world.device.type)
     apply_sdpa_choice(part, choice)
+    if layout.enabled("cp"):
+        cp = config.parallel.cp
+        group = ContextParallel(
+            mesh["cp"].get_group(), cp, layout.coords(world.rank)["cp"], config.parallel.cp_impl
+        )
+        apply_context_parallel(part, group)
     apply_loss_choice(part, config.loss)
     apply_activation_checkpointing(part, config.checkpointing)
     apply_compile(part, config.compile, config.compile_backend)
@@ -71,7 +79,7 @@ def parallelize(
 
 def replicas_to_wrap(layout: Layout) -> bool:
     """Whether DDP wraps the part (zero=stage0/1): over several data-parallel replicas always; a plain
-    data-parallel job keeps its DDP at one rank too (the plan's DDP walk counts its buckets there). A
+    data-parallel job keeps its DDP at one rank too, and a cp group is replicas too (each rank its own chunks) (the plan's DDP walk counts its buckets there). A
     model-parallel part at one replica has nothing to replicate, and torch's DDP would swap TP's DTensor
     parameters for local tensors (_pre_dp_module_transform), hiding them from the gradient norm."""
-    return layout.dp > 1 or not (layout.enabled("tp") or layout.enabled("pp"))
+    return layout.dp * layout.cp > 1 or not (layout.enabled("tp") or layout.enabled("pp"))

@@ -27,6 +27,7 @@ from trainer.private_apis.of_torch import (
     comm_hook_states,
     ddp_bucket_assignment,
     ddp_default_bucket_cap_mb,
+    flatten_mesh,
     flight_recorder_dumps,
     flight_recorder_json,
     found_inf_per_device,
@@ -242,3 +243,12 @@ def test_the_inductor_cache_dir_is_the_variable_else_torchinductor_user_in_the_t
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert inductor_cache_dir() == str(tmp_path / f"torchinductor_{getpass.getuser()}")
     assert not (tmp_path / f"torchinductor_{getpass.getuser()}").exists()  # read, not created
+
+
+def test_a_flattened_mesh_is_one_dim_over_the_ranks_of_its_dims(process_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+    flat = flatten_mesh(mesh["b", "c"], "b_c")
+    assert flat.mesh_dim_names == ("b_c",) and flat.size() == 1
+    assert mesh["b_c"].get_group() is flat.get_group()  # registered on the root: sliced by name
