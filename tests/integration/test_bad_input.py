@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import hf_checkpoint, run_in_one_process, run_trainer, train_tokenizer, write_documents
-from trainer.config.composition import PP, REFUSALS, TP
+from trainer.config.composition import CP, PP, REFUSALS, TP
 
 TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cache")
 CASES = [
@@ -168,6 +168,19 @@ CASES = [
         "parallel.pp=3 * parallel.tp=1 must divide the world of 2",
         "1, 2",
     ),
+    (
+        ["parallel.cp=4", "nproc=4"],
+        "model.n_kv_heads=2 of model=tiny must divide by parallel.tp=1 * parallel.cp=4",
+        "allowed parallel.cp: 1, 2, or parallel.cp_impl=allgather",
+    ),
+    (["parallel.cp=2", "nproc=2", "seq_len=66"], "seq_len=66 must be a multiple of 4", "2 * cp = 4 chunks"),
+    (
+        ["parallel.cp=3", "parallel.cp_impl=allgather", "nproc=2", "seq_len=96"],
+        "parallel.cp=3 must divide the 2 ranks",
+        "allowed parallel.cp: 1, 2",
+    ),
+    (["parallel.cp=0"], "parallel.cp must be an integer >= 1", "got 0"),
+    (["parallel.cp_impl=ring"], "parallel.cp_impl", "ulysses, allgather"),
 ]
 
 
@@ -196,8 +209,15 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "zero.reshard_after_backward=false",
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
+    (CP, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2", "nproc=4"),
+    (CP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
+    (CP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
 }
-DEGREE = {TP: ("parallel.tp=2",), PP: ("parallel.pp=2", "grad_accum=2")}  # 1F1B streams >= 2 micro-batches
+DEGREE = {  # 1F1B streams >= 2 micro-batches
+    TP: ("parallel.tp=2",),
+    PP: ("parallel.pp=2", "grad_accum=2"),
+    CP: ("parallel.cp=2", "nproc=2"),
+}
 REFUSAL_CASES = [
     (
         [*DEGREE[row.first], *REFUSAL_SETTINGS[(row.first, row.second)]],

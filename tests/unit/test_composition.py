@@ -17,6 +17,7 @@ BEGIN = "<!-- composition table: rendered from trainer/config/composition.py by 
 END = "<!-- end composition table -->"
 
 TP = ("parallel.tp=2",)
+CP = ("parallel.cp=2",)
 PP = ("parallel.pp=2", "grad_accum=2")  # 1F1B streams a micro-batch per stage at least
 STAGE3 = ("zero=stage3", "zero.reduce_every=step")  # stage3's file reduces every micro-batch: pp refuses that
 TEXT = ("data=text", "data.files=[a.txt]", "data.tokenizer=tokenizer.json")
@@ -107,6 +108,21 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         TP,
         ("zero.sync_every=2",),
         "parallel.tp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.tp=1",
+    ),
+    "parallel.cp x parallel.pp > 1": (
+        CP,
+        PP,
+        "parallel.cp=2 with parallel.pp > 1 is not supported; use parallel.pp=1 or parallel.cp=1",
+    ),
+    "parallel.cp x zero.shard_ranks": (
+        (*CP, "zero=stage3"),
+        ("zero.shard_ranks=2",),
+        "parallel.cp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.cp=1",
+    ),
+    "parallel.cp x zero.hpz_ranks": (
+        (*CP, "zero=stage3"),
+        ("zero.hpz_ranks=2",),
+        "parallel.cp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.cp=1",
     ),
 }
 

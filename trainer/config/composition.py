@@ -3,7 +3,7 @@
 row refuses) and docs/design.md's "What does not compose" section (`refusals_markdown`, held to the docs
 by tests/unit/test_composition.py).
 
-Each row pairs a parallelism (`first`: parallel.tp or parallel.pp, when > 1) with a setting it does not
+Each row pairs a parallelism (`first`: parallel.tp, parallel.pp or parallel.cp, when > 1) with a setting it does not
 compose with here (`second`), says why (a real limit, or what is not yet built or proven) and the way
 out. A config is refused by the first row that applies, in the table's order, in one line naming both
 keys. To print the docs' table (tests/unit/test_composition.py's failure shows it too):
@@ -29,7 +29,9 @@ from trainer.config.errors import ConfigError
 if TYPE_CHECKING:  # train.py imports this module: the root config is named in annotations only
     from trainer.config.train import TrainConfig
 
-TP, PP = "parallel.tp", "parallel.pp"
+TP, PP, CP = "parallel.tp", "parallel.pp", "parallel.cp"
+FIRSTS = (TP, PP, CP)
+"""The parallelisms a row may start with, in the docs table's order."""
 
 SAYS = "{row.first}={degree} with {row.second} is not supported; {row.way_out} or {row.first}=1"
 """The one-line message of most rows (a str.format template over the row, its `degree` and the `config`)."""
@@ -40,7 +42,7 @@ class Refusal:
     """One pair that does not compose: `first` (refused only when > 1) with `second`."""
 
     first: str
-    """parallel.tp or parallel.pp."""
+    """parallel.tp, parallel.pp or parallel.cp."""
     second: str
     """The other setting, as the message names it."""
     applies: Callable[[TrainConfig], bool]
@@ -185,6 +187,29 @@ REFUSALS: tuple[Refusal, ...] = (
         "local tensors",
         "use zero.sync_every=1",
     ),
+    Refusal(
+        CP,
+        "parallel.pp > 1",
+        lambda c: c.parallel.pp > 1,
+        "not yet built: a pipeline stage's forward (trainer/model/pipeline_split.py) takes no cp group, rotary "
+        "positions or cp mask",
+        "use parallel.pp=1",
+    ),
+    Refusal(
+        CP,
+        "zero.shard_ranks",
+        lambda c: c.zero.shard_ranks is not None,
+        "not yet built: HSDP's two dims with cp folded into the shard dim (the mesh folds cp into one "
+        "data-parallel dim only)",
+        "use zero.shard_ranks=null",
+    ),
+    Refusal(
+        CP,
+        "zero.hpz_ranks",
+        lambda c: c.zero.hpz_ranks is not None,
+        "not yet proven: hpZ's secondary groups inside the folded dp x cp shard group",
+        "use zero.hpz_ranks=null",
+    ),
 )
 
 
@@ -202,9 +227,10 @@ def check_composition(config: TrainConfig) -> None:
 
 
 def refusals_markdown() -> str:
-    """The table as docs/design.md holds it: tensor parallelism's rows, then the pipeline's."""
+    """The table as docs/design.md holds it: tensor parallelism's rows, then the pipeline's, then context
+    parallelism's."""
     lines = ["| with | refused | why | way out |", "|---|---|---|---|"]
-    for row in sorted(REFUSALS, key=lambda row: row.first != TP):  # stable: each keeps the table's order
+    for row in sorted(REFUSALS, key=lambda row: FIRSTS.index(row.first)):  # stable: keeps the table's order
         way_out = f"{row.way_out} or {row.first}=1"
         lines.append(f"| `{row.first} > 1` | `{row.second}` | {row.reason} | {way_out} |")
     return "\n".join(lines)

@@ -144,7 +144,7 @@ class ParallelConfig:
             allowed = [d for d in range(1, value + 1) if value % (d * tp) == 0]
             _require(
                 value % (tp * cp) == 0,
-                f"parallel.cp={cp} with parallel.cp_impl=ulysses gives each rank model.{key}={value} / "
-                f"(parallel.tp={tp} * parallel.cp) heads: not whole; allowed parallel.cp: "
+                f"model.{key}={value} of model={model.name} must divide by parallel.tp={tp} * parallel.cp={cp} "
+                f"under parallel.cp_impl=ulysses (each rank attends whole heads); allowed parallel.cp: "
                 f"{', '.join(map(str, allowed))}, or parallel.cp_impl=allgather",
             )

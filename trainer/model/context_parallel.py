@@ -5,7 +5,7 @@ The split is head-tail balanced (torchtitan's and Megatron's load balancing for 
 sequence is cut into 2 * cp equal chunks and rank r holds chunks r and 2 * cp - 1 - r, in that order. A
 causal query at position p attends p + 1 keys, so a rank's attention work is the sum of (p + 1) over its
 positions, and the pairs (r, 2 * cp - 1 - r) make those sums equal on every rank (`attention_pairs`); a
-contiguous split would give the last rank 2 * cp - 1 times the first's.
+contiguous split would give the last rank nearly 2 * cp - 1 times the first's.
 
 Every module but attention works on a rank's T / cp tokens as it would on T (the norms, the MLP, the
 projections and the loss are per token); the rotary tables are read at the rank's own positions. The
