@@ -22,6 +22,8 @@ from trainer.private_apis.of_torch import (
     HigherOrderOperator,
     OpOverload,
     OpOverloadPacket,
+    all_gather_autograd,
+    all_to_all_autograd,
     caller_name,
     checkpoint_wrapper,
     comm_hook_states,
@@ -252,3 +254,13 @@ def test_a_flattened_mesh_is_one_dim_over_the_ranks_of_its_dims(process_group: N
     flat = flatten_mesh(mesh["b", "c"], "b_c")
     assert flat.mesh_dim_names == ("b_c",) and flat.size() == 1
     assert mesh["b_c"].get_group() is flat.get_group()  # registered on the root: sliced by name
+
+
+def test_the_autograd_collectives_pass_values_and_gradients_through(process_group: None) -> None:
+    """On one rank both are the identity, forward and backward: what a torch release renaming them breaks."""
+    x = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    gathered = all_gather_autograd(x, dist.group.WORLD)
+    exchanged = all_to_all_autograd(x * 2, dist.group.WORLD)
+    assert torch.equal(gathered, x.detach()) and torch.equal(exchanged, 2 * x.detach())
+    (gathered.sum() + exchanged.sum()).backward()
+    assert torch.equal(x.grad, torch.full((3, 2), 3.0))
