@@ -37,6 +37,10 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   all-reduce of the whole input (and records it as one), so on gloo the reduce-scatter payload
   is planned, and measured, under `all_reduce`.
 
+- parallel.cp > 1 (trainer/model/context_parallel.py): ZeRO works over dp x cp (trainer/layout.py `zero_axes`:
+  FSDP2 shards over dp_shard x cp, padding every dim 0 to that many ranks; DDP replicates over dp_replicate
+  x cp), and the cp group exchanges activations per block and micro-batch (`cp_moves`), in `groups["cp"]`.
+
 - parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
   (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
   (trainer/rank/optim.py `clip_gradients`), 4 bytes each (`PIPELINE_MOVES`), in `groups["pp"]`.
@@ -67,11 +71,11 @@ from trainer.plan.pipeline import (
 )
 from trainer.plan.states import ModelShape, model_shape, padded_numel
 from trainer.plan.target import planned_device_kind
-from trainer.plan.tensor_parallel import tp_local, tp_moves
+from trainer.plan.tensor_parallel import recomputed_blocks, tp_local, tp_moves
 from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
 from trainer.units import MIB
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 """The kinds of collective the plan and the measurement name (metric keys use these names)."""
 
 PARAM_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
@@ -87,13 +91,13 @@ class CommPlan:
     """Payload bytes one rank's collectives move per optimizer step, by kind of collective."""
 
     bytes_by_collective: dict[str, int]
-    """all_reduce, all_gather, reduce_scatter, broadcast -> payload bytes per rank per optimizer step."""
+    """all_reduce, all_gather, reduce_scatter, broadcast, all_to_all -> payload bytes per rank per optimizer step."""
     calls_by_collective: dict[str, int]
     """How many collectives of each kind per optimizer step (sizes the flight recorder's buffer)."""
     backend: str
     """gloo or nccl: gloo records a reduce-scatter as an all-reduce."""
     groups: dict[str, GroupComm] = field(default_factory=dict)
-    """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world, tp, pp)."""
+    """The same bytes split by process group (trainer/plan/groups.py: shard, replicate, hpz, world, tp, cp, pp)."""
     p2p: P2PPlan | None = None
     """parallel.pp > 1: the sends between stages (trainer/plan/pipeline.py), not in `total` (no collective)."""
 
@@ -127,6 +131,8 @@ class GroupComm:
     per_stage: tuple[dict[str, int], ...] = ()
     """parallel.pp > 1: bytes by collective of each pipeline rank, whose stages differ (the figures above are
     pipeline rank 0's)."""
+    exchange: dict[str, Any] | None = None
+    """The cp group: one block's exchange per micro-batch and direction (`cp_exchange_json`)."""
 
     @property
     def total(self) -> int:
@@ -134,6 +140,7 @@ class GroupComm:
 
     def to_json(self) -> dict[str, Any]:
         stages = {"bytes_by_collective_per_stage": list(self.per_stage)} if self.per_stage else {}
+        exchange = {"exchange": self.exchange} if self.exchange is not None else {}
         return {
             "ranks": self.ranks,
             "link": self.link,
@@ -141,6 +148,7 @@ class GroupComm:
             "bytes_by_collective": dict(self.bytes_by_collective),
             "calls_by_collective": dict(self.calls_by_collective),
             **stages,
+            **exchange,
         }
 
 
@@ -171,6 +179,8 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
         group_bytes, group_calls = tally(moves, backend)
         stages = per_stage if name == "tp" else tuple(tally(by[name], backend)[0] for by in dp_stages)
         plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
+    if config.parallel.cp > 1:
+        plans["cp"] = context_group(config, world_size, backend)
     if pipeline is not None:
         plans["pp"] = pipeline
     for group in plans.values():
@@ -194,16 +204,19 @@ def pipeline_group(config: TrainConfig, world_size: int, backend: str) -> GroupC
 
 
 def data_parallel_groups(config: TrainConfig, world_size: int) -> ShardGroups:
-    dp = config.parallel.dp(world_size)
+    """ZeRO's groups: over the dp ranks times cp (trainer/layout.py `zero_axes`), `ranks_per_node` of them
+    on a node."""
+    cp = config.parallel.cp
+    zero_world = config.parallel.dp(world_size) * cp
     layout = Layout.from_config(config, world_size)
-    return shard_groups(config.zero, dp, layout.per_node("dp"), config.parallel.tp)
+    return shard_groups(config.zero, zero_world, layout.per_node(("dp", "cp")), config.parallel.tp, cp)
 
 
 def dp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> dict[str, list[Move]]:
     """The data-parallel groups' collectives of `config` (one TP rank's job, or one pipeline rank's)."""
     if config.zero.uses_fsdp:
         return fsdp_group_moves(config, shape, data_parallel_groups(config, world_size))
-    if config.parallel.tp > 1 or config.parallel.dp(world_size) == 1:
+    if config.parallel.tp > 1 or config.parallel.dp(world_size) * config.parallel.cp == 1:
         return {}  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
     return {"world": ddp_moves(config, shape, world_size)}
 
@@ -239,6 +252,77 @@ def tp_per_stage(config: TrainConfig, backend: str) -> tuple[dict[str, int], ...
 
 
 Move = tuple[str, int, int]  # kind of collective, payload bytes per step, calls per step
+
+
+def context_group(config: TrainConfig, world_size: int, backend: str) -> GroupComm:
+    """The cp group (`config`: one TP rank's job): `parallel.cp` ranks `parallel.tp` apart, on one node or
+    across the network (trainer/layout.py: cp lies just outside tp)."""
+    members = Layout.from_config(config, world_size).group("cp", 0)
+    compute = PARAM_BYTES[config.precision.compute_dtype]
+    group_bytes, group_calls = tally(cp_moves(config, compute, backend), backend)
+    link = INTRA_NODE if members.intra_node else NETWORK
+    return GroupComm(
+        config.parallel.cp, link, group_bytes, group_calls, exchange=cp_exchange_json(config, compute)
+    )
+
+
+def cp_exchange_json(config: TrainConfig, compute_bytes: int) -> dict[str, Any]:
+    """plan.json's `comm.groups.cp.exchange`: one block's payloads per micro-batch in each direction (the
+    backward exchanges the same tensors' gradients), the collective that carries them, and the share of each
+    payload a rank sends (Ulysses) or receives (the all-gather) over the wire."""
+    cp, exchange = config.parallel.cp, cp_exchange(config, compute_bytes)
+    ulysses = config.parallel.cp_impl == "ulysses"
+    return {
+        "impl": config.parallel.cp_impl,
+        "forward": {"collective": "all_to_all" if ulysses else "all_gather", "bytes_per_block": exchange},
+        "backward": {
+            "collective": "all_to_all" if ulysses else "reduce_scatter",
+            "bytes_per_block": exchange,
+        },
+        "wire_share": (cp - 1) / cp,
+        "recomputed_blocks": recomputed_blocks(config),
+    }
+
+
+def cp_exchange(config: TrainConfig, compute_bytes: int) -> dict[str, int]:
+    """One block's cp exchange in one micro-batch, per direction, in payload bytes (trainer/model/
+    context_parallel.py; `config`: one TP rank's heads H and K, of width Q; b rows of s positions, 1/cp
+    of them on each rank, c the compute dtype's bytes: q, k, v and the output leave the projections and
+    SDPA in it).
+
+    ulysses: one all-to-all each of q and the output, b·(s/cp)·H·Q·c, and of k and v, b·(s/cp)·K·Q·c
+    (input and output equal; each rank keeps 1/cp of it and sends (cp − 1)/cp); backward the same four
+    gradients. allgather: one all-gather of k and v together, b·s·2·K·Q·c out (each rank receives
+    (cp − 1)/cp of it); backward its adjoint, a reduce-scatter of that input."""
+    m, cp = config.model, config.parallel.cp
+    rows = config.micro_batch * config.seq_len // cp
+    q = rows * m.n_heads * m.head_width * compute_bytes
+    kv = rows * m.n_kv_heads * m.head_width * compute_bytes
+    if config.parallel.cp_impl == "ulysses":
+        return {"q": q, "k": kv, "v": kv, "output": q}
+    return {"kv": cp * 2 * kv}
+
+
+def cp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move]:
+    """The cp group's collectives per optimizer step (`cp_exchange`): every block's forward exchange, again
+    for each block whose forward a checkpoint reruns in backward, and its backward exchange, per micro-batch.
+    ProcessGroupGloo's flight recorder lists a functional all-gather's output as one rank's chunk (as for
+    tp: trainer/plan/tensor_parallel.py), so on gloo the K/V all-gather is booked at payload / cp."""
+    if config.parallel.cp == 1:
+        return []
+    exchange = cp_exchange(config, compute_bytes)
+    accum, layers = config.grad_accum, config.model.n_layers
+    forwards = accum * (layers + recomputed_blocks(config))
+    backwards = accum * layers
+    if config.parallel.cp_impl == "ulysses":
+        each = sum(exchange.values())
+        return [("all_to_all", (forwards + backwards) * each, (forwards + backwards) * len(exchange))]
+    gathered = exchange["kv"]
+    recorded = gathered // config.parallel.cp if backend == "gloo" else gathered
+    return [
+        ("all_gather", forwards * recorded, forwards),
+        ("reduce_scatter", backwards * gathered, backwards),
+    ]
 
 
 def tally(moves: list[Move], backend: str) -> tuple[dict[str, int], dict[str, int]]:

@@ -19,6 +19,11 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
     replicate  HSDP's all-reduce of each gradient shard across shard groups
     hpz        stage3 backward's all-gathers from the secondary shards
     world      every rank: DDP's collectives (stages 0-1) and, under HSDP, the loop's own flags
+    cp         parallel.cp: the context-parallel exchanges of activations (trainer/plan/comm.py `cp_moves`:
+               Ulysses' all-to-alls, or the K/V all-gather and its reduce-scatter); `cp` ranks `tp` apart.
+               ZeRO's groups span dp x cp ranks (FSDP2 shards over dp_shard x cp, DDP replicates over
+               dp_replicate x cp: trainer/layout.py `zero_axes`); at dp = 1 the cp group and ZeRO's are one
+               process group, which telemetry splits by what each collective moves (trainer/telemetry/comm.py)
     tp         parallel.tp: the tensor-parallel layers' all-gathers, reduce-scatters and all-reduces of
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
     pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from trainer.config import ZeroConfig
 from trainer.layout import data_parallel_degrees
 
-GROUPS = ("world", "shard", "replicate", "hpz", "tp", "pp")
+GROUPS = ("world", "shard", "replicate", "hpz", "tp", "cp", "pp")
 """Every group name, in the order metrics list them."""
 INTRA_NODE, NETWORK = "intra-node", "network"
 LINKS = (INTRA_NODE, NETWORK)
@@ -54,6 +59,8 @@ class ShardGroups:
     hpz: int | None = None
     tp: int = 1
     """parallel.tp: `world` counts data-parallel replicas then, each `tp` consecutive ranks."""
+    cp: int = 1
+    """parallel.cp: `world` (and `shard`, FSDP2's) count dp x cp ranks, ZeRO's (trainer/layout.py `zero_axes`)."""
 
     @property
     def replicate(self) -> int:
@@ -95,19 +102,21 @@ class ShardGroups:
         whose hpz dimension carries backward's all-gathers.
         """
         tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
+        cp = 1 if 1 < self.cp < self.world else 0  # the cp dim's group, where it is not ZeRO's (dp > 1)
         if self.world <= 1:
             return tp
-        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp
+        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp + cp
 
 
 def shard_groups(
-    zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None, tp: int = 1
+    zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None, tp: int = 1, cp: int = 1
 ) -> ShardGroups:
     """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses.
     Under parallel.tp, `world_size` and `ranks_per_node` count data-parallel replicas (a TP group is one
-    node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node)."""
+    node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node);
+    under parallel.cp they count dp x cp ranks, the ranks ZeRO works over."""
     per_node = ranks_per_node or world_size
     _, shard, hpz = data_parallel_degrees(zero, world_size)  # the checks torch would make, before any rank
     if not zero.uses_fsdp:
         shard = world_size  # DDP's group is the plan's shard group too: every rank of `world_size`
-    return ShardGroups(world_size, per_node, shard, hpz, tp)
+    return ShardGroups(world_size, per_node, shard, hpz, tp, cp)

@@ -64,15 +64,26 @@ FIELDS = (*KINDS, "time_s", "time_covered_pct", "exposed_pct", "profiled_step_s"
 # `mesh_<dim name>` (torch/distributed/device_mesh.py). The job's one mesh (trainer/rank/mesh.py) names its
 # dims after the layout's axes: FSDP2 shards over dp_shard and HSDP replicates over dp_replicate; the
 # post-forward mesh FSDP2 builds for reshard_after_forward=<int> has no names (its second dim:
-# `mesh_dim_1`, _fsdp_init.py); the layers' collectives run in tp, the pipeline's loss and norm in pp.
+# `mesh_dim_1`, _fsdp_init.py); the layers' collectives run in tp, the pipeline's loss and norm in pp, the
+# context-parallel exchanges in cp. Under parallel.cp ZeRO's dim is dp folded with cp into one flattened dim
+# (`mesh_dp_shard_cp`, DDP's `mesh_dp_replicate_cp`), or cp itself at dp = 1 (`group_names`).
 # A dim spanning every rank reuses the default group (`default_pg`): `group_names` names it.
 GROUP_DESCRIPTIONS = {
     "mesh_dp_shard": "shard",
+    "mesh_dp_shard_cp": "shard",
     "mesh_dp_replicate": "replicate",
+    "mesh_dp_replicate_cp": "world",
     "mesh_dim_1": "hpz",
     "mesh_tp": "tp",
+    "mesh_cp": "cp",
     "mesh_pp": "pp",
 }
+SHARED_WITH_CP = "+cp"
+"""Suffix of a name `group_names` gives ZeRO's group where it is also the cp group (dp = 1): `entry_group`
+splits its entries by what they move (`moves_activations`)."""
+ACTIVATION_DIMS = 4
+"""The cp exchanges' tensors are (rows, positions, heads, head_dim) or more dims (trainer/model/
+context_parallel.py); ZeRO's buckets and flat parameter buffers, and the loop's flags and norms, have 1 or 2."""
 
 
 def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, str]]:
@@ -81,16 +92,24 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     The default group is the one a mesh dim spanning every rank reuses: tp's or pp's when either is the
     whole world, FSDP2's shard group when it shards over every rank, else `world`. DDP (zero=stage0/1)
     replicates over dp_replicate, which the plan calls `world` (the data-parallel world, every rank unless
-    tp or pp takes some): under a pipeline that dim is a group of its own, named alike here.
+    tp or pp takes some): under a pipeline that dim is a group of its own, named alike here. At dp = 1 under
+    parallel.cp, ZeRO works over the cp dim itself: that process group is ZeRO's and cp's, `shard+cp` or
+    `world+cp` (SHARED_WITH_CP).
     """
     layout = Layout.from_config(config, world_size)
     descriptions = dict(GROUP_DESCRIPTIONS)
+    zero = "shard" if config.zero.uses_fsdp else "world"
     if not config.zero.uses_fsdp:
         descriptions["mesh_dp_replicate"] = "world"
+    shared = layout.cp > 1 and layout.dp == 1
+    if shared:
+        descriptions["mesh_cp"] = zero + SHARED_WITH_CP
     spanning = [axis for axis in ("tp", "pp") if 1 < layout.degree(axis) == world_size]
     if spanning:
         return spanning[0], descriptions
-    sharded_over_all = config.zero.uses_fsdp and layout.dp_shard == world_size
+    if layout.cp == world_size:
+        return descriptions["mesh_cp"], descriptions
+    sharded_over_all = config.zero.uses_fsdp and layout.shard_size() == world_size
     return ("shard" if sharded_over_all else "world"), descriptions
 
 
@@ -129,6 +148,8 @@ NAME_KINDS = (
     ("allreduce", "all_reduce"),
     ("all_reduce", "all_reduce"),
     ("broadcast", "broadcast"),
+    ("all_to_all", "all_to_all"),
+    ("alltoall", "all_to_all"),
 )
 NAN = float("nan")
 
@@ -268,9 +289,21 @@ def entry_group(
     entry: dict[str, Any], default_group: str, descriptions: dict[str, str] = GROUP_DESCRIPTIONS
 ) -> str:
     """The group an entry ran in: by DeviceMesh's description of it (`group_names`); the default group is
-    `default_group`."""
+    `default_group`. In a process group that is both ZeRO's and cp's (dp = 1), the cp exchanges'
+    entries are cp's, the rest ZeRO's."""
     description = (entry.get("process_group") or ["", ""])[-1]
-    return descriptions.get(description, default_group)
+    name = descriptions.get(description, default_group)
+    if name.endswith(SHARED_WITH_CP):
+        return "cp" if moves_activations(entry) else name.removesuffix(SHARED_WITH_CP)
+    return name
+
+
+def moves_activations(entry: dict[str, Any]) -> bool:
+    """A cp exchange: an all-to-all (nothing else issues one), or a collective of (rows, positions, heads,
+    head_dim) tensors (the K/V all-gather and its reduce-scatter)."""
+    if collective_kind(entry.get("profiling_name", "")) == "all_to_all":
+        return True
+    return any(len(shape) >= ACTIVATION_DIMS for shape in entry.get("input_sizes") or [])
 
 
 def window_figures(

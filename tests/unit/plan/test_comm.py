@@ -64,6 +64,7 @@ def test_70b_stage3_bf16_on_64_ranks_is_the_documented_arithmetic() -> None:
         "all_gather": 2 * (2 * P_70B - ROOT_70B),
         "reduce_scatter": 4 * P_70B,
         "broadcast": 0,
+        "all_to_all": 0,
     }
     assert nccl.total == gloo.total == 550_764_593_152
     assert (
@@ -91,19 +92,33 @@ def test_every_stage_moves_what_torch_issues(precision: str, grad_accum: int) ->
         ).bytes_by_collective
         for stage in ("stage0", "stage1", "stage2", "stage3")
     }
-    assert got["stage0"] == {"all_reduce": 4 * P, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
-    assert got["stage1"] == {"all_reduce": 4 * P, "all_gather": 0, "reduce_scatter": 0, "broadcast": 4 * P}
+    assert got["stage0"] == {
+        "all_reduce": 4 * P,
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "broadcast": 0,
+        "all_to_all": 0,
+    }
+    assert got["stage1"] == {
+        "all_reduce": 4 * P,
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "broadcast": 4 * P,
+        "all_to_all": 0,
+    }
     assert got["stage2"] == {
         "all_reduce": 0,
         "all_gather": grad_accum * width * P,
         "reduce_scatter": 4 * P,
         "broadcast": 0,
+        "all_to_all": 0,
     }
     assert got["stage3"] == {
         "all_reduce": 0,
         "all_gather": grad_accum * width * (2 * P - root),
         "reduce_scatter": 4 * P,
         "broadcast": 0,
+        "all_to_all": 0,
     }
 
 
@@ -200,3 +215,51 @@ def test_keeping_parameters_costs_memory_only_with_accumulation(stage: str) -> N
     assert "micro-batch" in kept_plan.ranks[0].peak.name
     if stage == "stage3":
         assert kept_plan.peak_bytes > build_plan(twice, "cpu", 2).peak_bytes
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def cp_config(*overrides: str) -> TrainConfig:
+    from tests.helpers import compose_config
+
+    return compose_config(
+        "model=llama3-8b", "nproc=8", "seq_len=131072", "micro_batch=1", "precision=bf16", *overrides
+    )
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "allgather"])
+def test_llama3_8b_at_128k_on_cp4_exchanges_the_documented_bytes(impl: str) -> None:
+    """Llama 3 8B (H = 32, K = 8 heads of Q = 128), b = 1 row of s = 131,072, cp = 4, bf16, full checkpointing:
+    Ulysses moves q and the output, b·(s/cp)·H·Q·2 = 268,435,456 bytes each, and k and v, 67,108,864 each, per
+    block each way: 96 block passes (32 forwards, 32 recomputes, 32 backwards) x 671,088,640 = 60 GiB. The
+    all-gather: b·s·2·K·Q·2 = 536,870,912 bytes out per block forward (64 with recomputes), its reduce-scatter
+    per backward (32)."""
+    comm = plan_comm(cp_config(f"parallel.cp_impl={impl}", "parallel.cp=4", "checkpointing=full"), 8, "nccl")
+    cp = comm.groups["cp"]
+    assert (cp.ranks, cp.link) == (4, "intra-node")
+    blocks = cp.exchange["forward"]["bytes_per_block"]
+    if impl == "ulysses":
+        assert blocks == {"q": 268_435_456, "k": 67_108_864, "v": 67_108_864, "output": 268_435_456}
+        assert cp.bytes_by_collective["all_to_all"] == 96 * 671_088_640 == 60 * 2**30
+        assert cp.calls_by_collective["all_to_all"] == 96 * 4
+    else:
+        assert blocks == {"kv": 536_870_912}
+        assert cp.bytes_by_collective["all_gather"] == 64 * 536_870_912
+        assert cp.bytes_by_collective["reduce_scatter"] == 32 * 536_870_912
+    assert cp.exchange["wire_share"] == 0.75
+    assert json.loads(json.dumps(comm.to_json()))["groups"]["cp"]["exchange"] == cp.exchange
+
+
+def test_zero_works_over_dp_times_cp() -> None:
+    """FSDP2's shard group is dp_shard x cp: 8 ranks at cp 4 on 8 (the same bytes as cp 1, padded to 8);
+    DDP's world is dp_replicate x cp, and at dp 1 DDP still all-reduces over the cp ranks."""
+    sharded = plan_comm(cp_config("parallel.cp=4", "zero=stage3"), 8, "nccl")
+    plain = plan_comm(cp_config("zero=stage3"), 8, "nccl")
+    assert sharded.groups["shard"].ranks == 8
+    assert sharded.groups["shard"].bytes_by_collective == plain.groups["shard"].bytes_by_collective
+    ddp = plan_comm(cp_config("parallel.cp=8", "zero=stage0", "nproc=8"), 8, "nccl")
+    assert ddp.groups["world"].ranks == 8
+    # every fp32 gradient once: 4P, what FSDP2 reduce-scatters in fp32 (8B's dims 0 divide by 8: no padding)
+    reduced = plain.groups["shard"].bytes_by_collective["reduce_scatter"]
+    assert ddp.groups["world"].bytes_by_collective["all_reduce"] == reduced == 4 * 8_030_261_248

@@ -91,6 +91,7 @@ def test_hsdp_pads_to_the_shard_group_and_all_reduces_each_gradient_shard_across
         "all_gather": 0,
         "reduce_scatter": 0,
         "broadcast": 0,
+        "all_to_all": 0,
     }
     assert (shard.ranks, replicate.ranks) == (2, 2)
     assert comm.total == shard.total + replicate.total

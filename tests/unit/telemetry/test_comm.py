@@ -163,9 +163,53 @@ def test_groups_are_named_as_the_plan_names_them(
     named = {d: entry_group({"process_group": ["1", d]}, default_group, descriptions) for d in descriptions}
     assert named == {
         "mesh_dp_shard": "shard",
+        "mesh_dp_shard_cp": "shard",
         "mesh_dp_replicate": replicate,
+        "mesh_dp_replicate_cp": "world",
         "mesh_dim_1": "hpz",
         "mesh_tp": "tp",
+        "mesh_cp": "cp",
         "mesh_pp": "pp",
     }
     assert entry_group({"process_group": ["0", "default_pg"]}, default_group, descriptions) == default
+
+
+def mesh_entry(name: str, description: str, *input_sizes: list[int]) -> dict[str, Any]:
+    return {
+        "profiling_name": f"gloo:{name}",
+        "process_group": ["1", description],
+        "input_sizes": list(input_sizes),
+    }
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "default", "zero_dim", "zero"),
+    [
+        ("stage3", 2, "shard+cp", "default_pg", "shard"),  # dp 1: ZeRO's group is the cp dim, every rank
+        ("stage0", 2, "world+cp", "default_pg", "world"),
+        ("stage3", 4, "shard", "default_pg", "shard"),  # dp 2: dp_shard x cp flattened, every rank
+        ("stage0", 4, "world", "default_pg", "world"),
+        ("stage3", 8, "world", "mesh_dp_shard_cp", "shard"),  # tp 2: the flattened dim is a group of its own
+    ],
+)
+def test_context_parallel_groups(stage: str, world: int, default: str, zero_dim: str, zero: str) -> None:
+    """parallel.cp=2: ZeRO's collectives in the dim dp x cp folds into (or cp itself at dp 1), the cp exchanges
+    in cp; where both are one process group, an all-to-all or a 4-D collective is cp's, a flat one ZeRO's."""
+    from tests.helpers import tiny_config
+    from trainer.telemetry.comm import entry_group, group_names
+
+    tp = {"parallel__tp": 2, "model__n_heads": 4, "model__n_kv_heads": 2} if world == 8 else {}
+    config = tiny_config(
+        nproc=str(world), parallel__cp=2, parallel__cp_impl="allgather", zero__stage=stage, **tp
+    )
+    default_group, descriptions = group_names(config, world)
+    assert default_group == default
+    cp_dim = "default_pg" if world == 2 else "mesh_cp"
+    for kind, sizes, group in [
+        ("all_to_all", [[2, 2, 32, 1, 32]], "cp"),
+        ("all_gather", [[4, 32, 2, 32]], "cp"),  # the K/V all-gather
+        ("all_reduce", [[8, 32, 2, 32]], "cp"),  # its reduce-scatter, as gloo runs it
+    ]:
+        assert entry_group(mesh_entry(kind, cp_dim, *sizes), default_group, descriptions) == group
+    for kind in ("all_gather", "all_reduce"):  # FSDP2's flat buffers, DDP's buckets, the loop's flags
+        assert entry_group(mesh_entry(kind, zero_dim, [4096]), default_group, descriptions) == zero
