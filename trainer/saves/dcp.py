@@ -127,8 +127,8 @@ class SaveSpec:
     micro_batch: int
     grad_accum: int
     replica_ranks: int = 1
-    """parallel.tp * parallel.pp: the ranks of one model replica read one batch, so the global batch counts
-    world / replica_ranks ranks."""
+    """parallel.tp * parallel.pp * parallel.cp: the ranks of one model replica (and its cp group) read one
+    batch, so the global batch counts world / replica_ranks ranks."""
 
     def global_batch(self, world_size: int) -> int:
         return global_batch(self.micro_batch, self.grad_accum, world_size // self.replica_ranks)
@@ -141,7 +141,7 @@ class SaveSpec:
             config.zero.stage,
             config.micro_batch,
             config.grad_accum,
-            config.parallel.tp * config.parallel.pp,
+            config.parallel.tp * config.parallel.pp * config.parallel.cp,
         )
 
 
