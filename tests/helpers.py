@@ -391,12 +391,17 @@ with open(results_path, "w") as f:
 
 
 def run_in_one_process(
-    argvs: list[list[str]], results: Path, timeout: float, env: dict[str, str] | None = None
+    argvs: list[list[str]],
+    results: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    prelude: str = "",
 ) -> list[dict[str, Any]]:
     """`python -m trainer ARGV` for each argv, one after another in one fresh process (its imports paid
-    once): each one's exit status, stdout and stderr, as a command line would give them."""
+    once): each one's exit status, stdout and stderr, as a command line would give them. `prelude`: code
+    the process runs first (a fake device, say)."""
     proc = subprocess.run(
-        [sys.executable, "-c", IN_ONE_PROCESS, json.dumps(argvs), str(results)],
+        [sys.executable, "-c", prelude + IN_ONE_PROCESS, json.dumps(argvs), str(results)],
         cwd=REPO,
         capture_output=True,
         text=True,

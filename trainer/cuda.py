@@ -14,6 +14,11 @@ uses it too, to check a host's GPUs and to hand its ranks NCCL's environment).
   when shapes vary (each block's all-gathered parameters, activations); set before the
   allocator first runs.
 - TF32 for fp32 matmuls and convolutions (`precision.tf32`), through both of torch's APIs.
+- CUPTI torn down when a profile ends (`TEARDOWN_CUPTI=1`): kineto detaches it only then, and a rank that
+  profiles a step (the exposed-communication step, telemetry.trace_steps) would otherwise run every later
+  step with CUPTI attached, 10-20% slower (pytorch/pytorch#146604).
+- What the device cannot run, refused before any rank starts (`capability_error`): fp8 matmuls need
+  compute capability 8.9 (Ada, Hopper, Blackwell: `torch._scaled_mm`), bf16 8.0 (Ampere).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, DType, PrecisionConfig
 
 ALLOC_CONF = "expandable_segments:True"
 # NCCL environment a rank gets unless set already (by the user, or by trainer/telemetry/comm.py, which
@@ -36,6 +41,9 @@ NCCL_ENV = {
     "TORCH_FR_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
+PROFILER_ENV = {"TEARDOWN_CUPTI": "1"}
+"""kineto's: detach CUPTI when a profile stops (the module docstring says why)."""
+FP8_CAPABILITY, BF16_CAPABILITY = (8, 9), (8, 0)
 FLIGHT_RECORDER_DIR = "nccl_traces"
 
 
@@ -65,6 +73,27 @@ def check_local_ranks(local_world_size: int) -> None:
         raise ConfigError(error)
 
 
+def capability_error(precision: PrecisionConfig, capability: tuple[int, int], name: str) -> str | None:
+    """One line when the GPU (`name`, compute capability `capability`) cannot run `precision`; else None."""
+    have = f"GPU 0 ({name}) has compute capability {capability[0]}.{capability[1]}"
+    if precision.is_fp8 and capability < FP8_CAPABILITY:
+        instead = "precision=bf16" if capability >= BF16_CAPABILITY else "precision=fp16"
+        return f"precision=fp8 needs float8 tensor cores (compute capability 8.9 or later: Ada, Hopper); {have}; use {instead}"
+    if precision.compute_dtype == DType.bfloat16 and capability < BF16_CAPABILITY:
+        return (
+            f"precision=bf16 needs compute capability 8.0 or later (Ampere); {have}; use precision=fp16 "
+            "(dynamic loss scaling) or precision=fp32"
+        )
+    return None
+
+
+def check_capability(precision: PrecisionConfig) -> None:
+    """In the job process of a CUDA job, before any rank starts: ConfigError (exit 2) for what GPU 0 cannot run."""
+    error = capability_error(precision, torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0))
+    if error is not None:
+        raise ConfigError(error)
+
+
 def set_launcher_environment() -> None:
     """In the job process, before the elastic agent starts the ranks: the agent gives every rank
     TORCH_NCCL_ASYNC_ERROR_HANDLING from its own environment, else "1"
@@ -77,9 +106,9 @@ def set_launcher_environment() -> None:
 
 def set_rank_environment(out_dir: Path | None) -> None:
     """Before the process group and the allocator start: NCCL failure handling, the flight
-    recorder's dump files (under the run's directory), expandable segments. A user's own
-    setting of any of these wins."""
-    for key, value in NCCL_ENV.items():
+    recorder's dump files (under the run's directory), expandable segments, CUPTI's teardown. A
+    user's own setting of any of these wins."""
+    for key, value in {**NCCL_ENV, **PROFILER_ENV}.items():
         os.environ.setdefault(key, value)
     if out_dir is not None:
         dump_dir = out_dir / FLIGHT_RECORDER_DIR

@@ -26,7 +26,7 @@ from trainer.config import (
     validate,
 )
 from trainer.console import BAD_INPUT, error_line, one_line, say, warn
-from trainer.cuda import check_local_ranks
+from trainer.cuda import check_capability, check_local_ranks
 from trainer.data import check_data, corpus_line
 from trainer.faults.stop import (
     STOP_STATUSES,
@@ -168,6 +168,8 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         )  # an attention kernel this device cannot run: one line, exit 2
         if config.data.masks_documents:
             check_document_mask(choice, device_kind)
+        if config.mode == Mode.train and device_kind == "cuda":
+            check_capability(config.precision)  # fp8 or bf16 the GPU lacks: one line, not a rank's crash
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":
             check_local_ranks(
                 int(os.environ["LOCAL_WORLD_SIZE"])

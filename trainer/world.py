@@ -33,6 +33,11 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def rank_threads(local_world: int) -> int:
+    """The intra-op threads of each of `local_world` ranks sharing this host: its usable cores, split."""
+    return max(1, usable_cores() // local_world)
+
+
 def resolve_device_kind(device: DeviceKind, must_be_visible: bool = True) -> str:
     """`auto` is CUDA when a GPU is visible, else CPU. Asking for CUDA without one is an error
     for a job that trains here; a plan (`must_be_visible=False`) may be for a GPU elsewhere."""
@@ -75,8 +80,9 @@ def init_world(device_kind: str, offload_to_cpu: bool = False, out_dir: Path | N
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Ranks sharing a host each take every core by default and thrash; split the usable ones.
-        torch.set_num_threads(max(1, usable_cores() // local_world))
+    # Ranks sharing a host each take every core by default and thrash; split the usable ones. CUDA ranks
+    # too: under offload=cpu each rank's AdamW steps its shard on the host.
+    torch.set_num_threads(rank_threads(local_world))
     if not dist.is_initialized():
         backend = process_group_backend(device_kind, offload_to_cpu)
         dist.init_process_group(

@@ -9,18 +9,21 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, compose_config, free_port, torchrun_env
-from trainer.config import ConfigError, TrainConfig, to_plain
+from tests.helpers import REPO, compose_config, free_port, run_in_one_process, torchrun_env
+from trainer.config import AttentionKernel, ConfigError, DType, TrainConfig, to_plain
 from trainer.cuda import (
     ALLOC_CONF,
     apply_tf32,
+    capability_error,
     local_ranks_error,
     process_group_backend,
     set_rank_environment,
 )
 from trainer.devices import DEVICES, find_accelerator, find_device, tf32_enabled
+from trainer.model.attention import SDPBackend, choose_sdpa
 from trainer.plan import device_memory
 from trainer.units import GIB
+from trainer.world import rank_threads, usable_cores
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl() -> None:
@@ -66,6 +69,105 @@ def test_rank_environment_turns_on_nccl_error_handling_flight_recorder_and_expan
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     set_rank_environment(None)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF == "expandable_segments:True"
+
+
+def test_rank_environment_tears_cupti_down_after_a_profile(monkeypatch) -> None:
+    """kineto detaches CUPTI only under TEARDOWN_CUPTI=1; left attached, the steps after a profiled one run
+    10-20% slower (pytorch/pytorch#146604). A user's own setting wins."""
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    set_rank_environment(None)
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    set_rank_environment(None)
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_ranks_sharing_a_host_split_its_cores() -> None:
+    """CUDA ranks too (world.py): under offload=cpu each rank's AdamW runs on the host."""
+    assert rank_threads(1) == usable_cores()
+    assert rank_threads(2) == max(1, usable_cores() // 2)
+    assert rank_threads(10**6) == 1
+
+
+BF16_NEEDS, FP8_NEEDS = (
+    "precision=bf16 needs compute capability 8.0",
+    "precision=fp8 needs float8 tensor cores",
+)
+
+
+@pytest.mark.parametrize(
+    ("precision", "capability", "refused", "way_out"),
+    [
+        ("bf16", (7, 0), BF16_NEEDS, "use precision=fp16 (dynamic loss scaling) or precision=fp32"),
+        ("fp16", (7, 0), None, None),
+        ("fp32", (6, 0), None, None),
+        ("fp8", (7, 0), FP8_NEEDS, "use precision=fp16"),
+        ("fp8", (8, 0), FP8_NEEDS, "use precision=bf16"),
+        ("fp8", (8, 6), FP8_NEEDS, "use precision=bf16"),
+        ("bf16", (8, 0), None, None),
+        ("fp8", (8, 9), None, None),
+        ("fp8", (9, 0), None, None),
+    ],
+)
+def test_what_the_gpu_cannot_run_is_one_line(
+    precision: str, capability: tuple[int, int], refused: str | None, way_out: str | None
+) -> None:
+    """fp8's torch._scaled_mm needs 8.9 (Ada, Hopper); bf16 8.0 (Ampere). The way out is what it can run."""
+    error = capability_error(compose_config(f"precision={precision}").precision, capability, "GPU")
+    if refused is None:
+        assert error is None
+        return
+    assert error is not None and error.startswith(refused) and "\n" not in error
+    assert f"has compute capability {capability[0]}.{capability[1]}; {way_out}" in error and error.endswith(
+        way_out
+    )
+
+
+def test_attention_below_ampere_is_the_efficient_kernel_and_flash_is_refused() -> None:
+    """torch's CUDA flash kernel needs compute capability 8.0: `auto` takes the efficient kernel there in
+    half precision; an explicit `flash` is one line. Where no GPU is visible (a plan for another machine)
+    the capability is unknown and flash assumed."""
+    turing = choose_sdpa(AttentionKernel.auto, "cuda", DType.bfloat16, grouped=True, capability=(7, 5))
+    assert turing.backend == SDPBackend.EFFICIENT_ATTENTION and turing.repeat_kv
+    ampere = choose_sdpa(AttentionKernel.auto, "cuda", DType.bfloat16, grouped=True, capability=(8, 0))
+    assert ampere.backend == SDPBackend.FLASH_ATTENTION
+    unknown = choose_sdpa(AttentionKernel.auto, "cuda", DType.bfloat16, grouped=True)
+    assert unknown.backend == SDPBackend.FLASH_ATTENTION
+    with pytest.raises(
+        ConfigError,
+        match=r"^attention=flash needs compute capability 8.0 .* has 7.5; use attention=efficient",
+    ):
+        choose_sdpa(AttentionKernel.flash, "cuda", DType.bfloat16, grouped=True, capability=(7, 5))
+
+
+FAKE_V100 = """
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.get_device_capability = lambda device=None: (7, 0)
+torch.cuda.get_device_name = lambda device=None: "Tesla V100-SXM2-16GB"
+"""
+
+
+def test_a_job_on_a_gpu_without_them_ends_in_one_line_before_any_rank_starts(tmp_path) -> None:
+    """`python -m trainer device=cuda ...` with torch.cuda faking a V100 (compute capability 7.0): bf16, fp8 and
+    flash each end in one `error:` line and exit 2; no rank started (no metrics.jsonl)."""
+    cases = {
+        "precision=bf16": "precision=bf16 needs compute capability 8.0",
+        "precision=fp8": "precision=fp8 needs float8 tensor cores",
+        "attention=flash": "attention=flash needs compute capability 8.0",
+    }
+    argvs = [
+        ["device=cuda", "logger=none", "nproc=1", "steps=1", "save=off", "precision=fp16" if "flash" in case else case,
+         *([case] if "flash" in case else []), f"hydra.run.dir={tmp_path / str(n)}"]
+        for n, case in enumerate(cases)
+    ]  # fmt: skip
+    results = run_in_one_process(argvs, tmp_path / "results.json", timeout=300, prelude=FAKE_V100)
+    for n, ((case, expected), result) in enumerate(zip(cases.items(), results)):
+        lines = (result["stdout"] + result["stderr"]).strip().splitlines()
+        assert result["returncode"] == 2, (case, result)
+        assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (case, lines)
+        assert not (tmp_path / str(n) / "metrics.jsonl").exists()
 
 
 def error_handling_of_the_rank(*args: object) -> str | None:

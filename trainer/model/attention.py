@@ -18,7 +18,10 @@ impossible combination fails loudly instead of falling back:
 | math | math: saves the scores | math: saves the scores | math: saves the scores |
 
 CUDA's flash kernel takes no attention mask, so under data.packing=document (a block-causal mask) `auto`
-chooses the efficient kernel, which does, and `flash` is refused (check_document_mask).
+chooses the efficient kernel, which does, and `flash` is refused (check_document_mask). Nor does it run
+below compute capability 8.0 (FlashAttention-2's kernels in torch need Ampere): there `auto` takes the
+efficient kernel in half precision too, and `flash` is refused. A plan made where no GPU is visible
+assumes a GPU that has it (every accelerator the plan names does).
 
 Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
 H·T scores of math. trainer/plan/activations.py counts what each choice saves.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.nn.attention import SDPBackend
 
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig, TrainConfig
@@ -48,12 +52,27 @@ class SdpaChoice:
         return self.backend == SDPBackend.MATH
 
 
+FLASH_CAPABILITY = (8, 0)
+"""The compute capability torch's CUDA flash kernel needs."""
+
+
 def choose_sdpa(
-    kernel: AttentionKernel, device_kind: str, dtype: DType, grouped: bool, masked: bool = False
+    kernel: AttentionKernel,
+    device_kind: str,
+    dtype: DType,
+    grouped: bool,
+    masked: bool = False,
+    capability: tuple[int, int] | None = None,
 ) -> SdpaChoice:
-    """The kernel for this device and dtype (see the module docstring), `masked` under a document mask;
-    ConfigError where it cannot run."""
+    """The kernel for this device and dtype (see the module docstring), `masked` under a document mask, on
+    a CUDA device of compute `capability` (None: one that has flash); ConfigError where it cannot run."""
     half = dtype in (DType.bfloat16, DType.float16)
+    no_flash = device_kind == "cuda" and capability is not None and capability < FLASH_CAPABILITY
+    if kernel == AttentionKernel.flash and no_flash:
+        raise ConfigError(
+            f"attention=flash needs compute capability 8.0 or later on CUDA (Ampere); this GPU has "
+            f"{capability[0]}.{capability[1]}; use attention=efficient or attention=math"
+        )
     if kernel == AttentionKernel.math:
         return SdpaChoice(SDPBackend.MATH)
     if kernel == AttentionKernel.efficient:
@@ -64,8 +83,10 @@ def choose_sdpa(
         raise ConfigError(
             "attention=flash needs precision=bf16 or fp16 on CUDA; allowed in fp32: auto, efficient, math"
         )
-    if device_kind == "cuda" and (not half or (masked and kernel == AttentionKernel.auto)):
-        return SdpaChoice(SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped)  # auto in fp32, or masked
+    if device_kind == "cuda" and (not half or no_flash or (masked and kernel == AttentionKernel.auto)):
+        return SdpaChoice(
+            SDPBackend.EFFICIENT_ATTENTION, repeat_kv=grouped
+        )  # auto in fp32, masked, or pre-Ampere
     return SdpaChoice(SDPBackend.FLASH_ATTENTION)
 
 
@@ -74,7 +95,16 @@ def run_choice(
 ) -> SdpaChoice:
     """The choice of a run, `masked` under data.packing=document (raises ConfigError before any rank starts,
     when called from the job)."""
-    return choose_sdpa(kernel, device_kind, dtype, grouped=model.n_kv_heads != model.n_heads, masked=masked)
+    grouped = model.n_kv_heads != model.n_heads
+    return choose_sdpa(kernel, device_kind, dtype, grouped, masked, visible_capability(device_kind))
+
+
+def visible_capability(device_kind: str) -> tuple[int, int] | None:
+    """The compute capability of this process's CUDA device, where one is visible; None otherwise (a plan
+    made for another machine)."""
+    if device_kind != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
 
 
 def config_choice(config: TrainConfig, device_kind: str, model: ModelConfig | None = None) -> SdpaChoice:
