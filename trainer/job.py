@@ -37,7 +37,7 @@ from trainer.faults.stop import (
     stopped_at_once,
 )
 from trainer.layout import Layout, check_world
-from trainer.model.attention import check_document_mask, config_choice
+from trainer.model.attention import check_document_mask, config_choice, takes_mask
 from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
@@ -166,8 +166,11 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
         choice = config_choice(
             config, device_kind
         )  # an attention kernel this device cannot run: one line, exit 2
-        if config.data.masks_documents:
-            check_document_mask(choice, device_kind)
+        if takes_mask(config):
+            masked_by = (
+                "data.packing=document" if config.data.masks_documents else "parallel.cp_impl=allgather"
+            )
+            check_document_mask(choice, device_kind, masked_by)
         if config.mode == Mode.train and device_kind == "cuda":
             check_capability(config.precision)  # fp8 or bf16 the GPU lacks: one line, not a rank's crash
         if config.mode == Mode.train and is_under_torchrun() and device_kind == "cuda":

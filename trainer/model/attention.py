@@ -115,16 +115,23 @@ def config_choice(config: TrainConfig, device_kind: str, model: ModelConfig | No
         config.model if model is None else model,
         config.precision.compute_dtype,
         device_kind,
-        config.data.masks_documents,
+        takes_mask(config),
     )
 
 
-def check_document_mask(choice: SdpaChoice, device_kind: str) -> None:
-    """data.packing=document hands SDPA a block-causal attn_mask, which CUDA's flash kernel does not take
-    (the CPU one does); ConfigError before any rank starts."""
+def takes_mask(config: TrainConfig) -> bool:
+    """Whether attention is handed a mask: data.packing=document's block-causal one, or parallel.cp=allgather's
+    (each rank's queries against every key, by true positions: trainer/model/context_parallel.py)."""
+    allgather = config.parallel.cp > 1 and config.parallel.cp_impl == "allgather"
+    return config.data.masks_documents or allgather
+
+
+def check_document_mask(choice: SdpaChoice, device_kind: str, setting: str = "data.packing=document") -> None:
+    """data.packing=document (or parallel.cp_impl=allgather: `setting`) hands SDPA an attn_mask, which CUDA's
+    flash kernel does not take (the CPU one does); ConfigError before any rank starts."""
     if device_kind == "cuda" and choice.backend == SDPBackend.FLASH_ATTENTION:
         raise ConfigError(
-            "data.packing=document needs an attention kernel that takes a mask on CUDA: attention=efficient "
+            f"{setting} needs an attention kernel that takes a mask on CUDA: attention=efficient "
             "or attention=math (flash takes none)"
         )
 

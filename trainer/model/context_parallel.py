@@ -89,11 +89,15 @@ class ContextParallel:
         """The positions of a row of `seq_len` (cached per length and device)."""
         key = (seq_len, str(device))
         if key not in self._indices:
-            gathered = [p for r in range(self.size) for p in local_positions(seq_len, self.size, r)]
-            mine = torch.tensor(local_positions(seq_len, self.size, self.rank), device=device)
-            gathered_T = torch.tensor(gathered, device=device)
-            self._indices[key] = Positions(mine, gathered_T, gathered_T.argsort())
+            self._indices[key] = self.make_positions(seq_len, device)
         return self._indices[key]
+
+    @torch.inference_mode(False)  # an index saved for backward must not be an inference tensor (eval first)
+    def make_positions(self, seq_len: int, device: torch.device) -> Positions:
+        gathered = [p for r in range(self.size) for p in local_positions(seq_len, self.size, r)]
+        mine = torch.tensor(local_positions(seq_len, self.size, self.rank), device=device)
+        gathered_T = torch.tensor(gathered, device=device)
+        return Positions(mine, gathered_T, gathered_T.argsort())
 
     def local(self, rows_BT: torch.Tensor) -> torch.Tensor:
         """This rank's positions of whole rows (tokens or targets)."""
@@ -101,11 +105,11 @@ class ContextParallel:
 
     def loss_factor(
         self, local_targets_BT: torch.Tensor, full_targets_BT: torch.Tensor, ignore: int
-    ) -> float:
+    ) -> torch.Tensor:
         """What turns this rank's mean loss into its part of the group's: cp x its counted targets over the
-        row's (both known here: every rank of the group holds the whole row)."""
-        counted = int((local_targets_BT != ignore).sum())
-        return self.size * counted / max(int((full_targets_BT != ignore).sum()), 1)
+        row's (both known here: every rank of the group holds the whole row). On the device: no host sync."""
+        counted = (local_targets_BT != ignore).sum()
+        return self.size * counted / (full_targets_BT != ignore).sum().clamp(min=1)
 
     def mask(
         self, documents_BT: torch.Tensor | None, seq_len: int, device: torch.device

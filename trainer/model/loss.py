@@ -42,7 +42,7 @@ class LossTerms(NamedTuple):
         """The terms from the model's forward given targets (`chunked_cross_entropy`'s result)."""
         return cls(output[0], output[1]) if z_weight > 0 else cls(output)
 
-    def scaled(self, factor: float) -> LossTerms:
+    def scaled(self, factor: torch.Tensor) -> LossTerms:
         """Both terms times `factor` (parallel.cp: a rank's share of its group's mean)."""
         return LossTerms(self.cross_entropy * factor, None if self.z_loss is None else self.z_loss * factor)
 

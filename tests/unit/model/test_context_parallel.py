@@ -1,10 +1,13 @@
 """The head-tail split of parallel.cp (trainer/model/context_parallel.py): every position held once, and every
-rank the same causal attention work."""
+rank the same causal attention work; the all-gather's mask and the kernel that takes it."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.helpers import compose_config
+from trainer.config import ConfigError
+from trainer.model.attention import SdpaChoice, SDPBackend, check_document_mask, config_choice, takes_mask
 from trainer.model.context_parallel import attention_pairs, chunk_ranks, local_positions
 
 
@@ -33,3 +36,17 @@ def test_a_contiguous_split_would_not_be_balanced() -> None:
     assert contiguous == [136, 392, 648, 904]
     assert [chunk_ranks(cp, r) for r in range(cp)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert attention_pairs(seq_len, cp, 0) == sum(contiguous) // cp == 520
+
+
+def test_allgather_hands_attention_a_mask_so_cuda_takes_a_kernel_that_takes_one() -> None:
+    """parallel.cp_impl=allgather masks every layer by true positions: on CUDA `auto` takes the efficient
+    kernel (flash takes no mask) and an explicit flash is one line; Ulysses attends whole rows causally."""
+    allgather = compose_config("parallel.cp=2", "parallel.cp_impl=allgather", "precision=bf16")
+    assert takes_mask(allgather)
+    assert config_choice(allgather, "cuda").backend == SDPBackend.EFFICIENT_ATTENTION
+    ulysses = compose_config("parallel.cp=2", "precision=bf16")
+    assert not takes_mask(ulysses) and config_choice(ulysses, "cuda").backend == SDPBackend.FLASH_ATTENTION
+    with pytest.raises(
+        ConfigError, match="^parallel.cp_impl=allgather needs an attention kernel that takes a mask"
+    ):
+        check_document_mask(SdpaChoice(SDPBackend.FLASH_ATTENTION), "cuda", "parallel.cp_impl=allgather")
