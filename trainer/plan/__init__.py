@@ -35,6 +35,8 @@ The planner is this package; each module's docstring is its part of the design n
 - pipeline.py: parallel.pp in the plan: the split into stages, what each schedule holds in flight (torch's
   own orders), the send/recv buffers, the bubble, the bytes between stages;
 - pipeline_walk.py: the walk of one pipeline rank's step, its stage's moments;
+- context_parallel.py: parallel.cp in the plan: ZeRO over dp x cp, one rank's step at T / cp positions, what
+  each exchange (ulysses, allgather) adds to a block's saved set, the rows, rotary tables and masks it holds;
 - groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
   and which link each one crosses;
 - target.py: the device kind and world size a plan is for;

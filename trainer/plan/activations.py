@@ -22,6 +22,7 @@ from trainer.config import (
 from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
 from trainer.model.fp8 import autocast_input_saving
+from trainer.plan.context_parallel import cp_activations, mask_kept, row_length
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 DOCUMENTS_BYTES_PER_TOKEN = 8  # data.packing=document: each position's int64 document number, with the batch
@@ -135,11 +136,13 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True), which zerolab leaves off (the GPU
     check's first run, 2026-12-04: 125m bf16 under math held 2.73 GiB more than a bf16 count, the
     fp32 count's difference is 2.67). (Math's transient pre-softmax scores, alive for one op in
-    forward, are not modelled.)
+    forward, are not modelled.) Under parallel.cp (a `cp_local` config) each local query's scores span the
+    whole row under either exchange (trainer/plan/context_parallel.py); allgather's repeated K/V of the whole
+    row are not counted (not measured).
     """
     m, prec = config.model, precisions(config.precision, config.zero)
     choice = config_choice(config, device_kind)
-    HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, config.seq_len
+    HQ, H, KQ, T = m.n_heads * m.head_width, m.n_heads, m.n_kv_heads * m.head_width, row_length(config)
     flash = prec.compute * (HQ + 2 * KQ) + 4 * H
     if choice.saves_scores:
         return 4 * (3 * HQ + H * T) - flash
@@ -160,21 +163,34 @@ def document_mask_per_token(config: TrainConfig, device_kind: str) -> int:
     makes a B·1·T·T tensor of the compute dtype, which the fused kernels (CPU's flash, CUDA's
     efficient) save for backward: T values per token. Math's composite adds it to the scores, whose
     backward needs nothing of it. Measured (MemTracker, tiny, fp32, 1 CPU rank, micro_batch=2): 4 x 2·T·T
-    fp32 beyond concat packing's peak at T = 128 and 512, and the document numbers (DOCUMENTS_BYTES_PER_TOKEN)."""
-    if not document_packing(config):
+    fp32 beyond concat packing's peak at T = 128 and 512, and the document numbers (DOCUMENTS_BYTES_PER_TOKEN).
+    Under parallel.cp=ulysses each rank's blocks attend whole rows under the row's mask (cp x T values per local
+    token); allgather's mask is its own (trainer/plan/context_parallel.py)."""
+    if not document_packing(config) or cp_gathers(config):
         return 0
     choice = config_choice(config, device_kind)
-    return 0 if choice.saves_scores else precisions(config.precision, config.zero).compute * config.seq_len
+    T = row_length(config)
+    return (
+        0
+        if choice.saves_scores
+        else precisions(config.precision, config.zero).compute * T * config.parallel.cp
+    )
+
+
+def cp_gathers(config: TrainConfig) -> bool:
+    """parallel.cp > 1 with the K/V all-gather, whose mask trainer/plan/context_parallel.py counts."""
+    return config.parallel.cp > 1 and config.parallel.cp_impl == "allgather"
 
 
 def document_mask_kept(config: TrainConfig) -> int:
     """data.packing=document: the boolean mask itself (B·T·T bytes), beside the batch from forward through
     backward where a block is checkpointed (its recompute takes the mask as an input, which the checkpoint
-    keeps); without checkpointing it dies with forward's end, SDPA having saved its own copy (above)."""
-    if not document_packing(config):
+    keeps); without checkpointing it dies with forward's end, SDPA having saved its own copy (above). Under
+    parallel.cp=ulysses it is the whole row's (B·T·T); allgather's is counted with context parallelism's."""
+    if not document_packing(config) or cp_gathers(config):
         return 0
     checkpointed = any(should_checkpoint(i, config.checkpointing) for i in range(config.model.n_layers))
-    return config.micro_batch * config.seq_len * config.seq_len if checkpointed else 0
+    return config.micro_batch * row_length(config) ** 2 if checkpointed else 0
 
 
 def op_checkpointed_bytes_per_token(config: TrainConfig, device_kind: str) -> int:
@@ -266,15 +282,23 @@ def sequence_parallel_saving(config: TrainConfig, device_kind: str) -> tuple[int
 
 
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
+    """One rank's activations; under parallel.cp `config` is the rank's `cp_local` job (T / cp positions),
+    and context parallelism's additions come on top (trainer/plan/context_parallel.py)."""
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     block_sp, head_sp = sequence_parallel_saving(config, device_kind)
+    cp = cp_activations(config, prec.compute, not config_choice(config, device_kind).saves_scores)
     full = (
-        block_bytes_per_token(m, prec.regime, device_kind)
-        + attention_extra_per_token(config, device_kind)
-        + document_mask_per_token(config, device_kind)
-        - fp8_saving_per_token(config, prec, device_kind)
-    ) * tokens - block_sp
+        (
+            block_bytes_per_token(m, prec.regime, device_kind)
+            + attention_extra_per_token(config, device_kind)
+            + document_mask_per_token(config, device_kind)
+            - fp8_saving_per_token(config, prec, device_kind)
+        )
+        * tokens
+        - block_sp
+        + cp.per_block
+    )
     # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
     checkpointed, unread = prec.residual * m.dim * tokens // sequence_shards(config), 0
     if config.checkpointing.mode == CheckpointMode.op:
@@ -288,8 +312,12 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     )
     kept = checkpoint_input_kept(prec, device_kind) * m.dim * tokens // sequence_shards(config)
     inputs_kept = tuple(kept if should_checkpoint(i, config.checkpointing) else 0 for i in range(m.n_layers))
-    documents = DOCUMENTS_BYTES_PER_TOKEN * tokens if document_packing(config) else 0
-    batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config)
+    # the documents of whole rows (every cp rank's mask needs the row's)
+    documents = (
+        DOCUMENTS_BYTES_PER_TOKEN * config.micro_batch * row_length(config) if document_packing(config) else 0
+    )
+    held = cp.kept + cp.rows + mask_kept(config, cp)  # parallel.cp's rotary tables, whole rows, kept mask
+    batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config) + held
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept)

@@ -20,11 +20,12 @@ from trainer.devices import find_accelerator
 from trainer.layout import Layout
 from trainer.model.fp8 import fp8_split
 from trainer.plan.activations import activations, precisions
-from trainer.plan.comm import CommPlan, plan_comm
+from trainer.plan.comm import CommPlan, data_parallel_groups, plan_comm
+from trainer.plan.context_parallel import cp_local, cp_positions
 from trainer.plan.ddp_walk import ddp_moments
 from trainer.plan.disk import DiskPlan, build_disk_plan, nvme_buffer_bytes
 from trainer.plan.fsdp_walk import fsdp_moments
-from trainer.plan.groups import GROUPS, ShardGroups, shard_groups
+from trainer.plan.groups import GROUPS, ShardGroups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan, offload_applies
 from trainer.plan.moments import Moment, StepContext, other_bytes
@@ -280,17 +281,16 @@ class Plan:
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     """Plan every rank of a job; shapes come from the model built on meta, nothing is allocated."""
     num_params = model_shape(config.model).num_params
-    tp, full = config.parallel.tp, config
-    config = tp_local(
-        config
-    )  # one TP rank's layers (trainer/plan/tensor_parallel.py); the job itself at tp=1
+    full = config
+    # one TP rank's layers (trainer/plan/tensor_parallel.py) on one cp rank's T / cp positions
+    # (trainer/plan/context_parallel.py); the job itself at tp = cp = 1
+    config = cp_local(tp_local(config))
     shape = model_shape(config.model)
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     ranks, planned = [], {}
     layout = Layout.from_config(full, world_size)
-    dp = config.parallel.dp(world_size)
-    groups = shard_groups(config.zero, dp, layout.per_node("dp"), tp)
-    sharded_over = groups.shard if config.zero.uses_fsdp else dp
+    groups = data_parallel_groups(full, world_size)  # ZeRO's over dp x cp, the cp group's communicator
+    sharded_over = zero_ranks(layout, config.zero)
     if config.parallel.pp > 1:
         return build_pipeline_plan(config, full, device_kind, layout, num_params, groups, sharded_over)
     shards = rank_states(shape, config.zero.stage, sharded_over)
@@ -305,7 +305,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 prec,
                 sharded_over,
                 device_kind,
-                other_bytes(config.model, config.data, states),
+                other_bytes(config.model, config.data, states) + cp_positions(config),
             )
             planned[states] = tuple(walk(config)(ctx))
         ranks.append(rank_plan(config, device_kind, rank, states, acts.total, planned[states]))
@@ -337,9 +337,18 @@ def rank_plan(
 
 
 def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
-    """Which of the ZeRO shards a rank holds: its place on FSDP2's shard dim, or among DDP's replicas
-    (ZeroRedundancyOptimizer's partition; stage0's states are alike on every replica)."""
-    return layout.coords(rank)["dp_shard"] if zero.uses_fsdp else layout.dp_index(rank)
+    """Which of the ZeRO shards a rank holds: its place in FSDP2's shard group (dp_shard x cp), or among DDP's
+    replicas (dp_replicate x cp: ZeroRedundancyOptimizer's partition; stage0's states are alike on every
+    replica)."""
+    if zero.uses_fsdp:
+        return layout.shard_index(rank)
+    return layout.dp_index(rank) * layout.cp + layout.coords(rank)["cp"]
+
+
+def zero_ranks(layout: Layout, zero: ZeroConfig) -> int:
+    """The ranks ZeRO shards model states over: FSDP2's shard group, dp_shard x cp (HSDP's shard dim
+    without cp), or DDP's replicas, dp x cp (ZeroRedundancyOptimizer's partitions; stage0 shards nothing)."""
+    return layout.shard_size() if zero.uses_fsdp else layout.dp * layout.cp
 
 
 def build_pipeline_plan(
@@ -396,14 +405,22 @@ def parallel_fields(config: TrainConfig, world_size: int) -> dict[str, Any]:
         fields["sequence_parallel"] = p.sequence_parallel
     if p.pp > 1:
         fields["pp_schedule"] = p.pp_schedule
+    if p.cp > 1:  # trainer/plan/context_parallel.py
+        fields.update(cp=p.cp, cp_impl=p.cp_impl)
     return fields
 
 
 def describe(config: TrainConfig, world_size: int, device_kind: str) -> str:
     c, p = config, config.parallel
-    layout = "".join(
-        f" parallel.{key}={value}" for key, value in (("tp", p.tp), ("pp", p.pp)) if value > 1
-    ) + (f" parallel.pp_schedule={p.pp_schedule}" if p.pp > 1 else "")
+    layout = (
+        "".join(
+            f" parallel.{key}={value}"
+            for key, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp))
+            if value > 1
+        )
+        + (f" parallel.pp_schedule={p.pp_schedule}" if p.pp > 1 else "")
+        + (f" parallel.cp_impl={p.cp_impl}" if p.cp > 1 else "")
+    )
     return (
         f"model={c.model.name} zero={c.zero.stage.value} precision={c.precision.name} "
         f"checkpointing={c.checkpointing.mode.value} offload={c.offload.target.value} micro_batch={c.micro_batch} "

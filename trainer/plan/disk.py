@@ -43,7 +43,6 @@ from pathlib import Path
 
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig
 from trainer.layout import Layout
-from trainer.plan.groups import shard_groups
 from trainer.plan.states import ModelShape, RankStates, model_shape, shard_rows
 from trainer.units import GIB, MIB
 
@@ -92,10 +91,9 @@ def rank_file(path: str | Path, rank: int) -> Path:
 
 
 def shard_size(config: TrainConfig, world_size: int) -> int:
-    """The ranks FSDP2 shards over: the world, or HSDP's shard group (trainer/plan/build.py's `sharded_over`)."""
-    layout = Layout.from_config(config, world_size)
-    dp = config.parallel.dp(world_size)
-    return shard_groups(config.zero, dp, layout.per_node("dp"), config.parallel.tp).shard
+    """The ranks FSDP2 shards over: the world, or HSDP's shard group, times parallel.cp (trainer/plan/build.py's
+    `sharded_over`, trainer/layout.py `shard_size`)."""
+    return Layout.from_config(config, world_size).shard_size()
 
 
 def node_file_bytes(config: TrainConfig, world_size: int, node: int) -> dict[int, int]:
@@ -103,7 +101,7 @@ def node_file_bytes(config: TrainConfig, world_size: int, node: int) -> dict[int
     layout, size = Layout.from_config(config, world_size), shard_size(config, world_size)
     shape, per_node = model_shape(config.model), world_size // config.nodes
     ranks = range(node * per_node, (node + 1) * per_node)
-    return {r: file_bytes(shape, size, layout.coords(r)["dp_shard"]) for r in ranks}
+    return {r: file_bytes(shape, size, layout.shard_index(r)) for r in ranks}
 
 
 # ----------------------------------------------------------------------------- the disk's bandwidth
@@ -235,7 +233,7 @@ def build_disk_plan(
     ranks = range(world_size // config.nodes)
     return DiskPlan(
         str(config.offload.path),
-        tuple(file_bytes(shape, shard, layout.coords(r)["dp_shard"]) for r in ranks),
+        tuple(file_bytes(shape, shard, layout.shard_index(r)) for r in ranks),
         tuple(states[r].optimizer for r in ranks),
         nvme_buffer_bytes(config.offload.buffer_mib),
         nvme_chunk(config.offload.buffer_mib),

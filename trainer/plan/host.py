@@ -321,7 +321,7 @@ def build_host_plan(
     available, source, cores = host_memory(config, device_kind)
     layout = Layout.from_config(config, world_size)
     per_node = [
-        host_rank(config, device_kind, (shard_size, layout.coords(r)["dp_shard"]), shape, ranks[r])
+        host_rank(config, device_kind, (shard_size, layout.shard_index(r)), shape, ranks[r])
         for r in node_ranks(world_size, config.nodes)
     ]
     return HostPlan(tuple(per_node), available, source, cores)

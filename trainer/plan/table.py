@@ -10,8 +10,9 @@ from __future__ import annotations
 from trainer.config import TrainConfig
 from trainer.devices import accelerator_names
 from trainer.model.attention import config_choice
-from trainer.plan.activations import document_mask_per_token
+from trainer.plan.activations import cp_gathers, document_mask_per_token, precisions
 from trainer.plan.build import COMPILE_NOTE, Plan, RankPlan, describe, fp8_fields
+from trainer.plan.context_parallel import cp_local
 from trainer.plan.refusal import host_refusal, refusal
 from trainer.units import GIB, KIB, MIB
 
@@ -149,15 +150,26 @@ def disk_lines(plan: Plan) -> list[str]:
     ]
 
 
+def document_mask_bytes(c: TrainConfig, device_kind: str) -> tuple[int, int, str]:
+    """data.packing=document's boolean mask per micro-batch, the additive form each block's attention saves, and
+    the mask's shape: the whole rows' (B·T·T; a cp rank's T/cp queries at parallel.cp_impl=allgather, B·T/cp·T)."""
+    local = cp_local(c)  # the rank's T / cp positions under parallel.cp (trainer/plan/context_parallel.py)
+    if cp_gathers(local):
+        mask = c.micro_batch * local.seq_len * c.seq_len
+        saved = 0 if config_choice(c, device_kind).saves_scores else precisions(c.precision, c.zero).compute
+        return mask, saved * mask, "B·T/cp·T"
+    per_block = document_mask_per_token(local, device_kind) * c.micro_batch * local.seq_len
+    return c.micro_batch * c.seq_len * c.seq_len, per_block, "B·T·T"
+
+
 def data_lines(plan: Plan) -> list[str]:
     """What the data adds that the table folds into its columns: data.packing=document's mask (in activations),
     and eval.every's evaluations (held-out batches kept for the run; a forward under no_grad, not walked)."""
     c, lines = plan.config, []
     if c.data.masks_documents:
-        mask = c.micro_batch * c.seq_len * c.seq_len
-        per_block = document_mask_per_token(c, plan.device_kind) * c.micro_batch * c.seq_len
+        mask, per_block, shape = document_mask_bytes(c, plan.device_kind)
         lines.append(
-            f"document mask (data.packing=document): {format_bytes(mask)} of booleans (B·T·T) per micro-batch, "
+            f"document mask (data.packing=document): {format_bytes(mask)} of booleans ({shape}) per micro-batch, "
             f"{format_bytes(per_block)} of its additive form saved by each block's attention, and the documents' "
             f"ids (8 B a token), in the activations column; attention kernel {sdpa_name(c, plan.device_kind)}"
         )
