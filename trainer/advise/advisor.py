@@ -76,6 +76,8 @@ CHOSEN_KEYS = (
     "parallel.pp",
     "parallel.pp_schedule",
     "zero.compression",
+    "parallel.cp",
+    "parallel.cp_impl",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
 """What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
@@ -120,6 +122,7 @@ class Candidate:
             "bf16 reduction": c["zero.reduce_dtype"] == "bf16",
             "TP": c.get("parallel.tp") is not None,
             "PP": c.get("parallel.pp") is not None,
+            "CP": c.get("parallel.cp") is not None,
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -154,6 +157,8 @@ class Candidate:
         )
         if c.get("parallel.pp") is not None:
             groups += f" pp={c['parallel.pp']} {c['parallel.pp_schedule']}"
+        if c.get("parallel.cp") is not None:
+            groups += f" cp={c['parallel.cp']}/{c['parallel.cp_impl']}"
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
         every += " keep" if c.get("zero.reshard_after_backward") is False else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
@@ -223,11 +228,14 @@ def micro_batches(config: TrainConfig, dp: int) -> list[int]:
     return [2**k for k in range(per_rank.bit_length()) if per_rank % 2**k == 0]
 
 
-def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict[str, Any]]:
+def choices(
+    config: TrainConfig, world_size: int, device_kind: str, context: bool = False
+) -> list[dict[str, Any]]:
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
     parameters are in host memory already: offloading moves nothing, docs/memory_plan.md). offload=nvme
     is not one of them: it is offered in place of an offload=cpu candidate whose host cannot hold its
-    states (`nvme_variants`), so offload=cpu is planned where advise.offload lists either."""
+    states (`nvme_variants`), so offload=cpu is planned where advise.offload lists either. `context`: the
+    parallel.cp > 1 combinations instead (`cp_options`), which `advise_all` plans where nothing else fits."""
     a, out = config.advise, []
     offloads = [OffloadTarget.cpu if o == OffloadTarget.nvme else o for o in a.offload]
     options = (dict.fromkeys(a.stages), dict.fromkeys(a.checkpointing), dict.fromkeys(offloads))
@@ -236,21 +244,48 @@ def choices(config: TrainConfig, world_size: int, device_kind: str) -> list[dict
     ):
         if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
             continue
-        dp = world_size // (tp or 1) // (pp or 1)
-        if tp is not None and stage == Stage.stage0 and dp > 1:
+        replicas = world_size // (tp or 1) // (pp or 1)  # ZeRO's ranks: dp x cp
+        if tp is not None and stage == Stage.stage0 and replicas > 1:
             continue  # DDP holds TP's parameters as local tensors: refused on several replicas (trainer/layout.py)
-        per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
-        splits = itertools.product(
-            dict.fromkeys(a.reduce_dtypes),
-            group_options(config, stage, world_size) if tp is None and pp is None else [(None, None)],
-            micro_batches(config, dp),
-        )
-        for reduce_dtype, (shard, hpz), mb in splits:
-            accum = per_rank // mb
-            for schedule in schedule_options(pp, accum, config.model.n_layers):
-                split = (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule)
-                ways = accumulation_choices(config, stage, accum, split, (stage, checkpointing, offload))
-                out += [choice for choice in ways if composes(config, choice)]
+        contexts = cp_options(config, world_size, tp, pp) if context else [(None, None)]
+        for cp, impl in contexts:
+            dp = replicas // (cp or 1)
+            if config.global_batch % dp:  # type: ignore[operator]
+                continue
+            per_rank = config.global_batch // dp  # type: ignore[operator]  # sequences per data-parallel rank
+            plain = tp is None and pp is None and cp is None
+            splits = itertools.product(
+                dict.fromkeys(a.reduce_dtypes),
+                group_options(config, stage, world_size) if plain else [(None, None)],
+                micro_batches(config, dp),
+            )
+            for reduce_dtype, (shard, hpz), mb in splits:
+                accum = per_rank // mb
+                for schedule in schedule_options(pp, accum, config.model.n_layers):
+                    split = (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule, cp, impl)
+                    ways = accumulation_choices(config, stage, accum, split, (stage, checkpointing, offload))
+                    out += [choice for choice in ways if composes(config, choice)]
+    return out
+
+
+def cp_options(
+    config: TrainConfig, world_size: int, tp: int | None, pp: int | None
+) -> list[tuple[int | None, str | None]]:
+    """(parallel.cp, parallel.cp_impl) > 1 beside parallel.tp=`tp` (ParallelConfig.check_context): every cp
+    whose group of cp x tp ranks lies inside one node (its exchanges are exposed on the critical path, as TP's
+    are: docs/communication.md) and splits every sequence into 2·cp equal chunks; Ulysses where each rank gets
+    whole heads and kv heads (divisible by tp x cp), the all-gather always. None beside a pipeline (the
+    composition table refuses it)."""
+    if pp is not None:
+        return []
+    m, inside = config.model, world_size // config.nodes // (tp or 1)
+    out: list[tuple[int | None, str | None]] = []
+    for cp in range(2, inside + 1):
+        if inside % cp or config.seq_len % (2 * cp):
+            continue
+        whole = all(n % ((tp or 1) * cp) == 0 for n in (m.n_heads, m.n_kv_heads))
+        out += [(cp, "ulysses")] if whole else []
+        out.append((cp, "allgather"))
     return out
 
 
@@ -313,7 +348,7 @@ def accumulation_choices(
 ) -> list[dict[str, Any]]:
     """One split's choices over zero.reduce_every and zero.reshard_after_backward (a pipeline's accumulation is
     PipelineStage's own: one reduction per step, zero.reduce_every=step)."""
-    reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule = split
+    reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule, cp, impl = split
     _, checkpointing, offload = modes
     everies = reduce_every_options(config, stage, accum) if pp is None else [ReduceEvery.step]
     keeps = reshard_options(config, stage, accum) if pp is None else [True]
@@ -335,6 +370,8 @@ def accumulation_choices(
             pp,
             schedule,
             None,  # zero.compression: exact; compressed variants come from `compressed_variants`
+            cp,
+            impl,
         )
         out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
@@ -412,6 +449,8 @@ def configure(config: TrainConfig, choice: dict[str, Any], check: bool = True) -
             sp=None,
             pp=choice.get("parallel.pp") or 1,
             pp_schedule=choice.get("parallel.pp_schedule") or config.parallel.pp_schedule,
+            cp=choice.get("parallel.cp") or 1,
+            cp_impl=choice.get("parallel.cp_impl") or config.parallel.cp_impl,
         ),
     )
 
@@ -589,6 +628,8 @@ class Advice:
     candidates: list[Candidate]
     rates: Rates
     unplanned: list[dict[str, Any]]
+    context_note: str = ""
+    """Why parallel.cp candidates were planned (`context_note`); empty where they were not."""
 
 
 def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list[Candidate], Rates]:
@@ -599,22 +640,59 @@ def advise(config: TrainConfig, device_kind: str, world_size: int) -> tuple[list
 
 def advise_all(config: TrainConfig, device_kind: str, world_size: int) -> Advice:
     options = choices(config, world_size, device_kind)
-    rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options}))
+    contexts = choices(config, world_size, device_kind, context=True)
+    rates = rates_for(config, world_size, sorted({c["micro_batch"] for c in options + contexts}))
     flops = flops_per_token(config.model, config.seq_len)
-    evaluated, unplanned = evaluate_screened(config, options, device_kind, world_size, rates, flops)
-    chunked = [
-        evaluate(config, {**c.choice, "loss": LossKind.chunked.value}, device_kind, world_size, rates, flops)
-        for c in evaluated
-        if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
-    ]
-    evaluated += [c for c in chunked if c is not None]
+    evaluated, unplanned = with_chunked_loss(config, options, device_kind, world_size, rates, flops)
+    note = context_note(evaluated, contexts)
+    if note:  # parallel.cp buys memory only (its FLOPs per token are the same): where memory costs speed
+        more, skipped = with_chunked_loss(config, contexts, device_kind, world_size, rates, flops)
+        evaluated, unplanned = evaluated + more, unplanned + skipped
     evaluated += nvme_variants(config, evaluated, device_kind, world_size, rates, flops)
     if OffloadTarget.cpu not in config.advise.offload and config.plan.disk_gbps is not None:
         # planned only for offload=nvme's sake (without a disk rate they stay: nvme_note counts them)
         evaluated = [c for c in evaluated if c.choice["offload"] != OffloadTarget.cpu.value]
     evaluated += compressed_variants(config, evaluated, device_kind, world_size, rates, flops)
     ranked = rank(with_memory_limits(evaluated, unplanned), rates.tie_tolerance)
-    return Advice(ranked, rates, unplanned)
+    return Advice(ranked, rates, unplanned, note)
+
+
+def with_chunked_loss(
+    config: TrainConfig,
+    options: list[dict[str, Any]],
+    device_kind: str,
+    world_size: int,
+    rates: Rates,
+    flops: float,
+) -> tuple[list[Candidate], list[dict[str, Any]]]:
+    """`evaluate_screened`'s candidates, and loss=chunked beside each whose full loss's logits weigh
+    (LOSS_SHARE)."""
+    evaluated, unplanned = evaluate_screened(config, options, device_kind, world_size, rates, flops)
+    chunked = [
+        evaluate(config, {**c.choice, "loss": LossKind.chunked.value}, device_kind, world_size, rates, flops)
+        for c in evaluated
+        if c.choice["loss"] == LossKind.full.value and loss_share(config, c) >= LOSS_SHARE
+    ]
+    return evaluated + [c for c in chunked if c is not None], unplanned
+
+
+def context_note(evaluated: list[Candidate], contexts: list[dict[str, Any]]) -> str:
+    """Why parallel.cp is planned, or "" where it is not: there are cp combinations and nothing without cp
+    fits the device unless it recomputes activations or offloads (memory costs speed). Each cp rank holds 1/cp
+    of every sequence, so a sequence's activations, which no ZeRO stage shards, shrink by cp; its FLOPs per
+    token do not, and its exchanges are exposed: where a configuration without either fits, cp is not planned."""
+    free = [c for c in evaluated if (c.choice["checkpointing"], c.choice["offload"]) == ("none", "none")]
+    if not contexts or not evaluated or any(c.device_fits is not False for c in free):
+        return ""
+    fitting = [c for c in evaluated if c.device_fits is not False]
+    least = min(free or evaluated, key=lambda c: c.reserved_bytes)
+    activations = least.peak_parts.get("activations", 0) / GIB
+    without = "nothing fits" if not fitting else "only configurations with checkpointing or offload fit"
+    return (
+        f"parallel.cp planned: without it {without}; the least planned without either, {least.label()}, needs "
+        f"{least.reserved_bytes / GIB:.1f} GiB, {activations:.1f} GiB of it activations of whole sequences "
+        "(each of cp ranks holds 1/cp of every sequence)"
+    )
 
 
 NVME_DIR = "NVME_DIR"
@@ -793,6 +871,7 @@ def format_advice(
     world_size: int,
     memory: str,
     unplanned: int = 0,
+    context: str = "",
 ) -> str:
     fitting = [c for c in candidates if c.fits is not False]
     reserved = "reserved" if any(c.reserved_bytes != c.peak_bytes for c in candidates) else "peak"
@@ -803,6 +882,7 @@ def format_advice(
         f"{nvme_note(config, candidates)}"
         f"{unplanned_note(unplanned)}{fp8_summary(config)}",
         f"rates: {rates.source}",
+        *([context] if context else []),
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20} {'bubble':>6}  limited by",
     ]
@@ -816,7 +896,7 @@ def format_advice(
     if any(c.tie for c in fitting[: config.advise.top]):
         lines.append(
             f"    =: within the model's error ({rates.tie_tolerance:.1%}) of the fastest, a tie: ranked by fewer "
-            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction, TP), then smaller reserved memory, then speed"
+            "moving parts (offload, hpZ, HSDP, keep, bf16 reduction, TP, CP), then smaller reserved memory, then speed"
         )
     if any(c.lossy for c in fitting[: config.advise.top]):
         lines.append(
@@ -1080,10 +1160,14 @@ def run_advice(
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes
     ).source
-    print(format_advice(config, candidates, rates, base_overrides, world_size, memory, unplanned), flush=True)
+    text = format_advice(
+        config, candidates, rates, base_overrides, world_size, memory, unplanned, advice.context_note
+    )
+    print(text, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
     record["unplanned"] = unplanned
+    record["context_parallel"] = advice.context_note or None
     path = out_dir / "advice.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"advice.json: {path}", flush=True)

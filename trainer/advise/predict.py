@@ -2,7 +2,8 @@
 
 The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/test_predict.py pins it):
 
-    tokens per rank per step   t = micro_batch · grad_accum · seq_len   (its data-parallel share of the batch)
+    tokens per rank per step   t = micro_batch · grad_accum · seq_len / cp   (its data-parallel share of the batch;
+        under parallel.cp each rank of a cp group holds 1/cp of every sequence)
     compute                    C = t · (S·F + R) / rate(micro_batch · seq_len)   of the busiest rank (`rank_flops`)
         F = 6N + 12·L·H·Q·T, the model's training FLOPs per token (trainer.model.decoder.flops_per_token)
         S = the rank's share of F: 1/tp of each GEMM (its local model: H/tp and K/tp heads, ffn_dim/tp,
@@ -18,6 +19,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
         rate: calibrate.py's; on a named accelerator (the fitted efficiency times the GEMM-shape factor,
             trainer/advise/throughput.py) a TP rank's narrower GEMMs by its local model's shape factor;
             compile=true times throughput.COMPILE_SPEEDUP where published runs measured it (h100 family);
+            parallel.cp: the GEMMs' rows are micro_batch · seq_len / cp and attention's queries the rank's
+            (`cp_shape_factor`); F stays per token at the whole T: head-tail balance gives each rank 1/cp of
+            the row's causal attention pairs (trainer/model/context_parallel.py `attention_pairs`)
             precision=fp8 over fp8.py's compute factor for the recipe (on the local model's GEMMs)
     wire time of a collective  W_c = B_c · f_c / busbw_c   (B_c: the payload bytes trainer/plan/comm.py predicts)
         f = 2(n−1)/n for all-reduce (ring), (n−1)/n for all-gather, reduce-scatter and broadcast
@@ -36,6 +40,9 @@ The arithmetic (docs/advisor.md has it with its assumptions; tests/unit/advise/t
         the last one under zero.reduce_every=step, every one under micro_batch (whose bytes
         trainer/plan/comm.py counts grad_accum times); the broadcast after ZeroRedundancyOptimizer's step overlaps nothing;
         at least one block's share (W_c / L, L the rank's blocks) is always exposed (the first gather, the last bucket)
+    context parallelism        the cp group's collectives (trainer/plan/comm.py `cp_moves`: Ulysses' all-to-alls, or
+        the K/V all-gather and its reduce-scatter) exposed whole, as T below: each feeds or drains the attention
+        beside it; an all-to-all at the all-gather's bus bandwidth, f = (n−1)/n (each rank sends that share)
     tensor parallelism         T = Σ W_c of the tp group (trainer/plan/tensor_parallel.py's bytes, NVLink), exposed
         whole: each collective feeds or drains the GEMM beside it, so it is on the critical path (torch's async
         TP, which overlaps them, is not an option of zerolab); T is in E
@@ -244,7 +251,7 @@ def bandwidth(
     if collective in ("all_reduce", "reduce_scatter"):
         half = zero.reduce_dtype == ReduceDType.bf16
     else:
-        half = collective == "all_gather" and precision.compute_dtype != DType.float32
+        half = collective in ("all_gather", "all_to_all") and precision.compute_dtype != DType.float32
     return (
         rates.bus_bytes_per_s.get(f"{kind}_bf16", rates.bus_bytes_per_s[kind])
         if half
@@ -320,6 +327,8 @@ def rank_rate(config: TrainConfig, rates: Rates) -> float:
     local = tp_local_model(config.model, config.parallel.tp)
     if rates.gemm_shaped and config.parallel.tp > 1:
         rate *= shape_factor(local, rows, seq_len) / shape_factor(config.model, rows, seq_len)
+    if rates.gemm_shaped and config.parallel.cp > 1:
+        rate *= cp_shape_factor(config, local) / shape_factor(local, rows, seq_len)
     if config.compile:
         rate *= compile_speedup(rates)
     fp8 = (
@@ -330,6 +339,15 @@ def rank_rate(config: TrainConfig, rates: Rates) -> float:
         else None
     )
     return rate if fp8 is None else rate / fp8
+
+
+def cp_shape_factor(config: TrainConfig, local: ModelConfig) -> float:
+    """The shape factor of a cp rank's GEMMs: micro_batch · seq_len / cp rows through every linear; attention's
+    products over the whole row's keys for the rank's queries, all T of them on H/cp heads under Ulysses, its
+    T/cp under the all-gather (the heads' count changes the work, not the shape)."""
+    cp, seq_len = config.parallel.cp, config.seq_len
+    queries = seq_len if config.parallel.cp_impl == "ulysses" else seq_len // cp
+    return shape_factor(local, config.micro_batch * seq_len // cp, seq_len, queries=queries)
 
 
 def compile_speedup(rates: Rates) -> float:
@@ -345,7 +363,7 @@ def compute_seconds(
 ) -> tuple[float, float, float]:
     """(C, the forwards' share of it, the recompute's share of it) for the busiest rank: the tokens of its
     data-parallel batch times its share S of the model's FLOPs plus its recompute R, at its rate."""
-    tokens = config.micro_batch * config.grad_accum * config.seq_len
+    tokens = config.micro_batch * config.grad_accum * config.seq_len // config.parallel.cp
     rate = rank_rate(config, rates)
     choice = config_choice(config, device_kind)
     share, recompute = rank_flops(config, sdpa_op(choice, device_kind))
@@ -423,8 +441,8 @@ def group_window(
     """The compute phases a group's collective overlaps: `forward`, `backward` (every micro-batch's),
     `last_backward` (those that reduce: the last, or every one under zero.reduce_every=micro_batch). hpZ moves stage3 backward's all-gathers to the hpz group.
     tp: none. Each tensor-parallel collective feeds or drains the very GEMM beside it (no async TP here), so
-    it sits on the critical path."""
-    if group == "tp":
+    it sits on the critical path; so does each cp exchange, which attention waits on or backward's next op takes."""
+    if group in ("tp", "cp"):
         return ()
     if collective == "all_gather":
         if group == "hpz":
@@ -443,16 +461,18 @@ def union_window(phases: set[str], windows: dict[str, float]) -> float:
     return sum(windows[phase] for phase in phases)
 
 
-GROUP_AXES = {
-    "shard": "dp_shard",
+GROUP_AXES: dict[str, str | tuple[str, ...]] = {
+    "shard": ("dp_shard", "cp"),
     "replicate": "dp_replicate",
-    "world": "dp",
+    "world": ("dp", "cp"),
     "hpz": "hpz",
     "tp": "tp",
+    "cp": "cp",
     "pp": "pp",
 }
 """The layout's axes each of the plan's process groups (trainer/plan/groups.py) runs along: DDP's group
-(`world`) is every data-parallel rank; the pipeline's loss and norm all-reduces (`pp`) run along pp."""
+(`world`) is every data-parallel rank, and ZeRO works over cp too (trainer/layout.py `zero_axes`); the
+pipeline's loss and norm all-reduces (`pp`) run along pp."""
 
 
 def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int:
@@ -462,7 +482,7 @@ def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int
 
 
 @functools.lru_cache(maxsize=256)
-def ranks_per_node(layout: Layout, axes: str) -> int:
+def ranks_per_node(layout: Layout, axes: str | tuple[str, ...]) -> int:
     return layout.per_node(axes)
 
 

@@ -90,8 +90,11 @@ def validation_note(num_params: int) -> str:
     )
 
 
-def gemms(m: ModelConfig, rows: int, seq_len: int) -> list[tuple[float, tuple[int, int, int]]]:
-    """(training FLOPs per token, (m, n, k)) of every GEMM of one token's step, as flops_per_token counts them."""
+def gemms(
+    m: ModelConfig, rows: int, seq_len: int, queries: int | None = None
+) -> list[tuple[float, tuple[int, int, int]]]:
+    """(training FLOPs per token, (m, n, k)) of every GEMM of one token's step, as flops_per_token counts them;
+    `queries` the rows of attention's products (a cp rank's under parallel.cp_impl=allgather), else seq_len."""
     heads = m.n_heads * m.head_width  # H·Q: dim unless model.head_dim sets the width (Qwen3)
     kv = m.n_kv_heads * m.head_width
     block = [(m.dim, heads), (m.dim, kv), (m.dim, kv), (heads, m.dim)]  # wq, wk, wv, wo (k, n)
@@ -99,17 +102,21 @@ def gemms(m: ModelConfig, rows: int, seq_len: int) -> list[tuple[float, tuple[in
     out = [(6.0 * k * n * m.n_layers, (rows, n, k)) for k, n in block]
     out.append((6.0 * m.dim * m.vocab_size, (rows, m.vocab_size, m.dim)))  # the output head
     # Attention: scores (T x Q @ Q x T) and the weighted sum (T x T @ T x Q), 12·L·H·Q·T per token.
-    out.append((12.0 * m.n_layers * m.n_heads * m.head_width * seq_len, (seq_len, seq_len, m.head_width)))
+    attention = (seq_len if queries is None else queries, seq_len, m.head_width)
+    out.append((12.0 * m.n_layers * m.n_heads * m.head_width * seq_len, attention))
     return out
 
 
-def shape_factor(m: ModelConfig, rows: int, seq_len: int, half: float | None = None) -> float:
-    """The FLOP-weighted mean of s(m)·s(n)·s(k) over the step's GEMMs (rows: tokens per micro-batch)."""
+def shape_factor(
+    m: ModelConfig, rows: int, seq_len: int, half: float | None = None, queries: int | None = None
+) -> float:
+    """The FLOP-weighted mean of s(m)·s(n)·s(k) over the step's GEMMs (rows: tokens per micro-batch;
+    `queries`: attention's, `gemms`)."""
     half = GEMM_HALF_SIZE if half is None else half
 
     def s(x: int) -> float:
         return x / (x + half)
 
-    parts = gemms(m, rows, seq_len)
+    parts = gemms(m, rows, seq_len, queries)
     total = sum(flops for flops, _ in parts)
     return sum(flops * s(a) * s(b) * s(c) for flops, (a, b, c) in parts) / total

@@ -289,3 +289,27 @@ def test_what_does_not_fit_at_stage3_with_full_checkpointing_is_not_planned_and_
     assert {c.choice["zero"] for c in planned if c.fits is False} >= {"stage3"}
     every = [evaluate(config, o, "cuda", 32, rates, flops) for o in unplanned]
     assert all(c is None or c.device_fits is False for c in every)
+
+
+def test_cp_is_offered_where_a_sequences_activations_do_not_fit_without_it() -> None:
+    """Llama 3 8B at 128k on 8 H100s: nothing without parallel.cp fits unless it recomputes or offloads, so the
+    advisor plans cp (2, 4, 8: inside the node; Ulysses where tp x cp divides the 32 heads and 8 kv heads, the
+    all-gather always) and says why; at 2k a configuration without either fits and no cp is planned."""
+    from tests.helpers import compose_config
+    from trainer.advise.advisor import advise_all, cp_options
+
+    args = ("mode=advise", "model=llama3-8b", "nproc=8", "plan.accelerator=h100", "precision=bf16")
+    long = compose_config(*args, "seq_len=131072", "global_batch=8", "advise.stages=[stage3]")
+    assert cp_options(long, 8, None, None) == [
+        (2, "ulysses"), (2, "allgather"), (4, "ulysses"), (4, "allgather"), (8, "ulysses"), (8, "allgather"),
+    ]  # fmt: skip
+    assert cp_options(long, 8, 8, None) == [] and cp_options(long, 8, None, 2) == []
+    advice = advise_all(long, "cuda", 8)
+    assert advice.context_note.startswith("parallel.cp planned: without it ")
+    planned = {(c.choice["parallel.cp"], c.choice["parallel.cp_impl"]) for c in advice.candidates}
+    assert {(2, "ulysses"), (4, "allgather")} <= planned
+    cp_rows = [c for c in advice.candidates if c.choice["parallel.cp"] is not None]
+    assert all(f"cp={c.choice['parallel.cp']}/" in c.label() for c in cp_rows)
+    assert all("parallel.cp_impl=" in " ".join(c.overrides()) for c in cp_rows)
+    short = compose_config(*args, "seq_len=2048", "global_batch=8", "advise.stages=[stage3]")
+    assert advise_all(short, "cuda", 8).context_note == ""

@@ -295,3 +295,48 @@ def test_a_tp_ranks_narrower_gemms_run_at_their_own_shape_factor() -> None:
     )
     ratio = local / shape_factor(config.model, 8192, 8192)
     assert 0.95 < ratio < 0.97  # wk and wv are 128 columns wide at tp=8
+
+
+def cp_job(*overrides: str) -> TrainConfig:
+    from tests.helpers import compose_config
+
+    return compose_config(
+        "mode=plan", "model=llama3-8b", "nproc=8", "plan.accelerator=h100", "precision=bf16", "micro_batch=1",
+        "seq_len=131072", "checkpointing=full", "zero=stage3", *overrides,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "allgather"])
+def test_a_cp_rank_computes_its_share_of_each_sequence_at_its_own_gemm_shapes(impl: str) -> None:
+    """parallel.cp=4: a rank's tokens are 1/4 of a row's, at the same FLOPs per token (head-tail balance: 1/cp of
+    the causal pairs), its GEMMs micro_batch x seq_len / cp rows; Ulysses' attention is T x T on H/cp heads, the
+    all-gather's T/cp queries against T keys."""
+    from trainer.advise.advisor import rates_for
+    from trainer.advise.predict import compute_seconds, rank_rate
+
+    plain, cp = cp_job(), cp_job("parallel.cp=4", f"parallel.cp_impl={impl}")
+    rates = rates_for(plain, 8, [1])
+    queries = 131072 if impl == "ulysses" else 32768
+    expected = shape_factor(cp.model, 32768, 131072, queries=queries) / shape_factor(cp.model, 131072, 131072)
+    assert rank_rate(cp, rates) == pytest.approx(rank_rate(plain, rates) * expected)
+    # the same FLOPs per token over a quarter of the tokens, at the cp rank's rate
+    ratio = compute_seconds(cp, F, rates, "cuda")[0] / compute_seconds(plain, F, rates, "cuda")[0]
+    assert ratio == pytest.approx(rank_rate(plain, rates) / rank_rate(cp, rates) / 4)
+
+
+def test_the_cp_exchanges_are_exposed_whole_on_their_link() -> None:
+    """The cp group's collectives feed or drain attention: no window hides them (as TP's); an all-to-all moves
+    (n-1)/n of its payload at the all-gather's bus bandwidth."""
+    from trainer.advise.advisor import rates_for
+    from trainer.advise.predict import predict_step_tiers
+    from trainer.plan import plan_comm
+
+    config = cp_job("parallel.cp=4", "parallel.cp_impl=ulysses")
+    comm, rates = plan_comm(config, 8), rates_for(config, 8, [1])
+    step = predict_step_tiers(config, 8, comm, 10**9, F, rates, "cuda")
+    payload = comm.groups["cp"].bytes_by_collective["all_to_all"]
+    wire = payload * 3 / 4 / rates.group_bus_bytes_per_s("intra-node", 4)
+    assert step.wire_s["cp/all_to_all"] == pytest.approx(wire)
+    hidden = {k: v for k, v in step.wire_s.items() if not k.startswith("cp/")}
+    assert step.links["intra-node"].exposed_s >= wire
+    assert step.links["intra-node"].wire_s == pytest.approx(wire + sum(hidden.values()))
