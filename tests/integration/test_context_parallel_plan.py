@@ -1,17 +1,28 @@
 """parallel.cp in the memory plan: every rank's measured peak against the plan's, within 0.5%, at cp=1 and cp=2 (both
 exchanges, ulysses and allgather), zero=stage0 (DDP over dp x cp) and zero=stage3 (FSDP2 over dp_shard x cp),
-checkpointing none and full: tiny, fp32, 2 CPU ranks (one sweep of 12 jobs; tests/helpers.py plan_sweep); and the
-plan's activations at cp=2 close to half of cp=1's (trainer/plan/context_parallel.py, docs/memory_plan.md "Context
-parallelism")."""
+checkpointing none and full: tiny, fp32, 2 CPU ranks (two sweeps of 4 and 8 jobs; tests/helpers.py plan_sweep); under
+data.packing=document at cp=2 (a sweep of 2: the whole rows' mask); and the plan's activations at cp=2 close to half
+of cp=1's (trainer/plan/context_parallel.py, docs/memory_plan.md "Context parallelism")."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from tests.helpers import assert_plan_holds_peaks, plan_sweep
+from tests.helpers import (
+    TINY,
+    assert_plan_holds_peaks,
+    plan_sweep,
+    point_dirs,
+    run_sweep,
+    settings,
+    train_tokenizer,
+    write_documents,
+)
 from trainer.config import ModelConfig
+from trainer.jsonl import read_jsonl
 from trainer.plan.moments import rope_table_bytes
 from trainer.units import GIB
 
@@ -56,6 +67,51 @@ def cp1(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict[
     return sweep(tmp_path_factory, "cp1_plan", ("zero", "checkpointing"), "parallel.cp=1")
 
 
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """cp_impl -> the cp=2 job's plan.json and records under data.packing=document (zero=stage0, checkpointing=full:
+    each block saves the additive mask, the checkpoints keep the boolean one), as plan_sweep tracks its points."""
+    pytest.importorskip("tokenizers")  # the `data` extra
+    tmp = tmp_path_factory.mktemp("cp_documents")
+    tokenizer = train_tokenizer(tmp / "tokenizer", write_documents(tmp / "corpus.jsonl", 400))
+    data = (
+        f"data.files=[{tmp / 'corpus.jsonl'}]",
+        f"data.tokenizer={tokenizer}",
+        f"data.cache_dir={tmp / 'cache'}",
+    )
+    tracked = (
+        "save=off",
+        "steps=3",
+        "telemetry.memory_every=0",
+        "memory.snapshot=steps",
+        "memory.snapshot_steps=[3]",
+    )
+    proc = run_sweep(
+        tmp / "sweep",
+        *TINY,
+        *tracked,
+        "data=text",
+        *data,
+        "data.packing=document",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        "nproc=2",
+        "precision=fp32",
+        "zero=stage0",
+        "checkpointing=full",
+        "parallel.cp=2",
+        "parallel.cp_impl=ulysses,allgather",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {
+        settings(point)["parallel.cp_impl"]: {
+            "plan": json.loads((point / "plan.json").read_text()),
+            "records": [r for r in read_jsonl(point / "metrics.jsonl") if r["step"] >= 2],
+        }
+        for point in point_dirs(tmp / "sweep")
+    }
+
+
 @pytest.mark.parametrize(("zero", "mode"), CP1)
 def test_without_cp_each_ranks_peak_is_the_plans(
     cp1: dict[tuple[str, ...], Any], zero: str, mode: str
@@ -85,6 +141,21 @@ def test_under_cp_each_ranks_peak_is_the_plans(
         mode,
         2,
     )
+    assert_plan_is_the_peak_and_the_rotary_table(point)
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "allgather"])
+def test_under_document_packing_each_ranks_peak_is_the_plans(documents: dict[str, Any], impl: str) -> None:
+    """The whole rows' B x T x T mask under ulysses (each rank's blocks save its additive form whole), the rank's
+    B x T/2 x T under allgather: as the cp=2 jobs above, the plan is the peak with the rotary table added."""
+    point = documents[impl]
+    assert (point["plan"]["parallel"]["cp_impl"], point["plan"]["checkpointing"]) == (impl, "full")
+    assert_plan_is_the_peak_and_the_rotary_table(point)
+
+
+def assert_plan_is_the_peak_and_the_rotary_table(point: dict[str, Any]) -> None:
+    """Every rank's plan within 0.5% of its measured peak (the lower of steps 2 and 3) with the model's rotary table
+    added (test_under_cp_each_ranks_peak_is_the_plans says why), and to within the cp positions' 1,280 bytes."""
     assert [r["step"] for r in point["records"]] == [2, 3]
     for rank in point["plan"]["ranks"]:
         measured = min(

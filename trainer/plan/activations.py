@@ -287,7 +287,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     block_sp, head_sp = sequence_parallel_saving(config, device_kind)
-    cp = cp_activations(config, prec.compute, not config_choice(config, device_kind).saves_scores)
+    cp = cp_activations(config, prec.compute, config_choice(config, device_kind))
     full = (
         (
             block_bytes_per_token(m, prec.regime, device_kind)

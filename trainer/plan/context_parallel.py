@@ -19,7 +19,8 @@ exchange changes (`CpActivations`):
   they are transients of the forward and of the backward's all-to-alls. A document mask is the whole row's,
   B x T x T (SDPA's additive copy per block too: T values per local token times cp).
 - allgather: K and V all-gathered (cp x 2B x T / cp x K x Q, then a copy each in row order), which SDPA saves
-  in place of the rank's own: 2·K·Q·(cp - 1) more values per local token per block; and every block's
+  in place of the rank's own: 2·K·Q·(cp - 1) more values per local token per block (2·H·Q·(cp - 1) where the
+  kernel takes K/V repeated to every query head: CUDA's efficient one in fp32); and every block's
   boolean mask of its queries against all keys (1 or B, 1, T / cp, T), which SDPA turns into an additive
   mask of the compute dtype and the fused kernels save.
 - both: the rotary tables read at the rank's positions (`index_select`, fp32 T / cp x Q/2 each, cos and
@@ -34,6 +35,7 @@ import copy
 from dataclasses import dataclass
 
 from trainer.config import TrainConfig
+from trainer.model.attention import SdpaChoice
 from trainer.model.checkpointing import should_checkpoint
 
 
@@ -62,9 +64,10 @@ class CpActivations:
     mask: int  # allgather's boolean mask: alive through forward, and kept through backward by checkpointing
 
 
-def cp_activations(local: TrainConfig, compute: int, masks_saved: bool) -> CpActivations:
+def cp_activations(local: TrainConfig, compute: int, choice: SdpaChoice) -> CpActivations:
     """Context parallelism's additions (module docstring) on a `cp_local` config, `compute` the compute dtype's
-    bytes; `masks_saved`: the run's SDPA kernel saves its additive mask (the fused ones, not math)."""
+    bytes, `choice` the run's SDPA kernel: the fused ones save the additive mask (math does not), and a kernel
+    that cannot group heads (`repeat_kv`) saves K and V repeated to every query head, over the whole row."""
     cp = local.parallel.cp
     if cp == 1:
         return CpActivations(0, 0, 0, 0)
@@ -75,10 +78,11 @@ def cp_activations(local: TrainConfig, compute: int, masks_saved: bool) -> CpAct
         # (the flash kernels lay it out B, T, H, Q): one more H·Q tensor per block
         per_block = m.n_heads * m.head_width * B * t * compute
     else:
-        per_block = 2 * m.n_kv_heads * m.head_width * (cp - 1) * B * t * compute
+        heads = m.n_heads if choice.repeat_kv else m.n_kv_heads  # the K/V heads SDPA saves
+        per_block = 2 * heads * m.head_width * (cp - 1) * B * t * compute
         rows = B if local.data.masks_documents else 1  # causal: one (1, 1, t, T) mask for the whole batch
         mask = rows * t * T
-        per_block += compute * mask if masks_saved else 0
+        per_block += 0 if choice.saves_scores else compute * mask
     rope = 2 * t * (m.head_width // 2) * 4
     return CpActivations(per_block, rope, 16 * B * (T - t), mask)
 

@@ -95,3 +95,13 @@ def test_ulysses_document_mask_is_the_whole_rows() -> None:
     plain = activations(compose_config(*TINY, *docs))
     assert cp.full_block - plain.full_block // 2 == B * t * HQ * 4 + B * T * T * 4 // 2
     assert cp.batch - plain.batch == 2 * t * (Q // 2) * 4  # the rotary tables at the rank's positions
+
+
+def test_allgather_under_a_kernel_that_repeats_kv_saves_the_whole_rows_repeated_heads() -> None:
+    """CUDA in fp32 takes the efficient kernel with K/V repeated to every query head (trainer/model/attention.py):
+    under allgather SDPA saves the whole row's repeated K and V, 2·H·Q·(cp - 1) values per local token beyond a
+    row of T / 2's, and the mask's additive form."""
+    overrides = (*TINY, "nproc=2", "parallel.cp=2", "parallel.cp_impl=allgather")
+    cp = activations(cp_local(compose_config(*overrides)), "cuda")
+    half = activations(compose_config(*TINY, "seq_len=32"), "cuda")
+    assert cp.full_block - half.full_block == 2 * HQ * B * t * 4 + t * T * 4
