@@ -220,7 +220,8 @@ def cause_of(
         ),
         (
             activations,
-            f"activations ({activations / GIB:.1f} GiB at micro_batch 1 with full checkpointing: a shorter seq_len)",
+            f"activations ({activations / GIB:.1f} GiB at micro_batch 1 with full checkpointing: a shorter seq_len, "
+            "or a larger parallel.cp: a rank holds seq_len / cp positions)",
         ),
         (temporary, temporary_clause(temporary, stage_unsharded)),
     ]
@@ -241,7 +242,8 @@ def temporary_clause(temporary: int, stage_unsharded: int) -> str:
         )
     return (
         f"per-block buffers ({temporary / GIB:.1f} GiB: FSDP2's gathered blocks, a block's unsharded gradient "
-        "and the loss's temporaries, which more ranks do not shrink: a device with more memory, or smaller blocks)"
+        "and the loss's temporaries, which more data-parallel ranks do not shrink: a device with more memory, or "
+        "smaller blocks; a larger parallel.cp shrinks the loss's, per position)"
     )
 
 
