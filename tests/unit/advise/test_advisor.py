@@ -292,9 +292,9 @@ def test_what_does_not_fit_at_stage3_with_full_checkpointing_is_not_planned_and_
 
 
 def test_cp_is_offered_where_a_sequences_activations_do_not_fit_without_it() -> None:
-    """Llama 3 8B at 128k on 8 H100s: nothing without parallel.cp fits unless it recomputes or offloads, so the
-    advisor plans cp (2, 4, 8: inside the node; Ulysses where tp x cp divides the 32 heads and 8 kv heads, the
-    all-gather always) and says why; at 2k a configuration without either fits and no cp is planned."""
+    """Llama 3 8B at 128k on 8 H100s: nothing without parallel.cp fits, so the advisor plans cp (2, 4, 8: inside
+    the node; Ulysses where tp x cp divides the 32 heads and 8 kv heads, the all-gather always) and says why; at
+    2k a configuration without offload fits and no cp is planned."""
     from tests.helpers import compose_config
     from trainer.advise.advisor import advise_all, cp_options
 
@@ -305,7 +305,7 @@ def test_cp_is_offered_where_a_sequences_activations_do_not_fit_without_it() -> 
     ]  # fmt: skip
     assert cp_options(long, 8, 8, None) == [] and cp_options(long, 8, None, 2) == []
     advice = advise_all(long, "cuda", 8)
-    assert advice.context_note.startswith("parallel.cp planned: without it ")
+    assert advice.context_note.startswith("parallel.cp planned: without it nothing fits; the least planned ")
     planned = {(c.choice["parallel.cp"], c.choice["parallel.cp_impl"]) for c in advice.candidates}
     assert {(2, "ulysses"), (4, "allgather")} <= planned
     cp_rows = [c for c in advice.candidates if c.choice["parallel.cp"] is not None]
