@@ -681,7 +681,7 @@ def context_note(evaluated: list[Candidate], contexts: list[dict[str, Any]]) -> 
     fits the device unless it offloads. Each cp rank holds 1/cp of every sequence, so a sequence's activations,
     which no ZeRO stage shards, shrink by cp; its FLOPs per token do not and its exchanges are exposed, so cp
     wins by memory only, and is planned where memory is what binds even with every activation recomputed
-    (planning it everywhere multiplied the advisor's time by 4 to 5: 13b on 8 ranks, 405b on 512)."""
+    (planned everywhere it multiplied the advisor's time by 3 to 5: 405b on 512 ranks, 13b on 8)."""
     kept = [c for c in evaluated if c.choice["offload"] == "none"]
     if not contexts or not evaluated or any(c.device_fits is not False for c in kept):
         return ""
