@@ -265,6 +265,18 @@ class Transformer(nn.Module):
         return self.norm(x_BTD)
 
 
+def rope_cache(model: nn.Module) -> list[torch.Tensor]:
+    """The rotary tables the model (or pipeline stage) holds in its per-device cache: memory a rank keeps
+    all step, which a memory tracker must be told of (under parallel.cp no op makes a view of them)."""
+    return [
+        table
+        for m in model.modules()
+        if isinstance(m, Transformer)
+        for pair in m._rope_cache.values()
+        for table in pair
+    ]
+
+
 def block_causal_mask(documents_BT: torch.Tensor) -> torch.Tensor:
     """SDPA's boolean attn_mask for packed documents: query t attends key s <= t of the same document.
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainer.model.decoder import rope_cache
 from trainer.model.hf_weights import import_readers
 from trainer.private_apis.of_torch import comm_hook_states, new_mem_tracker
 from trainer.rank.trainee import local_optimizer
@@ -215,10 +216,15 @@ class MemoryProbe:
 
             def start() -> None:
                 # What exists before (parameters, their gradients, optimizer moments, a compression hook's
-                # error feedback, a pipeline stage's receive buffers) is invisible to a dispatch mode until
-                # an op creates it anew; register it as the tracker starts.
+                # error feedback, a pipeline stage's receive buffers, the rotary tables: under parallel.cp
+                # only index_select reads them, and no op makes a view) is invisible to a dispatch mode
+                # until an op creates it anew; register it as the tracker starts.
                 tracker.track_external(
-                    model, *optimizer_memory(optimizer), *hook_tensors(model), *self.held()
+                    model,
+                    *optimizer_memory(optimizer),
+                    *hook_tensors(model),
+                    *rope_cache(model),
+                    *self.held(),
                 )
                 entered.enter_context(tracker)
                 _ACTIVE_TRACKER.append(tracker)
