@@ -225,6 +225,10 @@ class Transformer(nn.Module):
             self._rope_cache[device] = tables
         return self._rope_cache[device]
 
+    def cached_rope_tables(self) -> list[torch.Tensor]:
+        """Every table `rope_tables` has made so far (on each device)."""
+        return [table for pair in self._rope_cache.values() for table in pair]
+
     def forward(
         self,
         tokens_BT: torch.Tensor,
@@ -268,13 +272,7 @@ class Transformer(nn.Module):
 def rope_cache(model: nn.Module) -> list[torch.Tensor]:
     """The rotary tables the model (or pipeline stage) holds in its per-device cache: memory a rank keeps
     all step, which a memory tracker must be told of (under parallel.cp no op makes a view of them)."""
-    return [
-        table
-        for m in model.modules()
-        if isinstance(m, Transformer)
-        for pair in m._rope_cache.values()
-        for table in pair
-    ]
+    return [table for m in model.modules() if isinstance(m, Transformer) for table in m.cached_rope_tables()]
 
 
 def block_causal_mask(documents_BT: torch.Tensor) -> torch.Tensor:
