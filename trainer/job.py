@@ -446,6 +446,10 @@ def plan_job(
     if config.node_rank == 0:  # every node plans (and refuses alike); node 0 writes it down
         write_plan(out_dir, plan)
     print(format_plan(plan, way_out=config.mode == Mode.plan), flush=True)
+    if config.mode == Mode.plan and device_kind == "cuda" and config.plan.accelerator is not None:
+        from trainer.advise.advisor import throughput_line  # a plan for a named GPU: its predicted speed too
+
+        print(throughput_line(config, plan, world_size), flush=True)
     if warning := cores_warning(plan.host):  # CPU ranks beyond this host's cores take turns
         warn(warning, file=sys.stdout)
     if config.mode == Mode.plan:  # planned for a device this host may not have: no provenance

@@ -503,6 +503,21 @@ def predict_config(
     return step if stall is None else dataclasses.replace(step, disk_s=stall)
 
 
+def throughput_line(config: TrainConfig, plan: Plan, world_size: int) -> str:
+    """mode=plan for a named accelerator (plan.accelerator): the tokens/s and MFU the advisor's step model
+    predicts for this very config, per GPU, and what limits it."""
+    rates = rates_for(config, world_size, [config.micro_batch])
+    flops = flops_per_token(config.model, config.seq_len)
+    step = predict_config(config, plan, "cuda", world_size, rates, flops)
+    tokens_per_s = config.sequences_per_step(world_size) * config.seq_len / step.step_s
+    mfu = mfu_pct(flops, tokens_per_s, rates.peak_flops, world_size)
+    return (
+        f"throughput: {tokens_per_s / world_size:,.0f} tokens/s per GPU predicted, MFU {mfu:.1f}%, step "
+        f"{step.step_s:.2f} s ({step.limiter}); the advisor's step model for plan.accelerator="
+        f"{config.plan.accelerator} (docs/advisor.md)"
+    )
+
+
 def evaluate(
     config: TrainConfig, choice: dict[str, Any], device_kind: str, world_size: int, rates: Rates, flops: float
 ) -> Candidate | None:
