@@ -281,8 +281,23 @@ def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch
     torch 2.13 names it all_gather_single_autograd, 2.11 all_gather_tensor_autograd."""
     from torch.distributed import _functional_collectives as funcol
 
-    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-    return gather(tensor, 0, group)
+    if hasattr(funcol, "all_gather_single_autograd"):
+        return funcol.all_gather_single_autograd(tensor, 0, group)
+    # torch 2.11's backward reduce-scatters the gradient as it comes, and refuses one that is not contiguous
+    # (a sum's expanded ones); 2.13's takes any.
+    return ContiguousGradient.apply(funcol.all_gather_tensor_autograd(tensor, 0, group))
+
+
+class ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient (for torch 2.11's all-gather above)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def all_to_all_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
