@@ -21,7 +21,7 @@ only the layers below it and the leaves (tests/unit/test_imports.py holds the or
 - `data.py`: the global sample stream (`python -m trainer.data make-tokens`);
 - `text/`: local text through a model's tokenizer: the token cache and packed rows (`data=text`);
 - `world.py`, `cuda.py`: where a process stands (rank, device, process group) and its CUDA setup;
-- `layout.py`: the job's parallel axes (pp, dp_replicate, dp_shard, tp), their order and the one formula
+- `layout.py`: the job's parallel axes (pp, dp_replicate, dp_shard, cp, tp), their order and the one formula
   that places a rank on them (`coords`, `group`), free of torch.distributed;
 - `config/`: the typed schema, one module per config group and the root;
 - leaves, which any layer may import: `console.py`, `devices.py`, `units.py`, `jsonl.py`,
