@@ -53,7 +53,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return job(tmp_path_factory.mktemp("ref") / "run", "nproc=1", "micro_batch=8", "save=off")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+SLOW = {"tp2 hsdp 2x2 stage3"}
+"""8 ranks on CI's 2 cores (about 45 s): the slow tier's (CI runs both), keeping the default run under 20 minutes."""
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in sorted(CONFIGS)],
+)
 def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
     out = tmp_path_factory.mktemp("tp") / "run"
     nvme = "offload=nvme" in CONFIGS[request.param]
