@@ -23,6 +23,7 @@ One module per config group, the root last; other modules import every name from
 - runtime.py: `save:`, `logger:`, `fault:`, `telemetry:` and `memory:` (SaveConfig, LoggerConfig,
   FaultConfig, TelemetryConfig, MemoryConfig and its SnapshotMode);
 - planning.py: `plan:` and `advise:` (PlanConfig, AdviseConfig);
+- moe.py: `moe:` (MoeConfig), how a mixture of experts routes while it trains;
 - stability.py: `stability:` (StabilityConfig) and its `spike:` (SpikeConfig), loss spikes and skipped steps;
 - train.py: the root, `TrainConfig`, and what reads it whole: `validate`, `to_plain`, `from_plain`;
   `uses_fused`, `global_batch`, `is_endpoint`.
@@ -40,10 +41,12 @@ from trainer.config.data import DataConfig, DataloaderConfig, EvalConfig
 from trainer.config.enums import (
     LOSS_FAULTS,
     AttentionKernel,
+    BalanceLoss,
     CheckpointMode,
     Compression,
     DataKind,
     DeviceKind,
+    DropPolicy,
     DType,
     FaultKind,
     Fp8Recipe,
@@ -57,6 +60,7 @@ from trainer.config.enums import (
     ReduceDType,
     ReduceEvery,
     RopeScaling,
+    RouterScore,
     SaveAsync,
     SpikeAction,
     Stage,
@@ -64,6 +68,7 @@ from trainer.config.enums import (
 from trainer.config.errors import ConfigError
 from trainer.config.errors import _require as _require  # private, kept importable as before
 from trainer.config.model import LossConfig, ModelConfig
+from trainer.config.moe import MoeConfig
 from trainer.config.offload import OffloadConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.parallel import CONTEXT_PARALLEL_IMPLS, PIPELINE_SCHEDULES, TP_SPLIT_KEYS, ParallelConfig
@@ -110,6 +115,10 @@ __all__ = [
     "NonFinitePolicy",
     "AttentionKernel",
     "RopeScaling",
+    "RouterScore",
+    "BalanceLoss",
+    "DropPolicy",
+    "MoeConfig",
     "LossKind",
     "HfExport",
     "FaultKind",

@@ -22,6 +22,28 @@ class Fp8Recipe(str, Enum):
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
+class RouterScore(str, Enum):
+    """model.router_score: how a mixture of experts scores its experts (trainer/model/moe.py)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class BalanceLoss(str, Enum):
+    """moe.balance: the auxiliary load-balancing loss (trainer/model/moe.py)."""
+
+    none = "none"
+    aux = "aux"
+    seq_aux = "seq_aux"
+
+
+class DropPolicy(str, Enum):
+    """moe.drop_policy: which of an expert's tokens beyond its capacity are dropped."""
+
+    probs = "probs"
+    position = "position"
+
+
 class Stage(str, Enum):
     stage0 = "stage0"
     stage1 = "stage1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config.enums import LossKind, RopeScaling
+from trainer.config.enums import LossKind, RopeScaling, RouterScore
 from trainer.config.errors import ConfigError, _require
 
 
@@ -51,6 +51,19 @@ class ModelConfig:
     """rope_scaling=llama3 only: wavelengths below original_max_seq_len / this are kept."""
     rope_original_max_seq_len: int = 8192
     """rope_scaling=llama3 only: the context the frequencies were trained for before scaling."""
+    n_experts: int = 0
+    """Routed experts per block (a mixture of experts, trainer/model/moe.py); 0: a dense SwiGLU MLP."""
+    top_k: int = 2
+    """n_experts > 0: the experts each token is routed to (token choice)."""
+    moe_ffn_dim: int | None = None
+    """n_experts > 0: each expert's SwiGLU hidden width; None: ffn_dim (Qwen3-MoE sets it apart, 768 at 30B-A3B)."""
+    n_shared_experts: int = 0
+    """n_experts > 0: experts every token goes through besides its routed ones (DeepSeek), as one SwiGLU MLP
+    of n_shared_experts * moe_ffn_dim."""
+    router_score: RouterScore = RouterScore.softmax
+    """n_experts > 0: softmax over the experts' logits (Mixtral, Qwen3-MoE) or a sigmoid of each (DeepSeek-V3)."""
+    route_norm: bool = True
+    """n_experts > 0: the top_k scores of a token are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)."""
     config: str | None = None
     """model=hf only: a Hugging Face config.json (or a directory holding one) whose shapes replace the keys
     above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
@@ -73,6 +86,7 @@ class ModelConfig:
             self._apply_hf_config()
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             _require(getattr(self, key) >= 1, f"model.{key} must be >= 1, got {getattr(self, key)}")
+        self._check_experts()
         if self.head_dim is None:
             _require(
                 self.dim % self.n_heads == 0,
@@ -95,6 +109,25 @@ class ModelConfig:
                 self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_factor > 0,
                 "model.rope_high_freq_factor must be > model.rope_low_freq_factor > 0 and model.rope_factor > 0",
             )
+
+    def _check_experts(self) -> None:
+        _require(
+            self.n_experts == 0 or self.n_experts >= 2,
+            f"model.n_experts must be 0 (a dense MLP) or >= 2, got {self.n_experts}",
+        )
+        if self.n_experts == 0:
+            return
+        _require(
+            1 <= self.top_k <= self.n_experts,
+            f"model.top_k must be in 1..model.n_experts ({self.n_experts}), got {self.top_k}",
+        )
+        _require(
+            self.moe_ffn_dim is None or self.moe_ffn_dim >= 1,
+            f"model.moe_ffn_dim must be >= 1 or null, got {self.moe_ffn_dim}",
+        )
+        _require(
+            self.n_shared_experts >= 0, f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}"
+        )
 
     def _apply_hf_config(self) -> None:
         """model=hf: the config.json's shapes replace these keys (trainer/model/hf_config.py). Read once, in
@@ -142,6 +175,16 @@ class ModelConfig:
             setattr(self, key, value)
         self.rope_scaling = RopeScaling(self.rope_scaling)
         self.name, self.config = f"hf:{path.resolve()}", None
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every block's MLP is a mixture of experts (n_experts > 0)."""
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: `moe_ffn_dim`, else ffn_dim."""
+        return self.moe_ffn_dim if self.moe_ffn_dim is not None else self.ffn_dim
 
     @property
     def head_width(self) -> int:

@@ -47,6 +47,9 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel ranks: each holds 1/cp of every sequence (2 * cp chunks, head-tail balanced), the
     ranks of a cp group read the same samples, and FSDP2 shards over dp x cp (torchtitan's folding)."""
+    ep: int = 1
+    """Expert-parallel ranks (model.n_experts > 0): each holds n_experts / ep whole experts, and tokens travel
+    to their experts' ranks by all-to-all; carved from the ranks FSDP2 shards over (torchtitan's borrowing)."""
     cp_impl: str = "ulysses"
     """ulysses: all-to-all of q, k, v to whole sequences of heads / cp heads, and of the output back
     (DeepSpeed-Ulysses); allgather: K and V all-gathered, each rank's queries against the whole sequence
@@ -64,6 +67,7 @@ class ParallelConfig:
             f"parallel.pp_virtual_stages must be an integer >= 1, got {self.pp_virtual_stages}",
         )
         _require(self.cp >= 1, f"parallel.cp must be an integer >= 1, got {self.cp}")
+        _require(self.ep >= 1, f"parallel.ep must be an integer >= 1, got {self.ep}")
         _require(
             self.cp_impl in CONTEXT_PARALLEL_IMPLS,
             f"parallel.cp_impl must be one of {', '.join(CONTEXT_PARALLEL_IMPLS)}, got {self.cp_impl}",

@@ -25,6 +25,7 @@ from trainer.config.enums import (
 )
 from trainer.config.errors import ConfigError, _require
 from trainer.config.model import LossConfig, ModelConfig
+from trainer.config.moe import MoeConfig
 from trainer.config.offload import OffloadConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.parallel import ParallelConfig
@@ -58,6 +59,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     micro_batch: Any = 8
     """Sequences per rank per forward pass (an integer), or `auto`: the largest the plan says fits,

@@ -1,6 +1,7 @@
 """The model and what wraps its blocks, in the order a rank applies them (torchtitan's):
 
 - decoder.py: the Llama-style decoder, its sharding-invariant initialisation, FLOPs per token;
+- moe.py: `model.n_experts`: a mixture of experts (router, experts, balance losses, the ep all-to-alls, the router log);
 - pipeline_split.py: `parallel.pp`: the blocks of each pipeline stage (`stage_blocks`, the one split), a stage's module;
 - fp8.py: `precision=fp8`: the block linears as torchao's Float8Linear, and which stay bf16 (shapes only);
 - loss.py: next-token cross-entropy in fp32, over all logits at once or by chunks of tokens;

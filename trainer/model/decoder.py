@@ -7,9 +7,10 @@ The model is meant to be built on the meta device (no memory), wrapped (activati
 checkpointing) and sharded (FSDP2), and only then materialised: `materialize` allocates the
 storage where each parameter now lives and `init_weights` fills it. Initialisation is drawn
 per parameter from a seed derived from the parameter's canonical name, so every rank, whatever
-slice it holds, sees the same full weights as a single unsharded process would. The model
+slice it holds, sees the same full weights as a single unsharded process would. A dense model
 holds no buffers: the rotary tables are computed on first use and cached per device (see
-`Transformer.__init__`).
+`Transformer.__init__`); a mixture of experts (model.n_experts > 0, trainer/model/moe.py) holds one per
+block, its router's aux-loss-free bias, which materialising zeroes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from trainer.config import LossConfig, ModelConfig, RopeScaling
 from trainer.model.attention import SdpaChoice
 from trainer.model.loss import chunked_cross_entropy
+from trainer.model.moe import MoE, RouterLog
 
 if TYPE_CHECKING:
     from trainer.model.context_parallel import ContextParallel
@@ -43,7 +45,12 @@ _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "modul
 
 # Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) so the
 # residual's variance does not grow with depth (GPT-2, section 2.3).
-_RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
+_RESIDUAL_PROJECTIONS = (
+    "attention.wo.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.experts.w2",
+    "feed_forward.shared.w2.weight",
+)
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -173,10 +180,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = MoE(config, layer) if config.is_moe else FeedForward(config)
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
@@ -199,7 +206,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -213,6 +220,11 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = 1024  # tokens per chunk when forward is given targets (apply_loss_choice)
         self.loss_z_weight = 0.0  # loss.z_loss, when forward is given targets (apply_loss_choice)
         self.context: ContextParallel | None = None  # parallel.cp (apply_context_parallel)
+        # model.n_experts > 0: what the routers do, written by every MoE layer (trainer/model/moe.py).
+        self.router_log = RouterLog(config.n_layers, config.n_experts) if config.is_moe else None
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.log = self.router_log
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
@@ -264,8 +276,15 @@ class Transformer(nn.Module):
             mine = context.positions(row, tokens_BT.device).mine
             cos_TF, sin_TF = (table.index_select(0, mine) for table in tables)
             mask_B1TT = context.mask(documents_BT, row, tokens_BT.device)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, cos_TF, sin_TF, mask_B1TT)
+        log = self.router_log
+        if log is not None:
+            log.open = True  # the layers' routing is recorded during this forward only, not a recompute
+        try:
+            for layer in self.layers:
+                x_BTD = layer(x_BTD, cos_TF, sin_TF, mask_B1TT)
+        finally:
+            if log is not None:
+                log.open = False
         return self.norm(x_BTD)
 
 
@@ -399,6 +418,14 @@ def init_weights(model: nn.Module, seed: int) -> None:
     n_layers = find_transformer(model).config.n_layers
     for name, param in model.named_parameters():
         copy_full_into(param, _draw_full(canonical_name(name), param.shape, seed, n_layers))
+    zero_buffers(model)
+
+
+@torch.no_grad()
+def zero_buffers(model: nn.Module) -> None:
+    """The only buffers are the routers' aux-loss-free biases, which start at zero (whatever fills the weights)."""
+    for buffer in model.buffers():
+        buffer.zero_()
 
 
 def materialize(
@@ -411,6 +438,7 @@ def materialize(
     if load is None:
         init_weights(model, seed)
     else:
+        zero_buffers(model)
         load(model)
 
 
@@ -440,14 +468,22 @@ def _num_params(key: tuple[Any, ...]) -> int:
     return sum(p.numel() for p in build_model(ModelConfig(**dict(key)), device="meta").parameters())
 
 
+def idle_expert_params(config: ModelConfig) -> int:
+    """The routed experts' parameters a token does not go through: (n_experts - top_k) experts per block."""
+    if not config.is_moe:
+        return 0
+    return config.n_layers * (config.n_experts - config.top_k) * 3 * config.dim * config.expert_width
+
+
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N + 12 L H Q T (PaLM, appendix B; torchtitan).
 
     6N is forward (2N) plus backward (4N) through the weights; 12 L H Q T is the attention
     scores and the weighted sum of values, which have no parameters. N excludes the token
     embedding: it is a table lookup, not a matmul (the output head is a matmul and counts; a tied
-    head is the embedding's one parameter, counted once, as the head). Q is the head width.
+    head is the embedding's one parameter, counted once, as the head). Q is the head width. In a mixture of
+    experts N counts the experts a token goes through: top_k of the n_experts (and the router and shared ones).
     """
     embedding = 0 if config.tie_embeddings else config.vocab_size * config.dim
-    n_matmul = num_params(config) - embedding
+    n_matmul = num_params(config) - embedding - idle_expert_params(config)
     return 6.0 * n_matmul + 12.0 * config.n_layers * config.n_heads * config.head_width * seq_len
