@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.amp import GradScaler
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -22,6 +23,7 @@ from trainer.faults.stop import RankStop
 from trainer.layout import Layout
 from trainer.model.decoder import build_model, find_transformer, flops_per_token
 from trainer.model.loss import IGNORE_INDEX, LossTerms, full_loss
+from trainer.model.moe import update_expert_bias
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.mesh import build_mesh
@@ -57,7 +59,7 @@ from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good,
 from trainer.saves.resume import resume_training
 from trainer.telemetry.layer_norms import LayerNorms
 from trainer.telemetry.memory import next_micro_batch
-from trainer.telemetry.metrics import Meter, StepStats
+from trainer.telemetry.metrics import Meter, StepRouting, StepStats
 from trainer.telemetry.snapshot import Snapshots
 from trainer.telemetry.traces import Traces
 from trainer.world import World
@@ -85,7 +87,8 @@ def build_trainee(config: TrainConfig, world: World, layout: Layout | None = Non
     )
     optimizer, scheduler = build_optimization(model, config, world)
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
-    return Trainee(model, optimizer, scheduler, scaler)
+    router_log = find_transformer(model).router_log  # model.n_experts > 0, else None
+    return Trainee(model, optimizer, scheduler, scaler, router_log=router_log)
 
 
 def build_optimization(
@@ -250,6 +253,7 @@ def train_step(
     update_loss_scale(scaler, config.precision.min_loss_scale)
     precompute_fp8_scales(model, config.precision)  # fp8 all-gather: the next forward's scales, at once
     trainee.scheduler.step()
+    routing = step_routing(trainee, config, world)
     return StepStats(
         loss=loss_sum / config.grad_accum,
         z_loss=None if z_sum is None else z_sum / config.grad_accum,
@@ -261,7 +265,25 @@ def train_step(
         data_s=data_s,
         nonfinite_skipped=guard.skipped,
         disk=take_traffic(optimizer),
+        routing=routing,
     )
+
+
+def step_routing(trainee: Trainee, config: TrainConfig, world: World) -> StepRouting | None:
+    """model.n_experts > 0: what the routers did this step (trainer/model/moe.py RouterLog); under
+    moe.bias_rate > 0 their loads summed over every rank (one all-reduce) move each expert's bias."""
+    log = trainee.router_log
+    taken = None if log is None else log.take_step()
+    if taken is None:
+        return None
+    loads, dropped, balance = taken
+    summed = False
+    if config.moe.bias_rate > 0:
+        if world.world_size > 1:
+            dist.all_reduce(loads)
+        update_expert_bias(trainee.model, loads, config.moe.bias_rate)
+        summed = True
+    return StepRouting(loads, dropped, balance / config.grad_accum, summed)
 
 
 def take_traffic(optimizer: torch.optim.Optimizer) -> Any:
@@ -309,6 +331,9 @@ def accumulate(
             if terms.z_loss is not None and z_sum is not None:  # the objective adds it; logged apart
                 z_sum += local_loss(terms.z_loss).detach()
                 loss = loss + terms.z_loss
+            if trainee.router_log is not None:  # model.n_experts > 0: the balance and router z-losses
+                router = trainee.router_log.take_losses()
+                loss = loss if router is None else loss + router
             mark_phase(step, "backward")
             scaler.scale(loss / config.grad_accum).backward()
     return loss_sum, z_sum, data_s

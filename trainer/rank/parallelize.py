@@ -32,6 +32,7 @@ from trainer.model.compile import apply_compile
 from trainer.model.context_parallel import ContextParallel
 from trainer.model.decoder import apply_context_parallel, apply_loss_choice, apply_sdpa_choice
 from trainer.model.fp8 import apply_fp8
+from trainer.model.moe import apply_moe_choice
 from trainer.rank.mesh import data_parallel_mesh
 from trainer.rank.sharding import apply_zero
 from trainer.rank.tensor_parallel import apply_tensor_parallel, replicate_partial_grads
@@ -55,6 +56,7 @@ def parallelize(
         )
         apply_context_parallel(part, group)
     apply_loss_choice(part, config.loss)
+    apply_moe_choice(part, config.moe)
     apply_activation_checkpointing(part, config.checkpointing)
     apply_compile(part, config.compile, config.compile_backend)
     if not config.compile:  # a compiled block would trace the hooks' side effects into its graph

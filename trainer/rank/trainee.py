@@ -32,6 +32,9 @@ class Trainee:
     pipeline: Any = None
     """parallel.pp > 1: this rank's part of the pipeline (trainer/rank/pipeline.py Pipeline), which runs the step's
     forward and backward; None otherwise."""
+    router_log: Any = None
+    """model.n_experts > 0: the model's RouterLog (trainer/model/moe.py), which the loop reads every forward;
+    None otherwise."""
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

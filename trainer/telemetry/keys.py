@@ -48,6 +48,26 @@ PERPLEXITY_VAL = "loss/val_perplexity"
 Z_LOSS = "loss/z_loss"
 """loss.z_loss > 0: the z-loss the objective adds, its weight included (trainer/model/loss.py), mean over ranks
 like loss/train, which stays the cross-entropy alone; absent when off."""
+MOE_IMBALANCE_PREFIX = "moe/imbalance/"
+"""model.n_experts > 0: `moe/imbalance/<layer>`, the layer's tokens per expert, max over mean, summed over every rank
+and the log window (1.0: balanced; trainer/model/moe.py)."""
+MOE_IMBALANCE_MAX = "moe/imbalance_max"
+"""model.n_experts > 0: the largest of the layers' moe/imbalance/<layer>."""
+MOE_IMBALANCE_PLANNED = "moe/imbalance_planned"
+"""model.n_experts > 0: moe.imbalance, what the memory plan assumed, beside what the routers measured."""
+MOE_DROPPED = "moe/dropped_per_step"
+"""model.n_experts > 0: assignments (token, expert) dropped by moe.capacity_factor per step, every rank and layer
+together (0 when dropless)."""
+MOE_BALANCE_LOSS = "moe/balance_loss"
+"""moe.balance != none: the balance loss, unweighted (1.0 when balanced), mean over layers, ranks and steps."""
+MOE_EXPERT_BIAS_MAX = "moe/expert_bias_absmax"
+"""moe.bias_rate > 0: the largest |aux-loss-free bias| of any expert of any layer after the window's last step."""
+
+
+def moe_imbalance_key(layer: int) -> str:
+    return f"{MOE_IMBALANCE_PREFIX}{layer}"
+
+
 LAYER_GRAD_NORM_PREFIX = "grad_norm/"
 """telemetry.layer_norms: `grad_norm/<layer>`, a layer's gradient L2 norm over the whole model, before clipping
 (trainer/telemetry/layer_norms.py); the layers' squares add up to optim/grad_norm's."""

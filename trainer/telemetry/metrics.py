@@ -20,6 +20,7 @@ from torch import nn
 from trainer.config import PrecisionConfig, TrainConfig
 from trainer.devices import find_device, peak_tflops, tf32_enabled
 from trainer.layout import Layout
+from trainer.model.moe import moe_layers
 from trainer.plan import HEADROOM, PREDICTED_GROUP_KEYS, StepSchedule
 from trainer.rank.trainee import ON_DISK, local_optimizer
 from trainer.telemetry import keys
@@ -57,6 +58,20 @@ def columns(per_rank: torch.Tensor, *names: str) -> torch.Tensor:
 
 
 @dataclass
+class StepRouting:
+    """model.n_experts > 0: what the routers did in one step (trainer/model/moe.py RouterLog), on the device."""
+
+    loads: torch.Tensor
+    """(n_layers, n_experts) int64: the tokens that chose each expert, this rank's, or every rank's when `summed`."""
+    dropped: torch.Tensor
+    """(n_layers,) int64: assignments dropped by moe.capacity_factor on this rank."""
+    balance: torch.Tensor
+    """The balance loss (unweighted), summed over the layers, mean over the step's forwards, this rank's."""
+    summed: bool = False
+    """Whether `loads` were already summed over every rank (moe.bias_rate > 0 sums them every step)."""
+
+
+@dataclass
 class StepStats:
     """One optimizer step as the loop saw it; tensors stay on the device until a log step."""
 
@@ -77,6 +92,8 @@ class StepStats:
     (trainer/telemetry/layer_norms.py `LayerNorms.reduce`; a device vector, read at the log)."""
     disk: Any = None
     """offload=nvme: what the step moved between the moments file and memory (trainer/rank/nvme.py DiskTraffic)."""
+    routing: StepRouting | None = None
+    """model.n_experts > 0: the routers' loads, drops and balance loss (trainer/rank/loop.py `step_routing`)."""
 
 
 class Meter:
@@ -179,6 +196,7 @@ class Meter:
         self.window_data_s = 0.0
         self.window_overflows = 0
         self.window_disk = np.zeros(3)  # offload=nvme: bytes read, bytes written, seconds waiting
+        self.window_routing: StepRouting | None = None  # model.n_experts > 0: summed over the window
         self.last: StepStats | None = None
 
     def measure(
@@ -201,6 +219,8 @@ class Meter:
         if stats.disk is not None:
             self.window_disk += (stats.disk.read_bytes, stats.disk.written_bytes, stats.disk.wait_s)
         self.skipped_steps += stats.overflow
+        if stats.routing is not None:
+            self.window_routing = add_routing(self.window_routing, stats.routing)
         self.last = stats
 
     def should_log(self, step: int) -> bool:
@@ -243,10 +263,25 @@ class Meter:
         if self.memory is not None and self.comm is not None:
             row += self.memory.read() + self.comm.read()  # the flight recorder, before this gather joins it
         per_rank = gather_rows(torch.tensor(row, dtype=torch.float64), self.world)
+        routing = {} if self.window_routing is None else self.routing_fields(self.window_routing, model)
         if self.world.is_main:
-            self.last_record = {**self.build_record(step, per_rank), **(extra or {})}
+            self.last_record = {**self.build_record(step, per_rank), **routing, **(extra or {})}
             self.write(self.last_record)
         self._open_window()
+
+    def routing_fields(self, window: StepRouting, model: nn.Module) -> dict[str, float]:
+        """model.n_experts > 0: the window's routing over every rank (one all-reduce: every rank calls it)."""
+        loads = window.loads.clone()
+        extra = torch.cat((window.dropped.double(), window.balance.double()[None]))  # drops, then the loss
+        if self.world.world_size > 1:
+            if not window.summed:
+                dist.all_reduce(loads)
+            dist.all_reduce(extra)
+        steps, ranks = self.window_steps, self.world.world_size
+        biases = [layer.router.expert_bias for layer in moe_layers(model)]
+        return routing_record(
+            loads, extra[:-1], float(extra[-1]) / (steps * ranks), steps, biases, self.config
+        )
 
     def build_record(self, step: int, per_rank: torch.Tensor) -> dict[str, Any]:
         assert self.last is not None
@@ -490,6 +525,37 @@ def disk_fields(per_rank: torch.Tensor, steps: int) -> dict[str, float]:
         keys.DISK_WRITTEN_BYTES: written / steps,
         keys.DISK_WAIT_S: wait_s / steps,
     }
+
+
+def add_routing(window: StepRouting | None, step: StepRouting) -> StepRouting:
+    """The log window's routing so far, with one more step's."""
+    if window is None:
+        return StepRouting(step.loads.clone(), step.dropped.clone(), step.balance.clone(), step.summed)
+    return StepRouting(
+        window.loads + step.loads, window.dropped + step.dropped, window.balance + step.balance, step.summed
+    )
+
+
+def routing_record(
+    loads_LE: torch.Tensor,
+    dropped_L: torch.Tensor,
+    balance: float,
+    steps: int,
+    biases: list[torch.Tensor],
+    config: TrainConfig,
+) -> dict[str, float]:
+    """The moe/ keys of a log record (trainer/telemetry/keys.py) from the window's loads summed over ranks."""
+    loads = loads_LE.double()
+    imbalance_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)).tolist()
+    record = {keys.moe_imbalance_key(layer): ratio for layer, ratio in enumerate(imbalance_L)}
+    record[keys.MOE_IMBALANCE_MAX] = max(imbalance_L)
+    record[keys.MOE_IMBALANCE_PLANNED] = config.moe.imbalance
+    record[keys.MOE_DROPPED] = float(dropped_L.sum()) / steps
+    if config.moe.balance.value != "none":
+        record[keys.MOE_BALANCE_LOSS] = balance / len(imbalance_L)
+    if config.moe.bias_rate > 0:
+        record[keys.MOE_EXPERT_BIAS_MAX] = max(float(bias.abs().max()) for bias in biases)
+    return record
 
 
 def gather_rows(local: torch.Tensor, world: World) -> torch.Tensor:
