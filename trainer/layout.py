@@ -241,6 +241,7 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
             f"parallel.tp={tp} layer of the world; allowed parallel.cp: {', '.join(map(str, divisors(world // (tp * pp))))}"
         )
     dp = world // (tp * pp * cp)
+    check_expert_ranks(config, dp)
     if not (tp == 1 or zero.uses_fsdp or dp * cp == 1):
         # The one tp leaving one replica, where it is a valid size (inside a node, dividing the model's heads).
         whole = [t for t in tp_sizes(config.model, nproc) if t * pp == world]
@@ -248,6 +249,18 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
             f"parallel.tp={tp} with zero={zero.stage.value} on {dp * cp} data-parallel replicas is not supported (torch's "
             f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3"
             + "".join(f", or parallel.tp={t}" for t in whole)
+        )
+
+
+def check_expert_ranks(config: TrainConfig, dp: int) -> None:
+    """parallel.ep > 1: the ep group is the data-parallel group FSDP2 shards over (trainer/rank/experts.py), so
+    its size is that group's; an ep group inside it (torchtitan's dp_shard_in_ep) is not yet built."""
+    ep = config.parallel.ep
+    if ep > 1 and ep != dp:
+        raise ConfigError(
+            f"parallel.ep={ep} must equal the {dp} data-parallel ranks FSDP2 shards over (the experts are "
+            f"sharded over that group; an ep group inside it is not yet built); allowed: parallel.ep={dp} "
+            f"(if it divides model.n_experts={config.model.n_experts}) or 1"
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import hf_checkpoint, run_in_one_process, run_trainer, train_tokenizer, write_documents
-from trainer.config.composition import CP, PP, REFUSALS, TP
+from trainer.config.composition import CP, EP, MOE, PP, REFUSALS, TP
 
 TEXT = ("data=text", "data.tokenizer={tmp}/tokenizer", "data.cache_dir={tmp}/cache")
 CASES = [
@@ -181,6 +181,20 @@ CASES = [
     ),
     (["parallel.cp=0"], "parallel.cp must be an integer >= 1", "got 0"),
     (["parallel.cp_impl=ring"], "parallel.cp_impl", "ulysses, allgather"),
+    # a mixture of experts (model.n_experts > 0, trainer/model/moe.py)
+    (["model=tiny-moe", "model.top_k=9"], "model.top_k must be in 1..model.n_experts (8), got 9", "1..model"),
+    (["model=tiny-moe", "moe.capacity_factor=0"], "moe.capacity_factor must be > 0", "or null (dropless)"),
+    (
+        ["model=tiny-moe", "model.n_experts=6", "parallel.ep=4", "zero=stage3", "nproc=4"],
+        "parallel.ep=4 must divide model.n_experts=6",
+        "allowed: 1, 2, 3, 6",
+    ),
+    (
+        ["model=tiny-moe", "parallel.ep=4", "zero=stage3", "nproc=2"],
+        "parallel.ep=4 must equal the 2 data-parallel ranks",
+        "allowed: parallel.ep=2",
+    ),
+    (["parallel.ep=2", "zero=stage3", "nproc=2"], "parallel.ep=2 shards the experts", "model=tiny-moe"),
 ]
 
 
@@ -212,17 +226,28 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (CP, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2", "nproc=4"),
     (CP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
     (CP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
+    (EP, "zero=stage0 or stage1"): ("zero=stage1",),
+    (EP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
+    (EP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
+    (EP, "offload=cpu or nvme"): ("zero=stage3", "offload=cpu"),
+    (MOE, "parallel.tp > 1"): ("parallel.tp=2",),
+    (MOE, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2"),
+    (MOE, "parallel.cp > 1"): ("parallel.cp=2",),
+    (MOE, "compile=true"): ("compile=true",),
+    (MOE, "precision=fp8"): ("precision=fp8",),
 }
 DEGREE = {  # 1F1B streams >= 2 micro-batches
     TP: ("parallel.tp=2",),
     PP: ("parallel.pp=2", "grad_accum=2"),
     CP: ("parallel.cp=2", "nproc=2"),
+    EP: ("model=tiny-moe", "parallel.ep=2", "nproc=2"),
+    MOE: ("model=tiny-moe", "model.n_experts=2", "model.top_k=1"),
 }
 REFUSAL_CASES = [
     (
         [*DEGREE[row.first], *REFUSAL_SETTINGS[(row.first, row.second)]],
         f"{row.first}=2 with {row.second}",
-        f"{row.first}=1",  # every row's way out ends in it
+        f"{row.first}={row.off}",  # every row's way out ends in it
     )
     for row in REFUSALS
     if (row.first, row.second) in REFUSAL_SETTINGS

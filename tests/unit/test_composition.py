@@ -20,6 +20,8 @@ TP = ("parallel.tp=2",)
 CP = ("parallel.cp=2",)
 PP = ("parallel.pp=2", "grad_accum=2")  # 1F1B streams a micro-batch per stage at least
 STAGE3 = ("zero=stage3", "zero.reduce_every=step")  # stage3's file reduces every micro-batch: pp refuses that
+EP = ("model=tiny-moe", "parallel.ep=2", "zero=stage3")
+MOE = ("model=tiny-moe",)
 TEXT = ("data=text", "data.files=[a.txt]", "data.tokenizer=tokenizer.json")
 
 # Each row: (a config that composes, what makes the row refuse it, the message, word for word).
@@ -123,6 +125,52 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         (*CP, "zero=stage3"),
         ("zero.hpz_ranks=2",),
         "parallel.cp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.cp=1",
+    ),
+    "parallel.ep x zero=stage0 or stage1": (
+        EP,
+        ("zero=stage1",),
+        "parallel.ep=2 with zero=stage0 or stage1 is not supported; use zero=stage2 or stage3 or parallel.ep=1",
+    ),
+    "parallel.ep x zero.shard_ranks": (
+        EP,
+        ("zero.shard_ranks=2",),
+        "parallel.ep=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.ep=1",
+    ),
+    "parallel.ep x zero.hpz_ranks": (
+        EP,
+        ("zero.hpz_ranks=2",),
+        "parallel.ep=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.ep=1",
+    ),
+    "parallel.ep x offload=cpu or nvme": (
+        EP,
+        ("offload=cpu",),
+        "parallel.ep=2 with offload=cpu or nvme is not supported; use offload=none or parallel.ep=1",
+    ),
+    "model.n_experts x parallel.tp > 1": (
+        MOE,
+        TP,
+        "model.n_experts=8 with parallel.tp > 1 is not supported; use parallel.tp=1 (parallel.ep shards the "
+        "experts) or model.n_experts=0",
+    ),
+    "model.n_experts x parallel.pp > 1": (
+        MOE,
+        PP,
+        "model.n_experts=8 with parallel.pp > 1 is not supported; use parallel.pp=1 or model.n_experts=0",
+    ),
+    "model.n_experts x parallel.cp > 1": (
+        MOE,
+        CP,
+        "model.n_experts=8 with parallel.cp > 1 is not supported; use parallel.cp=1 or model.n_experts=0",
+    ),
+    "model.n_experts x compile=true": (
+        MOE,
+        ("compile=true",),
+        "model.n_experts=8 with compile=true is not supported; use compile=false or model.n_experts=0",
+    ),
+    "model.n_experts x precision=fp8": (
+        MOE,
+        ("precision=fp8",),
+        "model.n_experts=8 with precision=fp8 is not supported; use precision=bf16 or model.n_experts=0",
     ),
 }
 

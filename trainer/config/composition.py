@@ -3,7 +3,8 @@
 row refuses) and docs/design.md's "What does not compose" section (`refusals_markdown`, held to the docs
 by tests/unit/test_composition.py).
 
-Each row pairs a parallelism (`first`: parallel.tp, parallel.pp or parallel.cp, when > 1) with a setting it does not
+Each row pairs a parallelism (`first`: parallel.tp, parallel.pp, parallel.cp or parallel.ep when > 1, or a mixture of
+experts, model.n_experts > 0) with a setting it does not
 compose with here (`second`), says why (a real limit, or what is not yet built or proven) and the way
 out. A config is refused by the first row that applies, in the table's order, in one line naming both
 keys. To print the docs' table (tests/unit/test_composition.py's failure shows it too):
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from trainer.config.enums import (
     Compression,
+    Fp8Recipe,
     LossKind,
     OffloadTarget,
     ReduceEvery,
@@ -29,11 +31,11 @@ from trainer.config.errors import ConfigError
 if TYPE_CHECKING:  # train.py imports this module: the root config is named in annotations only
     from trainer.config.train import TrainConfig
 
-TP, PP, CP = "parallel.tp", "parallel.pp", "parallel.cp"
-FIRSTS = (TP, PP, CP)
+TP, PP, CP, EP, MOE = "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "model.n_experts"
+FIRSTS = (TP, PP, CP, EP, MOE)
 """The parallelisms a row may start with, in the docs table's order."""
 
-SAYS = "{row.first}={degree} with {row.second} is not supported; {row.way_out} or {row.first}=1"
+SAYS = "{row.first}={degree} with {row.second} is not supported; {row.way_out} or {row.first}={row.off}"
 """The one-line message of most rows (a str.format template over the row, its `degree` and the `config`)."""
 
 
@@ -42,7 +44,7 @@ class Refusal:
     """One pair that does not compose: `first` (refused only when > 1) with `second`."""
 
     first: str
-    """parallel.tp, parallel.pp or parallel.cp."""
+    """parallel.tp, parallel.pp, parallel.cp, parallel.ep, or model.n_experts (a mixture of experts)."""
     second: str
     """The other setting, as the message names it."""
     applies: Callable[[TrainConfig], bool]
@@ -54,8 +56,14 @@ class Refusal:
     message: str = SAYS
     """The message's template; three rows keep the words their messages have always had (two say why)."""
 
+    @property
+    def off(self) -> int:
+        """The value of `first` that turns it off: 1 rank, or 0 experts (a dense model)."""
+        return 0 if self.first == MOE else 1
+
     def degree(self, config: TrainConfig) -> int:
-        return getattr(config.parallel, self.first.removeprefix("parallel."))
+        group, key = self.first.split(".")
+        return getattr(getattr(config, group), key)
 
     def refuses(self, config: TrainConfig) -> bool:
         return self.degree(config) > 1 and self.applies(config)
@@ -210,6 +218,71 @@ REFUSALS: tuple[Refusal, ...] = (
         "not yet proven: hpZ's secondary groups inside the folded dp x cp shard group",
         "use zero.hpz_ranks=null",
     ),
+    Refusal(
+        EP,
+        "zero=stage0 or stage1",
+        lambda c: not c.zero.uses_fsdp,
+        "not yet built: the experts are sharded over FSDP2's data-parallel group (trainer/rank/experts.py); DDP "
+        "would average different experts' gradients",
+        "use zero=stage2 or stage3",
+    ),
+    Refusal(
+        EP,
+        "zero.shard_ranks",
+        lambda c: c.zero.shard_ranks is not None,
+        "not yet built: an ep group inside HSDP's shard groups",
+        "use zero.shard_ranks=null",
+    ),
+    Refusal(
+        EP,
+        "zero.hpz_ranks",
+        lambda c: c.zero.hpz_ranks is not None,
+        "not yet proven: hpZ's secondary groups beside experts FSDP2 does not shard",
+        "use zero.hpz_ranks=null",
+    ),
+    Refusal(
+        EP,
+        "offload=cpu or nvme",
+        lambda c: c.offload.target != OffloadTarget.none,
+        "not yet built: the experts FSDP2 leaves to expert parallelism would stay in host memory while the "
+        "device computes",
+        "use offload=none",
+    ),
+    Refusal(
+        MOE,
+        "parallel.tp > 1",
+        lambda c: c.parallel.tp > 1,
+        "not yet built: the experts and the router are not sharded over the tensor-parallel group",
+        "use parallel.tp=1 (parallel.ep shards the experts)",
+    ),
+    Refusal(
+        MOE,
+        "parallel.pp > 1",
+        lambda c: c.parallel.pp > 1,
+        "not yet built: a pipeline stage's loss (trainer/rank/pipeline.py) does not take its blocks' router losses",
+        "use parallel.pp=1",
+    ),
+    Refusal(
+        MOE,
+        "parallel.cp > 1",
+        lambda c: c.parallel.cp > 1,
+        "not yet proven: the balance loss over a cp rank's share of each sequence",
+        "use parallel.cp=1",
+    ),
+    Refusal(
+        MOE,
+        "compile=true",
+        lambda c: c.compile,
+        "not yet proven: the router log's writes and the host-side expert counts inside a compiled block",
+        "use compile=false",
+    ),
+    Refusal(
+        MOE,
+        "precision=fp8",
+        lambda c: c.precision.fp8_recipe != Fp8Recipe.none,
+        "not yet built: the experts are 3-D weights that torchao's Float8Linear does not convert",
+        "use precision=bf16",
+    ),
 )
 
 
@@ -227,10 +300,10 @@ def check_composition(config: TrainConfig) -> None:
 
 
 def refusals_markdown() -> str:
-    """The table as docs/design.md holds it: tensor parallelism's rows, then the pipeline's, then context
-    parallelism's."""
+    """The table as docs/design.md holds it: tensor parallelism's rows, then the pipeline's, context
+    parallelism's, expert parallelism's and the mixture of experts'."""
     lines = ["| with | refused | why | way out |", "|---|---|---|---|"]
     for row in sorted(REFUSALS, key=lambda row: FIRSTS.index(row.first)):  # stable: keeps the table's order
-        way_out = f"{row.way_out} or {row.first}=1"
+        way_out = f"{row.way_out} or {row.first}={row.off}"
         lines.append(f"| `{row.first} > 1` | `{row.second}` | {row.reason} | {way_out} |")
     return "\n".join(lines)

@@ -114,6 +114,7 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig, seq_len: int) -> None:
         """Every rank must hold whole heads and equal slices (ColwiseParallel / RowwiseParallel shard evenly here)."""
         self.check_context(model, seq_len)
+        self.check_experts(model)
         if self.tp == 1:
             return
         tp, keys = self.tp, TP_SPLIT_KEYS
@@ -128,6 +129,22 @@ class ParallelConfig:
         _require(
             not self.sequence_parallel or seq_len % tp == 0,
             f"parallel.sp=true shards the sequence: seq_len={seq_len} must divide by parallel.tp={tp}",
+        )
+
+    def check_experts(self, model: ModelConfig) -> None:
+        """parallel.ep: a mixture of experts whose experts split evenly over the ep ranks."""
+        if self.ep == 1:
+            return
+        _require(
+            model.is_moe,
+            f"parallel.ep={self.ep} shards the experts of a mixture of experts, and model={model.name} is dense "
+            "(model.n_experts=0); use parallel.ep=1, or a model with experts (e.g. model=tiny-moe)",
+        )
+        allowed = [d for d in range(1, model.n_experts + 1) if model.n_experts % d == 0]
+        _require(
+            model.n_experts % self.ep == 0,
+            f"parallel.ep={self.ep} must divide model.n_experts={model.n_experts} (each rank holds whole experts); "
+            f"allowed: {', '.join(map(str, allowed))}",
         )
 
     def check_context(self, model: ModelConfig, seq_len: int) -> None:

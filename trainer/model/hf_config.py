@@ -11,9 +11,17 @@ embeddings, grouped-query attention, SwiGLU, and per family
                          equals sliding-window attention for sequences no longer than the window)
     Qwen2ForCausalLM     Qwen2/2.5: biases on q, k, v
     Qwen3ForCausalLM     Qwen3: q/k RMSNorm, head_dim apart from hidden_size / heads
+    MixtralForCausalLM   Mixtral: every block's MLP a mixture of experts (trainer/model/moe.py),
+                         num_local_experts of width intermediate_size, num_experts_per_tok per
+                         token, softmax scores, the chosen weights always normalised
+    Qwen3MoeForCausalLM  Qwen3-MoE: Qwen3's attention, num_experts of width moe_intermediate_size,
+                         normalised when norm_topk_prob; every block sparse (mlp_only_layers
+                         empty, decoder_sparse_step 1)
 
-Anything else (mixture-of-experts, encoder-decoder, other activations, biases elsewhere, other
-rope scalings) is refused in one line naming what is not supported, before any rank starts.
+Anything else (shared experts, dense blocks among sparse ones, router noise, encoder-decoder,
+other activations, biases elsewhere, other rope scalings) is refused in one line naming what is
+not supported, before any rank starts. A mixture's training keys (router_aux_loss_coef,
+output_router_logits) are not read: the run's moe: keys decide them (conf/moe).
 This module imports nothing of trainer/ (trainer/config/model.py calls it): its HfConfigError becomes the
 schema's ConfigError there, its `rope_scaling` a RopeScaling name.
 Weights are loaded only with `model.weights` (trainer/model/hf_weights.py, which permutes each
@@ -28,7 +36,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+MIXTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+"""The families whose every block's MLP is a mixture of experts (model.n_experts > 0)."""
+SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+"""Other families' names for shared experts: refused if a Mixtral or Qwen3-MoE file carries one."""
 
 
 class HfConfigError(ValueError):
@@ -109,9 +128,11 @@ def refuse_unsupported(hf: Any, name: str, path: Path) -> None:
 
 
 def max_seq_len(hf: Any, name: str) -> int:
-    """max_position_embeddings, capped at a sliding window (Mistral; Qwen2/3 with use_sliding_window)."""
+    """max_position_embeddings, capped at a sliding window (Mistral, Mixtral; Qwen2/3/3-MoE with
+    use_sliding_window)."""
     window = getattr(hf, "sliding_window", None)
-    if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if name in qwen and not getattr(hf, "use_sliding_window", False):
         window = None
     limit = hf.max_position_embeddings
     return min(limit, window) if window else limit
@@ -176,19 +197,111 @@ def model_fields(path: Path) -> dict[str, Any]:
         "max_seq_len": max_seq_len(hf, name),
         "norm_eps": float(hf.rms_norm_eps),
         "tie_embeddings": bool(hf.tie_word_embeddings),
-        "qk_norm": name == "Qwen3ForCausalLM",
+        "qk_norm": name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         "qkv_bias": name == "Qwen2ForCausalLM",
         **rope_fields(hf, path),
+        **moe_fields(hf, name, path),
     }
+
+
+def moe_fields(hf: Any, name: str, path: Path) -> dict[str, Any]:
+    """The mixture's keys (n_experts 0 for a dense family, so that a dense file also sets it): softmax
+    scores over all experts, top num_experts_per_tok, normalised always (Mixtral's router) or when
+    norm_topk_prob (Qwen3-MoE's); Mixtral's experts are intermediate_size wide, Qwen3-MoE's apart."""
+    if name not in MIXTURES:
+        return {"n_experts": 0}
+    refuse_unsupported_moe(hf, name, path)
+    qwen = name == "Qwen3MoeForCausalLM"
+    return {
+        # transformers 5 names both num_local_experts (num_experts an alias); 4.x's Qwen3-MoE num_experts only.
+        "n_experts": getattr(hf, "num_local_experts", None) or hf.num_experts,
+        "top_k": hf.num_experts_per_tok,
+        "moe_ffn_dim": hf.moe_intermediate_size if qwen else None,
+        "n_shared_experts": 0,
+        "router_score": "softmax",
+        "route_norm": bool(hf.norm_topk_prob) if qwen else True,
+    }
+
+
+def refuse_unsupported_moe(hf: Any, name: str, path: Path) -> None:
+    """What zerolab's mixture (trainer/model/moe.py) is not: it replaces every block's MLP, has at least 2
+    routed experts, no shared experts and no router noise."""
+    count = "num_local_experts" if name == "MixtralForCausalLM" else "num_experts"
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", 0)
+    dense_layers = getattr(hf, "mlp_only_layers", None) or []
+    sparse_step = getattr(hf, "decoder_sparse_step", 1)
+    noise = getattr(hf, "router_jitter_noise", 0.0)
+    checks = [
+        (count, experts, experts < 2),
+        ("mlp_only_layers", dense_layers, bool(dense_layers)),
+        ("decoder_sparse_step", sparse_step, sparse_step != 1),
+        ("router_jitter_noise", noise, bool(noise)),
+        *((key, getattr(hf, key, None), bool(getattr(hf, key, None))) for key in SHARED_EXPERT_FIELDS),
+    ]
+    for key, value, refused in checks:
+        if refused:
+            raise HfConfigError(
+                f"{name} with {key}={value} is not supported (zerolab's mixture of experts: every block's "
+                "MLP, at least 2 routed experts, no shared experts, no router noise)",
+                path,
+            )
+
+
+def export_architecture(model: Any) -> str:
+    """transformers' class of zerolab model `model` (a ModelConfig), by what sets the families apart:
+    Qwen3 where it has q/k norms, Qwen2 where it has q/k/v biases, else Llama (a Mistral is a Llama with
+    a sliding window no shorter than max_seq_len, which it becomes); with experts, Qwen3-MoE where it has
+    q/k norms, else Mixtral. Both the export and model.weights' key map (hf_weights.py) go by it."""
+    if model.n_experts == 0:
+        dense = "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+        return "Qwen3ForCausalLM" if model.qk_norm else dense
+    refusal = moe_refusal(model)
+    if refusal is not None:
+        raise HfConfigError(refusal)
+    return "Qwen3MoeForCausalLM" if model.qk_norm else "MixtralForCausalLM"
+
+
+def moe_refusal(model: Any) -> str | None:
+    """Why a mixture of experts is neither transformers' Mixtral nor its Qwen3-MoE (one line), or None."""
+    score = getattr(model.router_score, "value", model.router_score)
+    if model.n_shared_experts > 0:
+        return f"model.n_shared_experts={model.n_shared_experts}: neither Mixtral nor Qwen3-MoE has shared experts"
+    if score != "softmax":
+        return f"model.router_score={score}: Mixtral and Qwen3-MoE score their experts by softmax"
+    if model.qkv_bias:
+        return "model.qkv_bias=true with experts: neither Mixtral nor Qwen3-MoE has q/k/v biases"
+    if not model.qk_norm and not model.route_norm:
+        return (
+            "model.route_norm=false without model.qk_norm: Mixtral always normalises its top_k weights "
+            "(Qwen3-MoE, which has q/k norms, may not)"
+        )
+    return None
+
+
+def moe_kwargs(model: Any, name: str) -> dict[str, Any]:
+    """The mixture's fields of transformers' configuration `name`: the inverse of `moe_fields`."""
+    if name == "MixtralForCausalLM":  # its experts are intermediate_size wide (ffn_dim is not written)
+        return {
+            "intermediate_size": model.expert_width,
+            "num_local_experts": model.n_experts,
+            "num_experts_per_tok": model.top_k,
+        }
+    if name == "Qwen3MoeForCausalLM":
+        return {
+            "moe_intermediate_size": model.expert_width,
+            "num_experts": model.n_experts,
+            "num_experts_per_tok": model.top_k,
+            "norm_topk_prob": model.route_norm,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    return {}
 
 
 def export_config(model: Any, dtype: str) -> Any:
     """transformers' configuration of zerolab model `model` (a ModelConfig), the inverse of
-    `model_fields`: Qwen3 where it has q/k norms, Qwen2 where it has q/k/v biases, else Llama
-    (a Mistral is a Llama with a sliding window no shorter than max_seq_len, which it becomes)."""
-    name = (
-        "Qwen3ForCausalLM" if model.qk_norm else "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
-    )
+    `model_fields`, of the class `export_architecture` names."""
+    name = export_architecture(model)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     scaling = getattr(model.rope_scaling, "value", model.rope_scaling)
     if scaling == "llama3":
@@ -205,19 +318,18 @@ def export_config(model: Any, dtype: str) -> Any:
     else:  # transformers 4.x: the theta and the scaling apart, as rope_fields reads them
         theta = rope.pop("rope_theta")
         rope_kwargs = {"rope_theta": theta, "rope_scaling": None if rope["rope_type"] == "default" else rope}
-    config = cls(
-        architectures=[name],
-        hidden_size=model.dim,
-        intermediate_size=model.ffn_dim,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
-        num_key_value_heads=model.n_kv_heads,
-        head_dim=model.head_width,
-        vocab_size=model.vocab_size,
-        max_position_embeddings=model.max_seq_len,
-        rms_norm_eps=model.norm_eps,
-        tie_word_embeddings=model.tie_embeddings,
-        **rope_kwargs,
-    )
+    shapes = {
+        "hidden_size": model.dim,
+        "intermediate_size": model.ffn_dim,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads,
+        "head_dim": model.head_width,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm_eps,
+        "tie_word_embeddings": model.tie_embeddings,
+    }
+    config = cls(architectures=[name], **(shapes | moe_kwargs(model, name)), **rope_kwargs)
     config.dtype = dtype
     return config

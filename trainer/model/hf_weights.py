@@ -2,7 +2,14 @@
 
 The key map is torchtitan's (torchtitan/models/llama3/model/state_dict_adapter.py, and its qwen3
 adapter for q_norm / k_norm): one Hugging Face name per decoder parameter, the same for the
-four families `model=hf` reads (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+four dense families `model=hf` reads (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+A mixture of experts (model.n_experts > 0) is read as Mixtral, or as Qwen3-MoE where it has q/k norms
+(hf_config.py `export_architecture`): the router's gate is one tensor (`block_sparse_moe.gate` /
+`mlp.gate`), but each of the three stacked expert weights (E, ., .) is E tensors in the files, one per
+expert (`block_sparse_moe.experts.{e}.w1/w2/w3`, `mlp.experts.{e}.gate_proj/down_proj/up_proj`): what
+the Hub's checkpoints hold and what transformers 5's save_pretrained writes, though its modules hold
+the experts fused (gate_up_proj, down_proj) once loaded. The router's aux-loss-free bias is a buffer,
+not a parameter: zero after a load, and not exported.
 
 Rotary layouts differ. zerolab rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's
 layout); transformers rotates the two halves (x[i], x[i + Q/2]) (`rotate_half`), and Meta's
@@ -20,7 +27,10 @@ the file's tensor (the permutation moves rows within each head, and a shard boun
 head), so those are read one whole tensor at a time with safetensors' `safe_open`, permuted,
 and only the rank's slice kept (`distribute_tensor` on the parameter's own mesh and
 placements, `copy_full_into`): besides its shard, a rank holds for a moment one such tensor
-twice (as read and permuted), or one slice DCP reads. A pipeline stage's model holds its own
+twice (as read and permuted), or one slice DCP reads. A stacked expert weight is no one tensor of the
+files either: its E tensors are read and stacked, then sliced the same way (`load_experts`; so under
+FSDP2, or a slice of dim 0 under expert parallelism, a rank keeps only the experts' rows it holds), and
+a rank holds for a moment one stacked weight, all E experts of one projection of one layer. A pipeline stage's model holds its own
 blocks only, under the whole decoder's names, so it asks both readers for those tensors alone.
 
 The checks (`check_weights`, in the job process before any rank starts) read only the files'
@@ -29,6 +39,7 @@ headers: missing, unexpected and mis-shaped tensors, and a config.json that is n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -65,6 +76,25 @@ _TO_HF = {
     "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
 }
 
+# A mixture of experts, by the family it is read and exported as: the router's gate, and each stacked expert
+# weight's per-expert tensors (`{{}}` the expert: formatted after the layer).
+_MOE_TO_HF = {
+    "MixtralForCausalLM": {
+        "layers.{}.feed_forward.router.gate.weight": "model.layers.{}.block_sparse_moe.gate.weight",
+        "layers.{}.feed_forward.experts.w1": "model.layers.{}.block_sparse_moe.experts.{{}}.w3.weight",
+        "layers.{}.feed_forward.experts.w2": "model.layers.{}.block_sparse_moe.experts.{{}}.w2.weight",
+        "layers.{}.feed_forward.experts.w3": "model.layers.{}.block_sparse_moe.experts.{{}}.w1.weight",
+    },
+    "Qwen3MoeForCausalLM": {
+        "layers.{}.feed_forward.router.gate.weight": "model.layers.{}.mlp.gate.weight",
+        "layers.{}.feed_forward.experts.w1": "model.layers.{}.mlp.experts.{{}}.gate_proj.weight",
+        "layers.{}.feed_forward.experts.w2": "model.layers.{}.mlp.experts.{{}}.down_proj.weight",
+        "layers.{}.feed_forward.experts.w3": "model.layers.{}.mlp.experts.{{}}.up_proj.weight",
+    },
+}
+# A per-expert tensor's name: what comes before and after the expert's index.
+_EXPERT_KEY = re.compile(r"(.*\.experts\.)\d+(\..*)")
+
 # Tensors a checkpoint may carry that the model does not need: transformers' old rotary buffers,
 # and a tied head written out anyway (transformers ignores it when tie_word_embeddings is set).
 _IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|lm_head\.weight)$")
@@ -77,15 +107,34 @@ class HfTensor:
     key: str
     heads: int | None
     """Heads whose rows are permuted between the rotary layouts (None: copied as is)."""
+    experts: int | None = None
+    """A stacked expert weight: `key` names each expert's tensor, `{}` its index (`keys`)."""
+
+    @property
+    def keys(self) -> list[str]:
+        """The tensors of the files it is: one, or one per expert in expert order."""
+        return [self.key] if self.experts is None else [self.key.format(e) for e in range(self.experts)]
+
+
+def key_map(config: ModelConfig) -> dict[str, str]:
+    """zerolab's names -> Hugging Face's for `config`'s decoder: a mixture's by its family."""
+    if not config.is_moe:
+        return _TO_HF
+    from trainer.model.hf_config import export_architecture
+
+    return _TO_HF | _MOE_TO_HF[export_architecture(config)]
 
 
 def hf_tensor(name: str, config: ModelConfig) -> HfTensor:
     """The Hugging Face tensor of zerolab parameter `name` (canonical, no wrapper segments)."""
     layer = re.match(r"layers\.(\d+)\.", name)
     abstract = name.replace(f"layers.{layer.group(1)}.", "layers.{}.", 1) if layer else name
-    if abstract not in _TO_HF:
+    names = key_map(config)
+    if abstract not in names:
         raise KeyError(f"{name} has no Hugging Face counterpart")
-    key = _TO_HF[abstract].format(layer.group(1)) if layer else _TO_HF[abstract]
+    key = names[abstract].format(layer.group(1)) if layer else names[abstract]
+    if ".feed_forward.experts." in name:
+        return HfTensor(key, None, experts=config.n_experts)
     heads = None
     if ".wq." in name:
         heads = config.n_heads
@@ -116,6 +165,16 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[HfTensor, torch.Siz
     tensor and shape. A tied head is the embedding's one parameter, so lm_head.weight is not asked for."""
     model = build_model(config, device="meta")
     return {name: (hf_tensor(name, config), p.shape) for name, p in model.named_parameters()}
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, list[int]]:
+    """Every tensor the checkpoint must hold for `config` and its shape: a stacked expert weight's
+    (E, ., .) is E tensors of its (., .)."""
+    shapes: dict[str, list[int]] = {}
+    for tensor, shape in expected_tensors(config).values():
+        rows = shape if tensor.experts is None else shape[1:]
+        shapes.update((key, list(rows)) for key in tensor.keys)
+    return shapes
 
 
 # ----------------------------------------------------------------------------- the files
@@ -190,13 +249,16 @@ def check_sizes(files: list[Path]) -> None:
 
 def largest_tensor_bytes(files: list[Path]) -> int:
     """The bytes of the checkpoint's largest tensor as stored, from the headers only: each entry's
-    `data_offsets` (safe_open gives shapes and dtype names, not sizes)."""
-    largest = 0
+    `data_offsets` (safe_open gives shapes and dtype names, not sizes). A mixture's per-expert tensors
+    count together, all E of one projection of one layer: `load_experts` stacks them whole."""
+    sizes: dict[str, int] = {}
     for path in files:
         for key, entry in read_header(path)[1].items():
             if key != "__metadata__":
-                largest = max(largest, entry["data_offsets"][1] - entry["data_offsets"][0])
-    return largest
+                expert = _EXPERT_KEY.fullmatch(key)
+                group = f"{expert.group(1)}*{expert.group(2)}" if expert else key
+                sizes[group] = sizes.get(group, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
+    return max(sizes.values(), default=0)
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -232,9 +294,21 @@ def check_weights(config: ModelConfig) -> list[Path]:
             f"({len(missing)} of {len(files)} shards missing); copy the checkpoint again"
         )
     check_sizes(files)
+    check_family(config, weights)
     check_config_json(config, weights)
     check_shapes(config, weights, header_shapes(files))
     return files
+
+
+def check_family(config: ModelConfig, weights: Path) -> None:
+    """A mixture of experts neither Mixtral nor Qwen3-MoE is (shared experts, sigmoid scores...) has no
+    Hugging Face names for its tensors: refused in one line naming the key."""
+    from trainer.model.hf_config import HfConfigError, export_architecture
+
+    try:
+        export_architecture(config)
+    except HfConfigError as err:
+        raise ConfigError(f"model.weights={weights}: {err.detail}") from None
 
 
 def check_config_json(config: ModelConfig, weights: Path) -> None:
@@ -263,7 +337,7 @@ def _value(value: Any) -> Any:
 
 
 def check_shapes(config: ModelConfig, weights: Path, found: dict[str, tuple[list[int], Path]]) -> None:
-    expected = {tensor.key: list(shape) for tensor, shape in expected_tensors(config).values()}
+    expected = hf_shapes(config)
     for key, shape in expected.items():
         if key not in found:
             raise ConfigError(
@@ -303,14 +377,18 @@ def load_weights(model: nn.Module, weights: Path) -> None:
     config = find_transformer(model).config
     direct: dict[str, torch.Tensor] = {}
     permuted: dict[str, tuple[torch.Tensor, int]] = {}
+    experts: dict[str, tuple[torch.Tensor, HfTensor]] = {}
     for name, param in model.named_parameters():
         tensor = hf_tensor(canonical_name(name), config)
-        if tensor.heads is None:
+        if tensor.experts is not None:
+            experts[tensor.key] = (param, tensor)
+        elif tensor.heads is None:
             direct[tensor.key] = param  # DCP fills a DTensor's local shard, reading only that slice
         else:
             permuted[tensor.key] = (param, tensor.heads)
     dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(weights)))
     load_permuted(permuted, weights)
+    load_experts(experts, weights)
 
 
 def load_permuted(permuted: dict[str, tuple[torch.Tensor, int]], weights: Path) -> None:
@@ -327,3 +405,19 @@ def load_permuted(permuted: dict[str, tuple[torch.Tensor, int]], weights: Path) 
             for key in keys:
                 param, heads = permuted[key]
                 copy_full_into(param, to_meta_layout(f.get_tensor(key), heads))
+
+
+def load_experts(experts: dict[str, tuple[torch.Tensor, HfTensor]], weights: Path) -> None:
+    """Each stacked expert weight from its E per-expert tensors, stacked in expert order, and this rank's
+    slice kept (`copy_full_into`, as for the permuted tensors: the parameter's own mesh and placements,
+    whatever dims FSDP2 or expert parallelism shard): DCP's reader copies slices of one stored tensor only."""
+    from safetensors import safe_open
+
+    if not experts:
+        return
+    where = {key: path for key, (_, path) in header_shapes(safetensors_files(weights)).items()}
+    needed = {where[key] for _, tensor in experts.values() for key in tensor.keys}
+    with contextlib.ExitStack() as stack:
+        files = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in needed}
+        for param, tensor in experts.values():
+            copy_full_into(param, torch.stack([files[where[key]].get_tensor(key) for key in tensor.keys]))

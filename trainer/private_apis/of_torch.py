@@ -33,6 +33,7 @@ __all__ = [
     "flatten_mesh",
     "all_gather_autograd",
     "all_to_all_autograd",
+    "all_to_all_uneven_autograd",
     "found_inf_per_device",
     "HigherOrderOperator",
     "import_rank_lazy_modules",
@@ -306,3 +307,13 @@ def all_to_all_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_to_all_single_autograd(tensor, None, None, group)
+
+
+def all_to_all_uneven_autograd(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Rows of dim 0 exchanged over `group`, `input_splits[i]` of them to rank i and `output_splits[i]` from it,
+    with autograd (the backward sends the gradient back the same way): expert parallelism's dispatch."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group)

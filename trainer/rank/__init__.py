@@ -2,6 +2,7 @@
 
 - main.py: the entry point of every rank (`rank_main`) and how ranks start (the fork server);
 - loop.py: the training loop;
+- experts.py: `parallel.ep`: each rank's experts sharded over the data-parallel group, left alone by FSDP2;
 - trainee.py: what the rank trains with (model, optimizer, schedule, scaler);
 - mesh.py: the job's one device mesh, built from its layout (trainer/layout.py); each technique's sub-mesh;
 - parallelize.py: the one ordered sequence of transforms (fp8, TP, kernels, checkpointing, compile, ZeRO) applied

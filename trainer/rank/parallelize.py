@@ -10,7 +10,8 @@ one order torchtitan applies them (pytorch/torchtitan torchtitan/models/llama3/p
    loss.chunk_tokens);
 4. activation checkpointing of the blocks (checkpointing), before sharding: it wraps blocks;
 5. compile of each block (compile), after checkpointing and before sharding, in place;
-6. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
+6. expert parallelism (parallel.ep): each rank's experts, sharded over the data-parallel sub-mesh;
+7. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
    fully_shard, or nothing at one model-parallel replica; then each rank materialises (or loads
    model.weights into) only what it holds.
 
@@ -33,6 +34,7 @@ from trainer.model.context_parallel import ContextParallel
 from trainer.model.decoder import apply_context_parallel, apply_loss_choice, apply_sdpa_choice
 from trainer.model.fp8 import apply_fp8
 from trainer.model.moe import apply_moe_choice
+from trainer.rank.experts import apply_expert_parallel
 from trainer.rank.mesh import data_parallel_mesh
 from trainer.rank.sharding import apply_zero
 from trainer.rank.tensor_parallel import apply_tensor_parallel, replicate_partial_grads
@@ -63,6 +65,8 @@ def parallelize(
         watch_blocks(
             list(part.layers)
         )  # an out-of-memory failure names its block (trainer/faults/failures.py)
+    dp_mesh = data_parallel_mesh(mesh, layout, config.zero)
+    ignored = apply_expert_parallel(part, dp_mesh) if config.parallel.ep > 1 else None
     part = apply_zero(
         part,
         config.zero,
@@ -71,8 +75,9 @@ def parallelize(
         world,
         config.seed,
         config.model.weights,
-        dp_mesh=data_parallel_mesh(mesh, layout, config.zero),
+        dp_mesh=dp_mesh,
         replicas=replicas_to_wrap(layout),
+        ignored=ignored,
     )
     if layout.enabled("tp") and not config.zero.uses_fsdp:
         replicate_partial_grads(part)

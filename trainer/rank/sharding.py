@@ -51,6 +51,7 @@ def apply_zero(
     *,
     dp_mesh: DeviceMesh,
     replicas: bool,
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard (or replicate) a meta-device model over `dp_mesh` (the job mesh's data-parallel dims,
     trainer/rank/mesh.py), then give each rank real memory for what it holds, initialised, or filled
@@ -63,7 +64,7 @@ def apply_zero(
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
     if zero.uses_fsdp:
-        apply_fsdp(model, zero, precision, offload, world, dp_mesh)
+        apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
     materialize(model, world.device, seed=seed, load=load)
@@ -102,17 +103,20 @@ def apply_fsdp(
     offload: OffloadConfig,
     world: World,
     dp_mesh: DeviceMesh,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head), over
-    `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
-    gradient shards over the first: torchtitan's data_parallel_replicate_degree x data_parallel_shard_degree,
-    pytorch/torchtitan docs/fsdp.md). Under tensor parallelism FSDP2 shards the TP layers' DTensors again."""
+        `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
+        gradient shards over the first: torchtitan's data_parallel_replicate_degree x data_parallel_shard_degree,
+        pytorch/torchtitan docs/fsdp.md). Under tensor parallelism FSDP2 shards the TP layers' DTensors again; under
+    parallel.ep it leaves the `ignored` expert weights, sharded over the same ranks already (trainer/rank/experts.py)."""
     groups = shard_groups(zero, dp_mesh.size())
     reshard = block_reshard(zero, groups)
     common = dict(
         mesh=dp_mesh,
         mp_policy=build_mp_policy(precision, zero),
         offload_policy=build_offload_policy(offload, world),
+        ignored_params=ignored,
     )
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)

@@ -4,7 +4,10 @@ The save's `model` entry (canonical names, whatever stage and world size wrote i
 process with torch.distributed.checkpoint, mapped to Hugging Face's names and rotary layout
 (trainer/model/hf_weights.py), cast to the chosen dtype and written by DCP's own
 `HuggingFaceStorageWriter`: consolidated safetensors and their `model.safetensors.index.json`,
-beside the config.json of transformers' class of the family (trainer/model/hf_config.py).
+beside the config.json of transformers' class of the family (trainer/model/hf_config.py). A mixture of
+experts is written as Mixtral, or Qwen3-MoE where it has q/k norms: each stacked expert weight as its E
+per-expert tensors, the layout of the Hub's checkpoints, which transformers 5's from_pretrained fuses
+on load; one neither family can hold (shared experts, sigmoid scores) is refused before the save is read.
 DCP's writer takes one state dict, so this process holds the whole model: read in fp32, each
 tensor replaced by its cast as it is converted (about the fp32 model at the peak).
 """
@@ -20,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from trainer.config import ConfigError, ModelConfig, from_plain
-from trainer.model.hf_config import export_config
+from trainer.model.hf_config import HfConfigError, export_config
 from trainer.model.hf_weights import expected_tensors, to_hf_layout
 from trainer.saves.dcp import METADATA, latest_save
 
@@ -50,6 +53,9 @@ def hf_state_dict(save: Path, model: ModelConfig, dtype: torch.dtype) -> dict[st
     out: dict[str, torch.Tensor] = {}
     for name in list(state["model"]):
         tensor, (hf, _) = state["model"].pop(name), expected[name]  # the fp32 copy goes as its cast comes
+        if hf.experts is not None:  # each expert its own tensor, a copy (not a view of the stacked one)
+            out |= {key: tensor[e].to(dtype, copy=True) for e, key in enumerate(hf.keys)}
+            continue
         value = tensor if hf.heads is None else to_hf_layout(tensor, hf.heads)
         out[hf.key] = value.to(dtype).contiguous()
     return out
@@ -57,13 +63,17 @@ def hf_state_dict(save: Path, model: ModelConfig, dtype: torch.dtype) -> dict[st
 
 def export_save(save: Path, out_dir: Path, model: ModelConfig, dtype: str = "fp32") -> Path:
     """Write `save`'s model to `out_dir` as a checkpoint AutoModelForCausalLM.from_pretrained loads."""
+    try:
+        config = export_config(model, str(DTYPES[dtype]).removeprefix("torch."))
+    except HfConfigError as err:  # a model transformers has no class for: refused before the save is read
+        raise ConfigError(f"export: {err.detail}") from None
     tensors = hf_state_dict(save, model, DTYPES[dtype])
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=dict.fromkeys(tensors, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(tensors, storage_writer=writer, no_dist=True)
-    export_config(model, str(DTYPES[dtype]).removeprefix("torch.")).save_pretrained(out_dir)
+    config.save_pretrained(out_dir)
     return out_dir
 
 
