@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,10 +129,15 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, M, D))
         self.w2 = nn.Parameter(torch.empty(E, D, M))
         self.w3 = nn.Parameter(torch.empty(E, M, D))
+        self.ranks = 1  # parallel.ep: the data-parallel ranks whose tokens reach these experts
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights of the experts this rank holds, as plain tensors (a DTensor's local slice)."""
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))  # type: ignore[return-value]
+        """The weights of the experts this rank holds, as plain tensors: under parallel.ep a DTensor's local
+        slice, whose gradient is divided by the data-parallel ranks (`MeanOverRanks`)."""
+        weights = (self.w1, self.w2, self.w3)
+        if self.ranks == 1:
+            return weights
+        return tuple(MeanOverRanks.apply(w.to_local(), self.ranks) for w in weights)  # type: ignore[return-value]
 
     def forward(self, x_AD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by expert, `counts[e]` rows for this rank's expert e, through their experts."""
@@ -145,6 +151,23 @@ class GroupedExperts(nn.Module):
             h_CM = F.silu(rows_CD @ w1[e].to(rows_CD.dtype).T) * (rows_CD @ w3[e].to(rows_CD.dtype).T)
             outs.append(h_CM @ w2[e].to(rows_CD.dtype).T)
         return torch.cat(outs) if outs else x_AD[:0]
+
+
+class MeanOverRanks(torch.autograd.Function):
+    """The identity, whose backward divides the gradient by `ranks`. Under parallel.ep an expert's gradient
+    sums every rank's contribution (each rank's loss is the mean over its own tokens), where FSDP2 averages
+    the other parameters' over the ranks; this makes it the same mean. A function in the graph rather than a
+    hook on the parameter: a hook registered on the meta-device DTensor parameter left the gradients undivided
+    after materialising (`to_empty` swaps a tensor subclass's contents)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ranks: int) -> torch.Tensor:
+        ctx.ranks = ranks
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.ranks, None
 
 
 class FeedForwardWidth(nn.Module):

@@ -7,15 +7,14 @@ alone (`ignored_params`): it is sharded already, each rank holding whole experts
 reach it through the all-to-all (trainer/model/moe.py `dispatch_to_experts`). Because the mesh is FSDP2's,
 the optimizer, gradient clipping and torch.distributed.checkpoint see one kind of DTensor over one mesh.
 
-What FSDP2 would have done for those parameters is done here: their gradient is the sum of every rank's
-contribution (each rank's loss is its own tokens' mean), so it is divided by the data-parallel ranks, as
-FSDP2's reduce-scatter averages the others' (torchtitan sets FSDP2's gradient divide factor for the same
-reason).
+What FSDP2 would have done for those parameters is done in the model (trainer/model/moe.py `MeanOverRanks`):
+their gradient is the sum of every rank's contribution (each rank's loss is its own tokens' mean), so it is
+divided by the data-parallel ranks, as FSDP2's reduce-scatter averages the others' (torchtitan sets FSDP2's
+gradient divide factor for the same reason).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -31,15 +30,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Paramete
     for layer in moe_layers(model):
         for name, param in list(layer.experts.named_parameters()):
             sharded = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None))
-            sharded.register_hook(_mean_over(group.size))
             setattr(layer.experts, name, sharded)
             experts.add(sharded)
+        layer.experts.ranks = group.size  # their gradients averaged as FSDP2 averages the others'
         layer.ep = group
     return experts
-
-
-def _mean_over(ranks: int):  # type: ignore[no-untyped-def]
-    def divide(grad: torch.Tensor) -> torch.Tensor:
-        return grad / ranks
-
-    return divide

@@ -1,0 +1,89 @@
+"""A mixture of experts (model=tiny-moe: 8 experts, 2 per token) trained on CPU ranks.
+
+Expert parallelism (parallel.ep=2: each of 2 ranks holds 4 experts, tokens sent to them and back by all-to-all)
+against one rank holding all 8, the same global batch (4 sequences of 64 tokens), fp32 and dropless: every
+step's loss within 1e-5. The balance loss is per sequence (moe.balance=seq_aux), whose mean over sequences does
+not depend on how the batch is split over ranks (a per-micro-batch loss would). With the aux-loss-free bias
+(moe.bias_rate) the routers' biases after 10 steps are bitwise equal on 1 and 2 ranks: each step moves them by
+the sign of the loads summed over every rank, integers. Under a capacity (moe.capacity_factor=1.0) assignments
+are dropped, and the count logged is the routers' own (tests/unit/model/test_moe.py checks the drops against a
+reference loop).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.helpers import TINY, Run, run_trainer
+
+pytestmark = (
+    pytest.mark.torch_versions
+)  # the all-to-all's autograd functional collective, FSDP2's ignored_params
+
+MOE = (*TINY, "model=tiny-moe", "precision=fp32", "moe.balance=seq_aux", "optim.warmup_steps=2")
+ONE_RANK = ("nproc=1", "micro_batch=4")
+EP2 = ("nproc=2", "micro_batch=2", "parallel.ep=2", "zero=stage3")
+
+
+def job(out_dir: Path, *overrides: str) -> Run:
+    return run_trainer(out_dir, *MOE, *overrides, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """10 steps with the aux-loss-free bias, saved at the end: one rank (ep=1) and two (ep=2)."""
+    out = tmp_path_factory.mktemp("moe")
+    common = ("steps=10", "moe.bias_rate=0.001", "save.every=10")
+    return {"ep1": job(out / "ep1", *ONE_RANK, *common), "ep2": job(out / "ep2", *EP2, *common)}
+
+
+def expert_biases(run: Run, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every router's expert_bias in the run's step-10 save, through DCP's own converter."""
+    target = scratch / f"{run.out_dir.parent.name}.pt"
+    dcp_to_torch_save(run.out_dir / "checkpoints" / "step_00000010", target)
+    state: dict[str, Any] = torch.load(target, weights_only=False)
+    flat = {f"{k}.{name}": v for k, d in state.items() if isinstance(d, dict) for name, v in d.items()}
+    return {key: value for key, value in flat.items() if key.endswith("expert_bias")}
+
+
+def test_expert_parallel_losses_equal_one_rank(biased: dict[str, Run]) -> None:
+    one, two = biased["ep1"].losses, biased["ep2"].losses
+    assert len(one) == len(two) == 10
+    worst = max(abs(a - b) for a, b in zip(one, two))
+    assert worst < 1e-5, (one, two)
+
+
+def test_the_aux_loss_free_biases_are_bitwise_equal_on_one_and_two_ranks(
+    biased: dict[str, Run], tmp_path: Path
+) -> None:
+    one, two = (expert_biases(biased[name], tmp_path) for name in ("ep1", "ep2"))
+    assert len(one) == 4 and one.keys() == two.keys()  # one per block
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+        assert one[key].abs().max() > 0  # they moved: 10 steps of +-1e-3, centred
+    record = biased["ep2"].records[-1]
+    assert record["moe/expert_bias_absmax"] == pytest.approx(max(float(b.abs().max()) for b in one.values()))
+
+
+def test_routing_is_logged_per_layer(biased: dict[str, Run]) -> None:
+    """moe/imbalance/<layer>: tokens per expert, max over mean (>= 1), for each of the 4 blocks."""
+    record = biased["ep2"].records[-1]
+    ratios = [record[f"moe/imbalance/{layer}"] for layer in range(4)]
+    assert all(1.0 <= r < 8.0 for r in ratios), ratios
+    assert record["moe/imbalance_max"] == max(ratios)
+    assert record["moe/dropped_per_step"] == 0  # dropless
+    assert record["moe/balance_loss"] >= 1.0 - 1e-6  # E * sum f P >= ... its balanced value is 1
+
+
+def test_a_capacity_drops_and_logs_the_count(tmp_path: Path) -> None:
+    """moe.capacity_factor=1.0: each expert takes at most its even share; the busiest experts drop the rest."""
+    run = job(
+        tmp_path / "run", *EP2, "steps=2", "save=off", "moe.capacity_factor=1.0", "moe.drop_policy=position"
+    )
+    dropped = [record["moe/dropped_per_step"] for record in run.records]
+    assert all(d > 0 for d in dropped), dropped
