@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import TINY, Run, run_trainer
+from tests.helpers import TINY, Run, run_trainer, wandb_file, wandb_records
 
 pytestmark = (
     pytest.mark.torch_versions
@@ -80,10 +80,15 @@ def test_routing_is_logged_per_layer(biased: dict[str, Run]) -> None:
     assert record["moe/balance_loss"] >= 1.0 - 1e-6  # E * sum f P >= ... its balanced value is 1
 
 
-def test_a_capacity_drops_and_logs_the_count(tmp_path: Path) -> None:
-    """moe.capacity_factor=1.0: each expert takes at most its even share; the busiest experts drop the rest."""
-    run = job(
-        tmp_path / "run", *EP2, "steps=2", "save=off", "moe.capacity_factor=1.0", "moe.drop_policy=position"
-    )
+def test_a_capacity_drops_and_logs_the_count_to_the_file_and_wandb(tmp_path: Path) -> None:
+    """moe.capacity_factor=1.0: each expert takes at most its even share; the busiest experts drop the rest. W&B
+    (offline, read back with its own reader) records the routing keys as metrics.jsonl has them."""
+    capped = ("steps=2", "save=off", "moe.capacity_factor=1.0", "moe.drop_policy=position", "logger=wandb")
+    run = run_trainer(tmp_path / "run", *MOE, *EP2, *capped, env={"WANDB_MODE": "offline"}, timeout=900)
     dropped = [record["moe/dropped_per_step"] for record in run.records]
     assert all(d > 0 for d in dropped), dropped
+    history = [r["history"] for r in wandb_records(wandb_file(run.out_dir)) if r["type"] == "history"]
+    logged = {int(h["step"]["num"]): h["item"] for h in history}
+    for record in run.records:
+        for key in ("moe/dropped_per_step", "moe/imbalance/0", "moe/imbalance/3", "moe/balance_loss"):
+            assert logged[record["step"]][key] == record[key], key
