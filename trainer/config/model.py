@@ -66,7 +66,8 @@ class ModelConfig:
     """n_experts > 0: the top_k scores of a token are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)."""
     config: str | None = None
     """model=hf only: a Hugging Face config.json (or a directory holding one) whose shapes replace the keys
-    above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    above (trainer/model/hf_config.py); LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    and the mixtures of experts MixtralForCausalLM and Qwen3MoeForCausalLM."""
     weights: str | None = None
     """A Hugging Face checkpoint directory (safetensors) loaded in place of the initialisation before step 1
     (trainer/model/hf_weights.py); with model=hf, model.config defaults to it."""

@@ -213,7 +213,7 @@ def moe_fields(hf: Any, name: str, path: Path) -> dict[str, Any]:
     refuse_unsupported_moe(hf, name, path)
     qwen = name == "Qwen3MoeForCausalLM"
     return {
-        # transformers 5 names both num_local_experts (num_experts an alias); 4.x's Qwen3-MoE num_experts only.
+        # transformers 5 calls both num_local_experts (num_experts an alias), 4.x's Qwen3-MoE num_experts.
         "n_experts": getattr(hf, "num_local_experts", None) or hf.num_experts,
         "top_k": hf.num_experts_per_tok,
         "moe_ffn_dim": hf.moe_intermediate_size if qwen else None,
@@ -265,7 +265,8 @@ def moe_refusal(model: Any) -> str | None:
     """Why a mixture of experts is neither transformers' Mixtral nor its Qwen3-MoE (one line), or None."""
     score = getattr(model.router_score, "value", model.router_score)
     if model.n_shared_experts > 0:
-        return f"model.n_shared_experts={model.n_shared_experts}: neither Mixtral nor Qwen3-MoE has shared experts"
+        shared = model.n_shared_experts
+        return f"model.n_shared_experts={shared}: neither Mixtral nor Qwen3-MoE has shared experts"
     if score != "softmax":
         return f"model.router_score={score}: Mixtral and Qwen3-MoE score their experts by softmax"
     if model.qkv_bias:

@@ -28,10 +28,11 @@ head), so those are read one whole tensor at a time with safetensors' `safe_open
 and only the rank's slice kept (`distribute_tensor` on the parameter's own mesh and
 placements, `copy_full_into`): besides its shard, a rank holds for a moment one such tensor
 twice (as read and permuted), or one slice DCP reads. A stacked expert weight is no one tensor of the
-files either: its E tensors are read and stacked, then sliced the same way (`load_experts`; so under
-FSDP2, or a slice of dim 0 under expert parallelism, a rank keeps only the experts' rows it holds), and
-a rank holds for a moment one stacked weight, all E experts of one projection of one layer. A pipeline stage's model holds its own
-blocks only, under the whole decoder's names, so it asks both readers for those tensors alone.
+files either, but E of them: a rank reads the tensors of the experts whose rows it holds (all under DDP;
+its share of dim 0 under FSDP2 or expert parallelism), stacks them and copies them in (`load_experts`),
+so it holds for a moment at most one stacked weight, all E experts of one projection of one layer.
+A pipeline stage's model holds its own blocks only, under the whole decoder's names, so it asks both
+readers for those tensors alone.
 
 The checks (`check_weights`, in the job process before any rank starts) read only the files'
 headers: missing, unexpected and mis-shaped tensors, and a config.json that is not the model.
@@ -81,9 +82,9 @@ _TO_HF = {
 _MOE_TO_HF = {
     "MixtralForCausalLM": {
         "layers.{}.feed_forward.router.gate.weight": "model.layers.{}.block_sparse_moe.gate.weight",
-        "layers.{}.feed_forward.experts.w1": "model.layers.{}.block_sparse_moe.experts.{{}}.w3.weight",
+        "layers.{}.feed_forward.experts.w1": "model.layers.{}.block_sparse_moe.experts.{{}}.w1.weight",
         "layers.{}.feed_forward.experts.w2": "model.layers.{}.block_sparse_moe.experts.{{}}.w2.weight",
-        "layers.{}.feed_forward.experts.w3": "model.layers.{}.block_sparse_moe.experts.{{}}.w1.weight",
+        "layers.{}.feed_forward.experts.w3": "model.layers.{}.block_sparse_moe.experts.{{}}.w3.weight",
     },
     "Qwen3MoeForCausalLM": {
         "layers.{}.feed_forward.router.gate.weight": "model.layers.{}.mlp.gate.weight",
@@ -408,9 +409,10 @@ def load_permuted(permuted: dict[str, tuple[torch.Tensor, int]], weights: Path) 
 
 
 def load_experts(experts: dict[str, tuple[torch.Tensor, HfTensor]], weights: Path) -> None:
-    """Each stacked expert weight from its E per-expert tensors, stacked in expert order, and this rank's
-    slice kept (`copy_full_into`, as for the permuted tensors: the parameter's own mesh and placements,
-    whatever dims FSDP2 or expert parallelism shard): DCP's reader copies slices of one stored tensor only."""
+    """Each stacked expert weight from its per-expert tensors, in expert order: only the experts whose rows
+    this rank holds (`held_experts`), copied into its local tensor; where a shard cuts another dim, all E
+    stacked and this rank's slice kept (`copy_full_into`, as for the permuted tensors). DCP's reader
+    copies slices of one stored tensor only, and an expert weight is E of them."""
     from safetensors import safe_open
 
     if not experts:
@@ -420,4 +422,24 @@ def load_experts(experts: dict[str, tuple[torch.Tensor, HfTensor]], weights: Pat
     with contextlib.ExitStack() as stack:
         files = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in needed}
         for param, tensor in experts.values():
-            copy_full_into(param, torch.stack([files[where[key]].get_tensor(key) for key in tensor.keys]))
+            keys, held = tensor.keys, held_experts(param, len(tensor.keys))
+            if held is None:
+                copy_full_into(param, torch.stack([files[where[key]].get_tensor(key) for key in keys]))
+            elif held:
+                rows = torch.stack([files[where[keys[e]]].get_tensor(keys[e]) for e in held])
+                (param.to_local() if hasattr(param, "to_local") else param).copy_(rows)
+
+
+def held_experts(param: torch.Tensor, count: int) -> list[int] | None:
+    """The experts (indices on dim 0) whose whole rows `param` holds on this rank: all of a plain tensor's;
+    a DTensor's share where only dim 0 is sharded (expert parallelism, FSDP2's dim-0 shards), found by
+    distributing the experts' indices as the parameter is (no communication); None where a shard cuts
+    another dim."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return list(range(count))
+    if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
+        return None
+    index = distribute_tensor(torch.arange(count), param.device_mesh, param.placements, src_data_rank=None)
+    return index.to_local().tolist()

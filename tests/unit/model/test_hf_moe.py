@@ -72,8 +72,8 @@ SHAPE_KEYS = (
     *("norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qk_norm", "qkv_bias"),
     *("n_experts", "top_k", "moe_ffn_dim", "expert_width", "n_shared_experts", "router_score", "route_norm"),
 )
-# Tiny checkpoints (name -> architecture, fields): hidden 64, 2 layers, 4 heads of 16, 2 kv heads, 4 experts of
-# width 32, 2 per token, vocabulary 128; Qwen3-MoE with its top-2 weights normalised and not.
+# Tiny checkpoints (name -> architecture, fields): hidden 64, 2 layers, 4 heads of 16, 2 kv heads, 4 experts
+# of width 32, 2 per token, vocabulary 128; Qwen3-MoE with its top-2 weights normalised and not.
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -106,7 +106,8 @@ def write_config(directory: Path, fields: dict[str, Any]) -> Path:
 
 
 def moe_checkpoint(directory: Path, architecture: str, fields: dict[str, Any]) -> Path:
-    """A tiny random checkpoint saved by transformers' save_pretrained, every parameter drawn (norms about 1)."""
+    """A tiny random checkpoint saved by transformers' save_pretrained, every parameter drawn (norms
+    about 1), so that no weight could be loaded wrongly and go unseen."""
     config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**TINY, **fields)
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config)
@@ -138,7 +139,8 @@ def zerolab_logits(config: ModelConfig, stage: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """`python -m trainer mode=plan model=hf model.config=<file>` of each published config.json, one process."""
+    """`python -m trainer mode=plan model=hf model.config=<file>` of each published config.json (one
+    process for both: the imports paid once)."""
     tmp = tmp_path_factory.mktemp("plans")
     files = {name: write_config(tmp / name, fields) for name, fields in HF_CONFIGS.items()}
     argvs = [
@@ -231,8 +233,8 @@ def test_what_the_mixture_is_not_is_refused_in_one_line(
 def test_save_pretrained_writes_one_tensor_per_expert(
     checkpoints: dict[str, tuple[Path, torch.Tensor]],
 ) -> None:
-    """transformers 5 holds the experts fused once loaded, but writes the Hub's per-expert names, which are the
-    names and shapes zerolab asks for: exactly the file's tensors, no more, no fewer."""
+    """transformers 5 holds the experts fused once loaded, but writes the Hub's per-expert names, which
+    are the names and shapes zerolab asks for: exactly the file's tensors, no more, no fewer."""
     for name in CHECKPOINTS:
         weights = checkpoints[name][0]
         found = {key: shape for key, (shape, _) in header_shapes([weights / "model.safetensors"]).items()}
@@ -275,6 +277,36 @@ def test_the_controls_differ(
     assert (zerolab_logits(config, "stage0") - expected).abs().max().item() > 1e-3
 
 
+def test_a_rank_reads_the_experts_it_holds_and_another_dims_shard_all(
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], process_group: None
+) -> None:
+    """held_experts: every expert of a plain tensor or of a dim-0 shard on one rank; None for a shard of dim 1
+    (all E read, stacked and sliced by copy_full_into), which loads the same values as the plain tensor.
+    Two ranks' shares: tests/integration/test_hf_moe.py."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weights = checkpoints["qwen3-moe"][0]
+    config = ModelConfig(name="hf", weights=str(weights))
+    (name, (tensor, shape)) = next(
+        (n, e) for n, e in hf_weights.expected_tensors(config).items() if e[0].experts
+    )
+    plain = torch.zeros(shape)
+    by_dim = {dim: distribute_tensor(torch.zeros(shape), mesh, [Shard(dim)]) for dim in (0, 1)}
+    assert [hf_weights.held_experts(t, 4) for t in (plain, by_dim[0], by_dim[1])] == [[0, 1, 2, 3]] * 2 + [
+        None
+    ]
+    for param in (plain, *by_dim.values()):
+        hf_weights.load_experts({tensor.key: (param, tensor)}, weights)
+    assert name == "layers.0.feed_forward.experts.w1" and plain.abs().sum() > 0
+    assert torch.equal(by_dim[0].full_tensor(), plain) and torch.equal(by_dim[1].full_tensor(), plain)
+    gate = safetensors_torch.load_file(weights / "model.safetensors")[
+        "model.layers.0.mlp.experts.3.gate_proj.weight"
+    ]
+    assert torch.equal(plain[3], gate)
+
+
 def test_an_expert_weight_is_planned_whole(tmp_path: Path) -> None:
     """The plan's loading figure counts a stacked expert weight (what load_experts holds at once), not one
     expert: 3 experts of 8 x 4 fp32 are 384 bytes, more than the 10 x 4 embedding's 160."""
@@ -292,8 +324,8 @@ def test_an_expert_weight_is_planned_whole(tmp_path: Path) -> None:
 def test_the_export_loads_in_transformers_with_equal_logits(
     checkpoints: dict[str, tuple[Path, torch.Tensor]], name: str, tmp_path: Path
 ) -> None:
-    """A save of the loaded model, exported: the files' names and shapes are save_pretrained's, and transformers'
-    logits of the export equal zerolab's (and the original checkpoint's)."""
+    """A save of the loaded model, exported: the files' names and shapes are save_pretrained's, and
+    transformers' logits of the export equal zerolab's (and the original checkpoint's)."""
     import torch.distributed.checkpoint as dcp
 
     from trainer.model.hf_config import model_fields
@@ -318,20 +350,31 @@ def test_the_export_loads_in_transformers_with_equal_logits(
     assert (ours - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize(
-    ("change", "detail"),
-    [
-        ({"n_shared_experts": 1}, "model.n_shared_experts=1: neither Mixtral nor Qwen3-MoE has shared experts"),
-        ({"router_score": RouterScore.sigmoid}, "model.router_score=sigmoid: Mixtral and Qwen3-MoE score their experts by softmax"),
-        ({"qk_norm": False, "route_norm": False}, "model.route_norm=false without model.qk_norm: Mixtral always normalises its top_k weights (Qwen3-MoE, which has q/k norms, may not)"),
-    ],
-)  # fmt: skip
+REFUSED_MIXTURES = {
+    "shared": (
+        {"n_shared_experts": 1},
+        "model.n_shared_experts=1: neither Mixtral nor Qwen3-MoE has shared experts",
+    ),
+    "sigmoid": (
+        {"router_score": RouterScore.sigmoid},
+        "model.router_score=sigmoid: Mixtral and Qwen3-MoE score their experts by softmax",
+    ),
+    "unnormalised-mixtral": (
+        {"qk_norm": False, "route_norm": False},
+        "model.route_norm=false without model.qk_norm: Mixtral always normalises its top_k weights "
+        "(Qwen3-MoE, which has q/k norms, may not)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_MIXTURES)
 def test_a_mixture_neither_family_holds_is_refused(
-    checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path, change: dict[str, Any], detail: str
+    checkpoints: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path, case: str
 ) -> None:
     """By the export before it reads the save, and by model.weights before any rank starts."""
     from trainer.saves.hf_export import export_save
 
+    change, detail = REFUSED_MIXTURES[case]
     weights = checkpoints["qwen3-moe"][0]
     config = dataclasses.replace(ModelConfig(name="hf", weights=str(weights)), **change)
     with pytest.raises(ConfigError) as err:
