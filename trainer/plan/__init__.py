@@ -37,6 +37,9 @@ The planner is this package; each module's docstring is its part of the design n
 - pipeline_walk.py: the walk of one pipeline rank's step, its stage's moments;
 - context_parallel.py: parallel.cp in the plan: ZeRO over dp x cp, one rank's step at T / cp positions, what
   each exchange (ulysses, allgather) adds to a block's saved set, the rows, rotary tables and masks it holds;
+- moe.py: a mixture of experts in the plan (model.n_experts > 0): the rows each expert takes under moe.imbalance,
+  what an MoE layer saves (router, dispatched rows, each expert's hidden tensors, combine) and the peak of its
+  experts' backward (the stacked weights' whole gradients, summed expert by expert);
 - groups.py: the process groups a job's collectives run in (HSDP's shard and replicate groups),
   and which link each one crosses;
 - target.py: the device kind and world size a plan is for;

@@ -23,6 +23,7 @@ from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
 from trainer.model.fp8 import autocast_input_saving
 from trainer.plan.context_parallel import cp_activations, mask_kept, row_length
+from trainer.plan.moe import dense_mlp_hidden_bytes, expert_rows, moe_freed_at_peak, moe_saved_bytes
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 DOCUMENTS_BYTES_PER_TOKEN = 8  # data.packing=document: each position's int64 document number, with the batch
@@ -103,12 +104,15 @@ class Activations:
     inputs_kept: tuple[int, ...] = ()  # per block: its checkpointed input, alive beside its recompute
     # a pipeline stage: its first block's saved input that is its receive buffer (counted with the buffers)
     received: int = 0
+    # model.n_experts > 0: what a block's set has freed by its backward's peak, the experts' (trainer/plan/moe.py)
+    freed_at_peak: int = 0
 
     @property
     def in_backward(self) -> int:
         """What a block holds at the start of its backward: its full set back, and what stays unread
-        until its backward ends (the policy's storage lives as long as the block's graph)."""
-        return self.full_block + self.unread
+        until its backward ends (the policy's storage lives as long as the block's graph); under a mixture of
+        experts, less what the block's backward has freed by the experts' peak."""
+        return self.full_block + self.unread - self.freed_at_peak
 
     def in_backward_of(self, block: int) -> int:
         """in_backward, plus block `block`'s checkpointed input where its recompute does not save the
@@ -281,6 +285,15 @@ def sequence_parallel_saving(config: TrainConfig, device_kind: str) -> tuple[int
     return 2 * saved, saved
 
 
+def moe_block_change(config: TrainConfig, prec: Precisions) -> int:
+    """model.n_experts > 0: what a block saves more (or less) with a mixture of experts in place of the dense MLP
+    the table counts (trainer/plan/moe.py); 0 for a dense model."""
+    if not config.model.is_moe:
+        return 0
+    saved = moe_saved_bytes(config, prec.compute, expert_rows(config))
+    return saved - dense_mlp_hidden_bytes(config, prec.compute)
+
+
 def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     """One rank's activations; under parallel.cp `config` is the rank's `cp_local` job (T / cp positions),
     and context parallelism's additions come on top (trainer/plan/context_parallel.py)."""
@@ -298,6 +311,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
         * tokens
         - block_sp
         + cp.per_block
+        + moe_block_change(config, prec)
     )
     # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
     checkpointed, unread = prec.residual * m.dim * tokens // sequence_shards(config), 0
@@ -318,8 +332,11 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     )
     held = cp.kept + cp.rows + mask_kept(config, cp)  # parallel.cp's rotary tables, whole rows, kept mask
     batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config) + held
+    freed = moe_freed_at_peak(config, prec.compute, expert_rows(config)) if m.is_moe else 0
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
-        return Activations(blocks, full, head, 0, batch, unread, inputs_kept)
+        return Activations(blocks, full, head, 0, batch, unread, inputs_kept, freed_at_peak=freed)
     head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT - head_sp
-    return Activations(blocks, full, head, 4 * m.vocab_size * tokens, batch, unread, inputs_kept)
+    return Activations(
+        blocks, full, head, 4 * m.vocab_size * tokens, batch, unread, inputs_kept, freed_at_peak=freed
+    )

@@ -1,0 +1,71 @@
+"""A mixture of experts in the memory plan (trainer/plan/moe.py): the rows each expert takes under moe.imbalance,
+and the activations the plan counts for a tiny-moe forward equal to the storages autograd saves (fp32, the
+router's variants: softmax or sigmoid scores, normalised or not, the balance loss per micro-batch or per sequence
+or none, the router z-loss, shared experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import compose_config, saved_storage_bytes
+from trainer.model.decoder import build_model, init_weights
+from trainer.model.moe import apply_moe_choice
+from trainer.plan.activations import activations
+from trainer.plan.moe import expert_rows
+
+TINY_MOE = ("model=tiny-moe", "micro_batch=2", "seq_len=64", "precision=fp32")
+
+
+@pytest.mark.parametrize(
+    ("imbalance", "expected"),
+    [
+        (1.0, (32,) * 8),  # 2 x 64 tokens x top 2 = 256 rows over 8 experts
+        (2.0, (64,) + (28,) * 3 + (27,) * 4),  # the busiest twice the mean, the other 192 rows shared
+        (4.0, (128,) + (19,) * 2 + (18,) * 5),  # every token: the most one expert can take
+        (8.0, (128,) + (19,) * 2 + (18,) * 5),  # more than every token is every token
+    ],
+)
+def test_the_busiest_expert_takes_imbalance_times_the_mean(
+    imbalance: float, expected: tuple[int, ...]
+) -> None:
+    rows = expert_rows(compose_config(*TINY_MOE, f"moe.imbalance={imbalance}"))
+    assert rows.per_expert == expected
+    assert rows.total == 256 and rows.busiest == expected[0]
+
+
+def test_a_capacity_caps_every_expert() -> None:
+    """moe.capacity_factor=1.0: 32 rows per expert at most (ceil(1.0 x 128 x 2 / 8)): the busiest's other 32
+    are dropped, not given to the others; at 1.5 (48 rows) the busiest keeps 48 and drops 16."""
+    rows = expert_rows(compose_config(*TINY_MOE, "moe.imbalance=2.0", "moe.capacity_factor=1.0"))
+    assert rows.per_expert == (32,) + (28,) * 3 + (27,) * 4 and rows.total == 256 - 32
+    rows = expert_rows(compose_config(*TINY_MOE, "moe.imbalance=2.0", "moe.capacity_factor=1.5"))
+    assert rows.per_expert == (48,) + (28,) * 3 + (27,) * 4 and rows.total == 256 - 16
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.route_norm=false", "moe.balance=seq_aux", "moe.router_z_coeff=1e-3"),
+        ("model.router_score=sigmoid", "moe.balance=none", "model.n_shared_experts=1"),
+        ("model.top_k=1", "moe.imbalance=3.0"),
+    ],
+)
+def test_planned_activations_are_what_autograd_saves(overrides: tuple[str, ...]) -> None:
+    """Every block's saved set (the MoE layer's in place of the dense MLP's hidden tensors), the head's and the
+    batch's: the plan's total equals the distinct storages autograd saves, parameters and buffers (the router's
+    expert_bias) and the rotary tables excluded. Dropless, the saved set is the same whatever the routing."""
+    config = compose_config(*TINY_MOE, *overrides)
+    model = build_model(config.model, device="cpu")
+    init_weights(model, seed=0)
+    apply_moe_choice(model, config.moe)
+    shape = (config.micro_batch, config.seq_len)
+    inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
+    assert saved_storage_bytes(model, inputs, targets, "fp32") == activations(config).total
+
+
+def test_a_dense_models_activations_free_nothing_early() -> None:
+    """The MoE terms are zero for a dense model: its block's backward holds its whole saved set."""
+    acts = activations(compose_config("model=tiny"))
+    assert acts.freed_at_peak == 0 and acts.in_backward == acts.full_block + acts.unread
