@@ -151,15 +151,16 @@ def test_a_config_json_of_each_family_plans_and_trains(
 
 def test_another_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
-        json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8})
+        json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256})
     )
     run = run_trainer(
         tmp_path / "run", "model=hf", f"model.config={tmp_path / 'config.json'}", *JOB, check=False
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        f"error: model.config={tmp_path / 'config.json'}: architecture MixtralForCausalLM is not supported; "
-        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        f"error: model.config={tmp_path / 'config.json'}: architecture DeepseekV3ForCausalLM is not supported; "
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+        "Qwen3MoeForCausalLM"
     ]
 
 

@@ -175,6 +175,7 @@ class ModelConfig:
         for key, value in fields.items():
             setattr(self, key, value)
         self.rope_scaling = RopeScaling(self.rope_scaling)
+        self.router_score = RouterScore(self.router_score)
         self.name, self.config = f"hf:{path.resolve()}", None
 
     @property

@@ -279,8 +279,9 @@ def test_qwen2_config_has_qkv_biases_and_transformers_agrees(tmp_path: Path) -> 
     ("fields", "message"),
     [
         (
-            {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
-            "architecture MixtralForCausalLM is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
+            "architecture DeepseekV3ForCausalLM is not supported; supported: LlamaForCausalLM, MistralForCausalLM, "
+            "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM",
         ),
         (
             {"architectures": ["T5ForConditionalGeneration"]},
