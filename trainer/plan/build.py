@@ -28,6 +28,7 @@ from trainer.plan.fsdp_walk import fsdp_moments
 from trainer.plan.groups import GROUPS, ShardGroups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan, offload_applies
+from trainer.plan.moe import moe_fields
 from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
@@ -234,6 +235,7 @@ class Plan:
             **self.reserved_fields(),
             **({"compile": COMPILE_NOTE} if c.compile else {}),
             **({"fp8": fp8_fields(c, self.device_kind)} if c.precision.is_fp8 else {}),
+            **({"moe": moe_fields(c)} if c.model.is_moe else {}),
             "peak_rank": self.worst.rank,
             "peak_moment": self.worst.peak.name,
             "fits": self.fits,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from trainer.config import BalanceLoss, TrainConfig
 
@@ -55,6 +56,19 @@ def expert_rows(config: TrainConfig, imbalance: float | None = None) -> ExpertRo
     share, extra = divmod(rest, others)
     rows = [min(cap, busiest)] + [min(cap, share + (1 if i < extra else 0)) for i in range(others)]
     return ExpertRows(tuple(rows))
+
+
+def moe_fields(config: TrainConfig) -> dict[str, Any]:
+    """plan.json's `moe` (model.n_experts > 0): the routing the plan assumed, the rows each expert of a rank takes
+    per micro-batch under it."""
+    m = config.model
+    return {
+        "experts": m.n_experts,
+        "top_k": m.top_k,
+        "imbalance": config.moe.imbalance,
+        "rows_per_expert": list(expert_rows(config).per_expert),
+        "capacity_factor": config.moe.capacity_factor,
+    }
 
 
 def capacity(config: TrainConfig, tokens: int) -> int:
