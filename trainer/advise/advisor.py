@@ -78,6 +78,7 @@ CHOSEN_KEYS = (
     "zero.compression",
     "parallel.cp",
     "parallel.cp_impl",
+    "parallel.ep",
 )
 SHAPE_KEYS = tuple(key for key in CHOSEN_KEYS if key not in ("micro_batch", "grad_accum"))
 """What a candidate is, besides its micro-batch split (rows that differ only there share a memory limit)."""
@@ -123,6 +124,7 @@ class Candidate:
             "TP": c.get("parallel.tp") is not None,
             "PP": c.get("parallel.pp") is not None,
             "CP": c.get("parallel.cp") is not None,
+            "EP": c.get("parallel.ep") is not None,
         }
         return tuple(name for name, present in parts.items() if present)
 
@@ -159,6 +161,8 @@ class Candidate:
             groups += f" pp={c['parallel.pp']} {c['parallel.pp_schedule']}"
         if c.get("parallel.cp") is not None:
             groups += f" cp={c['parallel.cp']}/{c['parallel.cp_impl']}"
+        if c.get("parallel.ep") is not None:
+            groups += f" ep={c['parallel.ep']}"
         every = {"micro_batch": "/mb", "step": "/step"}[c["zero.reduce_every"]] if c["grad_accum"] > 1 else ""
         every += " keep" if c.get("zero.reshard_after_backward") is False else ""
         loss = "" if c["loss"] == "full" else f" loss={c['loss']}"
@@ -264,8 +268,19 @@ def choices(
                 for schedule in schedule_options(pp, accum, config.model.n_layers):
                     split = (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule, cp, impl)
                     ways = accumulation_choices(config, stage, accum, split, (stage, checkpointing, offload))
+                    ways += [with_ep for way in ways for with_ep in expert_parallel(config, way, dp)]
                     out += [choice for choice in ways if composes(config, choice)]
     return out
+
+
+def expert_parallel(config: TrainConfig, choice: dict[str, Any], dp: int) -> list[dict[str, Any]]:
+    """A mixture of experts: the choice with parallel.ep, which for now is every data-parallel rank FSDP2
+    shards over (trainer/layout.py `check_expert_ranks`), where they divide the experts; the composition table
+    drops what ep does not compose with (DDP, HSDP, hpZ, offload)."""
+    n = config.model.n_experts
+    if not config.model.is_moe or dp < 2 or n % dp:
+        return []
+    return [{**choice, "parallel.ep": dp}]
 
 
 def cp_options(
@@ -372,6 +387,7 @@ def accumulation_choices(
             None,  # zero.compression: exact; compressed variants come from `compressed_variants`
             cp,
             impl,
+            None,  # parallel.ep: its variants come from `expert_parallel`
         )
         out.append(dict(zip(CHOSEN_KEYS, values)))
     return out
@@ -451,6 +467,7 @@ def configure(config: TrainConfig, choice: dict[str, Any], check: bool = True) -
             pp_schedule=choice.get("parallel.pp_schedule") or config.parallel.pp_schedule,
             cp=choice.get("parallel.cp") or 1,
             cp_impl=choice.get("parallel.cp_impl") or config.parallel.cp_impl,
+            ep=choice.get("parallel.ep") or 1,
         ),
     )
 
@@ -875,6 +892,16 @@ def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
     return [*kept, *candidate.overrides()]
 
 
+def routing_note(config: TrainConfig) -> str:
+    """A mixture of experts: the routing every row's memory was planned for."""
+    m = config.model
+    return (
+        f"routing: planned at moe.imbalance={config.moe.imbalance:g} (the busiest expert's tokens over the mean; "
+        f"1 is balanced) for {m.n_experts} experts, top_k={m.top_k}; a run logs what its routers do "
+        "(moe/imbalance_max): plan again with that"
+    )
+
+
 def command_line(base_overrides: list[str], candidate: Candidate) -> str:
     return shlex.join(["python", "-m", "trainer", *command_args(base_overrides, candidate)])
 
@@ -899,6 +926,7 @@ def format_advice(
         f"{unplanned_note(unplanned)}{fp8_summary(config)}",
         f"rates: {rates.source}",
         *([context] if context else []),
+        *([routing_note(config)] if config.model.is_moe else []),
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20} {'bubble':>6}  limited by",
     ]
@@ -1184,6 +1212,7 @@ def run_advice(
     record = advice_json(config, candidates, rates, base_overrides, world_size, memory)
     record["unplanned"] = unplanned
     record["context_parallel"] = advice.context_note or None
+    record["moe_imbalance"] = config.moe.imbalance if config.model.is_moe else None
     path = out_dir / "advice.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"advice.json: {path}", flush=True)
