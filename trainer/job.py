@@ -41,6 +41,7 @@ from trainer.model.attention import check_document_mask, config_choice, takes_ma
 from trainer.model.hf_weights import fingerprint
 from trainer.plan import (
     RANK_FIGURES,
+    Plan,
     build_plan,
     check_offload_path,
     cores_warning,
@@ -66,6 +67,7 @@ from trainer.telemetry.summary import (
     write_summary,
 )
 from trainer.telemetry.wandb_logger import open_logger, run_group, run_name
+from trainer.units import GIB
 from trainer.world import init_world, is_under_torchrun, resolve_device_kind, resolve_nproc
 
 # A job that trains imports more: the elastic launcher (trainer/launch.py), and the save format
@@ -375,9 +377,29 @@ def explain_out_of_memory(
 
 
 def rank_predictions(meta: dict[str, Any]) -> dict[str, float]:
-    """The plan's figures the ranks write beside their measurements (plan.RANK_FIGURES): handed
-    to them, so that no rank plans again."""
-    return {key: meta[key] for key in RANK_FIGURES if key in meta}
+    """The plan's figures the ranks write beside their measurements (plan.RANK_FIGURES), and the routing a
+    mixture of experts' plan runs out of memory at: handed to them, so that no rank plans again."""
+    figures = (*RANK_FIGURES, keys.MOE_OOM_IMBALANCE, keys.MOE_OOM_LIMIT_GIB)
+    return {key: meta[key] for key in figures if key in meta}
+
+
+def routing_limit(config: TrainConfig, plan: Plan, device_kind: str, world_size: int) -> dict[str, float]:
+    """A mixture of experts whose plan fits at moe.imbalance r0 but not when one expert takes every token
+    (r = n_experts / top_k, the most one can take): the imbalance where the worst rank's planned peak reaches
+    its memory, between the two plans (the peak grows with the busiest expert's rows, linearly in the plan's
+    walk: trainer/plan/moe.py). Nothing where no routing can run a rank out of memory, or none fits anyway."""
+    m, limit = config.model, plan.memory.per_rank_bytes
+    if not m.is_moe or limit is None or plan.peak_bytes >= limit:
+        return {}
+    r0, r_max = config.moe.imbalance, m.n_experts / m.top_k
+    if r0 >= r_max:
+        return {}
+    skewed = dataclasses.replace(config, moe=dataclasses.replace(config.moe, imbalance=r_max))
+    peak_max = build_plan(skewed, device_kind, world_size).peak_bytes
+    if peak_max <= limit:
+        return {}
+    at = r0 + (limit - plan.peak_bytes) / (peak_max - plan.peak_bytes) * (r_max - r0)
+    return {keys.MOE_OOM_IMBALANCE: at, keys.MOE_OOM_LIMIT_GIB: limit / GIB}
 
 
 def ranks_outcome(result: dict[str, Any] | None, saving: bool) -> tuple[Status, dict[str, Any]]:
@@ -456,6 +478,7 @@ def plan_job(
         return None, {}
     meta = provenance(to_plain(config), list(HydraConfig.get().overrides.task), world_size, device_kind)
     meta.update(plan_summary_fields(plan))
+    meta.update(routing_limit(config, plan, device_kind, world_size))
     refusal = plan_refusal(plan) or host_refusal(plan)
     if refusal is not None and not config.plan.enforce:
         warn("plan.enforce=false, trying anyway", file=sys.stdout)  # with the plan it overrides

@@ -154,6 +154,7 @@ class FaultKind(str, Enum):
     oom = "oom"
     hang = "hang"
     loss_spike = "loss_spike"
+    route_skew = "route_skew"
 
 
 LOSS_FAULTS = frozenset({FaultKind.inf_grad, FaultKind.nan_loss, FaultKind.loss_spike})

@@ -58,7 +58,9 @@ class FaultConfig:
     of `step` runs), or oom (an allocation no device can hold, which the allocator refuses: a real
     out-of-memory error on one rank), or hang (the rank stops where it is and never returns, as one
     stuck in a collective does: only a kill or a timeout ends the job), or loss_spike (the rank's loss
-    multiplied by 100, a finite spike for stability.spike to catch). Fires in the launcher's first
+    multiplied by 100, a finite spike for stability.spike to catch), or route_skew (a mixture of experts: from
+    `step` on, the rank's routers send every token to expert 0, by a bias of 1 on it, which softmax scores never
+    outweigh: an imbalance of n_experts / top_k for the routing watch, docs/moe.md). Fires in the launcher's first
     attempt only."""
     step: int = 0
     """Optimizer step (1-based) at which the fault happens."""

@@ -17,6 +17,7 @@ from trainer.config.enums import (
     AttentionKernel,
     DataKind,
     DeviceKind,
+    FaultKind,
     Mode,
     NonFinitePolicy,
     OffloadTarget,
@@ -197,6 +198,11 @@ class TrainConfig:
         _require(
             self.eval.every == 0 or not reads_text or self.data.has_validation,
             "eval.every with data=text needs data.validation_files or data.validation_fraction > 0",
+        )
+        _require(
+            self.fault.kind != FaultKind.route_skew or self.model.is_moe,
+            f"fault.kind=route_skew skews a mixture of experts' routing, and model={self.model.name} is dense "
+            "(model.n_experts=0); use a model with experts (e.g. model=tiny-moe)",
         )
         self.parallel.check_model(self.model, self.seq_len)
         check_composition(self)  # the composition table's rows, in its order (composition.py)

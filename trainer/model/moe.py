@@ -25,6 +25,7 @@ loop adds to the objective (trainer/rank/loop.py) and logs (trainer/telemetry/me
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ class RouterLog:
     """(n_layers,) int64: the assignments dropped by a capacity, summed over the step's forwards."""
     balance: torch.Tensor | None = None
     """The step's summed balance losses (unweighted, summed over layers and forwards): logged."""
+    watch: RoutingWatch | None = None
+    """A plan that runs out of memory past some imbalance: the layers warn, once, when their routing passes it."""
 
     def records(self) -> bool:
         return self.open and torch.is_grad_enabled()
@@ -84,6 +87,36 @@ class RouterLog:
         taken = (self.loads, self.dropped, self.balance)
         self.loads = self.dropped = self.balance = None
         return taken
+
+
+@dataclass
+class RoutingWatch:
+    """The imbalance (an expert's rows over the mean, in one forward) past which the job's plan says a rank runs
+    out of memory (trainer/job.py `routing_limit`): the first forward past it prints one line, with its step."""
+
+    oom_imbalance: float
+    planned: float
+    limit_gib: float
+    rank: int
+    step: int = 0
+    warned: bool = False
+
+    def check(self, layer: int, counts: list[int]) -> None:
+        assignments = sum(counts)
+        if self.warned or assignments == 0:
+            return
+        imbalance = max(counts) * len(counts) / assignments
+        if imbalance < self.oom_imbalance:
+            return
+        self.warned = True
+        print(
+            f"warning: rank {self.rank} step {self.step}: block {layer} sent {max(counts)} of {assignments} "
+            f"assignments to one expert, imbalance {imbalance:.2f} (planned: moe.imbalance={self.planned:g}); past "
+            f"{self.oom_imbalance:.2f} the plan's peak passes the {self.limit_gib:.3f} GiB a rank has: routing like "
+            f"this runs out of memory; plan with moe.imbalance={imbalance:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -222,8 +255,13 @@ class MoE(nn.Module):
         return None if factor is None else math.ceil(factor * tokens * self.top_k / self.n_experts)
 
     def run_experts(self, rows_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.ep is None:
-            return self.experts(rows_AD, counts_E.tolist())  # the loop needs the counts on the host
+        watch = None if self.log is None or not self.log.records() else self.log.watch
+        if self.ep is None or watch is not None:
+            counts = counts_E.tolist()  # the loop needs the counts on the host; so does the watch
+            if watch is not None:
+                watch.check(self.layer, counts)
+            if self.ep is None:
+                return self.experts(rows_AD, counts)
         return dispatch_to_experts(self.experts, rows_AD, counts_E, self.ep)
 
     def write_log(

@@ -23,7 +23,7 @@ from trainer.faults.stop import RankStop
 from trainer.layout import Layout
 from trainer.model.decoder import build_model, find_transformer, flops_per_token
 from trainer.model.loss import IGNORE_INDEX, LossTerms, full_loss
-from trainer.model.moe import update_expert_bias
+from trainer.model.moe import RoutingWatch, moe_layers, update_expert_bias
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
 from trainer.rank.mesh import build_mesh
@@ -57,6 +57,7 @@ from trainer.rank.trainee import Trainee, local_optimizer
 from trainer.saves.background import Saves
 from trainer.saves.dcp import Progress, SaveSpec, first_attempt, save_last_good, should_save
 from trainer.saves.resume import resume_training
+from trainer.telemetry import keys
 from trainer.telemetry.layer_norms import LayerNorms
 from trainer.telemetry.memory import next_micro_batch
 from trainer.telemetry.metrics import Meter, StepRouting, StepStats
@@ -138,6 +139,7 @@ def train(
         trainee, spec, config.resume, world, out_dir
     )  # step 0 unless resuming or restarted
     batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=start.step)
+    watch_routing(trainee, config, world, predicted)
     meter = Meter(config, world, out_dir, flops_per_token(config.model, config.seq_len), predicted)
     traces = Traces(config.telemetry, world.device, out_dir, world.rank)  # telemetry.trace_steps
     meter.pipeline = None if trainee.pipeline is None else trainee.pipeline.clock  # parallel.pp > 1
@@ -228,6 +230,10 @@ def train_step(
     """One optimizer step over grad_accum micro-batches (skipped, or NonFiniteError, when non-finite);
     with `norms`, each layer's gradient and parameter norm too (trainer/telemetry/layer_norms.py)."""
     model, optimizer, scaler = trainee.model, trainee.optimizer, trainee.scaler
+    if trainee.router_log is not None:
+        skew_routing(model, config.fault, world, step)
+        if trainee.router_log.watch is not None:
+            trainee.router_log.watch.step = step  # the step its warning names
     # Gradients are freed here rather than after the step, so they can be measured between steps.
     optimizer.zero_grad(set_to_none=True)
     if trainee.pipeline is not None:
@@ -267,6 +273,18 @@ def train_step(
         disk=take_traffic(optimizer),
         routing=routing,
     )
+
+
+def watch_routing(trainee: Trainee, config: TrainConfig, world: World, predicted: dict[str, float]) -> None:
+    """A mixture of experts whose plan runs out of memory past some routing imbalance (trainer/job.py
+    `routing_limit`): its layers warn, once, the first time a forward's routing passes it."""
+    if trainee.router_log is not None and keys.MOE_OOM_IMBALANCE in predicted:
+        trainee.router_log.watch = RoutingWatch(
+            predicted[keys.MOE_OOM_IMBALANCE],
+            config.moe.imbalance,
+            predicted[keys.MOE_OOM_LIMIT_GIB],
+            world.rank,
+        )
 
 
 def step_routing(trainee: Trainee, config: TrainConfig, world: World) -> StepRouting | None:
@@ -389,12 +407,27 @@ def pipeline_fault(
     return functools.partial(inject_fault, fault=fault, world=world, step=step, is_last=True)
 
 
+@torch.no_grad()
+def skew_routing(model: torch.nn.Module, fault: FaultConfig, world: World, step: int) -> None:
+    """fault.kind=route_skew: from `fault.step` on, this rank's routers put expert 0 first for every token."""
+    if (
+        fault.kind != FaultKind.route_skew
+        or fault.step != step
+        or fault.rank != world.rank
+        or not first_attempt()
+    ):
+        return
+    for layer in moe_layers(model):
+        layer.router.expert_bias[0] = 1.0
+
+
 def inject_fault(
     loss: torch.Tensor, fault: FaultConfig, world: World, step: int, is_last: bool
 ) -> torch.Tensor:
     """Rehearse a failure on one rank at one step (tests and drills; `fault.kind=none` in real runs)."""
     if (
-        fault.kind in (FaultKind.none, FaultKind.kill_during_save, FaultKind.term_during_save)
+        fault.kind
+        in (FaultKind.none, FaultKind.kill_during_save, FaultKind.term_during_save, FaultKind.route_skew)
         or fault.step != step
         or fault.rank != world.rank
     ):

@@ -64,6 +64,14 @@ MOE_EXPERT_BIAS_MAX = "moe/expert_bias_absmax"
 """moe.bias_rate > 0: the largest |aux-loss-free bias| of any expert of any layer after the window's last step."""
 
 
+MOE_OOM_IMBALANCE = "moe/oom_imbalance"
+"""summary.json, a mixture of experts whose plan fits: the routing imbalance (an expert's rows over the mean in one
+forward) past which the plan's peak passes a rank's memory (trainer/job.py `routing_limit`); absent where no
+routing can."""
+MOE_OOM_LIMIT_GIB = "moe/oom_limit_gib"
+"""summary.json, beside moe/oom_imbalance: the memory a rank has, that the plan's peak reaches there."""
+
+
 def moe_imbalance_key(layer: int) -> str:
     return f"{MOE_IMBALANCE_PREFIX}{layer}"
 
