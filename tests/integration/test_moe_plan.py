@@ -44,12 +44,24 @@ PLAN_BOUND = 0.005
 WORLD = 2
 TRACKED = (2, 3)
 """plan_sweep's: Adam's state exists from step 2, and the lower of two identical steps is held."""
-POINTS = [(zero, routing) for zero in ("stage0", "stage3") for routing in ("routed", "forced")]
-FORCED_EXPERT = 0
+POINTS = [
+    ("stage0", "1", "routed"),
+    ("stage0", "1", "forced"),
+    ("stage3", "1", "routed"),
+    ("stage3", "1", "forced"),
+    ("stage3", "2", "balanced"),
+    ("stage3", "2", "forced"),
+]
+"""(zero, parallel.ep, routing): parallel.ep=2 needs FSDP2 (zero=stage0 with ep is refused: trainer/config/composition.py)."""
+BIASED = {("1", "forced"): (0,), ("2", "balanced"): (0, 4), ("2", "forced"): (0, 1)}
+"""The experts a point's routers are biased towards (by 1.0: softmax scores differ by less, so every token picks
+them): at ep=1 expert 0 takes every token, 4 x the mean; at ep=2 experts 0 and 4 take every token, one on each
+rank, so each rank's experts take exactly the mean group's rows (balanced), or experts 0 and 1, both on rank 0,
+which takes every row, twice the mean group's (forced)."""
 MOE_TINY = ("model=tiny-moe", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "log_every=1")
 
 
-def point_config(tokens: Path, zero: str) -> TrainConfig:
+def point_config(tokens: Path, zero: str, ep: str) -> TrainConfig:
     """plan_sweep's point (tests/helpers.py plan_sweep_point) on tiny-moe: 3 steps on a token file, fp32."""
     return compose_config(
         *MOE_TINY,
@@ -62,12 +74,13 @@ def point_config(tokens: Path, zero: str) -> TrainConfig:
         "precision=fp32",
         "checkpointing=none",
         f"zero={zero}",
+        f"parallel.ep={ep}",
     )
 
 
-def tracked(config: TrainConfig, world: Any, forced: bool) -> dict[str, Any]:
+def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, Any]:
     """This rank's peak tensor bytes and its routers' loads in each tracked step, trained as a job's rank trains
-    (tests/helpers.py tracked_peaks), with every router's bias on FORCED_EXPERT where `forced`."""
+    (tests/helpers.py tracked_peaks), with every router's bias on the `biased` experts."""
     from trainer.data import build_batches
     from trainer.layout import Layout
     from trainer.model.moe import moe_layers
@@ -77,9 +90,9 @@ def tracked(config: TrainConfig, world: Any, forced: bool) -> dict[str, Any]:
 
     torch.manual_seed(config.seed)
     trainee = build_trainee(config, world)
-    if forced:
-        for layer in moe_layers(trainee.model):
-            layer.router.expert_bias[FORCED_EXPERT] = 1.0
+    for layer in moe_layers(trainee.model):
+        for expert in biased:
+            layer.router.expert_bias[expert] = 1.0
     layout = Layout.from_config(config, world.world_size)
     batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
     guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
@@ -103,30 +116,41 @@ def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) 
     world = init_world("cpu")
     torch.set_num_threads(1)
     freeze_imports()
-    results = {name: tracked(config, world, "forced" in name) for name, config in configs.items()}
+    results = {
+        name: tracked(config, world, BIASED.get(tuple(name.split()[1:]), ()))  # type: ignore[arg-type]
+        for name, config in configs.items()
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown_world()
 
 
-def imbalance(loads_LE: list[list[int]]) -> float:
-    """The busiest expert's rows over the mean, in the worst layer: what the plan takes as moe.imbalance."""
-    return max(max(layer) * len(layer) / sum(layer) for layer in loads_LE)
+def imbalance(loads_LE: list[list[int]], ep: int) -> float:
+    """What the plan takes as moe.imbalance, from one rank's loads (the rows its tokens sent each expert, per
+    layer): the busiest unit's rows over the mean unit's, in the worst layer; a unit is an expert at ep=1, the
+    E / ep experts of one ep rank under ep (trainer/plan/moe.py)."""
+    worst = 0.0
+    for layer in loads_LE:
+        size = len(layer) // ep if ep > 1 else 1
+        units = [sum(layer[i : i + size]) for i in range(0, len(layer), size)]
+        worst = max(worst, max(units) * len(units) / sum(units))
+    return worst
 
 
 @pytest.fixture(scope="module")
-def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
-    """(zero, routing) -> the plan.json its job writes at the imbalance its ranks measured, the records of
+def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict[str, Any]]:
+    """(zero, parallel.ep, routing) -> the plan.json its job writes at the imbalance its ranks measured, the records of
     steps 2 and 3 (each rank's `memory/rank{r}/peak_allocated_gib`), and the imbalance of each rank and step."""
     out = tmp_path_factory.mktemp("moe_plan")
     tokens = out / "tokens.npy"  # plan_sweep's token file
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    configs = {" ".join(point): point_config(tokens, point[0]) for point in POINTS}
+    configs = {" ".join(point): point_config(tokens, *point[:2]) for point in POINTS}
     mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     found = {}
     for point in POINTS:
         name = " ".join(point)
-        measured = [[imbalance(loads) for loads in results[r][name]["loads"]] for r in range(WORLD)]
+        ep = int(point[1])
+        measured = [[imbalance(loads, ep) for loads in results[r][name]["loads"]] for r in range(WORLD)]
         config = configs[name]
         config.moe.imbalance = max(max(ranks) for ranks in measured)
         found[point] = {
@@ -144,29 +168,48 @@ def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], di
     return found
 
 
-@pytest.mark.parametrize(("zero", "routing"), POINTS)
+@pytest.mark.parametrize(("zero", "ep", "routing"), POINTS)
 def test_each_ranks_peak_is_the_plans_within_half_a_percent(
-    points: dict[tuple[str, str], dict[str, Any]], zero: str, routing: str
+    points: dict[tuple[str, ...], dict[str, Any]], zero: str, ep: str, routing: str
 ) -> None:
-    point = points[(zero, routing)]
-    assert (point["plan"]["zero"], point["plan"]["model"], len(point["plan"]["ranks"])) == (
+    point = points[(zero, ep, routing)]
+    plan = point["plan"]
+    assert (plan["zero"], plan["model"], plan["moe"]["ep"], len(plan["ranks"])) == (
         zero,
         "tiny-moe",
+        int(ep),
         WORLD,
     )
     assert_plan_holds_peaks(point, PLAN_BOUND)
 
 
 @pytest.mark.parametrize("zero", ["stage0", "stage3"])
-def test_the_bias_forces_every_token_onto_one_expert(
-    points: dict[tuple[str, str], dict[str, Any]], zero: str
+def test_at_ep1_the_bias_sends_one_expert_every_token(
+    points: dict[tuple[str, ...], dict[str, Any]], zero: str
 ) -> None:
     """The forced point's routing is known exactly: every layer of every rank and step sent expert 0 all 128
     tokens of its micro-batch, 4 x the mean of 32 (256 rows over 8 experts), and the plan took that imbalance;
     the run's own routing is uneven (the busiest expert above the mean), and planned as it was."""
-    forced = points[(zero, "forced")]
+    forced = points[(zero, "1", "forced")]
     assert forced["imbalance"] == [[4.0, 4.0]] * WORLD
     assert forced["plan"]["moe"]["imbalance"] == 4.0
     assert forced["plan"]["moe"]["rows_per_expert"] == [128, 19, 19, 18, 18, 18, 18, 18]
-    routed = points[(zero, "routed")]
+    routed = points[(zero, "1", "routed")]
     assert all(1.0 < r <= 4.0 for ranks in routed["imbalance"] for r in ranks), routed["imbalance"]
+
+
+@pytest.mark.parametrize(
+    ("routing", "imbalance", "rows"), [("balanced", 1.0, [256, 256]), ("forced", 2.0, [512, 0])]
+)
+def test_at_ep2_the_bias_sets_each_ranks_rows(
+    points: dict[tuple[str, ...], dict[str, Any]], routing: str, imbalance: float, rows: list[int]
+) -> None:
+    """Each rank's experts compute exactly the rows the plan gives them: 256 each (every rank's 128 tokens to
+    expert 0 and to expert 4) or all 512 on rank 0 (to experts 0 and 1), twice the mean; the ranks' peaks differ by
+    what that moves (rank 0 above rank 1 in the forced point)."""
+    point = points[("stage3", "2", routing)]
+    assert point["imbalance"] == [[imbalance, imbalance]] * WORLD
+    assert point["plan"]["moe"]["imbalance"] == imbalance
+    assert point["plan"]["moe"]["rows_per_rank"] == rows
+    peaks = [rank["peak_gib"] for rank in point["plan"]["ranks"]]
+    assert (peaks[0] > peaks[1]) == (routing == "forced"), peaks

@@ -23,7 +23,13 @@ from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import op_saved_matmuls, op_saves, should_checkpoint
 from trainer.model.fp8 import autocast_input_saving
 from trainer.plan.context_parallel import cp_activations, mask_kept, row_length
-from trainer.plan.moe import dense_mlp_hidden_bytes, expert_rows, moe_freed_at_peak, moe_saved_bytes
+from trainer.plan.moe import (
+    dense_mlp_hidden_bytes,
+    expert_grad_bytes,
+    expert_rows,
+    moe_backward_peak,
+    moe_saved_bytes,
+)
 
 BATCH_BYTES_PER_TOKEN = 16  # int64 inputs and targets
 DOCUMENTS_BYTES_PER_TOKEN = 8  # data.packing=document: each position's int64 document number, with the batch
@@ -285,18 +291,19 @@ def sequence_parallel_saving(config: TrainConfig, device_kind: str) -> tuple[int
     return 2 * saved, saved
 
 
-def moe_block_change(config: TrainConfig, prec: Precisions) -> int:
+def moe_block_change(config: TrainConfig, prec: Precisions, ep_rank: int = 0) -> int:
     """model.n_experts > 0: what a block saves more (or less) with a mixture of experts in place of the dense MLP
     the table counts (trainer/plan/moe.py); 0 for a dense model."""
     if not config.model.is_moe:
         return 0
-    saved = moe_saved_bytes(config, prec.compute, expert_rows(config))
+    saved = moe_saved_bytes(config, prec.compute, expert_rows(config, ep_rank))
     return saved - dense_mlp_hidden_bytes(config, prec.compute)
 
 
-def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
+def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0) -> Activations:
     """One rank's activations; under parallel.cp `config` is the rank's `cp_local` job (T / cp positions),
-    and context parallelism's additions come on top (trainer/plan/context_parallel.py)."""
+    and context parallelism's additions come on top (trainer/plan/context_parallel.py); under parallel.ep those
+    of ep rank `ep_rank`, whose experts compute the rows trainer/plan/moe.py gives it."""
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     block_sp, head_sp = sequence_parallel_saving(config, device_kind)
@@ -311,7 +318,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
         * tokens
         - block_sp
         + cp.per_block
-        + moe_block_change(config, prec)
+        + moe_block_change(config, prec, ep_rank)
     )
     # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
     checkpointed, unread = prec.residual * m.dim * tokens // sequence_shards(config), 0
@@ -332,7 +339,10 @@ def activations(config: TrainConfig, device_kind: str = "cpu") -> Activations:
     )
     held = cp.kept + cp.rows + mask_kept(config, cp)  # parallel.cp's rotary tables, whole rows, kept mask
     batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config) + held
-    freed = moe_freed_at_peak(config, prec.compute, expert_rows(config)) if m.is_moe else 0
+    freed = 0
+    if m.is_moe:  # the experts' backward peak (trainer/plan/moe.py): what the block's set has freed by then
+        grad = expert_grad_bytes(prec.regime, config.parallel.ep)
+        freed, _ = moe_backward_peak(config, prec.compute, grad, expert_rows(config, ep_rank))
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept, freed_at_peak=freed)

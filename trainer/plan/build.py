@@ -298,19 +298,24 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     shards = rank_states(shape, config.zero.stage, sharded_over)
     for rank in range(world_size):
         states = shards[shard_index(layout, rank, config.zero)]
-        if states not in planned:  # most ranks hold equal shards: plan each distinct one once
+        ep_rank = expert_rank(layout, rank, config)
+        # parallel.ep: each ep rank's experts compute their own rows (trainer/plan/moe.py)
+        rank_acts = acts if ep_rank == 0 else activations(config, device_kind, ep_rank)
+        key = (states, ep_rank)
+        if key not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
                 config,
                 shape,
                 states,
-                acts,
+                rank_acts,
                 prec,
                 sharded_over,
                 device_kind,
                 other_bytes(config.model, config.data, states) + cp_positions(config),
+                ep_rank,
             )
-            planned[states] = tuple(walk(config)(ctx))
-        ranks.append(rank_plan(config, device_kind, rank, states, acts.total, planned[states]))
+            planned[key] = tuple(walk(config)(ctx))
+        ranks.append(rank_plan(config, device_kind, rank, states, rank_acts.total, planned[key]))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers)
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
@@ -345,6 +350,12 @@ def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
     if zero.uses_fsdp:
         return layout.shard_index(rank)
     return layout.dp_index(rank) * layout.cp + layout.coords(rank)["cp"]
+
+
+def expert_rank(layout: Layout, rank: int, config: TrainConfig) -> int:
+    """parallel.ep > 1: the rank's place in the ep group, which is FSDP2's shard group (trainer/rank/experts.py);
+    0 otherwise."""
+    return layout.shard_index(rank) if config.parallel.ep > 1 else 0
 
 
 def zero_ranks(layout: Layout, zero: ZeroConfig) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from trainer.config import ReduceEvery
 from trainer.plan.comm import REDUCE_BYTES
+from trainer.plan.moe import expert_shapes
 from trainer.plan.moments import StepContext, accumulation_grads
 from trainer.plan.states import padded_numel
 
@@ -32,14 +33,18 @@ class FsdpSizes:
 def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
     s, w, p, r = ctx.shape, ctx.world_size, ctx.prec.param, REDUCE_BYTES[ctx.config.zero.reduce_dtype]
     root_padded = sum(padded_numel(t, w) for t in s.root)
-    block_padded = sum(padded_numel(t, w) for t in s.block)
     m = ctx.config.model
+    # parallel.ep: FSDP2 leaves the experts' stacked weights alone (trainer/rank/experts.py: each rank holds its
+    # E / ep whole, never gathered, never reduce-scattered); their shards are the rank's states all the same
+    experts = expert_shapes(m) if ctx.config.parallel.ep > 1 else ()
+    block_padded = sum(padded_numel(t, w) for t in s.block) - sum(padded_numel(t, w) for t in experts)
+    expert_shard = sum(padded_numel(t, w) for t in experts) // w
     return FsdpSizes(
         root=p * root_padded,
         block=p * block_padded,
         root_rs=r * root_padded,
         block_rs=r * block_padded,
-        block_grad_shard=4 * block_padded // w,
+        block_grad_shard=4 * (block_padded // w + expert_shard),
         root_grad_shard=4 * root_padded // w,
         block_rs_out=r * block_padded // w,
         root_rs_out=r * root_padded // w,

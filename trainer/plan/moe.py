@@ -9,10 +9,15 @@ The experts' parameters, gradients and Adam state are counted by trainer/plan/st
 (all E at ep = 1), and the router's fp32 `expert_bias` buffer (E per layer) is in the model, so in `other` with the
 rest of what the tracker finds there before a step. Here: the activations and the block's backward.
 
-The routing is the plan's input, `moe.imbalance` r (`expert_rows`): the busiest expert takes r times the mean
-(A / E rows), at most every token (N), and the others share what is left evenly; r = 1 is balanced. The saved
-set of a dropless layer is the same whatever the split (every row is saved once); the split shows in the
-experts' backward, which runs one expert at a time (the busiest one's hidden gradients).
+The routing is the plan's input, `moe.imbalance` r (`routed_rows`), read per unit of experts whose rows set a
+rank's memory: at ep = 1 each expert (the loop runs them one at a time), under parallel.ep the E / ep experts one
+rank holds (what it receives). The busiest unit takes r times the mean, at most what a token can send it (one row
+per expert); the others share what is left evenly; within a unit of several experts the rows fill its experts in
+order, each up to every token of the micro-batch. That fill leaves the loop's last experts, whose backward runs
+first and frees their hidden tensors before the experts' peak, with the fewest rows: the worst case for the peak
+(`moe_freed_at_peak`). r = 1 is balanced. Every rank's tokens are assumed routed alike, so under ep a rank
+receives ep times its experts' share of one micro-batch, and the busiest unit is ep rank 0's. Dropless, the
+saved set at ep = 1 is the same whatever the split (every row is saved once).
 """
 
 from __future__ import annotations
@@ -21,17 +26,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import BalanceLoss, TrainConfig
+from trainer.config import BalanceLoss, ModelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """The rows of one micro-batch each of a rank's experts computes."""
+    """One rank's rows of one micro-batch: what its tokens send to the experts, and what each expert it holds
+    computes (received from every rank of the ep group; all E experts' own rows at ep = 1)."""
 
-    per_expert: tuple[int, ...]
+    sent: int  # its tokens' kept assignments, A (less what a capacity drops)
+    per_expert: tuple[int, ...]  # rows each of its experts computes, in the loop's order
+    ep: int = 1
 
     @property
     def total(self) -> int:
+        """R: the rows its experts compute (A at ep = 1)."""
         return sum(self.per_expert)
 
     @property
@@ -39,34 +48,59 @@ class ExpertRows:
         return max(self.per_expert, default=0)
 
 
-def expert_rows(config: TrainConfig, imbalance: float | None = None) -> ExpertRows:
-    """Each expert's rows of one micro-batch under `moe.imbalance` (or `imbalance`): the busiest takes r times
-    the mean A / E, rounded, at most N (a token chooses an expert once); the others share the rest evenly (the
-    first ones one row more where it does not divide). Under a capacity (moe.capacity_factor) no expert computes
-    more than its capacity: the rest of its rows are dropped, not given to the others."""
+def routed_rows(config: TrainConfig, imbalance: float | None = None) -> tuple[int, ...]:
+    """The rows one rank's micro-batch sends each of the E experts under `moe.imbalance` (or `imbalance`), a
+    capacity's drops taken off (moe.capacity_factor: no expert computes more than its capacity; the rest of its
+    rows are dropped, not given to the others). The module docstring says how the rows are spread."""
     m = config.model
     tokens = config.micro_batch * config.seq_len
-    assignments, experts = tokens * m.top_k, m.n_experts
+    experts, top_k, ep = m.n_experts, m.top_k, config.parallel.ep
+    size = 1 if ep == 1 else experts // ep  # experts per unit
+    units = experts // size
     r = config.moe.imbalance if imbalance is None else imbalance
+    most = tokens * min(top_k, size)  # a token sends a unit one row per expert, top_k at most
+    busiest = min(most, round(r * tokens * top_k / units))
+    share, extra = divmod(tokens * top_k - busiest, units - 1) if units > 1 else (0, 0)
+    per_unit = [busiest] + [min(most, share + (1 if i < extra else 0)) for i in range(units - 1)]
     cap = tokens if config.moe.capacity_factor is None else min(tokens, capacity(config, tokens))
-    busiest = min(tokens, round(r * assignments / experts))  # routed to it; it computes `cap` of them at most
-    rest, others = assignments - busiest, experts - 1
-    if others == 0:
-        return ExpertRows((min(cap, busiest),))
-    share, extra = divmod(rest, others)
-    rows = [min(cap, busiest)] + [min(cap, share + (1 if i < extra else 0)) for i in range(others)]
-    return ExpertRows(tuple(rows))
+    rows = []
+    for total in per_unit:
+        for _ in range(size):  # fill the unit's experts in order, each up to every token
+            taken = min(tokens, total)
+            rows.append(min(cap, taken))
+            total -= taken
+    return tuple(rows)
+
+
+def expert_rows(config: TrainConfig, ep_rank: int = 0, imbalance: float | None = None) -> ExpertRows:
+    """The rows of ep rank `ep_rank` (0 at ep = 1): its tokens' kept assignments, and its experts' rows from every
+    rank of the ep group (each routing alike: `routed_rows`)."""
+    routed, ep = routed_rows(config, imbalance), config.parallel.ep
+    local = config.model.n_experts // ep
+    mine = routed[ep_rank * local : (ep_rank + 1) * local]
+    return ExpertRows(sum(routed), tuple(ep * rows for rows in mine), ep)
+
+
+def expert_shapes(m: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """One MoE layer's stacked expert weights (trainer/model/moe.py GroupedExperts): w1, w3 (E, M, D), w2 (E, D, M);
+    none for a dense model."""
+    if not m.is_moe:
+        return ()
+    E, M, D = m.n_experts, m.expert_width, m.dim
+    return ((E, M, D), (E, D, M), (E, M, D))
 
 
 def moe_fields(config: TrainConfig) -> dict[str, Any]:
-    """plan.json's `moe` (model.n_experts > 0): the routing the plan assumed, the rows each expert of a rank takes
-    per micro-batch under it."""
+    """plan.json's `moe` (model.n_experts > 0): the routing the plan assumed: the rows one rank's micro-batch sends
+    each expert, and under parallel.ep the rows each ep rank's experts compute."""
     m = config.model
     return {
         "experts": m.n_experts,
         "top_k": m.top_k,
         "imbalance": config.moe.imbalance,
-        "rows_per_expert": list(expert_rows(config).per_expert),
+        "ep": config.parallel.ep,
+        "rows_per_expert": list(routed_rows(config)),
+        "rows_per_rank": [expert_rows(config, rank).total for rank in range(config.parallel.ep)],
         "capacity_factor": config.moe.capacity_factor,
     }
 
@@ -81,34 +115,50 @@ def capacity(config: TrainConfig, tokens: int) -> int:
 def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows) -> int:
     """What one MoE layer saves for backward per micro-batch, beyond the ffn_norm's output (which the gate saves
     as a dense MLP's w1 and w3 do, and the block's table counts). Listed from autograd's saved tensors of a
-    tiny-moe layer (fp32: 799,776 bytes at N = 128, E = 8, K = 2, D = 128, M = 96):
+    tiny-moe layer (fp32: 799,776 bytes at N = 128, E = 8, K = 2, D = 128, M = 96; under ep=2 at zero=stage3
+    1,590,304 on the rank receiving R = 512 rows, 275,488 on the one receiving none):
 
     - router: the scores (softmax's or sigmoid's fp32 output, N·E), the chosen experts (gather's int64 index,
       N·K), and under model.route_norm the weights and their sum (div's operands: fp32 N·K and N);
-    - dispatch: the tokens of the rows (int64, A: index's and index_add_'s), the gathered rows (A·D), and each
-      expert's w1 and w3 outputs, SiLU's output and the product (4·C·M, C summed: 4·A·M);
+    - dispatch: the tokens of the rows (int64, A: index's and index_add_'s); the rows the experts read (R·D),
+      and each expert's w1 and w3 outputs, SiLU's output and the product (4·C·M, C summed: 4·R·M). Under
+      parallel.ep the rows a rank sends are not saved (the all-to-all's backward needs only the splits), the
+      rows it received are, sorted by expert (R·D, and their order, int64 R), and so is the experts' output
+      (R·D: index_copy's source, putting it back in arrival order);
     - combine: the rows' order (int64, A: the weights' index), the weight of each row (fp32, A), the experts'
-      output (A·D, the weighting's operand) and the weighted rows (A·D, index_add_'s source);
+      output back at the token's rank (A·D, the weighting's operand) and the weighted rows (A·D, index_add_'s
+      source);
     - the balance loss, where it joins the objective (moe.balance != none and moe.aux_coeff > 0): the scores'
       sum (fp32, N) and each expert's share of the assignments (fp32 E per sequence under seq_aux, else E);
       the router z-loss (moe.router_z_coeff > 0): the fp32 logits and their logsumexp (N·E + N).
     """
-    m, moe = config.model, config.moe
+    m = config.model
     tokens = config.micro_batch * config.seq_len
     E, K, D, M = m.n_experts, m.top_k, m.dim, m.expert_width
-    A = rows.total
+    A, R = rows.sent, rows.total
     router = tokens * (4 * E + 8 * K) + (tokens * (4 * K + 4) if m.route_norm else 0)
-    dispatch = 8 * A + compute * A * D + 4 * compute * A * M
+    dispatch = 8 * A + compute * R * D + 4 * compute * R * M
+    if rows.ep > 1:
+        dispatch += 8 * R + compute * R * D
     combine = 8 * A + 4 * A + 2 * compute * A * D
+    shared = (
+        4 * compute * tokens * m.n_shared_experts * M
+    )  # one SwiGLU MLP of n_shared x M: a dense MLP's four
+    return router + dispatch + combine + losses_saved(config) + shared
+
+
+def losses_saved(config: TrainConfig) -> int:
+    """What the router's losses save where they join the objective: the balance loss (moe.balance != none and
+    moe.aux_coeff > 0) the scores' sum and each expert's share, the z-loss (moe.router_z_coeff > 0) the logits
+    and their logsumexp."""
+    m, moe = config.model, config.moe
+    tokens = config.micro_batch * config.seq_len
     balance = 0
     if moe.balance != BalanceLoss.none and moe.aux_coeff > 0:
         sequences = config.micro_batch if moe.balance == BalanceLoss.seq_aux else 1
-        balance = 4 * tokens + 4 * E * sequences
-    z_loss = 4 * tokens * (E + 1) if moe.router_z_coeff > 0 else 0
-    shared = 0
-    if m.n_shared_experts > 0:  # one SwiGLU MLP of n_shared * M: its four hidden tensors, as a dense MLP's
-        shared = 4 * compute * tokens * m.n_shared_experts * M
-    return router + dispatch + combine + balance + z_loss + shared
+        balance = 4 * tokens + 4 * m.n_experts * sequences
+    z_loss = 4 * tokens * (m.n_experts + 1) if moe.router_z_coeff > 0 else 0
+    return balance + z_loss
 
 
 def dense_mlp_hidden_bytes(config: TrainConfig, compute: int) -> int:
@@ -117,41 +167,45 @@ def dense_mlp_hidden_bytes(config: TrainConfig, compute: int) -> int:
     return 4 * compute * config.micro_batch * config.seq_len * config.model.ffn_dim
 
 
-def moe_freed_at_peak(config: TrainConfig, compute: int, rows: ExpertRows) -> int:
-    """What the MoE layer's saved set has freed by its backward's peak (`moe_backward_temporary`): everything
-    autograd made after the experts ran, whose backward runs first (the combine's order, weights, experts' output
-    and weighted rows; the balance and z-losses; the shared experts' hidden tensors), and the hidden tensors of
-    the expert the loop ran last (E - 1, the first whose backward runs) and the product of the next (E - 2),
-    whose w2 backward is under way."""
-    m, moe = config.model, config.moe
-    tokens = config.micro_batch * config.seq_len
-    E, D, M = m.n_experts, m.dim, m.expert_width
-    A = rows.total
-    combine = 8 * A + 4 * A + 2 * compute * A * D
-    balance = 0
-    if moe.balance != BalanceLoss.none and moe.aux_coeff > 0:
-        sequences = config.micro_batch if moe.balance == BalanceLoss.seq_aux else 1
-        balance = 4 * tokens + 4 * E * sequences
-    z_loss = 4 * tokens * (E + 1) if moe.router_z_coeff > 0 else 0
-    shared = 4 * compute * tokens * m.n_shared_experts * M
-    last = rows.per_expert[-1]
-    current = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
-    return combine + balance + z_loss + shared + 4 * compute * last * M + compute * current * M
+def expert_grad_bytes(regime: str, ep: int) -> int:
+    """Bytes per element of an expert weight's gradient as the loop's backward makes it: the unsharded bf16
+    weights' under FSDP2's half-precision parameters at ep = 1, else fp32 (the fp32 weights themselves, or under
+    parallel.ep the fp32 local weights FSDP2 leaves alone, cast per expert: the cast's backward comes first)."""
+    return 2 if regime == "fsdp_mp" and ep == 1 else 4
 
 
-def moe_backward_temporary(config: TrainConfig, compute: int, param: int, rows: ExpertRows) -> int:
-    """The peak of an MoE layer's backward beyond the block's saved set (less `moe_freed_at_peak`) and the
-    gradient arriving down the residual: the experts' loop backward, one expert at a time from the last.
+def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: ExpertRows) -> tuple[int, int]:
+    """The peak of an MoE layer's backward: what its saved set has freed by then, and the temporaries beside the
+    rest of it and the gradient arriving down the residual. The experts' loop backward runs one expert at a time
+    from the last; before it, everything autograd made after the experts ran (the combine's order, weights,
+    returned and weighted rows; under ep the experts' output index_copy kept; the router's losses; the shared
+    experts' hidden tensors) has run and been freed.
 
-    Each expert's weights are a slice (`w1[e]`) of a stacked (E, ., .) parameter, so each expert's weight
-    gradient comes back through select's backward as a whole (E, M, D) tensor, which autograd adds into the
-    gradient it accumulates for that parameter until every expert's backward ran (a new sum each time): from
-    the second expert on, the three accumulated gradients, the new one and their sum, 5 x E·M·D in the
-    weights' dtype. Beside them: the gradient of the experts' output (A·D, whose slices each expert's backward
-    reads), the rows' accumulated gradient (A·D: slice's backward, whole likewise) and the gradient of the
-    expert's product (C·M). The peak is the second expert's (E - 2) w2 sum. Listed with a dispatch-mode
-    tracker over tiny-moe's step (fp32, zero=stage0, one rank) and MemTracker's peak."""
+    Each expert's weights are a slice (`w1[e]`) of a stacked (E, ., .) parameter (E / ep of them under ep), so
+    each expert's weight gradient comes back through select's backward as a whole (E, M, D) tensor, W, which
+    autograd adds into the gradient it accumulates for that parameter until every expert's backward ran (a new
+    sum each time); each expert's rows' gradient likewise comes back through slice's backward as a whole R·D
+    tensor, added into the rows' accumulated gradient. Beside them the gradient of the experts' output (R·D,
+    whose slices each expert's backward reads). The larger of two moments of the second expert's backward (the
+    first with every accumulated gradient made):
+
+    - its w2 sum: the three accumulated W, the new one and their sum (5 W), the two R·D gradients and that of its
+      product (C·M), with the first expert's hidden tensors and its own product freed;
+    - its rows' sum: the three W, the rows' accumulated gradient, the new one and their sum beside the output's
+      (4 x R·D), with both experts' hidden tensors freed: the peak where R·D passes W (under ep, where a rank
+      receives many rows).
+
+    Listed with a dispatch-mode tracker over tiny-moe's steps (fp32; zero=stage0 at ep = 1, the w2 sum; zero=
+    stage3 at ep=2 with every row on rank 0, the rows' sum) and held against MemTracker's peak."""
     m = config.model
-    E, D, M = m.n_experts, m.dim, m.expert_width
-    current = rows.per_expert[-2] if len(rows.per_expert) > 1 else rows.per_expert[-1]
-    return 5 * param * E * M * D + 2 * compute * rows.total * D + compute * current * M
+    tokens = config.micro_batch * config.seq_len
+    local, D, M = m.n_experts // rows.ep, m.dim, m.expert_width
+    A, R = rows.sent, rows.total
+    before = 12 * A + 2 * compute * A * D + (compute * R * D if rows.ep > 1 else 0)
+    before += losses_saved(config) + 4 * compute * tokens * m.n_shared_experts * M
+    first = rows.per_expert[-1]
+    second = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
+    W, RD = grad * local * M * m.dim, compute * R * D
+    w2_sum = (before + 4 * compute * first * M + compute * second * M, 5 * W + 2 * RD + compute * second * M)
+    rows_sum = (before + 4 * compute * (first + second) * M, 3 * W + 4 * RD)
+    return max(w2_sum, rows_sum, key=lambda peak: peak[1] - peak[0])

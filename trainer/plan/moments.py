@@ -15,7 +15,7 @@ from trainer.plan.activations import Activations, Precisions, norm_bytes_per_tok
 from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.disk import chunk_temporary_bytes, nvme_buffer_bytes
 from trainer.plan.fp8_backward import fp8_w2_backward
-from trainer.plan.moe import expert_rows, moe_backward_temporary
+from trainer.plan.moe import expert_grad_bytes, expert_rows, moe_backward_peak
 from trainer.plan.states import ModelShape, RankStates
 
 
@@ -43,6 +43,7 @@ class StepContext:
     world_size: int  # the ranks model states are sharded over: FSDP2's shard group (HSDP: zero.shard_ranks)
     device_kind: str
     other: int  # rotary tables, data tables, Adam's step counters
+    ep_rank: int = 0  # parallel.ep: the rank's place in the ep group, whose experts' rows it computes
 
     @property
     def tokens(self) -> int:
@@ -89,10 +90,10 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
     block's unsharded weight gradients until the block's reduce-scatter.
     """
     m, n, incoming = ctx.config.model, ctx.tokens, incoming_gradient(ctx)
-    if m.is_moe:  # the experts' loop backward (trainer/plan/moe.py)
-        return incoming + moe_backward_temporary(
-            ctx.config, ctx.prec.compute, weight_grad_bytes, expert_rows(ctx.config)
-        )
+    if m.is_moe:  # the experts' loop backward (trainer/plan/moe.py); the activations count what it freed
+        grad = expert_grad_bytes(ctx.prec.regime, ctx.config.parallel.ep)
+        rows = expert_rows(ctx.config, ctx.ep_rank)
+        return incoming + moe_backward_peak(ctx.config, ctx.prec.compute, grad, rows)[1]
     nm, w2_grad = ctx.prec.compute * n * m.ffn_dim, weight_grad_bytes * m.dim * m.ffn_dim
     fp8 = fp8_w2_backward(ctx.config, ctx.prec.compute, ctx.prec.regime, incoming)  # 0 without fp8
     if weight_grad_held:

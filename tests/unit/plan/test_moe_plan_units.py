@@ -11,8 +11,9 @@ import torch
 from tests.helpers import compose_config, saved_storage_bytes
 from trainer.model.decoder import build_model, init_weights
 from trainer.model.moe import apply_moe_choice
+from trainer.plan import build_plan
 from trainer.plan.activations import activations
-from trainer.plan.moe import expert_rows
+from trainer.plan.moe import expert_rows, routed_rows
 
 TINY_MOE = ("model=tiny-moe", "micro_batch=2", "seq_len=64", "precision=fp32")
 
@@ -69,3 +70,43 @@ def test_a_dense_models_activations_free_nothing_early() -> None:
     """The MoE terms are zero for a dense model: its block's backward holds its whole saved set."""
     acts = activations(compose_config("model=tiny"))
     assert acts.freed_at_peak == 0 and acts.in_backward == acts.full_block + acts.unread
+
+
+@pytest.mark.parametrize(
+    ("imbalance", "routed", "received"),
+    [
+        (
+            1.0,
+            (128, 0, 0, 0, 128, 0, 0, 0),
+            (256, 256),
+        ),  # each rank's experts the mean group's 128 rows per rank
+        (2.0, (128, 128, 0, 0, 0, 0, 0, 0), (512, 0)),  # twice the mean: every row to rank 0's experts
+        (1.5, (128, 64, 0, 0, 64, 0, 0, 0), (384, 128)),
+    ],
+)
+def test_under_ep_the_imbalance_is_of_each_ranks_experts(
+    imbalance: float, routed: tuple[int, ...], received: tuple[int, int]
+) -> None:
+    """parallel.ep=2: the unit is the 4 experts a rank holds; the busiest (rank 0's) takes r times the mean 128
+    rows of a micro-batch, filling its experts in order, each up to every token (the loop's last experts with the
+    fewest: the worst case for the experts' backward peak), and every rank receives ep times its experts' share."""
+    config = compose_config(
+        *TINY_MOE, "nproc=2", "zero=stage3", "parallel.ep=2", f"moe.imbalance={imbalance}"
+    )
+    assert routed_rows(config) == routed
+    for rank, rows in enumerate(received):
+        local = expert_rows(config, rank)
+        assert (local.sent, local.total, local.ep, len(local.per_expert)) == (256, rows, 2, 4)
+        assert local.per_expert == tuple(2 * r for r in routed[4 * rank : 4 * rank + 4])
+
+
+def test_under_ep_each_rank_plans_its_own_rows() -> None:
+    """The plan of each ep rank is its experts' (plan.json's moe.rows_per_rank); with every row on rank 0 its
+    activations are above rank 1's by what the rows weigh; the model states are FSDP2's shards either way."""
+    plan = build_plan(
+        compose_config(*TINY_MOE, "nproc=2", "zero=stage3", "parallel.ep=2", "moe.imbalance=2.0"), "cpu", 2
+    )
+    assert plan.to_json()["moe"]["rows_per_rank"] == [512, 0]
+    busy, idle = plan.ranks
+    assert busy.states == idle.states and busy.activations > idle.activations
+    assert busy.peak_total > idle.peak_total
