@@ -273,19 +273,24 @@ class MoE(nn.Module):
         kept_A: torch.Tensor,
         batch: int,
     ) -> None:
-        """The layer's loads, drops and weighted router losses, into the model's RouterLog."""
+        """The layer's loads, drops and weighted router losses, into the model's RouterLog. A checkpointed block's
+        recompute computes the losses again and records nothing: torch.utils.checkpoint requires it to save
+        for backward exactly what the forward saved."""
         log = self.log
-        if log is None or not log.records():
+        if log is None or not torch.is_grad_enabled():
             return
-        load_E = torch.bincount(expert_A, minlength=self.n_experts)
-        routing = self.routing
+        routing, losses = self.routing, []
         balance = None
         if routing.balance != BalanceLoss.none:
             balance = balance_loss(scores_NE, experts_NK, self.n_experts, batch, routing.balance)
             if routing.aux_coeff > 0:
-                log.losses.append(routing.aux_coeff * balance)
+                losses.append(routing.aux_coeff * balance)
         if routing.router_z_coeff > 0:
-            log.losses.append(routing.router_z_coeff * torch.logsumexp(logits_NE, dim=-1).square().mean())
+            losses.append(routing.router_z_coeff * torch.logsumexp(logits_NE, dim=-1).square().mean())
+        if not log.records():
+            return
+        log.losses += losses
+        load_E = torch.bincount(expert_A, minlength=self.n_experts)
         log.record(self.layer, load_E, expert_A.numel() - kept_A.sum(), balance)
 
 
