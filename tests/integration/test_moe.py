@@ -7,7 +7,7 @@ not depend on how the batch is split over ranks (a per-micro-batch loss would). 
 (moe.bias_rate) the routers' biases after 10 steps are bitwise equal on 1 and 2 ranks: each step moves them by
 the sign of the loads summed over every rank, integers. Under a capacity (moe.capacity_factor=1.0) assignments
 are dropped, and the count logged is the routers' own (tests/unit/model/test_moe.py checks the drops against a
-reference loop).
+reference loop). ep=2's save resumes on one rank.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def job(out_dir: Path, *overrides: str) -> Run:
 def biased(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """10 steps with the aux-loss-free bias, saved at the end: one rank (ep=1) and two (ep=2)."""
     out = tmp_path_factory.mktemp("moe")
-    common = ("steps=10", "moe.bias_rate=0.001", "save.every=10")
+    common = ("steps=10", "moe.bias_rate=0.001", "save.every=5")
     # The ep=2 run recomputes its blocks in backward: a recompute routes again and records nothing.
     ep2 = job(out / "ep2", *EP2, *common, "checkpointing=full")
     return {"ep1": job(out / "ep1", *ONE_RANK, *common), "ep2": ep2}
@@ -70,6 +70,15 @@ def test_the_aux_loss_free_biases_are_bitwise_equal_on_one_and_two_ranks(
         assert one[key].abs().max() > 0  # they moved: 10 steps of +-1e-3, centred
     record = biased["ep2"].records[-1]
     assert record["moe/expert_bias_absmax"] == pytest.approx(max(float(b.abs().max()) for b in one.values()))
+
+
+def test_an_expert_parallel_save_resumes_on_one_rank(biased: dict[str, Run], tmp_path: Path) -> None:
+    """ep=2's step-5 save (experts sharded over 2 ranks, the routers' biases) goes on at one rank holding all 8:
+    DCP reshards; step 6 as the one-rank run's, within 1e-5."""
+    save = biased["ep2"].out_dir / "checkpoints" / "step_00000005"
+    resumed = job(tmp_path / "run", *ONE_RANK, "steps=6", "moe.bias_rate=0.001", "save=off", f"resume={save}")
+    assert [r["step"] for r in resumed.records] == [6]
+    assert abs(resumed.losses[0] - biased["ep1"].losses[5]) < 1e-5, (resumed.losses, biased["ep1"].losses)
 
 
 def test_routing_is_logged_per_layer(biased: dict[str, Run]) -> None:
