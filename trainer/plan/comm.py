@@ -41,6 +41,10 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   FSDP2 shards over dp_shard x cp, padding every dim 0 to that many ranks; DDP replicates over dp_replicate
   x cp), and the cp group exchanges activations per block and micro-batch (`cp_moves`), in `groups["cp"]`.
 
+- parallel.ep > 1 (trainer/rank/experts.py): FSDP2 leaves the experts' stacked weights alone (no all-gather,
+  no reduce-scatter of them), and every MoE layer's dispatch runs all-to-alls over the ep group, which is
+  FSDP2's shard group (`ep_moves`), in `groups["ep"]`, per ep rank (its experts' rows differ).
+
 - parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
   (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
   (trainer/rank/optim.py `clip_gradients`), 4 bytes each (`PIPELINE_MOVES`), in `groups["pp"]`.
@@ -61,6 +65,7 @@ from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, 
 from trainer.layout import Layout
 from trainer.plan.activations import precisions
 from trainer.plan.groups import INTRA_NODE, NETWORK, ShardGroups, shard_groups
+from trainer.plan.moe import expert_rows, expert_shapes
 from trainer.plan.pipeline import (
     P2PPlan,
     plan_p2p,
@@ -133,6 +138,9 @@ class GroupComm:
     pipeline rank 0's)."""
     exchange: dict[str, Any] | None = None
     """The cp group: one block's exchange per micro-batch and direction (`cp_exchange_json`)."""
+    per_rank: tuple[dict[str, int], ...] = ()
+    """The ep group: bytes by collective of each ep rank, whose experts' rows differ (the figures above are ep
+    rank 0's, the busiest under moe.imbalance)."""
 
     @property
     def total(self) -> int:
@@ -141,6 +149,7 @@ class GroupComm:
     def to_json(self) -> dict[str, Any]:
         stages = {"bytes_by_collective_per_stage": list(self.per_stage)} if self.per_stage else {}
         exchange = {"exchange": self.exchange} if self.exchange is not None else {}
+        ranks = {"bytes_by_collective_per_rank": list(self.per_rank)} if self.per_rank else {}
         return {
             "ranks": self.ranks,
             "link": self.link,
@@ -149,6 +158,7 @@ class GroupComm:
             "calls_by_collective": dict(self.calls_by_collective),
             **stages,
             **exchange,
+            **ranks,
         }
 
 
@@ -181,6 +191,8 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
         plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
     if config.parallel.cp > 1:
         plans["cp"] = context_group(config, world_size, backend)
+    if config.parallel.ep > 1:
+        plans["ep"] = expert_group(config, backend, groups)
     if pipeline is not None:
         plans["pp"] = pipeline
     for group in plans.values():
@@ -264,6 +276,38 @@ def context_group(config: TrainConfig, world_size: int, backend: str) -> GroupCo
     return GroupComm(
         config.parallel.cp, link, group_bytes, group_calls, exchange=cp_exchange_json(config, compute)
     )
+
+
+def expert_group(config: TrainConfig, backend: str, groups: ShardGroups) -> GroupComm:
+    """The ep group (parallel.ep, trainer/rank/experts.py): FSDP2's shard group itself, so its link; its
+    headline figures are ep rank 0's (the busiest under moe.imbalance), `per_rank` every ep rank's."""
+    ep = config.parallel.ep
+    per_rank = tuple(tally(ep_moves(config, rank), backend) for rank in range(ep))
+    bytes_by, calls_by = per_rank[0]
+    return GroupComm(
+        ep, groups.link("shard"), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
+    )
+
+
+def ep_moves(config: TrainConfig, ep_rank: int) -> list[Move]:
+    """ep rank `ep_rank`'s all-to-alls per optimizer step (trainer/model/moe.py `dispatch_to_experts`): per MoE
+    layer and forward, one of the counts (E int64 each way) and two of rows (D wide, in the dtype the MoE layer
+    reads: the ffn_norm's output), the rows to their experts' ranks and the experts' output back; backward the
+    two rows' gradients, each the other way. A checkpointed block's recompute dispatches again. The flight
+    recorder books an all-to-all at the larger of what it sends and what it receives (trainer/telemetry/comm.py
+    `payload_bytes`): max(A, R) rows, A the rank's tokens' kept assignments, R the rows its experts compute
+    (trainer/plan/moe.py `expert_rows`)."""
+    rows = expert_rows(config, ep_rank)
+    width = precisions(config.precision, config.zero).residual * config.model.dim
+    accum, layers = config.grad_accum, config.model.n_layers
+    forwards = accum * (layers + recomputed_blocks(config))
+    backwards = accum * layers
+    counts = 8 * config.model.n_experts
+    rows_bytes = max(rows.sent, rows.total) * width
+    return [
+        ("all_to_all", forwards * (counts + 2 * rows_bytes), 3 * forwards),
+        ("all_to_all", backwards * 2 * rows_bytes, 2 * backwards),
+    ]
 
 
 def cp_exchange_json(config: TrainConfig, compute_bytes: int) -> dict[str, Any]:
@@ -379,7 +423,11 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     ):  # FSDP2 on one rank copies instead of communicating (_fsdp_param_group.py, foreach_reduce)
         return {"shard": []}
     root = sum(padded_numel(s, groups.shard) for s in shape.root)
+    # parallel.ep: FSDP2 leaves the experts' stacked weights alone (trainer/rank/experts.py): they are never
+    # gathered or reduce-scattered, their gradients averaged in the graph (MeanOverRanks)
+    experts = expert_shapes(config.model) if config.parallel.ep > 1 else ()
     block = sum(padded_numel(s, groups.shard) for s in shape.block)
+    block -= sum(padded_numel(s, groups.shard) for s in experts)
     layers, accum = config.model.n_layers, config.grad_accum
     param_bytes = PARAM_BYTES[config.precision.compute_dtype]
     reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]

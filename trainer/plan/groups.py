@@ -26,6 +26,9 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
                process group, which telemetry splits by what each collective moves (trainer/telemetry/comm.py)
     tp         parallel.tp: the tensor-parallel layers' all-gathers, reduce-scatters and all-reduces of
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
+    ep         parallel.ep: the MoE layers' all-to-alls of the counts and rows (trainer/plan/comm.py `ep_moves`);
+               the ep group is FSDP2's shard group (trainer/rank/experts.py), so one process group that
+               telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py)
     pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
                all-reduces of the step's loss and squared gradient norm (trainer/plan/comm.py
                `PIPELINE_MOVES`); the sends between its stages are `comm.p2p`, not collectives
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 from trainer.config import ZeroConfig
 from trainer.layout import data_parallel_degrees
 
-GROUPS = ("world", "shard", "replicate", "hpz", "tp", "cp", "pp")
+GROUPS = ("world", "shard", "replicate", "hpz", "tp", "cp", "pp", "ep")
 """Every group name, in the order metrics list them."""
 INTRA_NODE, NETWORK = "intra-node", "network"
 LINKS = (INTRA_NODE, NETWORK)

@@ -1,0 +1,154 @@
+"""Expert parallelism's communication (parallel.ep=2 on 2 CPU ranks, tiny-moe, fp32, zero=stage3): every rank's
+all-to-all bytes per step, read from c10d's flight recorder as telemetry reads them (trainer/telemetry/comm.py:
+the window's entries, their group by `group_names`), equal the plan's for that rank (plan.json's
+`comm.groups.ep.bytes_by_collective_per_rank`), to the byte; and FSDP2's shard group moves what the plan says
+with the expert weights left out (trainer/rank/experts.py).
+
+A rank's all-to-all bytes depend on the rows its experts receive, so each point's routing is set by a router bias
+in the test, as tests/integration/test_moe_plan.py sets it, and planned at the imbalance that routing is: experts
+0 and 4 take every token (one on each rank: each rank's experts receive the mean group's rows, moe.imbalance=1),
+or experts 0 and 1 (both on rank 0: it receives every row, twice the mean, moe.imbalance=2), the latter also
+under checkpointing=full (every block's recompute dispatches again). One 2-rank process group trains the points
+in turn (a fresh trainee each, step 1 to settle, step 2 read), as a job's ranks would.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.helpers import compose_config, free_port, freeze_imports, torchrun_env
+from trainer.config import TrainConfig
+from trainer.plan import build_plan, model_shape
+
+WORLD = 2
+POINTS = {
+    "balanced": ((0, 4), 1.0, "none"),
+    "forced": ((0, 1), 2.0, "none"),
+    "forced full": ((0, 1), 2.0, "full"),
+}
+"""name -> (the experts the routers are biased towards, the imbalance that routing is, checkpointing)."""
+
+
+def point_config(tokens: Path, imbalance: float, checkpointing: str) -> TrainConfig:
+    return compose_config(
+        "model=tiny-moe",
+        "device=cpu",
+        "logger=none",
+        "seq_len=64",
+        "micro_batch=2",
+        "save=off",
+        "steps=3",
+        "data=tokens",
+        f"data.path={tokens}",
+        "nproc=2",
+        "precision=fp32",
+        "zero=stage3",
+        "parallel.ep=2",
+        f"moe.imbalance={imbalance}",
+        f"checkpointing={checkpointing}",
+    )
+
+
+def measured(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, float]:
+    """This rank's bytes by group and collective in step 2 (the window after step 1), as telemetry books them."""
+    from trainer.data import build_batches
+    from trainer.layout import Layout
+    from trainer.model.moe import moe_layers
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.telemetry.comm import WindowReader, group_names, window_figures
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    for layer in moe_layers(trainee.model):
+        for expert in biased:
+            layer.router.expert_bias[expert] = 1.0
+    layout = Layout.from_config(config, world.world_size)
+    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
+    train_step(trainee, batches, config, world, 1, guard)
+    reader = WindowReader()  # from here on
+    train_step(trainee, batches, config, world, 2, guard)
+    default, descriptions = group_names(config, world.world_size)
+    figures = window_figures(reader.take(), default, None, descriptions)
+    del trainee
+    gc.collect()
+    return {key: value for key, value in figures.items() if ":" in key and value}
+
+
+def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
+    os.environ.update(torchrun_env(rank, WORLD, port))
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "4096"  # every collective of a step (trainer/telemetry/comm.py)
+    from trainer.world import init_world, shutdown_world
+
+    world = init_world("cpu")
+    torch.set_num_threads(1)
+    freeze_imports()
+    results = {name: measured(config, world, POINTS[name][0]) for name, config in configs.items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    shutdown_world()
+
+
+@pytest.fixture(scope="module")
+def points(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """name -> the plan.json its job writes (comm) and each rank's measured bytes by `group:collective`."""
+    out = tmp_path_factory.mktemp("moe_comm")
+    tokens = out / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
+    configs = {name: point_config(tokens, imbalance, mode) for name, (_, imbalance, mode) in POINTS.items()}
+    mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {
+        name: {
+            "config": configs[name],
+            "plan": build_plan(configs[name], "cpu", WORLD).to_json(),
+            "measured": [results[r][name] for r in range(WORLD)],
+        }
+        for name in POINTS
+    }
+
+
+@pytest.mark.parametrize("name", sorted(POINTS))
+def test_each_ranks_all_to_all_bytes_are_the_plans(points: dict[str, dict[str, Any]], name: str) -> None:
+    """Per layer and forward the counts (8 x E bytes each way) and two row exchanges, per backward two, each
+    booked at max(A, R) x D x 4 bytes (A = 256 rows a rank sends, R its experts receive): balanced 2,097,408
+    bytes on each rank; forced 4,194,560 on rank 0 (R = 512) and 2,097,408 on rank 1 (R = 0: it sends its 256);
+    under checkpointing=full every block's forward twice."""
+    point = points[name]
+    ep = point["plan"]["comm"]["groups"]["ep"]
+    assert ep["ranks"] == WORLD and ep["link"] == "intra-node"
+    per_rank = ep["bytes_by_collective_per_rank"]
+    for rank in range(WORLD):
+        assert point["measured"][rank].get("ep:all_to_all") == per_rank[rank]["all_to_all"], (name, rank)
+        assert {k for k in point["measured"][rank] if k.startswith("ep:")} == {"ep:all_to_all"}
+    layers, rows_bytes, counts = 4, 256 * 128 * 4, 8 * 8
+    forwards = 2 * layers if "full" in name else layers
+    idle = forwards * (counts + 2 * rows_bytes) + layers * 2 * rows_bytes
+    busy = forwards * (counts + 4 * rows_bytes) + layers * 4 * rows_bytes
+    expected = [idle, idle] if name == "balanced" else [busy, idle]
+    assert [r["all_to_all"] for r in per_rank] == expected
+
+
+@pytest.mark.parametrize("name", sorted(POINTS))
+def test_fsdp2_gathers_and_reduces_no_expert_weight(points: dict[str, dict[str, Any]], name: str) -> None:
+    """The shard group's all-gathers are the plan's to the byte (the blocks' and the root's parameters without the
+    experts': forward, and stage3's backward, whose gather a checkpointed block's recompute reads too); its
+    all-reduces (gloo's reduce-scatter) the plan's plus the loop's own: the non-finite agreement (world + 2 fp32
+    flags) and clipping's fp32 norm per parameter tensor; no all-to-all is left in it."""
+    point = points[name]
+    shard = point["plan"]["comm"]["groups"]["shard"]["bytes_by_collective"]
+    loop = 4 * (WORLD + 2) + 4 * len(model_shape(point["config"].model).order)
+    for rank in range(WORLD):
+        got = point["measured"][rank]
+        assert got["shard:all_gather"] == shard["all_gather"], (name, rank)
+        assert got["shard:all_reduce"] == shard["all_reduce"] + loop, (name, rank)
+        assert not any(key.startswith("shard:all_to_all") for key in got)
