@@ -103,3 +103,35 @@ def test_a_capacity_drops_and_logs_the_count_to_the_file_and_wandb(tmp_path: Pat
     for record in run.records:
         for key in ("moe/dropped_per_step", "moe/imbalance/0", "moe/imbalance/3", "moe/balance_loss"):
             assert logged[record["step"]][key] == record[key], key
+
+
+WATCHED = (
+    "model=tiny-moe", "device=cpu", "logger=none", "nproc=1", "seq_len=256", "micro_batch=4",
+    "model.moe_ffn_dim=512", "save=off", "steps=3", "log_every=1", "moe.imbalance=2.0",
+)  # fmt: skip
+
+
+def test_a_routing_that_would_run_out_of_memory_is_named_with_its_step(tmp_path: Path) -> None:
+    """Memory for the plan at imbalance 3 (between its plans at 2, which the job assumes, and at 4, every token on
+    one expert): the job finds the limit near 3; a run whose routing stays near balanced (its blocks measured 1.2 to
+    2.0 here) prints no warning and ends ok; with expert 0 forced from step 2 (fault.kind=route_skew) the first
+    forward of step 2 prints the one line, then the rank runs out of memory as it said."""
+    from tests.helpers import compose_config
+    from trainer.plan import build_plan
+    from trainer.units import GIB
+
+    cap = build_plan(compose_config(*WATCHED, "moe.imbalance=3.0"), "cpu", 1).peak_bytes / GIB
+    steady = run_trainer(tmp_path / "steady", *WATCHED, f"device_memory_gib={cap!r}", timeout=900)
+    assert 2.9 < steady.summary["moe/oom_imbalance"] < 3.1
+    assert "warning: rank" not in steady.stderr and steady.summary["status"] == "ok"
+    skewed = run_trainer(
+        tmp_path / "skewed", *WATCHED, f"device_memory_gib={cap!r}", "fault.kind=route_skew", "fault.step=2",
+        check=False, timeout=900,
+    )  # fmt: skip
+    warnings = [line for line in skewed.stderr.splitlines() if line.startswith("warning: rank")]
+    assert len(warnings) == 1, skewed.stderr
+    assert warnings[0].startswith(
+        "warning: rank 0 step 2: block 0 sent 1024 of 2048 assignments to one expert, imbalance 4.00 (planned: "
+        "moe.imbalance=2); past 3."
+    )
+    assert skewed.summary["status"] == "oom"
