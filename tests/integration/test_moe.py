@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import TINY, Run, run_trainer, wandb_file, wandb_records
+from tests.helpers import TINY, Run, compose_config, run_trainer, wandb_file, wandb_records
+from trainer.plan import build_plan
+from trainer.units import GIB
 
 pytestmark = (
     pytest.mark.torch_versions
