@@ -23,9 +23,8 @@ from tests.helpers import TINY, Run, compose_config, run_trainer, wandb_file, wa
 from trainer.plan import build_plan
 from trainer.units import GIB
 
-pytestmark = (
-    pytest.mark.torch_versions
-)  # the all-to-all's autograd functional collective, FSDP2's ignored_params
+# the all-to-all's autograd functional collective and FSDP2's ignored_params, under every torch the project claims
+pytestmark = pytest.mark.torch_versions
 
 MOE = (*TINY, "model=tiny-moe", "precision=fp32", "moe.balance=seq_aux", "optim.warmup_steps=2")
 ONE_RANK = ("nproc=1", "micro_batch=4")
@@ -118,10 +117,6 @@ def test_a_routing_that_would_run_out_of_memory_is_named_with_its_step(tmp_path:
     one expert): the job finds the limit near 3; a run whose routing stays near balanced (its blocks measured 1.2 to
     2.0 here) prints no warning and ends ok; with expert 0 forced from step 2 (fault.kind=route_skew) the first
     forward of step 2 prints the one line, then the rank runs out of memory as it said."""
-    from tests.helpers import compose_config
-    from trainer.plan import build_plan
-    from trainer.units import GIB
-
     cap = build_plan(compose_config(*WATCHED, "moe.imbalance=3.0"), "cpu", 1).peak_bytes / GIB
     steady = run_trainer(tmp_path / "steady", *WATCHED, f"device_memory_gib={cap!r}", timeout=900)
     assert 2.9 < steady.summary["moe/oom_imbalance"] < 3.1
