@@ -469,10 +469,12 @@ GROUP_AXES: dict[str, str | tuple[str, ...]] = {
     "tp": "tp",
     "cp": "cp",
     "pp": "pp",
+    "ep": ("dp_shard", "cp"),
 }
 """The layout's axes each of the plan's process groups (trainer/plan/groups.py) runs along: DDP's group
 (`world`) is every data-parallel rank, and ZeRO works over cp too (trainer/layout.py `zero_axes`); the
-pipeline's loss and norm all-reduces (`pp`) run along pp."""
+pipeline's loss and norm all-reduces (`pp`) run along pp; the MoE dispatch's all-to-alls (`ep`) in FSDP2's
+shard group, which is the ep group (trainer/rank/experts.py)."""
 
 
 def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int:

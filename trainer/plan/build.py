@@ -353,9 +353,10 @@ def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
 
 
 def expert_rank(layout: Layout, rank: int, config: TrainConfig) -> int:
-    """parallel.ep > 1: the rank's place in the ep group, which is FSDP2's shard group (trainer/rank/experts.py);
-    0 otherwise."""
-    return layout.shard_index(rank) if config.parallel.ep > 1 else 0
+    """parallel.ep > 1: the rank's place in the ep group, which is FSDP2's shard group (trainer/rank/experts.py:
+    a job holds ep equal to it; a way out planned at more ranks wraps around the ep ranks); 0 otherwise."""
+    ep = config.parallel.ep
+    return layout.shard_index(rank) % ep if ep > 1 else 0
 
 
 def zero_ranks(layout: Layout, zero: ZeroConfig) -> int:

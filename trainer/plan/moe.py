@@ -203,7 +203,7 @@ def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: Expert
     A, R = rows.sent, rows.total
     before = 12 * A + 2 * compute * A * D + (compute * R * D if rows.ep > 1 else 0)
     before += losses_saved(config) + 4 * compute * tokens * m.n_shared_experts * M
-    first = rows.per_expert[-1]
+    first = rows.per_expert[-1] if rows.per_expert else 0
     second = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
     W, RD = grad * local * M * m.dim, compute * R * D
     w2_sum = (before + 4 * compute * first * M + compute * second * M, 5 * W + 2 * RD + compute * second * M)
