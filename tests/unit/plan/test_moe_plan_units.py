@@ -110,3 +110,29 @@ def test_under_ep_each_rank_plans_its_own_rows() -> None:
     busy, idle = plan.ranks
     assert busy.states == idle.states and busy.activations > idle.activations
     assert busy.peak_total > idle.peak_total
+
+
+def test_under_ep_fsdp2_moves_no_expert_weight_and_the_ep_group_its_rows() -> None:
+    """The shard group's all-gathers and reduce-scatters are ep=1's less the experts' stacked weights; the ep
+    group's all-to-alls per rank: per layer and forward the counts (8 x E) and two row exchanges, per backward two,
+    each at max(A, R) rows x D x 4 bytes (A = 256 rows sent, R received: 512 and 0 at imbalance 2)."""
+    ep1, ep2 = (
+        build_plan(
+            compose_config(*TINY_MOE, "nproc=2", "zero=stage3", f"parallel.ep={ep}", "moe.imbalance=2.0"),
+            "cpu",
+            2,
+        )
+        for ep in (1, 2)
+    )
+    experts = 4 * 3 * 8 * 96 * 128  # per layer, fp32: w1, w2, w3 of 8 experts
+    shard1, shard2 = (plan.comm.groups["shard"].bytes_by_collective for plan in (ep1, ep2))
+    assert shard1["all_gather"] - shard2["all_gather"] == 2 * 4 * experts  # forward and stage3's backward
+    assert shard1["all_reduce"] - shard2["all_reduce"] == 4 * experts  # gloo's reduce-scatter
+    assert "ep" not in ep1.comm.groups
+    ep = ep2.comm.groups["ep"]
+    row = 128 * 4
+    assert [r["all_to_all"] for r in ep.per_rank] == [
+        4 * (64 + 2 * 512 * row) + 4 * 2 * 512 * row,
+        4 * (64 + 2 * 256 * row) + 4 * 2 * 256 * row,
+    ]
+    assert ep.bytes_by_collective == ep.per_rank[0] and ep.calls_by_collective["all_to_all"] == 4 * 3 + 4 * 2
