@@ -90,6 +90,15 @@ def expert_shapes(m: ModelConfig) -> tuple[tuple[int, ...], ...]:
     return ((E, M, D), (E, D, M), (E, M, D))
 
 
+def router_held_bytes(m: ModelConfig) -> int:
+    """What a mixture of experts holds all step beside its parameters, counted in `other`: every router's fp32
+    `expert_bias` buffer (E per layer), and the model's RouterLog, made at the step's first MoE forward and taken
+    at its end: each layer's loads (int64 E), drops (int64) and the summed balance loss (fp32)."""
+    if not m.is_moe:
+        return 0
+    return 4 * m.n_experts * m.n_layers + 8 * m.n_experts * m.n_layers + 8 * m.n_layers + 4
+
+
 def moe_fields(config: TrainConfig) -> dict[str, Any]:
     """plan.json's `moe` (model.n_experts > 0): the routing the plan assumed: the rows one rank's micro-batch sends
     each expert, and under parallel.ep the rows each ep rank's experts compute."""
@@ -167,6 +176,17 @@ def dense_mlp_hidden_bytes(config: TrainConfig, compute: int) -> int:
     return 4 * compute * config.micro_batch * config.seq_len * config.model.ffn_dim
 
 
+def router_gradients(config: TrainConfig, assignments: int) -> int:
+    """Gradients that reach the router before the experts' backward and wait there (autograd runs the later-made
+    nodes first, and the router's were made before the experts): the weights' (fp32, one per row sent), and
+    where the router's losses join the objective the scores' (balance loss) or the logits' (z-loss), fp32 N·E
+    each, and the scalar gradient of each layer's loss term below, still to be run."""
+    m, moe = config.model, config.moe
+    tokens = config.micro_batch * config.seq_len
+    terms = int(moe.balance != BalanceLoss.none and moe.aux_coeff > 0) + int(moe.router_z_coeff > 0)
+    return 4 * assignments + terms * (4 * tokens * m.n_experts + 4 * (m.n_layers - 1))
+
+
 def expert_grad_bytes(regime: str, ep: int) -> int:
     """Bytes per element of an expert weight's gradient as the loop's backward makes it: the unsharded bf16
     weights' under FSDP2's half-precision parameters at ep = 1, else fp32 (the fp32 weights themselves, or under
@@ -193,7 +213,9 @@ def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: Expert
       product (C·M), with the first expert's hidden tensors and its own product freed;
     - its rows' sum: the three W, the rows' accumulated gradient, the new one and their sum beside the output's
       (4 x R·D), with both experts' hidden tensors freed: the peak where R·D passes W (under ep, where a rank
-      receives many rows).
+      receives many rows);
+
+    both beside the gradients waiting at the router (`router_gradients`).
 
     Listed with a dispatch-mode tracker over tiny-moe's steps (fp32; zero=stage0 at ep = 1, the w2 sum; zero=
     stage3 at ep=2 with every row on rank 0, the rows' sum) and held against MemTracker's peak."""
@@ -206,6 +228,10 @@ def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: Expert
     first = rows.per_expert[-1] if rows.per_expert else 0
     second = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
     W, RD = grad * local * M * m.dim, compute * R * D
-    w2_sum = (before + 4 * compute * first * M + compute * second * M, 5 * W + 2 * RD + compute * second * M)
-    rows_sum = (before + 4 * compute * (first + second) * M, 3 * W + 4 * RD)
+    waiting = router_gradients(config, A)
+    w2_sum = (
+        before + 4 * compute * first * M + compute * second * M,
+        5 * W + 2 * RD + compute * second * M + waiting,
+    )
+    rows_sum = (before + 4 * compute * (first + second) * M, 3 * W + 4 * RD + waiting)
     return max(w2_sum, rows_sum, key=lambda peak: peak[1] - peak[0])

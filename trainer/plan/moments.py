@@ -15,7 +15,7 @@ from trainer.plan.activations import Activations, Precisions, norm_bytes_per_tok
 from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.disk import chunk_temporary_bytes, nvme_buffer_bytes
 from trainer.plan.fp8_backward import fp8_w2_backward
-from trainer.plan.moe import expert_grad_bytes, expert_rows, moe_backward_peak
+from trainer.plan.moe import expert_grad_bytes, expert_rows, moe_backward_peak, router_held_bytes
 from trainer.plan.states import ModelShape, RankStates
 
 
@@ -165,10 +165,11 @@ def accumulation_grads(ctx: StepContext) -> int:
 
 def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
     """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
-    (int64 successors, float64 probabilities, float64 stationary distribution) and Adam's steps."""
+    (int64 successors, float64 probabilities, float64 stationary distribution), Adam's steps and, for a
+    mixture of experts, the routers' biases and the step's routing log (trainer/plan/moe.py)."""
     rope = rope_table_bytes(m)
     tables = 16 * m.vocab_size * data.branching + 8 * m.vocab_size if data.kind.value == "synthetic" else 0
-    return rope + tables + states.step_counters
+    return rope + tables + states.step_counters + router_held_bytes(m)
 
 
 def rope_table_bytes(m: ModelConfig) -> int:
