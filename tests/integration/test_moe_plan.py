@@ -1,6 +1,7 @@
 """A mixture of experts in the memory plan (trainer/plan/moe.py): every rank's measured peak against the plan's,
 within 0.5%, for model=tiny-moe (8 experts of width 96, top 2) on 2 CPU ranks, fp32, zero=stage0 (DDP) and
-zero=stage3 (FSDP2), parallel.ep=1, at the routing the run had and at a routing a router bias forces.
+zero=stage3 (FSDP2) at parallel.ep=1, and zero=stage3 at parallel.ep=2 (with and without checkpointing), at the
+routing the run had and at routings a router bias forces.
 
 The plan takes the routing as its input (moe.imbalance: the busiest expert's rows over the mean). A test-only
 forcing of the router, or a config key for it, would test a router no run has; instead every point is planned
@@ -13,7 +14,7 @@ split; the split shows only in the experts' backward (docs/memory_plan.md, "Mixt
 
 The points run as tests/integration/test_fp8_plan.py runs its grid: one 2-rank process group trains them in turn
 as a job's ranks would (plan_sweep's overrides on a token file, a fresh trainee each, step 1 untracked, steps 2
-and 3 each under the MemoryProbe a job's Meter uses), and each is planned with build_plan as its job would.
+to 4 each under the MemoryProbe a job's Meter uses), and each is planned with build_plan as its job would.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.helpers import (
-    assert_plan_holds_peaks,
     compose_config,
     free_port,
     freeze_imports,
@@ -46,17 +46,22 @@ EXACT = 64
 (16 bytes measured: scalars the step holds; at ep=1 the second choice of each token is the router's own, and the
 loop's first experts' rows move the peak by up to 0.13%)."""
 WORLD = 2
-TRACKED = (2, 3)
-"""plan_sweep's: Adam's state exists from step 2, and the lower of two identical steps is held."""
+TRACKED = (2, 3, 4)
+"""As plan_sweep's steps 2 and 3 (Adam's state exists from step 2, and the lowest of identical steps is held, gloo's
+worker thread now and then freeing a reduce-scatter input late), and a third: on the small rank of the ep=2 forced
+point that late buffer is 0.7% of its peak, and twice in a row it was once."""
 POINTS = [
-    ("stage0", "1", "routed"),
-    ("stage0", "1", "forced"),
-    ("stage3", "1", "routed"),
-    ("stage3", "1", "forced"),
-    ("stage3", "2", "balanced"),
-    ("stage3", "2", "forced"),
+    ("stage0", "1", "routed", "none"),
+    ("stage0", "1", "forced", "none"),
+    ("stage3", "1", "routed", "none"),
+    ("stage3", "1", "forced", "none"),
+    ("stage3", "2", "balanced", "none"),
+    ("stage3", "2", "forced", "none"),
+    ("stage3", "2", "balanced", "full"),
+    ("stage3", "2", "forced", "full"),
 ]
-"""(zero, parallel.ep, routing): parallel.ep=2 needs FSDP2 (zero=stage0 with ep is refused: trainer/config/composition.py)."""
+"""(zero, parallel.ep, routing, checkpointing): parallel.ep=2 needs FSDP2 (zero=stage0 with ep is refused:
+trainer/config/composition.py); under checkpointing=full each block's recompute dispatches its rows again."""
 BIASED = {("1", "forced"): (0,), ("2", "balanced"): (0, 4), ("2", "forced"): (0, 1)}
 """The experts a point's routers are biased towards (by 1.0: softmax scores differ by less, so every token picks
 them): at ep=1 expert 0 takes every token, 4 x the mean; at ep=2 experts 0 and 4 take every token, one on each
@@ -65,18 +70,18 @@ which takes every row, twice the mean group's (forced)."""
 MOE_TINY = ("model=tiny-moe", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "log_every=1")
 
 
-def point_config(tokens: Path, zero: str, ep: str) -> TrainConfig:
+def point_config(tokens: Path, zero: str, ep: str, checkpointing: str) -> TrainConfig:
     """plan_sweep's point (tests/helpers.py plan_sweep_point) on tiny-moe: 3 steps on a token file, fp32."""
     return compose_config(
         *MOE_TINY,
         "save=off",
-        "steps=3",
+        f"steps={TRACKED[-1]}",
         "telemetry.memory_every=0",
         "data=tokens",
         f"data.path={tokens}",
         "nproc=2",
         "precision=fp32",
-        "checkpointing=none",
+        f"checkpointing={checkpointing}",
         f"zero={zero}",
         f"parallel.ep={ep}",
     )
@@ -121,7 +126,7 @@ def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) 
     torch.set_num_threads(1)
     freeze_imports()
     results = {
-        name: tracked(config, world, BIASED.get(tuple(name.split()[1:]), ()))  # type: ignore[arg-type]
+        name: tracked(config, world, BIASED.get(tuple(name.split()[1:3]), ()))  # type: ignore[arg-type]
         for name, config in configs.items()
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -142,12 +147,12 @@ def imbalance(loads_LE: list[list[int]], ep: int) -> float:
 
 @pytest.fixture(scope="module")
 def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict[str, Any]]:
-    """(zero, parallel.ep, routing) -> the plan.json its job writes at the imbalance its ranks measured, the records of
-    steps 2 and 3 (each rank's `memory/rank{r}/peak_allocated_gib`), and the imbalance of each rank and step."""
+    """(zero, parallel.ep, routing, checkpointing) -> the plan.json its job writes at the imbalance its ranks measured, the records of
+    steps 2 to 4 (each rank's `memory/rank{r}/peak_allocated_gib`), and the imbalance of each rank and step."""
     out = tmp_path_factory.mktemp("moe_plan")
     tokens = out / "tokens.npy"  # plan_sweep's token file
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    configs = {" ".join(point): point_config(tokens, *point[:2]) for point in POINTS}
+    configs = {" ".join(point): point_config(tokens, *point[:2], point[3]) for point in POINTS}
     mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     found = {}
@@ -172,28 +177,31 @@ def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], di
     return found
 
 
-@pytest.mark.parametrize(("zero", "ep", "routing"), POINTS)
+@pytest.mark.parametrize(("zero", "ep", "routing", "mode"), POINTS)
 def test_each_ranks_peak_is_the_plans_within_half_a_percent(
-    points: dict[tuple[str, ...], dict[str, Any]], zero: str, ep: str, routing: str
+    points: dict[tuple[str, ...], dict[str, Any]], zero: str, ep: str, routing: str, mode: str
 ) -> None:
-    point = points[(zero, ep, routing)]
+    point = points[(zero, ep, routing, mode)]
     plan = point["plan"]
-    assert (plan["zero"], plan["model"], plan["moe"]["ep"], len(plan["ranks"])) == (
+    assert (plan["zero"], plan["model"], plan["moe"]["ep"], plan["checkpointing"], len(plan["ranks"])) == (
         zero,
         "tiny-moe",
         int(ep),
+        mode,
         WORLD,
     )
-    assert_plan_holds_peaks(point, PLAN_BOUND)
-    if ep == "2":  # every row's place set by the bias: the plan is the measured peak to EXACT bytes
-        for rank in plan["ranks"]:
-            measured = min(
-                round(r[f"memory/rank{rank['rank']}/peak_allocated_gib"] * GIB) for r in point["records"]
-            )
-            assert -EXACT <= round(rank["peak_gib"] * GIB) - measured <= 0, (
-                rank["rank"],
-                rank["peak_moment"],
-            )
+    assert [r["step"] for r in point["records"]] == list(TRACKED)
+    for rank in plan["ranks"]:
+        peaks = [round(r[f"memory/rank{rank['rank']}/peak_allocated_gib"] * GIB) for r in point["records"]]
+        planned = round(rank["peak_gib"] * GIB)
+        assert abs(planned - min(peaks)) / min(peaks) < PLAN_BOUND, (
+            rank["rank"],
+            rank["peak_moment"],
+            planned,
+            peaks,
+        )
+        if ep == "2":  # every row's place set by the bias: the plan is the measured peak to EXACT bytes
+            assert -EXACT <= planned - min(peaks) <= 0, (rank["rank"], rank["peak_moment"], planned, peaks)
 
 
 @pytest.mark.parametrize("zero", ["stage0", "stage3"])
@@ -203,25 +211,26 @@ def test_at_ep1_the_bias_sends_one_expert_every_token(
     """The forced point's routing is known exactly: every layer of every rank and step sent expert 0 all 128
     tokens of its micro-batch, 4 x the mean of 32 (256 rows over 8 experts), and the plan took that imbalance;
     the run's own routing is uneven (the busiest expert above the mean), and planned as it was."""
-    forced = points[(zero, "1", "forced")]
-    assert forced["imbalance"] == [[4.0, 4.0]] * WORLD
+    forced = points[(zero, "1", "forced", "none")]
+    assert forced["imbalance"] == [[4.0] * len(TRACKED)] * WORLD
     assert forced["plan"]["moe"]["imbalance"] == 4.0
     assert forced["plan"]["moe"]["rows_per_expert"] == [128, 19, 19, 18, 18, 18, 18, 18]
-    routed = points[(zero, "1", "routed")]
+    routed = points[(zero, "1", "routed", "none")]
     assert all(1.0 < r <= 4.0 for ranks in routed["imbalance"] for r in ranks), routed["imbalance"]
 
 
+@pytest.mark.parametrize("mode", ["none", "full"])
 @pytest.mark.parametrize(
     ("routing", "imbalance", "rows"), [("balanced", 1.0, [256, 256]), ("forced", 2.0, [512, 0])]
 )
 def test_at_ep2_the_bias_sets_each_ranks_rows(
-    points: dict[tuple[str, ...], dict[str, Any]], routing: str, imbalance: float, rows: list[int]
+    points: dict[tuple[str, ...], dict[str, Any]], routing: str, imbalance: float, rows: list[int], mode: str
 ) -> None:
     """Each rank's experts compute exactly the rows the plan gives them: 256 each (every rank's 128 tokens to
     expert 0 and to expert 4) or all 512 on rank 0 (to experts 0 and 1), twice the mean; the ranks' peaks differ by
     what that moves (rank 0 above rank 1 in the forced point)."""
-    point = points[("stage3", "2", routing)]
-    assert point["imbalance"] == [[imbalance, imbalance]] * WORLD
+    point = points[("stage3", "2", routing, mode)]
+    assert point["imbalance"] == [[imbalance] * len(TRACKED)] * WORLD
     assert point["plan"]["moe"]["imbalance"] == imbalance
     assert point["plan"]["moe"]["rows_per_rank"] == rows
     peaks = [rank["peak_gib"] for rank in point["plan"]["ranks"]]
