@@ -389,7 +389,9 @@ def routing_limit(config: TrainConfig, plan: Plan, device_kind: str, world_size:
     its memory, between the two plans (the peak grows with the busiest expert's rows, linearly in the plan's
     walk: trainer/plan/moe.py). Nothing where no routing can run a rank out of memory, or none fits anyway."""
     m, limit = config.model, plan.memory.per_rank_bytes
-    if not m.is_moe or limit is None or plan.peak_bytes >= limit:
+    # Under parallel.ep the plan's imbalance is a rank's experts' rows over the mean rank's, which the layers'
+    # counts (their own tokens' choices) do not give before the dispatch: not yet watched there.
+    if not m.is_moe or config.parallel.ep > 1 or limit is None or plan.peak_bytes >= limit:
         return {}
     r0, r_max = config.moe.imbalance, m.n_experts / m.top_k
     if r0 >= r_max:

@@ -243,7 +243,8 @@ class MoE(nn.Module):
         counts_E = torch.bincount(expert_A[order_A], minlength=self.n_experts)
         rows_AD = self.run_experts(x_ND[token_A], counts_E)
         rows_AD = rows_AD * weights_NK.flatten()[order_A, None].to(rows_AD.dtype)
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_A, rows_AD)
+        # In the experts' dtype: under autocast their bf16 output would not add into an fp32 buffer.
+        y_ND = x_ND.new_zeros(x_ND.shape, dtype=rows_AD.dtype).index_add_(0, token_A, rows_AD)
         if hasattr(self, "shared"):
             y_ND = y_ND + self.shared(x_ND)
         self.write_log(logits_NE, scores_NE, experts_NK, expert_A, kept_A, B)
