@@ -123,3 +123,16 @@ def test_an_evaluation_and_a_recompute_write_nothing_to_the_log() -> None:
     assert log.take_step() is None and log.take_losses() is None
     layer(x)
     assert log.take_losses() is not None and log.take_step() is not None
+
+
+def test_under_autocast_the_experts_output_adds_up_in_their_dtype() -> None:
+    """precision=bf16 at stage0/1 runs the model under autocast: the experts' bf16 rows are combined in bf16 (an fp32
+    buffer refused them), close to the fp32 layer's output."""
+    layer, _ = moe_layer()
+    x_BTD = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = layer(x_BTD)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = layer(x_BTD)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.01)
