@@ -296,7 +296,7 @@ def moe_block_change(config: TrainConfig, prec: Precisions, ep_rank: int = 0) ->
     the table counts (trainer/plan/moe.py); 0 for a dense model."""
     if not config.model.is_moe:
         return 0
-    saved = moe_saved_bytes(config, prec.compute, expert_rows(config, ep_rank))
+    saved = moe_saved_bytes(config, prec.compute, expert_rows(config, ep_rank), prec.regime)
     return saved - dense_mlp_hidden_bytes(config, prec.compute)
 
 
@@ -342,7 +342,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0)
     freed = 0
     if m.is_moe:  # the experts' backward peak (trainer/plan/moe.py): what the block's set has freed by then
         grad = expert_grad_bytes(prec.regime, config.parallel.ep)
-        freed, _ = moe_backward_peak(config, prec.compute, grad, expert_rows(config, ep_rank))
+        freed, _ = moe_backward_peak(config, prec.compute, grad, expert_rows(config, ep_rank), prec.regime)
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept, freed_at_peak=freed)

@@ -121,7 +121,7 @@ def capacity(config: TrainConfig, tokens: int) -> int:
     return math.ceil(factor * tokens * config.model.top_k / config.model.n_experts)
 
 
-def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows) -> int:
+def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows, regime: str = "fp32") -> int:
     """What one MoE layer saves for backward per micro-batch, beyond the ffn_norm's output (which the gate saves
     as a dense MLP's w1 and w3 do, and the block's table counts). Listed from autograd's saved tensors of a
     tiny-moe layer (fp32: 799,776 bytes at N = 128, E = 8, K = 2, D = 128, M = 96; under ep=2 at zero=stage3
@@ -139,7 +139,9 @@ def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows) -> int:
       source);
     - the balance loss, where it joins the objective (moe.balance != none and moe.aux_coeff > 0): the scores'
       sum (fp32, N) and each expert's share of the assignments (fp32 E per sequence under seq_aux, else E);
-      the router z-loss (moe.router_z_coeff > 0): the fp32 logits and their logsumexp (N·E + N).
+      the router z-loss (moe.router_z_coeff > 0): the fp32 logits and their logsumexp (N·E + N);
+    - in half precision the weight of each row in the rows' dtype (compute, A: the weighting casts it), and the
+      casts of `expert_casts`.
     """
     m = config.model
     tokens = config.micro_batch * config.seq_len
@@ -149,11 +151,39 @@ def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows) -> int:
     dispatch = 8 * A + compute * R * D + 4 * compute * R * M
     if rows.ep > 1:
         dispatch += 8 * R + compute * R * D
-    combine = 8 * A + 4 * A + 2 * compute * A * D
+    combine = 8 * A + compute * A + 2 * compute * A * D
     shared = (
         4 * compute * tokens * m.n_shared_experts * M
     )  # one SwiGLU MLP of n_shared x M: a dense MLP's four
-    return router + dispatch + combine + losses_saved(config) + shared
+    return router + dispatch + combine + losses_saved(config) + shared + expert_casts(config, regime, rows)
+
+
+def weight_cast_bytes(regime: str, ep: int) -> int:
+    """Bytes per element of the copy of an expert's weight each of its matmuls saves beyond the parameter: none
+    where the weights are already in the rows' dtype (fp32, or FSDP2's bf16 unsharded parameters at ep = 1); 2
+    under autocast (its matmuls cast the fp32 slices w1[e] and w3[e], views that its weight cache skips, and
+    GroupedExperts casts w2[e] for the bf16 hidden rows) and under parallel.ep with FSDP2's half precision (the
+    experts' fp32 weights, which FSDP2 leaves alone, cast per expert by GroupedExperts)."""
+    if regime == "autocast" or (regime == "fsdp_mp" and ep > 1):
+        return 2
+    return 0
+
+
+def expert_casts(config: TrainConfig, regime: str, rows: ExpertRows) -> int:
+    """What one MoE layer saves more in half precision than `moe_saved_bytes`' fp32 listing says with the compute
+    dtype put in: each expert's three weight casts (`weight_cast_bytes`, E / ep experts), and under autocast
+    (stages 0-1) the rows: the ffn_norm's output reaches the experts in fp32, and autocast casts each expert's rows
+    once for w1 and once for w3 (two bf16 copies saved, where the fp32 listing saves the rows once), while the
+    gate saves one bf16 cast of the norm's output where the block's table counts a dense MLP's two (w1's and w3's).
+    """
+    m = config.model
+    tokens = config.micro_batch * config.seq_len
+    E, D, M = m.n_experts // rows.ep, m.dim, m.expert_width
+    casts = weight_cast_bytes(regime, rows.ep) * 3 * E * M * D
+    if regime == "autocast":
+        shared = 4 * tokens * D if m.n_shared_experts > 0 else 0  # the shared MLP's w1 and w3 cast it again
+        casts += 2 * rows.total * D - 2 * tokens * D + shared
+    return casts
 
 
 def losses_saved(config: TrainConfig) -> int:
@@ -194,7 +224,9 @@ def expert_grad_bytes(regime: str, ep: int) -> int:
     return 2 if regime == "fsdp_mp" and ep == 1 else 4
 
 
-def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: ExpertRows) -> tuple[int, int]:
+def moe_backward_peak(
+    config: TrainConfig, compute: int, grad: int, rows: ExpertRows, regime: str = "fp32"
+) -> tuple[int, int]:
     """The peak of an MoE layer's backward: what its saved set has freed by then, and the temporaries beside the
     rest of it and the gradient arriving down the residual. The experts' loop backward runs one expert at a time
     from the last; before it, everything autograd made after the experts ran (the combine's order, weights,
@@ -215,7 +247,11 @@ def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: Expert
       (4 x R·D), with both experts' hidden tensors freed: the peak where R·D passes W (under ep, where a rank
       receives many rows);
 
-    both beside the gradients waiting at the router (`router_gradients`).
+    both beside the gradients waiting at the router (`router_gradients`). In half precision (`expert_casts`) the
+    weight casts of the experts whose backward ran are freed (the first expert's three and the second's w2 by its
+    w2 sum; both experts' six by the rows' sum), and under autocast the rows' two casts of each of them; the rows'
+    accumulated gradient, its new one and their sum are fp32 there (each expert's bf16 gradient of its rows' casts
+    is cast back to the fp32 rows').
 
     Listed with a dispatch-mode tracker over tiny-moe's steps (fp32; zero=stage0 at ep = 1, the w2 sum; zero=
     stage3 at ep=2 with every row on rank 0, the rows' sum) and held against MemTracker's peak."""
@@ -223,15 +259,21 @@ def moe_backward_peak(config: TrainConfig, compute: int, grad: int, rows: Expert
     tokens = config.micro_batch * config.seq_len
     local, D, M = m.n_experts // rows.ep, m.dim, m.expert_width
     A, R = rows.sent, rows.total
-    before = 12 * A + 2 * compute * A * D + (compute * R * D if rows.ep > 1 else 0)
+    before = 8 * A + compute * A + 2 * compute * A * D + (compute * R * D if rows.ep > 1 else 0)
     before += losses_saved(config) + 4 * compute * tokens * m.n_shared_experts * M
     first = rows.per_expert[-1] if rows.per_expert else 0
     second = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
     W, RD = grad * local * M * m.dim, compute * R * D
+    cast = weight_cast_bytes(regime, rows.ep) * M * D  # one expert's one weight
+    rows_cast = 2 * compute * D if regime == "autocast" else 0  # per row: its two casts
+    rows_grad = 4 * R * D if regime == "autocast" else RD  # the rows' gradient
     waiting = router_gradients(config, A)
     w2_sum = (
-        before + 4 * compute * first * M + compute * second * M,
-        5 * W + 2 * RD + compute * second * M + waiting,
+        before + 4 * compute * first * M + compute * second * M + 4 * cast + rows_cast * first,
+        5 * W + RD + rows_grad + compute * second * M + waiting,
     )
-    rows_sum = (before + 4 * compute * (first + second) * M, 3 * W + 4 * RD + waiting)
+    rows_sum = (
+        before + 4 * compute * (first + second) * M + 6 * cast + rows_cast * (first + second),
+        3 * W + RD + 3 * rows_grad + waiting,
+    )
     return max(w2_sum, rows_sum, key=lambda peak: peak[1] - peak[0])
