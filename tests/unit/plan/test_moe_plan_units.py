@@ -1,7 +1,8 @@
 """A mixture of experts in the memory plan (trainer/plan/moe.py): the rows each expert takes under moe.imbalance,
 and the activations the plan counts for a tiny-moe forward equal to the storages autograd saves (fp32, the
 router's variants: softmax or sigmoid scores, normalised or not, the balance loss per micro-batch or per sequence
-or none, the router z-loss, shared experts)."""
+or none, the router z-loss, shared experts; and in half precision, with the casts of the experts' weights and
+rows)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from tests.helpers import compose_config, saved_storage_bytes
 from trainer.model.decoder import build_model, init_weights
 from trainer.model.moe import apply_moe_choice
 from trainer.plan import build_plan
-from trainer.plan.activations import activations
-from trainer.plan.moe import expert_rows, routed_rows
+from trainer.plan.activations import activations, precisions
+from trainer.plan.moe import expert_casts, expert_rows, routed_rows, weight_cast_bytes
+from trainer.plan.states import model_shape
 
 TINY_MOE = ("model=tiny-moe", "micro_batch=2", "seq_len=64", "precision=fp32")
 
@@ -64,6 +66,47 @@ def test_planned_activations_are_what_autograd_saves(overrides: tuple[str, ...])
     shape = (config.micro_batch, config.seq_len)
     inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
     assert saved_storage_bytes(model, inputs, targets, "fp32") == activations(config).total
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("precision=bf16",),
+        ("precision=fp16", "model.router_score=sigmoid", "moe.balance=none", "model.n_shared_experts=1"),
+        ("precision=bf16", "zero=stage3"),
+    ],
+)
+def test_half_precision_activations_are_what_autograd_saves(overrides: tuple[str, ...]) -> None:
+    """In half precision the plan's saved set holds each expert's weight casts and, under autocast (stages 0-1),
+    each expert's two casts of its fp32 rows and the gate's one cast of the norm's output (trainer/plan/moe.py
+    `expert_casts`): what autograd saves, to the byte, beside autocast's cached casts of the nn.Linear weights
+    (the attention's, the gate's, the shared experts', the output head's), which the plan counts as temporaries
+    (trainer/plan/ddp_walk.py). Under FSDP2's bf16 parameters at ep = 1 the experts' weights are bf16: no casts."""
+    config = compose_config(*TINY_MOE, *overrides)
+    model = build_model(config.model, device="cpu")
+    init_weights(model, seed=0)
+    apply_moe_choice(model, config.moe)
+    shape = (config.micro_batch, config.seq_len)
+    inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
+    regime = precisions(config.precision, config.zero).regime
+    cached = 0
+    if regime == "autocast":
+        m = config.model
+        cached = 2 * (model_shape(m).block_linear_numel * m.n_layers + m.vocab_size * m.dim)
+    assert saved_storage_bytes(model, inputs, targets, regime) == activations(config).total + cached
+
+
+def test_the_weight_casts_are_three_per_expert_where_the_weights_are_not_the_rows_dtype() -> None:
+    """fp32 and FSDP2's bf16 parameters at ep = 1 cast nothing; autocast and FSDP2 under parallel.ep cast each of
+    a rank's E / ep experts' three weights to 2 bytes per element."""
+    assert [weight_cast_bytes(regime, 1) for regime in ("fp32", "autocast", "fsdp_mp")] == [0, 2, 0]
+    assert [weight_cast_bytes(regime, 2) for regime in ("fp32", "fsdp_mp")] == [0, 2]
+    config = compose_config(*TINY_MOE, "precision=bf16", "zero=stage3", "parallel.ep=2", "nproc=2")
+    m = config.model
+    for rank in (0, 1):
+        rows = expert_rows(config, rank)
+        assert expert_casts(config, "fsdp_mp", rows) == 3 * (m.n_experts // 2) * m.expert_width * m.dim * 2
+        assert expert_casts(config, "fp32", rows) == 0
 
 
 def test_a_dense_models_activations_free_nothing_early() -> None:
