@@ -59,7 +59,7 @@ REQUIRED_OPTIONS = {
 # What an option file's first line must name: the mechanism (a torch/numpy API, a class, FSDP2,
 # W&B, the published model family it copies: Llama, Qwen, Mistral), or for an option that turns one off, that it is off.
 MECHANISM = re.compile(
-    r"\b(torch|numpy)\.\w+|\b[A-Z][a-z]+[A-Z]\w+|\bFSDP2\b|Weights & Biases|\b(Llama|Qwen\d*|Mistral)\b|^# (No|Only) "
+    r"\b(torch|numpy)\.\w+|\b[A-Z][a-z]+[A-Z]\w+|\bFSDP2\b|Weights & Biases|\b(Llama|Qwen\d*|Mistral|Mixtral)\b|^# (No|Only) "
 )
 # Options that need a partner to be valid on their own.
 PARTNERS = {
