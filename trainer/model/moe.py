@@ -203,7 +203,7 @@ class MeanOverRanks(torch.autograd.Function):
         return grad / ctx.ranks, None
 
 
-class FeedForwardWidth(nn.Module):
+class SharedExperts(nn.Module):
     """The shared experts: one SwiGLU MLP of n_shared_experts * moe_ffn_dim (decoder.FeedForward's names)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
@@ -226,7 +226,7 @@ class MoE(nn.Module):
         self.router = Router(config)
         self.experts = GroupedExperts(config)
         if config.n_shared_experts > 0:
-            self.shared = FeedForwardWidth(config.dim, config.n_shared_experts * config.expert_width)
+            self.shared = SharedExperts(config.dim, config.n_shared_experts * config.expert_width)
         self.routing = MoeConfig()  # the run's moe keys (apply_moe_choice)
         self.log: RouterLog | None = None  # the model's (Transformer.__init__)
         self.ep: ExpertGroup | None = None  # parallel.ep > 1 (trainer/rank/experts.py)
@@ -256,6 +256,7 @@ class MoE(nn.Module):
         return None if factor is None else math.ceil(factor * tokens * self.top_k / self.n_experts)
 
     def run_experts(self, rows_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The rows (grouped by expert, `counts_E` of each) through their experts: here, or on their ep ranks."""
         watch = None if self.log is None or not self.log.records() else self.log.watch
         if self.ep is None or watch is not None:
             counts = counts_E.tolist()  # the loop needs the counts on the host; so does the watch
