@@ -41,7 +41,9 @@ def test_no_limit_where_no_routing_can_run_out_or_nothing_fits() -> None:
     assert routing_limit(roomy, build_plan(roomy, "cpu", 1), "cpu", 1) == {}
     tight = compose_config(*SHAPE, "device_memory_gib=0.01", "plan.enforce=false")
     assert routing_limit(tight, build_plan(tight, "cpu", 1), "cpu", 1) == {}
-    dense = compose_config("model=tiny", "device=cpu", "nproc=1", "device_memory_gib=0.01", "plan.enforce=false")
+    dense = compose_config(
+        "model=tiny", "device=cpu", "nproc=1", "device_memory_gib=0.01", "plan.enforce=false"
+    )
     assert routing_limit(dense, build_plan(dense, "cpu", 1), "cpu", 1) == {}
 
 
