@@ -41,6 +41,10 @@ from trainer.plan import build_plan
 from trainer.plan.activations import precisions, rope_casts
 from trainer.units import GIB
 
+# About 55 s of 2-rank runs, set up at the default tier's busiest point (which measured 1,196 s with it, at its
+# 20 minutes): .ci/run runs the slow tier.
+pytestmark = pytest.mark.slow
+
 PLAN_BOUND = 0.005
 EXACT = 64
 """Under ep=2 with the routing set by a bias every rank's plan is at or under its measured peak by at most this
