@@ -291,6 +291,28 @@ def tracked_peaks(config: TrainConfig, world: World, steps: Sequence[int] = (2, 
     return peaks
 
 
+def biased_trainee(config: TrainConfig, world: World, biased: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    """A mixture of experts' trainee, its batches and its guard after step 1, trained as `tracked_peaks` trains,
+    with a bias of 1 on each of the `biased` experts of every router (softmax scores never outweigh it: every
+    token takes them), so that its routing is known exactly."""
+    from trainer.data import build_batches
+    from trainer.layout import Layout
+    from trainer.model.moe import moe_layers
+    from trainer.rank.loop import build_trainee, train_step
+    from trainer.rank.nonfinite import NonFiniteGuard
+
+    torch.manual_seed(config.seed)
+    trainee = build_trainee(config, world)
+    for layer in moe_layers(trainee.model):
+        for expert in biased:
+            layer.router.expert_bias[expert] = 1.0
+    layout = Layout.from_config(config, world.world_size)
+    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
+    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16)
+    train_step(trainee, batches, config, world, 1, guard)
+    return trainee, batches, guard
+
+
 def layer_norms_bytes(model: ModelConfig | None = None) -> int:
     """telemetry.layer_norms' all-reduce on a log step (trainer/telemetry/layer_norms.py): 2 x layers float64
     over every rank, on the default group (a loop collective the plan leaves out, docs/communication.md)."""

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import compose_config, free_port, freeze_imports, torchrun_env
+from tests.helpers import biased_trainee, compose_config, free_port, freeze_imports, torchrun_env
 from trainer.config import TrainConfig
 from trainer.plan import build_plan, model_shape
 
@@ -60,22 +60,10 @@ def point_config(tokens: Path, imbalance: float, checkpointing: str) -> TrainCon
 
 def measured(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, float]:
     """This rank's bytes by group and collective in step 2 (the window after step 1), as telemetry books them."""
-    from trainer.data import build_batches
-    from trainer.layout import Layout
-    from trainer.model.moe import moe_layers
-    from trainer.rank.loop import build_trainee, train_step
-    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.rank.loop import train_step
     from trainer.telemetry.comm import WindowReader, group_names, window_figures
 
-    torch.manual_seed(config.seed)
-    trainee = build_trainee(config, world)
-    for layer in moe_layers(trainee.model):
-        for expert in biased:
-            layer.router.expert_bias[expert] = 1.0
-    layout = Layout.from_config(config, world.world_size)
-    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=False)
-    train_step(trainee, batches, config, world, 1, guard)
+    trainee, batches, guard = biased_trainee(config, world, biased)
     reader = WindowReader()  # from here on
     train_step(trainee, batches, config, world, 2, guard)
     default, descriptions = group_names(config, world.world_size)

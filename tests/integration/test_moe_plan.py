@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.helpers import (
+    biased_trainee,
     compose_config,
     free_port,
     freeze_imports,
@@ -101,22 +102,10 @@ def point_config(
 def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, Any]:
     """This rank's peak tensor bytes and its routers' loads in each tracked step, trained as a job's rank trains
     (tests/helpers.py tracked_peaks), with every router's bias on the `biased` experts."""
-    from trainer.data import build_batches
-    from trainer.layout import Layout
-    from trainer.model.moe import moe_layers
-    from trainer.rank.loop import build_trainee, train_step
-    from trainer.rank.nonfinite import NonFiniteGuard
+    from trainer.rank.loop import train_step
     from trainer.telemetry.memory import MemoryProbe
 
-    torch.manual_seed(config.seed)
-    trainee = build_trainee(config, world)
-    for layer in moe_layers(trainee.model):
-        for expert in biased:
-            layer.router.expert_bias[expert] = 1.0
-    layout = Layout.from_config(config, world.world_size)
-    batches = build_batches(config, layout.dp_index(world.rank), layout.dp, start_step=0)
-    guard = NonFiniteGuard(config.nonfinite, config.max_nonfinite_skips, world, fp16=config.precision.is_fp16)
-    train_step(trainee, batches, config, world, 1, guard)
+    trainee, batches, guard = biased_trainee(config, world, biased)
     peaks, loads = [], []
     for step in TRACKED:
         probe = MemoryProbe(world.device, memory_every=0, last_step=step)
