@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import HF_SEQUENCES, WORLD, hf_logits, load_preset, run_in_one_process, zero_over_world
+from tests.helpers import (
+    HF_SEQUENCES,
+    HF_SHAPES,
+    WORLD,
+    hf_logits,
+    load_preset,
+    run_in_one_process,
+    zero_over_world,
+)
 from trainer.config import ConfigError, ModelConfig, RouterScore, Stage, ZeroConfig
 from trainer.model import hf_weights
 from trainer.model.decoder import build_model, materialize
@@ -74,16 +82,11 @@ SHAPE_KEYS = (
 )
 # Tiny checkpoints (name -> architecture, fields): hidden 64, 2 layers, 4 heads of 16, 2 kv heads, 4 experts
 # of width 32, 2 per token, vocabulary 128; Qwen3-MoE with its top-2 weights normalised and not.
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=64,
-    num_experts_per_tok=2,
-)
+TINY = {  # the dense families' tiny shapes (tests/helpers.py), the MLP's width set per architecture below
+    **{key: value for key, value in HF_SHAPES.items() if key != "intermediate_size"},
+    "head_dim": 16,
+    "num_experts_per_tok": 2,
+}
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralForCausalLM", {"intermediate_size": 32, "num_local_experts": 4}),
     "qwen3-moe": (

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import compose_config, saved_storage_bytes
+from trainer.config import TrainConfig
 from trainer.model.decoder import build_model, init_weights
 from trainer.model.moe import apply_moe_choice
 from trainer.plan import build_plan
@@ -46,6 +47,17 @@ def test_a_capacity_caps_every_expert() -> None:
     assert rows.per_expert == (48,) + (28,) * 3 + (27,) * 4 and rows.total == 256 - 16
 
 
+def model_and_batch(*overrides: str) -> tuple[TrainConfig, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """tiny-moe's config with `overrides`, its model on the CPU (initialised, the moe keys applied) and a batch."""
+    config = compose_config(*TINY_MOE, *overrides)
+    model = build_model(config.model, device="cpu")
+    init_weights(model, seed=0)
+    apply_moe_choice(model, config.moe)
+    shape = (config.micro_batch, config.seq_len)
+    inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
+    return config, model, inputs, targets
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -59,12 +71,7 @@ def test_planned_activations_are_what_autograd_saves(overrides: tuple[str, ...])
     """Every block's saved set (the MoE layer's in place of the dense MLP's hidden tensors), the head's and the
     batch's: the plan's total equals the distinct storages autograd saves, parameters and buffers (the router's
     expert_bias) and the rotary tables excluded. Dropless, the saved set is the same whatever the routing."""
-    config = compose_config(*TINY_MOE, *overrides)
-    model = build_model(config.model, device="cpu")
-    init_weights(model, seed=0)
-    apply_moe_choice(model, config.moe)
-    shape = (config.micro_batch, config.seq_len)
-    inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
+    config, model, inputs, targets = model_and_batch(*overrides)
     assert saved_storage_bytes(model, inputs, targets, "fp32") == activations(config).total
 
 
@@ -82,12 +89,7 @@ def test_half_precision_activations_are_what_autograd_saves(overrides: tuple[str
     `expert_casts`): what autograd saves, to the byte, beside autocast's cached casts of the nn.Linear weights
     (the attention's, the gate's, the shared experts', the output head's), which the plan counts as temporaries
     (trainer/plan/ddp_walk.py). Under FSDP2's bf16 parameters at ep = 1 the experts' weights are bf16: no casts."""
-    config = compose_config(*TINY_MOE, *overrides)
-    model = build_model(config.model, device="cpu")
-    init_weights(model, seed=0)
-    apply_moe_choice(model, config.moe)
-    shape = (config.micro_batch, config.seq_len)
-    inputs, targets = (torch.randint(0, config.model.vocab_size, shape) for _ in range(2))
+    config, model, inputs, targets = model_and_batch(*overrides)
     regime = precisions(config.precision, config.zero).regime
     cached = 0
     if regime == "autocast":
