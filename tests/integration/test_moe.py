@@ -92,6 +92,7 @@ def test_routing_is_logged_per_layer(biased: dict[str, Run]) -> None:
     assert record["moe/balance_loss"] >= 1.0 - 1e-6  # E * sum f P >= ... its balanced value is 1
 
 
+@pytest.mark.slow  # ~20 s of a 2-rank run with W&B: the default tier measured 1,212 s: .ci/run runs the slow tier
 def test_a_capacity_drops_and_logs_the_count_to_the_file_and_wandb(tmp_path: Path) -> None:
     """moe.capacity_factor=1.0: each expert takes at most its even share; the busiest experts drop the rest. W&B
     (offline, read back with its own reader) records the routing keys as metrics.jsonl has them."""
@@ -112,6 +113,7 @@ WATCHED = (
 )  # fmt: skip
 
 
+@pytest.mark.slow  # ~12 s of two jobs: the default tier measured 1,212 s: .ci/run runs the slow tier
 def test_a_routing_that_would_run_out_of_memory_is_named_with_its_step(tmp_path: Path) -> None:
     """Memory for the plan at imbalance 3 (between its plans at 2, which the job assumes, and at 4, every token on
     one expert): the job finds the limit near 3; a run whose routing stays near balanced (its blocks measured 1.2 to
