@@ -506,6 +506,9 @@ def end_summary(
         **nonfinite_summary(records),
         **meta,
     )
+    if config.precision.is_fp8 and keys.MFU_PCT in summary:
+        # Its fp8 GEMMs run at up to twice the bf16 rate, so the figure is not an fp8 utilisation: say so.
+        summary[keys.MFU_BASIS] = keys.FP8_MFU_BASIS
     if records and config.telemetry.enabled:
         # Absent where memory did not creep: W&B's summary keeps no null, and the run's summary is summary.json's.
         creep = find_creep(

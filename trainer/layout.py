@@ -101,6 +101,13 @@ class Layout:
     def dp(self) -> int:
         return self.size("dp")
 
+    @property
+    def replicas(self) -> int:
+        """The data-parallel replicas of a zero=stage0/1 model: dp x cp (a cp rank computes its own chunks, so
+        its gradients are reduced like a replica's). DDP wraps a model only where there are several
+        (trainer/rank/parallelize.py `replicas_to_wrap`), and the plan walks a step without it where there is one."""
+        return self.size("dp", "cp")
+
     def enabled(self, axis: str) -> bool:
         return self.size(axis) > 1
 
@@ -242,6 +249,7 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
         )
     dp = world // (tp * pp * cp)
     check_expert_ranks(config, dp)
+    check_one_replica(zero, dp * cp)
     if not (tp == 1 or zero.uses_fsdp or dp * cp == 1):
         # The one tp leaving one replica, where it is a valid size (inside a node, dividing the model's heads).
         whole = [t for t in tp_sizes(config.model, nproc) if t * pp == world]
@@ -249,6 +257,19 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
             f"parallel.tp={tp} with zero={zero.stage.value} on {dp * cp} data-parallel replicas is not supported (torch's "
             f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3"
             + "".join(f", or parallel.tp={t}" for t in whole)
+        )
+
+
+def check_one_replica(zero: ZeroConfig, replicas: int) -> None:
+    """zero.compression and zero.sync_every change how replicas reduce their gradients: with one replica
+    no DDP wraps the model (trainer/rank/parallelize.py `replicas_to_wrap`), so they would do nothing."""
+    methods = [f"zero.compression={zero.compression.value}"] if zero.compression.value != "none" else []
+    methods += [f"zero.sync_every={zero.sync_every}"] if zero.sync_every > 1 else []
+    if replicas == 1 and methods:
+        raise ConfigError(
+            f"{' and '.join(methods)} {'changes' if len(methods) == 1 else 'change'} how data-parallel replicas "
+            "reduce gradients, and this job has one "
+            "replica (no DDP wraps it); use zero.compression=none and zero.sync_every=1, or more ranks"
         )
 
 

@@ -51,6 +51,12 @@ CASES = [
     (["zero=stage3", "zero.shard_ranks=3", "nproc=4"], "zero.shard_ranks=3 must divide", "1, 2, 4"),
     (["zero=stage2", "zero.hpz_ranks=2"], "zero.hpz_ranks", "needs zero=stage3"),
     (["zero=stage3", "zero.compression=powersgd"], "zero.compression=powersgd", "zero.compression=none"),
+    (
+        ["nproc=1", "zero.compression=powersgd"],
+        "zero.compression=powersgd changes how",
+        "zero.compression=none",
+    ),
+    (["nproc=1", "zero.sync_every=4"], "zero.sync_every=4 changes how", "zero.sync_every=1"),
     (["zero.topk_ratio=0"], "zero.topk_ratio", "(0, 1]"),
     (["zero.topk_ratio=2"], "zero.topk_ratio", "(0, 1]"),
     (["zero.compression=gzip"], "zero.compression=gzip", "none, powersgd, topk"),

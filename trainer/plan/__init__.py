@@ -19,8 +19,9 @@ The planner is this package; each module's docstring is its part of the design n
   - loss.py: the loss's moments and temporaries, full and chunked;
   - fp8_backward.py: precision=fp8's float8 casts in w2's backward (torchao's eager casts);
   - ddp_walk.py: the DDP step (stages 0-1);
-  - tp_walk.py: a tensor-parallel step without DDP (parallel.tp > 1 at stage0): plain gradients made
-    block by block, loss_parallel's and sequence parallelism's temporaries;
+  - replica_walk.py: a step without DDP, one data-parallel replica (a tensor-parallel model at dp = 1, a
+    one-rank job): plain gradients made block by block;
+  - tp_walk.py: what tensor parallelism adds to it: loss_parallel's and sequence parallelism's temporaries;
   - fsdp_walk.py: the FSDP2 step (stages 2-3): forward, loss, the root's backward, the kinds of
     micro-batch zero.reshard_after_backward=false makes;
   - fsdp_blocks.py: FSDP2's block backward, one function per moment over a per-block record;

@@ -32,9 +32,9 @@ from trainer.plan.moe import moe_fields
 from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
+from trainer.plan.replica_walk import replica_moments
 from trainer.plan.states import RankStates, model_shape, rank_states
 from trainer.plan.tensor_parallel import tp_local
-from trainer.plan.tp_walk import tp_moments
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
 
@@ -122,21 +122,24 @@ def device_memory(
 ) -> DeviceMemory:
     """The cap (device_memory_gib), else a named accelerator, else this host's GPU or memory.
     `communicators`: NCCL communicators that carry a GPU rank's traffic (None: the default group
-    alone, with more than one rank)."""
+    alone, which init_process_group makes on one rank too)."""
     if communicators is None:
-        communicators = 1 if world_size > 1 else 0
+        communicators = 1
     if device_memory_gib is not None:
         return DeviceMemory(int(device_memory_gib * GIB), f"device_memory_gib={device_memory_gib:g}")
     accelerator = plan.accelerator
     if accelerator is not None:
         spec = find_accelerator(accelerator)
         assert spec is not None  # PlanConfig checked the name
-        return allocator_share(spec.memory_mib * MIB, spec.short, communicators)
+        return allocator_share(spec.memory_mib * MIB, spec.short, communicators, world_size)
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             return DeviceMemory(None, "no GPU visible here")
         return allocator_share(
-            torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), communicators
+            torch.cuda.get_device_properties(0).total_memory,
+            torch.cuda.get_device_name(0),
+            communicators,
+            world_size,
         )
     # CPU ranks share this host's memory, so each gets an equal part of what is free now;
     # under torchrun only this host's ranks (LOCAL_WORLD_SIZE) share it.
@@ -147,11 +150,11 @@ def device_memory(
     )
 
 
-def allocator_share(total: int, name: str, communicators: int) -> DeviceMemory:
+def allocator_share(total: int, name: str, communicators: int, world_size: int) -> DeviceMemory:
     """What the caching allocator of a GPU rank may reserve: the device less the CUDA context and
     the buffers of `communicators` NCCL communicators (trainer/plan/headroom.py). A
     `device_memory_gib` cap needs no such deduction: it caps the allocator's reserved memory itself."""
-    outside = HEADROOM.outside_allocator(communicators)
+    outside = HEADROOM.outside_allocator(communicators, world_size)
     nccl = f"{communicators} NCCL communicator{'s' if communicators != 1 else ''}"
     return DeviceMemory(
         total - outside,
@@ -314,7 +317,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
                 other_bytes(config.model, config.data, states) + cp_positions(config),
                 ep_rank,
             )
-            planned[key] = tuple(walk(config)(ctx))
+            planned[key] = tuple(walk(config, layout)(ctx))
         ranks.append(rank_plan(config, device_kind, rank, states, rank_acts.total, planned[key]))
     communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers)
     memory = device_memory(
@@ -403,12 +406,12 @@ def build_pipeline_plan(
     return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, pipe)
 
 
-def walk(config: TrainConfig) -> Callable[[StepContext], list[Moment]]:
-    """The walk of one step: FSDP2's (stages 2-3), a tensor-parallel replica's without DDP
-    (trainer/plan/tp_walk.py), or DDP's."""
+def walk(config: TrainConfig, layout: Layout) -> Callable[[StepContext], list[Moment]]:
+    """The walk of one step: FSDP2's (stages 2-3), one data-parallel replica's without DDP (a tensor-parallel
+    model's at dp = 1, or a one-rank job's: trainer/plan/replica_walk.py), or DDP's."""
     if config.zero.uses_fsdp:
         return fsdp_moments
-    return tp_moments if config.parallel.tp > 1 else ddp_moments
+    return replica_moments if layout.replicas == 1 else ddp_moments
 
 
 def parallel_fields(config: TrainConfig, world_size: int) -> dict[str, Any]:

@@ -24,15 +24,17 @@ from trainer.plan.states import ModelShape
 from trainer.private_apis.of_torch import ddp_bucket_assignment
 
 
-def ddp_moments(ctx: StepContext) -> list[Moment]:
-    """Stages 0-1: DDP holds replicated fp32 params and its gradient buckets all step long."""
+def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
+    """Stages 0-1: DDP holds replicated fp32 params and its gradient buckets all step long. Without
+    `buckets`, one replica's later micro-batches (trainer/plan/replica_walk.py): the gradients held all
+    along, and no second copy accumulated beside them."""
     m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
     vd = m.vocab_size * m.dim
     # Autocast caches its cast of every weight from first use until the autocast region (which
     # wraps forward and backward in loop.py) exits; under fp8 not of the block linears torchao converted.
     converted = converted_numel(m) if ctx.config.precision.is_fp8 else 0
     linear = (ctx.shape.block_linear_numel - converted) * m.n_layers + vd  # blocks' matmuls + output head
-    fixed = (2 * linear if prec.regime == "autocast" else 0) + accumulation_grads(ctx)
+    fixed = (2 * linear if prec.regime == "autocast" else 0) + (accumulation_grads(ctx) if buckets else 0)
     weight_grad = 6 if prec.regime == "autocast" else 4
     # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,
     # one AccumulateGrad) through every block's backward; then the two and their sum are alive at once.

@@ -97,7 +97,8 @@ class ShardGroups:
         """NCCL communicators that carry traffic on one rank, each holding its own buffers.
 
         NCCL creates a communicator at a group's first collective, so a group that moves nothing
-        costs nothing. With more than one rank: the default group (DDP, the loop's agreements, and
+        costs nothing, except the default group's, which init_process_group(device_id=...) creates at
+        once, one rank alone too (trainer/world.py). With more than one rank: the default group (DDP, the loop's agreements, and
         FSDP2's 1-D mesh over every rank, which DeviceMesh takes as the default group); HSDP's 2-D
         mesh adds its shard and replicate groups; hpZ adds one per module sharded with
         reshard_after_forward=<int> (`hpz_modules`): FSDP2 builds each such module a DeviceMesh of
@@ -107,7 +108,7 @@ class ShardGroups:
         tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
         cp = 1 if 1 < self.cp < self.world else 0  # the cp dim's group, where it is not ZeRO's (dp > 1)
         if self.world <= 1:
-            return tp
+            return 1  # the default group's: init_process_group(device_id=...) makes it at once (trainer/world.py)
         return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp + cp
 
 

@@ -7,7 +7,7 @@ holds, per rank:
   the allocator's reserved memory): the CUDA context with its loaded kernels, and NCCL's
   buffers, per communicator that carries traffic (trainer/plan/groups.py
   `ShardGroups.nccl_communicators`: one without HSDP or hpZ, three with HSDP, one more per
-  hpZ block; none with one rank). "More communicators = more memory used" (NVIDIA/nccl#986,
+  hpZ block; with one rank the default group's, made at init and idle). "More communicators = more memory used" (NVIDIA/nccl#986,
   answering #864); NVIDIA/nccl#964 measured 544 MiB for a 2-GPU communicator and 688 MiB for
   3-4 GPUs on A100s with NVLink, after one all-reduce each;
 - inside it: cuBLAS's workspace (torch allocates it through the caching allocator, once per
@@ -51,6 +51,9 @@ class Headroom:
     nccl_gib: float = 688 / 1024
     """NCCL's buffers per communicator that carries traffic: outside the allocator (688 MiB; the
     module docstring gives the measurements it stands for)."""
+    nccl_one_rank_gib: float = 0.545
+    """A one-rank job's default-group communicator, which init_process_group(device_id=...) creates at once
+    (trainer/world.py) though nothing crosses it: 0.545 GiB measured on one H200 (the module docstring)."""
     cublas_workspace_gib: float = 1 / 32
     """cuBLAS workspace (32 MiB): inside the allocator."""
     stream_cache_gib: float = 1.25
@@ -58,10 +61,11 @@ class Headroom:
     fragmentation: float = 0.1733
     """Fitted: reserved grows by this fraction of allocated memory, beyond the fixed part."""
 
-    def outside_allocator(self, communicators: int) -> int:
+    def outside_allocator(self, communicators: int, world_size: int = 2) -> int:
         """Bytes a rank's device holds that the caching allocator does not manage, with
-        `communicators` NCCL communicators carrying its traffic."""
-        return int((self.context_gib + self.nccl_gib * communicators) * GIB)
+        `communicators` NCCL communicators carrying its traffic (of one rank alone at world_size 1)."""
+        nccl = self.nccl_one_rank_gib if world_size == 1 else self.nccl_gib
+        return int((self.context_gib + nccl * communicators) * GIB)
 
     def reserved(self, allocated: int) -> int:
         """The allocator's reserved memory predicted for a tensor peak of `allocated` bytes."""

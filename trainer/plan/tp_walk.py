@@ -1,10 +1,5 @@
-"""The walk of a tensor-parallel step without DDP (parallel.tp > 1 at zero=stage0: one data-parallel replica).
-
-trainer/rank/sharding.py's apply_zero wraps no DDP around a tensor-parallel model with dp = 1: each parameter's
-gradient is its own `.grad`, freed by zero_grad(set_to_none=True) at the start of the step and made, layer
-by layer, as backward reaches it (AccumulateGrad keeps the first gradient itself: no bucket, no copy). So
-forward holds no gradients, and block i's backward holds those of the head, the final norm and the blocks
-after it: with whole activations the last block's backward is the worst, with checkpointed ones block 0's.
+"""What a step without DDP holds under tensor parallelism (parallel.tp > 1 at zero=stage0: one data-parallel
+replica); the walk itself, shared with a one-rank job's, is trainer/plan/replica_walk.py.
 
 The layers' shapes are one TP rank's (trainer/plan/tensor_parallel.py's local model); what sequence
 parallelism and loss_parallel change is here and in trainer/plan/activations.py.
@@ -23,7 +18,6 @@ from trainer.plan.moments import (
     StepContext,
     ffn_norm_backward,
     incoming_gradient,
-    optimizer_temporary,
 )
 
 LOSS_PARALLEL_TARGET_BYTES = 33
@@ -31,48 +25,6 @@ LOSS_PARALLEL_TARGET_BYTES = 33
 (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`): the safe target
 (int64), its vocabulary-masked copy (int64, `_MaskPartial._partition_value`), the mask (bool), the
 arange index (int64) and the update (the mask's fp32 cast and the fp32 difference)."""
-
-
-def tp_moments(ctx: StepContext) -> list[Moment]:
-    """zero=stage0 under tensor parallelism (module docstring): the moments of one step."""
-    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
-    vd = m.vocab_size * m.dim
-    fixed = autocast_casts(ctx)
-    nv = n * m.vocab_size
-    loss_forward, loss_backward = parallel_loss_temporary(ctx), parallel_loss_backward_temporary(ctx)
-    if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
-        head = max(2 * nv + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
-    else:
-        head = 4 * nv + 4 * n * m.dim + 4 * vd
-    return [
-        ctx.moment(
-            "forward: last block",
-            grads=0,
-            activations=acts.before_last_block + acts.full_block,
-            temporary=fixed,
-        ),
-        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + loss_forward),
-        ctx.moment("backward: loss", grads=0, activations=acts.total, temporary=fixed + loss_backward),
-        ctx.moment(
-            "backward: output head",
-            grads=0,
-            activations=acts.total - acts.log_softmax,
-            temporary=fixed + head,
-        ),
-        worst_block_backward(ctx, fixed),
-        ctx.moment(
-            "backward: embedding",
-            grads=ctx.states.grads - 4 * vd,
-            activations=acts.batch,
-            temporary=fixed + 4 * vd + embedding_backward(ctx),
-        ),
-        # the embedding's gradient is whole by now (`replicated_embedding_gradient`)
-        ctx.moment(
-            "optimizer step",
-            grads=ctx.states.grads + replicated_embedding_gradient(ctx.config, 4),
-            temporary=optimizer_temporary(ctx),
-        ),
-    ]
 
 
 def replicated_embedding_gradient(config: TrainConfig, width: int) -> int:

@@ -38,7 +38,9 @@ def build_optimizer(
         directory, buffer = Path(offload.path), offload.buffer_mib * MIB
         return apply_local_sgd(NvmeAdamW(model.parameters(), directory, rank, buffer, **hyper), zero)
     kwargs = dict(**hyper, fused=fused)
-    if zero.stage == Stage.stage1:
+    # One rank has nothing to partition, and ZeroRedundancyOptimizer would still broadcast every parameter
+    # to itself after each step (over the default group, whose size is its partition count).
+    if zero.stage == Stage.stage1 and dist.get_world_size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # see trainee.local_optimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)

@@ -85,8 +85,9 @@ def parallelize(
 
 
 def replicas_to_wrap(layout: Layout) -> bool:
-    """Whether DDP wraps the part (zero=stage0/1): over several data-parallel replicas always; a plain
-    data-parallel job keeps its DDP at one rank too, and a cp group is replicas too (each rank its own chunks) (the plan's DDP walk counts its buckets there). A
-    model-parallel part at one replica has nothing to replicate, and torch's DDP would swap TP's DTensor
-    parameters for local tensors (_pre_dp_module_transform), hiding them from the gradient norm."""
-    return layout.dp * layout.cp > 1 or not (layout.enabled("tp") or layout.enabled("pp"))
+    """Whether DDP wraps the part (zero=stage0/1): only over several data-parallel replicas (dp x cp; a cp
+    group is replicas too, each rank its own chunks). One replica has nothing to reduce: DDP there would
+    only all-reduce each bucket with itself and copy every gradient into its buckets (on one GPU ~85 NCCL
+    calls a step the plan does not count), and under TP or PP torch's DDP would swap the DTensor parameters
+    for local tensors (_pre_dp_module_transform), hiding them from the gradient norm."""
+    return layout.replicas > 1

@@ -126,7 +126,7 @@ LOOP_COLLECTIVES = {
     "non-finite and stop agreement": "all_reduce of world_size + 2 fp32 flags (2 x world_size + 3 with stability.spike), every step (trainer/rank/nonfinite.py)",
     "gradient-norm clipping": "all_reduce of one fp32 norm per parameter tensor, every step, stages 2-3 (DTensor)",
     "fp16 overflow agreement": "all_reduce of one fp32 flag, every step, stages 2-3 under fp16 (ShardedGradScaler)",
-    "metric gather": "all_gather of one float64 row per rank, on log steps (trainer/telemetry/metrics.py)",
+    "metric gather": "all_gather of one float64 row per rank, on log steps, none at one rank (trainer/telemetry/metrics.py)",
     "per-layer norms": "all_reduce of 2 x layers float64, on log steps (telemetry.layer_norms, trainer/telemetry/layer_norms.py)",
 }
 """The collectives the training loop issues besides ZeRO's, which the plan leaves out (the pipeline's loss and
@@ -235,9 +235,15 @@ class Timing:
 
 
 class WindowReader:
-    """The flight-recorder entries of this process since the last read (ids increase by one per recorder)."""
+    """The flight-recorder entries of this process since the last read (ids increase by one per recorder).
 
-    def __init__(self) -> None:
+    `alone`: this is a one-rank job. With peers every step moves something, so a window its recorders left
+    empty says they record nothing (nothing is not a zero). A lone rank's loop issues no collective (no DDP,
+    no agreement, no metric gather), and one that did would be recorded: there, an empty window read whole
+    is a zero."""
+
+    def __init__(self, alone: bool = False) -> None:
+        self.alone = alone
         self.last_ids = dict.fromkeys(flight_recorder_dumps(), -1)
         self.pending: dict[str, set[int]] = {name: set() for name in self.last_ids}
         """Per recorder: ids read before they had a duration, looked up again at the next read."""
@@ -254,7 +260,7 @@ class WindowReader:
 
     def take(self) -> list[dict[str, Any]] | None:
         """New entries of every recorder, or None when they cannot be known whole (no dump; a ring
-        buffer overwrote some) or when no recorder recorded anything (nothing is not a zero)."""
+        buffer overwrote some) or when no recorder recorded anything, except on a rank `alone`."""
         new_entries: list[dict[str, Any]] = []
         complete = bool(self.last_ids)
         timing = Timing()
@@ -271,7 +277,7 @@ class WindowReader:
             new_entries += new
             timed_any |= self._time(name, entries, new, timing)
         self.timing = timing if timed_any else None
-        return new_entries if complete and new_entries else None
+        return new_entries if complete and (new_entries or self.alone) else None
 
     def _time(
         self, name: str, entries: list[dict[str, Any]], new: list[dict[str, Any]], timing: Timing
@@ -382,12 +388,13 @@ class CommProbe:
         last_step: int,
         default_group: str = "world",
         descriptions: dict[str, str] = GROUP_DESCRIPTIONS,
+        alone: bool = False,
     ) -> None:
         self.device = device
         self.default_group, self.descriptions = default_group, descriptions
         self.memory_every = memory_every
         self.last_step = last_step
-        self.reader = WindowReader()
+        self.reader = WindowReader(alone)
         self._anchor: int | None = None
         self._exposed_pct = self._profiled_step_s = NAN
 

@@ -137,7 +137,11 @@ class Meter:
         # Collectives from here on: the model's construction and a resume's load are not steps.
         self.comm = (
             CommProbe(
-                world.device, telemetry.memory_every, config.steps, *group_names(config, world.world_size)
+                world.device,
+                telemetry.memory_every,
+                config.steps,
+                *group_names(config, world.world_size),
+                alone=world.world_size == 1,
             )
             if telemetry.enabled
             else None
@@ -559,7 +563,10 @@ def routing_record(
 
 
 def gather_rows(local: torch.Tensor, world: World) -> torch.Tensor:
-    """Stack one row per rank (rank order); the collective runs on the backend's device."""
+    """Stack one row per rank (rank order); the collective runs on the backend's device. One rank gathers
+    from no one: no collective, so a one-rank job moves nothing (its plan's 0 bytes)."""
+    if world.world_size == 1:
+        return local[None].cpu()
     device_row = local.to(world.device)
     rows = [torch.empty_like(device_row) for _ in range(world.world_size)]
     dist.all_gather(rows, device_row)

@@ -295,7 +295,8 @@ def summary_table(summary: dict[str, Any]) -> str:
             )
         )
     if keys.MFU_PCT in summary:
-        rows.append(("MFU (steady)", f"{summary[keys.MFU_PCT]:.1f}%"))
+        basis = " (bf16-equivalent)" if keys.MFU_BASIS in summary else ""
+        rows.append(("MFU (steady)", f"{summary[keys.MFU_PCT]:.1f}%{basis}"))
     if keys.STEP_S in summary:
         rows.append(
             (

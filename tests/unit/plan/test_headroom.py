@@ -21,6 +21,7 @@ from trainer.units import GIB
 CONTEXT_BYTES = 805_306_368  # 0.75 GiB: the CUDA context, per process
 NCCL_BYTES = 721_420_288  # 688 MiB: NCCL's buffers per communicator
 CONTEXT_AND_NCCL_BYTES = 1_526_726_656  # 0.75 GiB + 688 MiB for one communicator
+CONTEXT_AND_ONE_RANK_NCCL_BYTES = 1_390_495_662  # (0.75 + 0.545) GiB, truncated
 WORKSPACE_BYTES = 33_554_432  # cuBLAS's 32 MiB, inside the allocator
 STREAM_CACHE_BYTES = 1_342_177_280  # 1.25 GiB cached on FSDP2's collective streams (fitted)
 FRAGMENTATION = 1.1733  # reserved grows by 17.33% of allocated (fitted)
@@ -30,6 +31,7 @@ def test_the_headroom_is_the_stated_bytes() -> None:
     assert HEADROOM.outside_allocator(0) == CONTEXT_BYTES
     assert HEADROOM.outside_allocator(1) == CONTEXT_AND_NCCL_BYTES
     assert HEADROOM.outside_allocator(3) == 2_969_567_232 == CONTEXT_BYTES + 3 * NCCL_BYTES
+    assert HEADROOM.outside_allocator(1, world_size=1) == CONTEXT_AND_ONE_RANK_NCCL_BYTES
     # 1 GiB of tensors: 1,073,741,824 x 1.1733 = 1,259,821,282.1, plus 32 MiB + 1.25 GiB = 1,375,731,712, truncated.
     assert HEADROOM.reserved(1_073_741_824) == 2_635_552_994
     assert HEADROOM.reserved(0) == WORKSPACE_BYTES + STREAM_CACHE_BYTES == 1_375_731_712
@@ -40,7 +42,9 @@ def test_a_gpu_rank_may_reserve_the_device_less_context_and_nccl() -> None:
     h100 = find_accelerator("h100").memory_mib * 2**20
     one = build_plan(compose_config("plan.accelerator=h100"), "cuda", 1)
     eight = build_plan(compose_config("plan.accelerator=h100"), "cuda", 8)
-    assert one.memory.per_rank_bytes == h100 - CONTEXT_BYTES
+    # one rank: the default group's communicator, made at init (device_id) though idle, 0.545 GiB measured
+    assert one.memory.per_rank_bytes == h100 - CONTEXT_AND_ONE_RANK_NCCL_BYTES
+    assert one.memory.source.endswith("and 1 NCCL communicator")
     assert eight.memory.per_rank_bytes == h100 - CONTEXT_AND_NCCL_BYTES
     capped = build_plan(compose_config("plan.accelerator=h100", "device_memory_gib=10"), "cuda", 8)
     assert capped.memory.per_rank_bytes == 10 * GIB  # the cap bounds the allocator itself

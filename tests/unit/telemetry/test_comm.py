@@ -105,6 +105,9 @@ def test_a_window_the_recorders_left_empty_is_not_measured_rather_than_zero(
     reader = WindowReader()
     figures = window_figures(reader.take())
     assert all(math.isnan(figures[kind]) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    # A rank alone issues no collective: the same empty window, read whole, is a zero there.
+    alone = window_figures(WindowReader(alone=True).take())
+    assert all(alone[kind] == 0.0 for kind in ("all_reduce", "all_gather", "reduce_scatter"))
 
 
 def test_an_overwritten_ring_buffer_in_either_recorder_is_not_measured(

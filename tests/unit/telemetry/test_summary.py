@@ -146,3 +146,32 @@ def test_the_memory_error_is_the_worst_compared_windows_and_the_excluded_are_cou
     assert dict(plan_error_rows(summary))["peak plan error"] == (
         "+0.50% at step 4 (2 measured windows compared, 1 left out (planned otherwise))"
     )
+
+
+@pytest.mark.parametrize(("precision", "labelled"), [("fp8", True), ("bf16", False)])
+def test_an_fp8_runs_mfu_is_labelled_bf16_equivalent(tmp_path, precision: str, labelled: bool) -> None:
+    """fp8's GEMMs run faster than the bf16 peak MFU divides by: summary.json (W&B's summary is the same
+    dict) names the basis, and the console's row says it; a bf16 run's MFU needs no label."""
+    from tests.helpers import compose_config
+    from trainer.job import end_summary
+    from trainer.telemetry import keys
+    from trainer.telemetry.summary import summary_table
+
+    figures = {
+        keys.LOSS: 5.0,
+        keys.TOKENS_PER_S: 1000.0,
+        keys.MFU_PCT: 40.0,
+        keys.STEP_S: 0.1,
+        keys.DATA_S: 0.0,
+    }
+    records = [{"step": s, **figures} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = compose_config(f"precision={precision}", "steps=3", "telemetry.warmup_steps=1")
+    summary = end_summary(config, tmp_path, keys.Status.ok, {}, {})
+    assert summary[keys.MFU_PCT] == 40.0
+    assert (summary.get(keys.MFU_BASIS) == keys.FP8_MFU_BASIS) is labelled
+    assert json.loads((tmp_path / "summary.json").read_text()).get(keys.MFU_BASIS) == summary.get(
+        keys.MFU_BASIS
+    )
+    row = next(line for line in summary_table(summary).splitlines() if "MFU (steady)" in line)
+    assert row.split("MFU (steady)")[1].strip() == ("40.0% (bf16-equivalent)" if labelled else "40.0%")

@@ -1,0 +1,82 @@
+"""The walk of a step without DDP: one data-parallel replica (trainer/layout.py `Layout.replicas`), a
+tensor-parallel model at dp = 1 or a one-rank job, at zero=stage0/1.
+
+trainer/rank/parallelize.py wraps no DDP around one replica: each parameter's gradient is its own `.grad`,
+freed by zero_grad(set_to_none=True) at the start of the step and made, layer by layer, as backward reaches it
+(AccumulateGrad keeps the first gradient itself: no bucket, no copy). So forward holds no gradients, and
+block i's backward holds those of the head, the final norm and the blocks after it: with whole activations
+the last block's backward is the worst, with checkpointed ones block 0's. With grad_accum > 1 every
+micro-batch after the first starts with every gradient held and AccumulateGrad adds into them in place: DDP's
+walk (trainer/plan/ddp_walk.py), less the buckets' second copy of an accumulated gradient.
+"""
+
+from __future__ import annotations
+
+from trainer.config import LossKind
+from trainer.plan.ddp_walk import ddp_moments
+from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
+from trainer.plan.moments import Moment, StepContext, optimizer_temporary
+from trainer.plan.tp_walk import (
+    autocast_casts,
+    embedding_backward,
+    replicated_embedding_gradient,
+    worst_block_backward,
+)
+
+
+def replica_moments(ctx: StepContext) -> list[Moment]:
+    """One data-parallel replica without DDP (module docstring): the moments of one step."""
+    if ctx.config.grad_accum > 1 and ctx.config.parallel.tp == 1:
+        return ddp_moments(ctx, buckets=False)
+    m, acts = ctx.config.model, ctx.acts
+    vd = m.vocab_size * m.dim
+    fixed = autocast_casts(ctx)
+    return [
+        ctx.moment(
+            "forward: last block",
+            grads=0,
+            activations=acts.before_last_block + acts.full_block,
+            temporary=fixed,
+        ),
+        *loss_moments(ctx, fixed),
+        worst_block_backward(ctx, fixed),
+        ctx.moment(
+            "backward: embedding",
+            grads=ctx.states.grads - 4 * vd,
+            activations=acts.batch,
+            temporary=fixed + 4 * vd + embedding_backward(ctx),
+        ),
+        # under TP the embedding's gradient is whole by now (`replicated_embedding_gradient`)
+        ctx.moment(
+            "optimizer step",
+            grads=ctx.states.grads + replicated_embedding_gradient(ctx.config, 4),
+            temporary=optimizer_temporary(ctx),
+        ),
+    ]
+
+
+def loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:
+    """The loss and the output head's backward before any gradient is held (the head's own is temporary
+    here): the full loss's (loss_parallel's under TP, trainer/plan/loss.py), or the chunked loss's."""
+    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
+    vd = m.vocab_size * m.dim
+    if ctx.config.loss.kind == LossKind.chunked:
+        # autocast: bf16 weight gradients, cast to fp32 once all chunks are done; fp32: accumulated in place
+        grad, end = (2 * vd, 6 * vd) if prec.regime == "autocast" else (4 * vd, 4 * vd)
+        return chunked_loss_moments(ctx, fixed, grad, end, grads=0)
+    forward, backward = full_loss_temporaries(ctx)
+    nv = n * m.vocab_size
+    if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
+        head = max(2 * nv + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
+    else:
+        head = 4 * nv + 4 * n * m.dim + 4 * vd
+    return [
+        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + forward),
+        ctx.moment("backward: loss", grads=0, activations=acts.total, temporary=fixed + backward),
+        ctx.moment(
+            "backward: output head",
+            grads=0,
+            activations=acts.total - acts.log_softmax,
+            temporary=fixed + head,
+        ),
+    ]
