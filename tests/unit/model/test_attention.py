@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.helpers import compose_config
+from trainer.advise.predict import op_recompute_flops_per_token
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
 from trainer.config.checkpointing import TORCHTITAN_SAVE_OPS
 from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice, sdpa_op
@@ -162,8 +163,19 @@ def test_cudnn_is_refused_where_it_cannot_run_naming_the_key() -> None:
 
 
 def test_cudnn_runs_as_the_op_checkpointing_saves() -> None:
+    """checkpointing=op's default list keeps cuDNN's output, so the advisor's recompute counts no attention
+    for it, as for flash's (trainer/advise/predict.py)."""
     op = sdpa_op(SdpaChoice(CUDNN), "cuda")
     assert op == "aten._scaled_dot_product_cudnn_attention" and op in TORCHTITAN_SAVE_OPS
+    config = compose_config("model=tiny", "checkpointing=op")
+    rerun = [
+        op_recompute_flops_per_token(
+            config.model, config.checkpointing, 64, sdpa_op(SdpaChoice(kernel), "cuda")
+        )
+        for kernel in (CUDNN, FLASH, MATH)
+    ]
+    HQ = config.model.n_heads * config.model.head_width
+    assert rerun[0] == rerun[1] == rerun[2] - 4 * HQ * 64  # math's composite op is never saved
 
 
 def test_a_cudnn_plan_counts_what_flash_saves_and_the_mask_as_efficient() -> None:
