@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-# The flash kernel also saves its philox seed and offset (two int64 scalars) per layer; nothing else.
+# The flash and cuDNN kernels also save their philox seed and offset (two int64 scalars) per layer; nothing else.
 SMALL_TENSORS_PER_LAYER = 64
 
 
@@ -45,6 +45,7 @@ def saved_bytes_on_cuda(config, regime: str) -> int:
         ("autocast", ["precision=bf16", "zero=stage1"]),
         ("fsdp_mp", ["precision=bf16", "zero=stage3"]),
         ("autocast", ["precision=bf16", "zero=stage1", "attention=math"]),
+        ("fsdp_mp", ["precision=bf16", "zero=stage3", "attention=cudnn"]),  # planned as flash
     ],
 )
 def test_cuda_plan_activations_are_what_autograd_saves_on_a_gpu(regime: str, overrides: list[str]) -> None:

@@ -82,6 +82,7 @@ CASES = [
     (["mode=advise"], "mode=advise needs global_batch", "global_batch=N"),
     (["global_batch=16"], "global_batch is read by mode=advise only", "micro_batch and grad_accum"),
     (["attention=efficient"], "attention=efficient", "allowed on CPU: auto, flash, math"),
+    (["attention=cudnn"], "attention=cudnn needs a CUDA GPU", "allowed on CPU: auto, flash, math"),
     (["plan.accelerator=H300"], "plan.accelerator=H300", "h100-pcie"),
     (
         ["mode=advise", "global_batch=16", "plan.accelerator=l40s"],

@@ -138,6 +138,14 @@ def test_attention_below_ampere_is_the_efficient_kernel_and_flash_is_refused() -
         match=r"^attention=flash needs compute capability 8.0 .* has 7.5; use attention=efficient",
     ):
         choose_sdpa(AttentionKernel.flash, "cuda", DType.bfloat16, grouped=True, capability=(7, 5))
+    # SDPA's cuDNN backend likewise (sdp_utils.cpp check_cudnn_hardware_support: sm80 to sm121), K/V unrepeated
+    with pytest.raises(
+        ConfigError,
+        match=r"^attention=cudnn needs compute capability 8.0 .* has 7.5; use attention=efficient",
+    ):
+        choose_sdpa(AttentionKernel.cudnn, "cuda", DType.float16, grouped=True, capability=(7, 5))
+    hopper = choose_sdpa(AttentionKernel.cudnn, "cuda", DType.bfloat16, grouped=True, capability=(9, 0))
+    assert hopper.backend == SDPBackend.CUDNN_ATTENTION and not hopper.repeat_kv
 
 
 FAKE_V100 = """
@@ -150,16 +158,17 @@ torch.cuda.get_device_name = lambda device=None: "Tesla V100-SXM2-16GB"
 
 
 def test_a_job_on_a_gpu_without_them_ends_in_one_line_before_any_rank_starts(tmp_path) -> None:
-    """`python -m trainer device=cuda ...` with torch.cuda faking a V100 (compute capability 7.0): bf16, fp8 and
-    flash each end in one `error:` line and exit 2; no rank started (no metrics.jsonl)."""
+    """`python -m trainer device=cuda ...` with torch.cuda faking a V100 (compute capability 7.0): bf16, fp8,
+    flash and cudnn each end in one `error:` line and exit 2; no rank started (no metrics.jsonl)."""
     cases = {
         "precision=bf16": "precision=bf16 needs compute capability 8.0",
         "precision=fp8": "precision=fp8 needs float8 tensor cores",
         "attention=flash": "attention=flash needs compute capability 8.0",
+        "attention=cudnn": "attention=cudnn needs compute capability 8.0",
     }
     argvs = [
-        ["device=cuda", "logger=none", "nproc=1", "steps=1", "save=off", "precision=fp16" if "flash" in case else case,
-         *([case] if "flash" in case else []), f"hydra.run.dir={tmp_path / str(n)}"]
+        ["device=cuda", "logger=none", "nproc=1", "steps=1", "save=off", "precision=fp16" if "attention" in case else case,
+         *([case] if "attention" in case else []), f"hydra.run.dir={tmp_path / str(n)}"]
         for n, case in enumerate(cases)
     ]  # fmt: skip
     results = run_in_one_process(argvs, tmp_path / "results.json", timeout=300, prelude=FAKE_V100)

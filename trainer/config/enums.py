@@ -125,6 +125,7 @@ class AttentionKernel(str, Enum):
     auto = "auto"
     flash = "flash"
     efficient = "efficient"
+    cudnn = "cudnn"
     math = "math"
 
 

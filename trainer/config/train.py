@@ -110,7 +110,7 @@ class TrainConfig:
     compile_backend: str = "inductor"
     """compile=true only: the torch.compile backend (inductor; aot_eager checks composition without generating code)."""
     attention: AttentionKernel = AttentionKernel.auto
-    """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/model/attention.py says; math materialises the scores."""
+    """SDPA kernel (torch.nn.attention.sdpa_kernel): auto picks flash, else efficient (K/V repeated), as trainer/model/attention.py says; cudnn is SDPA's cuDNN backend (CUDA, bf16/fp16, never picked by auto); math materialises the scores."""
 
     def __post_init__(self) -> None:
         _require(

@@ -15,6 +15,7 @@ impossible combination fails loudly instead of falling back:
 | auto | flash (takes grouped K/V) | flash (takes grouped K/V); efficient, K/V repeated, under a document mask | efficient, K/V repeated to every query head |
 | flash | flash | flash | refused: flash on CUDA needs bf16 or fp16 |
 | efficient | refused: no such CPU kernel | efficient, K/V repeated | efficient, K/V repeated |
+| cudnn | refused: a CUDA kernel | cuDNN (takes grouped K/V) | refused: cuDNN needs bf16 or fp16 |
 | math | math: saves the scores | math: saves the scores | math: saves the scores |
 
 CUDA's flash kernel takes no attention mask, so under data.packing=document (a block-causal mask) `auto`
@@ -22,6 +23,19 @@ chooses the efficient kernel, which does, and `flash` is refused (check_document
 below compute capability 8.0 (FlashAttention-2's kernels in torch need Ampere): there `auto` takes the
 efficient kernel in half precision too, and `flash` is refused. A plan made where no GPU is visible
 assumes a GPU that has it (every accelerator the plan names does).
+
+`cudnn` is SDPA's cuDNN backend (SDPBackend.CUDNN_ATTENTION), which `auto` never takes: asked for, it runs
+or is refused in one line. What it needs, from torch's aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+(pytorch/pytorch@001f694aef6f, `can_use_cudnn_attention`): CUDA; bf16 or fp16 (`check_dtypes_low_precision`);
+compute capability 8.0 to 12.1 (`check_cudnn_hardware_support`); heads a multiple of 8 and at most 128 wide
+(`check_cudnn_tensor_shapes`; 256 only on sm90/sm10x with cuDNN 9.22 or later, not assumed here); and no
+`torch.use_deterministic_algorithms` (zerolab sets none). It groups K/V heads itself
+(`check_batch_size_and_num_heads_dense<supports_gqa=true>`, pytorch/pytorch#150337: SDPA hands it K and V
+unrepeated) and takes an attention mask (`check_attn_mask_shape`; SDPA makes a boolean one additive in q's
+dtype, `convert_boolean_attn_mask_cudnn`), so data.packing=document runs on it. For backward it saves what
+flash does (torch 2.13's derivatives.yaml `_scaled_dot_product_cudnn_attention`: q, k, v, the output laid out
+as q and an fp32 B·H·T·1 logsumexp, as torch/_meta_registrations.py's meta kernel makes them), two philox
+scalars (not planned, as flash's rng state is not) and, under a mask, the additive mask, as efficient does.
 
 Repeating K/V costs 2·(H - K)·Q more values per token saved for backward, far less than the
 H·T scores of math. trainer/plan/activations.py counts what each choice saves.
@@ -54,6 +68,10 @@ class SdpaChoice:
 
 FLASH_CAPABILITY = (8, 0)
 """The compute capability torch's CUDA flash kernel needs."""
+CUDNN_CAPABILITY = (8, 0)
+"""The compute capability SDPA's cuDNN backend needs (sdp_utils.cpp `check_cudnn_hardware_support`)."""
+CUDNN_HEAD_WIDTH = 128
+"""The widest head SDPA's cuDNN backend takes on every GPU (sdp_utils.cpp `check_cudnn_tensor_shapes`)."""
 
 
 def choose_sdpa(
@@ -67,6 +85,8 @@ def choose_sdpa(
     """The kernel for this device and dtype (see the module docstring), `masked` under a document mask, on
     a CUDA device of compute `capability` (None: one that has flash); ConfigError where it cannot run."""
     half = dtype in (DType.bfloat16, DType.float16)
+    if kernel == AttentionKernel.cudnn:
+        return cudnn_choice(device_kind, half, capability)
     no_flash = device_kind == "cuda" and capability is not None and capability < FLASH_CAPABILITY
     if kernel == AttentionKernel.flash and no_flash:
         raise ConfigError(
@@ -90,13 +110,46 @@ def choose_sdpa(
     return SdpaChoice(SDPBackend.FLASH_ATTENTION)
 
 
+def cudnn_choice(device_kind: str, half: bool, capability: tuple[int, int] | None) -> SdpaChoice:
+    """attention=cudnn (module docstring): SDPA's cuDNN backend, K/V unrepeated (it groups heads itself);
+    ConfigError off CUDA, in fp32 and below compute capability 8.0."""
+    if device_kind != "cuda":
+        raise ConfigError(
+            "attention=cudnn needs a CUDA GPU (SDPA's cuDNN backend); allowed on CPU: auto, flash, math"
+        )
+    if not half:
+        raise ConfigError(
+            "attention=cudnn needs precision=bf16 or fp16 (cuDNN's attention takes no fp32); "
+            "allowed in fp32: auto, efficient, math"
+        )
+    if capability is not None and capability < CUDNN_CAPABILITY:
+        raise ConfigError(
+            f"attention=cudnn needs compute capability 8.0 or later (Ampere); this GPU has "
+            f"{capability[0]}.{capability[1]}; use attention=efficient or attention=math"
+        )
+    return SdpaChoice(SDPBackend.CUDNN_ATTENTION)
+
+
+def check_cudnn_head(model: ModelConfig) -> None:
+    """attention=cudnn takes heads of a multiple of 8 up to CUDNN_HEAD_WIDTH wide; ConfigError otherwise."""
+    width = model.head_width
+    if width % 8 or width > CUDNN_HEAD_WIDTH:
+        raise ConfigError(
+            f"attention=cudnn takes a head width that is a multiple of 8 and at most {CUDNN_HEAD_WIDTH} "
+            f"(model.head_dim, dim / n_heads unless set: {width}); use attention=flash or attention=efficient"
+        )
+
+
 def run_choice(
     kernel: AttentionKernel, model: ModelConfig, dtype: DType, device_kind: str, masked: bool = False
 ) -> SdpaChoice:
     """The choice of a run, `masked` under data.packing=document (raises ConfigError before any rank starts,
     when called from the job)."""
     grouped = model.n_kv_heads != model.n_heads
-    return choose_sdpa(kernel, device_kind, dtype, grouped, masked, visible_capability(device_kind))
+    choice = choose_sdpa(kernel, device_kind, dtype, grouped, masked, visible_capability(device_kind))
+    if choice.backend == SDPBackend.CUDNN_ATTENTION:
+        check_cudnn_head(model)
+    return choice
 
 
 def visible_capability(device_kind: str) -> tuple[int, int] | None:
@@ -131,8 +184,8 @@ def check_document_mask(choice: SdpaChoice, device_kind: str, setting: str = "da
     flash kernel does not take (the CPU one does); ConfigError before any rank starts."""
     if device_kind == "cuda" and choice.backend == SDPBackend.FLASH_ATTENTION:
         raise ConfigError(
-            f"{setting} needs an attention kernel that takes a mask on CUDA: attention=efficient "
-            "or attention=math (flash takes none)"
+            f"{setting} needs an attention kernel that takes a mask on CUDA: attention=efficient, "
+            "attention=cudnn or attention=math (flash takes none)"
         )
 
 
@@ -143,6 +196,8 @@ def sdpa_op(choice: SdpaChoice, device_kind: str) -> str | None:
         return None
     if choice.backend == SDPBackend.EFFICIENT_ATTENTION:
         return "aten._scaled_dot_product_efficient_attention"
+    if choice.backend == SDPBackend.CUDNN_ATTENTION:
+        return "aten._scaled_dot_product_cudnn_attention"
     return (
         "aten._scaled_dot_product_flash_attention_for_cpu"
         if device_kind == "cpu"

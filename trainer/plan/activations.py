@@ -140,7 +140,9 @@ def attention_extra_per_token(config: TrainConfig, device_kind: str) -> int:
     """What the run's SDPA kernel (trainer/model/attention.py) saves per token beyond the flash kernel's
     q, k, v, output and logsumexp, which block_bytes_per_token counts.
 
-    K/V repeated for a kernel that cannot group heads: 2·(H - K)·Q more values. Math: its scaled
+    cuDNN's kernel (attention=cudnn) saves what flash saves, K/V unrepeated: nothing more (its two philox
+    scalars are left out as flash's rng state is). K/V repeated for a kernel that cannot group heads:
+    2·(H - K)·Q more values. Math: its scaled
     q, the repeated K and V and the B·H·T·T softmax output, and no logsumexp, all in fp32 on CPU and
     CUDA alike: torch's math kernel upcasts half dtypes unless
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True), which zerolab leaves off (the GPU
@@ -171,7 +173,7 @@ def document_mask_per_token(config: TrainConfig, device_kind: str) -> int:
     handed to every block. SDPA turns a boolean attn_mask into an additive one in q's dtype (0 where
     True, -inf where False: aten's `convert_boolean_attn_mask`) before it dispatches, so every block
     makes a B·1·T·T tensor of the compute dtype, which the fused kernels (CPU's flash, CUDA's
-    efficient) save for backward: T values per token. Math's composite adds it to the scores, whose
+    efficient and cuDNN) save for backward: T values per token. Math's composite adds it to the scores, whose
     backward needs nothing of it. Measured (MemTracker, tiny, fp32, 1 CPU rank, micro_batch=2): 4 x 2·T·T
     fp32 beyond concat packing's peak at T = 128 and 512, and the document numbers (DOCUMENTS_BYTES_PER_TOKEN).
     Under parallel.cp=ulysses each rank's blocks attend whole rows under the row's mask (cp x T values per local

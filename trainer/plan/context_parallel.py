@@ -75,7 +75,7 @@ def cp_activations(local: TrainConfig, compute: int, choice: SdpaChoice) -> CpAc
     per_block, mask = 0, 0
     if local.parallel.cp_impl == "ulysses":
         # wo saves the output's all-to-all result, where without cp it saves a view of SDPA's own output
-        # (the flash kernels lay it out B, T, H, Q): one more H·Q tensor per block
+        # (the flash kernels lay it out B, T, H, Q; cuDNN as q, the same): one more H·Q tensor per block
         per_block = m.n_heads * m.head_width * B * t * compute
     else:
         heads = m.n_heads if choice.repeat_kv else m.n_kv_heads  # the K/V heads SDPA saves

@@ -8,14 +8,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tests.helpers import compose_config
+from trainer.advise.predict import op_recompute_flops_per_token
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
-from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice
+from trainer.config.checkpointing import TORCHTITAN_SAVE_OPS
+from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice, sdpa_op
 from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
-from trainer.plan.activations import activations, attention_extra_per_token
+from trainer.plan.activations import activations, attention_extra_per_token, document_mask_per_token
 
 pytestmark = pytest.mark.torch_versions  # which SDPA kernels a torch build offers
 
 FLASH, EFFICIENT, MATH = SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
+CUDNN = SDPBackend.CUDNN_ATTENTION
 
 
 def choice_of(config) -> tuple:
@@ -33,6 +36,8 @@ def choice_of(config) -> tuple:
         ("auto", "cuda", "float32", SdpaChoice(EFFICIENT, repeat_kv=True)),  # not math's B·H·T·T scores
         ("flash", "cuda", "bfloat16", SdpaChoice(FLASH)),
         ("efficient", "cuda", "bfloat16", SdpaChoice(EFFICIENT, repeat_kv=True)),
+        ("cudnn", "cuda", "bfloat16", SdpaChoice(CUDNN)),  # grouped K/V handed over unrepeated
+        ("cudnn", "cuda", "float16", SdpaChoice(CUDNN)),
         ("math", "cuda", "float32", SdpaChoice(MATH)),
         ("math", "cpu", "bfloat16", SdpaChoice(MATH)),
     ],
@@ -138,3 +143,57 @@ def test_auto_takes_the_kernel_that_takes_a_mask_under_document_packing() -> Non
     assert choose_sdpa(
         AttentionKernel.flash, "cuda", DType.bfloat16, grouped=True, masked=True
     ) == SdpaChoice(FLASH)
+
+
+def test_cudnn_is_refused_where_it_cannot_run_naming_the_key() -> None:
+    """SDPA's cuDNN backend (torch's sdp_utils.cpp `can_use_cudnn_attention`): CUDA only, bf16/fp16 only,
+    heads a multiple of 8 and at most 128 wide; each refusal one line."""
+    refusals = {
+        ("cpu", "attention=cudnn", "precision=bf16"): r"^attention=cudnn needs a CUDA GPU .*allowed on CPU: auto, flash, math$",
+        ("cuda", "attention=cudnn", "precision=fp32"): r"^attention=cudnn needs precision=bf16 or fp16 .*allowed in fp32: auto, efficient, math$",
+        ("cuda", "attention=cudnn", "precision=bf16", "model.head_dim=20"): r"^attention=cudnn takes a head width that is a multiple of 8 and at most 128 .*: 20\)",
+        ("cuda", "attention=cudnn", "precision=bf16", "model.head_dim=256"): r"^attention=cudnn takes a head width .*: 256\); use attention=flash",
+    }  # fmt: skip
+    for (device, *overrides), message in refusals.items():
+        with pytest.raises(ConfigError, match=message) as refused:
+            run_choice(*choice_of(compose_config("model=tiny", *overrides)), device)
+        assert "\n" not in str(refused.value)
+    tiny = compose_config("model=tiny", "attention=cudnn", "precision=bf16")
+    assert tiny.model.head_width == 32 and run_choice(*choice_of(tiny), "cuda") == SdpaChoice(CUDNN)
+
+
+def test_cudnn_runs_as_the_op_checkpointing_saves() -> None:
+    """checkpointing=op's default list keeps cuDNN's output, so the advisor's recompute counts no attention
+    for it, as for flash's (trainer/advise/predict.py)."""
+    op = sdpa_op(SdpaChoice(CUDNN), "cuda")
+    assert op == "aten._scaled_dot_product_cudnn_attention" and op in TORCHTITAN_SAVE_OPS
+    config = compose_config("model=tiny", "checkpointing=op")
+    rerun = [
+        op_recompute_flops_per_token(
+            config.model, config.checkpointing, 64, sdpa_op(SdpaChoice(kernel), "cuda")
+        )
+        for kernel in (CUDNN, FLASH, MATH)
+    ]
+    HQ = config.model.n_heads * config.model.head_width
+    assert rerun[0] == rerun[1] == rerun[2] - 4 * HQ * 64  # math's composite op is never saved
+
+
+def test_a_cudnn_plan_counts_what_flash_saves_and_the_mask_as_efficient() -> None:
+    """cuDNN saves q, k, v (unrepeated), the output and an fp32 B·H·T logsumexp, as flash does (torch's
+    derivatives.yaml `_scaled_dot_product_cudnn_attention`): a CUDA plan equal to flash's to the byte. Under
+    data.packing=document it also saves the additive B·1·T·T mask in bf16, as the efficient kernel (auto's
+    choice there) does; efficient repeats the grouped K/V besides, cuDNN does not."""
+    common = ("model=tiny", "micro_batch=3", "seq_len=64", "precision=bf16", "zero=stage3")
+    cudnn, flash = (compose_config(*common, f"attention={kernel}") for kernel in ("cudnn", "flash"))
+    assert attention_extra_per_token(cudnn, "cuda") == 0
+    assert activations(cudnn, "cuda").total == activations(flash, "cuda").total
+    documents = (*common, "data=text", "data.files=[a.txt]", "data.tokenizer=t.json", "data.packing=document")
+    masked, auto = (compose_config(*documents, f"attention={kernel}") for kernel in ("cudnn", "auto"))
+    m, B, T = masked.model, 3, 64
+    assert document_mask_per_token(masked, "cuda") == document_mask_per_token(auto, "cuda") == 2 * T
+    plain, documented = activations(cudnn, "cuda"), activations(masked, "cuda")
+    assert documented.full_block - plain.full_block == B * T * T * 2  # the bf16 additive mask
+    assert documented.batch - plain.batch == 8 * B * T  # the documents' int64 ids
+    repeated = 2 * (m.n_heads - m.n_kv_heads) * m.head_width * 2  # bf16 K and V for every query head
+    assert attention_extra_per_token(auto, "cuda") == repeated
+    assert activations(auto, "cuda").full_block - documented.full_block == repeated * B * T

@@ -81,7 +81,9 @@ def test_without_documents_the_row_attends_across_them() -> None:
 def test_cudas_flash_kernel_is_refused_for_document_masks() -> None:
     check_document_mask(SdpaChoice(SDPBackend.FLASH_ATTENTION), "cpu")  # the CPU kernel takes a mask
     check_document_mask(SdpaChoice(SDPBackend.EFFICIENT_ATTENTION), "cuda")
+    check_document_mask(SdpaChoice(SDPBackend.CUDNN_ATTENTION), "cuda")  # cuDNN takes one too
     with pytest.raises(
-        ConfigError, match=r"^data.packing=document needs .* attention=efficient or attention=math"
+        ConfigError,
+        match=r"^data.packing=document needs .* attention=efficient, attention=cudnn or attention=math",
     ):
         check_document_mask(SdpaChoice(SDPBackend.FLASH_ATTENTION), "cuda")
