@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -183,25 +184,27 @@ def test_without_torchao_precision_fp8_is_one_line_naming_the_extra(monkeypatch:
     )
 
 
-def fp8_all(precision, recipe: str):  # type: ignore[no-untyped-def]
-    """`precision` as precision=fp8 with `recipe` converting every block linear (fp8_filter=all)."""
+def fp8_all(precision, recipe: str, fp8_filter: Fp8Filter = Fp8Filter.all):  # type: ignore[no-untyped-def]
+    """`precision` as precision=fp8 with `recipe` (default: converting every block linear, fp8_filter=all)."""
     return dataclasses.replace(
         precision,
         name="fp8",
         compute_dtype=DType.bfloat16,
         fp8_recipe=Fp8Recipe(recipe),
-        fp8_filter=Fp8Filter.all,
+        fp8_filter=fp8_filter,
     )
 
 
 TOKENS = 24  # one sequence: no activation has a weight's shape (the casts are told apart by shape)
 
 
-def saved_bytes(recipe: str, autocast: bool) -> tuple[int, int]:
-    """(activation bytes, weight-cast bytes) one tiny block saves for backward, by distinct storage,
-    under autocast (stages 0-1) or FSDP2's bf16 parameters (stages 2-3, no autocast)."""
-    config = tiny_config()
-    precision = fp8_all(config.precision, recipe)
+def saved_bytes(
+    recipe: str, autocast: bool, config: Any = None, fp8_filter: Fp8Filter = Fp8Filter.all
+) -> tuple[int, int]:
+    """(activation bytes, weight-cast bytes) one block (of the tiny model unless `config`) saves for backward,
+    by distinct storage, under autocast (stages 0-1) or FSDP2's bf16 parameters (stages 2-3, no autocast)."""
+    config = config or tiny_config()
+    precision = fp8_all(config.precision, recipe, fp8_filter)
     model = build_model(config.model, device="meta")
     apply_fp8(model, precision, "cpu")
     materialize(model, "cpu", seed=0)
@@ -248,3 +251,24 @@ def test_a_converted_block_saves_what_the_plan_says(recipe: str) -> None:
         == 2 * config.model.dim * tokens
     )
     assert (casts, bf16_casts) == (0, 2 * converted_numel(config.model, precision))
+
+
+def test_a_block_torchaos_filter_converts_in_part_saves_what_the_plan_says() -> None:
+    """fp8_filter=auto, tensorwise, on a block whose GEMMs straddle torchao's thresholds: dim 2048, 16 heads of
+    128, 4 kv heads (k and v 2048x512: kept), ffn_dim 64 (w1 and w3 2048x64: kept; w2 64x2048: converted), so q,
+    o and w2 run fp8. Autocast: q alone of attention_norm's readers saves its fp32 output (4·D) beside k's and
+    v's bf16 casts, 2·D per token more than bf16 (`autocast_input_saving` < 0); the weight casts of the kept
+    linears stay cached."""
+    config = tiny_config()
+    model = dataclasses.replace(config.model, dim=2048, n_heads=16, n_kv_heads=4, ffn_dim=64)
+    config = dataclasses.replace(config, model=model)
+    precision = fp8_all(config.precision, "tensorwise", Fp8Filter.auto)
+    split = fp8_split(model, Fp8Filter.auto, Fp8Recipe.tensorwise)
+    assert split.converted == ("attention.wq", "attention.wo", "feed_forward.w2")
+    acts, casts = saved_bytes("tensorwise", autocast=True, config=config, fp8_filter=Fp8Filter.auto)
+    bf16_acts, bf16_casts = saved_bytes("none", autocast=True, config=config)
+    saving = autocast_input_saving(model, precision, "cpu")
+    assert (saving, bf16_acts - acts) == (-2 * 2048, saving * TOKENS)
+    assert converted_numel(model, precision) == 2048 * 2048 * 2 + 64 * 2048
+    assert bf16_casts - casts == 2 * converted_numel(model, precision)
+    assert saved_bytes("tensorwise", False, config, Fp8Filter.auto) == saved_bytes("none", False, config)
