@@ -36,7 +36,10 @@ def bf16(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_loss_tracks_bf16_over_a_few_steps(bf16, tmp_path: Path, recipe: str) -> None:  # type: ignore[no-untyped-def]
-    fp8 = run_trainer(tmp_path, *JOB, "precision=fp8", f"precision.fp8_recipe={recipe}")
+    # tiny's GEMMs are all below torchao's small-GEMM filter (precision.fp8_filter=auto): every one converts
+    fp8 = run_trainer(
+        tmp_path, *JOB, "precision=fp8", f"precision.fp8_recipe={recipe}", "precision.fp8_filter=all"
+    )
     assert fp8.summary["status"] == "ok" and len(fp8.losses) == 8
     for step, (a, b) in enumerate(zip(fp8.losses, bf16.losses), start=1):
         assert abs(a - b) <= LOSS_BOUND * b, f"step {step}: fp8 {a} vs bf16 {b}"
@@ -57,7 +60,13 @@ def test_the_converted_linears_are_not_emulated_and_run_scaled_mm(recipe: str, g
     import_float8()  # quietly, as the ranks import it
     from torchao.float8.float8_linear import Float8Linear
 
-    config = compose_config("model=tiny", "device=cuda", "precision=fp8", f"precision.fp8_recipe={recipe}")
+    config = compose_config(
+        "model=tiny",
+        "device=cuda",
+        "precision=fp8",
+        f"precision.fp8_recipe={recipe}",
+        "precision.fp8_filter=all",
+    )
     model = build_model(config.model, device="meta")
     device = torch.device("cuda", torch.cuda.current_device())
     assert apply_fp8(model, config.precision, device.type) == 28

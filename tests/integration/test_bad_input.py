@@ -21,6 +21,12 @@ CASES = [
         "precision.fp8_recipe=tensorwise",
     ),
     (["precision=fp8", "precision.fp8_recipe=bogus"], "precision.fp8_recipe=bogus", "tensorwise, rowwise"),
+    (["precision=fp8", "precision.fp8_filter=some"], "precision.fp8_filter=some", "auto, all"),
+    (
+        ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_hp"],
+        "precision.fp8_filter=auto with precision.fp8_recipe=rowwise_with_gw_hp",
+        "use precision.fp8_filter=all",
+    ),
     (
         ["precision=bf16", "precision.fp8_recipe=rowwise"],
         "precision.fp8_recipe=rowwise needs precision=fp8",

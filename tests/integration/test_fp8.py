@@ -38,6 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]
         "data=tokens",
         f"data.path={tokens}",
         "precision=bf16,fp8",
+        "precision.fp8_filter=all",  # tiny's GEMMs are all below torchao's small-GEMM filter (auto)
         "zero=stage0,stage3",
         # the token file's path stays out of the points' directory names (it holds slashes)
         f"hydra.job.config.override_dirname.exclude_keys=[{','.join(EXCLUDED)}]",
@@ -95,11 +96,17 @@ def test_inside_a_blocks_backward_the_plan_holds_stage3s_peak_within_half_a_perc
 
 def test_plan_json_lists_the_fp8_linears_and_what_stays_bf16(runs: dict[tuple[str, str], Run]) -> None:
     fp8 = json.loads((runs[("fp8", "stage3")].out_dir / "plan.json").read_text())["fp8"]
-    assert (fp8["recipe"], fp8["converted"], fp8["emulated"], list(fp8["left_in_bf16"])) == (
+    assert (fp8["recipe"], fp8["filter"], fp8["converted"], fp8["emulated"], list(fp8["left_in_bf16"])) == (
         "tensorwise",
+        "all",
         28,
         True,
         ["output"],
+    )
+    block = ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
+    block += ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
+    assert (
+        fp8["converted_per_block"] == runs[("fp8", "stage3")].summary["fp8"]["converted_per_block"] == block
     )
     assert "precision" not in json.loads((runs[("bf16", "stage3")].out_dir / "plan.json").read_text()).get(
         "fp8", {}
@@ -109,7 +116,11 @@ def test_plan_json_lists_the_fp8_linears_and_what_stays_bf16(runs: dict[tuple[st
 def test_the_console_says_the_emulated_path_runs(runs: dict[tuple[str, str], Run]) -> None:
     console = runs[("fp8", "stage0")].stdout
     assert (
-        console.count("fp8: tensorwise scaling in 28 block linears, emulated on cpu (torchao's emulate=True")
+        console.count(
+            "fp8: tensorwise scaling in 28 block linears (fp8_filter=all; per block: attention.wq, attention.wk, "
+            "attention.wv, attention.wo, feed_forward.w1, feed_forward.w3, feed_forward.w2), emulated on cpu "
+            "(torchao's emulate=True"
+        )
         == 2
     )
     assert "left in bf16: output (the output head" in console

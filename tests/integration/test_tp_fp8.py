@@ -45,7 +45,7 @@ def point_config(name: str) -> TrainConfig:
     tiny = [arg for arg in TINY if not arg.startswith("seq_len")]
     return compose_config(
         *tiny, "seq_len=256", "save=off", "steps=3", "nproc=2", "parallel.tp=2", "precision=fp8",
-        "checkpointing=full", *POINTS[name],
+        "precision.fp8_filter=all", "checkpointing=full", *POINTS[name],
     )  # fmt: skip
 
 
@@ -71,7 +71,9 @@ def step_losses(config: TrainConfig, world: Any, steps: int) -> list[float]:
 
 
 def parity_config(name: str) -> TrainConfig:
-    return compose_config(*TINY, "save=off", "steps=4", "nproc=2", "precision=fp8", *PARITY[name])
+    return compose_config(
+        *TINY, "save=off", "steps=4", "nproc=2", "precision=fp8", "precision.fp8_filter=all", *PARITY[name]
+    )
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:

@@ -999,7 +999,9 @@ def fp8_predictions(config: TrainConfig, candidate: Candidate) -> list[Fp8Predic
     name = advisor_accelerator(config.plan.accelerator)  # type: ignore[arg-type]
     local = tp_local_model(config.model, candidate.choice.get("parallel.tp") or 1)
     gain = 1.0 if config.compile else COMPILE_SPEEDUP.get(ACCELERATORS[name].family, 1.0)
-    return predict_fp8(local, config.seq_len, candidate.choice["micro_batch"], name, candidate.step, gain)
+    return predict_fp8(
+        local, config.seq_len, candidate.choice["micro_batch"], name, candidate.step, gain, config.model
+    )
 
 
 def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> list[str]:

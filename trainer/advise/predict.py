@@ -86,6 +86,7 @@ from trainer.config import (
 from trainer.layout import Layout
 from trainer.model.attention import config_choice, sdpa_op
 from trainer.model.checkpointing import BLOCK_MATMULS, op_saved_matmuls, op_saves, should_checkpoint
+from trainer.model.fp8 import precision_split
 from trainer.plan import (
     INTRA_NODE,
     LINKS,
@@ -333,7 +334,12 @@ def rank_rate(config: TrainConfig, rates: Rates) -> float:
         rate *= compile_speedup(rates)
     fp8 = (
         fp8_compute_factor(
-            local, seq_len, config.micro_batch, rates.accelerator, config.precision.fp8_recipe.value
+            local,
+            seq_len,
+            config.micro_batch,
+            rates.accelerator,
+            config.precision.fp8_recipe.value,
+            precision_split(config.model, config.precision).converted,
         )
         if config.precision.is_fp8 and rates.accelerator is not None
         else None

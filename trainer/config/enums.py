@@ -22,6 +22,13 @@ class Fp8Recipe(str, Enum):
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
+class Fp8Filter(str, Enum):
+    """precision.fp8_filter: which block linears precision=fp8 converts (trainer/model/fp8.py `fp8_split`)."""
+
+    auto = "auto"  # torchao's small-GEMM filter for the recipe (_auto_filter_for_recipe)
+    all = "all"  # every linear whose dims fp8 GEMMs can take
+
+
 class RouterScore(str, Enum):
     """model.router_score: how a mixture of experts scores its experts (trainer/model/moe.py)."""
 

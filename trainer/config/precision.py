@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config.enums import DType, Fp8Recipe
+from trainer.config.enums import DType, Fp8Filter, Fp8Recipe
 from trainer.config.errors import _require
 
 
@@ -33,6 +33,9 @@ class PrecisionConfig:
     fp8_all_gather: bool = False
     """fp8, tensorwise, zero=stage2/3 on CUDA: FSDP2 all-gathers the converted weights in fp8 (torchao's
     enable_fsdp_float8_all_gather)."""
+    fp8_filter: Fp8Filter = Fp8Filter.auto
+    """fp8: which block linears convert: auto, those torchao's small-GEMM filter for the recipe passes
+    (_auto_filter_for_recipe, torchao/float8/float8_linear_utils.py); all, every one whose dims divide by 16."""
 
     def __post_init__(self) -> None:
         _require(
@@ -74,6 +77,12 @@ class PrecisionConfig:
             f"precision.fp8_all_gather=true with precision.fp8_recipe={self.fp8_recipe.value}: "
             "fp8 all-gather is tensorwise only (one scale per weight); use precision.fp8_recipe=tensorwise "
             "or precision.fp8_all_gather=false",
+        )
+        _require(
+            self.fp8_filter != Fp8Filter.auto or self.fp8_recipe != Fp8Recipe.rowwise_with_gw_hp,
+            "precision.fp8_filter=auto with precision.fp8_recipe=rowwise_with_gw_hp: torchao's small-GEMM "
+            "filter has no rule for that recipe (_auto_filter_for_recipe raises NotImplementedError); "
+            "use precision.fp8_filter=all",
         )
 
     @property

@@ -3,9 +3,10 @@
 torchao is an optional extra (`pip install 'zerolab[fp8]'`), imported only where a model is converted.
 Which linears convert is arithmetic on the model's shapes (`fp8_split`), so the plan lists the
 modules left in bf16 without torchao: the output head (torchtitan leaves it out too: its
-`filter_fqns = ["output"]`, the logits feed an fp32 loss) and any linear whose dims fp8 GEMMs
-cannot take (torch._scaled_mm needs both dims divisible by 16; torchao's own filter refuses the
-rest). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
+`filter_fqns = ["output"]`, the logits feed an fp32 loss), any linear whose dims fp8 GEMMs
+cannot take (torch._scaled_mm needs both dims divisible by 16), and under precision.fp8_filter=auto
+(the default) the small GEMMs torchao's own filter skips because fp8's casts cost more there than
+its GEMM saves (`SMALL_GEMM_RULES`). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
 scales are real, the matmul is done in high precision on the dequantized values.
 
 torchao's matmul (`matmul_with_hp_or_float8_args`, torchao/float8/float8_linear.py) saves its
@@ -26,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.config import ConfigError, Fp8Recipe, ModelConfig, PrecisionConfig
+from trainer.config import ConfigError, Fp8Filter, Fp8Recipe, ModelConfig, PrecisionConfig
 
 FP8_EXTRA = "precision=fp8 needs torchao: pip install 'zerolab[fp8]' (torchao>=0.18)"
 GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 GEMM's weight divisible by 16
@@ -55,26 +56,58 @@ def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def fp8_split(m: ModelConfig) -> Fp8Split:
+def tensorwise_small(n_in: int, n_out: int) -> str | None:
+    """torchao's `_auto_filter_for_tensorwise` (torchao/float8/float8_linear_utils.py, torchao 0.18;
+    `N, K = mod.weight.shape`, so N is out_features and K in_features): skip K <= 4096 and N <= 1024."""
+    return "in_features <= 4096 and out_features <= 1024" if n_in <= 4096 and n_out <= 1024 else None
+
+
+def rowwise_small(n_in: int, n_out: int) -> str | None:
+    """torchao's `_auto_filter_for_rowwise` (the same file): skip N <= 2048, or K <= 1024, or N <= 4096
+    and K <= 2048 (N out_features, K in_features)."""
+    if n_out <= 2048:
+        return "out_features <= 2048"
+    if n_in <= 1024:
+        return "in_features <= 1024"
+    if n_out <= 4096 and n_in <= 2048:
+        return "out_features <= 4096 and in_features <= 2048"
+    return None
+
+
+SMALL_GEMM_RULES = {Fp8Recipe.tensorwise: tensorwise_small, Fp8Recipe.rowwise: rowwise_small}
+"""torchao's `_auto_filter_for_recipe` per recipe (its thresholds from H100 benchmarks, torchao/float8's README);
+it has none for rowwise_with_gw_hp (NotImplementedError): precision.fp8_filter=auto refuses that recipe."""
+
+
+def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe) -> Fp8Split:
+    """The block linears `apply_fp8` converts under `fp8_filter` and `recipe`, and those it keeps in bf16, why."""
     converted, kept = [], [("output", KEPT_BY_NAME["output"])]
     for name, (n_in, n_out) in block_linears(m).items():
-        if n_in % GEMM_MULTIPLE == 0 and n_out % GEMM_MULTIPLE == 0:
-            converted.append(name)
+        small = SMALL_GEMM_RULES[recipe](n_in, n_out) if fp8_filter == Fp8Filter.auto else None
+        if n_in % GEMM_MULTIPLE or n_out % GEMM_MULTIPLE:
+            why = f"{n_in}x{n_out}: fp8 GEMMs need dims divisible by {GEMM_MULTIPLE}"
+        elif small is not None:
+            why = f"{n_in}x{n_out}: torchao's small-GEMM filter ({recipe.value}): {small}, fp8 does not pay"
         else:
-            kept.append(
-                (f"layers.*.{name}", f"{n_in}x{n_out}: fp8 GEMMs need dims divisible by {GEMM_MULTIPLE}")
-            )
+            converted.append(name)
+            continue
+        kept.append((f"layers.*.{name}", why))
     return Fp8Split(tuple(converted), tuple(kept))
 
 
-def converted_numel(m: ModelConfig) -> int:
+def precision_split(m: ModelConfig, precision: PrecisionConfig) -> Fp8Split:
+    """`fp8_split` for a job's precision config (precision=fp8)."""
+    return fp8_split(m, precision.fp8_filter, precision.fp8_recipe)
+
+
+def converted_numel(m: ModelConfig, precision: PrecisionConfig) -> int:
     """Weights and biases of one block's converted linears: what autocast no longer caches a cast of
     (Float8Linear hands its fp32 weight to torchao's matmul, which casts it to float8 per call)."""
     linears = block_linears(m)
     biases = {"attention.wq", "attention.wk", "attention.wv"} if m.qkv_bias else set()
     return sum(
         linears[name][0] * linears[name][1] + (linears[name][1] if name in biases else 0)
-        for name in fp8_split(m).converted
+        for name in precision_split(m, precision).converted
     )
 
 
@@ -84,7 +117,7 @@ NORM_READERS = (
 )
 
 
-def autocast_input_saving(m: ModelConfig, device_kind: str) -> int:
+def autocast_input_saving(m: ModelConfig, precision: PrecisionConfig, device_kind: str) -> int:
     """Bytes per token a block saves less under autocast (stages 0-1) with fp8 than with bf16.
 
     Under bf16 autocast every linear reading an RMSNorm's fp32 output saves its own bf16 cast of it
@@ -95,7 +128,7 @@ def autocast_input_saving(m: ModelConfig, device_kind: str) -> int:
     """
     if device_kind == "cuda":
         return 0
-    converted = set(fp8_split(m).converted)
+    converted = set(precision_split(m, precision).converted)
     saving = 0
     for readers in NORM_READERS:
         n = sum(name in converted for name in readers)
@@ -141,7 +174,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_kind: str) ->
     checkpointing, compile and sharding: torchtitan's order); returns how many (0 without fp8)."""
     if precision.fp8_recipe == Fp8Recipe.none:
         return 0
-    converted = fp8_split(model.config).converted
+    converted = precision_split(model.config, precision).converted
     float8 = import_float8()
     float8.convert_to_float8_training(
         model,

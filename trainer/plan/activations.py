@@ -232,7 +232,7 @@ def fp8_saving_per_token(config: TrainConfig, prec: Precisions, device_kind: str
     only in which casts of the norms' outputs it keeps (`autocast_input_saving`)."""
     if not config.precision.is_fp8 or prec.regime != "autocast":
         return 0
-    return autocast_input_saving(config.model, device_kind)
+    return autocast_input_saving(config.model, config.precision, device_kind)
 
 
 def rope_casts(config: TrainConfig, prec: Precisions) -> int:

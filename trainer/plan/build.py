@@ -18,7 +18,7 @@ import torch
 from trainer.config import OffloadTarget, PlanConfig, TrainConfig, ZeroConfig
 from trainer.devices import find_accelerator
 from trainer.layout import Layout
-from trainer.model.fp8 import fp8_split
+from trainer.model.fp8 import precision_split
 from trainer.plan.activations import activations, precisions
 from trainer.plan.comm import CommPlan, data_parallel_groups, plan_comm
 from trainer.plan.context_parallel import cp_local, cp_positions
@@ -50,16 +50,25 @@ FP8_NOTE = (
 )
 
 
-def fp8_fields(c: TrainConfig, device_kind: str) -> dict[str, Any]:
-    """precision=fp8 in plan.json: the recipe, the linears converted per block and those left in bf16 (why),
-    whether the emulated path runs, and what fp8 adds to memory (nothing it keeps: trainer/model/fp8.py)."""
-    split = fp8_split(c.model)
+def fp8_split_fields(c: TrainConfig) -> dict[str, Any]:
+    """precision=fp8: the recipe, the filter, the linears converted per block and those left in bf16 (why);
+    plan.json's `fp8` and summary.json's `fp8` (apply_fp8 converts exactly these)."""
+    split = precision_split(c.model, c.precision)
     return {
         "recipe": c.precision.fp8_recipe.value,
-        "all_gather": "fp8" if c.precision.fp8_all_gather else "bf16",
+        "filter": c.precision.fp8_filter.value,
         "converted_per_block": list(split.converted),
         "converted": len(split.converted) * c.model.n_layers,
         "left_in_bf16": {name: why for name, why in split.kept},
+    }
+
+
+def fp8_fields(c: TrainConfig, device_kind: str) -> dict[str, Any]:
+    """precision=fp8 in plan.json: the recipe, the linears converted per block and those left in bf16 (why),
+    whether the emulated path runs, and what fp8 adds to memory (nothing it keeps: trainer/model/fp8.py)."""
+    return {
+        **fp8_split_fields(c),
+        "all_gather": "fp8" if c.precision.fp8_all_gather else "bf16",
         "emulated": device_kind != "cuda",
         "saved_for_backward": "the high-precision input and weight of each fp8 linear, as nn.Linear does; no fp8 casts, no scales",
         **({} if c.compile else {"note": FP8_NOTE}),
@@ -484,4 +493,5 @@ def summary_fields(plan: Plan) -> dict[str, Any]:
             **{key: value for key, value in worst.figures().items()},
             **plan.reserved_fields(),
         },
+        **({"fp8": fp8_split_fields(plan.config)} if plan.config.precision.is_fp8 else {}),
     }

@@ -32,7 +32,7 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
     vd = m.vocab_size * m.dim
     # Autocast caches its cast of every weight from first use until the autocast region (which
     # wraps forward and backward in loop.py) exits; under fp8 not of the block linears torchao converted.
-    converted = converted_numel(m) if ctx.config.precision.is_fp8 else 0
+    converted = converted_numel(m, ctx.config.precision) if ctx.config.precision.is_fp8 else 0
     linear = (ctx.shape.block_linear_numel - converted) * m.n_layers + vd  # blocks' matmuls + output head
     fixed = (2 * linear if prec.regime == "autocast" else 0) + (accumulation_grads(ctx) if buckets else 0)
     weight_grad = 6 if prec.regime == "autocast" else 4

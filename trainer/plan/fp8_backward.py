@@ -19,7 +19,7 @@ trainer/plan/build.py's COMPILE_NOTE); measured with MemTracker on CPU ranks (th
 from __future__ import annotations
 
 from trainer.config import TrainConfig
-from trainer.model.fp8 import fp8_split
+from trainer.model.fp8 import precision_split
 from trainer.plan.activations import sequence_shards
 
 FP32 = 4
@@ -29,7 +29,10 @@ FP8 = 1
 def fp8_w2_backward(config: TrainConfig, compute: int, regime: str, incoming: int) -> int:
     """The worst of w2's backward under fp8 (module docstring), beside `incoming` (the gradient arriving down
     the residual); 0 without fp8 or where w2 stays a bf16 nn.Linear."""
-    if not config.precision.is_fp8 or "feed_forward.w2" not in fp8_split(config.model).converted:
+    if (
+        not config.precision.is_fp8
+        or "feed_forward.w2" not in precision_split(config.model, config.precision).converted
+    ):
         return 0
     m, n = config.model, config.micro_batch * config.seq_len
     nd, nm, md = n * m.dim, n * m.ffn_dim, m.dim * m.ffn_dim

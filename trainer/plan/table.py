@@ -200,8 +200,10 @@ def fp8_line(plan: Plan) -> str:
         else "torch._scaled_mm on CUDA"
     )
     note = f"; {f['note']}" if "note" in f else ""
+    per_block = ", ".join(f["converted_per_block"]) or "none"
     return (
-        f"fp8: {f['recipe']} scaling in {f['converted']} block linears, {emulated}; left in bf16: {kept}; "
+        f"fp8: {f['recipe']} scaling in {f['converted']} block linears (fp8_filter={f['filter']}; per block: "
+        f"{per_block}), {emulated}; left in bf16: {kept}; "
         f"memory as bf16: backward keeps {f['saved_for_backward']}{note}"
     )
 

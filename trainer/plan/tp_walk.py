@@ -80,7 +80,7 @@ def autocast_casts(ctx: StepContext) -> int:
     if ctx.prec.regime != "autocast":
         return 0
     m = ctx.config.model
-    converted = converted_numel(m) if ctx.config.precision.is_fp8 else 0
+    converted = converted_numel(m, ctx.config.precision) if ctx.config.precision.is_fp8 else 0
     return 2 * ((ctx.shape.block_linear_numel - converted) * m.n_layers + m.vocab_size * m.dim)
 
 
