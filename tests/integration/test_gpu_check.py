@@ -26,13 +26,15 @@ from tests.helpers import REPO, left_in
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 ROWS = [
-    "environment", "gpu tests",
-    "throughput 125m bf16 stage0", "throughput 125m bf16 stage3", "throughput 1b bf16 stage0", "throughput 1b bf16 stage3",
-    "headroom", "expandable segments", "advisor tokens/s (h200)", "cpu save resumed on the device", "device save resumed on the device",
+    "environment", "kernel rates", "throughput 1b bf16 stage0", "step breakdown (1b eager)", "cupti torn down vs attached (1b)",
+    "1b eager micro_batch 32", "compile 1b", "compile 1b micro_batch 16", "fp8 vs bf16 compiled (1b)",
+    "throughput 125m bf16 stage0", "compile", "text data, document packing", "advisor tokens/s (h200)",
+    "gpu tests", "throughput 125m bf16 stage3", "throughput 1b bf16 stage3",
+    "headroom", "expandable segments", "cpu save resumed on the device", "device save resumed on the device",
     "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "offload host memory", "plan at the device limit",
     "oom under device_memory_gib", "micro_batch=auto", "fp32 vs bf16 losses", "bf16 runs reproducible", "checkpointing full",
     "checkpointing selective", "checkpointing op", "loss chunked", "attention efficient (bf16)", "attention math (bf16)",
-    "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile", "fp8 vs bf16 compiled (125m)",
+    "grad_accum 2", "stage2 on one GPU", "sync-free step", "fp8 vs bf16 compiled (125m)",
 ]  # fmt: skip
 NO_XDIST = {**os.environ, "PYTEST_ADDOPTS": "-p no:xdist"}
 """The GPU host has no pytest-xdist: every pytest the check starts runs with the plugin blocked, so
@@ -162,7 +164,8 @@ def alive(pid: int) -> bool:
 def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skipped(tmp_path: Path) -> None:
     """The first throughput job never ends by itself: at the deadline its process group (the job,
     its fork server, its rank) is killed, its row fails naming what was killed, and the rows whose
-    jobs had not started are skipped; the check ends soon after the deadline, exit status 1."""
+    jobs had not started are skipped; the check ends soon after the deadline, exit status 1. The rows
+    are named (--rows), so that the environment job alone runs before it, as when the drill was timed."""
     # The drill waits out the whole deadline, so it is as short as the hung job's first step allows:
     # after the environment job and two interpreters importing torch (the job, its fork server; the
     # rank is forked), step 1 was logged at 34 s on 2 unpinned cores under a load average of 12-16
@@ -171,7 +174,8 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
     # over 4 times that.
     deadline = 30
     args = [sys.executable, "checks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--jobs", "1",
-            "--deadline", str(deadline), "--inject-hang", "125m_stage0"]  # fmt: skip
+            "--deadline", str(deadline), "--inject-hang", "1b_stage0", "--rows", "environment",
+            "--rows", "throughput 1b bf16 stage0", "--rows", "throughput 125m bf16 stage0", "--rows", "compile"]  # fmt: skip
     # The check's TMPDIR, where a killed job's temporary files must not stay (a short path: a fork server's
     # socket lies below it, and AF_UNIX paths end at 107 bytes)
     scratch = Path(tempfile.mkdtemp(prefix="drill_"))
@@ -184,16 +188,16 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - start
     rows = {row["check"]: row for row in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    hung = rows["throughput 125m bf16 stage0"]
+    hung = rows["throughput 1b bf16 stage0"]
     assert proc.returncode == 1 and hung["status"] == "fail", (hung, proc.stdout[-2000:])
     killed = hung["figures"]["killed_pids"]
     assert len(killed) >= 3, killed  # the job, its fork server, its rank
     assert hung["figures"]["survivors"] == [] and not any(alive(pid) for pid in killed)
-    log = (tmp_path / "logs" / "125m_stage0.log").read_text()
+    log = (tmp_path / "logs" / "1b_stage0.log").read_text()
     assert re.search(r"step +1/1000000", log) and not re.search(
         r"step +2/", log
     )  # trained, then hung in step 2
-    assert rows["throughput 1b bf16 stage0"]["status"] == "fail"  # the dry run's 1b is the same job
+    assert rows["throughput 125m bf16 stage0"]["status"] == "fail"  # the dry run's 125m is the same job
     assert rows["compile"]["status"] == "skip" and rows["compile"]["note"].startswith(
         "not reached by the deadline"
     )
