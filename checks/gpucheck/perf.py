@@ -35,9 +35,13 @@ CATEGORIES = (
     ("optimizer", r"adam|multi_tensor_apply"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|matmul|triton_tem|splitk"),
     ("elementwise", r"elementwise|vectorized|unrolled|reduce|triton_(poi|red|per)|softmax|norm|"
-                    r"copy|cat_|index|fill|cross_entropy|nll|embedding|scatter|gather|where"),
+                    r"copy|cat_|index|fill|cross_entropy|nll|embedding|scatter|gather|where|sort|segment|"
+                    r"grad_weight|arange"),
 )  # fmt: skip
-"""Kernel name patterns, the first that matches naming its category; the rest is `other`."""
+"""Kernel name patterns, the first that matches naming its category; the rest is `other`. `optimizer`
+holds every multi_tensor_apply kernel: fused AdamW's and clipping's foreach norms (the step's fixed
+costs); `elementwise` every other non-GEMM kernel that eager or inductor launches (the embedding's
+backward sorts and segments included)."""
 OTHER_LIMIT = 0.2
 """The breakdown fails when `other` holds more than this share of the kernel time: the patterns
 no longer name the step's kernels."""

@@ -110,7 +110,8 @@ def test_dry_run_produces_every_row_and_passes(
     # The advisor row's figures are the advice file's prediction and the job's own measurement.
     advised = rows["advisor tokens/s (h200)"]["figures"]["125m_stage0"]
     advice = json.loads((tmp_path / "jobs" / catalog.ADVICE_FILE).read_text())["125m_stage0"]
-    stage0 = json.loads((tmp_path / "jobs" / "125m_stage0" / "summary.json").read_text())
+    # (a dry run's 125m_stage0 is 1b_stage0's job, the first of the two: both are the tiny model)
+    stage0 = json.loads((tmp_path / "jobs" / "1b_stage0" / "summary.json").read_text())
     assert advised["advised"] == round(advice["tokens_per_s"], 1)
     assert advised["measured"] == round(stage0["throughput/tokens_per_s"], 1)
     # The limit row runs the largest micro-batch the plan fits under the dry run's cap; the
@@ -145,11 +146,15 @@ def test_dry_run_produces_every_row_and_passes(
     # average of 6-15); on 2026-12-03, 223 (load average 2.5-4) and 171 (2), each job paying 6-7
     # CPU-s to start (its process and fork server) and under one to train. With the 14 fault and
     # comparison jobs the points of one sweep, which starts once (catalog.all_jobs), it measured 149
-    # (load average 2.5), 108 and 114 (2): the bound leaves the highest 27%.
+    # (load average 2.5), 108 and 114 (2). Issue 59's performance rows add two helper processes (the
+    # kernel rates, the text corpus), three sweep points (1b at micro-batch 32, compiled at 16, the text
+    # job) and a traced step in each throughput job: 238 CPU-s measured with them (2026-12-05, 2 cores
+    # under a load average of 6-7; at 6-15, before the sweep, the check had measured 208-215): the
+    # bound leaves that figure 5%.
     # The wall time on a shared machine says more about the neighbours than about the check, so it
     # is printed, not asserted.
     print(f"dry run: {elapsed:.0f} s wall, {cpu_s:.0f} CPU-s")
-    assert cpu_s <= 190
+    assert cpu_s <= 250
 
 
 def alive(pid: int) -> bool:
