@@ -5,6 +5,7 @@ helper that makes the text row's corpus, tokenizer and token cache."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -106,9 +107,10 @@ def check_breakdown(setup: Setup, jobs: dict[str, Job]) -> Row:
     path = job_dir(setup, job.name) / STEP_TRACE
     if job.status != "ok" or not path.is_file():
         return Row("", "fail", {}, failed(job) if job.status != "ok" else f"no trace at {path}")
-    figures = breakdown(json.loads(path.read_text()))
+    trace = json.loads(path.read_text())
+    figures = breakdown(trace)
     if setup.dry_run:  # a CPU trace has host ops only
-        ops = sum(1 for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("cat") == "cpu_op")
+        ops = sum(1 for e in trace.get("traceEvents", []) if e.get("cat") == "cpu_op")
         return Row("", "info", {**figures, "cpu_ops": ops}, "dry run: a CPU trace, no kernels to break down")
     wrong = breakdown_verdict(figures)
     return Row("", "fail" if wrong else "pass", figures, "; ".join(wrong) or "kernel time by category")
@@ -147,7 +149,7 @@ def check_kernel_rates(setup: Setup, jobs: dict[str, Job]) -> Row:
     (job,) = jobs.values()
     path = setup.out / "jobs" / KERNEL_RATES_FILE
     if job.status != "ok" or not path.is_file():
-        return Row("", "fail", {}, failed(job))
+        return Row("", "fail", {}, failed(job) if job.status != "ok" else f"no {path}")
     rates = json.loads(path.read_text())
     wrong = kernel_rates_verdict(rates, setup.dry_run)
     figures = rates_summary(rates)
@@ -183,10 +185,11 @@ def tokens_per_s(job: Job) -> float | None:
 
 
 def check_cupti(setup: Setup, jobs: dict[str, Job]) -> Row:
-    """The 1b baseline (TEARDOWN_CUPTI=1: the ranks' default, trainer/cuda.py) against the same job with
-    CUPTI left attached after its profiled step (TEARDOWN_CUPTI=0: libkineto tears CUPTI down only when
-    the variable is "1", `cuptiTearDown_`; a user's value wins over the ranks' default): the ratio reported; it fails
-    only when a measurement is missing or the torn-down job is slower beyond TIMING_NOISE."""
+    """The 1b baseline (TEARDOWN_CUPTI=1: the ranks' default, trainer/cuda.py) against the same job
+    with CUPTI left attached after its profiled step (TEARDOWN_CUPTI=0: libkineto tears CUPTI down
+    only when the variable is "1", its `cuptiTearDown_`; a user's value wins over the ranks'
+    default). The ratio is reported; the row fails only when a measurement is missing or the
+    torn-down job is slower beyond TIMING_NOISE."""
     torn_down, attached = jobs.values()
     for job in (torn_down, attached):
         if job.status != "ok" or tokens_per_s(job) is None:
@@ -243,7 +246,7 @@ def check_text(setup: Setup, jobs: dict[str, Job]) -> Row:
                "tokens_per_s": round(tokens_per_s(text) or 0.0, 1),
                "over_synthetic": round((tokens_per_s(text) or 0) / tokens_per_s(synthetic), 3)
                if synthetic.status == "ok" and tokens_per_s(synthetic) else None}  # fmt: skip
-    if not losses or not all(x == x and abs(x) != float("inf") for x in losses):
+    if not losses or not all(map(math.isfinite, losses)):
         return Row("", "fail", figures, "a loss is not finite (or none was logged)")
     if not losses[-1] < losses[0]:
         return Row("", "fail", figures, "the loss did not fall on a corpus of repeated words")

@@ -148,13 +148,13 @@ def test_dry_run_produces_every_row_and_passes(
     # comparison jobs the points of one sweep, which starts once (catalog.all_jobs), it measured 149
     # (load average 2.5), 108 and 114 (2). Issue 59's performance rows add two helper processes (the
     # kernel rates, the text corpus), three sweep points (1b at micro-batch 32, compiled at 16, the text
-    # job) and a traced step in each throughput job: 238 CPU-s measured with them (2026-12-05, 2 cores
-    # under a load average of 6-7; at 6-15, before the sweep, the check had measured 208-215): the
-    # bound leaves that figure 5%.
+    # job) and a traced step in each throughput job: 238 and 245 CPU-s measured with them (2026-12-05,
+    # 2 cores under a load average of 6-8; at 6-15, before the sweep, the check had measured 208-215):
+    # the bound leaves the higher 14%.
     # The wall time on a shared machine says more about the neighbours than about the check, so it
     # is printed, not asserted.
     print(f"dry run: {elapsed:.0f} s wall, {cpu_s:.0f} CPU-s")
-    assert cpu_s <= 250
+    assert cpu_s <= 280
 
 
 def alive(pid: int) -> bool:

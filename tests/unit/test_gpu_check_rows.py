@@ -665,3 +665,9 @@ def test_rows_that_passed_on_the_gpu_run_only_by_name_with_their_reason() -> Non
     assert all(row.on_request.startswith(("passed on the H200", "failed on the H200")) for row in every
                if row not in default)  # fmt: skip
     assert check.chosen_rows(["sync-free step"])[0].on_request == check.PASSED  # named: it runs
+    # a compiled timing named alone brings its warm-up; the text row its corpus
+    named = check.jobs_for(
+        check.chosen_rows(["compile 1b", "text data, document packing"]), catalog.all_jobs(SETUP)
+    )
+    assert [job.name for job in named] == ["text_corpus", "1b_compiled_warmup", "125m_text", "1b_stage0", "1b_compiled",
+                                           "125m_stage0"]  # fmt: skip
