@@ -2,7 +2,10 @@
 
     python checks/gpu_check.py [--out DIR] [--bundle DIR] [--deadline S] [--dry-run] [--rows ROW]...
 
-Made for one H200 (world size 1: NCCL refuses two ranks on one device) and 8 minutes. Every row
+Made for one H200 (world size 1: NCCL refuses two ranks on one device). Without --rows it is the
+performance run (issue 59, item 7), at most 7 minutes: kernel rates, the profiled step's kernel
+breakdown, the CUPTI A/B, eager and compiled timings of 1b and 125m each alone after compile
+warm-ups that share the GPU, a text-data row; the functional rows of the first run by name. Every row
 runs `python -m trainer` as a user would (W&B off, nothing saved unless the row is about saving)
 and is written to DIR/results.md and DIR/results.json as soon as it is known, so a run cut short
 still reports what it reached. Each job runs in its own process group under a timeout that fits
@@ -16,8 +19,8 @@ row: the three files a device tool that brings back only a few shallow files ret
 This file is the command; the check is checks/gpucheck/: the jobs and their budgets in
 catalog.py, the rows, most valuable first, in rows.py (docs/gpu.md tabulates them with the time
 estimate), how jobs run in scheduler.py and runner.py, results.md and results.json in report.py. --dry-run runs the same sequence on CPU with the tiny
-model (rows that need CUDA say `skip`; the fault and comparison jobs as the points of one sweep, which
-start once), to prove the script before GPU time is spent on it.
+model and every row (rows that need CUDA say `skip`; the fault, comparison and performance trainer
+jobs as the points of one sweep, which start once), to prove the script before GPU time is spent on it.
 """
 
 from __future__ import annotations
@@ -39,18 +42,24 @@ from checks.gpucheck.catalog import (  # noqa: E402
     largest_fitting_micro_batch,
     limit_base,
 )
+from checks.gpucheck.perf import make_text_corpus  # noqa: E402
+from checks.gpucheck.rates import measure  # noqa: E402
 from checks.gpucheck.report import Report, timed  # noqa: E402
 from checks.gpucheck.rows import NOT_REACHED, RowSpec, chosen_rows, evaluate, jobs_for  # noqa: E402
 from checks.gpucheck.scheduler import Scheduler  # noqa: E402
 
-DEADLINE_S = 480.0
-"""The whole check on the GPU: 8 minutes, so that a rerun of the rows that failed (--rows) fits a
-15-minute device lease (docs/gpu.md has the estimate, catalog.schedule_estimate the arithmetic)."""
-WORKERS = 3
-"""Jobs at once on the GPU (16 cores, under 10 GiB of GPU memory each), exclusive ones alone."""
-DRY_DEADLINE_S = 600.0
+DEADLINE_S = 420.0
+"""The performance run on the GPU: 7 minutes, so that the machine's start and a rerun of the rows
+that failed (--rows) fit a 15-minute device lease (docs/gpu.md has the estimate,
+catalog.schedule_estimate the arithmetic)."""
+WORKERS = 4
+"""Jobs at once on the GPU, exclusive ones alone: the four compile warm-ups together (16 cores;
+1b's three at 8-16 micro-batches and 125m's), or up to four of the rows run by --rows (under 10 GiB
+of GPU memory each)."""
+DRY_DEADLINE_S = 900.0
 """A dry run's deadline; its jobs have no budgets of their own (CPU timings on a shared machine say
-nothing of the GPU's), so only the deadline cuts them."""
+nothing of the GPU's), so only the deadline cuts them. Every row's dry run took 584 s of wall time on
+2 cores shared with other jobs (load average about 7, 2026-12-05): 600 s would have cut it."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -75,13 +84,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--jobs",
         type=int,
         default=None,
-        help="jobs at once (default 3 on the GPU, exclusive ones alone; 2 in a dry run)",
+        help="jobs at once (default 4 on the GPU, exclusive ones alone; 2 in a dry run)",
     )
     parser.add_argument(
         "--rows",
         action="append",
         metavar="ROW",
-        help="only this row and the jobs it reads (repeatable; a rerun of the rows a first run failed)",
+        help="only this row and the jobs it reads (repeatable; without it: the performance run; the "
+        "rows the first GPU run passed run only so, as does a rerun of the rows a run failed)",
     )
     parser.add_argument(
         "--inject-hang", metavar="JOB", help="tests only: JOB runs until the deadline kills it"
@@ -89,6 +99,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the environment job
     parser.add_argument("--largest-micro-batch", type=Path, help=argparse.SUPPRESS)  # the plans job
     parser.add_argument("--advise", type=Path, help=argparse.SUPPRESS)  # the plans job
+    parser.add_argument("--kernel-rates", type=Path, help=argparse.SUPPRESS)  # the kernel-rates job
+    parser.add_argument("--text-corpus", type=Path, help=argparse.SUPPRESS)  # the text row's helper
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -97,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(args.dry_run, args.out.resolve(), 0.0, args.inject_hang)
     if args.environment is not None:  # a helper process of the check (catalog.py's jobs)
         args.environment.write_text(json.dumps(environment(setup)))
+        return 0
+    if args.kernel_rates is not None:
+        args.kernel_rates.write_text(json.dumps(measure(args.dry_run), indent=1))
+        return 0
+    if args.text_corpus is not None:
+        make_text_corpus(args.text_corpus, args.text_corpus / "cache")
         return 0
     if args.largest_micro_batch is not None or args.advise is not None:  # the plans job
         if args.largest_micro_batch is not None:
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        rows = chosen_rows(args.rows)
+        rows = chosen_rows(args.rows, every=args.dry_run)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import shutil
 import sys
 import sysconfig
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,13 @@ ADVICE_FILE = "advice.json"
 """The plans job's output under jobs/: each throughput job's predicted tokens/s."""
 LIMIT_FILE = "limit_plan.json"
 """The plans job's other output under jobs/: the largest micro-batch the plan fits for the limit rows."""
+KERNEL_RATES_FILE = "kernel_rates.json"
+"""The kernel-rates job's output under jobs/ (checks/gpucheck/rates.py), for the advisor."""
+TEXT_DIR = "text_data"
+"""Under jobs/: the text row's corpus, tokenizer and token cache (perf.make_text_corpus)."""
+TRACE_STEP = "telemetry.trace_steps=[3]"
+"""The throughput jobs' profiled step exported as a chrome trace: the step the communication probe
+profiles (trainer/telemetry/comm.py), read by the breakdown row; in the warm-up window."""
 
 
 @dataclass
@@ -73,6 +80,11 @@ class JobSpec:
     """Overrides known only once `after` has ended (the limit rows' micro-batch), instead of `overrides`."""
     points: tuple[JobSpec, ...] = ()
     """A dry run's sweep: these trainer jobs as the points of one Hydra multirun (scheduler.run_sweep)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables the job gets beside the check's (the CUPTI A/B's attached arm)."""
+    warmed_by: str | None = None
+    """A job that compiles the same graphs earlier, sharing the device, so that this timed one finds
+    inductor's cache filled; run with it, not waited for (a failed warm-up costs time, not the row)."""
 
 
 def job_dir(setup: Setup, name: str) -> Path:
@@ -81,9 +93,10 @@ def job_dir(setup: Setup, name: str) -> Path:
 
 def throughput_jobs(setup: Setup) -> list[JobSpec]:
     jobs = []
-    for model, estimate in (("125m", 20.0), ("1b", 30.0)):
+    # measured 17-21 s (125m) and 28-29 s (1b) on the H200 (docs/gpu.md), the trace's export added (a guess)
+    for model, estimate in (("125m", 21.0), ("1b", 32.0)):
         for stage in ("stage0", "stage3"):
-            jobs.append(JobSpec(f"{model}_{stage}", bf16(setup, model, stage), budget_s=3 * estimate,
+            jobs.append(JobSpec(f"{model}_{stage}", (*bf16(setup, model, stage), TRACE_STEP), budget_s=3 * estimate,
                                 estimate_s=estimate, exclusive=True))  # fmt: skip
     return jobs
 
@@ -195,7 +208,7 @@ def advisor_predictions(setup: Setup) -> dict[str, dict[str, Any]]:
     register_configs()
     predictions = {}
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for spec in throughput_jobs(setup):
+        for spec in advised_jobs(setup):
             overrides = [
                 "logger=none",
                 f"device={setup.device}",
@@ -218,35 +231,98 @@ def advisor_predictions(setup: Setup) -> dict[str, dict[str, Any]]:
 
 
 def all_jobs(setup: Setup) -> list[JobSpec]:
-    """Every job, in the order they start: the rows' order (most valuable first), but for the gpu
-    tests, which run beside the shared jobs rather than hold the exclusive throughput jobs back
-    (their row waits, the table's order stays). In a dry run the fault and comparison jobs, which
-    wait for no other job, are the points of one Hydra multirun in the fault jobs' place: on CPU most
-    of a short job's seconds are its start (its process and fork server), which a sweep's points share."""
-    environment, gpu_tests, probe, plans = helper_jobs(setup)
+    """Every job, in the order they start: the performance run first (the shared jobs and the compile
+    warm-ups, then each timing alone), then the jobs of the rows run only by --rows. In a dry run the
+    trainer jobs that wait for no other job, the fault, comparison and performance ones, are the
+    points of one Hydra multirun: on CPU most of a short job's seconds are its start (its process and
+    fork server), which a sweep's points share; the warm-ups have nothing to warm there."""
+    environment, gpu_tests, probe, plans, rates, corpus = helper_jobs(setup)
+    throughput = {spec.name: spec for spec in throughput_jobs(setup)}
+    shared, timed = performance_jobs(setup, throughput)
     first_save, *saves = save_jobs(setup)
     faults, comparisons = fault_jobs(setup), comparison_jobs(setup)
     if setup.dry_run:
-        faults, comparisons = [JobSpec("dry_run_sweep", points=(*faults, *comparisons))], []
+        alone = [s for s in timed if s.name in throughput or s.env]  # the throughput rows' jobs, and
+        points = (*faults, *comparisons, *shared, *(s for s in timed if s not in alone))  # a job's own env
+        faults, comparisons = [JobSpec("dry_run_sweep", points=points, after=corpus.name)], []
+        shared, timed = [], alone
     return [
-        environment,
-        *throughput_jobs(setup),
-        *([probe] if not setup.dry_run else []),
-        first_save,
-        gpu_tests,
-        plans,
-        *saves,
-        *faults,
-        *limit_jobs(setup),
+        environment, plans, corpus, *shared, rates, *timed,
+        throughput["125m_stage3"], throughput["1b_stage3"],
+        gpu_tests, *([probe] if not setup.dry_run else []),
+        first_save, *saves, *faults, *limit_jobs(setup),
         JobSpec("oom", oom_overrides(setup)),
         JobSpec("auto_batch", auto_batch_overrides(setup), budget_s=150, estimate_s=45),
         *comparisons,
-    ]
+    ]  # fmt: skip
+
+
+def compiled(setup: Setup, model: str, *extra: str) -> tuple[str, ...]:
+    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
+    return bf16(setup, model, "stage0", "compile=true", backend, *extra)
+
+
+def micro_batch(setup: Setup, size: int) -> str:
+    """A micro-batch of the GPU's `size`; a quarter of it on CPU (the dry run's shape has 2 for 8)."""
+    return f"micro_batch={size // 4 if setup.dry_run else size}"
+
+
+WARMUP = ("steps=2", "log_every=1", "telemetry.warmup_steps=1")
+"""A compile warm-up's steps: the first compiles forward and backward, the second runs them."""
+
+
+def performance_jobs(setup: Setup, throughput: dict[str, JobSpec]) -> tuple[list[JobSpec], list[JobSpec]]:
+    """The jobs that may share the device (the compile warm-ups, the text row's job), and the timings,
+    each alone: 1b eager at micro-batch 8 (the baseline, with its profiled step) and again with CUPTI
+    left attached after that step, 1b eager at 32, 1b compiled at 8 and 16, 1b fp8 compiled, 125m
+    eager and compiled. Estimates not measured before are guesses: a compiled job once its warm-up
+    filled the cache (dynamo still traces each block) 40 s at 1b, 30 s at 125m; a warm-up (inductor
+    compiling beside three others) 75 s at 1b, 60 s at 125m."""
+    longer = ("steps=20", "log_every=4", "telemetry.warmup_steps=8") if not setup.dry_run else ()
+    timed = [
+        throughput["1b_stage0"],
+        replace(throughput["1b_stage0"], name="1b_stage0_cupti_attached", env=(("TEARDOWN_CUPTI", "0"),),
+                unique=not setup.dry_run),  # a dry run: the same job (CPU has no CUPTI)
+        JobSpec("1b_mb32", bf16(setup, "1b", "stage0", micro_batch(setup, 32), *longer), budget_s=100,
+                estimate_s=36, exclusive=True),  # 20 steps of 0.58 s (4 x the 1b step) in a 1b job's 28 s
+        JobSpec("1b_compiled", compiled(setup, "1b"), budget_s=120, estimate_s=40, exclusive=True),
+        JobSpec("1b_compiled_mb16", compiled(setup, "1b", micro_batch(setup, 16)), budget_s=120, estimate_s=40,
+                exclusive=True),
+        JobSpec("1b_fp8_compiled", (*compiled(setup, "1b"), "precision=fp8"), budget_s=120, estimate_s=40,
+                exclusive=True),
+        throughput["125m_stage0"],
+        JobSpec("125m_stage0_compile", compiled(setup, "125m"), budget_s=120, estimate_s=30, exclusive=True),
+    ]  # fmt: skip
+    warmups = [
+        JobSpec(f"{spec.name}_warmup", (*spec.overrides, *WARMUP), budget_s=150, estimate_s=75 if "1b" in spec.name else 60)
+        for spec in timed if "compile=true" in spec.overrides
+    ]  # fmt: skip
+    timed = [replace(s, warmed_by=f"{s.name}_warmup") if "compile=true" in s.overrides else s for s in timed]
+    text = JobSpec("125m_text", (*bf16(setup, "125m", "stage0"), *text_overrides(setup)), budget_s=90,
+                   estimate_s=25, after="text_corpus")  # fmt: skip
+    return ([*warmups, text] if not setup.dry_run else [text]), timed
+
+
+def text_overrides(setup: Setup) -> tuple[str, ...]:
+    """data=text over the corpus the text_corpus job made, its documents packed one per mask block."""
+    folder = setup.out / "jobs" / TEXT_DIR
+    return ("data=text", f"data.files=[{folder / 'corpus.txt'}]", f"data.tokenizer={folder}",
+            "data.packing=document", f"data.cache_dir={folder / 'cache'}")  # fmt: skip
+
+
+ADVISED = ("125m_stage0", "1b_stage0", "1b_mb32", "1b_compiled", "1b_compiled_mb16", "125m_stage0_compile")
+"""The timed jobs the advisor row sets its predictions beside."""
+
+
+def advised_jobs(setup: Setup) -> list[JobSpec]:
+    throughput = {spec.name: spec for spec in throughput_jobs(setup)}
+    return [spec for spec in performance_jobs(setup, throughput)[1] if spec.name in ADVISED]
 
 
 def helper_jobs(setup: Setup) -> list[JobSpec]:
     """The processes that are not training jobs: the environment, the gpu tests, the headroom probe,
-    and one process for the plans (the largest micro-batch the plan fits, the advisor's predictions)."""
+    one process for the plans (the largest micro-batch the plan fits, the advisor's predictions), the
+    kernel rates (a timing: alone), and the text row's corpus, tokenizer and token cache."""
     dry, jobs = (["--dry-run"] if setup.dry_run else []), setup.out / "jobs"
     environment = (sys.executable, str(SCRIPT), "--environment", str(jobs / "environment.json"), *dry)
     gpu_tests = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
@@ -256,11 +332,17 @@ def helper_jobs(setup: Setup) -> list[JobSpec]:
     # a process of their own, and the check's process holds none while jobs run.
     plans = (sys.executable, str(SCRIPT), "--largest-micro-batch", str(jobs / LIMIT_FILE), "--advise",
              str(jobs / ADVICE_FILE), *dry)  # fmt: skip
+    rates = (sys.executable, str(SCRIPT), "--kernel-rates", str(jobs / KERNEL_RATES_FILE), *dry)
+    corpus = (sys.executable, str(SCRIPT), "--text-corpus", str(jobs / TEXT_DIR), *dry)
     return [
         JobSpec("environment", command=environment, budget_s=30, estimate_s=5),
         JobSpec("gpu_tests", command=gpu_tests, budget_s=200, estimate_s=120),
         JobSpec("headroom", command=probe, budget_s=45, estimate_s=10, exclusive=True),
         JobSpec("plans", command=plans, budget_s=45, estimate_s=10),
+        # a guess: torch's import and CUDA's start (~10 s), 36 GEMMs in 2 dtypes, 4 SDPA kernels, AdamW over
+        # 134M parameters, 20 repeats each (a few seconds of GPU time)
+        JobSpec("kernel_rates", command=rates, budget_s=90, estimate_s=25, exclusive=True),
+        JobSpec("text_corpus", command=corpus, budget_s=60, estimate_s=10),  # a guess: one small process
     ]  # fmt: skip
 
 
@@ -277,15 +359,11 @@ def fault_jobs(setup: Setup) -> list[JobSpec]:
 
 def comparison_jobs(setup: Setup) -> list[JobSpec]:
     """125m stage0 bf16 (the reference, a throughput job) changed in one setting each; the rows compare
-    their losses with the reference's. Compile comes first and shares the GPU: it is judged on
-    losses, and most of its time is inductor compiling on the host, beside the jobs after it."""
-    backend = "compile_backend=aot_eager" if setup.dry_run else "compile_backend=inductor"
+    their losses with the reference's (the compiled one is a performance job: performance_jobs)."""
     model = setup.model("125m")
     return [
-        JobSpec("125m_stage0_compile", bf16(setup, "125m", "stage0", "compile=true", backend), budget_s=150,
-                estimate_s=90),
         JobSpec("125m_stage0_fp32", (f"model={model}", "precision=fp32", "zero=stage0", *setup.shape())),
-        *fp8_jobs(setup, backend),
+        *fp8_jobs(setup),
         JobSpec("125m_stage0_again", bf16(setup, "125m", "stage0"), unique=True),
         JobSpec("ckpt_full", bf16(setup, "125m", "stage0", "checkpointing=full")),
         JobSpec("ckpt_selective", bf16(setup, "125m", "stage0", "checkpointing=selective")),
@@ -301,14 +379,13 @@ def comparison_jobs(setup: Setup) -> list[JobSpec]:
     ]  # fmt: skip
 
 
-def fp8_jobs(setup: Setup, backend: str) -> list[JobSpec]:
+def fp8_jobs(setup: Setup) -> list[JobSpec]:
     """125m compiled in fp8 (tensorwise) beside the compile row's bf16 job: fp8 pays only compiled; the
-    row sets their tokens/s ratio beside the advisor's prediction (trainer/advise/fp8.py). 125m, not 1b:
-    two compiled 1b jobs would not fit the 480 s (this one shares the GPU as the compile job does)."""
+    row sets their tokens/s ratio beside the advisor's prediction (trainer/advise/fp8.py). Run by
+    --rows: the performance run's 1b pair judges fp8's speed; this one shares the GPU, not a timing."""
     return [
-        JobSpec("125m_fp8_compiled", (*bf16(setup, "125m", "stage0", "compile=true", backend), "precision=fp8"),
-                budget_s=150, estimate_s=90),
-    ]  # fmt: skip
+        JobSpec("125m_fp8_compiled", (*compiled(setup, "125m"), "precision=fp8"), budget_s=150, estimate_s=90)
+    ]
 
 
 def schedule_estimate(specs: list[JobSpec], workers: int) -> float:

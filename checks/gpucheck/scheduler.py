@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,9 @@ def run_job(setup: Setup, spec: JobSpec) -> Job:
     args = list(spec.command) if spec.command else trainer_args(setup, spec, list(overrides))
     log = setup.out / "logs" / f"{spec.name}.log"
     start = time.perf_counter()
-    code, killed, survivors = run_process(args, log, timeout, session_env(WANDB_MODE="disabled"))
+    code, killed, survivors = run_process(
+        args, log, timeout, session_env(WANDB_MODE="disabled", **dict(spec.env))
+    )
     summary, records = read_job(setup, spec.name) if not spec.command else ({}, [])
     if code is None:
         status = "timeout"
@@ -188,19 +190,28 @@ class Scheduler:
         self.futures: dict[str, Future[Job]] = {
             s.name: Future() for spec in specs for s in spec.points or (spec,)
         }
-        # A dry run gives 125m and 1b the same tiny model: a job equal to an earlier one is run once.
+        # A dry run gives 125m and 1b the same tiny model: a job equal to an earlier one (a sweep's
+        # point too) is run once.
         first: dict[Any, str] = {}
         self.specs, self.aliases = [], {}
-        for spec in specs:
+
+        def first_of_its_kind(spec: JobSpec) -> bool:
             key = (
                 (spec.command, spec.overrides, spec.device)
-                if not spec.unique and spec.resolve is None and not spec.points
+                if not spec.unique and spec.resolve is None
                 else spec.name
             )
             if key in first:
                 self.aliases[spec.name] = first[key]
-            else:
-                first[key] = spec.name
+                return False
+            first[key] = spec.name
+            return True
+
+        for spec in specs:
+            if spec.points:
+                points = tuple(point for point in spec.points if first_of_its_kind(point))
+                self.specs += [replace(spec, points=points)] if points else []
+            elif first_of_its_kind(spec):
                 self.specs.append(spec)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

@@ -26,13 +26,15 @@ from tests.helpers import REPO, left_in
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 ROWS = [
-    "environment", "gpu tests",
-    "throughput 125m bf16 stage0", "throughput 125m bf16 stage3", "throughput 1b bf16 stage0", "throughput 1b bf16 stage3",
-    "headroom", "expandable segments", "advisor tokens/s (h200)", "cpu save resumed on the device", "device save resumed on the device",
+    "environment", "kernel rates", "throughput 1b bf16 stage0", "step breakdown (1b eager)", "cupti torn down vs attached (1b)",
+    "1b eager micro_batch 32", "compile 1b", "compile 1b micro_batch 16", "fp8 vs bf16 compiled (1b)",
+    "throughput 125m bf16 stage0", "compile", "text data, document packing", "advisor tokens/s (h200)",
+    "gpu tests", "throughput 125m bf16 stage3", "throughput 1b bf16 stage3",
+    "headroom", "expandable segments", "cpu save resumed on the device", "device save resumed on the device",
     "fp16 injected overflow", "fp16 sharded scaler (stage3)", "offload=cpu skips a NaN step", "offload host memory", "plan at the device limit",
     "oom under device_memory_gib", "micro_batch=auto", "fp32 vs bf16 losses", "bf16 runs reproducible", "checkpointing full",
     "checkpointing selective", "checkpointing op", "loss chunked", "attention efficient (bf16)", "attention math (bf16)",
-    "grad_accum 2", "stage2 on one GPU", "sync-free step", "compile", "fp8 vs bf16 compiled (125m)",
+    "grad_accum 2", "stage2 on one GPU", "sync-free step", "fp8 vs bf16 compiled (125m)",
 ]  # fmt: skip
 NO_XDIST = {**os.environ, "PYTEST_ADDOPTS": "-p no:xdist"}
 """The GPU host has no pytest-xdist: every pytest the check starts runs with the plugin blocked, so
@@ -108,7 +110,8 @@ def test_dry_run_produces_every_row_and_passes(
     # The advisor row's figures are the advice file's prediction and the job's own measurement.
     advised = rows["advisor tokens/s (h200)"]["figures"]["125m_stage0"]
     advice = json.loads((tmp_path / "jobs" / catalog.ADVICE_FILE).read_text())["125m_stage0"]
-    stage0 = json.loads((tmp_path / "jobs" / "125m_stage0" / "summary.json").read_text())
+    # (a dry run's 125m_stage0 is 1b_stage0's job, the first of the two: both are the tiny model)
+    stage0 = json.loads((tmp_path / "jobs" / "1b_stage0" / "summary.json").read_text())
     assert advised["advised"] == round(advice["tokens_per_s"], 1)
     assert advised["measured"] == round(stage0["throughput/tokens_per_s"], 1)
     # The limit row runs the largest micro-batch the plan fits under the dry run's cap; the
@@ -143,11 +146,15 @@ def test_dry_run_produces_every_row_and_passes(
     # average of 6-15); on 2026-12-03, 223 (load average 2.5-4) and 171 (2), each job paying 6-7
     # CPU-s to start (its process and fork server) and under one to train. With the 14 fault and
     # comparison jobs the points of one sweep, which starts once (catalog.all_jobs), it measured 149
-    # (load average 2.5), 108 and 114 (2): the bound leaves the highest 27%.
+    # (load average 2.5), 108 and 114 (2). Issue 59's performance rows add two helper processes (the
+    # kernel rates, the text corpus), three sweep points (1b at micro-batch 32, compiled at 16, the text
+    # job) and a traced step in each throughput job: 238 and 245 CPU-s measured with them (2026-12-05,
+    # 2 cores under a load average of 6-8; at 6-15, before the sweep, the check had measured 208-215):
+    # the bound leaves the higher 14%.
     # The wall time on a shared machine says more about the neighbours than about the check, so it
     # is printed, not asserted.
     print(f"dry run: {elapsed:.0f} s wall, {cpu_s:.0f} CPU-s")
-    assert cpu_s <= 190
+    assert cpu_s <= 280
 
 
 def alive(pid: int) -> bool:
@@ -162,7 +169,8 @@ def alive(pid: int) -> bool:
 def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skipped(tmp_path: Path) -> None:
     """The first throughput job never ends by itself: at the deadline its process group (the job,
     its fork server, its rank) is killed, its row fails naming what was killed, and the rows whose
-    jobs had not started are skipped; the check ends soon after the deadline, exit status 1."""
+    jobs had not started are skipped; the check ends soon after the deadline, exit status 1. The rows
+    are named (--rows), so that the environment job alone runs before it, as when the drill was timed."""
     # The drill waits out the whole deadline, so it is as short as the hung job's first step allows:
     # after the environment job and two interpreters importing torch (the job, its fork server; the
     # rank is forked), step 1 was logged at 34 s on 2 unpinned cores under a load average of 12-16
@@ -171,7 +179,8 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
     # over 4 times that.
     deadline = 30
     args = [sys.executable, "checks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--jobs", "1",
-            "--deadline", str(deadline), "--inject-hang", "125m_stage0"]  # fmt: skip
+            "--deadline", str(deadline), "--inject-hang", "1b_stage0", "--rows", "environment",
+            "--rows", "throughput 1b bf16 stage0", "--rows", "throughput 125m bf16 stage0", "--rows", "compile"]  # fmt: skip
     # The check's TMPDIR, where a killed job's temporary files must not stay (a short path: a fork server's
     # socket lies below it, and AF_UNIX paths end at 107 bytes)
     scratch = Path(tempfile.mkdtemp(prefix="drill_"))
@@ -184,16 +193,16 @@ def test_a_hung_row_is_killed_with_its_ranks_at_the_deadline_and_the_rest_skippe
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - start
     rows = {row["check"]: row for row in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    hung = rows["throughput 125m bf16 stage0"]
+    hung = rows["throughput 1b bf16 stage0"]
     assert proc.returncode == 1 and hung["status"] == "fail", (hung, proc.stdout[-2000:])
     killed = hung["figures"]["killed_pids"]
     assert len(killed) >= 3, killed  # the job, its fork server, its rank
     assert hung["figures"]["survivors"] == [] and not any(alive(pid) for pid in killed)
-    log = (tmp_path / "logs" / "125m_stage0.log").read_text()
+    log = (tmp_path / "logs" / "1b_stage0.log").read_text()
     assert re.search(r"step +1/1000000", log) and not re.search(
         r"step +2/", log
     )  # trained, then hung in step 2
-    assert rows["throughput 1b bf16 stage0"]["status"] == "fail"  # the dry run's 1b is the same job
+    assert rows["throughput 125m bf16 stage0"]["status"] == "fail"  # the dry run's 125m is the same job
     assert rows["compile"]["status"] == "skip" and rows["compile"]["note"].startswith(
         "not reached by the deadline"
     )
