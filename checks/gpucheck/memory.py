@@ -122,7 +122,7 @@ def headroom_verdict(measured: dict[str, Any]) -> list[str]:
     """Each measured figure against its assumption in trainer/plan/headroom.py, and reserved against the fit."""
     from trainer.plan import HEADROOM
 
-    compared = {"context_gib": "context_gib", "nccl_world1_gib": "nccl_gib",
+    compared = {"context_gib": "context_gib", "nccl_world1_gib": "nccl_one_rank_gib",
                 "cublas_workspace_gib": "cublas_workspace_gib"}  # fmt: skip
     wrong = []
     for key, assumed_key in compared.items():

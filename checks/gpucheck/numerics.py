@@ -151,12 +151,14 @@ def check_fp8(setup: Setup, jobs: dict[str, Job]) -> Row:
 
 def predicted_fp8_ratio(overrides: tuple[str, ...]) -> float:
     """trainer/advise/fp8.py's tensorwise speed-up for a job's model, micro-batch and sequence on an H200,
-    taking its step as compute (one GPU: no collectives)."""
+    taking its step as compute (one GPU: no collectives), over the linears the job converts
+    (precision.fp8_filter, default auto: torchao's small-GEMM filter)."""
     from omegaconf import OmegaConf
 
     from trainer.advise.calibrate import ACCELERATORS
     from trainer.advise.fp8 import LLAMA31_8B, compute_factor, fit_cast_cost
-    from trainer.config import ModelConfig
+    from trainer.config import Fp8Filter, Fp8Recipe, ModelConfig
+    from trainer.model.fp8 import fp8_split
 
     given = dict(o.split("=", 1) for o in overrides)
     preset = OmegaConf.load(REPO / "conf" / "model" / f"{given['model']}.yaml")
@@ -164,7 +166,10 @@ def predicted_fp8_ratio(overrides: tuple[str, ...]) -> float:
     model = ModelConfig(**{k: preset[k] for k in dims})
     cost = fit_cast_cost(LLAMA31_8B, ACCELERATORS["h100"].hbm_tbps, "tensorwise")
     h200 = ACCELERATORS["h200"].hbm_tbps
-    return 1 / compute_factor(model, int(given["seq_len"]), int(given["micro_batch"]), "h200", h200, cost)
+    fp8_filter = Fp8Filter(given.get("precision.fp8_filter", Fp8Filter.auto.value))
+    converted = fp8_split(model, fp8_filter, Fp8Recipe.tensorwise).converted
+    step = (int(given["seq_len"]), int(given["micro_batch"]))
+    return 1 / compute_factor(model, *step, "h200", h200, cost, converted)
 
 
 def check_fp16_overflow(setup: Setup, jobs: dict[str, Job]) -> Row:
