@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 
 from trainer.advise.calibrate import ACCELERATORS, HOST_MEMORY_BYTES_PER_S, Rates
 from trainer.advise.fp8 import fp8_compute_factor
+from trainer.advise.host import host_ops, host_seconds
 from trainer.advise.throughput import COMPILE_SPEEDUP, shape_factor
 from trainer.config import (
     CheckpointingConfig,
@@ -138,6 +139,9 @@ class StepTime:
     disk_s: float = (
         0.0  # offload=nvme: the node's disk reading and writing Adam's moments (trainer/plan/disk.py)
     )
+    host_s: float = 0.0
+    """An eager GPU step's host time, launching its ops (trainer/advise/host.py): the step takes at least this."""
+    host_ops: int = 0
 
     @property
     def busy_s(self) -> float:
@@ -158,7 +162,8 @@ class StepTime:
         )
 
     @property
-    def step_s(self) -> float:
+    def device_s(self) -> float:
+        """What the device's work and waits take, the host's launching aside."""
         return (
             self.compute_s
             + self.exposed_comm_s
@@ -170,10 +175,17 @@ class StepTime:
         )
 
     @property
+    def step_s(self) -> float:
+        """The device's time, or the host's where launching the ops takes longer (the GPU then waits for it)."""
+        return max(self.device_s, self.host_s)
+
+    @property
     def limiter(self) -> str:
         """What the step spends most of its time on; a link whose collectives need more time on the wire
         than the compute they can hide behind bounds the step, whatever the largest part is."""
         saturated = [link for link in self.links.values() if link.saturated]
+        if self.host_s > self.device_s:
+            return f"host ({self.host_ops:,} ops launched per step take {self.host_s:.3g} s > {self.device_s:.3g} s on the device)"
         if saturated:
             worst = max(saturated, key=lambda link: link.wire_s - link.window_s)
             return f"{worst.link} ({worst.wire_s:.3g} s on the wire > {worst.window_s:.3g} s of compute to hide it)"
@@ -415,7 +427,21 @@ def predict_step(
         rates.host_adam_params_per_s if offload and rates.host_adam_params_per_s else rates.adam_params_per_s
     )
     offload_s = offload_seconds(config, comm_bytes, world_size, local_numel, rates) if offload else 0.0
-    return StepTime(compute_s, recompute_s, wire_s, exposed, local_numel / adam_rate, offload_s)
+    blocks, on_gpu = (
+        -(-config.model.n_layers // config.parallel.pp),
+        device_kind == "cuda" or bool(rates.accelerator),
+    )
+    replicas = max(1, world_size // (config.parallel.tp * config.parallel.pp))
+    return StepTime(
+        compute_s,
+        recompute_s,
+        wire_s,
+        exposed,
+        local_numel / adam_rate,
+        offload_s,
+        host_s=host_seconds(config, blocks, replicas, on_gpu),
+        host_ops=host_ops(config, blocks, replicas),
+    )
 
 
 def offload_seconds(

@@ -16,6 +16,7 @@ from trainer.plan.fp8_backward import fp8_w2_backward
 from trainer.plan.moments import (
     Moment,
     StepContext,
+    block_backward_temporary,
     ffn_norm_backward,
     incoming_gradient,
 )
@@ -97,6 +98,16 @@ def worst_block_backward(ctx: StepContext, fixed: int) -> Moment:
     for i in range(L):
         grads = after + (L - 1 - i) * per_block
         acts = sum(ctx.acts.blocks[:i]) + ctx.acts.batch + ctx.acts.in_backward_of(i)
+        if (
+            m.is_moe
+        ):  # the experts' loop backward, its weight gradients made in it (moments.py, trainer/plan/moe.py)
+            moe = block_backward_temporary(
+                ctx, 6 if ctx.prec.regime == "autocast" else 4, weight_grad_held=False
+            )
+            moments.append(
+                ctx.moment(f"backward: block {i}", grads=grads, activations=acts, temporary=fixed + moe)
+            )
+            continue
         moments += [
             ctx.moment(
                 f"backward: block {i}",

@@ -72,7 +72,8 @@ def test_a_stage_ddp_has_the_whole_models_hook_buckets_and_view(monkeypatch: pyt
 
 
 def test_one_replica_of_a_stage_is_not_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dp = 1 under pp: nothing to replicate (a plain job keeps DDP at one rank: the plan counts its buckets)."""
+    """One data-parallel replica, a pipeline stage's or a whole one-rank model's: nothing to replicate, no DDP
+    (trainer/plan/replica_walk.py plans the step without its buckets); two replicas are wrapped."""
     monkeypatch.setattr(sharding, "DistributedDataParallel", RecordedDDP)
     config = compose_config("parallel.pp=2", "grad_accum=2")
     stage = parallelize(
@@ -82,4 +83,12 @@ def test_one_replica_of_a_stage_is_not_wrapped(monkeypatch: pytest.MonkeyPatch) 
     whole = parallelize(
         build_model(whole_config.model), config=whole_config, layout=Layout(), mesh=FakeMesh(), world=WORLD
     )
-    assert not isinstance(stage, RecordedDDP) and isinstance(whole, RecordedDDP)
+    replicated = parallelize(
+        build_model(whole_config.model),
+        config=whole_config,
+        layout=Layout(dp_shard=2),
+        mesh=FakeMesh(),
+        world=WORLD,
+    )
+    assert not isinstance(stage, RecordedDDP) and not isinstance(whole, RecordedDDP)
+    assert isinstance(replicated, RecordedDDP)
