@@ -54,6 +54,7 @@ def test_two_nodes_train_like_one_node_with_two_ranks(tmp_path: Path) -> None:
     assert "outputs:" in node0.stdout and "outputs:" not in node1.stdout  # node 0 records the job
 
 
+@pytest.mark.slow  # the default tier's time (README)
 @pytest.mark.timeout(300)
 def test_a_killed_rank_ends_both_nodes_crashed_naming_rank_and_node(tmp_path: Path) -> None:
     node0, node1 = run_two_nodes(tmp_path / "killed", "fault.kind=kill", "fault.step=3", "fault.rank=1")

@@ -202,6 +202,7 @@ def test_no_api_key_in_any_output_or_wandb_file(fp16_run: Run) -> None:
     assert FAKE_KEY not in fp16_run.stdout + fp16_run.stderr
 
 
+@pytest.mark.slow  # the default tier's time (README)
 def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_path: Path) -> None:
     killed_at = 4
     job = (*SMALL, "steps=8", "logger=wandb", "fault.kind=kill", f"fault.step={killed_at}", "fault.rank=1")
@@ -216,6 +217,7 @@ def test_killed_rank_leaves_a_crashed_summary_and_wandb_run_naming_the_rank(tmp_
     assert sorted(wandb_history(run.out_dir)) == [r["step"] for r in run.records] == list(range(1, killed_at))
 
 
+@pytest.mark.slow  # the default tier's time (README)
 def test_sweep_jobs_in_one_process_get_one_wandb_run_each_in_one_group(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     proc = run_sweep(
