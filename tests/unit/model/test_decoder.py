@@ -232,6 +232,29 @@ def test_complex_rotary_equals_the_previous_real_form(preset: str, positions: st
     assert not torch.equal(new, x_BTHQ)  # the positions rotate: the check compares rotations, not copies
 
 
+@pytest.mark.usefixtures("process_group")
+def test_fsdp2_hands_every_block_the_complex_table_uncast(tiny: ModelConfig) -> None:
+    """FSDP2's MixedPrecisionPolicy casts a block's floating-point forward inputs to param_dtype; the complex
+    table is not floating point, so each block gets the fp32 table itself (a view of the cache), and saves no
+    half-precision copy of it (trainer/plan/activations.py counts none; docs/memory_plan.md)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(tiny)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    materialize(model, CPU, seed=0)
+    seen: list[torch.Tensor] = []
+    # FSDP2 prepends its own pre-forward hook: these see the inputs as it cast them
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda _module, args: seen.append(args[1]))
+    model(torch.arange(16).view(1, 16))
+    (cached,) = model.cached_rope_tables()
+    assert len(seen) == tiny.n_layers
+    assert all(t.dtype == torch.complex64 and t.data_ptr() == cached.data_ptr() for t in seen)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
