@@ -36,7 +36,7 @@ from tests.job_zygote import JobZygote
 from trainer.config import ModelConfig, TrainConfig, from_plain, to_plain, validate
 from trainer.faults.leftovers import JOB_MARKER, describe, marked
 from trainer.jsonl import read_jsonl
-from trainer.model.decoder import Transformer, build_model, materialize
+from trainer.model.decoder import Transformer, build_model, materialize, rope_cache
 from trainer.world import World
 
 REPO = Path(__file__).resolve().parent.parent
@@ -561,11 +561,7 @@ def saved_storage_bytes(
         F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
     excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     # The rotary tables, cached on the model per device (counted under `other`).
-    excluded |= {
-        t.untyped_storage().data_ptr()
-        for tables in getattr(model, "_rope_cache", {}).values()
-        for t in tables
-    }
+    excluded |= {t.untyped_storage().data_ptr() for t in rope_cache(model)}
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
 
 

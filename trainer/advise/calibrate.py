@@ -503,16 +503,16 @@ def matmul_rate(rows: int, dim: int, ffn_dim: int, dtype: torch.dtype) -> float:
 def block_rate(model: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype) -> float:
     """FLOP/s of the model's own TransformerBlock, forward and backward, at this micro-batch: the
     matmuls and everything between them (norms, rotary, attention, elementwise, dispatch)."""
-    from trainer.model.decoder import TransformerBlock, build_rope_tables
+    from trainer.model.decoder import TransformerBlock, build_rope_table
 
     block = TransformerBlock(model)
     x = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
-    cos, sin = build_rope_tables(model.dim // model.n_heads, seq_len, model.rope_theta, torch.device("cpu"))
+    cis = build_rope_table(model.dim // model.n_heads, seq_len, model.rope_theta, torch.device("cpu"))
 
     def step() -> None:
         # bf16/fp16 as stages 0-1 run them (autocast); FSDP2's bf16 parameters behave alike here
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            out = block(x, cos, sin)
+            out = block(x, cis)
         out.float().sum().backward()
 
     block_params = sum(p.numel() for p in block.parameters())

@@ -56,17 +56,19 @@ _RESIDUAL_PROJECTIONS = (
 # ----------------------------------------------------------------------------- rotary embeddings
 
 
-def build_rope_tables(
+def build_rope_table(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device, config: ModelConfig | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angle of every (position, frequency) pair, in fp32; `config`'s
-    rope_scaling (Llama-3.1) rescales the frequencies."""
+) -> torch.Tensor:
+    """e^(i·angle) of the rotation angle of every (position, frequency) pair: complex64, T x F (the
+    bytes of an fp32 cos and sin); `config`'s rope_scaling (Llama-3.1) rescales the frequencies. One
+    complex table as torchtitan keeps it (pytorch/torchtitan torchtitan/models/llama3/model/model.py
+    `precompute_freqs_cis`)."""
     inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     if config is not None and config.rope_scaling == RopeScaling.llama3:
         inv_freq_F = llama3_scaled_frequencies(inv_freq_F, config)
     pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles_TF = torch.outer(pos_T, inv_freq_F)
-    return angles_TF.cos(), angles_TF.sin()
+    return torch.polar(torch.ones_like(angles_TF), angles_TF)
 
 
 def llama3_scaled_frequencies(inv_freq_F: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -86,14 +88,13 @@ def llama3_scaled_frequencies(inv_freq_F: torch.Tensor, config: ModelConfig) -> 
     return torch.where(wavelen_F < original / high, inv_freq_F, scaled_F)
 
 
-def apply_rope(x_BTHQ: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle."""
+def apply_rope(x_BTHQ: torch.Tensor, cis_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle: the pair as one
+    complex number times e^(i·angle), one multiply (torchtitan's `apply_rotary_emb`) where the real form
+    took seven kernels. Autograd saves the table only (it needs no gradient)."""
     # In fp32 whatever the compute dtype: bf16 angles at position ~4000 lose whole radians.
-    x0_BTHF, x1_BTHF = x_BTHQ.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos_1T1F, sin_1T1F = cos_TF[None, :, None, :], sin_TF[None, :, None, :]
-    y0_BTHF = x0_BTHF * cos_1T1F - x1_BTHF * sin_1T1F
-    y1_BTHF = x0_BTHF * sin_1T1F + x1_BTHF * cos_1T1F
-    return torch.stack((y0_BTHF, y1_BTHF), dim=-1).flatten(-2).type_as(x_BTHQ)
+    x_BTHF = torch.view_as_complex(x_BTHQ.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(x_BTHF * cis_TF[None, :, None, :]).flatten(-2).type_as(x_BTHQ)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -122,8 +123,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos_TF: torch.Tensor,
-        sin_TF: torch.Tensor,
+        cis_TF: torch.Tensor,
         mask_B1TT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`mask_B1TT` (data.packing=document): True where a query may attend a key; None: causal."""
@@ -133,8 +133,8 @@ class Attention(nn.Module):
         k_BTKQ = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q_BTHQ, k_BTKQ = self.q_norm(q_BTHQ), self.k_norm(k_BTKQ)
-        q_BTHQ = apply_rope(q_BTHQ, cos_TF, sin_TF)
-        k_BTKQ = apply_rope(k_BTKQ, cos_TF, sin_TF)
+        q_BTHQ = apply_rope(q_BTHQ, cis_TF)
+        k_BTKQ = apply_rope(k_BTKQ, cis_TF)
         v_BTKQ = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         if self.context is None:
             o_BTHQ = self.core(q_BTHQ, k_BTKQ, v_BTKQ, mask_B1TT)
@@ -190,11 +190,10 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos_TF: torch.Tensor,
-        sin_TF: torch.Tensor,
+        cis_TF: torch.Tensor,
         mask_B1TT: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TF, sin_TF, mask_B1TT)
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cis_TF, mask_B1TT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -216,7 +215,7 @@ class Transformer(nn.Module):
         # device. As buffers they would be garbage after `to_empty`, be stranded on the CPU when
         # FSDP2 offloads states to host memory but computes on the GPU, be rounded by
         # `model.to(bfloat16)`, and be broadcast by DDP (broadcast_buffers) on every forward.
-        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[torch.device, torch.Tensor] = {}
         self.loss_chunk_tokens = 1024  # tokens per chunk when forward is given targets (apply_loss_choice)
         self.loss_z_weight = 0.0  # loss.z_loss, when forward is given targets (apply_loss_choice)
         self.context: ContextParallel | None = None  # parallel.cp (apply_context_parallel)
@@ -226,20 +225,23 @@ class Transformer(nn.Module):
             if isinstance(module, MoE):
                 module.log = self.router_log
 
-    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos and sin of all `max_seq_len` positions on `device`, computed once per device."""
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        """The complex64 rotary table of all `max_seq_len` positions on `device`, computed once per device.
+        Complex, it is not a floating-point tensor: FSDP2's MixedPrecisionPolicy, which casts a block's
+        floating-point forward inputs to param_dtype (torch's _fully_shard/_fsdp_common.py `_cast_fp_tensor`),
+        hands it to every block as it is, in full precision and without a copy."""
         if device not in self._rope_cache:
             c = self.config
             # Built outside inference mode even when first asked for inside it (an eval before
             # training): an inference tensor could never be saved for a later backward.
             with torch.inference_mode(False):
-                tables = build_rope_tables(c.head_width, c.max_seq_len, c.rope_theta, device, c)
-            self._rope_cache[device] = tables
+                table = build_rope_table(c.head_width, c.max_seq_len, c.rope_theta, device, c)
+            self._rope_cache[device] = table
         return self._rope_cache[device]
 
     def cached_rope_tables(self) -> list[torch.Tensor]:
-        """Every table `rope_tables` has made so far (on each device)."""
-        return [table for pair in self._rope_cache.values() for table in pair]
+        """Every table `rope_table` has made so far (one per device)."""
+        return list(self._rope_cache.values())
 
     def forward(
         self,
@@ -267,21 +269,21 @@ class Transformer(nn.Module):
         if row > self.config.max_seq_len:
             max_len = self.config.max_seq_len
             raise ValueError(f"sequence length {row} exceeds model.max_seq_len ({max_len}); lower seq_len")
-        tables = self.rope_tables(tokens_BT.device)
+        table_TF = self.rope_table(tokens_BT.device)
         x_BTD = self.tok_embeddings(tokens_BT)
         if context is None:
-            cos_TF, sin_TF = (table[:T] for table in tables)
+            cis_TF = table_TF[:T]
             mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
         else:  # the rotary angles of this rank's positions; the mask its attention takes
             mine = context.positions(row, tokens_BT.device).mine
-            cos_TF, sin_TF = (table.index_select(0, mine) for table in tables)
+            cis_TF = table_TF.index_select(0, mine)
             mask_B1TT = context.mask(documents_BT, row, tokens_BT.device)
         log = self.router_log
         if log is not None:
             log.open = True  # the layers' routing is recorded during this forward only, not a recompute
         try:
             for layer in self.layers:
-                x_BTD = layer(x_BTD, cos_TF, sin_TF, mask_B1TT)
+                x_BTD = layer(x_BTD, cis_TF, mask_B1TT)
         finally:
             if log is not None:
                 log.open = False

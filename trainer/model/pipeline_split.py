@@ -80,14 +80,14 @@ class StageModel(Transformer):
         `targets_BT` (loss=chunked, the last stage only): the output is the chunked loss, as the decoder's
         forward given targets (the schedule's loss_fn passes it on)."""
         # Beyond the first stage under sequence parallelism the stage receives its TP rank's T / tp positions;
-        # the rotary tables are of the whole sequence (attention all-gathers it first).
+        # the rotary table is of the whole sequence (attention all-gathers it first).
         T = x.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-        cos_TF, sin_TF = (table[:T] for table in self.rope_tables(x.device))
+        cis_TF = self.rope_table(x.device)[:T]
         mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
         for layer in self.layers:
-            x = layer(x, cos_TF, sin_TF, mask_B1TT)
+            x = layer(x, cis_TF, mask_B1TT)
         if self.output is None:
             return x
         if targets_BT is None:

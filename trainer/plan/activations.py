@@ -59,7 +59,8 @@ def block_bytes_per_token(m: ModelConfig, regime: str, device_kind: str = "cpu")
 
     q and the SDPA output are H·Q wide (HQ, = D unless `head_dim` sets Q apart). q/k RMSNorm
     (Qwen3) saves, in every regime, its fp32 input (upcast) and x·rstd of each head and an fp32
-    rstd per head: 8·(HQ + KQ) + 4·(H + K); its output only passes through the rotary embedding.
+    rstd per head: 8·(HQ + KQ) + 4·(H + K); its output only passes through the rotary embedding, whose
+    complex multiply saves the table alone (decoder.py `apply_rope`).
     On CUDA the block's two RMSNorms run the fused kernel and save less (`fused_norm_saving`); the
     q/k norms are counted as on CPU (not yet checked against the CUDA kernel).
     """
@@ -235,20 +236,6 @@ def fp8_saving_per_token(config: TrainConfig, prec: Precisions, device_kind: str
     return autocast_input_saving(config.model, config.precision, device_kind)
 
 
-def rope_casts(config: TrainConfig, prec: Precisions) -> int:
-    """Under FSDP2's half-precision parameters, what each block saves of the rotary tables, per micro-batch:
-    FSDP2 casts a module's floating-point forward inputs to its param_dtype (MixedPrecisionPolicy
-    cast_forward_inputs, torch's _fsdp_state.py `_cast_forward_inputs`), so every block receives its own
-    half-precision copy of the fp32 cos and sin (T x Q/2 each), which apply_rope saves for backward; a
-    checkpointed block keeps them as its inputs for the recompute. Measured with MemTracker on CPU ranks,
-    zero=stage3 precision=bf16: two 2,048-byte tensors per block and micro-batch on the tiny model at T = 64.
-    The pipeline's plan counts them (trainer/plan/pipeline.py `stage_activations`), where they are held once
-    per micro-batch in flight; the pp = 1 table (`activations`) does not yet (docs/memory_plan.md)."""
-    if prec.regime != "fsdp_mp":
-        return 0
-    return 2 * config.seq_len * (config.model.head_width // 2) * prec.compute
-
-
 def checkpoint_input_kept(prec: Precisions, device_kind: str) -> int:
     """Bytes per element of a checkpointed block's input that stay alive beside its recomputed set:
     the checkpoint's frame keeps the input for the recompute, which saves that same tensor except
@@ -339,7 +326,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0)
     documents = (
         DOCUMENTS_BYTES_PER_TOKEN * config.micro_batch * row_length(config) if document_packing(config) else 0
     )
-    held = cp.kept + cp.rows + mask_kept(config, cp)  # parallel.cp's rotary tables, whole rows, kept mask
+    held = cp.kept + cp.rows + mask_kept(config, cp)  # parallel.cp's rotary table, whole rows, kept mask
     batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config) + held
     freed = 0
     if m.is_moe:  # the experts' backward peak (trainer/plan/moe.py): what the block's set has freed by then

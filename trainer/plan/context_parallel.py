@@ -23,8 +23,8 @@ exchange changes (`CpActivations`):
   kernel takes K/V repeated to every query head: CUDA's efficient one in fp32); and every block's
   boolean mask of its queries against all keys (1 or B, 1, T / cp, T), which SDPA turns into an additive
   mask of the compute dtype and the fused kernels save.
-- both: the rotary tables read at the rank's positions (`index_select`, fp32 T / cp x Q/2 each, cos and
-  sin), made once per forward and saved by every block's apply_rope; the loop holds the whole rows of
+- both: the rotary table read at the rank's positions (`index_select`, complex64 T / cp x Q/2: 8 bytes a
+  value), made once per forward and saved by every block's apply_rope; the loop holds the whole rows of
   inputs and targets beside the rank's positions of them; the model keeps the positions it indexes by
   (int64: the rank's, the gathered order and its inverse permutation) from its first forward on.
 """
@@ -59,7 +59,7 @@ class CpActivations:
     """What attention's exchange adds to a rank's activations of T / cp positions, per micro-batch (bytes)."""
 
     per_block: int  # saved by each block beyond a T / cp row's set
-    kept: int  # made once per forward, saved by every block until the last backward: the rotary tables
+    kept: int  # made once per forward, saved by every block until the last backward: the rotary table
     rows: int  # the loop's whole rows of inputs and targets beside the rank's positions
     mask: int  # allgather's boolean mask: alive through forward, and kept through backward by checkpointing
 
@@ -83,7 +83,7 @@ def cp_activations(local: TrainConfig, compute: int, choice: SdpaChoice) -> CpAc
         rows = B if local.data.masks_documents else 1  # causal: one (1, 1, t, T) mask for the whole batch
         mask = rows * t * T
         per_block += 0 if choice.saves_scores else compute * mask
-    rope = 2 * t * (m.head_width // 2) * 4
+    rope = t * (m.head_width // 2) * 8  # complex64
     return CpActivations(per_block, rope, 16 * B * (T - t), mask)
 
 

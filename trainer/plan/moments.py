@@ -42,7 +42,7 @@ class StepContext:
     prec: Precisions
     world_size: int  # the ranks model states are sharded over: FSDP2's shard group (HSDP: zero.shard_ranks)
     device_kind: str
-    other: int  # rotary tables, data tables, Adam's step counters
+    other: int  # rotary table, data tables, Adam's step counters
     ep_rank: int = 0  # parallel.ep: the rank's place in the ep group, whose experts' rows it computes
 
     @property
@@ -164,7 +164,7 @@ def accumulation_grads(ctx: StepContext) -> int:
 
 
 def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
-    """Rotary tables (fp32 cos and sin of every position), synthetic data's transition tables
+    """The rotary table (complex64, every position), synthetic data's transition tables
     (int64 successors, float64 probabilities, float64 stationary distribution), Adam's steps and, for a
     mixture of experts, the routers' biases and the step's routing log (trainer/plan/moe.py)."""
     rope = rope_table_bytes(m)
@@ -173,6 +173,7 @@ def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:
 
 
 def rope_table_bytes(m: ModelConfig) -> int:
-    """The rotary tables a model keeps (fp32 cos and sin of every position), once per model on a rank: a
-    pipeline rank holds one per stage it runs (trainer/model/pipeline_split.py)."""
-    return 2 * m.max_seq_len * (m.head_width // 2) * 4
+    """The rotary table a model keeps (complex64, 8 bytes per position and frequency: decoder.py
+    `build_rope_table`), once per model on a rank: a pipeline rank holds one per stage it runs
+    (trainer/model/pipeline_split.py)."""
+    return m.max_seq_len * (m.head_width // 2) * 8

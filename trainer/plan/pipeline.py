@@ -9,10 +9,10 @@ ScheduleInterleaved1F1B places them so).
 Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over the dp ranks as at pp=1:
 
 - model states: its blocks, plus the embedding (first stage) or the final norm and output head (last);
-- activations, one micro-batch's per stage: its blocks' saved tensors (trainer/plan/activations.py, with
-  FSDP2's per-block casts of the rotary tables), the head's on the last stage, and on every other stage its
-  output, which PipelineStage keeps in `fwd_cache` for the backward that the next stage's gradient starts,
-  and past it while the schedule keeps the Work of the send that carried it (`Sends`);
+- activations, one micro-batch's per stage: its blocks' saved tensors (trainer/plan/activations.py), the
+  head's on the last stage, and on every other stage its output, which PipelineStage keeps in `fwd_cache`
+  for the backward that the next stage's gradient starts, and past it while the schedule keeps the Work of
+  the send that carried it (`Sends`);
 - how many micro-batches' activations the schedule holds at each backward's start and forward's end
   (`walk_in_flight`; the worst of each: `worst_of`), read from the order in
   which torch runs a rank's work: GPipe every forward before any backward (all grad_accum micro-batches);
@@ -230,7 +230,6 @@ def stage_activations(
     last: bool,
     output: int,
     upcast: bool = False,
-    casts: int = 0,
 ) -> Activations:
     """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
     the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
@@ -239,8 +238,7 @@ def stage_activations(
     nothing saves it: a block whose RMSNorm saves an fp32 upcast instead (`upcast`, activations.py
     `norm_upcasts_input`) and that is not checkpointed (a checkpointed block's frame keeps its input;
     measured with MemTracker, zero=stage3 bf16: each micro-batch's receive buffer and the fp32 upcast both
-    alive on the last stage). `casts`: what each block saves beside the table, per micro-batch
-    (activations.py `rope_casts`)."""
+    alive on the last stage)."""
     if last:
         head, log_softmax = acts.head, acts.log_softmax
     else:
@@ -248,8 +246,7 @@ def stage_activations(
     input_saved = not upcast or bool(acts.inputs_kept and acts.inputs_kept[blocks.start])
     return dataclasses.replace(
         acts,
-        blocks=tuple(b + casts for b in acts.blocks[blocks.start : blocks.stop]),
-        full_block=acts.full_block + casts,
+        blocks=acts.blocks[blocks.start : blocks.stop],
         inputs_kept=acts.inputs_kept[blocks.start : blocks.stop] if acts.inputs_kept else (),
         head=head,
         log_softmax=log_softmax,
@@ -344,17 +341,16 @@ def build_pipeline(
     growth: tuple[int, ...] = (),
     regathered: dict[int, int] | None = None,
     upcast: bool = False,
-    casts: int = 0,
 ) -> Pipeline:
-    """The split, what each pipeline rank holds in flight, its buffers and what it sends per step (`upcast`,
-    `casts`: stage_activations')."""
+    """The split, what each pipeline rank holds in flight, its buffers and what it sends per step (`upcast`:
+    stage_activations')."""
     p, m = config.parallel, config.grad_accum
     blocks = tuple(stage_blocks(config.model.n_layers, p.stages))
     boundary = boundary_bytes(config, residual_bytes)
     logits = logits_bytes(config, compute_bytes)
     last_stage = p.stages - 1
     per_stage = {
-        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast, casts).total
+        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast).total
         for s in range(p.stages)
     }
     in_flight, forward_peaks, first_backwards, buffers, backwards = [], [], [], [], []

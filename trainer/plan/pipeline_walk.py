@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainer.config import LossKind, Stage, TrainConfig
-from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, rope_casts, sequence_shards
+from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
@@ -384,8 +384,8 @@ def pipeline_stage_plans(
         block = PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel
         regathered = {s: block * len(split[s]) for s in range(p.stages)}
     growth = tuple(k.growth for k in keeps)
-    upcast, casts = norm_upcasts_input(prec, device_kind), rope_casts(config, prec)
-    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast, casts)
+    upcast = norm_upcasts_input(prec, device_kind)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast)
     pipe = dataclasses.replace(
         pipe, within_step=tuple(within_step(config, locals_[r], k) for r, k in enumerate(keeps))
     )
@@ -400,7 +400,7 @@ def pipeline_stage_plans(
     out = []
     # One micro-batch's activations per stage: a function of the stage alone, read at every moment of the walk
     per_stage = [
-        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast, casts)
+        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast)
         for s in range(p.stages)
     ]
 
@@ -422,7 +422,7 @@ def pipeline_stage_plans(
         acts_peak = stage_acts(peak)
         stage = stage_config(config, blocks[rank])
         shards = rank_states(locals_[rank], config.zero.stage, sharded_over)
-        # each stage module the rank runs keeps its own rotary tables (other_bytes counts one)
+        # each stage module the rank runs keeps its own rotary table (other_bytes counts one)
         tables = (len(rank_stages(p, rank)) - 1) * rope_table_bytes(config.model)
         # the rank's forward end and backwards are its schedule's, alike for each of its shards' states
         forward = Forward(forward_end, stage_acts(forward_end), forward_end.stage == last_stage)

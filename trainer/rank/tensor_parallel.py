@@ -96,10 +96,10 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, Any]:
         "feed_forward.w3": ColwiseParallel(),
     }
     if sp:  # the norm's sequence shard is gathered whole before the column-parallel layers
-        # attention(x, cos, sin, mask): only x is a sequence-sharded activation; the block-causal mask
+        # attention(x, rotary table, mask): only x is a sequence-sharded activation; the block-causal mask
         # (data.packing=document) is the whole sequence's on every TP rank, which read the same documents
         plan["attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
         plan["feed_forward"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)

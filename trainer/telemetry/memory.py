@@ -216,7 +216,7 @@ class MemoryProbe:
 
             def start() -> None:
                 # What exists before (parameters, their gradients, optimizer moments, a compression hook's
-                # error feedback, a pipeline stage's receive buffers, the rotary tables: under parallel.cp
+                # error feedback, a pipeline stage's receive buffers, the rotary table: under parallel.cp
                 # only index_select reads them, and no op makes a view) is invisible to a dispatch mode
                 # until an op creates it anew; register it as the tracker starts.
                 tracker.track_external(

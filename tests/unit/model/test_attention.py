@@ -12,7 +12,7 @@ from trainer.advise.predict import op_recompute_flops_per_token
 from trainer.config import AttentionKernel, ConfigError, DType, ModelConfig
 from trainer.config.checkpointing import TORCHTITAN_SAVE_OPS
 from trainer.model.attention import SdpaChoice, choose_sdpa, run_choice, sdpa_op
-from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights
+from trainer.model.decoder import apply_sdpa_choice, build_model, init_weights, rope_cache
 from trainer.plan.activations import activations, attention_extra_per_token, document_mask_per_token
 
 pytestmark = pytest.mark.torch_versions  # which SDPA kernels a torch build offers
@@ -88,7 +88,7 @@ def saved_bytes(choice: SdpaChoice, dtype: torch.dtype, micro_batch: int = 3, se
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
     excluded = {t.untyped_storage().data_ptr() for t in model.parameters()}
-    excluded |= {t.untyped_storage().data_ptr() for tables in model._rope_cache.values() for t in tables}
+    excluded |= {t.untyped_storage().data_ptr() for t in rope_cache(model)}
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in excluded)
 
 

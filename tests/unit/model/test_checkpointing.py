@@ -95,12 +95,12 @@ def held_after_forward(config) -> int:
         block.to(torch.bfloat16)
     dtype = torch.bfloat16 if regime == "fsdp_mp" else torch.float32
     x = torch.randn(config.micro_batch, config.seq_len, config.model.dim, dtype=dtype, requires_grad=True)
-    cos, sin = (t[: config.seq_len] for t in model.rope_tables(x.device))
+    cis = model.rope_table(x.device)[: config.seq_len]
     tracker = MemTracker()
-    tracker.track_external(block, x, cos, sin)
+    tracker.track_external(block, x, cis)
     with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
         before = tracker.get_tracker_snapshot()[x.device]["Total"]
-        out = block(x, cos, sin)
+        out = block(x, cis)
         return tracker.get_tracker_snapshot()[x.device]["Total"] - before - out.untyped_storage().nbytes()
 
 

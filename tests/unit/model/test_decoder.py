@@ -12,14 +12,16 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests.helpers import load_preset, materialized
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RopeScaling
+from trainer.model.context_parallel import local_positions
 from trainer.model.decoder import (
     apply_rope,
     build_model,
-    build_rope_tables,
+    build_rope_table,
     canonical_name,
     flops_per_token,
     init_weights,
+    llama3_scaled_frequencies,
     materialize,
     num_params,
     param_seed,
@@ -164,19 +166,93 @@ def test_model_has_no_buffers_and_rope_tables_survive_inference_mode(tiny: Model
 
 def test_rotary_scores_depend_only_on_relative_position() -> None:
     head_dim, theta = 16, 10000.0
-    cos_TF, sin_TF = build_rope_tables(head_dim, 64, theta, CPU)
+    cis_TF = build_rope_table(head_dim, 64, theta, CPU)
     generator = torch.Generator().manual_seed(0)
     q_Q, k_Q = torch.randn(head_dim, generator=generator), torch.randn(head_dim, generator=generator)
     x_1THQ = torch.stack([q_Q, k_Q]).expand(64, 2, head_dim)[None]  # q and k at every position, as two heads
 
-    rotated = apply_rope(x_1THQ, cos_TF, sin_TF)[0]  # T, 2 heads, Q
+    rotated = apply_rope(x_1THQ, cis_TF)[0]  # T, 2 heads, Q
 
     def score(m: int, n: int) -> float:
         return torch.dot(rotated[m, 0], rotated[n, 1]).item()
 
     assert score(10, 3) == pytest.approx(score(50, 43), abs=1e-5)
     assert score(0, 0) == pytest.approx(torch.dot(q_Q, k_Q).item(), abs=1e-6)  # position 0: no rotation
-    assert cos_TF[7, 1].item() == pytest.approx(math.cos(7 * theta ** (-2 / head_dim)), abs=1e-6)
+    assert cis_TF[7, 1].real.item() == pytest.approx(math.cos(7 * theta ** (-2 / head_dim)), abs=1e-6)
+
+
+def previous_rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, config: ModelConfig | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous implementation's tables (decoder.py before issue 59): fp32 cos and sin, T x F."""
+    inv_freq_F = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if config is not None:
+        inv_freq_F = llama3_scaled_frequencies(inv_freq_F, config)
+    angles_TF = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq_F)
+    return angles_TF.cos(), angles_TF.sin()
+
+
+def previous_apply_rope(x_BTHQ: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """The previous implementation of apply_rope (decoder.py before issue 59), the reference: the pairs
+    rotated in real arithmetic, seven kernels."""
+    x0_BTHF, x1_BTHF = x_BTHQ.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos_1T1F, sin_1T1F = cos_TF[None, :, None, :], sin_TF[None, :, None, :]
+    y0_BTHF = x0_BTHF * cos_1T1F - x1_BTHF * sin_1T1F
+    y1_BTHF = x0_BTHF * sin_1T1F + x1_BTHF * cos_1T1F
+    return torch.stack((y0_BTHF, y1_BTHF), dim=-1).flatten(-2).type_as(x_BTHQ)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])  # llama3-8b: head width 128, Llama-3.1's scaling
+@pytest.mark.parametrize(
+    "positions", ["first", "cp"]
+)  # cp: rank 1 of 4's head-tail positions, as parallel.cp reads
+def test_complex_rotary_equals_the_previous_real_form(preset: str, positions: str) -> None:
+    """Issue 59: the one complex multiply (torchtitan's form) gives the previous real form's output and input
+    gradient within 1e-6 in fp32, on random input, at the first positions and at a rank's offset ones."""
+    config = load_preset(preset)
+    scaled = config if config.rope_scaling == RopeScaling.llama3 else None
+    max_len, T = 512, 128
+    cis_TF = build_rope_table(config.head_width, max_len, config.rope_theta, CPU, config)
+    cos_TF, sin_TF = previous_rope_tables(config.head_width, max_len, config.rope_theta, scaled)
+    at_T = (
+        torch.arange(T) if positions == "first" else torch.tensor(local_positions(max_len, 4, 1))
+    )  # 64-127, 384-447
+    generator = torch.Generator().manual_seed(0)
+    x_BTHQ = torch.randn(2, T, 3, config.head_width, generator=generator).requires_grad_()
+    grad_BTHQ = torch.randn(2, T, 3, config.head_width, generator=generator)
+
+    new = apply_rope(x_BTHQ, cis_TF.index_select(0, at_T))
+    (new_grad,) = torch.autograd.grad(new, x_BTHQ, grad_BTHQ)
+    old = previous_apply_rope(x_BTHQ, cos_TF.index_select(0, at_T), sin_TF.index_select(0, at_T))
+    (old_grad,) = torch.autograd.grad(old, x_BTHQ, grad_BTHQ)
+
+    assert cis_TF.dtype == torch.complex64 and new.dtype == torch.float32
+    assert (new - old).abs().max().item() <= 1e-6
+    assert (new_grad - old_grad).abs().max().item() <= 1e-6
+    assert not torch.equal(new, x_BTHQ)  # the positions rotate: the check compares rotations, not copies
+
+
+@pytest.mark.usefixtures("process_group")
+def test_fsdp2_hands_every_block_the_complex_table_uncast(tiny: ModelConfig) -> None:
+    """FSDP2's MixedPrecisionPolicy casts a block's floating-point forward inputs to param_dtype; the complex
+    table is not floating point, so each block gets the fp32 table itself (a view of the cache), and saves no
+    half-precision copy of it (trainer/plan/activations.py counts none; docs/memory_plan.md)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(tiny)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    materialize(model, CPU, seed=0)
+    seen: list[torch.Tensor] = []
+    # FSDP2 prepends its own pre-forward hook: these see the inputs as it cast them
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda _module, args: seen.append(args[1]))
+    model(torch.arange(16).view(1, 16))
+    (cached,) = model.cached_rope_tables()
+    assert len(seen) == tiny.n_layers
+    assert all(t.dtype == torch.complex64 and t.data_ptr() == cached.data_ptr() for t in seen)
 
 
 # ----------------------------------------------------------------------------- forward

@@ -209,7 +209,7 @@ def saved_bytes(
     apply_fp8(model, precision, "cpu")
     materialize(model, "cpu", seed=0)
     block = model.layers[0] if autocast else model.layers[0].to(torch.bfloat16)
-    cos, sin = (t[:TOKENS] for t in model.rope_tables(torch.device("cpu")))
+    cis = model.rope_table(torch.device("cpu"))[:TOKENS]
     x = torch.randn(1, TOKENS, config.model.dim, requires_grad=True)
     x = x if autocast else x.detach().bfloat16().requires_grad_()
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -228,7 +228,7 @@ def saved_bytes(
 
     region = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, cos, sin)
+        block(x, cis)
     casts = {ptr for ptr, (_, shape) in seen.items() if ptr not in params and shape in shapes}
     acts = sum(n for ptr, (n, _) in seen.items() if ptr not in params and ptr not in casts)
     return acts, sum(seen[ptr][0] for ptr in casts)
