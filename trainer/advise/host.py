@@ -14,9 +14,9 @@ The op counts are counted, not fitted: every op one training step of the 125m pr
 autograd (a TorchDispatchMode over forward, backward, gradient clipping and fused AdamW, bf16), at one
 and two blocks, for each way a rank wraps its model (tests/unit/advise/test_host_term.py counts them
 again on CPU and holds these figures). The per-op cost is fitted on the one H200 point above, the run that
-still wrapped DDP at one rank: 54.3 ms / 3,421 ops. Its check is the other point of that run, 125m at
-stage3 (FSDP2): 3,876 ops predict 61.7 ms, 16% faster than the measured 71.1 ms, which FSDP2's Python
-hooks take beyond their ops. Compiled steps (compile=true) launch fused kernels whose count this does
+still wrapped DDP at one rank: 54.3 ms / 3,421 ops (that code's count). Its check is the other point of that
+run, 125m at stage3 (FSDP2): 3,876 ops (that code's) predict 61.5 ms, 16% faster than the measured 71.1 ms,
+which FSDP2's Python hooks take beyond their ops. Compiled steps (compile=true) launch fused kernels whose count this does
 not know yet: they get no host term; nor do CPU ranks, whose host is their device.
 """
 
@@ -25,13 +25,17 @@ from __future__ import annotations
 from trainer.config import TrainConfig
 
 HOST_OPS: dict[str, tuple[int, int]] = {
-    "none": (75, 259),  # one replica (a one-rank job): no wrapper
-    "ddp": (85, 278),  # zero=stage0/1 over several replicas: DDP's bucket copies and all-reduces
-    "fsdp": (108, 314),  # zero=stage2/3: FSDP2's all-gathers, casts and reduce-scatters per block
+    "none": (74, 235),  # one replica (a one-rank job): no wrapper
+    "ddp": (84, 254),  # zero=stage0/1 over several replicas: DDP's bucket copies and all-reduces
+    "fsdp": (107, 288),  # zero=stage2/3: FSDP2's all-gathers, casts and reduce-scatters per block
 }
 """Per wrapper, the ops one step of one micro-batch dispatches: (outside the blocks, per block)."""
 
-HOST_OP_S = 54.3e-3 / (85 + 278 * 12)
+MEASURED_STEP_OPS = 85 + 278 * 12
+"""The ops of the measured 125m step, DDP at one rank, as that run's code dispatched them: its rotary
+embedding took 24 more ops a block than the complex multiply since (trainer/model/decoder.py `apply_rope`)."""
+
+HOST_OP_S = 54.3e-3 / MEASURED_STEP_OPS
 """Seconds of host time per dispatched op in an eager step: the 125m step on one H200 (module docstring),
 15.9 µs."""
 
