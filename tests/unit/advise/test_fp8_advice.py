@@ -118,3 +118,34 @@ def test_an_fp8_row_the_composition_table_refuses_names_the_refusal_not_a_comman
     )
     assert line == first_refusal(unchecked_replace(chosen, precision=fp8, compile=True))
     assert line is None or line.startswith("parallel.tp=2 with ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "published"),
+    [
+        (("precision=bf16",), 5_762),
+        (("precision=bf16", "compile=true"), 6_667),
+        (("precision=fp8", "compile=true"), 8_532),
+    ],
+    ids=["fsdp", "compile", "compile-float8"],
+)
+def test_the_advisors_best_llama3_8b_row_predicts_torchtitans_table_1(
+    extra: tuple[str, ...], published: int
+) -> None:
+    """torchtitan's Table 1 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B on 8
+    H100, FSDP, local batch 2, seq 8192, selective AC): 5,762 tokens/s per GPU, 6,667 with compile, 8,532 with
+    compile and Float8. The advisor's best row for the same global batch, each within 10%."""
+    from trainer.advise.advisor import advise
+
+    config = compose_config(
+        "mode=advise",
+        "model=llama3-8b",
+        "nproc=8",
+        "plan.accelerator=h100",
+        "seq_len=8192",
+        "global_batch=16",
+        *extra,
+    )
+    ranked, _ = advise(config, "cuda", 8)
+    per_gpu = ranked[0].tokens_per_s / 8
+    assert abs(per_gpu / published - 1) < 0.10, (per_gpu, published)
