@@ -42,6 +42,7 @@ POINT = (
 )
 
 
+@pytest.mark.slow  # the default tier's time (README)
 @pytest.mark.timeout(480)
 def test_a_local_launcher_sweep_reports_every_point_and_one_wandb_group(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"

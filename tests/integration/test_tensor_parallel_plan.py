@@ -79,6 +79,7 @@ def dp2_points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...]
     )
 
 
+@pytest.mark.slow  # a 4-rank sweep of four jobs: the default tier's time (README)
 @pytest.mark.parametrize(("sp", "mode"), DP2_POINTS)
 def test_each_ranks_peak_is_the_plans_at_dp2_stage3_bf16(
     dp2_points: dict[tuple[str, ...], dict[str, Any]], sp: str, mode: str
@@ -129,6 +130,7 @@ def test_bytes_per_collective_without_sp_equal_the_plan(
     assert_bytes_per_collective_are_the_plans(points[("false", precision, "none")], world=2)
 
 
+@pytest.mark.slow  # the 4-rank sweep above
 def test_bytes_per_collective_without_sp_equal_the_plan_at_dp2_stage3_bf16(
     dp2_points: dict[tuple[str, ...], dict[str, Any]],
 ) -> None:
