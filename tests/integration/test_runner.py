@@ -32,9 +32,14 @@ def test_one_rank_wraps_no_ddp_and_moves_nothing_as_planned(one_rank: Run, train
     """One replica has nothing to reduce: no DDP (trainer/rank/parallelize.py), no ZeroRedundancyOptimizer
     (trainer/rank/optim.py), no agreement all-reduce. The plan says 0 bytes and the flight recorder, read
     whole, measures 0; the plan's walk without DDP (trainer/plan/replica_walk.py: no gradient held before
-    backward) is within 0.5% of the measured peak, at stage0 and at stage1 with accumulation."""
+    backward) is within 0.5% of the measured peak, at stage0, at stage1 with accumulation, and tied at short
+    sequences, where the embedding's backward is the peak."""
     staged = trainer("steps=3", "precision=fp32", "nproc=1", "zero=stage1", "grad_accum=2")
-    for run in (one_rank, staged):
+    # short sequences: the peak is the embedding's backward, a tied head's three V x D gradients there
+    tied = trainer(
+        "steps=3", "precision=bf16", "nproc=1", "micro_batch=2", "seq_len=32", "model.tie_embeddings=true"
+    )
+    for run in (one_rank, staged, tied):
         summary = run.summary
         assert summary["comm/predicted_bytes_per_step"] == 0
         assert summary["comm/rank0/bytes_per_step"] == 0.0

@@ -335,8 +335,16 @@ def test_checkpointing_must_also_lower_the_peak() -> None:
     lower.summary["memory/predicted_peak_gib"] = 6.0
     assert check.check_checkpointing(SETUP, {"a": reference, "b": lower}).status == "pass"
     same = memory_job("ckpt_full", [10.0, 9.0], 0.0)
+    same.summary["memory/predicted_peak_gib"] = 6.0  # planned lower, measured the same
     row = check.check_checkpointing(SETUP, {"a": reference, "b": same})
-    assert (row.status, row.note) == ("fail", "checkpointing did not lower the peak")
+    assert (row.status, row.note) == ("fail", "checkpointing did not lower the peak (its plan does)")
+    # where the plan keeps the peak (a one-rank job at tiny shapes peaks past every block), the same peak passes
+    kept = memory_job("ckpt_full", [10.0, 9.0], 0.0)
+    assert check.check_checkpointing(SETUP, {"a": reference, "b": kept}).status == "pass"
+    raised = memory_job("ckpt_full", [10.0, 9.0], 0.0)
+    raised.summary["memory/max_rank_peak_gib"] = 10.5
+    row = check.check_checkpointing(SETUP, {"a": reference, "b": raised})
+    assert (row.status, row.note) == ("fail", "checkpointing raised the peak, which its plan keeps")
 
 
 def test_the_fp16_and_offload_rows_judge_the_steps_they_name() -> None:

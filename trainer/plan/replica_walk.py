@@ -39,12 +39,14 @@ def replica_moments(ctx: StepContext) -> list[Moment]:
             temporary=fixed,
         ),
         *loss_moments(ctx, fixed),
-        worst_block_backward(ctx, fixed),
+        # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,
+        # one AccumulateGrad) through every block's backward, as in DDP's walk.
+        worst_block_backward(ctx, fixed + (4 * vd if m.tie_embeddings else 0)),
         ctx.moment(
             "backward: embedding",
             grads=ctx.states.grads - 4 * vd,
             activations=acts.batch,
-            temporary=fixed + 4 * vd + embedding_backward(ctx),
+            temporary=fixed + embedding_backward_temporary(ctx),
         ),
         # under TP the embedding's gradient is whole by now (`replicated_embedding_gradient`)
         ctx.moment(
@@ -53,6 +55,19 @@ def replica_moments(ctx: StepContext) -> list[Moment]:
             temporary=optimizer_temporary(ctx),
         ),
     ]
+
+
+def embedding_backward_temporary(ctx: StepContext) -> int:
+    """The embedding's backward: its new fp32 weight gradient and, under TP, what tp_walk.py measured beside it
+    (`embedding_backward`); without TP the gradient arriving down the residual, or with a tied head its
+    waiting gradient, the embedding's and their sum (3 x 4·V·D), as DDP's walk counts them (ddp_walk.py)."""
+    m = ctx.config.model
+    vd = m.vocab_size * m.dim
+    if ctx.config.parallel.tp > 1:
+        return 4 * vd + embedding_backward(ctx)
+    if m.tie_embeddings:
+        return 12 * vd
+    return 4 * vd + ctx.prec.residual * ctx.tokens * m.dim
 
 
 def loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:
