@@ -11,7 +11,7 @@ from trainer.config import Compression, LossKind, ZeroConfig
 from trainer.model.fp8 import converted_numel
 from trainer.plan.activations import norm_bytes_per_token
 from trainer.plan.comm import powersgd_elements
-from trainer.plan.loss import chunked_loss_moments, loss_backward_temporary, loss_forward_temporary
+from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -165,23 +165,27 @@ def hook_results(ctx: StepContext) -> int:
     return 4 * ctx.shape.num_params if ctx.config.zero.compression == Compression.topk else 0
 
 
-def ddp_loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:
+def ddp_loss_moments(ctx: StepContext, fixed: int, grads: int | None = None) -> list[Moment]:
     """The loss and the output head's backward, with `fixed` (autocast's cached casts, the gradient
-    accumulated outside the buckets) alive throughout."""
+    accumulated outside the buckets) alive throughout: the full loss's (loss_parallel's under TP,
+    trainer/plan/loss.py) or the chunked loss's. `grads`: StepContext.moment's (0 without DDP's buckets,
+    trainer/plan/replica_walk.py, where the head's own gradient is the temporary counted here)."""
     m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
     vd = m.vocab_size * m.dim
     if ctx.config.loss.kind == LossKind.chunked:
         # autocast: bf16 weight gradients, cast to fp32 once all chunks are done; fp32: copied into the bucket
+        # (without DDP: accumulated in place, the same bytes)
         grad, end = (2 * vd, 6 * vd) if prec.regime == "autocast" else (4 * vd, 4 * vd)
-        return chunked_loss_moments(ctx, fixed, grad, end)
+        return chunked_loss_moments(ctx, fixed, grad, end, grads=grads)
+    forward, backward = full_loss_temporaries(ctx)
     if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
         head = max(2 * n * m.vocab_size + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
     else:
         head = 4 * n * m.vocab_size + 4 * n * m.dim + 4 * vd
     return [
-        ctx.moment("forward: loss", activations=acts.total, temporary=fixed + loss_forward_temporary(ctx)),
-        ctx.moment("backward: loss", activations=acts.total, temporary=fixed + loss_backward_temporary(ctx)),
+        ctx.moment("forward: loss", grads, activations=acts.total, temporary=fixed + forward),
+        ctx.moment("backward: loss", grads, activations=acts.total, temporary=fixed + backward),
         ctx.moment(
-            "backward: output head", activations=acts.total - acts.log_softmax, temporary=fixed + head
+            "backward: output head", grads, activations=acts.total - acts.log_softmax, temporary=fixed + head
         ),
     ]

@@ -12,9 +12,7 @@ walk (trainer/plan/ddp_walk.py), less the buckets' second copy of an accumulated
 
 from __future__ import annotations
 
-from trainer.config import LossKind
-from trainer.plan.ddp_walk import ddp_moments
-from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
+from trainer.plan.ddp_walk import ddp_loss_moments, ddp_moments
 from trainer.plan.moments import Moment, StepContext, optimizer_temporary
 from trainer.plan.tp_walk import (
     autocast_casts,
@@ -38,7 +36,7 @@ def replica_moments(ctx: StepContext) -> list[Moment]:
             activations=acts.before_last_block + acts.full_block,
             temporary=fixed,
         ),
-        *loss_moments(ctx, fixed),
+        *ddp_loss_moments(ctx, fixed, grads=0),  # no gradient held yet: the head's is a temporary
         # A tied head's fp32 weight gradient waits in autograd's buffer for the embedding's (one parameter,
         # one AccumulateGrad) through every block's backward, as in DDP's walk.
         worst_block_backward(ctx, fixed + (4 * vd if m.tie_embeddings else 0)),
@@ -68,30 +66,3 @@ def embedding_backward_temporary(ctx: StepContext) -> int:
     if m.tie_embeddings:
         return 12 * vd
     return 4 * vd + ctx.prec.residual * ctx.tokens * m.dim
-
-
-def loss_moments(ctx: StepContext, fixed: int) -> list[Moment]:
-    """The loss and the output head's backward before any gradient is held (the head's own is temporary
-    here): the full loss's (loss_parallel's under TP, trainer/plan/loss.py), or the chunked loss's."""
-    m, n, acts, prec = ctx.config.model, ctx.tokens, ctx.acts, ctx.prec
-    vd = m.vocab_size * m.dim
-    if ctx.config.loss.kind == LossKind.chunked:
-        # autocast: bf16 weight gradients, cast to fp32 once all chunks are done; fp32: accumulated in place
-        grad, end = (2 * vd, 6 * vd) if prec.regime == "autocast" else (4 * vd, 4 * vd)
-        return chunked_loss_moments(ctx, fixed, grad, end, grads=0)
-    forward, backward = full_loss_temporaries(ctx)
-    nv = n * m.vocab_size
-    if prec.regime == "autocast":  # bf16 weight gradient, then its fp32 cast; or with the logits' gradient
-        head = max(2 * nv + 2 * n * m.dim + 2 * vd, 2 * n * m.dim + 6 * vd)
-    else:
-        head = 4 * nv + 4 * n * m.dim + 4 * vd
-    return [
-        ctx.moment("forward: loss", grads=0, activations=acts.total, temporary=fixed + forward),
-        ctx.moment("backward: loss", grads=0, activations=acts.total, temporary=fixed + backward),
-        ctx.moment(
-            "backward: output head",
-            grads=0,
-            activations=acts.total - acts.log_softmax,
-            temporary=fixed + head,
-        ),
-    ]
