@@ -42,11 +42,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("offload=nvme", "offload.path=/tmp"),
         "parallel.pp=2 with offload=nvme is not supported; use offload=none or parallel.pp=1",
     ),
-    "parallel.pp x zero=stage1": (
-        PP,
-        ("zero=stage1",),
-        "parallel.pp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.pp=1",
-    ),
     "parallel.pp x zero.shard_ranks": (
         (*PP, *STAGE3),
         ("zero.shard_ranks=2",),

@@ -101,13 +101,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "zero=stage1",
-        lambda c: c.zero.stage == Stage.stage1,
-        "not yet built: ZeroRedundancyOptimizer over a stage's data-parallel ranks",
-        "use zero=stage0, stage2 or stage3",
-    ),
-    Refusal(
-        PP,
         "zero.shard_ranks",
         lambda c: c.zero.shard_ranks is not None,
         "not yet proven: HSDP's shard groups over a stage's data-parallel ranks",

@@ -30,22 +30,25 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def apply_compression(ddp: DistributedDataParallel, zero: ZeroConfig) -> None:
-    """Register the hook of zero.compression, or local SGD's, on the DDP model (none: DDP's own all-reduce)."""
+    """Register the hook of zero.compression, or local SGD's, on the DDP model (none: DDP's own all-reduce).
+    Each hook communicates over DDP's own group (torch's hooks default to the world's): under parallel.pp one
+    stage's replicas, whose buckets alone match."""
+    group = ddp.process_group
     if zero.compression == Compression.powersgd:
         state = PowerSGDState(
-            process_group=None,
+            process_group=group,
             matrix_approximation_rank=zero.powersgd_rank,
             start_powerSGD_iter=zero.powersgd_start_step,
             min_compression_rate=MIN_COMPRESSION_RATE,
         )
         ddp.register_comm_hook(state, powerSGD_hook if dist.get_backend() == "nccl" else serial_powersgd_hook)
     elif zero.compression == Compression.topk:
-        ddp.register_comm_hook(TopKState(zero.topk_ratio), topk_hook)
+        ddp.register_comm_hook(TopKState(zero.topk_ratio, group), topk_hook)
     elif zero.sync_every > 1:
         # post_local_gradient_allreduce=False: after the warm-up each rank keeps its own gradient
         # (True would all-reduce within each node, a subgroup torch sizes by the CUDA device count).
         state = PostLocalSGDState(
-            process_group=None,
+            process_group=group,
             subgroup=None,
             start_localSGD_iter=zero.sync_warmup_steps,
             post_local_gradient_allreduce=False,
@@ -67,14 +70,19 @@ def serial_powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch
     return powersgd_hook_in_this_thread(state, bucket)
 
 
-def apply_local_sgd(optimizer: torch.optim.Optimizer, zero: ZeroConfig) -> torch.optim.Optimizer:
-    """zero.sync_every > 1: wrap the optimizer so that each step is followed by the periodic average."""
+def apply_local_sgd(
+    optimizer: torch.optim.Optimizer, zero: ZeroConfig, group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """zero.sync_every > 1: wrap the optimizer so that each step is followed by the periodic average over
+    `group`, the ranks that hold the same parameters (under parallel.pp one stage's; None: every rank)."""
     if zero.sync_every == 1:
         return optimizer
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-    averager = PeriodicModelAverager(period=zero.sync_every, warmup_steps=zero.sync_warmup_steps)
+    averager = PeriodicModelAverager(
+        period=zero.sync_every, warmup_steps=zero.sync_warmup_steps, process_group=group
+    )
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager)
 
 
@@ -84,6 +92,8 @@ def apply_local_sgd(optimizer: torch.optim.Optimizer, zero: ZeroConfig) -> torch
 @dataclass
 class TopKState:
     ratio: float
+    group: dist.ProcessGroup | None = None
+    """DDP's group, over which the values are all-gathered (None: the default group)."""
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per parameter (by its data pointer), what was not sent so far: not per bucket, as DDP rebuilds its
     buckets after the first step."""
@@ -101,9 +111,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     values = torch.cat([v for v, _ in picks])
     indices = torch.cat([i for _, i in picks]).to(torch.int32)
     sent = torch.cat([values.float(), indices.view(torch.float32)])
-    world = dist.get_world_size()
+    world = dist.get_world_size(state.group)
     gathered = torch.empty(world * sent.numel(), dtype=sent.dtype, device=sent.device)
-    work = all_gather_single(gathered, sent, async_op=True)
+    work = all_gather_single(gathered, sent, group=state.group, async_op=True)
 
     def unpack(_: torch.futures.Future) -> torch.Tensor:
         per_rank = gathered.view(world, 2, -1)

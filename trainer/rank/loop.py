@@ -26,7 +26,7 @@ from trainer.model.loss import IGNORE_INDEX, LossTerms, full_loss
 from trainer.model.moe import RoutingWatch, moe_layers, update_expert_bias
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
-from trainer.rank.mesh import build_mesh
+from trainer.rank.mesh import build_mesh, data_parallel_mesh
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -86,19 +86,28 @@ def build_trainee(config: TrainConfig, world: World, layout: Layout | None = Non
     model = parallelize(
         build_model(config.model, device="meta"), config=config, layout=layout, mesh=mesh, world=world
     )
-    optimizer, scheduler = build_optimization(model, config, world)
+    optimizer, scheduler = build_optimization(model, config, world, replica_group(mesh, layout, config))
     scaler = build_grad_scaler(config.precision, config.zero, world.device)  # disabled unless fp16
     router_log = find_transformer(model).router_log  # model.n_experts > 0, else None
     return Trainee(model, optimizer, scheduler, scaler, router_log=router_log)
 
 
 def build_optimization(
-    model: torch.nn.Module, config: TrainConfig, world: World
+    model: torch.nn.Module, config: TrainConfig, world: World, group: dist.ProcessGroup | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over what this rank holds (fused where the device allows) and its LR schedule."""
+    """AdamW over what this rank holds (fused where the device allows) and its LR schedule; `group`: the
+    replicas of its parameters (`replica_group`)."""
     fused = uses_fused(config.optim, world.device.type, config.offload.target)
-    optimizer = build_optimizer(model, config.optim, config.zero, fused, config.offload, world.rank)
+    optimizer = build_optimizer(model, config.optim, config.zero, fused, config.offload, world.rank, group)
     return optimizer, build_scheduler(optimizer, config.optim, config.steps)
+
+
+def replica_group(mesh: DeviceMesh, layout: Layout, config: TrainConfig) -> dist.ProcessGroup | None:
+    """zero=stage0/1: DDP's group (trainer/rank/mesh.py data_parallel_mesh), the ranks holding the same
+    parameters, over which ZeroRedundancyOptimizer partitions and local SGD averages: the world without a
+    pipeline (DeviceMesh reuses the default group), one stage's replicas under parallel.pp. None under FSDP2,
+    whose optimizer needs no group."""
+    return None if config.zero.uses_fsdp else data_parallel_mesh(mesh, layout, config.zero).get_group()
 
 
 def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, mesh: DeviceMesh) -> Trainee:
@@ -109,7 +118,7 @@ def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, me
         for part in build_stage_parts(config, layout.coords(world.rank)["pp"])
     ]
     model = rank_model(parts)
-    optimizer, scheduler = build_optimization(model, config, world)
+    optimizer, scheduler = build_optimization(model, config, world, replica_group(mesh, layout, config))
     scaler = build_grad_scaler(config.precision, config.zero, world.device, pipelined=True)
     # The scaler makes its scale on its first scale(); only the last stage scales a loss, yet every stage
     # unscales its gradients (public API: scaling a zero makes the scale, at the configured initial value).

@@ -26,9 +26,12 @@ def build_optimizer(
     fused: bool = False,
     offload: OffloadConfig | None = None,
     rank: int = 0,
+    group: ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over the rank's parameters; under stage1 each rank keeps the state of its partition only;
-    under offload=nvme its moments live in a file (trainer/rank/nvme.py)."""
+    under offload=nvme its moments live in a file (trainer/rank/nvme.py). `group`: the data-parallel ranks
+    that hold the same parameters (DDP's), over which stage1 partitions and local SGD averages: under
+    parallel.pp one stage's replicas, else every rank (None: the default group)."""
     hyper = dict(
         lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay
     )
@@ -36,16 +39,18 @@ def build_optimizer(
         from trainer.rank.nvme import NvmeAdamW
 
         directory, buffer = Path(offload.path), offload.buffer_mib * MIB
-        return apply_local_sgd(NvmeAdamW(model.parameters(), directory, rank, buffer, **hyper), zero)
+        return apply_local_sgd(NvmeAdamW(model.parameters(), directory, rank, buffer, **hyper), zero, group)
     kwargs = dict(**hyper, fused=fused)
     # One rank has nothing to partition, and ZeroRedundancyOptimizer would still broadcast every parameter
-    # to itself after each step (over the default group, whose size is its partition count).
-    if zero.stage == Stage.stage1 and dist.get_world_size() > 1:
+    # to itself after each step (over its group, whose size is its partition count).
+    if zero.stage == Stage.stage1 and dist.get_world_size(group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # see trainee.local_optimizer
 
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group, **kwargs
+        )
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
-    return apply_local_sgd(torch.optim.AdamW(model.parameters(), **kwargs), zero)
+    return apply_local_sgd(torch.optim.AdamW(model.parameters(), **kwargs), zero, group)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:
