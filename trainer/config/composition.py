@@ -115,20 +115,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "zero.compression",
-        lambda c: c.zero.compression != Compression.none,
-        "not yet proven: a compression hook on a stage's DDP, which reduces once after the step's last backward",
-        "use zero.compression=none",
-    ),
-    Refusal(
-        PP,
-        "zero.sync_every",
-        lambda c: c.zero.sync_every > 1,
-        "not yet proven: local SGD's periodic parameter averaging per stage",
-        "use zero.sync_every=1",
-    ),
-    Refusal(
-        PP,
         "zero.reduce_every=micro_batch",
         lambda c: c.zero.reduce_every != ReduceEvery.step,
         "PipelineStage reduces the gradients once, after the step's last backward",

@@ -400,9 +400,12 @@ def ddp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[M
     cap_mb = config.zero.bucket_cap_mb or ddp_default_bucket_cap_mb()
     buckets = min(len(shape.order), 2 + math.ceil(4 * numel / (cap_mb * MIB)))
     times = reductions(config)
+    replicas = (
+        config.parallel.dp(world_size) * config.parallel.cp
+    )  # DDP's group: one stage's under parallel.pp
     moves = [
         (kind, times * payload, times * calls * buckets)
-        for kind, payload, calls in gradient_moves(config, shape, world_size)
+        for kind, payload, calls in gradient_moves(config, shape, replicas)
     ]
     if config.zero.stage == Stage.stage1:
         moves.append(("broadcast", numel * MASTER_BYTES, len(shape.order)))
@@ -455,8 +458,9 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     return moves
 
 
-def gradient_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> list[Move]:
-    """DDP's gradient communication of one reduction, per bucket calls, after any warm-up (trainer/rank/compression.py).
+def gradient_moves(config: TrainConfig, shape: ModelShape, replicas: int) -> list[Move]:
+    """DDP's gradient communication of one reduction over its `replicas` ranks, per bucket calls, after any warm-up
+    (trainer/rank/compression.py).
 
     none: every gradient all-reduced in zero.reduce_dtype. powersgd: per bucket three all-reduces (the
     uncompressed tensors, concatenated; every compressed matrix's P, n x r; then its Q, m x r). topk: per
@@ -470,7 +474,7 @@ def gradient_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> l
         return [("all_reduce", 4 * kept, 3)]
     if zero.compression == Compression.topk:
         sent = sum(topk_count(math.prod(s), zero.topk_ratio) for s in shape.order)
-        return [("all_gather", world_size * 2 * 4 * sent, 1)]
+        return [("all_gather", replicas * 2 * 4 * sent, 1)]
     if zero.sync_every > 1:
         return [("all_reduce", round(4 * numel / zero.sync_every), 1)]
     return [("all_reduce", numel * REDUCE_BYTES[zero.reduce_dtype], 1)]

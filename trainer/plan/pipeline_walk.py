@@ -8,11 +8,16 @@ most activations (`pipeline.worst_of`) where the stage has the head; the worst o
 last block (the other micro-batches' stages held beside it; at stage3 over dp > 1 the block below prefetched)
 and of every backward's reach of its stage's first block (the first backward's later blocks' gradients made, a
 later one's whole gradient held); then the optimizer step. Throughout, the stage holds its model states, its
-send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's accumulation keeps:
+send/recv buffers, its share of the step's batch and its DDP hook's state (zero.compression: ddp_walk.py
+`hook_state`, of the stage's parameters) as `other`, and what PipelineStage's accumulation keeps:
 the unsharded gradient of the stage (every backward but the last runs without gradient sync), under autocast
 the cached casts of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
+Under zero=stage1 the states are the rank's ZeroRedundancyOptimizer partition of its stage's tensors (the optimizer
+works over the stage's replicas, trainer/rank/loop.py `replica_group`); under zero.sync_every local SGD's average
+is a moment of its own after the step.
 
-Not modelled: the forward's own temporaries inside a block but those at its last residual add and (SP) w2's
+Not modelled: PowerSGD's transients inside its hook at the stage's one reduction (docs/memory_plan.md); the
+forward's own temporaries inside a block but those at its last residual add and (SP) w2's
 reduce-scatter (under interleaving a forward can be the peak), and in a forward the stage-2/3 all-gather
 buffer of one block beside the unsharded stage (FSDP2 frees it once copied out).
 """
@@ -28,6 +33,7 @@ from typing import NamedTuple
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
+from trainer.plan.ddp_walk import hook_results, hook_state
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
     Moment,
@@ -350,7 +356,11 @@ def stage_moments(
         ]
         if firsts:
             moments.append(ctx.moment("backward: first block", 0, *max(firsts, key=sum)))
-    moments.append(ctx.moment("optimizer step", temporary=optimizer_temporary(ctx)))
+    # TopK's decompressed gradient, which the stage's DDP keeps from its one reduction (ddp_walk.py)
+    moments.append(ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + hook_results(ctx)))
+    if ctx.config.zero.sync_every > 1:
+        # PeriodicModelAverager's flat fp32 copy of the stage's parameters, after the step (ddp_walk.py)
+        moments.append(ctx.moment("local SGD: parameter average", temporary=4 * ctx.shape.num_params))
     return moments
 
 
@@ -430,6 +440,7 @@ def pipeline_stage_plans(
         moments = {}
         for states in dict.fromkeys(shards):
             other = other_bytes(config.model, config.data, states) + tables + pipe.buffers[rank] + batch
+            other += hook_state(config.zero, locals_[rank]) if dp > 1 else 0  # the stage's DDP's hook
             ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
             moments[states] = tuple(
                 stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, keeps[rank], forward, backwards)

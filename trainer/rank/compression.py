@@ -33,6 +33,8 @@ def apply_compression(ddp: DistributedDataParallel, zero: ZeroConfig) -> None:
     """Register the hook of zero.compression, or local SGD's, on the DDP model (none: DDP's own all-reduce).
     Each hook communicates over DDP's own group (torch's hooks default to the world's): under parallel.pp one
     stage's replicas, whose buckets alone match."""
+    if zero.compression == Compression.none and zero.sync_every == 1:
+        return
     group = ddp.process_group
     if zero.compression == Compression.powersgd:
         state = PowerSGDState(

@@ -9,7 +9,8 @@ torchtitan composes it (pytorch/torchtitan torchtitan/distributed/pipeline_paral
   (torchtitan's "loop" style);
 - each stage module goes through the same `parallelize` as a whole model (trainer/rank/parallelize.py), as
   torchtitan's `pipeline_llm` runs its `parallelize_fn` on every part: ZeRO over dp is DDP (with its
-  buckets and hook) or FSDP2 per stage module. PipelineStage itself skips the dp reduction for every
+  buckets and hook, over the stage's replicas) or FSDP2 per stage module; at stage1 the rank's optimizer is a
+  ZeroRedundancyOptimizer over the same replicas (trainer/rank/loop.py `replica_group`). PipelineStage itself skips the dp reduction for every
   backward but the step's last, then reduces once (`backward_maybe_with_nosync`, `perform_reduce_grad`);
 - the schedules ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B stream the step's grad_accum
   micro-batches; the loss is the schedule's loss_fn on the last stage, and gradients are divided by the

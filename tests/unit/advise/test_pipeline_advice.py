@@ -89,11 +89,11 @@ def test_schedules_follow_the_micro_batches() -> None:
 
 
 def test_pipeline_candidates_compose_as_the_runtime_does() -> None:
-    """No stage1 or offload beside pp (trainer/config/composition.py); one reduction per step; DDP beside TP only
-    where one data-parallel replica is left."""
+    """No offload beside pp, and stage1 only without tp (trainer/config/composition.py); one reduction per step;
+    DDP beside TP only where one data-parallel replica is left."""
     tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2")
     rows = [row for row in choices(tiny, 8, "cuda") if row["parallel.pp"] is not None]
-    assert {row["zero"] for row in rows} == {"stage0", "stage2", "stage3"}
+    assert {row["zero"] for row in rows} == {"stage0", "stage1", "stage2", "stage3"}
     assert {row["zero"] for row in rows if row["parallel.tp"]} == {"stage0", "stage2", "stage3"}
     assert {
         8 // 2 // row["parallel.pp"] for row in rows if row["parallel.tp"] and row["zero"] == "stage0"
