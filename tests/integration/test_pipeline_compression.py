@@ -171,7 +171,8 @@ def test_every_ranks_peak_within_half_a_percent_of_its_stage_plan(
     measured: list[dict[str, Any]], method: str
 ) -> None:
     """The highest tracked peak of steps 2-6 within 0.5% of the rank's plan: each stage's hook state (PowerSGD's
-    error feedback and P, Q; TopK's residual) held all step (trainer/plan/pipeline_walk.py)."""
+    error feedback and P, Q; TopK's residual) held all step (trainer/plan/pipeline_walk.py). PowerSGD's stage 1
+    peaks inside its hook, a moment the pipeline walk does not have: -0.219% here (docs/memory_plan.md)."""
     plan = build_plan(make_config(**METHODS[method]), "cpu", WORLD)
     for rank in range(WORLD):
         planned, got = plan.ranks[rank].peak.total, measured[rank][f"{method} memory"]
