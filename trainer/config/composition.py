@@ -176,7 +176,9 @@ REFUSALS: tuple[Refusal, ...] = (
         TP,
         "zero.hpz_ranks",
         lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups beside the tensor-parallel dim",
+        "torch's FSDP2 keeps no secondary shard of a DTensor parameter: reshard_after_forward=<int> raises "
+        "NotImplementedError at the first block's forward (FSDPParam.to_sharded_post_forward, torch 2.13; "
+        "tests/unit/rank/test_tp_hpz.py), and every tensor-parallel weight is a DTensor",
         "use zero.hpz_ranks=null",
     ),
     Refusal(
