@@ -214,13 +214,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "use zero.shard_ranks=null",
     ),
     Refusal(
-        CP,
-        "zero.hpz_ranks",
-        lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups inside the folded dp x cp shard group",
-        "use zero.hpz_ranks=null",
-    ),
-    Refusal(
         EP,
         "zero=stage0 or stage1",
         lambda c: not c.zero.uses_fsdp,
