@@ -1,11 +1,11 @@
 """hpZ (zero.hpz_ranks) under context parallelism: cp=2 x dp=2 on 4 CPU ranks, zero=stage3, fp32, 4 steps.
 
 FSDP2 shards over dp_shard folded with cp (trainer/rank/mesh.py `dp_shard_cp`, 4 ranks) and keeps each block's
-secondary shard over `mesh.view(-1, 2)` of that dim from forward to backward: the ranks of one dp index, both
-cp ranks (trainer/layout.py `hpz_group`; tests/unit/test_layout.py). Against the same job without hpZ: losses within 1e-5, every rank's
-measured peak within 0.5% of its plan, and every collective's bytes in every group equal to the plan's (step 1,
-whose window holds no metric gather; the loop's own all-reduces added on the shard group, the default one here,
-as test_hsdp.py adds them). Two 4-rank jobs (about 40 s each on 2 cores): the slow tier.
+secondary shard over `mesh.view(-1, 2)` of that dim from forward to backward: the ranks of one dp index, both cp
+ranks (trainer/layout.py `hpz_group`; tests/unit/test_layout.py). Against the same job without hpZ: losses within
+1e-5, every rank's measured peak within 0.5% of its plan, and every collective's bytes in every group equal to the
+plan's (step 1, whose window holds no metric gather; the loop's own all-reduces added on the shard group, the
+default one here, as test_hsdp.py adds them). Two 4-rank jobs, 30 to 40 s together on this host's 2 shared cores.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer
 from trainer.config import ModelConfig
 from trainer.plan.states import model_shape
 
-pytestmark = pytest.mark.slow
+# The slow tier, and under every torch the project claims (FSDP2 views a flattened mesh dim: DeviceMesh._flatten)
+pytestmark = [pytest.mark.slow, pytest.mark.torch_versions]
 
 WORLD = 4
 JOB = (
