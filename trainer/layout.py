@@ -22,7 +22,7 @@ The data-parallel axes together ("dp") split the batch: the ranks of one TP grou
 one pipeline read the same samples. ZeRO works over dp and cp alike (torchtitan folds cp into FSDP's shard
 dim): each cp rank's gradients are its own sequence chunks', so they are reduced over cp as over dp;
 `zero_axes` names the axes. hpZ (zero.hpz_ranks) is not an axis of its own: FSDP2 keeps its secondary shards
-over consecutive groups of the dp_shard axis (`group("hpz", rank)`).
+over consecutive groups of FSDP2's shard group, dp_shard x cp (`group("hpz", rank)`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Layout:
                 f"parallel.pp={pp}{context} * parallel.tp={tp} must divide the world of {world_size} ranks (nodes * nproc)"
             )
         dp = world_size // (tp * pp * cp)
-        replicate, shard, hpz = data_parallel_degrees(config.zero, dp)
+        replicate, shard, hpz = data_parallel_degrees(config.zero, dp, cp)
         per_node = world_size // config.nodes if config.nodes > 1 else None
         return cls(pp, replicate, shard, cp, tp, per_node, hpz)
 
@@ -158,7 +158,9 @@ class Layout:
         return Group(names, members, self.on_one_node(members))
 
     def hpz_group(self, rank: int) -> Group:
-        shard = self.group("dp_shard", rank).members
+        """`hpz` consecutive members of the rank's FSDP2 shard group, dp_shard x cp in the flattened mesh dim's
+        order (trainer/rank/mesh.py): FSDP2 views that dim's ranks as (-1, hpz) (_fsdp_init.py)."""
+        shard = self.group(("dp_shard", "cp"), rank).members
         width = self.hpz or len(shard)
         start = shard.index(rank) // width * width
         members = shard[start : start + width]
@@ -198,10 +200,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def data_parallel_degrees(zero: ZeroConfig, dp: int) -> tuple[int, int, int | None]:
+def data_parallel_degrees(zero: ZeroConfig, dp: int, cp: int = 1) -> tuple[int, int, int | None]:
     """(dp_replicate, dp_shard, hpz) of `zero` over `dp` data-parallel ranks; ConfigError (naming the
     key) for a size torch refuses. DDP's ranks (stage0/1) are replicas; FSDP2 shards over every dp rank,
-    or over zero.shard_ranks of them with the groups replicated (HSDP)."""
+    or over zero.shard_ranks of them with the groups replicated (HSDP). FSDP2's shard group folds in the
+    `cp` ranks of each (Layout.zero_axes), so hpZ's groups divide dp_shard x cp."""
     if not zero.uses_fsdp:
         return dp, 1, None
     shard = dp if zero.shard_ranks is None else zero.shard_ranks
@@ -215,11 +218,11 @@ def data_parallel_degrees(zero: ZeroConfig, dp: int) -> tuple[int, int, int | No
             f"zero.shard_ranks={shard} must divide the world size {dp} (HSDP: whole shard groups); "
             f"allowed: {', '.join(map(str, divisors(dp)))}"
         )
-    hpz = zero.hpz_ranks
-    if hpz is not None and (shard % hpz or not 1 < hpz < shard):
-        allowed = [d for d in divisors(shard) if 1 < d < shard]
+    hpz, group = zero.hpz_ranks, shard * cp
+    if hpz is not None and (group % hpz or not 1 < hpz < group):
+        allowed = [d for d in divisors(group) if 1 < d < group]
         raise ConfigError(
-            f"zero.hpz_ranks={hpz} must divide the shard group of {shard} ranks, other than 1 and {shard} "
+            f"zero.hpz_ranks={hpz} must divide the shard group of {group} ranks, other than 1 and {group} "
             f"(FSDP2 reshard_after_forward=<int>); allowed: {', '.join(map(str, allowed)) or 'none (hpZ needs a shard group of 4 or more ranks)'}"
         )
     return dp // shard, shard, hpz

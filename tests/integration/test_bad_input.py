@@ -235,7 +235,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
     (CP, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2", "nproc=4"),
     (CP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
-    (CP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
     (EP, "zero=stage0 or stage1"): ("zero=stage1",),
     (EP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
     (EP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),

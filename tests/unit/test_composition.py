@@ -106,11 +106,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.shard_ranks=2",),
         "parallel.cp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.cp=1",
     ),
-    "parallel.cp x zero.hpz_ranks": (
-        (*CP, "zero=stage3"),
-        ("zero.hpz_ranks=2",),
-        "parallel.cp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.cp=1",
-    ),
     "parallel.ep x zero=stage0 or stage1": (
         EP,
         ("zero=stage1",),

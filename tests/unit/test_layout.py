@@ -88,6 +88,16 @@ def test_hpz_groups_are_consecutive_members_of_the_shard_group() -> None:
     assert not layout.group("dp_shard", 5).intra_node  # 2 nodes of 4 ranks
 
 
+def test_under_cp_hpz_groups_are_consecutive_members_of_the_folded_shard_group() -> None:
+    """FSDP2 shards over dp_shard x cp (one flattened dim) and views its ranks as (-1, hpz): at dp 2 x cp 2
+    the hpz pairs are the two cp ranks of one dp index, at dp 4 x cp 2 with hpz 4 two dp indices' cp pairs."""
+    layout = Layout.from_config(compose_config("parallel.cp=2", "zero=stage3", "zero.hpz_ranks=2"), 4)
+    assert (layout.dp_shard, layout.cp, layout.shard_size()) == (2, 2, 4)
+    assert [layout.group("hpz", rank).members for rank in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    layout = Layout.from_config(compose_config("parallel.cp=2", "zero=stage3", "zero.hpz_ranks=4"), 8)
+    assert layout.group("hpz", 5).members == (4, 5, 6, 7)
+
+
 def test_ddp_ranks_are_replicas() -> None:
     layout = Layout.from_config(compose_config("zero=stage1"), 4)
     assert (layout.dp_replicate, layout.dp_shard) == (4, 1)
@@ -98,6 +108,11 @@ def test_ddp_ranks_are_replicas() -> None:
     [
         (("zero=stage3", "zero.shard_ranks=3"), 4, r"^zero.shard_ranks=3 must divide the world size 4"),
         (("zero=stage3", "zero.hpz_ranks=2"), 2, r"^zero.hpz_ranks=2 must divide the shard group of 2 ranks"),
+        (
+            ("parallel.cp=2", "zero=stage3", "zero.hpz_ranks=4"),
+            4,
+            r"^zero.hpz_ranks=4 must divide the shard group of 4 ranks, other than 1 and 4 .*allowed: 2$",
+        ),
         (("parallel.pp=2", "grad_accum=2"), 3, r"^parallel.pp=2 \* parallel.tp=1 must divide the world of 3"),
     ],
 )

@@ -155,7 +155,9 @@ REFUSALS: tuple[Refusal, ...] = (
         TP,
         "zero.hpz_ranks",
         lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups beside the tensor-parallel dim",
+        "torch's FSDP2 keeps no secondary shard of a DTensor parameter: reshard_after_forward=<int> raises "
+        "NotImplementedError at the first block's forward (FSDPParam.to_sharded_post_forward, torch 2.13; "
+        "tests/unit/rank/test_tp_hpz.py), and every tensor-parallel weight is a DTensor",
         "use zero.hpz_ranks=null",
     ),
     Refusal(
@@ -189,13 +191,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "not yet built: HSDP's two dims with cp folded into the shard dim (the mesh folds cp into one "
         "data-parallel dim only)",
         "use zero.shard_ranks=null",
-    ),
-    Refusal(
-        CP,
-        "zero.hpz_ranks",
-        lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups inside the folded dp x cp shard group",
-        "use zero.hpz_ranks=null",
     ),
     Refusal(
         EP,
