@@ -8,7 +8,7 @@ every rank's measured tensor peak is within 0.5% of its stage's plan; nvme's dis
 device offload moves nothing (the device is the host: trainer/plan/host.py `offload_applies`), so offload=cpu's
 plan is offload=none's to the byte, as at pp=1 (tests/unit/plan/test_plan.py
 `test_offload_moves_model_states_off_the_gpu`); what moves on a GPU, and each stage's files, are planned in
-process (tests/unit/plan/test_pipeline_plan.py). About 2.5 minutes of 2 cores: the slow tier.
+process (tests/unit/plan/test_pipeline_plan.py). Five jobs, 78 s of the shared 2 cores: the slow tier.
 """
 
 from __future__ import annotations

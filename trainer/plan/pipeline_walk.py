@@ -20,7 +20,7 @@ Not modelled: the forward's own temporaries inside a block but those at its last
 reduce-scatter (under interleaving a forward can be the peak), and in a forward the stage-2/3 all-gather
 buffer of one block beside the unsharded stage (FSDP2 frees it once copied out); under offload, each shard's
 copy to the device (fp32, then cast) as its block is gathered, which in a backward comes before the block's
-temporaries and is below them.
+temporaries exist (the pp = 1 walk counts it at the forward's last all-gather; neither is measured on a GPU here).
 """
 
 from __future__ import annotations
