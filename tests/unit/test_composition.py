@@ -32,16 +32,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.tp=2 with model.tie_embeddings=true is not supported: the embedding (row-wise) and the "
         "output head (column-wise) shard the one tied weight two ways; use parallel.tp=1",
     ),
-    "parallel.pp x offload=cpu": (
-        (*PP, *STAGE3),
-        ("offload=cpu",),
-        "parallel.pp=2 with offload=cpu is not supported; use offload=none or parallel.pp=1",
-    ),
-    "parallel.pp x offload=nvme": (
-        (*PP, *STAGE3),
-        ("offload=nvme", "offload.path=/tmp"),
-        "parallel.pp=2 with offload=nvme is not supported; use offload=none or parallel.pp=1",
-    ),
     "parallel.pp x zero.shard_ranks": (
         (*PP, *STAGE3),
         ("zero.shard_ranks=2",),

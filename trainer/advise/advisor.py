@@ -236,7 +236,11 @@ def choices(
     config: TrainConfig, world_size: int, device_kind: str, context: bool = False
 ) -> list[dict[str, Any]]:
     """Every combination to consider; offload=cpu only for FSDP2 stages on a GPU (on a CPU host
-    parameters are in host memory already: offloading moves nothing, docs/memory_plan.md). offload=nvme
+    parameters are in host memory already: offloading moves nothing, docs/memory_plan.md), and not beside a
+    pipeline: the job composes and is planned when asked, but its step model counts host copies from the
+    all-gathers' payload (predict.py `offload_seconds`), none where a stage has one data-parallel rank though
+    every unshard still copies its shards to the GPU, and the candidates would grow a pipeline search by half
+    (llama3-405b on 512 ranks: 5,948 configurations to 9,779). offload=nvme
     is not one of them: it is offered in place of an offload=cpu candidate whose host cannot hold its
     states (`nvme_variants`), so offload=cpu is planned where advise.offload lists either. `context`: the
     parallel.cp > 1 combinations instead (`cp_options`), which `advise_all` plans where nothing else fits."""
@@ -246,7 +250,9 @@ def choices(
     for (stage, checkpointing, offload), (tp, pp) in itertools.product(
         itertools.product(*options), layouts(config, world_size)
     ):
-        if offload == OffloadTarget.cpu and (stage.value in ("stage0", "stage1") or device_kind != "cuda"):
+        if offload == OffloadTarget.cpu and (
+            stage.value in ("stage0", "stage1") or device_kind != "cuda" or pp is not None
+        ):
             continue
         replicas = world_size // (tp or 1) // (pp or 1)  # ZeRO's ranks: dp x cp
         if tp is not None and stage == Stage.stage0 and replicas > 1:

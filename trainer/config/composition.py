@@ -86,21 +86,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "offload=cpu",
-        lambda c: c.offload.target == OffloadTarget.cpu,
-        "not yet planned: a stage's FSDP2 CPUOffloadPolicy trains (2 CPU ranks), but the pipeline's memory walk "
-        "does not yet count a stage's states as offloaded, so its GPU plan would be wrong",
-        "use offload=none",
-    ),
-    Refusal(
-        PP,
-        "offload=nvme",
-        lambda c: c.offload.target == OffloadTarget.nvme,
-        "not yet planned: as offload=cpu (the pipeline's memory walk does not count a stage's states as offloaded)",
-        "use offload=none",
-    ),
-    Refusal(
-        PP,
         "zero.shard_ranks",
         lambda c: c.zero.shard_ranks is not None,
         "not yet proven: HSDP's shard groups over a stage's data-parallel ranks",

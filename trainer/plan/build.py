@@ -390,9 +390,10 @@ def build_pipeline_plan(
     over the dp ranks of its stage; `config` is one TP rank's job, `full` the job's."""
     world_size = layout.world_size
     acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
+    shape = model_shape(config.model)
     pipe, stages = pipeline_stage_plans(
         config,
-        model_shape(config.model),
+        shape,
         acts,
         prec,
         device_kind,
@@ -409,10 +410,13 @@ def build_pipeline_plan(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
     )
     comm = plan_comm(full, world_size, backend="nccl" if device_kind == "cuda" else "gloo")
+    # each rank holds (and under offload=cpu keeps in host memory) its stages' parameters only
+    shapes = [stages[layout.coords(rank)["pp"]].shape for rank in range(world_size)]
     host = build_host_plan(
-        config, device_kind, world_size, model_shape(config.model), ranks, shard_size=sharded_over
+        config, device_kind, world_size, shape, ranks, shard_size=sharded_over, rank_shapes=shapes
     )
-    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, pipe)
+    disk = build_disk_plan(config, world_size, shape, [r.states for r in ranks], shard=sharded_over)
+    return Plan(full, device_kind, world_size, num_params, tuple(ranks), memory, comm, host, pipe, disk=disk)
 
 
 def walk(config: TrainConfig, layout: Layout) -> Callable[[StepContext], list[Moment]]:

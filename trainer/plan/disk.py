@@ -43,6 +43,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, Mode, OffloadTarget, TrainConfig
 from trainer.layout import Layout
+from trainer.plan.pipeline import rank_model_shapes
 from trainer.plan.states import ModelShape, RankStates, model_shape, shard_rows
 from trainer.units import GIB, MIB
 
@@ -97,11 +98,11 @@ def shard_size(config: TrainConfig, world_size: int) -> int:
 
 
 def node_file_bytes(config: TrainConfig, world_size: int, node: int) -> dict[int, int]:
-    """Each rank of `node` and the bytes of its file."""
+    """Each rank of `node` and the bytes of its file (under parallel.pp, of its stages' parameters)."""
     layout, size = Layout.from_config(config, world_size), shard_size(config, world_size)
-    shape, per_node = model_shape(config.model), world_size // config.nodes
+    shapes, per_node = rank_model_shapes(config, model_shape(config.model)), world_size // config.nodes
     ranks = range(node * per_node, (node + 1) * per_node)
-    return {r: file_bytes(shape, size, layout.shard_index(r)) for r in ranks}
+    return {r: file_bytes(shapes[layout.coords(r)["pp"]], size, layout.shard_index(r)) for r in ranks}
 
 
 # ----------------------------------------------------------------------------- the disk's bandwidth
@@ -226,14 +227,15 @@ def build_disk_plan(
     config: TrainConfig, world_size: int, shape: ModelShape, states: Sequence[RankStates], *, shard: int
 ) -> DiskPlan | None:
     """Node 0's files and traffic under offload=nvme (None otherwise); `states` every rank's, in rank order,
-    `shard` the ranks FSDP2 shards over."""
+    `shard` the ranks FSDP2 shards over; under parallel.pp each rank's file holds its stages' parameters'."""
     if config.offload.target != OffloadTarget.nvme:
         return None
     layout = Layout.from_config(config, world_size)
     ranks = range(world_size // config.nodes)
+    shapes = rank_model_shapes(config, shape)
     return DiskPlan(
         str(config.offload.path),
-        tuple(file_bytes(shape, shard, layout.shard_index(r)) for r in ranks),
+        tuple(file_bytes(shapes[layout.coords(r)["pp"]], shard, layout.shard_index(r)) for r in ranks),
         tuple(states[r].optimizer for r in ranks),
         nvme_buffer_bytes(config.offload.buffer_mib),
         nvme_chunk(config.offload.buffer_mib),

@@ -315,13 +315,22 @@ def build_host_plan(
     ranks: Sequence[PlannedRank],
     *,
     shard_size: int,
+    rank_shapes: Sequence[ModelShape] | None = None,
 ) -> HostPlan:
     """Node 0's ranks (every node holds world_size / nodes alike) against the host's memory;
-    FSDP2's states are sharded over `shard_size` ranks (the world, or HSDP's shard group)."""
+    FSDP2's states are sharded over `shard_size` ranks (the world, or HSDP's shard group). `rank_shapes`:
+    under parallel.pp each rank's parameters, its stages' only (trainer/plan/pipeline.py
+    `stage_model_shape`), in rank order; else every rank shards `shape`."""
     available, source, cores = host_memory(config, device_kind)
     layout = Layout.from_config(config, world_size)
     per_node = [
-        host_rank(config, device_kind, (shard_size, layout.shard_index(r)), shape, ranks[r])
+        host_rank(
+            config,
+            device_kind,
+            (shard_size, layout.shard_index(r)),
+            shape if rank_shapes is None else rank_shapes[r],
+            ranks[r],
+        )
         for r in node_ranks(world_size, config.nodes)
     ]
     return HostPlan(tuple(per_node), available, source, cores)

@@ -216,6 +216,21 @@ def stage_model_shape(shape: ModelShape, blocks: int, first: bool, last: bool) -
     return dataclasses.replace(shape, config=model, root=root, order=order)
 
 
+def rank_model_shapes(config: TrainConfig, shape: ModelShape) -> list[ModelShape]:
+    """The parameters each pipeline rank holds, by pp coordinate: its stages' blocks, the embedding where it
+    holds the first stage, the final norm and head where it holds the last (`shape` at pp = 1)."""
+    p, last = config.parallel, config.parallel.stages - 1
+    if p.pp == 1:
+        return [shape]
+    split = stage_blocks(config.model.n_layers, p.stages)
+    shapes = []
+    for rank in range(p.pp):
+        mine = rank_stages(p, rank)
+        blocks = sum(len(split[s]) for s in mine)
+        shapes.append(stage_model_shape(shape, blocks, 0 in mine, last in mine))
+    return shapes
+
+
 def stage_config(config: TrainConfig, blocks: int) -> TrainConfig:
     """The job as one pipeline rank runs it: its blocks only (the config itself at pp = 1)."""
     local = copy.copy(config)  # not dataclasses.replace: the stage's model must not meet the job's checks

@@ -16,10 +16,16 @@ Under zero=stage1 the states are the rank's ZeroRedundancyOptimizer partition of
 works over the stage's replicas, trainer/rank/loop.py `replica_group`); under zero.sync_every local SGD's average
 is a moment of its own after the step.
 
+Under offload=cpu (and nvme) on a GPU the states at rest leave every moment (StepContext.moment), as at pp = 1;
+what the accumulation keeps stays: FSDP2 unshards into device memory and accumulates the unsharded gradient
+there until the last backward's reduce-scatter, whose shards it copies to the host.
+
 Not modelled: PowerSGD's transients inside its hook at the stage's one reduction (docs/memory_plan.md); the
 forward's own temporaries inside a block but those at its last residual add and (SP) w2's
 reduce-scatter (under interleaving a forward can be the peak), and in a forward the stage-2/3 all-gather
-buffer of one block beside the unsharded stage (FSDP2 frees it once copied out).
+buffer of one block beside the unsharded stage (FSDP2 frees it once copied out); under offload, each shard's
+copy to the device (fp32, then cast) as its block is gathered, which in a backward comes before the block's
+temporaries exist (the pp = 1 walk counts it at the forward's last all-gather; neither is measured on a GPU here).
 """
 
 from __future__ import annotations
@@ -49,11 +55,11 @@ from trainer.plan.pipeline import (
     Pipeline,
     boundary_bytes,
     build_pipeline,
+    rank_model_shapes,
     rank_stages,
     stage_activations,
     stage_blocks,
     stage_config,
-    stage_model_shape,
 )
 from trainer.plan.states import ModelShape, RankStates, rank_states
 from trainer.plan.tp_walk import (
@@ -371,6 +377,7 @@ class StageRanks:
     shards: list[RankStates]  # per position in the shard group
     moments: dict[RankStates, tuple[Moment, ...]]
     activations: int  # at the peak: every micro-batch stage in flight
+    shape: ModelShape  # the parameters of its stages (what offload=cpu keeps in host memory, sharded)
 
 
 def pipeline_stage_plans(
@@ -387,7 +394,7 @@ def pipeline_stage_plans(
     split = stage_blocks(config.model.n_layers, p.stages)
     blocks = [sum(len(split[s]) for s in rank_stages(p, rank)) for rank in range(p.pp)]
     ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
-    locals_ = [stage_model_shape(shape, blocks[r], *ends[r]) for r in range(p.pp)]
+    locals_ = rank_model_shapes(config, shape)
     keeps = [kept(config, prec, locals_[r], blocks[r], dp, first=ends[r][0]) for r in range(p.pp)]
     regathered = None
     if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
@@ -445,5 +452,5 @@ def pipeline_stage_plans(
             moments[states] = tuple(
                 stage_moments(ctx, acts_peak, peak, peak.stage == last_stage, keeps[rank], forward, backwards)
             )
-        out.append(StageRanks(shards, moments, peak.held + acts_peak.total))
+        out.append(StageRanks(shards, moments, peak.held + acts_peak.total, locals_[rank]))
     return pipe, out

@@ -132,7 +132,9 @@ def global_peak_mem_tracker() -> type:
     seen so far (its `memory_tracking` table) to raise each active one's own peak, then raises the
     global peak: on the tiny model the walk was most of a tracked CPU step's time. Here the table is
     hidden during that call, so torch's own code updates the global peak alone; the module hooks,
-    categories and snapshots are untouched. (Imported when first used: it pulls in FSDP's modules.)"""
+    categories and snapshots are untouched. Its post-step registration of an optimizer's state takes, for
+    offload=nvme's AdamW, the tensors it holds in memory rather than its file's mapping. (Imported when first
+    used: it pulls in FSDP's modules.)"""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class GlobalPeakMemTracker(MemTracker):
@@ -142,6 +144,16 @@ def global_peak_mem_tracker() -> type:
                 super()._update_peak_stats(peak_state)
             finally:
                 self.memory_tracking = modules
+
+        def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
+            # torch's post-step hook registers every state tensor's storage. An optimizer that says what it holds
+            # in memory (offload=nvme's, trainer/rank/nvme.py `in_memory`: its moments are views of a mapped
+            # file) is tracked by that instead, else the whole mapping would count from its first step on.
+            if not hasattr(optimizer, "in_memory"):
+                super()._track_optimizer_states(reftype, optimizer)
+                return
+            for tensor in optimizer.in_memory():
+                self._update_and_maybe_create_winfos(tensor, reftype)
 
     return GlobalPeakMemTracker
 

@@ -89,16 +89,19 @@ def test_schedules_follow_the_micro_batches() -> None:
 
 
 def test_pipeline_candidates_compose_as_the_runtime_does() -> None:
-    """No offload beside pp, and stage1 only without tp (trainer/config/composition.py); one reduction per step;
-    DDP beside TP only where one data-parallel replica is left."""
+    """Stage1 only without tp (trainer/config/composition.py), and no offload: it composes, but the advisor leaves
+    it out beside a pipeline (advisor.py `choices` says why); one reduction per step; DDP beside TP only where one
+    data-parallel replica is left."""
     tiny = compose_config("mode=advise", "global_batch=64", "model=tiny", "nproc=4", "nodes=2")
-    rows = [row for row in choices(tiny, 8, "cuda") if row["parallel.pp"] is not None]
+    every = choices(tiny, 8, "cuda")
+    rows = [row for row in every if row["parallel.pp"] is not None]
     assert {row["zero"] for row in rows} == {"stage0", "stage1", "stage2", "stage3"}
     assert {row["zero"] for row in rows if row["parallel.tp"]} == {"stage0", "stage2", "stage3"}
     assert {
         8 // 2 // row["parallel.pp"] for row in rows if row["parallel.tp"] and row["zero"] == "stage0"
     } == {1}
     assert {row["offload"] for row in rows} == {"none"}
+    assert {row["offload"] for row in every if row["parallel.pp"] is None} == {"none", "cpu"}
     assert {row["zero.reduce_every"] for row in rows} == {"step"}
     assert {(row["parallel.pp"], row["parallel.pp_schedule"]) for row in rows} == {
         (2, "gpipe"), (2, "1f1b"), (2, "interleaved_1f1b"), (4, "gpipe"), (4, "1f1b"),

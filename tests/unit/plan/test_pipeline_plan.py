@@ -3,15 +3,28 @@ each schedule holds in flight, the buffers and the bytes between stages, plan.js
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from tests.helpers import compose_config
-from trainer.config import ParallelConfig
+from trainer.config import OffloadTarget, ParallelConfig, TrainConfig
 from trainer.plan import build_plan, format_plan, pipeline_bubble, stage_blocks
 from trainer.plan.activations import activations
-from trainer.plan.pipeline import InFlight, Sends, schedule_order, walk_in_flight, worst_of
+from trainer.plan.disk import file_bytes, node_file_bytes
+from trainer.plan.host import offload_shard_bytes
+from trainer.plan.pipeline import (
+    InFlight,
+    Sends,
+    schedule_order,
+    stage_model_shape,
+    walk_in_flight,
+    worst_of,
+)
+from trainer.plan.states import model_shape
 
 TINY_PP = (
     "model=tiny",
@@ -269,3 +282,87 @@ def test_boundary_links_follow_the_layout(
     assert plan.comm.p2p.links == links
     assert plan.comm.groups["pp"].link == ("intra-node" if nodes == 1 else "network")
     assert plan.comm.p2p.boundary == 8192 * 16384 * 2
+
+
+# offload=cpu on a GPU: tiny at zero=stage3 over pp 2 (dp 1 and 2), 1F1B over 4 micro-batches
+
+
+@pytest.fixture(scope="module")
+def offloading() -> Callable[..., TrainConfig]:
+    """MICRO_BATCH_1 with offload=cpu, composed once (Hydra takes a third of a second a config); each variant
+    a replace of it (the checks of __post_init__ run again)."""
+    base = compose_config(
+        *MICRO_BATCH_1, "nproc=2", "offload=cpu", "plan.disk_gbps=1"
+    )  # nvme: no disk measured
+
+    def variant(nproc: int, pp: int = 2, **offload: Any) -> TrainConfig:
+        parallel = dataclasses.replace(base.parallel, pp=pp)
+        fields = dataclasses.replace(base.offload, **offload)
+        return dataclasses.replace(base, nproc=str(nproc), parallel=parallel, offload=fields)
+
+    return variant
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_offloaded_stages_leave_their_states_at_rest_off_the_gpu(
+    nproc: int, offloading: Callable[..., TrainConfig]
+) -> None:
+    """Every moment of every rank is the offload=none plan's less its stage's states at rest (FSDP2's
+    CPUOffloadPolicy keeps the sharded parameters, their gradients and Adam's moments in host memory;
+    StepContext.moment), which the rank offloads: what PipelineStage's accumulation keeps (the unsharded
+    parameters and gradient) stays on the device, and the fused AdamW steps in place on the host or on the GPU."""
+    on = build_plan(offloading(nproc), "cuda", nproc)
+    off = build_plan(offloading(nproc, target=OffloadTarget.none), "cuda", nproc)
+    for offloaded, resident in zip(on.ranks, off.ranks, strict=True):
+        states = resident.states
+        assert offloaded.offloaded == states.params + states.grads + states.optimizer > 0
+        assert [m.name for m in offloaded.moments] == [m.name for m in resident.moments]
+        for moment, before in zip(offloaded.moments, resident.moments, strict=True):
+            at_rest = before.parts["params"] + before.parts["grads"] + before.parts["optimizer"]
+            assert moment.total == before.total - at_rest, (offloaded.rank, moment.name)
+    # On a CPU device nothing moves: the plan is offload=none's (tests/integration/test_pipeline_offload.py).
+    cpu = build_plan(offloading(nproc), "cpu", nproc)
+    assert cpu.peak_bytes == build_plan(offloading(nproc, target=OffloadTarget.none), "cpu", nproc).peak_bytes
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_offloading_stages_hold_their_own_parameters_in_host_memory(
+    nproc: int, offloading: Callable[..., TrainConfig]
+) -> None:
+    """The host plan sizes each rank's offloaded shards from its stages' parameters, not the whole model's: at
+    pp 2 the two stages' pageable states (fp32 parameters and gradients, Adam's moments and steps: the fused
+    AdamW makes no temporaries) add up to a one-rank job's per dp shard, and pinned, each rank's tensors are
+    rounded up on their own."""
+    dp = nproc // 2
+    pp = build_plan(offloading(nproc, pin_memory=False), "cuda", nproc).host.ranks
+    whole = build_plan(offloading(dp, pp=1, pin_memory=False), "cuda", dp).host.ranks
+    assert [r.pinned for r in pp] == [0] * nproc
+    # pp outermost: ranks 0..dp-1 hold stage 0, dp..2dp-1 stage 1, at the same places in their shard groups
+    assert [pp[i].pageable + pp[i + dp].pageable for i in range(dp)] == [r.pageable for r in whole]
+    config = offloading(nproc)
+    full = model_shape(config.model)
+    for rank, host in enumerate(build_plan(config, "cuda", nproc).host.ranks):
+        stage = stage_model_shape(full, 2, first=rank < dp, last=rank >= dp)
+        assert host.pinned == offload_shard_bytes(stage.order, dp, rank % dp, True)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_nvme_files_hold_each_ranks_stages_moments(
+    nproc: int, offloading: Callable[..., TrainConfig]
+) -> None:
+    """offload=nvme: each rank's file and traffic are its stages' moments (the two stages' add up to a pp = 1 job's
+    per dp shard), and offload.path's free-space check (`node_file_bytes`) asks for the files the plan sizes."""
+    path = {"target": OffloadTarget.nvme, "path": "/tmp"}
+    dp = nproc // 2
+    plan = build_plan(offloading(nproc, **path), "cuda", nproc)
+    whole = build_plan(offloading(dp, pp=1, **path), "cuda", dp)
+    assert plan.disk is not None and whole.disk is not None
+    moments = plan.disk.moment_bytes
+    assert [moments[i] + moments[i + dp] for i in range(dp)] == list(whole.disk.moment_bytes)
+    assert plan.disk.traffic_bytes_per_node == whole.disk.traffic_bytes_per_node
+    full = model_shape(plan.config.model)
+    expected = [
+        file_bytes(stage_model_shape(full, 2, first=r < dp, last=r >= dp), dp, r % dp) for r in range(nproc)
+    ]
+    assert list(plan.disk.file_bytes) == expected
+    assert list(node_file_bytes(offloading(nproc, **path), nproc, 0).values()) == expected
