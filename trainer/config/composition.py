@@ -220,14 +220,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "zero=stage0 or stage1",
-        lambda c: not c.zero.uses_fsdp,
-        "not yet built: the experts are sharded over FSDP2's data-parallel group (trainer/rank/experts.py); DDP "
-        "would average different experts' gradients",
-        "use zero=stage2 or stage3",
-    ),
-    Refusal(
-        EP,
         "zero.shard_ranks",
         lambda c: c.zero.shard_ranks is not None,
         "not yet built: an ep group inside HSDP's shard groups",

@@ -74,7 +74,7 @@ from trainer.plan.pipeline import (
     stage_config,
     stage_model_shape,
 )
-from trainer.plan.states import ModelShape, model_shape, padded_numel
+from trainer.plan.states import ModelShape, model_shape, padded_numel, with_experts
 from trainer.plan.target import planned_device_kind
 from trainer.plan.tensor_parallel import recomputed_blocks, tp_local, tp_moves
 from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
@@ -230,6 +230,8 @@ def dp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> dict[st
         return fsdp_group_moves(config, shape, data_parallel_groups(config, world_size))
     if config.parallel.tp > 1 or config.parallel.dp(world_size) * config.parallel.cp == 1:
         return {}  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
+    if config.parallel.ep > 1:  # DDP leaves the experts out of its buckets (trainer/rank/experts.py)
+        shape = with_experts(shape, None)
     return {"world": ddp_moves(config, shape, world_size)}
 
 
@@ -284,8 +286,9 @@ def expert_group(config: TrainConfig, backend: str, groups: ShardGroups) -> Grou
     ep = config.parallel.ep
     per_rank = tuple(tally(ep_moves(config, rank), backend) for rank in range(ep))
     bytes_by, calls_by = per_rank[0]
+    zero = "shard" if config.zero.uses_fsdp else "world"  # the ep group is ZeRO's (trainer/rank/experts.py)
     return GroupComm(
-        ep, groups.link("shard"), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
+        ep, groups.link(zero), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
     )
 
 

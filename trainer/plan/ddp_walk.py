@@ -12,6 +12,7 @@ from trainer.model.fp8 import converted_numel
 from trainer.plan.activations import norm_bytes_per_token
 from trainer.plan.comm import powersgd_elements
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
+from trainer.plan.moe import expert_shapes
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -41,13 +42,18 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
     tied = 4 * vd if m.tie_embeddings else 0
     embedding = 12 * vd if m.tie_embeddings else 4 * vd + prec.residual * n * m.dim
     held = hook_results(ctx)
+    early = ctx.states.grads - expert_grads(ctx)  # the gradients held before the first expert's backward
     moments = [
         ctx.moment(
-            "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
+            "forward: last block",
+            early,
+            activations=acts.before_last_block + acts.full_block,
+            temporary=fixed,
         ),
-        *ddp_loss_moments(ctx, fixed),
+        *ddp_loss_moments(ctx, fixed, early),
         ctx.moment(
             "backward: last block",
+            early,
             activations=acts.before_last_block + acts.in_backward,
             temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
         ),
@@ -61,6 +67,17 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
         moments.append(ctx.moment("local SGD: parameter average", temporary=4 * ctx.shape.num_params))
     state = hook_state(ctx.config.zero, ctx.shape)
     return [dataclasses.replace(mo, parts={**mo.parts, "other": mo.parts["other"] + state}) for mo in moments]
+
+
+def expert_grads(ctx: StepContext) -> int:
+    """parallel.ep: the experts' fp32 gradients (E / ep of each MoE layer's), which DDP leaves out of its buckets
+    (trainer/rank/experts.py): zero_grad frees them, and each layer's is made in its backward (the last block's
+    while it is accumulated there, `moe_backward_peak`'s temporary), so until then the rank holds only the
+    buckets. At ep = 1 they are bucket views, held all step."""
+    m, ep = ctx.config.model, ctx.config.parallel.ep
+    if ep == 1:
+        return 0
+    return 4 * m.n_layers * sum(math.prod(s) for s in expert_shapes(m)) // ep
 
 
 def hook_state(zero: ZeroConfig, shape: ModelShape) -> int:

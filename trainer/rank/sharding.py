@@ -34,6 +34,7 @@ from trainer.config import (
 from trainer.model.decoder import materialize
 from trainer.model.hf_weights import load_weights
 from trainer.plan import ShardGroups, shard_groups
+from trainer.private_apis.of_torch import ddp_ignore_params
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
 from trainer.telemetry.memory import measured_load
@@ -67,6 +68,8 @@ def apply_zero(
         apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
+    if ignored:  # parallel.ep: each rank holds its own experts, which DDP must neither broadcast nor average
+        ddp_ignore_params(model, [name for name, param in model.named_parameters() if param in ignored])
     materialize(model, world.device, seed=seed, load=load)
     return apply_ddp(model, zero, world, dp_mesh) if replicas else model
 
