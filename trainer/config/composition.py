@@ -220,6 +220,29 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
+        "zero=stage1",
+        lambda c: c.zero.stage == Stage.stage1,
+        "not yet built: ZeroRedundancyOptimizer partitions every parameter's state over DDP's ranks and broadcasts "
+        "each parameter from its owner, and each rank holds different experts (trainer/rank/experts.py): the "
+        "experts' state would need an optimizer of its own",
+        "use zero=stage0, stage2 or stage3",
+    ),
+    Refusal(
+        EP,
+        "zero.compression",
+        lambda c: c.zero.compression != Compression.none,
+        "not yet proven: a compression hook on DDP's buckets, which hold no expert, and its plan's state",
+        "use zero.compression=none",
+    ),
+    Refusal(
+        EP,
+        "zero.sync_every",
+        lambda c: c.zero.sync_every > 1,
+        "not yet built: local SGD averages every parameter over DDP's ranks, and each rank holds different experts",
+        "use zero.sync_every=1",
+    ),
+    Refusal(
+        EP,
         "zero.shard_ranks",
         lambda c: c.zero.shard_ranks is not None,
         "not yet built: an ep group inside HSDP's shard groups",
