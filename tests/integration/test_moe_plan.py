@@ -69,6 +69,9 @@ POINTS = [
     ("stage3", "2", "forced", "none", "bf16"),
     ("stage0", "2", "balanced", "none"),
     ("stage0", "2", "forced", "none"),
+    ("stage0", "2", "balanced", "full"),
+    ("stage0", "2", "forced", "full"),
+    ("stage0", "2", "forced", "none", "bf16"),
 ]
 """(zero, parallel.ep, routing, checkpointing[, precision]): fp32 unless a fifth entry names bf16 or fp16 (under
 autocast at stages 0-1 each expert's weights are cast to bf16 per use, under parallel.ep FSDP2's mixed precision
@@ -225,7 +228,8 @@ def test_at_ep1_the_bias_sends_one_expert_every_token(
     assert all(1.0 < r <= 4.0 for ranks in routed["imbalance"] for r in ranks), routed["imbalance"]
 
 
-@pytest.mark.parametrize(("zero", "mode"), [("stage3", "none"), ("stage3", "full"), ("stage0", "none")])
+@pytest.mark.parametrize("zero", ["stage0", "stage3"])
+@pytest.mark.parametrize("mode", ["none", "full"])
 @pytest.mark.parametrize(
     ("routing", "imbalance", "rows"), [("balanced", 1.0, [256, 256]), ("forced", 2.0, [512, 0])]
 )

@@ -51,11 +51,8 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
             temporary=fixed,
         ),
         *ddp_loss_moments(ctx, fixed, early),
-        ctx.moment(
-            "backward: last block",
-            early,
-            activations=acts.before_last_block + acts.in_backward,
-            temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
+        *block_backwards(
+            ctx, early, fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False)
         ),
         ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding + held),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + held),
@@ -67,6 +64,23 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
         moments.append(ctx.moment("local SGD: parameter average", temporary=4 * ctx.shape.num_params))
     state = hook_state(ctx.config.zero, ctx.shape)
     return [dataclasses.replace(mo, parts={**mo.parts, "other": mo.parts["other"] + state}) for mo in moments]
+
+
+def block_backwards(ctx: StepContext, early: int, temporary: int) -> list[Moment]:
+    """The blocks' backwards at their peak, with `temporary` beside each: the last block's, whose saved sets
+    below it are the most (the step's largest at ep = 1, where every block's is the same but for them); under
+    parallel.ep every block's, each holding the expert gradients of the blocks after it (`expert_grads`), which
+    under checkpointing outweigh the saved sets (tiny-moe at ep = 2, checkpointing=full: block 0's)."""
+    acts, layers = ctx.acts, ctx.config.model.n_layers
+    per_layer = expert_grads(ctx) // layers
+    below = acts.before_last_block - sum(acts.blocks[:-1])  # the batch, less a stage's received input
+    moments = []
+    for block in range(layers - 1 if per_layer == 0 else 0, layers):
+        name = "backward: last block" if block == layers - 1 else f"backward: block {block}"
+        grads = early + (layers - 1 - block) * per_layer
+        saved = below + sum(acts.blocks[:block]) + acts.in_backward
+        moments.append(ctx.moment(name, grads, activations=saved, temporary=temporary))
+    return moments
 
 
 def expert_grads(ctx: StepContext) -> int:
