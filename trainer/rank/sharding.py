@@ -1,6 +1,6 @@
 """ZeRO stages on PyTorch's own data parallelism.
 
-stage0: DistributedDataParallel (every rank holds everything).
+stage0: DistributedDataParallel (every rank holds everything, but for parallel.ep's experts: its own).
 stage1: DDP + ZeroRedundancyOptimizer (optimizer state sharded; see trainer/rank/optim.py).
 stage2: FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded;
         parameters are sharded at rest but stay unsharded from forward to backward.
@@ -60,7 +60,8 @@ def apply_zero(
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
     DDP wraps real parameters, so it comes after, and only where `replicas` (trainer/rank/parallelize.py
-    `replicas_to_wrap`).
+    `replicas_to_wrap`), told first to leave the `ignored` experts alone (named on the meta model, whose
+    parameters `to_empty` replaces).
     """
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
