@@ -46,7 +46,16 @@ def build_optimizer(
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
-    return apply_local_sgd(torch.optim.AdamW(model.parameters(), **kwargs), zero)
+    return apply_local_sgd(torch.optim.AdamW(parameter_groups(model), **kwargs), zero)
+
+
+def parameter_groups(model: nn.Module) -> list[nn.Parameter] | list[dict[str, list[nn.Parameter]]]:
+    """The model's parameters, as one group; under DDP with parallel.ep two, the experts' DTensors and the plain
+    rest (`kinds_of`): AdamW's foreach and fused kernels (CUDA's defaults) step a group's tensors in one call,
+    which DTensor refuses for a list of both kinds."""
+    params = list(model.parameters())
+    kinds = kinds_of(params)
+    return params if len(kinds) == 1 else [{"params": kind} for kind in kinds]
 
 
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:
