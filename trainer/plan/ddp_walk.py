@@ -87,9 +87,10 @@ def expert_grads(ctx: StepContext) -> int:
     """parallel.ep: the experts' fp32 gradients (E / ep of each MoE layer's), which DDP leaves out of its buckets
     (trainer/rank/experts.py): zero_grad frees them, and each layer's is made in its backward (the last block's
     while it is accumulated there, `moe_backward_peak`'s temporary), so until then the rank holds only the
-    buckets. At ep = 1 they are bucket views, held all step."""
+    buckets. At ep = 1 they are bucket views, held all step; and with grad_accum > 1 the worst micro-batch, a later
+    one, holds the experts' gradients accumulated from the first all step (none is counted apart: 0)."""
     m, ep = ctx.config.model, ctx.config.parallel.ep
-    if ep == 1:
+    if ep == 1 or ctx.config.grad_accum > 1:
         return 0
     return 4 * m.n_layers * sum(math.prod(s) for s in expert_shapes(m)) // ep
 
