@@ -42,7 +42,8 @@ from trainer.config import TrainConfig
 from trainer.plan import build_plan
 from trainer.units import GIB
 
-# About 55 s of 2-rank runs, set up at the default tier's busiest point (which measured 1,196 s with it, at its
+# About 55 s of 2-rank runs before the five zero=stage0 ep=2 points (62 s with the first two of them, measured on
+# a shared 2-core host), set up at the default tier's busiest point (which measured 1,196 s with it, at its
 # 20 minutes): .ci/run runs the slow tier.
 pytestmark = pytest.mark.slow
 
