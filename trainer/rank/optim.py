@@ -155,7 +155,10 @@ def kinds_of(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 def mixed_norm(kinds: list[list[nn.Parameter]]) -> torch.Tensor:
     """The 2-norm of every gradient of every kind: each kind's total norm (a DTensor's over all its shards,
-    one all-reduce), then the norm of those."""
+    one all-reduce), then, of two kinds, the norm of those."""
+    if len(kinds) <= 1:  # torch's own total norm (of no gradient: 0)
+        norm = torch.nn.utils.get_total_norm([p.grad for kind in kinds for p in kind])
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     norms = []
     for kind in kinds:
         norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
