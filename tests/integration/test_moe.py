@@ -7,7 +7,8 @@ not depend on how the batch is split over ranks (a per-micro-batch loss would). 
 (moe.bias_rate) the routers' biases after 10 steps are bitwise equal on 1 and 2 ranks: each step moves them by
 the sign of the loads summed over every rank, integers. Under a capacity (moe.capacity_factor=1.0) assignments
 are dropped, and the count logged is the routers' own (tests/unit/model/test_moe.py checks the drops against a
-reference loop). ep=2's save resumes on one rank.
+reference loop). ep=2's save resumes on one rank. At zero=stage0 (DDP, the experts left out of its buckets) ep=2
+trains as one rank does and its save resumes there too (slow tier).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.torch_versions
 MOE = (*TINY, "model=tiny-moe", "precision=fp32", "moe.balance=seq_aux", "optim.warmup_steps=2")
 ONE_RANK = ("nproc=1", "micro_batch=4")
 EP2 = ("nproc=2", "micro_batch=2", "parallel.ep=2", "zero=stage3")
+EP2_DDP = ("nproc=2", "micro_batch=2", "parallel.ep=2", "zero=stage0")
 
 
 def job(out_dir: Path, *overrides: str) -> Run:
@@ -80,6 +82,27 @@ def test_an_expert_parallel_save_resumes_on_one_rank(biased: dict[str, Run], tmp
     resumed = job(tmp_path / "run", *ONE_RANK, "steps=6", "moe.bias_rate=0.001", "save=off", f"resume={save}")
     assert [r["step"] for r in resumed.records] == [6]
     assert abs(resumed.losses[0] - biased["ep1"].losses[5]) < 1e-5, (resumed.losses, biased["ep1"].losses)
+
+
+@pytest.mark.slow  # ~25 s of two jobs (2 ranks, then 1): the default tier is at its budget
+def test_under_ddp_expert_parallel_trains_as_one_rank_and_resumes_there(
+    biased: dict[str, Run], tmp_path: Path
+) -> None:
+    """zero=stage0 (DDP, the experts left out of its buckets: trainer/rank/experts.py) at ep=2, the same 10 steps:
+    every loss and gradient norm (the experts' DTensor gradients' norm over both ranks with the replicated rest,
+    trainer/rank/optim.py `clip_gradients`) within 1e-5 of one rank's, the routers' biases bitwise equal; its
+    step-5 save goes on at one rank, step 6 as the one-rank run's."""
+    ddp = job(tmp_path / "ddp", *EP2_DDP, "steps=10", "moe.bias_rate=0.001", "save.every=5")
+    one = biased["ep1"]
+    assert len(ddp.losses) == 10
+    assert max(abs(a - b) for a, b in zip(one.losses, ddp.losses)) < 1e-5, (one.losses, ddp.losses)
+    norms = [[r["optim/grad_norm"] for r in run.records] for run in (one, ddp)]
+    assert max(abs(a - b) for a, b in zip(*norms)) < 1e-5, norms
+    ours, theirs = (expert_biases(run, tmp_path) for run in (ddp, one))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    save = ddp.out_dir / "checkpoints" / "step_00000005"
+    resumed = job(tmp_path / "run", *ONE_RANK, "steps=6", "moe.bias_rate=0.001", "save=off", f"resume={save}")
+    assert abs(resumed.losses[0] - one.losses[5]) < 1e-5, (resumed.losses, one.losses)
 
 
 def test_routing_is_logged_per_layer(biased: dict[str, Run]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 from tests.helpers import biased_trainee, compose_config, free_port, freeze_imports, torchrun_env
 from trainer.config import TrainConfig
 from trainer.plan import build_plan, model_shape
+from trainer.plan.moe import expert_shapes
 
 WORLD = 2
 POINTS = {
@@ -36,9 +38,14 @@ POINTS = {
     "forced full": ((0, 1), 2.0, "full"),
 }
 """name -> (the experts the routers are biased towards, the imbalance that routing is, checkpointing)."""
+DDP_POINTS = {
+    "stage0 balanced": ((0, 4), 1.0, "none"),
+    "stage0 forced": ((0, 1), 2.0, "none"),
+}
+"""The same routings at zero=stage0: DDP, which leaves the experts out of its buckets (trainer/rank/experts.py)."""
 
 
-def point_config(tokens: Path, imbalance: float, checkpointing: str) -> TrainConfig:
+def point_config(tokens: Path, imbalance: float, checkpointing: str, zero: str = "stage3") -> TrainConfig:
     return compose_config(
         "model=tiny-moe",
         "device=cpu",
@@ -51,7 +58,7 @@ def point_config(tokens: Path, imbalance: float, checkpointing: str) -> TrainCon
         f"data.path={tokens}",
         "nproc=2",
         "precision=fp32",
-        "zero=stage3",
+        f"zero={zero}",
         "parallel.ep=2",
         f"moe.imbalance={imbalance}",
         f"checkpointing={checkpointing}",
@@ -73,7 +80,9 @@ def measured(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[s
     return {key: value for key, value in figures.items() if ":" in key and value}
 
 
-def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
+def worker(
+    rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig], biased: dict[str, tuple[int, ...]]
+) -> None:
     os.environ.update(torchrun_env(rank, WORLD, port))
     os.environ["TORCH_FR_BUFFER_SIZE"] = "4096"  # every collective of a step (trainer/telemetry/comm.py)
     from trainer.world import init_world, shutdown_world
@@ -81,19 +90,22 @@ def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) 
     world = init_world("cpu")
     torch.set_num_threads(1)
     freeze_imports()
-    results = {name: measured(config, world, POINTS[name][0]) for name, config in configs.items()}
+    results = {name: measured(config, world, biased[name]) for name, config in configs.items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown_world()
 
 
-@pytest.fixture(scope="module")
-def points(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def run_points(
+    out: Path, points: dict[str, tuple[tuple[int, ...], float, str]], zero: str
+) -> dict[str, dict[str, Any]]:
     """name -> the plan.json its job writes (comm) and each rank's measured bytes by `group:collective`."""
-    out = tmp_path_factory.mktemp("moe_comm")
     tokens = out / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    configs = {name: point_config(tokens, imbalance, mode) for name, (_, imbalance, mode) in POINTS.items()}
-    mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
+    configs = {
+        name: point_config(tokens, imbalance, mode, zero) for name, (_, imbalance, mode) in points.items()
+    }
+    biased = {name: point[0] for name, point in points.items()}
+    mp.spawn(worker, args=(free_port(), str(out), configs, biased), nprocs=WORLD)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {
         name: {
@@ -101,8 +113,18 @@ def points(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
             "plan": build_plan(configs[name], "cpu", WORLD).to_json(),
             "measured": [results[r][name] for r in range(WORLD)],
         }
-        for name in POINTS
+        for name in points
     }
+
+
+@pytest.fixture(scope="module")
+def points(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return run_points(tmp_path_factory.mktemp("moe_comm"), POINTS, "stage3")
+
+
+@pytest.fixture(scope="module")
+def ddp_points(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return run_points(tmp_path_factory.mktemp("moe_comm_ddp"), DDP_POINTS, "stage0")
 
 
 @pytest.mark.parametrize("name", sorted(POINTS))
@@ -140,3 +162,35 @@ def test_fsdp2_gathers_and_reduces_no_expert_weight(points: dict[str, dict[str, 
         assert got["shard:all_gather"] == shard["all_gather"], (name, rank)
         assert got["shard:all_reduce"] == shard["all_reduce"] + loop, (name, rank)
         assert not any(key.startswith("shard:all_to_all") for key in got)
+
+
+@pytest.mark.slow  # ~13 s of 2-rank runs (measured): the default tier is at its budget
+@pytest.mark.parametrize("name", sorted(DDP_POINTS))
+def test_under_ddp_the_ep_groups_all_to_all_and_the_buckets_all_reduce_are_the_plans(
+    ddp_points: dict[str, dict[str, Any]], name: str
+) -> None:
+    """zero=stage0: the ep group is DDP's (every rank), and its all-to-alls are the plan's to the byte, as under
+    FSDP2 (the same rows move); DDP's all-reduce is the plan's, the buckets of every parameter but the experts',
+    plus the loop's own: the non-finite agreement (world + 2 fp32 flags) and the gradient norm's all-reduce over
+    the experts' DTensor gradients, one fp32 norm per expert tensor (trainer/rank/optim.py `mixed_norm`). (DDP's
+    broadcast of the routers' buffers before each forward, which the plan leaves out at ep = 1 too, is not held
+    here.)"""
+    point = ddp_points[name]
+    groups = point["plan"]["comm"]["groups"]
+    per_rank = groups["ep"]["bytes_by_collective_per_rank"]
+    assert groups["ep"]["ranks"] == WORLD and "shard" not in groups
+    layers, rows_bytes, counts = 4, 256 * 128 * 4, 8 * 8
+    idle = layers * (counts + 2 * rows_bytes) + layers * 2 * rows_bytes
+    busy = layers * (counts + 4 * rows_bytes) + layers * 4 * rows_bytes
+    assert [r["all_to_all"] for r in per_rank] == ([idle, idle] if "balanced" in name else [busy, idle])
+    shape = model_shape(point["config"].model)
+    experts = 4 * layers * sum(math.prod(s) for s in expert_shapes(point["config"].model))
+    assert groups["world"]["bytes_by_collective"]["all_reduce"] == 4 * shape.num_params - experts
+    for rank in range(WORLD):
+        got = point["measured"][rank]
+        assert got.get("ep:all_to_all") == per_rank[rank]["all_to_all"], (name, rank)
+        loop = 4 * (WORLD + 2) + 4 * layers * len(expert_shapes(point["config"].model))
+        assert got["world:all_reduce"] == groups["world"]["bytes_by_collective"]["all_reduce"] + loop, (
+            name,
+            rank,
+        )

@@ -1,6 +1,7 @@
 """A mixture of experts in the memory plan (trainer/plan/moe.py): every rank's measured peak against the plan's,
 within 0.5%, for model=tiny-moe (8 experts of width 96, top 2) on 2 CPU ranks, fp32, zero=stage0 (DDP) and
-zero=stage3 (FSDP2) at parallel.ep=1, and zero=stage3 at parallel.ep=2 (with and without checkpointing), at the
+zero=stage3 (FSDP2) at parallel.ep=1, and zero=stage3 (with and without checkpointing) and zero=stage0 at
+parallel.ep=2, at the
 routing the run had and at routings a router bias forces.
 
 The plan takes the routing as its input (moe.imbalance: the busiest expert's rows over the mean). A test-only
@@ -41,7 +42,8 @@ from trainer.config import TrainConfig
 from trainer.plan import build_plan
 from trainer.units import GIB
 
-# About 55 s of 2-rank runs, set up at the default tier's busiest point (which measured 1,196 s with it, at its
+# About 55 s of 2-rank runs before the five zero=stage0 ep=2 points (62 s with the first two of them, measured on
+# a shared 2-core host), set up at the default tier's busiest point (which measured 1,196 s with it, at its
 # 20 minutes): .ci/run runs the slow tier.
 pytestmark = pytest.mark.slow
 
@@ -66,11 +68,16 @@ POINTS = [
     ("stage3", "2", "forced", "full"),
     ("stage1", "1", "forced", "none", "fp16"),
     ("stage3", "2", "forced", "none", "bf16"),
+    ("stage0", "2", "balanced", "none"),
+    ("stage0", "2", "forced", "none"),
+    ("stage0", "2", "balanced", "full"),
+    ("stage0", "2", "forced", "full"),
+    ("stage0", "2", "forced", "none", "bf16"),
 ]
 """(zero, parallel.ep, routing, checkpointing[, precision]): fp32 unless a fifth entry names bf16 or fp16 (under
 autocast at stages 0-1 each expert's weights are cast to bf16 per use, under parallel.ep FSDP2's mixed precision
-leaves the experts' fp32 weights to the same casts). parallel.ep=2 needs FSDP2 (zero=stage0 with ep is refused:
-trainer/config/composition.py); under checkpointing=full each block's recompute dispatches its rows again."""
+leaves the experts' fp32 weights to the same casts). parallel.ep=2 at zero=stage0: DDP leaves the experts out of its
+buckets (trainer/rank/experts.py); under checkpointing=full each block's recompute dispatches its rows again."""
 BIASED = {("1", "forced"): (0,), ("2", "balanced"): (0, 4), ("2", "forced"): (0, 1)}
 """The experts a point's routers are biased towards (by 1.0: softmax scores differ by less, so every token picks
 them): at ep=1 expert 0 takes every token, 4 x the mean; at ep=2 experts 0 and 4 take every token, one on each
@@ -222,17 +229,23 @@ def test_at_ep1_the_bias_sends_one_expert_every_token(
     assert all(1.0 < r <= 4.0 for ranks in routed["imbalance"] for r in ranks), routed["imbalance"]
 
 
+@pytest.mark.parametrize("zero", ["stage0", "stage3"])
 @pytest.mark.parametrize("mode", ["none", "full"])
 @pytest.mark.parametrize(
     ("routing", "imbalance", "rows"), [("balanced", 1.0, [256, 256]), ("forced", 2.0, [512, 0])]
 )
 def test_at_ep2_the_bias_sets_each_ranks_rows(
-    points: dict[tuple[str, ...], dict[str, Any]], routing: str, imbalance: float, rows: list[int], mode: str
+    points: dict[tuple[str, ...], dict[str, Any]],
+    routing: str,
+    imbalance: float,
+    rows: list[int],
+    zero: str,
+    mode: str,
 ) -> None:
     """Each rank's experts compute exactly the rows the plan gives them: 256 each (every rank's 128 tokens to
     expert 0 and to expert 4) or all 512 on rank 0 (to experts 0 and 1), twice the mean; the ranks' peaks differ by
     what that moves (rank 0 above rank 1 in the forced point)."""
-    point = points[("stage3", "2", routing, mode)]
+    point = points[(zero, "2", routing, mode)]
     assert point["imbalance"] == [[imbalance] * len(TRACKED)] * WORLD
     assert point["plan"]["moe"]["imbalance"] == imbalance
     assert point["plan"]["moe"]["rows_per_rank"] == rows

@@ -96,10 +96,20 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.shard_ranks=2",),
         "parallel.cp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.cp=1",
     ),
-    "parallel.ep x zero=stage0 or stage1": (
+    "parallel.ep x zero=stage1": (
         EP,
         ("zero=stage1",),
-        "parallel.ep=2 with zero=stage0 or stage1 is not supported; use zero=stage2 or stage3 or parallel.ep=1",
+        "parallel.ep=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.ep=1",
+    ),
+    "parallel.ep x zero.compression": (
+        EP,
+        ("zero=stage0", "zero.compression=powersgd"),
+        "parallel.ep=2 with zero.compression is not supported; use zero.compression=none or parallel.ep=1",
+    ),
+    "parallel.ep x zero.sync_every": (
+        EP,
+        ("zero=stage0", "zero.sync_every=2"),
+        "parallel.ep=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.ep=1",
     ),
     "parallel.ep x zero.shard_ranks": (
         EP,

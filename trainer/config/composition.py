@@ -179,11 +179,26 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "zero=stage0 or stage1",
-        lambda c: not c.zero.uses_fsdp,
-        "not yet built: the experts are sharded over FSDP2's data-parallel group (trainer/rank/experts.py); DDP "
-        "would average different experts' gradients",
-        "use zero=stage2 or stage3",
+        "zero=stage1",
+        lambda c: c.zero.stage == Stage.stage1,
+        "not yet built: ZeroRedundancyOptimizer partitions every parameter's state over DDP's ranks and broadcasts "
+        "each parameter from its owner, and each rank holds different experts (trainer/rank/experts.py): the "
+        "experts' state would need an optimizer of its own",
+        "use zero=stage0, stage2 or stage3",
+    ),
+    Refusal(
+        EP,
+        "zero.compression",
+        lambda c: c.zero.compression != Compression.none,
+        "not yet proven: a compression hook on DDP's buckets, which hold no expert, and its plan's state",
+        "use zero.compression=none",
+    ),
+    Refusal(
+        EP,
+        "zero.sync_every",
+        lambda c: c.zero.sync_every > 1,
+        "not yet built: local SGD averages every parameter over DDP's ranks, and each rank holds different experts",
+        "use zero.sync_every=1",
     ),
     Refusal(
         EP,

@@ -188,8 +188,8 @@ class GroupedExperts(nn.Module):
 
 class MeanOverRanks(torch.autograd.Function):
     """The identity, whose backward divides the gradient by `ranks`. Under parallel.ep an expert's gradient
-    sums every rank's contribution (each rank's loss is the mean over its own tokens), where FSDP2 averages
-    the other parameters' over the ranks; this makes it the same mean. A function in the graph rather than a
+    sums every rank's contribution (each rank's loss is the mean over its own tokens), where FSDP2 or DDP
+    averages the other parameters' over the ranks; this makes it the same mean. A function in the graph rather than a
     hook on the parameter: a hook registered on the meta-device DTensor parameter left the gradients undivided
     after materialising (`to_empty` swaps a tensor subclass's contents)."""
 

@@ -33,7 +33,7 @@ from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
 from trainer.plan.replica_walk import replica_moments
-from trainer.plan.states import RankStates, model_shape, rank_states
+from trainer.plan.states import ModelShape, RankStates, model_shape, rank_states, with_experts
 from trainer.plan.tensor_parallel import tp_local
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
@@ -307,7 +307,7 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     sharded_over = zero_ranks(layout, config.zero)
     if config.parallel.pp > 1:
         return build_pipeline_plan(config, full, device_kind, layout, num_params, groups, sharded_over)
-    shards = rank_states(shape, config.zero.stage, sharded_over)
+    shards = rank_states(held_shape(config), config.zero.stage, sharded_over)
     for rank in range(world_size):
         states = shards[shard_index(layout, rank, config.zero)]
         ep_rank = expert_rank(layout, rank, config)
@@ -365,10 +365,20 @@ def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
 
 
 def expert_rank(layout: Layout, rank: int, config: TrainConfig) -> int:
-    """parallel.ep > 1: the rank's place in the ep group, which is FSDP2's shard group (trainer/rank/experts.py:
-    a job holds ep equal to it; a way out planned at more ranks wraps around the ep ranks); 0 otherwise."""
+    """parallel.ep > 1: the rank's place in the ep group, which is ZeRO's data-parallel group, FSDP2's shard group
+    or DDP's replicas (trainer/rank/experts.py: a job holds ep equal to it; a way out planned at more ranks wraps
+    around the ep ranks); 0 otherwise."""
     ep = config.parallel.ep
-    return layout.shard_index(rank) % ep if ep > 1 else 0
+    return shard_index(layout, rank, config.zero) % ep if ep > 1 else 0
+
+
+def held_shape(config: TrainConfig) -> ModelShape:
+    """The shapes whose states a rank holds before ZeRO's sharding: the model's, and under DDP with parallel.ep
+    the experts E / ep each (FSDP2 shards them on dim 0 over the same ranks itself: trainer/rank/experts.py)."""
+    shape = model_shape(config.model)
+    if config.parallel.ep > 1 and not config.zero.uses_fsdp:
+        return with_experts(shape, config.parallel.ep)
+    return shape
 
 
 def zero_ranks(layout: Layout, zero: ZeroConfig) -> int:

@@ -41,9 +41,10 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
   FSDP2 shards over dp_shard x cp, padding every dim 0 to that many ranks; DDP replicates over dp_replicate
   x cp), and the cp group exchanges activations per block and micro-batch (`cp_moves`), in `groups["cp"]`.
 
-- parallel.ep > 1 (trainer/rank/experts.py): FSDP2 leaves the experts' stacked weights alone (no all-gather,
-  no reduce-scatter of them), and every MoE layer's dispatch runs all-to-alls over the ep group, which is
-  FSDP2's shard group (`ep_moves`), in `groups["ep"]`, per ep rank (its experts' rows differ).
+- parallel.ep > 1 (trainer/rank/experts.py): FSDP2 or DDP leaves the experts' stacked weights alone (no
+  all-gather, reduce-scatter or all-reduce of them), and every MoE layer's dispatch runs all-to-alls over the ep
+  group, which is ZeRO's data-parallel group, FSDP2's shard group or DDP's (`ep_moves`), in `groups["ep"]`, per
+  ep rank (its experts' rows differ).
 
 - parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
   (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
@@ -74,7 +75,7 @@ from trainer.plan.pipeline import (
     stage_config,
     stage_model_shape,
 )
-from trainer.plan.states import ModelShape, model_shape, padded_numel
+from trainer.plan.states import ModelShape, model_shape, padded_numel, with_experts
 from trainer.plan.target import planned_device_kind
 from trainer.plan.tensor_parallel import recomputed_blocks, tp_local, tp_moves
 from trainer.private_apis.of_torch import ddp_default_bucket_cap_mb
@@ -230,6 +231,8 @@ def dp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> dict[st
         return fsdp_group_moves(config, shape, data_parallel_groups(config, world_size))
     if config.parallel.tp > 1 or config.parallel.dp(world_size) * config.parallel.cp == 1:
         return {}  # one data-parallel replica (trainer/layout.py check_world): DDP is not applied
+    if config.parallel.ep > 1:  # DDP leaves the experts out of its buckets (trainer/rank/experts.py)
+        shape = with_experts(shape, None)
     return {"world": ddp_moves(config, shape, world_size)}
 
 
@@ -279,13 +282,14 @@ def context_group(config: TrainConfig, world_size: int, backend: str) -> GroupCo
 
 
 def expert_group(config: TrainConfig, backend: str, groups: ShardGroups) -> GroupComm:
-    """The ep group (parallel.ep, trainer/rank/experts.py): FSDP2's shard group itself, so its link; its
-    headline figures are ep rank 0's (the busiest under moe.imbalance), `per_rank` every ep rank's."""
+    """The ep group (parallel.ep, trainer/rank/experts.py): ZeRO's group itself (FSDP2's shard group, or DDP's), so
+    its link; its headline figures are ep rank 0's (the busiest under moe.imbalance), `per_rank` every ep rank's."""
     ep = config.parallel.ep
     per_rank = tuple(tally(ep_moves(config, rank), backend) for rank in range(ep))
     bytes_by, calls_by = per_rank[0]
+    zero = "shard" if config.zero.uses_fsdp else "world"  # the ep group is ZeRO's (trainer/rank/experts.py)
     return GroupComm(
-        ep, groups.link("shard"), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
+        ep, groups.link(zero), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
     )
 
 

@@ -12,6 +12,7 @@ from trainer.model.fp8 import converted_numel
 from trainer.plan.activations import norm_bytes_per_token
 from trainer.plan.comm import powersgd_elements
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
+from trainer.plan.moe import expert_shapes
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -41,15 +42,17 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
     tied = 4 * vd if m.tie_embeddings else 0
     embedding = 12 * vd if m.tie_embeddings else 4 * vd + prec.residual * n * m.dim
     held = hook_results(ctx)
+    early = ctx.states.grads - expert_grads(ctx)  # the gradients held before the first expert's backward
     moments = [
         ctx.moment(
-            "forward: last block", activations=acts.before_last_block + acts.full_block, temporary=fixed
+            "forward: last block",
+            early,
+            activations=acts.before_last_block + acts.full_block,
+            temporary=fixed,
         ),
-        *ddp_loss_moments(ctx, fixed),
-        ctx.moment(
-            "backward: last block",
-            activations=acts.before_last_block + acts.in_backward,
-            temporary=fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False),
+        *ddp_loss_moments(ctx, fixed, early),
+        *block_backwards(
+            ctx, early, fixed + tied + block_backward_temporary(ctx, weight_grad, weight_grad_held=False)
         ),
         ctx.moment("backward: embedding", activations=acts.batch, temporary=fixed + embedding + held),
         ctx.moment("optimizer step", temporary=optimizer_temporary(ctx) + held),
@@ -61,6 +64,35 @@ def ddp_moments(ctx: StepContext, buckets: bool = True) -> list[Moment]:
         moments.append(ctx.moment("local SGD: parameter average", temporary=4 * ctx.shape.num_params))
     state = hook_state(ctx.config.zero, ctx.shape)
     return [dataclasses.replace(mo, parts={**mo.parts, "other": mo.parts["other"] + state}) for mo in moments]
+
+
+def block_backwards(ctx: StepContext, early: int, temporary: int) -> list[Moment]:
+    """The blocks' backwards at their peak, with `temporary` beside each: the last block's, whose saved sets
+    below it are the most (the step's largest at ep = 1, where every block's is the same but for them); under
+    parallel.ep every block's, each holding the expert gradients of the blocks after it (`expert_grads`), which
+    under checkpointing outweigh the saved sets (tiny-moe at ep = 2, checkpointing=full: block 0's)."""
+    acts, layers = ctx.acts, ctx.config.model.n_layers
+    per_layer = expert_grads(ctx) // layers
+    below = acts.before_last_block - sum(acts.blocks[:-1])  # the batch, less a stage's received input
+    moments = []
+    for block in range(layers - 1 if per_layer == 0 else 0, layers):
+        name = "backward: last block" if block == layers - 1 else f"backward: block {block}"
+        grads = early + (layers - 1 - block) * per_layer
+        saved = below + sum(acts.blocks[:block]) + acts.in_backward
+        moments.append(ctx.moment(name, grads, activations=saved, temporary=temporary))
+    return moments
+
+
+def expert_grads(ctx: StepContext) -> int:
+    """parallel.ep: the experts' fp32 gradients (E / ep of each MoE layer's), which DDP leaves out of its buckets
+    (trainer/rank/experts.py): zero_grad frees them, and each layer's is made in its backward (the last block's
+    while it is accumulated there, `moe_backward_peak`'s temporary), so until then the rank holds only the
+    buckets. At ep = 1 they are bucket views, held all step; and with grad_accum > 1 the worst micro-batch, a later
+    one, holds the experts' gradients accumulated from the first all step (none is counted apart: 0)."""
+    m, ep = ctx.config.model, ctx.config.parallel.ep
+    if ep == 1 or ctx.config.grad_accum > 1:
+        return 0
+    return 4 * m.n_layers * sum(math.prod(s) for s in expert_shapes(m)) // ep
 
 
 def hook_state(zero: ZeroConfig, shape: ModelShape) -> int:

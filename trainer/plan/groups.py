@@ -27,7 +27,7 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
     tp         parallel.tp: the tensor-parallel layers' all-gathers, reduce-scatters and all-reduces of
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
     ep         parallel.ep: the MoE layers' all-to-alls of the counts and rows (trainer/plan/comm.py `ep_moves`);
-               the ep group is FSDP2's shard group (trainer/rank/experts.py), so one process group that
+               the ep group is ZeRO's, FSDP2's shard group or DDP's `world` (trainer/rank/experts.py), so one process group that
                telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py)
     pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
                all-reduces of the step's loss and squared gradient norm (trainer/plan/comm.py

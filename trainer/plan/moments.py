@@ -16,7 +16,7 @@ from trainer.plan.comm import REDUCE_BYTES
 from trainer.plan.disk import chunk_temporary_bytes, nvme_buffer_bytes
 from trainer.plan.fp8_backward import fp8_w2_backward
 from trainer.plan.moe import expert_grad_bytes, expert_rows, moe_backward_peak, router_held_bytes
-from trainer.plan.states import ModelShape, RankStates
+from trainer.plan.states import ModelShape, RankStates, with_experts
 
 
 @dataclass(frozen=True)
@@ -155,12 +155,15 @@ def optimizer_temporary(ctx: StepContext) -> int:
 
 def accumulation_grads(ctx: StepContext) -> int:
     """reduce_every=step: micro-batches before the last keep an unsharded gradient outside buckets
-    and shards: DDP in the fp32 parameters' dtype, FSDP2 in the reduce dtype."""
+    and shards: DDP in the fp32 parameters' dtype, FSDP2 in the reduce dtype. Under DDP with parallel.ep
+    not of the experts, which DDP leaves alone: their `.grad`s (the at-rest gradients) accumulate in place."""
     c = ctx.config
     if c.grad_accum == 1 or c.zero.reduce_every == ReduceEvery.micro_batch:
         return 0
-    width = REDUCE_BYTES[c.zero.reduce_dtype] if c.zero.uses_fsdp else 4
-    return width * ctx.shape.num_params
+    if c.zero.uses_fsdp:
+        return REDUCE_BYTES[c.zero.reduce_dtype] * ctx.shape.num_params
+    shape = with_experts(ctx.shape, None) if c.parallel.ep > 1 else ctx.shape
+    return 4 * shape.num_params
 
 
 def other_bytes(m: ModelConfig, data: DataConfig, states: RankStates) -> int:

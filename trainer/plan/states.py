@@ -183,3 +183,27 @@ def rank_states(shape: ModelShape, stage: Stage, world_size: int) -> list[RankSt
             )
         )
     return states
+
+
+# ----------------------------------------------------------------------------- expert parallelism under DDP
+
+
+def with_experts(shape: ModelShape, ep: int | None) -> ModelShape:
+    """The shapes with every MoE layer's stacked expert weights (trainer/plan/moe.py `expert_shapes`) held as
+    parallel.ep holds them under DDP (trainer/rank/experts.py): E / `ep` experts of each on a rank, or, with
+    `ep` None, left out, as DDP leaves them out of its buckets and all-reduce."""
+    from trainer.plan.moe import expert_shapes
+
+    pending = Counter(expert_shapes(shape.config))
+    block = []
+    for s in shape.block:
+        if pending[s] > 0:
+            pending[s] -= 1
+            if ep is not None:
+                block.append((s[0] // ep, *s[1:]))
+            continue
+        block.append(s)
+    first = next(i for i in range(len(shape.order)) if shape.order[i : i + len(shape.block)] == shape.block)
+    after = first + len(shape.block) * shape.config.n_layers
+    order = shape.order[:first] + tuple(block) * shape.config.n_layers + shape.order[after:]
+    return dataclasses.replace(shape, block=tuple(block), order=order)

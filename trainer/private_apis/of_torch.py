@@ -27,6 +27,7 @@ __all__ = [
     "comm_hook_states",
     "ddp_bucket_assignment",
     "ddp_default_bucket_cap_mb",
+    "ddp_ignore_params",
     "FLIGHT_RECORDER_DUMPS",
     "flight_recorder_dumps",
     "flight_recorder_json",
@@ -221,6 +222,15 @@ def ddp_default_bucket_cap_mb() -> float:
     """DDP's bucket cap where `bucket_cap_mb` is not given (25 MiB in torch 2.13, taken as that
     where a torch release drops the constant)."""
     return getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)
+
+
+def ddp_ignore_params(module: torch.nn.Module, names: list[str]) -> None:
+    """Have the DistributedDataParallel that will wrap `module` leave these parameters (fully qualified
+    names) out of its init broadcast, its buckets and its all-reduce: torch's own switch for it,
+    `_set_params_and_buffers_to_ignore_for_model`, whose public form pytorch/pytorch#43690 never settled.
+    Expert parallelism (trainer/rank/experts.py) holds different experts on each rank, so there is nothing
+    to broadcast or average."""
+    ddp_module.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 class CompletedCollectives:

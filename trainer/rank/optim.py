@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OffloadConfig, OffloadTarget, OptimConfig, Stage, ZeroConfig
@@ -50,7 +51,16 @@ def build_optimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group, **kwargs
         )
     # Under FSDP2 the parameters are DTensor shards, so this state is sharded too.
-    return apply_local_sgd(torch.optim.AdamW(model.parameters(), **kwargs), zero, group)
+    return apply_local_sgd(torch.optim.AdamW(parameter_groups(model), **kwargs), zero, group)
+
+
+def parameter_groups(model: nn.Module) -> list[nn.Parameter] | list[dict[str, list[nn.Parameter]]]:
+    """The model's parameters, as one group; under DDP with parallel.ep two, the experts' DTensors and the plain
+    rest (`kinds_of`): AdamW's foreach and fused kernels (CUDA's defaults) step a group's tensors in one call,
+    which DTensor refuses for a list of both kinds."""
+    params = list(model.parameters())
+    kinds = kinds_of(params)
+    return params if len(kinds) == 1 else [{"params": kind} for kind in kinds]
 
 
 def step_unless(optimizer: torch.optim.Optimizer, scaler: GradScaler, skip: torch.Tensor) -> None:
@@ -122,16 +132,40 @@ def clip_gradients(model: nn.Module, max_norm: float, stages: ProcessGroup | Non
     For FSDP2's DTensor gradients torch computes the norm over all shards (one all-reduce);
     under DDP every rank already holds the reduced gradients. `stages` (parallel.pp > 1): the pp group,
     whose ranks each hold some stages' gradients: their squared norms are summed over it (torch's
-    clip_grad_norm_ knows no pipeline; torchtitan's dist_utils.clip_grad_norm_ does the same).
+    clip_grad_norm_ knows no pipeline; torchtitan's dist_utils.clip_grad_norm_ does the same). Under DDP
+    with parallel.ep the experts' gradients are DTensors and the rest plain tensors, which torch's foreach
+    norm refuses in one list: each kind is normed (and clipped) apart (`mixed_norm`).
     """
-    if stages is None:
+    params = [p for p in model.parameters() if p.grad is not None]
+    kinds = kinds_of(params)
+    if stages is None and len(kinds) == 1:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    squared = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-    dist.all_reduce(squared, group=stages)
+    squared = mixed_norm(kinds) ** 2
+    if stages is not None:
+        dist.all_reduce(squared, group=stages)
     total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for kind in kinds:
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
     return total
+
+
+def kinds_of(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters split into DTensors and plain tensors (the kinds that present), in that order."""
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [kind for kind in (dtensors, plain) if kind]
+
+
+def mixed_norm(kinds: list[list[nn.Parameter]]) -> torch.Tensor:
+    """The 2-norm of every gradient of every kind: each kind's total norm (a DTensor's over all its shards,
+    one all-reduce), then, of two kinds, the norm of those."""
+    if len(kinds) <= 1:  # torch's own total norm (of no gradient: 0)
+        norm = torch.nn.utils.get_total_norm([p.grad for kind in kinds for p in kind])
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norms = []
+    for kind in kinds:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms))

@@ -10,7 +10,8 @@ one order torchtitan applies them (pytorch/torchtitan torchtitan/models/llama3/p
    loss.chunk_tokens);
 4. activation checkpointing of the blocks (checkpointing), before sharding: it wraps blocks;
 5. compile of each block (compile), after checkpointing and before sharding, in place;
-6. expert parallelism (parallel.ep): each rank's experts, sharded over the data-parallel sub-mesh;
+6. expert parallelism (parallel.ep): each rank's experts, sharded over the data-parallel sub-mesh, which
+   ZeRO (FSDP2 or DDP) then leaves alone;
 7. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
    fully_shard, or nothing at one model-parallel replica; then each rank materialises (or loads
    model.weights into) only what it holds.

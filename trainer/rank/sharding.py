@@ -1,6 +1,6 @@
 """ZeRO stages on PyTorch's own data parallelism.
 
-stage0: DistributedDataParallel (every rank holds everything).
+stage0: DistributedDataParallel (every rank holds everything, but for parallel.ep's experts: its own).
 stage1: DDP + ZeroRedundancyOptimizer (optimizer state sharded; see trainer/rank/optim.py).
 stage2: FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state sharded;
         parameters are sharded at rest but stay unsharded from forward to backward.
@@ -34,6 +34,7 @@ from trainer.config import (
 from trainer.model.decoder import materialize
 from trainer.model.hf_weights import load_weights
 from trainer.plan import ShardGroups, shard_groups
+from trainer.private_apis.of_torch import ddp_ignore_params
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
 from trainer.telemetry.memory import measured_load
@@ -59,7 +60,8 @@ def apply_zero(
 
     FSDP2 must shard before materialising, so that no rank ever allocates the whole model;
     DDP wraps real parameters, so it comes after, and only where `replicas` (trainer/rank/parallelize.py
-    `replicas_to_wrap`).
+    `replicas_to_wrap`), told first to leave the `ignored` experts alone (named on the meta model, whose
+    parameters `to_empty` replaces).
     """
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
@@ -67,6 +69,8 @@ def apply_zero(
         apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
+    if ignored:  # parallel.ep: each rank holds its own experts, which DDP must neither broadcast nor average
+        ddp_ignore_params(model, [name for name, param in model.named_parameters() if param in ignored])
     materialize(model, world.device, seed=seed, load=load)
     return apply_ddp(model, zero, world, dp_mesh) if replicas else model
 

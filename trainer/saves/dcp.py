@@ -351,6 +351,28 @@ def keep_implementation(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in groups]
 
 
+PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
+"""LambdaLR's state_dict entries that hold one value per param group."""
+
+
+def per_group(scheduler: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A saved scheduler's state for an optimizer of `groups` param groups. The optimizer's groups are one, or
+    under DDP with parallel.ep two with the same hyperparameters (trainer/rank/optim.py `parameter_groups`), so a
+    save from either resumes in the other (DCP maps the optimizer's state by parameter name); a scheduler's
+    per-group values, all equal, are repeated to the running count. Values that differ are left as saved."""
+    fitted = dict(scheduler)
+    for key in PER_GROUP:
+        values = scheduler.get(key)
+        if (
+            isinstance(values, list)
+            and values
+            and len(values) != groups
+            and values.count(values[0]) == len(values)
+        ):
+            fitted[key] = values[:1] * groups
+    return fitted
+
+
 def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.device) -> None:
     """Hand the loaded entries to their owners (tensors DCP already filled in place)."""
     optimizer = local_optimizer(trainee.optimizer)
@@ -361,7 +383,7 @@ def apply_training_state(trainee: Trainee, state: dict[str, Any], device: torch.
         group.update(flags)
     if optimizer is not trainee.optimizer:
         copy_hyperparameters(optimizer.param_groups, trainee.optimizer.param_groups)
-    trainee.scheduler.load_state_dict(state["scheduler"])
+    trainee.scheduler.load_state_dict(per_group(state["scheduler"], len(optimizer.param_groups)))
     if "scaler" in state:
         # The scale and its growth tracker are state; factors and interval stay as configured now.
         current = trainee.scaler.state_dict()

@@ -80,7 +80,8 @@ GROUP_DESCRIPTIONS = {
 }
 SHARED_WITH_EP = "+ep"
 """Suffix of a name `group_names` gives FSDP2's shard group under parallel.ep, which is the ep group too
-(trainer/rank/experts.py): `entry_group` gives its all-to-alls (the MoE dispatch's; FSDP2 issues none) to `ep`."""
+(trainer/rank/experts.py), or of DDP's group, `world+ep`: `entry_group` gives its all-to-alls (the MoE dispatch's;
+FSDP2 and DDP issue none) to `ep`."""
 SHARED_WITH_CP = "+cp"
 """Suffix of a name `group_names` gives ZeRO's group where it is also the cp group (dp = 1): `entry_group`
 splits its entries by what they move (`moves_activations`)."""
@@ -97,7 +98,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     replicates over dp_replicate, which the plan calls `world` (the data-parallel world, every rank unless
     tp or pp takes some): under a pipeline that dim is a group of its own, named alike here. At dp = 1 under
     parallel.cp, ZeRO works over the cp dim itself: that process group is ZeRO's and cp's, `shard+cp` or
-    `world+cp` (SHARED_WITH_CP). Under parallel.ep FSDP2's shard group is the ep group too, `shard+ep`
+    `world+cp` (SHARED_WITH_CP). Under parallel.ep ZeRO's group is the ep group too, `shard+ep` or `world+ep`
     (SHARED_WITH_EP).
     """
     layout = Layout.from_config(config, world_size)
@@ -108,18 +109,21 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     shared = layout.cp > 1 and layout.dp == 1
     if shared:
         descriptions["mesh_cp"] = zero + SHARED_WITH_CP
-    if config.parallel.ep > 1:  # the ep group is FSDP2's shard group (trainer/rank/experts.py)
+    if config.parallel.ep > 1:  # the ep group is ZeRO's data-parallel group (trainer/rank/experts.py)
         descriptions["mesh_dp_shard"] = "shard" + SHARED_WITH_EP
         descriptions["mesh_dp_shard_cp"] = "shard" + SHARED_WITH_EP
+        if not config.zero.uses_fsdp:
+            descriptions["mesh_dp_replicate"] = "world" + SHARED_WITH_EP
     spanning = [axis for axis in ("tp", "pp") if 1 < layout.degree(axis) == world_size]
     if spanning:
         return spanning[0], descriptions
     if layout.cp == world_size:
         return descriptions["mesh_cp"], descriptions
     sharded_over_all = config.zero.uses_fsdp and layout.shard_size() == world_size
-    if sharded_over_all and config.parallel.ep > 1:
-        return "shard" + SHARED_WITH_EP, descriptions
-    return ("shard" if sharded_over_all else "world"), descriptions
+    zero = "shard" if sharded_over_all else "world"
+    if config.parallel.ep > 1 and (sharded_over_all or not config.zero.uses_fsdp):
+        return zero + SHARED_WITH_EP, descriptions  # DDP's replicas are every rank: the ep group is ep = dp
+    return zero, descriptions
 
 
 LOOP_COLLECTIVES = {

@@ -181,3 +181,31 @@ def test_under_ep_fsdp2_moves_no_expert_weight_and_the_ep_group_its_rows() -> No
         4 * (64 + 2 * 256 * row) + 4 * 2 * 256 * row,
     ]
     assert ep.bytes_by_collective == ep.per_rank[0] and ep.calls_by_collective["all_to_all"] == 4 * 3 + 4 * 2
+
+
+def test_under_ddp_a_rank_holds_its_experts_states_and_ddp_reduces_the_rest() -> None:
+    """zero=stage0 at ep=2: params, gradients and Adam's moments are ep=1's less half the experts' (each rank holds 4
+    of 8); DDP's all-reduce is ep=1's less every expert's gradient; before the experts' backward a rank holds only
+    DDP's buckets, and under checkpointing=full block 0's backward, with the three later layers' expert gradients,
+    is walked too."""
+    ep1, ep2 = (
+        build_plan(
+            compose_config(*TINY_MOE, "nproc=2", "zero=stage0", f"parallel.ep={ep}", "moe.imbalance=1.0"),
+            "cpu",
+            2,
+        )
+        for ep in (1, 2)
+    )
+    experts = 4 * 3 * 8 * 96 * 128  # per layer, fp32: w1, w2, w3 of 8 experts
+    one, two = ep1.ranks[0].states, ep2.ranks[0].states
+    assert (one.params - two.params, one.grads - two.grads) == (2 * experts, 2 * experts)
+    assert one.optimizer - two.optimizer == 2 * 2 * experts
+    world1, world2 = (plan.comm.groups["world"].bytes_by_collective for plan in (ep1, ep2))
+    assert world1["all_reduce"] - world2["all_reduce"] == 4 * experts
+    loss = next(m for m in ep2.ranks[0].moments if m.name == "backward: loss")
+    assert loss.parts["grads"] == two.grads - 2 * experts  # the buckets alone
+    full = build_plan(
+        compose_config(*TINY_MOE, "nproc=2", "zero=stage0", "parallel.ep=2", "checkpointing=full"), "cpu", 2
+    )
+    block0 = next(m for m in full.ranks[0].moments if m.name == "backward: block 0")
+    assert block0.parts["grads"] == two.grads - experts // 2  # three of the four layers' halves

@@ -29,6 +29,7 @@ from trainer.private_apis.of_torch import (
     comm_hook_states,
     ddp_bucket_assignment,
     ddp_default_bucket_cap_mb,
+    ddp_ignore_params,
     flatten_mesh,
     flight_recorder_dumps,
     flight_recorder_json,
@@ -151,6 +152,28 @@ def test_comm_hook_states_are_what_register_comm_hook_was_given(process_group: N
     state = object()
     ddp.register_comm_hook(state, allreduce_hook)
     assert len(comm_hook_states(ddp)) == 1 and comm_hook_states(ddp)[0] is state
+
+
+def test_ddp_leaves_the_ignored_parameters_out_of_its_buckets(process_group: None) -> None:
+    """The second layer's weight, named before DDP wraps the model, is in none of the buckets DDP's hook is
+    given, and keeps the gradient autograd gave it (a tensor of its own, not a bucket view)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    ddp_ignore_params(model, ["1.weight"])
+    sizes: list[int] = []
+
+    def record(_, bucket):  # noqa: ANN001, ANN202 (as the bucket test's hook)
+        sizes.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, record)
+    ddp(torch.ones(1, 8)).sum().backward()
+    assert sum(sizes) == 8 * 8 + 8 + 8  # the first layer's weight and bias, the second's bias
+    assert model[1].weight.grad is not None and model[1].weight.grad.shape == (8, 8)
 
 
 def test_the_bucket_assignment_is_ddps_after_its_rebuild(process_group: None) -> None:

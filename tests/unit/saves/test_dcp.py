@@ -23,6 +23,7 @@ from trainer.saves.dcp import (
     latest_save,
     list_saves,
     load_training_state,
+    per_group,
     prune,
     read_progress,
     save_training_state,
@@ -203,3 +204,27 @@ def test_a_cpu_save_loads_with_cuda_state_absent_and_present(
     monkeypatch.setattr(save, "rng_state", real_rng_state)
     assert load_training_state(build_trainee(config, WORLD), spec, WORLD, gpu_save).step == 1
     assert sorted(applied[-1]) == ["numpy", "python", "torch"]
+
+
+def test_a_schedulers_state_resumes_across_one_and_two_param_groups() -> None:
+    """A save from an optimizer of two param groups (DDP with parallel.ep: the experts and the rest) loads into
+    a scheduler of one, and back: each per-group value repeated to the running count; differing values are kept."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def schedule(groups: int) -> LambdaLR:
+        params = [torch.nn.Parameter(torch.ones(2)) for _ in range(groups)]
+        optimizer = torch.optim.AdamW([{"params": [p]} for p in params], lr=0.1)
+        return LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+
+    two = schedule(2)
+    for _ in range(3):
+        two.optimizer.step()
+        two.step()
+    one = schedule(1)
+    one.load_state_dict(per_group(two.state_dict(), 1))
+    assert one.get_last_lr() == [0.025] and one.base_lrs == [0.1] and one.last_epoch == 3
+    back = schedule(2)
+    back.load_state_dict(per_group(one.state_dict(), 2))
+    assert back.get_last_lr() == [0.025, 0.025]
+    differing = {"base_lrs": [0.1, 0.2], "last_epoch": 3}
+    assert per_group(differing, 1) == differing
