@@ -108,16 +108,11 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "zero.shard_ranks",
-        lambda c: c.zero.shard_ranks is not None,
-        "not yet proven: HSDP's shard groups over a stage's data-parallel ranks",
-        "use zero.shard_ranks=null",
-    ),
-    Refusal(
-        PP,
         "zero.hpz_ranks",
         lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups over a stage's data-parallel ranks",
+        "not yet built: FSDP2 makes hpZ's secondary mesh over a stage's own data-parallel ranks "
+        "(_get_post_forward_mesh_info), and making its process groups is collective over every rank: the stages "
+        "make different groups at once and the ranks hang (8 CPU ranks, pp=2, hpz_ranks=2)",
         "use zero.hpz_ranks=null",
     ),
     Refusal(
