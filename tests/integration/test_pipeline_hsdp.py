@@ -1,11 +1,13 @@
-"""HSDP (zero.shard_ranks) per pipeline stage: parallel.pp=2 over 8 CPU ranks, each stage's 4 data-parallel ranks two
-shard groups of 2 (FSDP2 over the mesh's `(dp_replicate, dp_shard)` sub-mesh, trainer/rank/mesh.py), at zero=stage2
-and stage3, fp32, Schedule1F1B over grad_accum=4 micro-batches of one sequence, 4 steps.
+"""HSDP (zero.shard_ranks) and hpZ (zero.hpz_ranks) per pipeline stage: parallel.pp=2 over 8 CPU ranks, fp32,
+Schedule1F1B over grad_accum=4 micro-batches of one sequence, 4 steps. HSDP at zero=stage2 and stage3: each stage's
+4 data-parallel ranks two shard groups of 2 (FSDP2 over the mesh's `(dp_replicate, dp_shard)` sub-mesh,
+trainer/rank/mesh.py); hpZ at stage3 (stage3 only): one shard group of 4, secondary groups of 2 (FSDP2's
+post-forward mesh, made by every rank at once: trainer/rank/mesh.py `secondary_mesh`).
 
-Each against the same pipeline without HSDP (its 4 dp ranks one shard group): per-step losses within 1e-5; every
+Each against the same pipeline without either (its 4 dp ranks one shard group): per-step losses within 1e-5; every
 rank's measured tensor peak within 0.5% of its stage's plan; every rank's bytes by collective in each group (shard,
-replicate, pp) equal to its pipeline rank's plan, the loop's own collectives aside. Marked slow: 8 ranks of gloo on
-CI's cores (about 20 s a job, four jobs).
+replicate or hpz, pp) equal to its pipeline rank's plan, the loop's own collectives aside. Marked slow: 8 ranks of
+gloo on CI's cores (about 20 s a job, five jobs).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 import pytest
 
 from tests.helpers import TINY, Run, layer_norms_bytes, run_trainer
-from trainer.layout import Layout
 from trainer.plan import GROUPS
 from trainer.telemetry.comm import FIELDS as COMM_FIELDS
 from trainer.telemetry.memory import CPU_FIELDS
@@ -30,20 +31,23 @@ pytestmark = pytest.mark.slow
 WORLD = 8
 JOB = ("nproc=8", "micro_batch=1", "parallel.pp=2", "grad_accum=4", "zero.reduce_every=step", "save=off",
        "steps=4", "precision=fp32", "optim.warmup_steps=2")  # fmt: skip
-HSDP = "zero.shard_ranks=2"
-ZEROS = ("stage2", "stage3")
-LAYOUT = Layout(pp=2, dp_replicate=2, dp_shard=2)
-"""The HSDP job's layout (trainer/layout.py): stage 0 ranks 0-3, stage 1 ranks 4-7; shard groups {0,1}, {2,3}, ..."""
+CONFIGS = {
+    "stage2 HSDP": ("stage2", "zero.shard_ranks=2"),
+    "stage3 HSDP": ("stage3", "zero.shard_ranks=2"),
+    "stage3 hpZ": ("stage3", "zero.hpz_ranks=2"),
+}
+"""name -> (zero stage, the setting); each against its stage's job without the setting."""
+NAMES = sorted(CONFIGS)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Run]:
-    """Each (zero stage, HSDP or not) job, run once on first use (one multi-rank job at a time)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None], Run]:
+    """Each (zero stage, setting or None) job, run once on first use (one multi-rank job at a time)."""
 
     @functools.cache
-    def run(zero: str, hsdp: bool) -> Run:
-        out = tmp_path_factory.mktemp(f"pp-{zero}-{'hsdp' if hsdp else 'fsdp'}") / "run"
-        return run_trainer(out, *TINY, *JOB, f"zero={zero}", *((HSDP,) if hsdp else ()), timeout=900)
+    def run(zero: str, setting: str | None) -> Run:
+        out = tmp_path_factory.mktemp(f"pp-{zero}-{(setting or 'plain').replace('=', '-')}") / "run"
+        return run_trainer(out, *TINY, *JOB, f"zero={zero}", *((setting,) if setting else ()), timeout=900)
 
     return run
 
@@ -52,20 +56,21 @@ def plan_of(run: Run) -> dict[str, Any]:
     return json.loads((run.out_dir / "plan.json").read_text())
 
 
-@pytest.mark.parametrize("zero", ZEROS)
-def test_losses_equal_the_same_pipeline_without_hsdp(zero: str, runs: Callable[[str, bool], Run]) -> None:
-    hsdp, plain = runs(zero, True), runs(zero, False)
-    assert len(hsdp.losses) == len(plain.losses) == 4
-    worst = max(abs(a - b) for a, b in zip(hsdp.losses, plain.losses))
-    assert worst < 1e-5, (zero, hsdp.losses, plain.losses)
+@pytest.mark.parametrize("name", NAMES)
+def test_losses_equal_the_same_pipeline_without_it(name: str, runs: Callable[[str, str | None], Run]) -> None:
+    zero = CONFIGS[name][0]
+    run, plain = runs(*CONFIGS[name]), runs(zero, None)
+    assert len(run.losses) == len(plain.losses) == 4
+    worst = max(abs(a - b) for a, b in zip(run.losses, plain.losses))
+    assert worst < 1e-5, (name, run.losses, plain.losses)
 
 
-@pytest.mark.parametrize("zero", ZEROS)
+@pytest.mark.parametrize("name", NAMES)
 def test_every_rank_within_half_a_percent_of_its_stage_plan(
-    zero: str, runs: Callable[[str, bool], Run]
+    name: str, runs: Callable[[str, str | None], Run]
 ) -> None:
     """Each stage's ranks (plan.json's `global_ranks`), their peak the largest MemTracker measured."""
-    run = runs(zero, True)
+    run = runs(*CONFIGS[name])
     stages = plan_of(run)["pipeline"]["stages"]
     assert sorted(rank for stage in stages for rank in stage["global_ranks"]) == list(range(WORLD))
     for stage in stages:
@@ -73,7 +78,7 @@ def test_every_rank_within_half_a_percent_of_its_stage_plan(
             key = f"memory/rank{rank}/peak_allocated_gib"
             measured = max(r[key] * GIB for r in run.records if key in r)
             assert abs(stage["peak_bytes"] - measured) / measured < 0.005, (
-                zero,
+                name,
                 rank,
                 stage["peak_bytes"],
                 measured,
@@ -93,26 +98,27 @@ def loop_extra(group: str, kind: str, stage_tensors: int) -> int:
     return 4 * stage_tensors if group == "shard" and kind == "all_reduce" else 0
 
 
-@pytest.mark.parametrize("zero", ZEROS)
-def test_each_groups_bytes_are_the_plans(zero: str, runs: Callable[[str, bool], Run]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_each_groups_bytes_are_the_plans(name: str, runs: Callable[[str, str | None], Run]) -> None:
     """Step 2 (step 1 also runs PipelineStage's shape inference): on every rank the shard group's all-gathers and
-    reduce-scatters (gloo: all-reduces), the replicate group's all-reduce of each gradient shard and the pp
-    group's two scalars are its pipeline rank's plan (`bytes_by_collective_per_stage`), to the byte."""
-    run = runs(zero, True)
+    reduce-scatters (gloo: all-reduces), HSDP's replicate group's all-reduce of each gradient shard or hpZ's
+    backward all-gathers from the secondary shards, and the pp group's two scalars are its pipeline rank's plan
+    (`bytes_by_collective_per_stage`), to the byte."""
+    run = runs(*CONFIGS[name])
     groups = plan_of(run)["comm"]["groups"]
-    assert set(groups) == {"shard", "replicate", "pp"}, groups
-    assert groups["shard"]["ranks"] == groups["replicate"]["ranks"] == 2
+    second = "replicate" if "HSDP" in name else "hpz"
+    assert set(groups) == {"shard", second, "pp"}, groups
+    assert groups[second]["ranks"] == 2 and groups["shard"]["ranks"] == (2 if "HSDP" in name else 4)
     record = run.records[1]
     assert record["step"] == 2
     stages = plan_of(run)["pipeline"]["stages"]
     for rank in range(WORLD):
         measured = {g for g in GROUPS if f"comm/rank{rank}/{g}/bytes_per_step" in record}
-        assert measured == set(groups) | {"world"}, (zero, rank, measured)
-        stage = LAYOUT.coords(rank)["pp"]
+        assert measured == set(groups) | {"world"}, (name, rank, measured)
+        stage = rank // (WORLD // 2)  # pp outermost (trainer/layout.py): stage 0 is ranks 0-3
         blocks = sum(stop - start for start, stop in stages[stage]["blocks"])
-        tensors = (
-            9 * blocks + (stage == 0) + 2 * (stage == 1)
-        )  # tiny's 9 a block, the embedding, norm and head
+        # tiny's 9 tensors a block, the embedding on the first stage, the final norm and head on the last
+        tensors = 9 * blocks + (stage == 0) + 2 * (stage == 1)
         for group, planned in groups.items():
             figures = (
                 planned["bytes_by_collective"]
@@ -122,11 +128,11 @@ def test_each_groups_bytes_are_the_plans(zero: str, runs: Callable[[str, bool], 
             for kind, payload in figures.items():
                 got = record.get(f"comm/rank{rank}/{group}/{kind}_bytes_per_step", 0)
                 assert got == payload + loop_extra(group, kind, tensors), (
-                    zero,
+                    name,
                     rank,
                     group,
                     kind,
                     got,
                     payload,
                 )
-    assert groups["replicate"]["bytes_by_collective"]["all_reduce"] > 0
+    assert sum(groups[second]["bytes_by_collective"].values()) > 0

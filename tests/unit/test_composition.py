@@ -47,11 +47,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero=stage1",),
         "parallel.pp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.pp=1",
     ),
-    "parallel.pp x zero.hpz_ranks": (
-        (*PP, *STAGE3),
-        ("zero.hpz_ranks=2",),
-        "parallel.pp=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.pp=1",
-    ),
     "parallel.pp x zero.compression": (
         PP,
         ("zero.compression=powersgd",),

@@ -108,15 +108,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         PP,
-        "zero.hpz_ranks",
-        lambda c: c.zero.hpz_ranks is not None,
-        "not yet built: FSDP2 makes hpZ's secondary mesh over a stage's own data-parallel ranks "
-        "(_get_post_forward_mesh_info), and making its process groups is collective over every rank: the stages "
-        "make different groups at once and the ranks hang (8 CPU ranks, pp=2, hpz_ranks=2)",
-        "use zero.hpz_ranks=null",
-    ),
-    Refusal(
-        PP,
         "zero.compression",
         lambda c: c.zero.compression != Compression.none,
         "not yet proven: a compression hook on a stage's DDP, which reduces once after the step's last backward",
