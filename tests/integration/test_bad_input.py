@@ -225,6 +225,13 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (PP, "offload=cpu"): ("zero=stage3", "offload=cpu"),
     (PP, "offload=nvme"): ("zero=stage3", "offload=nvme", "offload.path={tmp}"),
     (PP, "zero=stage1"): ("zero=stage1",),
+    (PP, "zero.hpz_ranks"): (
+        "nproc=8",
+        "zero=stage3",
+        "zero.reduce_every=step",
+        "zero.hpz_ranks=2",
+        "parallel.pp_schedule=interleaved_1f1b",
+    ),
     (PP, "zero.compression"): ("nproc=4", "zero.compression=powersgd"),
     (PP, "zero.sync_every"): ("nproc=4", "zero.sync_every=4"),
     (PP, "zero.reduce_every=micro_batch"): ("zero.reduce_every=micro_batch",),

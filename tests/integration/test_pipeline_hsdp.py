@@ -1,7 +1,7 @@
 """HSDP (zero.shard_ranks) and hpZ (zero.hpz_ranks) per pipeline stage: parallel.pp=2 over 8 CPU ranks, fp32,
 Schedule1F1B over grad_accum=4 micro-batches of one sequence, 4 steps. HSDP at zero=stage2 and stage3: each stage's
 4 data-parallel ranks two shard groups of 2 (FSDP2 over the mesh's `(dp_replicate, dp_shard)` sub-mesh,
-trainer/rank/mesh.py); hpZ at stage3 (stage3 only): one shard group of 4, secondary groups of 2 (FSDP2's
+trainer/rank/mesh.py); hpZ at stage3 (it needs stage3; the table refuses it beside GPipe and interleaving): one shard group of 4, secondary groups of 2 (FSDP2's
 post-forward mesh, made by every rank at once: trainer/rank/mesh.py `secondary_mesh`).
 
 Each against the same pipeline without either (its 4 dp ranks one shard group): per-step losses within 1e-5; every

@@ -47,6 +47,12 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero=stage1",),
         "parallel.pp=2 with zero=stage1 is not supported; use zero=stage0, stage2 or stage3 or parallel.pp=1",
     ),
+    "parallel.pp x zero.hpz_ranks": (
+        (*PP, *STAGE3, "parallel.pp_schedule=gpipe"),
+        ("zero.hpz_ranks=2",),
+        "parallel.pp=2 with zero.hpz_ranks is not supported under parallel.pp_schedule=gpipe; use "
+        "parallel.pp_schedule=1f1b or zero.hpz_ranks=null or parallel.pp=1",
+    ),
     "parallel.pp x zero.compression": (
         PP,
         ("zero.compression=powersgd",),
