@@ -7,7 +7,8 @@ where that holds more than the residual add); the loss of the micro-batch whose 
 most activations (`pipeline.worst_of`) where the stage has the head; the worst of every backward's start of its
 last block (the other micro-batches' stages held beside it; at stage3 over dp > 1 the block below prefetched)
 and of every backward's reach of its stage's first block (the first backward's later blocks' gradients made, a
-later one's whole gradient held); then the optimizer step. Throughout, the stage holds its model states, its
+later one's whole gradient held); under hpZ the worst copy-out of a last block's all-gather beside every block's
+secondary shard (`last_block_copy_out`); then the optimizer step. Throughout, the stage holds its model states, its
 send/recv buffers and its share of the step's batch (`other`), and what PipelineStage's accumulation keeps:
 the unsharded gradient of the stage (every backward but the last runs without gradient sync), under autocast
 the cached casts of its weights, and under FSDP2 its parameters unsharded (set_reshard_after_backward(False)).
