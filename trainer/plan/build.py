@@ -415,7 +415,8 @@ def build_pipeline_plan(
         stage = stages[layout.coords(rank)["pp"]]
         states = stage.shards[shard_index(layout, rank, config.zero)]
         ranks.append(rank_plan(config, device_kind, rank, states, stage.activations, stage.moments[states]))
-    communicators = groups.nccl_communicators(hpz_modules=config.model.n_layers) + 1  # + the pp group's
+    # + the pp group's; hpZ's secondary groups are one mesh every stage's blocks share (trainer/rank/mesh.py)
+    communicators = groups.nccl_communicators(hpz_modules=1) + 1
     memory = device_memory(
         config.plan, config.device_memory_gib, device_kind, world_size, config.nodes, communicators
     )

@@ -103,7 +103,8 @@ class ShardGroups:
         mesh adds its shard and replicate groups; hpZ adds one per module sharded with
         reshard_after_forward=<int> (`hpz_modules`): FSDP2 builds each such module a DeviceMesh of
         its own (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_get_post_forward_mesh_info`),
-        whose hpz dimension carries backward's all-gathers.
+        whose hpz dimension carries backward's all-gathers. Under a pipeline every block shares one such mesh,
+        made by every rank at once (trainer/rank/mesh.py `secondary_mesh`): one there.
         """
         tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
         cp = 1 if 1 < self.cp < self.world else 0  # the cp dim's group, where it is not ZeRO's (dp > 1)

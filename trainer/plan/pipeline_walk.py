@@ -7,7 +7,8 @@ where that holds more than the residual add); the loss of the micro-batch whose 
 most activations (`pipeline.worst_of`) where the stage has the head; the worst of every backward's start of its
 last block (the other micro-batches' stages held beside it; at stage3 over dp > 1 the block below prefetched)
 and of every backward's reach of its stage's first block (the first backward's later blocks' gradients made, a
-later one's whole gradient held); then the optimizer step. Throughout, the stage holds its model states, its
+later one's whole gradient held); under hpZ the worst copy-out of a last block's all-gather beside every block's
+secondary shard (`last_block_copy_out`); then the optimizer step. Throughout, the stage holds its model states, its
 send/recv buffers, its share of the step's batch and its DDP hook's state (zero.compression: ddp_walk.py
 `hook_state`, of the stage's parameters) as `other`, and what PipelineStage's accumulation keeps:
 the unsharded gradient of the stage (every backward but the last runs without gradient sync), under autocast
@@ -256,6 +257,30 @@ def last_block_backward(ctx: StepContext, keeps: Kept, backward: Backward, block
     return Held(held, fixed + running + block)
 
 
+def secondary_bytes(config: TrainConfig, shape: ModelShape) -> int:
+    """hpZ (zero.hpz_ranks): one block's secondary shard, 1/H of its unsharded parameters (compute dtype), which
+    FSDP2 keeps from the block's forward to the copy-out of its next all-gather (fsdp_buffers.py `secondaries`);
+    0 without hpZ."""
+    hpz = config.zero.hpz_ranks
+    return PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel // hpz if hpz else 0
+
+
+def last_block_copy_out(ctx: StepContext, keeps: Kept, backward: Backward, secondary: int) -> Held | None:
+    """hpZ: the copy-out of the last block's all-gather at the start of a backward whose stage a forward resharded
+    (_fsdp_param_group.py `wait_for_unshard`): the block unsharded beside the all-gather output it is copied from,
+    every block of the stage still holding its secondary shard (the running one's is freed after the copy), the
+    block's activations, the stage's output and the gradient arriving into the block (beyond the last stage the
+    receive buffer, counted with the buffers: `last_block_temporary`). Measured with MemTracker on Schedule1F1B's stages at zero=stage3
+    fp32, dp 4, hpz_ranks 2, micro_batch 1, where it is the peak of both stages. None where nothing is gathered."""
+    peak, acts = backward.moment, backward.acts
+    if not secondary or peak.unsharded:
+        return None
+    fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
+    held = peak.held + acts.before_last_block + acts.full_block + stage_output(acts, backward.last)
+    arriving = incoming_gradient(ctx) if backward.last else 0
+    return Held(held, fixed + 2 * keeps.block + backward.blocks * secondary + arriving)
+
+
 def last_block_temporary(ctx: StepContext, keeps: Kept, done: bool, last: bool) -> int:
     """What the last block's backward makes at its start (`last_block_backward`), after an earlier backward of
     the step (`done`) or not, on the last stage (`last`) or not. Beyond the last stage the gradient arriving into
@@ -353,6 +378,12 @@ def stage_moments(
         last_block_backward(ctx, keeps, b, last_temporary(bool(b.moment.done), b.last)) for b in backwards
     )
     moments.append(ctx.moment("backward: last block", grads, *max(lasts, key=sum)))
+    secondary = secondary_bytes(ctx.config, ctx.shape)
+    copy_outs = [held for b in backwards if (held := last_block_copy_out(ctx, keeps, b, secondary))]
+    if copy_outs:
+        moments.append(
+            ctx.moment("backward: last block all-gather copy-out", grads, *max(copy_outs, key=sum))
+        )
     if not keeps.grads_at_rest:
         first_temporary = functools.cache(functools.partial(first_block_temporary, ctx, keeps))
         firsts = [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -32,6 +33,7 @@ __all__ = [
     "flight_recorder_dumps",
     "flight_recorder_json",
     "flatten_mesh",
+    "prebuilt_secondary_mesh",
     "all_gather_autograd",
     "all_to_all_autograd",
     "all_to_all_uneven_autograd",
@@ -297,6 +299,32 @@ def interleaved_1f1b_order(
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """One dim `name` of every dim of `mesh` (a sub-mesh of adjacent dims), registered on the root mesh."""
     return mesh._flatten(name)
+
+
+def prebuilt_secondary_mesh(secondary: Any) -> Any:
+    """hpZ: a context inside which fully_shard(reshard_after_forward=H) takes `secondary` as its post-forward mesh
+    rather than building one. torch builds it with `DeviceMesh(mesh.mesh.view(-1, H))` (torch 2.13 _fsdp_init.py
+    `_get_post_forward_mesh_info`), whose process groups every rank of the world must make alike; a pipeline
+    stage's mesh holds its own ranks only, so the stages would make different groups at once and hang.
+    `secondary` is that same mesh, made by every rank at once (trainer/rank/mesh.py `secondary_mesh`)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    original = _fsdp_init._get_post_forward_mesh_info
+
+    def post_forward_mesh_info(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool):
+            return original(reshard_after_forward, mesh_info)
+        wanted = mesh_info.mesh.mesh.view(-1, reshard_after_forward)
+        assert torch.equal(wanted, secondary.mesh), (wanted, secondary.mesh)
+        return _fsdp_init.HSDPMeshInfo(secondary, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    # fully_shard calls it by the name _fully_shard.py imported; _fsdp_init.py by its own
+    patched = contextlib.ExitStack()
+    for module in (_fully_shard, _fsdp_init):
+        patched.enter_context(
+            mock.patch.object(module, "_get_post_forward_mesh_info", post_forward_mesh_info)
+        )
+    return patched
 
 
 def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

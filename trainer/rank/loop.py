@@ -26,7 +26,7 @@ from trainer.model.loss import IGNORE_INDEX, LossTerms, full_loss
 from trainer.model.moe import RoutingWatch, moe_layers, update_expert_bias
 from trainer.private_apis.of_torch import found_inf_per_device, scale_on_device
 from trainer.rank.evaluate import evaluate, evaluates_now
-from trainer.rank.mesh import build_mesh, data_parallel_mesh
+from trainer.rank.mesh import build_mesh, data_parallel_mesh, secondary_mesh
 from trainer.rank.nonfinite import NonFiniteError, NonFiniteGuard, agree, stop_request
 from trainer.rank.optim import (
     build_optimizer,
@@ -113,8 +113,9 @@ def replica_group(mesh: DeviceMesh, layout: Layout, config: TrainConfig) -> dist
 def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, mesh: DeviceMesh) -> Trainee:
     """parallel.pp > 1: this rank's stages, each parallelized as a whole model is (trainer/rank/pipeline.py),
     one optimizer over them."""
+    secondary = secondary_mesh(layout, world.device.type)  # hpZ: made once, by every rank
     parts = [
-        parallelize(part, config=config, layout=layout, mesh=mesh, world=world)
+        parallelize(part, config=config, layout=layout, mesh=mesh, world=world, secondary=secondary)
         for part in build_stage_parts(config, layout.coords(world.rank)["pp"])
     ]
     model = rank_model(parts)

@@ -43,10 +43,17 @@ from trainer.world import World
 
 
 def parallelize(
-    part: nn.Module, *, config: TrainConfig, layout: Layout, mesh: DeviceMesh, world: World
+    part: nn.Module,
+    *,
+    config: TrainConfig,
+    layout: Layout,
+    mesh: DeviceMesh,
+    world: World,
+    secondary: DeviceMesh | None = None,
 ) -> nn.Module:
     """Transform one meta-device part (the decoder, or a pipeline stage of it) in the module's order;
-    returns the module this rank trains (DDP's wrapper, or the part itself)."""
+    returns the module this rank trains (DDP's wrapper, or the part itself). `secondary`: hpZ's mesh under a
+    pipeline (trainer/rank/mesh.py `secondary_mesh`)."""
     apply_fp8(part, config.precision, world.device.type)
     if layout.enabled("tp"):
         apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
@@ -79,6 +86,7 @@ def parallelize(
         dp_mesh=dp_mesh,
         replicas=replicas_to_wrap(layout),
         ignored=ignored,
+        secondary=secondary,
     )
     if layout.enabled("tp") and not config.zero.uses_fsdp:
         replicate_partial_grads(part)

@@ -34,7 +34,7 @@ from trainer.config import (
 from trainer.model.decoder import materialize
 from trainer.model.hf_weights import load_weights
 from trainer.plan import ShardGroups, shard_groups
-from trainer.private_apis.of_torch import ddp_ignore_params
+from trainer.private_apis.of_torch import ddp_ignore_params, prebuilt_secondary_mesh
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
 from trainer.telemetry.memory import measured_load
@@ -53,6 +53,7 @@ def apply_zero(
     dp_mesh: DeviceMesh,
     replicas: bool,
     ignored: set[nn.Parameter] | None = None,
+    secondary: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard (or replicate) a meta-device model over `dp_mesh` (the job mesh's data-parallel dims,
     trainer/rank/mesh.py), then give each rank real memory for what it holds, initialised, or filled
@@ -66,7 +67,7 @@ def apply_zero(
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
     if zero.uses_fsdp:
-        apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored)
+        apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored, secondary)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
     if ignored:  # parallel.ep: each rank holds its own experts, which DDP must neither broadcast nor average
@@ -108,6 +109,7 @@ def apply_fsdp(
     world: World,
     dp_mesh: DeviceMesh,
     ignored: set[nn.Parameter] | None = None,
+    secondary: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head), over
         `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
@@ -122,8 +124,10 @@ def apply_fsdp(
         offload_policy=build_offload_policy(offload, world),
         ignored_params=ignored,
     )
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard, **common)
+    # hpZ under a pipeline: each block's secondary mesh is the one every rank made (trainer/rank/mesh.py)
+    with prebuilt_secondary_mesh(secondary) if secondary is not None else contextlib.nullcontext():
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=reshard, **common)
     # The root's parameters are used again at the very start of backward (the output head), so
     # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
     fully_shard(model, reshard_after_forward=False, **common)

@@ -74,6 +74,7 @@ GROUP_DESCRIPTIONS = {
     "mesh_dp_replicate": "replicate",
     "mesh_dp_replicate_cp": "world",
     "mesh_dim_1": "hpz",
+    "mesh_hpz": "hpz",  # hpZ's secondary mesh under a pipeline (trainer/rank/mesh.py `secondary_mesh`)
     "mesh_tp": "tp",
     "mesh_cp": "cp",
     "mesh_pp": "pp",
