@@ -158,14 +158,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "loss=chunked",
-        lambda c: c.loss.kind == LossKind.chunked,
-        "not yet planned: it trains (tp=2 on 2 CPU ranks: one rank's losses within 2e-6), but the TP plan does "
-        "not walk the chunked loss over vocabulary-sharded logits (its peak 1.83% under the measured one)",
-        "use loss=full (loss_parallel shards the logits)",
-    ),
-    Refusal(
-        TP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,
         "not yet built: ZeroRedundancyOptimizer shards over DDP's ranks, and DDP holds tensor-parallel "
