@@ -158,6 +158,14 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
+        "loss.z_loss > 0 under loss=chunked",
+        lambda c: c.loss.kind == LossKind.chunked and c.loss.z_loss > 0,
+        "not yet built: a chunk's z-loss indexes its logits at the targets, which DTensor does not do for "
+        "vocabulary-sharded logits (loss=full takes the z-loss from their sharded logsumexp)",
+        "use loss=full or loss.z_loss=0",
+    ),
+    Refusal(
+        TP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,
         "not yet built: ZeroRedundancyOptimizer shards over DDP's ranks, and DDP holds tensor-parallel "
