@@ -1,9 +1,9 @@
 """parallel.tp=2 with loss=chunked on 2 CPU ranks (zero=stage0, one data-parallel replica): each chunk's loss is
-loss_parallel's over its vocabulary-sharded logits. The per-step losses within 1e-5 of the same job at tp=1
-(fp32, 8 steps); every rank's measured peak within 0.5% of the plan (and at most 20 bytes over it), and the bytes
-of every collective in the tp group as planned, with and without sequence parallelism, fp32 and bf16, in chunks of
-48 tokens (three chunks, the last of 32) and of 30 (five, the last of 8: without SP in bf16 the final norm's
-backward is the peak). docs/memory_plan.md, "Tensor parallelism"."""
+loss_parallel's over its vocabulary-sharded logits. The per-step losses within 1e-5 of the same job at tp=1 (fp32,
+8 steps, with and without sequence parallelism); every rank's measured peak within 0.5% of the plan (the plan at
+most 20 bytes under it), and the bytes of every collective in the tp group as planned, with and without sequence
+parallelism, fp32 and bf16, in chunks of 48 tokens (three chunks, the last of 32) and of 30 (five, the last of 8:
+without SP in bf16 the final norm's backward is the peak). docs/memory_plan.md, "Tensor parallelism"."""
 
 from __future__ import annotations
 
@@ -69,10 +69,15 @@ def job(out_dir: Path, *overrides: str) -> Run:
     return run_trainer(out_dir, *TINY, *STEPS, *CHUNKED, *overrides, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return job(tmp_path_factory.mktemp("tp1") / "run", "nproc=1")
+
+
 @pytest.mark.slow
-def test_losses_equal_one_rank_of_the_same_batch(tmp_path: Path) -> None:
-    reference = job(tmp_path / "tp1", "nproc=1")
-    run = job(tmp_path / "tp2", "nproc=2", "parallel.tp=2")
+@pytest.mark.parametrize("sp", ["true", "false"])
+def test_losses_equal_one_rank_of_the_same_batch(tmp_path: Path, reference: Run, sp: str) -> None:
+    run = job(tmp_path / "tp2", "nproc=2", "parallel.tp=2", f"parallel.sp={sp}")
     assert len(run.losses) == len(reference.losses) == 8
     worst = max(abs(a - b) for a, b in zip(run.losses, reference.losses))
     assert worst < 1e-5, (run.losses, reference.losses)
