@@ -144,11 +144,14 @@ def final_norm_backward(ctx: StepContext, back: int, head: int, saved: int, grad
     with the incoming gradient and four fp32 B·T·D tensors, its x·rstd and rstd freed by then; beside them
     the head's gradient in its last form (`head`) and the norm's own. Under SP all of it is T / tp positions
     (the gradient reduce-scattered first). Measured with MemTracker at tp=2 without SP, bf16, 5 chunks: the
-    plan 16 bytes under the peak, the offset of every TP moment on the tiny model."""
+    plan 16 bytes under the peak, the offset of every TP moment on the tiny model. CUDA runs the fused kernel,
+    which saves neither x·rstd nor the composite's temporaries: there the moment is the incoming gradient and the
+    kernel's output gradient, as `block_end_temporary` counts a block's norm (not measured under TP)."""
     n, D, shards = ctx.tokens, ctx.config.model.dim, sequence_shards(ctx.config)
-    norm_saved = (4 * D + 4) * n // shards  # x·rstd and rstd
+    fused = ctx.device_kind == "cuda"
+    norm_saved = 0 if fused else (4 * D + 4) * n // shards  # x·rstd and rstd
     acts = saved - freed_by_last_chunk(ctx) - norm_saved
-    temporary = back + head + 4 * D + 5 * 4 * n * D // shards
+    temporary = back + head + 4 * D + (2 if fused else 5) * 4 * n * D // shards
     return ctx.moment("backward: final norm", grads=grads, activations=acts, temporary=temporary)
 
 
