@@ -64,7 +64,9 @@ def chunked_loss_moments(
     `head_end` its last form once every chunk is done (autocast's fp32 cast next to its bf16, DDP's
     copy into the bucket), `fixed` what the walk holds throughout, and `prefetched` what it holds
     through the whole loss backward: at stage3, the last block's all-gather output. A pipeline's last stage
-    gives its own `activations` (its micro-batches in flight) and `grads` (StepContext.moment's).
+    gives its own `activations` (its micro-batches in flight) and `grads` (StepContext.moment's). Under
+    parallel.tp > 1 each chunk's loss is loss_parallel's, and the final norm's backward a moment of its own
+    (docs/memory_plan.md, "loss=chunked under TP").
     """
     m, n, prec = ctx.config.model, ctx.tokens, ctx.prec
     saved = ctx.acts.total if activations is None else activations
@@ -78,12 +80,7 @@ def chunked_loss_moments(
     chunk_head = prec.compute * c * (V + D) + weight_grad
     added, freed = head_additions(ctx, c, weight_grad)
     back = fixed + prefetched
-    tail = [
-        final_norm_backward(
-            ctx, back, head_end - (weight_grad if prec.regime == "autocast" else 0), saved, grads
-        )
-    ]
-    return tail * (ctx.config.parallel.tp > 1) + [
+    moments = [
         ctx.moment("forward: loss", grads=grads, activations=saved, temporary=fixed + logits),
         ctx.moment(
             "backward: loss recompute", grads=grads, activations=saved, temporary=back + held + logits
@@ -107,6 +104,10 @@ def chunked_loss_moments(
             temporary=back + max(2 * res * n * D + weight_grad, head_end) - freed,
         ),
     ]
+    if ctx.config.parallel.tp > 1:  # the head's gradient in its last form: autocast's bf16 one freed by then
+        head = head_end - (weight_grad if prec.regime == "autocast" else 0)
+        moments.append(final_norm_backward(ctx, back, head, saved, grads))
+    return moments
 
 
 def head_additions(ctx: StepContext, c: int, weight_grad: int) -> tuple[list[int], int]:
