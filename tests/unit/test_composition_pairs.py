@@ -179,7 +179,6 @@ def test_every_pipeline_tensor_and_context_parallel_row_refuses_one_generated_pa
         "zero.hpz_ranks",
         "zero.compression",
         "zero.sync_every",
-        "loss=chunked",
         "model.tie_embeddings=true",
         "zero.shard_ranks",
         "zero.reshard_after_backward=false",

@@ -120,11 +120,11 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         TP,
-        "loss=chunked",
-        lambda c: c.loss.kind == LossKind.chunked,
-        "not yet planned: it trains (tp=2 on 2 CPU ranks: one rank's losses within 2e-6), but the TP plan does "
-        "not walk the chunked loss over vocabulary-sharded logits (its peak 1.83% under the measured one)",
-        "use loss=full (loss_parallel shards the logits)",
+        "loss.z_loss > 0 under loss=chunked",
+        lambda c: c.loss.kind == LossKind.chunked and c.loss.z_loss > 0,
+        "not yet built: a chunk's z-loss indexes its logits at the targets, which DTensor does not do for "
+        "vocabulary-sharded logits (loss=full takes the z-loss from their sharded logsumexp)",
+        "use loss=full or loss.z_loss=0",
     ),
     Refusal(
         TP,

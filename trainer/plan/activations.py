@@ -334,6 +334,8 @@ def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0)
         freed, _ = moe_backward_peak(config, prec.compute, grad, expert_rows(config, ep_rank), prec.regime)
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
+        if head_sp:  # sequence parallelism: the final norm's T / tp positions, and the chunks' whole input
+            head += prec.residual * m.dim * tokens // sequence_shards(config) - head_sp
         return Activations(blocks, full, head, 0, batch, unread, inputs_kept, freed_at_peak=freed)
     head = head_bytes_per_token(m, prec.regime, device_kind) * tokens + NLL_TOTAL_WEIGHT - head_sp
     return Activations(

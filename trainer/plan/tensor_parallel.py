@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from trainer.config import CheckpointMode, ModelConfig, ReduceEvery, TrainConfig
+from trainer.config import CheckpointMode, LossKind, ModelConfig, ReduceEvery, TrainConfig
 from trainer.model.checkpointing import should_checkpoint
 from trainer.plan.activations import precisions
 
@@ -99,7 +99,7 @@ def tp_moves(
     stream, compute = tokens * m.dim * residual, tokens * m.dim * compute_bytes
     blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
     layers, accum, ends = m.n_layers, config.grad_accum, int(embedding) + int(head)
-    reduces = [(3 * 4 * tokens, 3)] if head else []  # loss_parallel
+    reduces = [(3 * 4 * tokens, 3)] if head else []  # loss_parallel (loss=chunked: chunked_loss_moves adds)
     norm_grads: list[Move] = []  # per step, not per micro-batch (norm_reductions)
     if config.parallel.sequence_parallel:
         norms = 2 * layers + int(head)  # the blocks' and the final norm's weight gradients
@@ -128,7 +128,39 @@ def tp_moves(
             (2 * blocks * compute + ends * stream + 5 * layers * stream, 2 * blocks + 5 * layers + ends)
         )
     moves = [*gathers, *scatters, ("all_reduce", sum(b for b, _ in reduces), sum(c for _, c in reduces))]
+    if head and config.loss.kind == LossKind.chunked:
+        moves += chunked_loss_moves(config, stream, backend)
+        norm_grads += [] if config.parallel.sequence_parallel else final_norm_grad(config)
     return [(kind, accum * payload, accum * calls) for kind, payload, calls in moves] + norm_grads
+
+
+def chunked_loss_moves(config: TrainConfig, stream: int, backend: str) -> list[Move]:
+    """What loss=chunked adds to the head's collectives per micro-batch (`stream`: the final norm's B·T·D
+    output, residual dtype), measured on 2 gloo ranks (tp=2, one chunk and three): each chunk's recompute runs
+    loss_parallel's three all-reduces again; under SP the final norm's output gradient arrives Partial (the
+    chunks project the all-gathered output, not the head's module, whose ColwiseParallel would reduce-scatter it
+    once, in the stream's dtype), and DTensor's backward through the norm reduce-scatters it three times, each
+    fp32 B·T·D (torch's composite RMSNorm computes in fp32; measured at stage3 bf16, dp=2, where the stream
+    is bf16), and all-gathers one fp32 value a token (gloo lists one rank's chunk, as tp_moves' gathers)."""
+    tokens, tp = config.micro_batch * config.seq_len, config.parallel.tp
+    chunks = -(-tokens // min(config.loss.chunk_tokens, tokens))
+    # loss_parallel's 3 all-reduces per chunk, forward and recompute, less the 3 of tp_moves' one loss
+    moves: list[Move] = [("all_reduce", 3 * 4 * tokens, 6 * chunks - 3)]
+    if config.parallel.sequence_parallel:
+        gathered = 4 * tokens // (tp if backend == "gloo" else 1)
+        fp32 = 4 * tokens * config.model.dim
+        moves += [("reduce_scatter", 3 * fp32 - stream, 2), ("all_gather", gathered, 1)]
+    return moves
+
+
+def final_norm_grad(config: TrainConfig) -> list[Move]:
+    """loss=chunked without SP: the final norm's weight gradient is Partial (its output's gradient is each TP
+    rank's local sum, trainer/rank/tensor_parallel.py `replicate_norm`), all-reduced as the SP norms' are
+    (`norm_reductions`): D values in the gradient's dtype (fp32; bf16 under FSDP2's bf16 parameters, measured
+    at tp=2 dp=2 stage3: 256 bytes on the tiny model)."""
+    reductions = norm_reductions(config)
+    width = precisions(config.precision, config.zero).residual
+    return [("all_reduce", width * config.model.dim * reductions, reductions)]
 
 
 def norm_reductions(config: TrainConfig) -> int:

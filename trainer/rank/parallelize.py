@@ -25,7 +25,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.config import TrainConfig
+from trainer.config import LossKind, TrainConfig
 from trainer.faults.failures import watch_blocks
 from trainer.layout import Layout
 from trainer.model.attention import config_choice
@@ -56,7 +56,9 @@ def parallelize(
     pipeline (trainer/rank/mesh.py `secondary_mesh`)."""
     apply_fp8(part, config.precision, world.device.type)
     if layout.enabled("tp"):
-        apply_tensor_parallel(part, mesh["tp"], config.parallel.sequence_parallel)
+        apply_tensor_parallel(
+            part, mesh["tp"], config.parallel.sequence_parallel, config.loss.kind == LossKind.chunked
+        )
     choice = config_choice(config, world.device.type)
     apply_sdpa_choice(part, choice)
     if layout.enabled("cp"):

@@ -39,8 +39,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
-    """Shard the meta model's layers over `tp_mesh` (torchtitan's apply_tp, with or without SP)."""
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sp: bool, chunked_loss: bool = False
+) -> None:
+    """Shard the meta model's layers over `tp_mesh` (torchtitan's apply_tp, with or without SP). Under
+    `chunked_loss` (loss=chunked) the final norm's output stays a DTensor (`replicate_norm`)."""
     between = Shard(1) if sp else Replicate()  # the residual stream between the layers
     root = {
         "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=between),
@@ -62,7 +65,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
             parallelize_module(norm, tp_mesh, SequenceParallel())
     else:
         for norm in norms:
-            replicate_norm(norm, tp_mesh)
+            replicate_norm(norm, tp_mesh, local_output=not (chunked_loss and norm is model.norm))
 
 
 class SyncRowwiseParallel(RowwiseParallel):
@@ -112,9 +115,12 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, Any]:
     return plan
 
 
-def replicate_norm(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_norm(norm: nn.Module, tp_mesh: DeviceMesh, local_output: bool = True) -> None:
     """Without SP: the norm's weight a Replicate DTensor (torch's distribute_module replicates what no
-    partition_fn shards), its input and output plain replicated tensors as the layers around it expect."""
+    partition_fn shards), its input and output plain replicated tensors as the layers around it expect. The
+    final norm's output under loss=chunked stays the Replicate DTensor (`local_output` false): the chunked loss
+    projects it by the head's Shard(0) weight itself (trainer/model/loss.py), bypassing ColwiseParallel's input
+    conversion, and DTensor's matmul refuses a plain tensor beside a DTensor."""
 
     def to_dtensor(
         _module: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh
@@ -124,7 +130,7 @@ def replicate_norm(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
     def to_local(_module: nn.Module, output: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
         return output.to_local()
 
-    distribute_module(norm, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+    distribute_module(norm, tp_mesh, input_fn=to_dtensor, output_fn=to_local if local_output else None)
 
 
 def loss_context(tp: int) -> AbstractContextManager:
