@@ -48,7 +48,7 @@ def routing(run: Run) -> list[dict[str, float]]:
     return [{k: v for k, v in record.items() if k.startswith("moe/imbalance/")} for record in run.records]
 
 
-@pytest.mark.slow  # ~80 s of three jobs, two of them compiling on CPU
+@pytest.mark.slow  # 35-75 s (measured) of three jobs, two of them compiling on CPU
 @pytest.mark.parametrize("name", ["compiled", "compiled_ep2"])
 def test_compiled_moe_blocks_train_as_one_eager_rank(runs: dict[str, Run], name: str, tmp_path: Path) -> None:
     eager, compiled = runs["eager"], runs[name]
