@@ -243,13 +243,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         MOE,
-        "compile=true",
-        lambda c: c.compile,
-        "not yet proven: the router log's writes and the host-side expert counts inside a compiled block",
-        "use compile=false",
-    ),
-    Refusal(
-        MOE,
         "precision=fp8",
         lambda c: c.precision.fp8_recipe != Fp8Recipe.none,
         "not yet built: the experts are 3-D weights that torchao's Float8Linear does not convert",
