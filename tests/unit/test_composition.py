@@ -56,12 +56,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.pp=2 with model.tie_embeddings=true is not supported; the embedding (first stage) and the "
         "head (last stage) cannot share one weight; use a model without tied embeddings or parallel.pp=1",
     ),
-    "parallel.tp x loss.z_loss > 0 under loss=chunked": (
-        TP,
-        ("loss=chunked", "loss.z_loss=0.0001"),
-        "parallel.tp=2 with loss.z_loss > 0 under loss=chunked is not supported; use loss=full or loss.z_loss=0 "
-        "or parallel.tp=1",
-    ),
     "parallel.tp x zero=stage1": (
         TP,
         ("zero=stage1",),

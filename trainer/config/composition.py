@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from trainer.config.enums import (
     Compression,
     Fp8Recipe,
-    LossKind,
     OffloadTarget,
     ReduceEvery,
     Stage,
@@ -117,14 +116,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "the embedding (first stage) and the head (last stage) cannot share one weight",
         "use a model without tied embeddings",
         "{row.first}={degree} with {row.second} is not supported; {row.reason}; {row.way_out} or {row.first}=1",
-    ),
-    Refusal(
-        TP,
-        "loss.z_loss > 0 under loss=chunked",
-        lambda c: c.loss.kind == LossKind.chunked and c.loss.z_loss > 0,
-        "not yet built: a chunk's z-loss indexes its logits at the targets, which DTensor does not do for "
-        "vocabulary-sharded logits (loss=full takes the z-loss from their sharded logsumexp)",
-        "use loss=full or loss.z_loss=0",
     ),
     Refusal(
         TP,

@@ -111,8 +111,14 @@ def chunk_loss_sum(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, targets_C: 
 def chunk_loss_and_z_sums(
     hidden_CD: torch.Tensor, weight_VD: torch.Tensor, targets_C: torch.Tensor
 ) -> torch.Tensor:
-    """loss.z_loss > 0: [the chunk's summed cross-entropy, its summed logsumexp^2], from one projection."""
-    return torch.stack(cross_entropy_and_z_sums(F.linear(hidden_CD, weight_VD).float(), targets_C))
+    """loss.z_loss > 0: [the chunk's summed cross-entropy, its summed logsumexp^2], from one projection. Under
+    parallel.tp > 1 the logits are vocabulary-sharded (a DTensor): the cross-entropy loss_parallel's, the
+    logsumexp from its sharded parts, as `full_loss` takes them."""
+    logits_CV = F.linear(hidden_CD, weight_VD).float()
+    if type(logits_CV).__name__ == "DTensor":  # the DTensor import stays out of the job process
+        ce = F.cross_entropy(logits_CV, targets_C, reduction="sum")
+        return torch.stack([ce, sharded_squared_logsumexp_sum(logits_CV, targets_C)])
+    return torch.stack(cross_entropy_and_z_sums(logits_CV, targets_C))
 
 
 def chunked_cross_entropy(
@@ -126,15 +132,18 @@ def chunked_cross_entropy(
     `z_weight` > 0 the pair [mean loss, z-loss] (`LossTerms.of_chunked` names them)."""
     hidden_ND, targets_N = hidden_BTD.flatten(0, 1), targets_BT.flatten()
     sums = chunk_loss_sum if z_weight <= 0 else chunk_loss_and_z_sums
-    total = torch.zeros(() if z_weight <= 0 else (2,), device=hidden_ND.device)
+    # Under TP the chunks' sums are Replicate DTensors, which add to a plain 0-dim tensor but not to a plain
+    # pair: the pair's total starts from the first chunk's.
+    total = torch.zeros((), device=hidden_ND.device) if z_weight <= 0 else None
     for hidden_CD, targets_C in zip(hidden_ND.split(chunk_tokens), targets_N.split(chunk_tokens)):
         # preserve_rng_state=False: the chunk draws no random numbers, and stashing the generator's
         # state (5 KiB on CPU) per chunk would only cost memory.
-        total = total + checkpoint(
+        chunk = checkpoint(
             sums, hidden_CD, weight_VD, targets_C, use_reentrant=False, preserve_rng_state=False
         )
+        total = chunk if total is None else total + chunk
     # The mean over the targets that count, as F.cross_entropy's (data.packing=document ignores some).
     means = total / (targets_N != IGNORE_INDEX).sum()
     if z_weight <= 0:
         return means
-    return means * torch.tensor([1.0, z_weight], device=means.device)
+    return torch.stack([means[0], z_weight * means[1]])

@@ -74,16 +74,16 @@ def chunked_loss_moments(
     k, V, D, res = -(-n // c), m.vocab_size, m.dim, prec.residual
     held = (weight_grad if k > 1 else 0) + res * (n - c) * D  # before chunk 0 (run last): the most
     logits = (8 if prec.regime == "fp32" else 10) * c * V + z_loss_bytes(ctx, Z_LOSS_FORWARD_BYTES, c)
-    backward = 12 * c * V + z_loss_bytes(ctx, Z_LOSS_BACKWARD_BYTES, c)
+    recompute, backward = logits, 12 * c * V + z_loss_bytes(ctx, Z_LOSS_BACKWARD_BYTES, c)
     if ctx.config.parallel.tp > 1:  # loss_parallel's, chunk by chunk (`parallel_chunk_temporaries`)
-        logits, backward = parallel_chunk_temporaries(ctx, c)
+        logits, recompute, backward = parallel_chunk_temporaries(ctx, c)
     chunk_head = prec.compute * c * (V + D) + weight_grad
     added, freed = head_additions(ctx, c, weight_grad)
     back = fixed + prefetched
     moments = [
         ctx.moment("forward: loss", grads=grads, activations=saved, temporary=fixed + logits),
         ctx.moment(
-            "backward: loss recompute", grads=grads, activations=saved, temporary=back + held + logits
+            "backward: loss recompute", grads=grads, activations=saved, temporary=back + held + recompute
         ),
         ctx.moment(
             "backward: loss",
@@ -163,7 +163,7 @@ def freed_by_last_chunk(ctx: StepContext) -> int:
     return whole + whole // sequence_shards(ctx.config) if ctx.config.parallel.sequence_parallel else whole
 
 
-def parallel_chunk_temporaries(ctx: StepContext, c: int) -> tuple[int, int]:
+def parallel_chunk_temporaries(ctx: StepContext, c: int) -> tuple[int, int, int]:
     """parallel.tp > 1: a chunk's loss over its vocabulary-sharded logits (c·V/tp, the local model's V) is
     loss_parallel's (trainer/plan/tp_walk.py), measured with MemTracker at tp=2 (fp32 and bf16, with and without
     SP, one chunk and several). Forward and the recompute: the logits (and under autocast their fp32 cast),
@@ -176,4 +176,20 @@ def parallel_chunk_temporaries(ctx: StepContext, c: int) -> tuple[int, int]:
     logits = (4 if prec.regime == "fp32" else 6) * c * V
     forward = logits + 8 * c * V + 12 * c
     backward = 16 * c * V + LOSS_PARALLEL_TARGET_BYTES * c + 8 + cast
-    return forward, backward
+    z_recompute, z_backward = parallel_chunk_z_loss(ctx, c)
+    return forward, forward + z_recompute, backward + z_backward
+
+
+def parallel_chunk_z_loss(ctx: StepContext, c: int) -> tuple[int, int]:
+    """loss.z_loss > 0 under parallel.tp > 1 (trainer/model/loss.py `sharded_squared_logsumexp_sum`, taken after
+    the chunk's cross-entropy): what it adds to the recompute and to the backward, as `parallel_z_loss_temporary`
+    to the full loss's. Forward writes the shifted logits and their exponential (fp32 c·V/tp each) once the
+    cross-entropy's are freed: no more than the forward's own. The recompute writes them beside the log-softmax
+    it saves, and keeps the exponential for exp's backward; whose output, the logits' gradient from the
+    z-loss, is held while loss_parallel's backward runs. Measured at tp=2 on 2 CPU ranks with and without SP,
+    chunks of 48 and 30 tokens, fp32 and bf16 (in bf16 the chunk's backward is the peak): the plan 28 to 36 bytes
+    under every peak, 16 or 20 without the z-loss: its scalars, which the plan leaves out as it does loss=full's."""
+    if ctx.config.loss.z_loss <= 0:
+        return 0, 0
+    cv = c * ctx.config.model.vocab_size
+    return 4 * cv, 4 * cv

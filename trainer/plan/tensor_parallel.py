@@ -99,7 +99,8 @@ def tp_moves(
     stream, compute = tokens * m.dim * residual, tokens * m.dim * compute_bytes
     blocks = m.n_layers + recomputed_blocks(config)  # block forwards, recomputes included
     layers, accum, ends = m.n_layers, config.grad_accum, int(embedding) + int(head)
-    reduces = [(3 * 4 * tokens, 3)] if head else []  # loss_parallel (loss=chunked: chunked_loss_moves adds)
+    loss = loss_all_reduces(config)  # loss=chunked: chunked_loss_moves adds its recomputes'
+    reduces = [(loss * 4 * tokens, loss)] if head else []
     norm_grads: list[Move] = []  # per step, not per micro-batch (norm_reductions)
     if config.parallel.sequence_parallel:
         norms = 2 * layers + int(head)  # the blocks' and the final norm's weight gradients
@@ -137,20 +138,29 @@ def tp_moves(
 def chunked_loss_moves(config: TrainConfig, stream: int, backend: str) -> list[Move]:
     """What loss=chunked adds to the head's collectives per micro-batch (`stream`: the final norm's B·T·D
     output, residual dtype), measured on 2 gloo ranks (tp=2, one chunk and three): each chunk's recompute runs
-    loss_parallel's three all-reduces again; under SP the final norm's output gradient arrives Partial (the
+    the loss's all-reduces again (`loss_all_reduces`); under SP the final norm's output gradient arrives Partial (the
     chunks project the all-gathered output, not the head's module, whose ColwiseParallel would reduce-scatter it
     once, in the stream's dtype), and DTensor's backward through the norm reduce-scatters it three times, each
     fp32 B·T·D (torch's composite RMSNorm computes in fp32; measured at stage3 bf16, dp=2, where the stream
     is bf16), and all-gathers one fp32 value a token (gloo lists one rank's chunk, as tp_moves' gathers)."""
     tokens, tp = config.micro_batch * config.seq_len, config.parallel.tp
     chunks = -(-tokens // min(config.loss.chunk_tokens, tokens))
-    # loss_parallel's 3 all-reduces per chunk, forward and recompute, less the 3 of tp_moves' one loss
-    moves: list[Move] = [("all_reduce", 3 * 4 * tokens, 6 * chunks - 3)]
+    # the loss's all-reduces per chunk, forward and recompute, less those of tp_moves' one loss
+    loss = loss_all_reduces(config)
+    moves: list[Move] = [("all_reduce", loss * 4 * tokens, 2 * loss * chunks - loss)]
     if config.parallel.sequence_parallel:
         gathered = 4 * tokens // (tp if backend == "gloo" else 1)
         fp32 = 4 * tokens * config.model.dim
         moves += [("reduce_scatter", 3 * fp32 - stream, 2), ("all_gather", gathered, 1)]
     return moves
+
+
+def loss_all_reduces(config: TrainConfig) -> int:
+    """The loss's all-reduces of one fp32 value a token over the TP group, per pass over the tokens:
+    loss_parallel's three, and with loss.z_loss > 0 the z-loss's two, the max and the sum of exponentials of
+    the vocabulary-sharded logits (trainer/model/loss.py `sharded_squared_logsumexp_sum`; measured at tp=2,
+    loss=chunked in three chunks: 2,048 bytes a step more than without it, fp32 B·T = 128 tokens)."""
+    return 3 + (2 if config.loss.z_loss > 0 else 0)
 
 
 def final_norm_grad(config: TrainConfig) -> list[Move]:
