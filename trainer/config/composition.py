@@ -121,8 +121,9 @@ REFUSALS: tuple[Refusal, ...] = (
         TP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,
-        "not yet built: ZeroRedundancyOptimizer shards over DDP's ranks, and DDP holds tensor-parallel "
-        "parameters as local tensors",
+        "torch's ZeroRedundancyOptimizer partitions over DDP's replicas, and torch's DDP takes tensor-parallel "
+        "parameters as local tensors (_pre_dp_module_transform), so only FSDP2 shards them (torchtitan refuses DDP "
+        "beside any other parallel dim alike: 'DDP has not supported > 1D parallelism')",
         "use zero=stage0, stage2 or stage3",
     ),
     Refusal(
@@ -138,16 +139,16 @@ REFUSALS: tuple[Refusal, ...] = (
         TP,
         "zero.compression",
         lambda c: c.zero.compression != Compression.none,
-        "not yet built: compression hooks DDP's all-reduce, and DDP holds tensor-parallel parameters as "
-        "local tensors",
+        "a compression hook is a DDP communication hook, and torch's DDP takes tensor-parallel parameters as local "
+        "tensors (zero=stage0 is refused beside tp on several replicas; FSDP2 has no communication hooks)",
         "use zero.compression=none",
     ),
     Refusal(
         TP,
         "zero.sync_every",
         lambda c: c.zero.sync_every > 1,
-        "not yet built: local SGD hooks DDP's all-reduce, and DDP holds tensor-parallel parameters as "
-        "local tensors",
+        "local SGD is a DDP communication hook and torch's model averager over DDP's replicas, and torch's DDP "
+        "takes tensor-parallel parameters as local tensors (zero=stage0 is refused beside tp on several replicas)",
         "use zero.sync_every=1",
     ),
     Refusal(
