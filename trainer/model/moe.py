@@ -255,10 +255,6 @@ class MoE(nn.Module):
         factor = self.routing.capacity_factor
         return None if factor is None else math.ceil(factor * tokens * self.top_k / self.n_experts)
 
-    # compile=true: eager inside a compiled block. The counts go to the host (.tolist(), a graph break), and the
-    # loop's and the all-to-alls' split sizes are those counts, which change every forward: a trace past the break
-    # would guard on them. The experts' matmuls run eager too.
-    @torch.compiler.disable
     def run_experts(self, rows_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The rows (grouped by expert, `counts_E` of each) through their experts: here, or on their ep ranks."""
         watch = None if self.log is None or not self.log.records() else self.log.watch
@@ -270,9 +266,6 @@ class MoE(nn.Module):
                 return self.experts(rows_AD, counts)
         return dispatch_to_experts(self.experts, rows_AD, counts_E, self.ep)
 
-    # compile=true: eager inside a compiled block. Traced, the log's Python state (its list of losses, whether its
-    # loads exist yet, this layer's index) became guards: measured, a recompile per layer (TORCH_LOGS=recompiles).
-    @torch.compiler.disable
     def write_log(
         self,
         logits_NE: torch.Tensor,

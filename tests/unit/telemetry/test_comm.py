@@ -170,6 +170,7 @@ def test_groups_are_named_as_the_plan_names_them(
         "mesh_dp_replicate": replicate,
         "mesh_dp_replicate_cp": "world",
         "mesh_dim_1": "hpz",
+        "mesh_hpz": "hpz",  # hpZ under a pipeline: trainer/rank/mesh.py `secondary_mesh`
         "mesh_tp": "tp",
         "mesh_cp": "cp",
         "mesh_pp": "pp",
