@@ -277,15 +277,24 @@ def check_one_replica(zero: ZeroConfig, replicas: int) -> None:
 
 
 def check_expert_ranks(config: TrainConfig, dp: int) -> None:
-    """parallel.ep > 1: the ep group is the data-parallel group FSDP2 shards over (trainer/rank/experts.py), so
-    its size is that group's; an ep group inside it (torchtitan's dp_shard_in_ep) is not yet built."""
+    """parallel.ep > 1: the ep group is the data-parallel group ZeRO works over, or under FSDP2 (zero=stage2/3)
+    a group of ep consecutive ranks inside it (torchtitan's dp_shard_in_ep), FSDP2 sharding each rank's experts
+    over the dp / ep ranks holding the same ones (trainer/rank/experts.py). DDP (zero=stage0) would all-reduce
+    those over the same ranks, which is not yet built."""
     ep = config.parallel.ep
-    if ep > 1 and ep != dp:
+    if ep == 1 or ep == dp:
+        return
+    if config.zero.uses_fsdp and dp % ep == 0:
+        return
+    allowed = f"parallel.ep={dp} (if it divides model.n_experts={config.model.n_experts}) or 1"
+    if config.zero.uses_fsdp:
         raise ConfigError(
-            f"parallel.ep={ep} must equal the {dp} data-parallel ranks FSDP2 shards over (the experts are "
-            f"sharded over that group; an ep group inside it is not yet built); allowed: parallel.ep={dp} "
-            f"(if it divides model.n_experts={config.model.n_experts}) or 1"
+            f"parallel.ep={ep} must divide the {dp} data-parallel ranks; allowed: a divisor of {dp}"
         )
+    raise ConfigError(
+        f"parallel.ep={ep} must equal the {dp} data-parallel ranks at zero={config.zero.stage.value} (an ep group "
+        f"inside DDP's replicas is not yet built; zero=stage2 or stage3 take one); allowed: {allowed}"
+    )
 
 
 def tp_sizes(model: ModelConfig, nproc: int) -> list[int]:

@@ -204,8 +204,13 @@ CASES = [
     ),
     (
         ["model=tiny-moe", "parallel.ep=4", "zero=stage3", "nproc=2"],
-        "parallel.ep=4 must equal the 2 data-parallel ranks",
-        "allowed: parallel.ep=2",
+        "parallel.ep=4 must divide the 2 data-parallel ranks",
+        "allowed: a divisor of 2",
+    ),
+    (
+        ["model=tiny-moe", "parallel.ep=2", "zero=stage0", "nproc=4"],
+        "parallel.ep=2 must equal the 4 data-parallel ranks at zero=stage0",
+        "allowed: parallel.ep=4",
     ),
     (["parallel.ep=2", "zero=stage3", "nproc=2"], "parallel.ep=2 shards the experts", "model=tiny-moe"),
 ]

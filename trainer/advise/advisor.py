@@ -53,6 +53,7 @@ from trainer.config import (
     TrainConfig,
     first_refusal,
 )
+from trainer.layout import divisors
 from trainer.model.decoder import flops_per_token
 from trainer.overrides import split_override
 from trainer.plan import LINKS, Plan, build_plan, cause_of, device_memory, shard_groups
@@ -280,13 +281,16 @@ def choices(
 
 
 def expert_parallel(config: TrainConfig, choice: dict[str, Any], dp: int) -> list[dict[str, Any]]:
-    """A mixture of experts: the choice with parallel.ep, which for now is every data-parallel rank FSDP2
-    shards over (trainer/layout.py `check_expert_ranks`), where they divide the experts; the composition table
-    drops what ep does not compose with (DDP, HSDP, hpZ, offload)."""
+    """A mixture of experts: the choice with parallel.ep, every size that divides the experts and the `dp`
+    data-parallel ranks (trainer/layout.py `check_expert_ranks`): all of them, or under FSDP2 (zero=stage2/3) an
+    ep group inside them, FSDP2 sharding each rank's experts over the rest (torchtitan's dp_shard_in_ep); the
+    composition table drops what ep does not compose with (HSDP, hpZ, offload)."""
     n = config.model.n_experts
-    if not config.model.is_moe or dp < 2 or n % dp:
+    if not config.model.is_moe or dp < 2:
         return []
-    return [{**choice, "parallel.ep": dp}]
+    fsdp = choice["zero"] in (Stage.stage2.value, Stage.stage3.value)
+    sizes = [ep for ep in divisors(dp) if ep > 1 and n % ep == 0 and (ep == dp or fsdp)]
+    return [{**choice, "parallel.ep": ep} for ep in sizes]
 
 
 def cp_options(
@@ -898,14 +902,20 @@ def command_args(base_overrides: list[str], candidate: Candidate) -> list[str]:
     return [*kept, *candidate.overrides()]
 
 
-def routing_note(config: TrainConfig) -> str:
-    """A mixture of experts: the routing every row's memory was planned for."""
+def routing_note(config: TrainConfig, candidates: list[Candidate]) -> str:
+    """A mixture of experts: the routing every row's memory was planned for, and where no candidate with
+    parallel.ep fits, the one that needs the least (expert parallelism refuses offload: the composition table)."""
     m = config.model
-    return (
+    note = (
         f"routing: planned at moe.imbalance={config.moe.imbalance:g} (the busiest expert's tokens over the mean; "
         f"1 is balanced) for {m.n_experts} experts, top_k={m.top_k}; a run logs what its routers do "
         "(moe/imbalance_max): plan again with that"
     )
+    experts = [c for c in candidates if c.choice.get("parallel.ep")]
+    if not experts or any(c.device_fits is not False for c in experts):
+        return note
+    least = min(experts, key=lambda c: c.reserved_bytes)
+    return f"{note}; no parallel.ep candidate fits: the least, {least.label()}, needs {least.reserved_bytes / GIB:.1f} GiB"
 
 
 def command_line(base_overrides: list[str], candidate: Candidate) -> str:
@@ -932,7 +942,7 @@ def format_advice(
         f"{unplanned_note(unplanned)}{fp8_summary(config)}",
         f"rates: {rates.source}",
         *([context] if context else []),
-        *([routing_note(config)] if config.model.is_moe else []),
+        *([routing_note(config, candidates)] if config.model.is_moe else []),
         f"{'#':>4} {'configuration':<72} {reserved + ' GiB':>12} {'host GiB':>9} {'tokens/s':>12} {'MFU %':>6} "
         f"{'exposed s intra/net':>20} {'bubble':>6}  limited by",
     ]

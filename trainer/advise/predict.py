@@ -506,13 +506,20 @@ GROUP_AXES: dict[str, str | tuple[str, ...]] = {
 """The layout's axes each of the plan's process groups (trainer/plan/groups.py) runs along: DDP's group
 (`world`) is every data-parallel rank, and ZeRO works over cp too (trainer/layout.py `zero_axes`); the
 pipeline's loss and norm all-reduces (`pp`) run along pp; the MoE dispatch's all-to-alls (`ep`) in FSDP2's
-shard group, which is the ep group (trainer/rank/experts.py)."""
+shard group, which is the ep group (trainer/rank/experts.py), or a group inside it (`group_ranks_per_node`)."""
 
 
 def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int:
     """How many of a node's ranks a group holds, from the layout (trainer/layout.py): under tp or pp a dp group
     strides over the TP ranks (one rank a node at tp = nproc), and a replicate group over the shard group."""
-    return ranks_per_node(Layout.from_config(config, world_size), GROUP_AXES[name])
+    layout = Layout.from_config(config, world_size)
+    ep = config.parallel.ep
+    if name in ("ep", "expert_shard") and config.zero.uses_fsdp and 1 < ep < layout.dp:
+        # an ep group inside the shard group (trainer/rank/mesh.py `expert_mesh`; a mixture of experts takes no
+        # tp, pp or cp): ep consecutive ranks, and the ranks holding the same experts, every ep-th
+        per_node = world_size // config.nodes
+        return min(ep, per_node) if name == "ep" else max(1, per_node // ep)
+    return ranks_per_node(layout, GROUP_AXES[name])
 
 
 @functools.lru_cache(maxsize=256)

@@ -280,19 +280,24 @@ def sequence_parallel_saving(config: TrainConfig, device_kind: str) -> tuple[int
     return 2 * saved, saved
 
 
-def moe_block_change(config: TrainConfig, prec: Precisions, ep_rank: int = 0) -> int:
+def moe_block_change(config: TrainConfig, prec: Precisions, ep_rank: int = 0, shard_ranks: int = 0) -> int:
     """model.n_experts > 0: what a block saves more (or less) with a mixture of experts in place of the dense MLP
     the table counts (trainer/plan/moe.py); 0 for a dense model."""
     if not config.model.is_moe:
         return 0
-    saved = moe_saved_bytes(config, prec.compute, expert_rows(config, ep_rank), prec.regime)
+    saved = moe_saved_bytes(
+        config, prec.compute, expert_rows(config, ep_rank, shard_ranks=shard_ranks), prec.regime
+    )
     return saved - dense_mlp_hidden_bytes(config, prec.compute)
 
 
-def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0) -> Activations:
+def activations(
+    config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0, shard_ranks: int = 0
+) -> Activations:
     """One rank's activations; under parallel.cp `config` is the rank's `cp_local` job (T / cp positions),
     and context parallelism's additions come on top (trainer/plan/context_parallel.py); under parallel.ep those
-    of ep rank `ep_rank`, whose experts compute the rows trainer/plan/moe.py gives it."""
+    of ep rank `ep_rank`, whose experts compute the rows trainer/plan/moe.py gives it (`shard_ranks`: FSDP2's
+    shard group, where an ep group inside it has FSDP2 gather the experts)."""
     m, prec = config.model, precisions(config.precision, config.zero)
     tokens = config.micro_batch * config.seq_len
     block_sp, head_sp = sequence_parallel_saving(config, device_kind)
@@ -307,7 +312,7 @@ def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0)
         * tokens
         - block_sp
         + cp.per_block
-        + moe_block_change(config, prec, ep_rank)
+        + moe_block_change(config, prec, ep_rank, shard_ranks)
     )
     # non-reentrant checkpoint keeps the block's input: T / tp positions of it under sequence parallelism
     checkpointed, unread = prec.residual * m.dim * tokens // sequence_shards(config), 0
@@ -330,8 +335,10 @@ def activations(config: TrainConfig, device_kind: str = "cpu", ep_rank: int = 0)
     batch = BATCH_BYTES_PER_TOKEN * tokens + documents + document_mask_kept(config) + held
     freed = 0
     if m.is_moe:  # the experts' backward peak (trainer/plan/moe.py): what the block's set has freed by then
-        grad = expert_grad_bytes(prec.regime, config.parallel.ep)
-        freed, _ = moe_backward_peak(config, prec.compute, grad, expert_rows(config, ep_rank), prec.regime)
+        rows = expert_rows(config, ep_rank, shard_ranks=shard_ranks)
+        freed, _ = moe_backward_peak(
+            config, prec.compute, expert_grad_bytes(prec.regime, rows.apart), rows, prec.regime
+        )
     if config.loss.kind == LossKind.chunked:  # nothing of the loss is saved: recomputed per chunk
         head = head_bytes_per_token(m, prec.regime, device_kind, chunked=True) * tokens
         if head_sp:  # sequence parallelism: the final norm's T / tp positions, and the chunks' whole input

@@ -28,12 +28,19 @@ from trainer.plan.fsdp_walk import fsdp_moments
 from trainer.plan.groups import GROUPS, ShardGroups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, build_host_plan, offload_applies
-from trainer.plan.moe import moe_fields
+from trainer.plan.moe import expert_shard_ranks, moe_fields
 from trainer.plan.moments import Moment, StepContext, other_bytes
 from trainer.plan.pipeline import Pipeline
 from trainer.plan.pipeline_walk import pipeline_stage_plans
 from trainer.plan.replica_walk import replica_moments
-from trainer.plan.states import ModelShape, RankStates, model_shape, rank_states, with_experts
+from trainer.plan.states import (
+    ModelShape,
+    RankStates,
+    model_shape,
+    rank_states,
+    with_expert_shards,
+    with_experts,
+)
 from trainer.plan.tensor_parallel import tp_local
 from trainer.telemetry import keys
 from trainer.units import GIB, MIB
@@ -300,19 +307,19 @@ def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:
     # (trainer/plan/context_parallel.py); the job itself at tp = cp = 1
     config = cp_local(tp_local(config))
     shape = model_shape(config.model)
-    acts, prec = activations(config, device_kind), precisions(config.precision, config.zero)
     ranks, planned = [], {}
     layout = Layout.from_config(full, world_size)
     groups = data_parallel_groups(full, world_size)  # ZeRO's over dp x cp, the cp group's communicator
     sharded_over = zero_ranks(layout, config.zero)
+    acts, prec = activations(config, device_kind, 0, sharded_over), precisions(config.precision, config.zero)
     if config.parallel.pp > 1:
         return build_pipeline_plan(config, full, device_kind, layout, num_params, groups, sharded_over)
-    shards = rank_states(held_shape(config), config.zero.stage, sharded_over)
+    shards = rank_states(held_shape(config, sharded_over), config.zero.stage, sharded_over)
     for rank in range(world_size):
         states = shards[shard_index(layout, rank, config.zero)]
         ep_rank = expert_rank(layout, rank, config)
         # parallel.ep: each ep rank's experts compute their own rows (trainer/plan/moe.py)
-        rank_acts = acts if ep_rank == 0 else activations(config, device_kind, ep_rank)
+        rank_acts = acts if ep_rank == 0 else activations(config, device_kind, ep_rank, sharded_over)
         key = (states, ep_rank)
         if key not in planned:  # most ranks hold equal shards: plan each distinct one once
             ctx = StepContext(
@@ -366,19 +373,21 @@ def shard_index(layout: Layout, rank: int, zero: ZeroConfig) -> int:
 
 def expert_rank(layout: Layout, rank: int, config: TrainConfig) -> int:
     """parallel.ep > 1: the rank's place in the ep group, which is ZeRO's data-parallel group, FSDP2's shard group
-    or DDP's replicas (trainer/rank/experts.py: a job holds ep equal to it; a way out planned at more ranks wraps
-    around the ep ranks); 0 otherwise."""
+    or DDP's replicas, or ep consecutive ranks of FSDP2's shard group (trainer/rank/mesh.py `expert_mesh`; a way
+    out planned at more DDP ranks wraps around the ep ranks too); 0 otherwise."""
     ep = config.parallel.ep
     return shard_index(layout, rank, config.zero) % ep if ep > 1 else 0
 
 
-def held_shape(config: TrainConfig) -> ModelShape:
-    """The shapes whose states a rank holds before ZeRO's sharding: the model's, and under DDP with parallel.ep
-    the experts E / ep each (FSDP2 shards them on dim 0 over the same ranks itself: trainer/rank/experts.py)."""
+def held_shape(config: TrainConfig, sharded_over: int) -> ModelShape:
+    """The shapes whose states a rank holds before ZeRO's sharding: the model's, under DDP with parallel.ep
+    the experts E / ep each (FSDP2 shards them on dim 0 over the same ranks itself: trainer/rank/experts.py),
+    and under an ep group inside FSDP2's `sharded_over` ranks as FSDP2 shards them over the rest."""
     shape = model_shape(config.model)
     if config.parallel.ep > 1 and not config.zero.uses_fsdp:
         return with_experts(shape, config.parallel.ep)
-    return shape
+    ranks = expert_shard_ranks(config, sharded_over)
+    return with_expert_shards(shape, config.parallel.ep, ranks) if ranks else shape
 
 
 def zero_ranks(layout: Layout, zero: ZeroConfig) -> int:

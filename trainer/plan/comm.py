@@ -44,7 +44,9 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
 - parallel.ep > 1 (trainer/rank/experts.py): FSDP2 or DDP leaves the experts' stacked weights alone (no
   all-gather, reduce-scatter or all-reduce of them), and every MoE layer's dispatch runs all-to-alls over the ep
   group, which is ZeRO's data-parallel group, FSDP2's shard group or DDP's (`ep_moves`), in `groups["ep"]`, per
-  ep rank (its experts' rows differ).
+  ep rank (its experts' rows differ). An ep group inside FSDP2's shard group (ep < dp) is a group of its own, and
+  FSDP2 gathers and reduce-scatters each rank's experts over the ranks holding the same ones
+  (`expert_shard_moves`, in `groups["expert_shard"]`).
 
 - parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
   (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
@@ -66,7 +68,7 @@ from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, 
 from trainer.layout import Layout
 from trainer.plan.activations import precisions
 from trainer.plan.groups import INTRA_NODE, NETWORK, ShardGroups, shard_groups
-from trainer.plan.moe import expert_rows, expert_shapes
+from trainer.plan.moe import expert_local_shapes, expert_rows, expert_shapes
 from trainer.plan.pipeline import (
     P2PPlan,
     plan_p2p,
@@ -222,7 +224,8 @@ def data_parallel_groups(config: TrainConfig, world_size: int) -> ShardGroups:
     cp = config.parallel.cp
     zero_world = config.parallel.dp(world_size) * cp
     layout = Layout.from_config(config, world_size)
-    return shard_groups(config.zero, zero_world, layout.per_node(("dp", "cp")), config.parallel.tp, cp)
+    per_node = layout.per_node(("dp", "cp"))
+    return shard_groups(config.zero, zero_world, per_node, config.parallel.tp, cp, config.parallel.ep)
 
 
 def dp_moves(config: TrainConfig, shape: ModelShape, world_size: int) -> dict[str, list[Move]]:
@@ -287,7 +290,8 @@ def expert_group(config: TrainConfig, backend: str, groups: ShardGroups) -> Grou
     ep = config.parallel.ep
     per_rank = tuple(tally(ep_moves(config, rank), backend) for rank in range(ep))
     bytes_by, calls_by = per_rank[0]
-    zero = "shard" if config.zero.uses_fsdp else "world"  # the ep group is ZeRO's (trainer/rank/experts.py)
+    # the ep group is ZeRO's (trainer/rank/experts.py), or a group of its own inside FSDP2's (trainer/rank/mesh.py)
+    zero = "ep" if groups.ep > 1 else "shard" if config.zero.uses_fsdp else "world"
     return GroupComm(
         ep, groups.link(zero), bytes_by, calls_by, per_rank=tuple(figures for figures, _ in per_rank)
     )
@@ -451,6 +455,8 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
         moves["hpz"] = backward_gather
     else:
         shard[:0] = backward_gather
+    if groups.ep > 1:
+        moves["expert_shard"] = expert_shard_moves(config, groups)
     if groups.hsdp:
         moves["replicate"] = [
             (
@@ -460,6 +466,27 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
             )
         ]
     return moves
+
+
+def expert_shard_moves(config: TrainConfig, groups: ShardGroups) -> list[Move]:
+    """ep < dp under FSDP2: each MoE layer's experts unit (a rank's E / ep experts, trainer/rank/sharding.py
+    `shard_experts`) gathered and reduce-scattered over the ranks holding the same experts, as the blocks are over
+    the shard group: forward's all-gathers, stage3 backward's, and one reduce-scatter per reduction, the shard dim
+    padded to that group (trainer/plan/moe.py `expert_local_shapes`)."""
+    ranks = groups.size("expert_shard")
+    unit = sum(math.prod(s) for s in expert_local_shapes(config.model, config.parallel.ep, ranks))
+    layers, accum = config.model.n_layers, config.grad_accum
+    param_bytes = PARAM_BYTES[config.precision.compute_dtype]
+    gathers = forward_gathers(config) + (accum if config.zero.stage == Stage.stage3 else 0)
+    reduced = reductions(config)
+    return [
+        ("all_gather", gathers * param_bytes * layers * unit, gathers * layers),
+        (
+            "reduce_scatter",
+            reduced * REDUCE_BYTES[config.zero.reduce_dtype] * layers * unit,
+            reduced * layers,
+        ),
+    ]
 
 
 def gradient_moves(config: TrainConfig, shape: ModelShape, replicas: int) -> list[Move]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from trainer.config import Stage
 from trainer.plan.fsdp_buffers import Accumulation, FsdpSizes, cast_shard, copy_out_extra, secondaries
+from trainer.plan.moe import expert_rows, router_gradients
 from trainer.plan.moments import (
     Moment,
     StepContext,
@@ -47,12 +48,15 @@ def block_backward(
     reduced = done if reduces else 0
     accumulated = acc.left(reduced) if acc.full or reduces else acc.built(done)
     above = done * f.block if keeps else 0
-    prefetched = f.block if index > 0 else 0
+    # the block below's own groups; under an ep group inside the shard group not its experts unit, which its own
+    # pre-backward gathers once the block's has run (FSDP2 prefetches in reverse post-forward order)
+    prefetched = f.dense if index > 0 else 0
     # hpZ: every block below holds its secondary shard, the prefetched one too: it is freed only
     # when its all-gather output is copied out, at that block's own pre-backward.
     held = secondaries(f, index)
-    # the block above's reduce-scatter input, freed at the next post-backward
-    retained = f.block_rs if reduced else 0
+    # the block above's reduce-scatter input, freed at the next post-backward (its experts unit's, reduced before
+    # the block's own, freed already)
+    retained = f.dense_rs if reduced else 0
     # stage3: this block re-gathered; stage2: blocks 0..index never resharded after forward.
     unsharded = f.block + prefetched + held if stage3 else (index + 1) * f.block
     return BlockBackward(
@@ -117,19 +121,44 @@ def block_reduce_scatter_moment(
     freed; its unsharded (or accumulated) gradient copied into the input, then freed for the output
     (with gloo's copy of the input, or its fp32 cast under bf16 reduction)."""
     stage3 = ctx.config.zero.stage == Stage.stage3
-    gloo = f.block_rs if f.gloo_copy else 0
+    gloo = f.dense_rs if f.gloo_copy else 0
     out = f.block_rs_out + max(gloo, cast_shard(f.block_rs_out, f.block_grad_shard))
-    source = b.accumulated if acc.full else f.block
+    source = b.accumulated if acc.full else f.dense  # an experts unit inside it reduced its own already
     after_copy = out + b.accumulated - acc.per_block
     unsharded = f.root + (b.prefetched + b.held if stage3 else b.index * f.block)
     kept = b.above + f.block if b.keeps else 0
-    temporary = unsharded + kept + acc.fresh(f.output_grad) + incoming_gradient(ctx) + f.block_rs
+    temporary = unsharded + kept + acc.fresh(f.output_grad) + incoming_gradient(ctx) + f.dense_rs
     return ctx.moment(f"{b.name} reduce-scatter", b.grads, b.below, temporary + max(source, after_copy))
+
+
+def experts_reduce_scatter_moment(ctx: StepContext, f: FsdpSizes, b: BlockBackward) -> Moment:
+    """parallel.ep inside the shard group: the block's experts unit's reduce-scatter, right after the experts'
+    backward (FSDP2's post-backward runs on the gradient of the unit's input, before the dispatch's backward): the
+    unit resharded, its unsharded gradients copied into the reduce-scatter input, then freed for the output and
+    gloo's copy of the input (listed with a tracker over MemTracker's storages at the peak of a rank receiving no
+    rows); the experts' saved rows and hidden tensors freed, the router's gradients waiting,
+    the gradient down the residual held."""
+    rows = expert_rows(ctx.config, ctx.ep_rank, shard_ranks=ctx.world_size)
+    m, compute = ctx.config.model, ctx.prec.compute
+    own = 4 * compute * rows.total * m.expert_width + compute * rows.total * m.dim  # the loop's saved set
+    out = f.experts_rs_out + max(
+        f.experts_rs if f.gloo_copy else 0, cast_shard(f.experts_rs_out, f.experts_shard)
+    )
+    # FSDP2 still holds the last gradient it reduced, a loop variable in foreach_reduce: w3's (the experts' three
+    # weights are equal in size)
+    reduce = f.experts_rs + max(f.experts_grads, f.experts_grads // 3 + out)
+    held = incoming_gradient(ctx) + router_gradients(ctx.config, rows.sent) + compute * rows.total * m.dim
+    activations = b.below + ctx.acts.in_backward_of(b.index) - own
+    return ctx.moment(
+        f"{b.name} experts reduce-scatter", b.grads, activations, b.params - f.experts + held + reduce
+    )
 
 
 def block_moments(ctx: StepContext, f: FsdpSizes, acc: Accumulation, b: BlockBackward) -> dict[str, Moment]:
     """Every moment of one block's backward, by kind."""
     moments = {"start": block_start_moment(ctx, acc, b), "end": block_end_moment(ctx, f, acc, b)}
+    if f.experts:
+        moments["experts"] = experts_reduce_scatter_moment(ctx, f, b)
     if ctx.config.parallel.tp > 1:
         moments["ffn_norm"] = block_ffn_norm_moment(ctx, acc, b)
     if ctx.config.zero.stage == Stage.stage3:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from trainer.config import ReduceEvery
 from trainer.plan.comm import REDUCE_BYTES
-from trainer.plan.moe import expert_shapes
+from trainer.plan.moe import expert_grad_bytes, expert_local_shapes, expert_shapes, expert_shard_ranks
 from trainer.plan.moments import StepContext, accumulation_grads
 from trainer.plan.states import padded_numel
 
@@ -28,6 +28,22 @@ class FsdpSizes:
     output_grad: int  # the output head's unsharded weight gradient (+ final norm's)
     gloo_copy: bool  # gloo's reduce-scatter works on a copy of its input
     secondary: int = 0  # hpZ: one block's secondary shard, kept from its forward to its backward all-gather
+    experts: int = (
+        0  # parallel.ep inside the shard group: the block's experts unit unsharded (in `block` too)
+    )
+    experts_rs: int = 0  # and its reduce-scatter input (in `block_rs` too)
+    experts_rs_out: int = 0  # its reduce-scatter output, reduce dtype
+    experts_shard: int = 0  # its gradient shard (fp32)
+    experts_grads: int = 0  # its unsharded gradients, as the experts' backward makes them
+
+    @property
+    def dense(self) -> int:
+        """The block's own group unsharded: `block` but for an experts unit inside it."""
+        return self.block - self.experts
+
+    @property
+    def dense_rs(self) -> int:
+        return self.block_rs - self.experts_rs
 
 
 def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
@@ -35,23 +51,45 @@ def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
     root_padded = sum(padded_numel(t, w) for t in s.root)
     m = ctx.config.model
     # parallel.ep: FSDP2 leaves the experts' stacked weights alone (trainer/rank/experts.py: each rank holds its
-    # E / ep whole, never gathered, never reduce-scattered); their shards are the rank's states all the same
+    # E / ep whole, never gathered, never reduce-scattered); their shards are the rank's states all the same.
+    # Under an ep group inside the shard group FSDP2 gathers and reduce-scatters them over the `ranks` holding
+    # the same experts, their own unit inside the block's, counted with it (`expert_unit`).
     experts = expert_shapes(m) if ctx.config.parallel.ep > 1 else ()
     block_padded = sum(padded_numel(t, w) for t in s.block) - sum(padded_numel(t, w) for t in experts)
     expert_shard = sum(padded_numel(t, w) for t in experts) // w
+    unit, ranks = expert_unit(ctx)
+    if ranks:
+        block_padded = sum(padded_numel(t, w) for t in s.block if t not in set(experts))
+        expert_shard = 0
     return FsdpSizes(
         root=p * root_padded,
-        block=p * block_padded,
+        block=p * (block_padded + unit),
         root_rs=r * root_padded,
-        block_rs=r * block_padded,
-        block_grad_shard=4 * (block_padded // w + expert_shard),
+        block_rs=r * (block_padded + unit),
+        block_grad_shard=4 * (block_padded // w + expert_shard + (unit // ranks if ranks else 0)),
         root_grad_shard=4 * root_padded // w,
-        block_rs_out=r * block_padded // w,
+        block_rs_out=r * (block_padded // w + (unit // ranks if ranks else 0)),
         root_rs_out=r * root_padded // w,
         output_grad=p * (m.vocab_size * m.dim + m.dim),
         gloo_copy=ctx.device_kind == "cpu",
         secondary=p * block_padded // ctx.config.zero.hpz_ranks if ctx.config.zero.hpz_ranks else 0,
+        experts=p * unit,
+        experts_rs=r * unit,
+        experts_rs_out=r * unit // ranks if ranks else 0,
+        experts_shard=4 * unit // ranks if ranks else 0,
+        experts_grads=expert_grad_bytes(ctx.prec.regime, apart=False) * unit,
     )
+
+
+def expert_unit(ctx: StepContext) -> tuple[int, int]:
+    """Under an ep group inside FSDP2's shard group: the elements of one block's experts unit unsharded (a rank's
+    E / ep experts, the shard dim padded) and the ranks it is sharded over; (0, 0) elsewhere."""
+    ranks = expert_shard_ranks(ctx.config, ctx.world_size)
+    if not ranks:
+        return 0, 0
+    return sum(
+        math.prod(t) for t in expert_local_shapes(ctx.config.model, ctx.config.parallel.ep, ranks)
+    ), ranks
 
 
 def secondaries(f: FsdpSizes, blocks: int) -> int:
@@ -114,8 +152,8 @@ def copy_out_extra(f: FsdpSizes) -> int:
     `self._all_gather_result = None`; in backward the free is not deferred), and under hpZ the block's
     own secondary shard, freed once its all-gather output is copied out. Before its own prefetch of the
     block below, so nothing prefetched; the start moment, with the prefetched block, is larger for every
-    block but block 0."""
-    return f.block + f.secondary
+    block but block 0. An experts unit inside the block gathers on its own (its all-gather output not here)."""
+    return f.dense + f.secondary
 
 
 def cast_shard(rs_out: int, grad_shard: int) -> int:

@@ -72,7 +72,8 @@ def fsdp_forward_and_loss_moments(
     # copy-out (torch 2.13 _fsdp_param_group.py:476-485, comm_ctx.all_gather_state; not on a 1-rank
     # shard group, which gathers nothing), and the next is the root's post-forward
     # (_fsdp_state.py:335-342), after the final norm and the output head ran.
-    last_gathered = f.block if ctx.world_size > 1 and not gathered else 0
+    # (an experts unit inside the block gathers after the block's own group: its output is the last)
+    last_gathered = (f.experts or f.block) if ctx.world_size > 1 and not gathered else 0
     forward = (
         gathered_forward_moments(ctx, f, held, acc.full)
         if gathered

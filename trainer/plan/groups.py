@@ -28,7 +28,10 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
     ep         parallel.ep: the MoE layers' all-to-alls of the counts and rows (trainer/plan/comm.py `ep_moves`);
                the ep group is ZeRO's, FSDP2's shard group or DDP's `world` (trainer/rank/experts.py), so one process group that
-               telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py)
+               telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py); or, ep < dp under
+               FSDP2, `ep` consecutive ranks of the shard group (trainer/rank/mesh.py `expert_mesh`), a group of its own
+    expert_shard  ep < dp under FSDP2: the ranks holding the same experts, every ep-th of the shard group, over
+               which FSDP2 all-gathers and reduce-scatters them (torchtitan's dp_shard_mod_ep)
     pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
                all-reduces of the step's loss and squared gradient norm (trainer/plan/comm.py
                `PIPELINE_MOVES`); the sends between its stages are `comm.p2p`, not collectives
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 from trainer.config import ZeroConfig
 from trainer.layout import data_parallel_degrees
 
-GROUPS = ("world", "shard", "replicate", "hpz", "tp", "cp", "pp", "ep")
+GROUPS = ("world", "shard", "replicate", "hpz", "tp", "cp", "pp", "ep", "expert_shard")
 """Every group name, in the order metrics list them."""
 INTRA_NODE, NETWORK = "intra-node", "network"
 LINKS = (INTRA_NODE, NETWORK)
@@ -64,6 +67,9 @@ class ShardGroups:
     """parallel.tp: `world` counts data-parallel replicas then, each `tp` consecutive ranks."""
     cp: int = 1
     """parallel.cp: `world` (and `shard`, FSDP2's) count dp x cp ranks, ZeRO's (trainer/layout.py `zero_axes`)."""
+    ep: int = 1
+    """parallel.ep inside FSDP2's shard group (ep < shard): the ep group's size; 1 elsewhere (the ep group, where
+    there is one, is ZeRO's own)."""
 
     @property
     def replicate(self) -> int:
@@ -75,6 +81,7 @@ class ShardGroups:
 
     def size(self, group: str) -> int:
         sizes = {"world": self.world, "shard": self.shard, "replicate": self.replicate, "hpz": self.hpz or 1}
+        sizes |= {"ep": self.ep, "expert_shard": self.shard // self.ep}
         return self.tp if group == "tp" else sizes[group]
 
     def link(self, group: str) -> str:
@@ -89,7 +96,10 @@ class ShardGroups:
             return INTRA_NODE
         if size <= 1 or self.world <= per_node:
             return INTRA_NODE
-        if group == "replicate":  # rank k and rank k + world - shard: different nodes once world > per_node
+        if group in (
+            "replicate",
+            "expert_shard",
+        ):  # strided: rank k and k + world - shard (or k + shard - ep)
             return NETWORK
         return INTRA_NODE if size <= per_node and per_node % size == 0 else NETWORK
 
@@ -108,20 +118,28 @@ class ShardGroups:
         """
         tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
         cp = 1 if 1 < self.cp < self.world else 0  # the cp dim's group, where it is not ZeRO's (dp > 1)
+        experts = 2 if self.ep > 1 else 0  # ep inside the shard group: the expert mesh's two dims
         if self.world <= 1:
             return 1  # the default group's: init_process_group(device_id=...) makes it at once (trainer/world.py)
-        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp + cp
+        return 1 + (2 if self.hsdp else 0) + (hpz_modules if self.hpz is not None else 0) + tp + cp + experts
 
 
 def shard_groups(
-    zero: ZeroConfig, world_size: int, ranks_per_node: int | None = None, tp: int = 1, cp: int = 1
+    zero: ZeroConfig,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
 ) -> ShardGroups:
     """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses.
     Under parallel.tp, `world_size` and `ranks_per_node` count data-parallel replicas (a TP group is one
     node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node);
-    under parallel.cp they count dp x cp ranks, the ranks ZeRO works over."""
+    under parallel.cp they count dp x cp ranks, the ranks ZeRO works over. `ep`: parallel.ep, kept where its group
+    lies inside FSDP2's shard group."""
     per_node = ranks_per_node or world_size
     _, shard, hpz = data_parallel_degrees(zero, world_size)  # the checks torch would make, before any rank
     if not zero.uses_fsdp:
         shard = world_size  # DDP's group is the plan's shard group too: every rank of `world_size`
-    return ShardGroups(world_size, per_node, shard, hpz, tp, cp)
+    inside = ep if zero.uses_fsdp and 1 < ep < shard else 1
+    return ShardGroups(world_size, per_node, shard, hpz, tp, cp, inside)

@@ -37,6 +37,9 @@ class ExpertRows:
     sent: int  # its tokens' kept assignments, A (less what a capacity drops)
     per_expert: tuple[int, ...]  # rows each of its experts computes, in the loop's order
     ep: int = 1
+    apart: bool = (
+        False  # FSDP2 or DDP leaves the experts alone (ep over all of ZeRO's ranks): fp32 under FSDP2
+    )
 
     @property
     def total(self) -> int:
@@ -72,13 +75,17 @@ def routed_rows(config: TrainConfig, imbalance: float | None = None) -> tuple[in
     return tuple(rows)
 
 
-def expert_rows(config: TrainConfig, ep_rank: int = 0, imbalance: float | None = None) -> ExpertRows:
+def expert_rows(
+    config: TrainConfig, ep_rank: int = 0, imbalance: float | None = None, shard_ranks: int = 0
+) -> ExpertRows:
     """The rows of ep rank `ep_rank` (0 at ep = 1): its tokens' kept assignments, and its experts' rows from every
-    rank of the ep group (each routing alike: `routed_rows`)."""
+    rank of the ep group (each routing alike: `routed_rows`). `shard_ranks`: FSDP2's shard group, whether the ep
+    group lies inside it (`expert_shard_ranks`; 0: ep spans ZeRO's ranks)."""
     routed, ep = routed_rows(config, imbalance), config.parallel.ep
     local = config.model.n_experts // ep
     mine = routed[ep_rank * local : (ep_rank + 1) * local]
-    return ExpertRows(sum(routed), tuple(ep * rows for rows in mine), ep)
+    apart = ep > 1 and not expert_shard_ranks(config, shard_ranks)
+    return ExpertRows(sum(routed), tuple(ep * rows for rows in mine), ep, apart)
 
 
 def expert_shapes(m: ModelConfig) -> tuple[tuple[int, ...], ...]:
@@ -88,6 +95,45 @@ def expert_shapes(m: ModelConfig) -> tuple[tuple[int, ...], ...]:
         return ()
     E, M, D = m.n_experts, m.expert_width, m.dim
     return ((E, M, D), (E, D, M), (E, M, D))
+
+
+def expert_shard_ranks(config: TrainConfig, shard_ranks: int) -> int:
+    """parallel.ep inside FSDP2's shard group (1 < ep < its `shard_ranks`, trainer/rank/mesh.py `expert_mesh`):
+    the ranks FSDP2 shards each rank's E / ep experts over, shard_ranks / ep; 0 where FSDP2 leaves the experts
+    alone (ep equal to the group, trainer/rank/experts.py) or holds them like any weight (ep = 1, or DDP)."""
+    ep = config.parallel.ep
+    return shard_ranks // ep if config.zero.uses_fsdp and 1 < ep < shard_ranks else 0
+
+
+def expert_shard_dim(local_experts: int, ranks: int) -> int:
+    """The dim FSDP2 shards a rank's stacked expert weights on over the `ranks` holding the same experts: the
+    expert dim where they split evenly, else the next (torchtitan shards dim 1 where dp_shard_mod_ep x ep
+    passes the experts: FSDP2 pads dim 0 to a multiple of the ranks, which would hold the experts several times
+    over). The run (trainer/rank/sharding.py `shard_experts`) and the plan both take it from here."""
+    return 0 if local_experts % ranks == 0 else 1
+
+
+def expert_local_shapes(m: ModelConfig, ep: int, ranks: int) -> tuple[tuple[int, ...], ...]:
+    """A rank's E / ep experts of one MoE layer as FSDP2 holds them unsharded over `ranks` (its all-gather
+    output: the shard dim padded to a multiple of `ranks`)."""
+    shapes = []
+    for shape in expert_shapes(m):
+        local = [shape[0] // ep, *shape[1:]]
+        dim = expert_shard_dim(local[0], ranks)
+        local[dim] = -(-local[dim] // ranks) * ranks
+        shapes.append(tuple(local))
+    return tuple(shapes)
+
+
+def as_fsdp_shard(shape: tuple[int, ...], ep: int, ranks: int) -> tuple[int, ...]:
+    """A stacked expert weight rewritten so that FSDP2's dim-0 rule over every ep x `ranks` rank
+    (trainer/plan/states.py `rank_states`) gives each rank what it holds of its E / ep experts sharded over
+    `ranks`: unchanged on the expert dim (E / ep / ranks experts each, the same split), else one row per rank of
+    its dim-1 shard."""
+    local = shape[0] // ep
+    if expert_shard_dim(local, ranks) == 0:
+        return shape
+    return (ep * ranks, local * -(-shape[1] // ranks) * math.prod(shape[2:]))
 
 
 def router_held_bytes(m: ModelConfig) -> int:
@@ -158,13 +204,14 @@ def moe_saved_bytes(config: TrainConfig, compute: int, rows: ExpertRows, regime:
     return router + dispatch + combine + losses_saved(config) + shared + expert_casts(config, regime, rows)
 
 
-def weight_cast_bytes(regime: str, ep: int) -> int:
+def weight_cast_bytes(regime: str, apart: bool) -> int:
     """Bytes per element of the copy of an expert's weight each of its matmuls saves beyond the parameter: none
     where the weights are already in the rows' dtype (fp32, or FSDP2's bf16 unsharded parameters at ep = 1); 2
     under autocast (its matmuls cast the fp32 slices w1[e] and w3[e], views that its weight cache skips, and
     GroupedExperts casts w2[e] for the bf16 hidden rows) and under parallel.ep with FSDP2's half precision (the
-    experts' fp32 weights, which FSDP2 leaves alone, cast per expert by GroupedExperts)."""
-    if regime == "autocast" or (regime == "fsdp_mp" and ep > 1):
+    experts' fp32 weights, which FSDP2 leaves alone, `apart`, cast per expert by GroupedExperts; an ep group inside
+    FSDP2's shard group has its experts gathered in bf16 like the rest)."""
+    if regime == "autocast" or (regime == "fsdp_mp" and apart):
         return 2
     return 0
 
@@ -179,7 +226,7 @@ def expert_casts(config: TrainConfig, regime: str, rows: ExpertRows) -> int:
     m = config.model
     tokens = config.micro_batch * config.seq_len
     E, D, M = m.n_experts // rows.ep, m.dim, m.expert_width
-    casts = weight_cast_bytes(regime, rows.ep) * 3 * E * M * D
+    casts = weight_cast_bytes(regime, rows.apart) * 3 * E * M * D
     if regime == "autocast":
         shared = 4 * tokens * D if m.n_shared_experts > 0 else 0  # the shared MLP's w1 and w3 cast it again
         casts += 2 * rows.total * D - 2 * tokens * D + shared
@@ -217,11 +264,12 @@ def router_gradients(config: TrainConfig, assignments: int) -> int:
     return 4 * assignments + terms * (4 * tokens * m.n_experts + 4 * (m.n_layers - 1))
 
 
-def expert_grad_bytes(regime: str, ep: int) -> int:
+def expert_grad_bytes(regime: str, apart: bool) -> int:
     """Bytes per element of an expert weight's gradient as the loop's backward makes it: the unsharded bf16
-    weights' under FSDP2's half-precision parameters at ep = 1, else fp32 (the fp32 weights themselves, or under
-    parallel.ep the fp32 local weights FSDP2 leaves alone, cast per expert: the cast's backward comes first)."""
-    return 2 if regime == "fsdp_mp" and ep == 1 else 4
+    weights' under FSDP2's half-precision parameters (ep = 1, or an ep group inside its shard group), else fp32
+    (the fp32 weights themselves, or the fp32 local weights FSDP2 leaves alone, `apart`, cast per expert: the
+    cast's backward comes first)."""
+    return 2 if regime == "fsdp_mp" and not apart else 4
 
 
 def moe_backward_peak(
@@ -264,7 +312,7 @@ def moe_backward_peak(
     first = rows.per_expert[-1] if rows.per_expert else 0
     second = rows.per_expert[-2] if len(rows.per_expert) > 1 else 0
     W, RD = grad * local * M * m.dim, compute * R * D
-    cast = weight_cast_bytes(regime, rows.ep) * M * D  # one expert's one weight
+    cast = weight_cast_bytes(regime, rows.apart) * M * D  # one expert's one weight
     rows_cast = 2 * compute * D if regime == "autocast" else 0  # per row: its two casts
     rows_grad = 4 * R * D if regime == "autocast" else RD  # the rows' gradient
     waiting = router_gradients(config, A)

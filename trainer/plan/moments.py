@@ -91,8 +91,8 @@ def block_backward_temporary(ctx: StepContext, weight_grad_bytes: int, weight_gr
     """
     m, n, incoming = ctx.config.model, ctx.tokens, incoming_gradient(ctx)
     if m.is_moe:  # the experts' loop backward (trainer/plan/moe.py); the activations count what it freed
-        grad = expert_grad_bytes(ctx.prec.regime, ctx.config.parallel.ep)
-        rows = expert_rows(ctx.config, ctx.ep_rank)
+        rows = expert_rows(ctx.config, ctx.ep_rank, shard_ranks=ctx.world_size)
+        grad = expert_grad_bytes(ctx.prec.regime, rows.apart)
         return incoming + moe_backward_peak(ctx.config, ctx.prec.compute, grad, rows, ctx.prec.regime)[1]
     nm, w2_grad = ctx.prec.compute * n * m.ffn_dim, weight_grad_bytes * m.dim * m.ffn_dim
     fp8 = fp8_w2_backward(ctx.config, ctx.prec.compute, ctx.prec.regime, incoming)  # 0 without fp8

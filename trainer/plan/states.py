@@ -185,7 +185,20 @@ def rank_states(shape: ModelShape, stage: Stage, world_size: int) -> list[RankSt
     return states
 
 
-# ----------------------------------------------------------------------------- expert parallelism under DDP
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+def with_expert_shards(shape: ModelShape, ep: int, ranks: int) -> ModelShape:
+    """The shapes with every MoE layer's stacked expert weights as FSDP2 shards them under an ep group inside
+    its shard group (trainer/plan/moe.py `as_fsdp_shard`: each rank's E / ep experts over `ranks`)."""
+    from trainer.plan.moe import as_fsdp_shard, expert_shapes
+
+    experts = set(expert_shapes(shape.config))
+    block = tuple(as_fsdp_shard(s, ep, ranks) if s in experts else s for s in shape.block)
+    first = next(i for i in range(len(shape.order)) if shape.order[i : i + len(shape.block)] == shape.block)
+    after = first + len(shape.block) * shape.config.n_layers
+    order = shape.order[:first] + block * shape.config.n_layers + shape.order[after:]
+    return dataclasses.replace(shape, block=block, order=order)
 
 
 def with_experts(shape: ModelShape, ep: int | None) -> ModelShape:

@@ -53,3 +53,16 @@ def secondary_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     shape = (layout.pp, layout.dp // layout.hpz, layout.hpz)
     world = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "hpz_rows", "hpz"))
     return world["hpz_rows", "hpz"]
+
+
+def expert_mesh(layout: Layout, device_type: str, ep: int) -> DeviceMesh | None:
+    """parallel.ep inside the data-parallel ranks (ep < dp, zero=stage2/3): a mesh of its own over the world,
+    (dp / ep, ep), named ("expert_shard", "ep"): each ep group is ep consecutive ranks, and FSDP2 shards their
+    experts over "expert_shard", the ranks holding the same ones (torchtitan's dp_shard_mod_ep x dp_shard_in_ep). One root for
+    both dims, as FSDP2 requires of a parameter sharded already (the experts' DTensors on "ep"). A mixture of
+    experts takes no tp, pp or cp (the composition table), so the world is the data-parallel ranks. None where ep
+    is 1 or the whole data-parallel group (the job mesh's own dim serves)."""
+    if ep == 1 or ep == layout.dp:
+        return None
+    assert layout.world_size == layout.dp, layout
+    return init_device_mesh(device_type, (layout.dp // ep, ep), mesh_dim_names=("expert_shard", "ep"))

@@ -133,8 +133,9 @@ def clip_gradients(model: nn.Module, max_norm: float, stages: ProcessGroup | Non
     under DDP every rank already holds the reduced gradients. `stages` (parallel.pp > 1): the pp group,
     whose ranks each hold some stages' gradients: their squared norms are summed over it (torch's
     clip_grad_norm_ knows no pipeline; torchtitan's dist_utils.clip_grad_norm_ does the same). Under DDP
-    with parallel.ep the experts' gradients are DTensors and the rest plain tensors, which torch's foreach
-    norm refuses in one list: each kind is normed (and clipped) apart (`mixed_norm`).
+    with parallel.ep the experts' gradients are DTensors and the rest plain tensors, and under an ep group inside
+    FSDP2's ranks DTensors of two meshes, which torch's foreach norm refuses in one list: each kind is normed
+    (and clipped) apart (`mixed_norm`).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     kinds = kinds_of(params)
@@ -152,10 +153,13 @@ def clip_gradients(model: nn.Module, max_norm: float, stages: ProcessGroup | Non
 
 
 def kinds_of(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters split into DTensors and plain tensors (the kinds that present), in that order."""
-    dtensors = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
-    return [kind for kind in (dtensors, plain) if kind]
+    """The parameters split into DTensors, one list per mesh (FSDP2's, and under an ep group inside the
+    data-parallel ranks the experts' 2-D one: DTensor's foreach ops take one mesh), then plain tensors; the kinds
+    that present, in order of first appearance."""
+    kinds: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return sorted(kinds.values(), key=lambda kind: not isinstance(kind[0], DTensor))
 
 
 def mixed_norm(kinds: list[list[nn.Parameter]]) -> torch.Tensor:

@@ -11,7 +11,7 @@ one order torchtitan applies them (pytorch/torchtitan torchtitan/models/llama3/p
 4. activation checkpointing of the blocks (checkpointing), before sharding: it wraps blocks;
 5. compile of each block (compile), after checkpointing and before sharding, in place;
 6. expert parallelism (parallel.ep): each rank's experts, sharded over the data-parallel sub-mesh, which
-   ZeRO (FSDP2 or DDP) then leaves alone;
+   ZeRO (FSDP2 or DDP) then leaves alone, or over an ep group inside it, FSDP2 sharding them over the rest;
 7. ZeRO over the data-parallel sub-mesh: DDP with its bucket settings and communication hook, FSDP2's
    fully_shard, or nothing at one model-parallel replica; then each rank materialises (or loads
    model.weights into) only what it holds.
@@ -36,7 +36,7 @@ from trainer.model.decoder import apply_context_parallel, apply_loss_choice, app
 from trainer.model.fp8 import apply_fp8
 from trainer.model.moe import apply_moe_choice
 from trainer.rank.experts import apply_expert_parallel
-from trainer.rank.mesh import data_parallel_mesh
+from trainer.rank.mesh import data_parallel_mesh, expert_mesh
 from trainer.rank.sharding import apply_zero
 from trainer.rank.tensor_parallel import apply_tensor_parallel, replicate_partial_grads
 from trainer.world import World
@@ -76,7 +76,10 @@ def parallelize(
             list(part.layers)
         )  # an out-of-memory failure names its block (trainer/faults/failures.py)
     dp_mesh = data_parallel_mesh(mesh, layout, config.zero)
-    ignored = apply_expert_parallel(part, dp_mesh) if config.parallel.ep > 1 else None
+    experts = expert_mesh(layout, world.device.type, config.parallel.ep)
+    ignored = None
+    if config.parallel.ep > 1:  # the experts over the ep group: the data-parallel one, or one inside it
+        ignored = apply_expert_parallel(part, dp_mesh if experts is None else experts["ep"])
     part = apply_zero(
         part,
         config.zero,
@@ -89,6 +92,7 @@ def parallelize(
         replicas=replicas_to_wrap(layout),
         ignored=ignored,
         secondary=secondary,
+        experts_mesh=None if experts is None else experts["expert_shard"],
     )
     if layout.enabled("tp") and not config.zero.uses_fsdp:
         replicate_partial_grads(part)

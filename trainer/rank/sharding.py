@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import (
@@ -33,7 +34,8 @@ from trainer.config import (
 )
 from trainer.model.decoder import materialize
 from trainer.model.hf_weights import load_weights
-from trainer.plan import ShardGroups, shard_groups
+from trainer.model.moe import moe_layers
+from trainer.plan import ShardGroups, expert_shard_dim, shard_groups
 from trainer.private_apis.of_torch import ddp_ignore_params, prebuilt_secondary_mesh
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
@@ -54,6 +56,7 @@ def apply_zero(
     replicas: bool,
     ignored: set[nn.Parameter] | None = None,
     secondary: DeviceMesh | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard (or replicate) a meta-device model over `dp_mesh` (the job mesh's data-parallel dims,
     trainer/rank/mesh.py), then give each rank real memory for what it holds, initialised, or filled
@@ -67,7 +70,7 @@ def apply_zero(
     # What loading takes of the host is measured (trainer/telemetry/memory.py measure_load).
     load = None if weights is None else measured_load(functools.partial(load_weights, weights=Path(weights)))
     if zero.uses_fsdp:
-        apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored, secondary)
+        apply_fsdp(model, zero, precision, offload, world, dp_mesh, ignored, secondary, experts_mesh)
         materialize(model, state_device(offload, world), seed=seed, load=load)
         return model
     if ignored:  # parallel.ep: each rank holds its own experts, which DDP must neither broadcast nor average
@@ -110,6 +113,7 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     ignored: set[nn.Parameter] | None = None,
     secondary: DeviceMesh | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head), over
         `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
@@ -124,6 +128,11 @@ def apply_fsdp(
         offload_policy=build_offload_policy(offload, world),
         ignored_params=ignored,
     )
+    if (
+        experts_mesh is not None
+    ):  # an ep group inside the data-parallel ranks: its experts sharded over the rest
+        shard_experts(model, experts_mesh, reshard, common)
+        common["ignored_params"] = None
     # hpZ under a pipeline: each block's secondary mesh is the one every rank made (trainer/rank/mesh.py)
     with prebuilt_secondary_mesh(secondary) if secondary is not None else contextlib.nullcontext():
         for block in model.layers:
@@ -131,6 +140,26 @@ def apply_fsdp(
     # The root's parameters are used again at the very start of backward (the output head), so
     # re-sharding them after forward would only buy an immediate all-gather (torchtitan does the same).
     fully_shard(model, reshard_after_forward=False, **common)
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, reshard: bool | int, common: dict) -> None:
+    """parallel.ep < dp: fully_shard each MoE layer's experts (DTensors over the ep group already,
+    trainer/rank/experts.py) over `mesh`, the ranks holding the same experts, as its own FSDP2 unit inside its
+    block's (torchtitan shards them over dp_shard_mod_ep likewise). FSDP2 averages their gradients over those
+    ranks; `MeanOverRanks` has divided them by the ep ranks whose tokens reached them: the mean over all. They are
+    sharded on the expert dim where a rank's experts split evenly over `mesh`, else on the next: FSDP2 pads its
+    shard dim to a multiple of the ranks, which on the expert dim would hold them several times over."""
+    for layer in moe_layers(model):
+        local = layer.experts.w1.to_local().shape[0]  # this rank's E / ep experts
+        dim = expert_shard_dim(local, mesh.size())  # the plan's rule (trainer/plan/moe.py)
+        fully_shard(
+            layer.experts,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            shard_placement_fn=lambda _param, dim=dim: Shard(dim),
+            mp_policy=common["mp_policy"],
+            offload_policy=common["offload_policy"],
+        )
 
 
 def block_reshard(zero: ZeroConfig, groups: ShardGroups) -> bool | int:

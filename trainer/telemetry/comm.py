@@ -78,6 +78,8 @@ GROUP_DESCRIPTIONS = {
     "mesh_tp": "tp",
     "mesh_cp": "cp",
     "mesh_pp": "pp",
+    "mesh_ep": "ep",  # an ep group inside FSDP2's shard group (trainer/rank/mesh.py `expert_mesh`)
+    "mesh_expert_shard": "expert_shard",
 }
 SHARED_WITH_EP = "+ep"
 """Suffix of a name `group_names` gives FSDP2's shard group under parallel.ep, which is the ep group too
@@ -110,7 +112,8 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     shared = layout.cp > 1 and layout.dp == 1
     if shared:
         descriptions["mesh_cp"] = zero + SHARED_WITH_CP
-    if config.parallel.ep > 1:  # the ep group is ZeRO's data-parallel group (trainer/rank/experts.py)
+    ep_is_zero = config.parallel.ep > 1 and not (config.zero.uses_fsdp and config.parallel.ep < layout.dp)
+    if ep_is_zero:  # the ep group is ZeRO's data-parallel group (trainer/rank/experts.py)
         descriptions["mesh_dp_shard"] = "shard" + SHARED_WITH_EP
         descriptions["mesh_dp_shard_cp"] = "shard" + SHARED_WITH_EP
         if not config.zero.uses_fsdp:
@@ -122,7 +125,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
         return descriptions["mesh_cp"], descriptions
     sharded_over_all = config.zero.uses_fsdp and layout.shard_size() == world_size
     zero = "shard" if sharded_over_all else "world"
-    if config.parallel.ep > 1 and (sharded_over_all or not config.zero.uses_fsdp):
+    if ep_is_zero and (sharded_over_all or not config.zero.uses_fsdp):
         return zero + SHARED_WITH_EP, descriptions  # DDP's replicas are every rank: the ep group is ep = dp
     return zero, descriptions
 

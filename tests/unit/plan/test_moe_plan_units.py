@@ -99,16 +99,21 @@ def test_half_precision_activations_are_what_autograd_saves(overrides: tuple[str
 
 
 def test_the_weight_casts_are_three_per_expert_where_the_weights_are_not_the_rows_dtype() -> None:
-    """fp32 and FSDP2's bf16 parameters at ep = 1 cast nothing; autocast and FSDP2 under parallel.ep cast each of
-    a rank's E / ep experts' three weights to 2 bytes per element."""
-    assert [weight_cast_bytes(regime, 1) for regime in ("fp32", "autocast", "fsdp_mp")] == [0, 2, 0]
-    assert [weight_cast_bytes(regime, 2) for regime in ("fp32", "fsdp_mp")] == [0, 2]
+    """fp32 and FSDP2's bf16 parameters at ep = 1 cast nothing; autocast and FSDP2 under parallel.ep over all its
+    ranks (the experts apart, fp32) cast each of a rank's E / ep experts' three weights to 2 bytes per element; an
+    ep group inside FSDP2's shard group has its experts gathered in bf16: nothing cast."""
+    assert [weight_cast_bytes(regime, False) for regime in ("fp32", "autocast", "fsdp_mp")] == [0, 2, 0]
+    assert [weight_cast_bytes(regime, True) for regime in ("fp32", "fsdp_mp")] == [0, 2]
     config = compose_config(*TINY_MOE, "precision=bf16", "zero=stage3", "parallel.ep=2", "nproc=2")
     m = config.model
     for rank in (0, 1):
-        rows = expert_rows(config, rank)
+        rows = expert_rows(config, rank, shard_ranks=2)
+        assert rows.apart
         assert expert_casts(config, "fsdp_mp", rows) == 3 * (m.n_experts // 2) * m.expert_width * m.dim * 2
         assert expert_casts(config, "fp32", rows) == 0
+    inside = compose_config(*TINY_MOE, "precision=bf16", "zero=stage3", "parallel.ep=2", "nproc=4")
+    rows = expert_rows(inside, 1, shard_ranks=4)
+    assert not rows.apart and expert_casts(inside, "fsdp_mp", rows) == 0
 
 
 def test_a_dense_models_activations_free_nothing_early() -> None:

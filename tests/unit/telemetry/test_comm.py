@@ -174,6 +174,8 @@ def test_groups_are_named_as_the_plan_names_them(
         "mesh_tp": "tp",
         "mesh_cp": "cp",
         "mesh_pp": "pp",
+        "mesh_ep": "ep",  # an ep group inside FSDP2's shard group: trainer/rank/mesh.py `expert_mesh`
+        "mesh_expert_shard": "expert_shard",
     }
     assert entry_group({"process_group": ["0", "default_pg"]}, default_group, descriptions) == default
 
