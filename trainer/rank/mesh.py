@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import ZeroConfig
 from trainer.layout import AXES, Layout
-from trainer.private_apis.of_torch import flatten_mesh
+from trainer.private_apis.of_torch import concatenate_meshes, flatten_mesh
 
 
 def build_mesh(layout: Layout, device_type: str, zero: ZeroConfig) -> DeviceMesh:
@@ -38,14 +38,13 @@ def data_parallel_mesh(mesh: DeviceMesh, layout: Layout, zero: ZeroConfig) -> De
     axes = layout.zero_axes(zero.uses_fsdp)
     if len(axes) == 1:
         return mesh[axes[0]]
-    if zero.uses_fsdp and axes[0] == "dp_replicate":
-        # HSDP: FSDP2 replicates over dim 0 and shards over dim 1, so cp folds into the shard dim alone
-        # (torchtitan's ("dp_replicate", "dp_shard_cp")); the root mesh then serves both dims by name
-        shard = axes[1:]
-        if len(shard) > 1:
-            flatten_mesh(mesh[shard], "_".join(shard))
-        return mesh["dp_replicate", "_".join(shard)]
-    if "cp" in axes:
+    hsdp = zero.uses_fsdp and axes[0] == "dp_replicate"
+    if hsdp and len(axes) == 3:
+        # HSDP with cp: FSDP2 replicates over dim 0 and shards over dim 1, so cp folds into the shard dim alone
+        # (torchtitan's ("dp_replicate", "dp_shard_cp"))
+        flat = flatten_mesh(mesh[axes[1:]], "_".join(axes[1:]))
+        return concatenate_meshes(mesh, [mesh["dp_replicate"], flat])
+    if "cp" in axes and not hsdp:  # HSDP at zero.shard_ranks=1 shards over cp itself: (dp_replicate, cp)
         return flatten_mesh(mesh[axes], "_".join(axes))
     return mesh[axes]
 
