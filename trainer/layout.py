@@ -204,18 +204,25 @@ def data_parallel_degrees(zero: ZeroConfig, dp: int, cp: int = 1) -> tuple[int, 
     """(dp_replicate, dp_shard, hpz) of `zero` over `dp` data-parallel ranks; ConfigError (naming the
     key) for a size torch refuses. DDP's ranks (stage0/1) are replicas; FSDP2 shards over every dp rank,
     or over zero.shard_ranks of them with the groups replicated (HSDP). FSDP2's shard group folds in the
-    `cp` ranks of each (Layout.zero_axes), so hpZ's groups divide dp_shard x cp."""
+    `cp` ranks of each (Layout.zero_axes), HSDP's too: zero.shard_ranks counts dp ranks, a shard group is
+    zero.shard_ranks x cp ranks (torchtitan's dp_shard x cp); hpZ's groups divide dp_shard x cp."""
     if not zero.uses_fsdp:
         return dp, 1, None
     shard = dp if zero.shard_ranks is None else zero.shard_ranks
+    # beside cp, zero.shard_ranks counts data-parallel ranks and each shard group spans shard_ranks x cp ranks
+    # (torchtitan's dp_shard degree; FSDP2's shard dim dp_shard_cp, trainer/rank/mesh.py)
+    ranks, beside_cp = (f"the world ({dp} ranks)", f"the world size {dp}"), ""
+    if cp > 1:
+        ranks = (f"the {dp} data-parallel ranks",) * 2
+        beside_cp = f"; beside parallel.cp={cp} a shard group is zero.shard_ranks x {cp} ranks"
     if shard > dp:
         raise ConfigError(
-            f"zero.shard_ranks={shard} is larger than the world ({dp} ranks); "
+            f"zero.shard_ranks={shard} is larger than {ranks[0]}{beside_cp}; "
             f"allowed: a divisor of {dp}: {', '.join(map(str, divisors(dp)))}"
         )
     if dp % shard:
         raise ConfigError(
-            f"zero.shard_ranks={shard} must divide the world size {dp} (HSDP: whole shard groups); "
+            f"zero.shard_ranks={shard} must divide {ranks[1]} (HSDP: whole shard groups{beside_cp}); "
             f"allowed: {', '.join(map(str, divisors(dp)))}"
         )
     hpz, group = zero.hpz_ranks, shard * cp

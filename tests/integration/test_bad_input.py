@@ -241,7 +241,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
     (CP, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2", "nproc=4"),
-    (CP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
     (EP, "zero=stage1"): ("zero=stage1",),
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),

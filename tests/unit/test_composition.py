@@ -81,11 +81,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         PP,
         "parallel.cp=2 with parallel.pp > 1 is not supported; use parallel.pp=1 or parallel.cp=1",
     ),
-    "parallel.cp x zero.shard_ranks": (
-        (*CP, "zero=stage3"),
-        ("zero.shard_ranks=2",),
-        "parallel.cp=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.cp=1",
-    ),
     "parallel.ep x zero=stage1": (
         EP,
         ("zero=stage1",),

@@ -180,7 +180,6 @@ def test_every_pipeline_tensor_and_context_parallel_row_refuses_one_generated_pa
         "zero.compression",
         "zero.sync_every",
         "model.tie_embeddings=true",
-        "zero.shard_ranks",
         "zero.reshard_after_backward=false",
         "parallel.pp > 1",
     }

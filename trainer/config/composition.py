@@ -160,14 +160,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "use parallel.pp=1",
     ),
     Refusal(
-        CP,
-        "zero.shard_ranks",
-        lambda c: c.zero.shard_ranks is not None,
-        "not yet built: HSDP's two dims with cp folded into the shard dim (the mesh folds cp into one "
-        "data-parallel dim only)",
-        "use zero.shard_ranks=null",
-    ),
-    Refusal(
         EP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,

@@ -84,7 +84,7 @@ from trainer.plan.disk import DiskPlan, check_offload_path, measure_disk
 from trainer.plan.groups import GROUPS, INTRA_NODE, LINKS, NETWORK, ShardGroups, shard_groups
 from trainer.plan.headroom import HEADROOM
 from trainer.plan.host import HostPlan, cores_warning
-from trainer.plan.moe import expert_shard_dim  # the dim FSDP2 shards an ep group's experts on, run and plan alike
+from trainer.plan.moe import expert_shard_dim  # the dim FSDP2 shards experts on, run and plan alike
 from trainer.plan.pipeline import bubble as pipeline_bubble
 from trainer.plan.pipeline import stage_blocks  # trainer/model/pipeline_split.py's, the ranks' own split
 from trainer.plan.refusal import cause_of, host_refusal, refusal, way_out

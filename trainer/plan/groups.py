@@ -5,7 +5,8 @@ FSDP2 shards over the shard dim of its device mesh and replicates over the other
 gives HSDP with `(Replicate(), Shard(0))`). zerolab's layout names the two dims `(dp_replicate, dp_shard)` =
 `(world / zero.shard_ranks, zero.shard_ranks)` (trainer/layout.py; the mesh: trainer/rank/mesh.py), so a shard group is
 `shard_ranks` consecutive global ranks (one node when shard_ranks = nproc) and a replicate group
-takes one rank of each shard group. torchtitan calls the two degrees `data_parallel_replicate_degree`
+takes one rank of each shard group. Under parallel.cp, zero.shard_ranks still counts dp ranks and cp folds into
+each shard group (the mesh's `(dp_replicate, dp_shard_cp)`, torchtitan's): `shard_ranks x cp` ranks. torchtitan calls the two degrees `data_parallel_replicate_degree`
 and `data_parallel_shard_degree` (pytorch/torchtitan docs/fsdp.md maps the 2-D mesh to MiCS).
 
 hpZ (ZeRO++): `fully_shard(reshard_after_forward=H)` keeps, after each block's forward, a secondary
@@ -117,7 +118,9 @@ class ShardGroups:
         made by every rank at once (trainer/rank/mesh.py `secondary_mesh`): one there.
         """
         tp = 1 if self.tp > 1 else 0  # the TP mesh dim's group
-        cp = 1 if 1 < self.cp < self.world else 0  # the cp dim's group, where it is not ZeRO's (dp > 1)
+        # the cp dim's group, where it is not ZeRO's: dp > 1, and under HSDP zero.shard_ranks > 1 (the shard
+        # group, shard_ranks x cp ranks, is cp's own at shard_ranks=1)
+        cp = 1 if 1 < self.cp < min(self.world, self.shard) else 0
         experts = 2 if self.ep > 1 else 0  # ep inside the shard group: the expert mesh's two dims
         if self.world <= 1:
             return 1  # the default group's: init_process_group(device_id=...) makes it at once (trainer/world.py)
@@ -135,10 +138,13 @@ def shard_groups(
     """The groups of `zero` on `world_size` ranks; ConfigError (naming the key) for a size torch refuses.
     Under parallel.tp, `world_size` and `ranks_per_node` count data-parallel replicas (a TP group is one
     node's `tp` consecutive ranks, so the dp groups' links are those of replicas numbered node by node);
-    under parallel.cp they count dp x cp ranks, the ranks ZeRO works over. `ep`: parallel.ep, kept where its group
-    lies inside FSDP2's shard group."""
+    under parallel.cp they count dp x cp ranks, the ranks ZeRO works over, and FSDP2's shard group is
+    zero.shard_ranks x cp of them (HSDP's shard dim `dp_shard_cp`: trainer/rank/mesh.py). `ep`: parallel.ep, kept
+    where its group lies inside FSDP2's shard group."""
     per_node = ranks_per_node or world_size
-    _, shard, hpz = data_parallel_degrees(zero, world_size)  # the checks torch would make, before any rank
+    # the checks torch would make, before any rank: zero.shard_ranks counts dp ranks, cp folds into each group
+    _, shard, hpz = data_parallel_degrees(zero, world_size // cp, cp)
+    shard *= cp
     if not zero.uses_fsdp:
         shard = world_size  # DDP's group is the plan's shard group too: every rank of `world_size`
     inside = ep if zero.uses_fsdp and 1 < ep < shard else 1

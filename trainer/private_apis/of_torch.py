@@ -33,6 +33,7 @@ __all__ = [
     "flight_recorder_dumps",
     "flight_recorder_json",
     "flatten_mesh",
+    "concatenate_meshes",
     "prebuilt_secondary_mesh",
     "all_gather_autograd",
     "all_to_all_autograd",
@@ -299,6 +300,19 @@ def interleaved_1f1b_order(
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """One dim `name` of every dim of `mesh` (a sub-mesh of adjacent dims), registered on the root mesh."""
     return mesh._flatten(name)
+
+
+def concatenate_meshes(root: Any, meshes: list[Any]) -> Any:
+    """One mesh of the dims of `meshes`, sub-meshes of `root` (HSDP's replicate dim and its flattened shard dim),
+    over their process groups: torch's FSDP2 builds its own HSDP mesh so (torch 2.13 _fsdp_init.py). Slicing
+    `root` by the dims' names gives the same mesh, but warns that slicing a flattened dim will be deprecated;
+    where a torch has no `_concatenate` (guarded), that slice."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:
+        return root[tuple(name for mesh in meshes for name in mesh.mesh_dim_names)]
+    return concatenate(meshes)
 
 
 def prebuilt_secondary_mesh(secondary: Any) -> Any:

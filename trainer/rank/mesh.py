@@ -4,7 +4,8 @@ Every technique takes its sub-mesh by name: tensor parallelism `mesh["tp"]`, the
 DDP `mesh["dp_replicate"]`, FSDP2 `mesh["dp_shard"]` or, under HSDP, `mesh["dp_replicate", "dp_shard"]`
 (FSDP2 replicates over the first dim and shards over the second), context parallelism `mesh["cp"]`.
 Under parallel.cp ZeRO works over cp too: its dim is folded with dp_shard (FSDP2) or dp_replicate (DDP)
-into one flattened dim, `dp_shard_cp` or `dp_replicate_cp` (torchtitan's `dp_shard_cp`). The mesh's dims are the layout's axes
+into one flattened dim, `dp_shard_cp` or `dp_replicate_cp` (torchtitan's `dp_shard_cp`); under HSDP
+with cp, FSDP2's mesh is `("dp_replicate", "dp_shard_cp")`, cp folded into the shard dim only. The mesh's dims are the layout's axes
 that have more than one rank, and always the data-parallel axis ZeRO works over: an axis of one rank
 still gives DDP or FSDP2 its (trivial) group, and an axis that is not needed is not built, so that no
 process group exists that carries nothing. A dim spanning the whole world reuses the default group
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import ZeroConfig
 from trainer.layout import AXES, Layout
-from trainer.private_apis.of_torch import flatten_mesh
+from trainer.private_apis.of_torch import concatenate_meshes, flatten_mesh
 
 
 def build_mesh(layout: Layout, device_type: str, zero: ZeroConfig) -> DeviceMesh:
@@ -32,11 +33,18 @@ def build_mesh(layout: Layout, device_type: str, zero: ZeroConfig) -> DeviceMesh
 
 def data_parallel_mesh(mesh: DeviceMesh, layout: Layout, zero: ZeroConfig) -> DeviceMesh:
     """The sub-mesh ZeRO replicates or shards over (Layout.zero_axes): one dim, HSDP's two (replicate,
-    shard), or cp folded with the data-parallel dim into one (HSDP with cp is refused: the table)."""
+    shard), or cp folded with the data-parallel dim into one; under HSDP cp folds into the shard dim
+    (`dp_shard_cp`, or cp itself at zero.shard_ranks=1), the replicate dim stays its own."""
     axes = layout.zero_axes(zero.uses_fsdp)
     if len(axes) == 1:
         return mesh[axes[0]]
-    if "cp" in axes:
+    hsdp = zero.uses_fsdp and axes[0] == "dp_replicate"
+    if hsdp and len(axes) == 3:
+        # HSDP with cp: FSDP2 replicates over dim 0 and shards over dim 1, so cp folds into the shard dim alone
+        # (torchtitan's ("dp_replicate", "dp_shard_cp"))
+        flat = flatten_mesh(mesh[axes[1:]], "_".join(axes[1:]))
+        return concatenate_meshes(mesh, [mesh["dp_replicate"], flat])
+    if "cp" in axes and not hsdp:  # HSDP at zero.shard_ranks=1 shards over cp itself: (dp_replicate, cp)
         return flatten_mesh(mesh[axes], "_".join(axes))
     return mesh[axes]
 

@@ -35,7 +35,7 @@ from trainer.config import (
 from trainer.model.decoder import materialize
 from trainer.model.hf_weights import load_weights
 from trainer.model.moe import moe_layers
-from trainer.plan import ShardGroups, expert_shard_dim, shard_groups
+from trainer.plan import ShardGroups, expert_shard_dim
 from trainer.private_apis.of_torch import ddp_ignore_params, prebuilt_secondary_mesh
 from trainer.rank.compression import apply_compression
 from trainer.rank.precision import build_mp_policy
@@ -116,11 +116,13 @@ def apply_fsdp(
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each transformer block, then the root (embeddings, final norm, output head), over
-        `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)` (FSDP2 shards over the last dim and all-reduces
+        `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)`, `dp_shard_cp` under cp (FSDP2 shards over the last dim and all-reduces
         gradient shards over the first: torchtitan's data_parallel_replicate_degree x data_parallel_shard_degree,
         pytorch/torchtitan docs/fsdp.md). Under tensor parallelism FSDP2 shards the TP layers' DTensors again; under
     parallel.ep it leaves the `ignored` expert weights, sharded over the same ranks already (trainer/rank/experts.py)."""
-    groups = shard_groups(zero, dp_mesh.size())
+    # FSDP2 shards over the mesh's last dim (dp_shard, or dp_shard_cp under cp): its size is the shard group's;
+    # zero.shard_ranks and zero.hpz_ranks were checked against it with the layout (trainer/layout.py)
+    groups = ShardGroups(dp_mesh.size(), dp_mesh.size(), dp_mesh.size(-1), zero.hpz_ranks)
     reshard = block_reshard(zero, groups)
     common = dict(
         mesh=dp_mesh,
@@ -128,9 +130,8 @@ def apply_fsdp(
         offload_policy=build_offload_policy(offload, world),
         ignored_params=ignored,
     )
-    if (
-        experts_mesh is not None
-    ):  # an ep group inside the data-parallel ranks: its experts sharded over the rest
+    # an ep group inside the data-parallel ranks: its experts sharded over the rest
+    if experts_mesh is not None:
         shard_experts(model, experts_mesh, reshard, common)
         common["ignored_params"] = None
     # hpZ under a pipeline: each block's secondary mesh is the one every rank made (trainer/rank/mesh.py)

@@ -100,7 +100,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     whole world, FSDP2's shard group when it shards over every rank, else `world`. DDP (zero=stage0/1)
     replicates over dp_replicate, which the plan calls `world` (the data-parallel world, every rank unless
     tp or pp takes some): under a pipeline that dim is a group of its own, named alike here. At dp = 1 under
-    parallel.cp, ZeRO works over the cp dim itself: that process group is ZeRO's and cp's, `shard+cp` or
+    parallel.cp, or under HSDP with zero.shard_ranks=1 (its shard dim), ZeRO works over the cp dim itself: that process group is ZeRO's and cp's, `shard+cp` or
     `world+cp` (SHARED_WITH_CP). Under parallel.ep ZeRO's group is the ep group too, `shard+ep` or `world+ep`
     (SHARED_WITH_EP).
     """
@@ -109,7 +109,10 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     zero = "shard" if config.zero.uses_fsdp else "world"
     if not config.zero.uses_fsdp:
         descriptions["mesh_dp_replicate"] = "world"
-    shared = layout.cp > 1 and layout.dp == 1
+    # cp is ZeRO's whole dim where the data-parallel axis it folds into has one rank: dp = 1, or under HSDP
+    # zero.shard_ranks=1 (FSDP2's mesh `(dp_replicate, cp)`, trainer/rank/mesh.py)
+    alone = layout.dp_shard if config.zero.uses_fsdp else layout.dp
+    shared = layout.cp > 1 and alone == 1
     if shared:
         descriptions["mesh_cp"] = zero + SHARED_WITH_CP
     ep_is_zero = config.parallel.ep > 1 and not (config.zero.uses_fsdp and config.parallel.ep < layout.dp)

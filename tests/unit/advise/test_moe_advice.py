@@ -55,7 +55,9 @@ def test_where_no_ep_candidate_fits_the_advice_names_the_least() -> None:
     """Mixtral's 46.7B parameters on 8 H100s: with ep (which refuses offload) its states alone pass 80 GiB a rank;
     the note names the candidate that needs the least, with what it needs."""
     config = compose_config(*ADVISE, "model=mixtral-8x7b", "nproc=8", "global_batch=8")
-    choice = next(c for c in choices(config, 8, "cuda") if c.get("parallel.ep") == 8 and c["zero"] == "stage3")
+    choice = next(
+        c for c in choices(config, 8, "cuda") if c.get("parallel.ep") == 8 and c["zero"] == "stage3"
+    )
     rates = rates_for(config, 8, [choice["micro_batch"]])
     candidate = evaluate(config, choice, "cuda", 8, rates, flops_per_token(config.model, config.seq_len))
     assert candidate is not None and candidate.device_fits is False

@@ -60,6 +60,20 @@ def test_sizes_torch_refuses_are_one_line_naming_the_key(zero: dict, world: int,
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_beside_cp_a_shard_group_is_shard_ranks_x_cp_ranks() -> None:
+    """zero.shard_ranks counts dp ranks; cp folds into each shard group (trainer/rank/mesh.py `dp_shard_cp`):
+    8 ranks of dp 4 x cp 2, shard_ranks=2 -> shard groups of 4, replicated twice, cp a group of its own (one
+    communicator more), and at shard_ranks=1 the shard group is the cp group (none more)."""
+    hsdp = shard_groups(ZeroConfig(stage=Stage.stage3, shard_ranks=2), 8, cp=2)
+    assert (hsdp.shard, hsdp.replicate, hsdp.nccl_communicators(0)) == (4, 2, 4)
+    alone = shard_groups(ZeroConfig(stage=Stage.stage3, shard_ranks=1), 8, cp=2)
+    assert (alone.shard, alone.replicate, alone.nccl_communicators(0)) == (2, 4, 3)
+    with pytest.raises(ConfigError) as caught:
+        shard_groups(ZeroConfig(stage=Stage.stage3, shard_ranks=3), 8, cp=2)
+    assert str(caught.value).startswith("zero.shard_ranks=3 must divide the 4 data-parallel ranks")
+    assert "a shard group is zero.shard_ranks x 2 ranks" in str(caught.value)
+
+
 def test_a_node_per_shard_group_keeps_it_inside_the_node_and_replicates_across_the_network() -> None:
     hsdp = shard_groups(ZeroConfig(stage=Stage.stage3, shard_ranks=8), 64, 8)
     assert (hsdp.shard, hsdp.replicate, hsdp.link("shard"), hsdp.link("replicate")) == (

@@ -27,6 +27,7 @@ from trainer.private_apis.of_torch import (
     caller_name,
     checkpoint_wrapper,
     comm_hook_states,
+    concatenate_meshes,
     ddp_bucket_assignment,
     ddp_default_bucket_cap_mb,
     ddp_ignore_params,
@@ -277,6 +278,17 @@ def test_a_flattened_mesh_is_one_dim_over_the_ranks_of_its_dims(process_group: N
     flat = flatten_mesh(mesh["b", "c"], "b_c")
     assert flat.mesh_dim_names == ("b_c",) and flat.size() == 1
     assert dist.get_world_size(flat.get_group()) == 1  # a process group of its own dim's ranks
+
+
+def test_concatenated_meshes_are_one_mesh_of_their_dims_groups(process_group: None) -> None:
+    """HSDP under cp: the replicate dim beside the flattened shard dim, over the groups those dims already hold."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+    flat = flatten_mesh(mesh["b", "c"], "b_c")
+    both = concatenate_meshes(mesh, [mesh["a"], flat])
+    assert both.mesh_dim_names == ("a", "b_c") and both.size() == 1
+    assert both.get_group("b_c") is flat.get_group() and both.get_group("a") is mesh["a"].get_group()
 
 
 def test_the_autograd_collectives_pass_values_and_gradients_through(process_group: None) -> None:

@@ -219,3 +219,35 @@ def test_context_parallel_groups(stage: str, world: int, default: str, zero_dim:
         assert entry_group(mesh_entry(kind, cp_dim, *sizes), default_group, descriptions) == group
     for kind in ("all_gather", "all_reduce"):  # FSDP2's flat buffers, DDP's buckets, the loop's flags
         assert entry_group(mesh_entry(kind, zero_dim, [4096]), default_group, descriptions) == zero
+
+
+@pytest.mark.parametrize(
+    ("world", "shard_ranks", "shard_dim"),
+    [
+        (8, 2, "mesh_dp_shard_cp"),  # HSDP (dp_replicate 2, dp_shard_cp 4): cp folded into the shard dim
+        (4, 1, "mesh_cp"),  # zero.shard_ranks=1: the shard dim is cp itself, one process group for both
+    ],
+)
+def test_context_parallel_groups_under_hsdp(world: int, shard_ranks: int, shard_dim: str) -> None:
+    """parallel.cp=2 with zero.shard_ranks: FSDP2's flat collectives in the shard dim are `shard`, the all-reduce
+    across replicas `replicate`, attention's exchanges `cp`, the loop's flags on the default group `world`."""
+    from tests.helpers import tiny_config
+    from trainer.telemetry.comm import entry_group, group_names
+
+    config = tiny_config(
+        nproc=str(world),
+        parallel__cp=2,
+        parallel__cp_impl="allgather",
+        zero__stage="stage3",
+        zero__shard_ranks=shard_ranks,
+    )
+    default_group, descriptions = group_names(config, world)
+    assert default_group == "world"
+    for kind, dim, sizes, group in [
+        ("all_gather", shard_dim, [4096], "shard"),
+        ("all_reduce", shard_dim, [4096], "shard"),
+        ("all_reduce", "mesh_dp_replicate", [1024], "replicate"),
+        ("all_to_all", "mesh_cp", [2, 2, 32, 1, 32], "cp"),
+        ("all_reduce", "default_pg", [10], "world"),
+    ]:
+        assert entry_group(mesh_entry(kind, dim, sizes), default_group, descriptions) == group
