@@ -22,3 +22,19 @@ def claim_directory(base: Path) -> Path:
             continue
         return candidate
     raise AssertionError("unreachable")
+
+
+def set_aside_metrics(run_dir: Path) -> Path | None:
+    """A job that starts at step 0 (resume=false) in a directory an earlier run wrote: that run's metrics.jsonl
+    moved to the first free metrics.<n>.jsonl, so that the new run's history is its own (the summary reads
+    one run's windows: steps that go back, or another world's ranks, would be mixed in) and the earlier one is
+    kept. A resumed run continues the file instead (trainer/saves/resume.py `rewind_metrics`)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    for n in itertools.count(1):
+        kept = run_dir / f"metrics.{n}.jsonl"
+        if not kept.exists():
+            metrics.rename(kept)
+            return kept
+    raise AssertionError("unreachable")

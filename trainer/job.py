@@ -36,6 +36,7 @@ from trainer.faults.stop import (
     stopped,
     stopped_at_once,
 )
+from trainer.files import set_aside_metrics
 from trainer.layout import Layout, check_world
 from trainer.model.attention import check_document_mask, config_choice, takes_mask
 from trainer.model.hf_weights import fingerprint
@@ -162,6 +163,9 @@ def check_job(cfg: DictConfig, out_dir: Path) -> Job | None:
             from trainer.saves.resume import prepare_resume  # DCP: only for a job that resumes
 
             config, out_dir = prepare_resume(config, out_dir, world_size)
+        if config.mode == Mode.train and not is_under_torchrun() and config.resume == "false":
+            if (kept := set_aside_metrics(out_dir)) is not None:
+                print(f"{out_dir} holds an earlier run's metrics.jsonl: kept as {kept.name}", flush=True)
         if config.mode == Mode.train and weights:
             # After resume=true matched this run to its earlier one: Hydra's stored config has no fingerprint.
             config.model.weights_sha256 = fingerprint(weights)
