@@ -235,7 +235,10 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "zero.reshard_after_backward=false",
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
-    (CP, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2", "nproc=4"),
+    (CP, "zero.hpz_ranks under parallel.pp > 1"): (
+        *("parallel.pp=2", "grad_accum=2", "nproc=8"),
+        *("zero=stage3", "zero.reduce_every=step", "zero.hpz_ranks=2"),
+    ),
     (CP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
     (EP, "zero=stage1"): ("zero=stage1",),
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),

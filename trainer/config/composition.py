@@ -153,11 +153,11 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         CP,
-        "parallel.pp > 1",
-        lambda c: c.parallel.pp > 1,
-        "not yet built: a pipeline stage's forward (trainer/model/pipeline_split.py) takes no cp group, rotary "
-        "positions or cp mask",
-        "use parallel.pp=1",
+        "zero.hpz_ranks under parallel.pp > 1",
+        lambda c: c.zero.hpz_ranks is not None and c.parallel.pp > 1,
+        "not yet built: hpZ's secondary mesh under a pipeline (trainer/rank/mesh.py `secondary_mesh`) is made over "
+        "(pp, dp / H, H), without the cp dim that FSDP2's shard dim folds in",
+        "use zero.hpz_ranks=null",
     ),
     Refusal(
         CP,
