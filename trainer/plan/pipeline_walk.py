@@ -40,7 +40,7 @@ from typing import NamedTuple
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
-from trainer.plan.context_parallel import cp_positions, row_length
+from trainer.plan.context_parallel import cp_positions, per_forward_kept, row_length
 from trainer.plan.ddp_walk import hook_results, hook_state
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
@@ -452,9 +452,10 @@ def pipeline_stage_plans(
     batch = m * (8 * (row + 1) if one_row else 16 * tokens) + 16 * tokens * m
     fed = 8 * config.micro_batch * config.seq_len * m if config.parallel.cp > 1 else 0
     out = []
+    forward_kept = per_forward_kept(config)
     # One micro-batch's activations per stage: a function of the stage alone, read at every moment of the walk
     per_stage = [
-        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast)
+        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast, forward_kept)
         for s in range(p.stages)
     ]
 

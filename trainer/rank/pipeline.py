@@ -15,6 +15,10 @@ torchtitan composes it (pytorch/torchtitan torchtitan/distributed/pipeline_paral
 - the schedules ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B stream the step's grad_accum
   micro-batches; the loss is the schedule's loss_fn on the last stage, and gradients are divided by the
   micro-batches' count (scale_grads), as the loop divides each micro-batch's loss by grad_accum;
+- under parallel.cp (torchtitan's composition: every stage's forward runs on its cp rank's share of the
+  micro-batch) each stage is a cp rank's, with its group's exchanges in its blocks' attention (trainer/model/
+  pipeline_split.py), the first stage fed its positions of the tokens and the loss_fn the whole rows' targets,
+  of which it takes its own, its loss its share of the group's mean (`cp_feed`, `PipelineLoss.cp_terms`);
 - one loss scale for the whole pipeline: under fp16 the scaler is ShardedGradScaler over every rank, so the
   overflow flag is all-reduced over pp (and dp) before any rank steps; the gradient norm is the whole model's
   (each stage's squared norm summed over the pp group).
