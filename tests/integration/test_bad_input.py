@@ -235,6 +235,9 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "zero.reshard_after_backward=false",
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
+    (CP, "parallel.pp_schedule=interleaved_1f1b"): (
+        *("parallel.pp=2", "grad_accum=2", "nproc=4", "parallel.pp_schedule=interleaved_1f1b"),
+    ),
     (CP, "zero.hpz_ranks under parallel.pp > 1"): (
         *("parallel.pp=2", "grad_accum=2", "nproc=8"),
         *("zero=stage3", "zero.reduce_every=step", "zero.hpz_ranks=2"),

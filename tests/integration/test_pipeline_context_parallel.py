@@ -1,6 +1,7 @@
 """Context parallelism per pipeline stage: parallel.pp=2 x parallel.cp=2 (Ulysses) on 4 CPU ranks, fp32, Schedule1F1B
 and ScheduleGPipe over grad_accum=4 micro-batches of one row of 128 positions, 3 steps: 1F1B at zero=stage0 (DDP over
-each stage's 2 cp ranks) and zero=stage2 (FSDP2 over them), GPipe at stage2.
+each stage's 2 cp ranks) and zero=stage2 (FSDP2 over them), GPipe at stage2 (interleaved_1f1b trains too, but its plan
+is refused: trainer/config/composition.py).
 
 Each stage's forward runs on its cp rank's 64 positions of every row, with their rotary angles
 (trainer/model/pipeline_split.py `StageModel.forward`), the first stage fed those positions and the loss_fn the whole
