@@ -299,8 +299,9 @@ def cp_options(
     """(parallel.cp, parallel.cp_impl) > 1 beside parallel.tp=`tp` (ParallelConfig.check_context): every cp
     whose group of cp x tp ranks lies inside one node (its exchanges are exposed on the critical path, as TP's
     are: docs/communication.md) and splits every sequence into 2·cp equal chunks; Ulysses where each rank gets
-    whole heads and kv heads (divisible by tp x cp), the all-gather always. None beside a pipeline (the
-    composition table refuses it)."""
+    whole heads and kv heads (divisible by tp x cp), the all-gather always. None beside a pipeline: the pair
+    composes (tests/integration/test_pipeline_context_parallel.py) but is not searched yet, which would multiply
+    the layouts planned."""
     if pp is not None:
         return []
     m, inside = config.model, world_size // config.nodes // (tp or 1)

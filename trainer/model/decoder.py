@@ -239,6 +239,21 @@ class Transformer(nn.Module):
             self._rope_cache[device] = table
         return self._rope_cache[device]
 
+    def rotary_and_mask(
+        self, T: int, documents_BT: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rotary angles of the `T` positions this rank holds of each row, and the mask its attention takes
+        (None: causal). Under parallel.cp they are the rank's T of the row's T x cp (`documents_BT` the whole
+        rows'): the angles read at its own positions, the mask its exchange's (trainer/model/
+        context_parallel.py); shared by the decoder and a pipeline stage (trainer/model/pipeline_split.py)."""
+        table_TF, context = self.rope_table(device), self.context
+        if context is None:
+            return table_TF[:T], None if documents_BT is None else block_causal_mask(documents_BT)
+        row = T * context.size
+        return table_TF.index_select(0, context.positions(row, device).mine), context.mask(
+            documents_BT, row, device
+        )
+
     def cached_rope_tables(self) -> list[torch.Tensor]:
         """Every table `rope_table` has made so far (one per device)."""
         return list(self._rope_cache.values())
@@ -269,15 +284,8 @@ class Transformer(nn.Module):
         if row > self.config.max_seq_len:
             max_len = self.config.max_seq_len
             raise ValueError(f"sequence length {row} exceeds model.max_seq_len ({max_len}); lower seq_len")
-        table_TF = self.rope_table(tokens_BT.device)
         x_BTD = self.tok_embeddings(tokens_BT)
-        if context is None:
-            cis_TF = table_TF[:T]
-            mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
-        else:  # the rotary angles of this rank's positions; the mask its attention takes
-            mine = context.positions(row, tokens_BT.device).mine
-            cis_TF = table_TF.index_select(0, mine)
-            mask_B1TT = context.mask(documents_BT, row, tokens_BT.device)
+        cis_TF, mask_B1TT = self.rotary_and_mask(T, documents_BT, tokens_BT.device)
         log = self.router_log
         if log is not None:
             log.open = True  # the layers' routing is recorded during this forward only, not a recompute

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.model.decoder import NoInitOnMeta, Transformer, block_causal_mask
+from trainer.model.decoder import NoInitOnMeta, Transformer
 from trainer.model.loss import chunked_cross_entropy
 
 
@@ -80,12 +80,13 @@ class StageModel(Transformer):
         `targets_BT` (loss=chunked, the last stage only): the output is the chunked loss, as the decoder's
         forward given targets (the schedule's loss_fn passes it on)."""
         # Beyond the first stage under sequence parallelism the stage receives its TP rank's T / tp positions;
-        # the rotary table is of the whole sequence (attention all-gathers it first).
+        # the rotary table is of the whole sequence (attention all-gathers it first). Under parallel.cp every
+        # stage holds its cp rank's positions of each row, as the decoder does (`rotary_and_mask`): the
+        # angles of those positions, and the mask of the whole rows' documents.
         T = x.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-        cis_TF = self.rope_table(x.device)[:T]
-        mask_B1TT = None if documents_BT is None else block_causal_mask(documents_BT)
+        cis_TF, mask_B1TT = self.rotary_and_mask(T, documents_BT, x.device)
         for layer in self.layers:
             x = layer(x, cis_TF, mask_B1TT)
         if self.output is None:

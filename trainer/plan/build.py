@@ -417,7 +417,7 @@ def build_pipeline_plan(
         prec,
         device_kind,
         sharded_over,
-        config.parallel.dp(world_size),
+        layout.replicas,  # a stage's data-parallel replicas, dp x cp: DDP wraps it over those (parallelize.py)
     )
     ranks = []
     for rank in range(world_size):

@@ -60,6 +60,7 @@ bucket rebuild after the first step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,15 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
     dp_stages = (
         [dp_moves(*pipelined(config, shape, rank), world_size) for rank in range(pp)] if pp > 1 else []
     )
+    # parallel.cp under a pipeline: each pipeline rank's cp group exchanges for its own stages' blocks
+    cp_stages = (
+        tuple(
+            context_group(pipelined(config, shape, rank)[0], world_size, backend).bytes_by_collective
+            for rank in range(pp)
+        )
+        if pp > 1 and config.parallel.cp > 1
+        else ()
+    )
     if pp > 1:
         config, shape = pipelined(config, shape, 0)
     by_group = dp_moves(config, shape, world_size)
@@ -193,7 +203,7 @@ def plan_comm(config: TrainConfig, world_size: int, backend: str | None = None) 
         stages = per_stage if name == "tp" else tuple(tally(by[name], backend)[0] for by in dp_stages)
         plans[name] = GroupComm(groups.size(name), groups.link(name), group_bytes, group_calls, stages)
     if config.parallel.cp > 1:
-        plans["cp"] = context_group(config, world_size, backend)
+        plans["cp"] = dataclasses.replace(context_group(config, world_size, backend), per_stage=cp_stages)
     if config.parallel.ep > 1:
         plans["ep"] = expert_group(config, backend, groups)
     if pipeline is not None:

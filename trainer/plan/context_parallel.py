@@ -100,3 +100,18 @@ def cp_positions(local: TrainConfig) -> int:
     if local.parallel.cp == 1:
         return 0
     return 8 * (local.seq_len + 2 * row_length(local))
+
+
+def per_forward_kept(local: TrainConfig) -> int:
+    """What each forward of a stage makes once and its blocks keep until that micro-batch's backward, so a
+    pipeline holds it per micro-batch in flight (trainer/plan/pipeline.py `stage_activations`, where the pp = 1
+    walk's `batch` counts it once): the rotary angles of the rank's positions (`index_select`, complex64), and
+    allgather's mask where a checkpoint keeps it (`mask_kept`)."""
+    if local.parallel.cp == 1:
+        return 0
+    m, B, t, T = local.model, local.micro_batch, local.seq_len, row_length(local)
+    rope = t * (m.head_width // 2) * 8
+    mask = 0
+    if local.parallel.cp_impl == "allgather":
+        mask = mask_kept(local, CpActivations(0, 0, 0, (B if local.data.masks_documents else 1) * t * T))
+    return rope + mask

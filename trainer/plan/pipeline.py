@@ -30,6 +30,10 @@ Each rank's plan is its stage's (`StagePlan`), its states sharded by zero over t
 - the whole step's batch on every rank, twice: the micro-batches as loaded and their concatenation, which
   the schedule splits again (trainer/rank/pipeline.py).
 
+Under parallel.cp the job is one cp rank's (trainer/plan/context_parallel.py `cp_local`: T / cp positions a stage),
+its stages' replicas dp x cp; every rank loads whole rows and the first stage feeds its own positions besides, and
+each micro-batch in flight keeps the rotary angles of those positions (`per_forward_kept`).
+
 PipelineStage runs every backward but the last without gradient sync (DDP no_sync; FSDP2
 set_requires_gradient_sync(False) and set_reshard_after_backward(False)), and reduces once after the last
 (`perform_reduce_grad`): the stage accumulates a whole unsharded gradient, and under FSDP2 keeps its
@@ -54,6 +58,7 @@ from trainer.config import LossKind, ParallelConfig, TrainConfig
 from trainer.layout import Layout
 from trainer.model.pipeline_split import stage_blocks
 from trainer.plan.activations import Activations, sequence_shards
+from trainer.plan.context_parallel import per_forward_kept
 from trainer.plan.groups import INTRA_NODE, NETWORK
 from trainer.plan.states import ModelShape
 from trainer.private_apis.of_torch import interleaved_1f1b_order
@@ -245,6 +250,7 @@ def stage_activations(
     last: bool,
     output: int,
     upcast: bool = False,
+    cp_kept: int = 0,
 ) -> Activations:
     """One micro-batch's activations on a stage (module docstring): its blocks' share of the model's table,
     the head on the last stage, the kept output (`output` bytes) elsewhere; the batch is the stage's own.
@@ -253,7 +259,8 @@ def stage_activations(
     nothing saves it: a block whose RMSNorm saves an fp32 upcast instead (`upcast`, activations.py
     `norm_upcasts_input`) and that is not checkpointed (a checkpointed block's frame keeps its input;
     measured with MemTracker, zero=stage3 bf16: each micro-batch's receive buffer and the fp32 upcast both
-    alive on the last stage)."""
+    alive on the last stage). `cp_kept`: parallel.cp's per-forward tensors each micro-batch keeps
+    (trainer/plan/context_parallel.py `per_forward_kept`), in place of the batch."""
     if last:
         head, log_softmax = acts.head, acts.log_softmax
     else:
@@ -265,7 +272,7 @@ def stage_activations(
         inputs_kept=acts.inputs_kept[blocks.start : blocks.stop] if acts.inputs_kept else (),
         head=head,
         log_softmax=log_softmax,
-        batch=0,
+        batch=cp_kept,
         received=0 if first or not input_saved else output,
     )
 
@@ -364,8 +371,9 @@ def build_pipeline(
     boundary = boundary_bytes(config, residual_bytes)
     logits = logits_bytes(config, compute_bytes)
     last_stage = p.stages - 1
+    kept = per_forward_kept(config)
     per_stage = {
-        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast).total
+        s: stage_activations(acts, blocks[s], s == 0, s == last_stage, boundary, upcast, kept).total
         for s in range(p.stages)
     }
     in_flight, forward_peaks, first_backwards, buffers, backwards = [], [], [], [], []

@@ -40,6 +40,7 @@ from typing import NamedTuple
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, sequence_shards
 from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
+from trainer.plan.context_parallel import cp_positions, per_forward_kept, row_length
 from trainer.plan.ddp_walk import hook_results, hook_state
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
 from trainer.plan.moments import (
@@ -420,7 +421,8 @@ def pipeline_stage_plans(
     sharded_over: int,
     dp: int,
 ) -> tuple[Pipeline, list[StageRanks]]:
-    """The pipeline and the plan of each pipeline rank (`config`: one TP rank's job)."""
+    """The pipeline and the plan of each pipeline rank (`config`: one TP rank's job, under parallel.cp one cp
+    rank's: T / cp positions); `dp` a stage's data-parallel replicas, dp x cp (DDP wraps a stage over them)."""
     p, m, last_stage = config.parallel, config.grad_accum, config.parallel.stages - 1
     split = stage_blocks(config.model.n_layers, p.stages)
     blocks = [sum(len(split[s]) for s in rank_stages(p, rank)) for rank in range(p.pp)]
@@ -442,13 +444,18 @@ def pipeline_stage_plans(
     # concatenation, which the schedule splits again (trainer/rank/pipeline.py). On CPU the loaded ones are the
     # collated tensors themselves (to_device keeps them); of one sample each, `.contiguous()` returns the row
     # slices of the stacked B x (T + 1) tokens (data.py split_inputs_targets), which they then share.
-    tokens = config.micro_batch * config.seq_len
+    # Under parallel.cp (`config` a cp rank's job) every rank loads whole rows; the first stage feeds the schedule
+    # its own positions of the inputs besides (int64, trainer/rank/pipeline.py `cp_feed`).
+    row = row_length(config)
+    tokens = config.micro_batch * row
     one_row = device_kind == "cpu" and config.micro_batch == 1
-    batch = m * (8 * (config.seq_len + 1) if one_row else 16 * tokens) + 16 * tokens * m
+    batch = m * (8 * (row + 1) if one_row else 16 * tokens) + 16 * tokens * m
+    fed = 8 * config.micro_batch * config.seq_len * m if config.parallel.cp > 1 else 0
     out = []
+    forward_kept = per_forward_kept(config)
     # One micro-batch's activations per stage: a function of the stage alone, read at every moment of the walk
     per_stage = [
-        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast)
+        stage_activations(acts, pipe.blocks[s], s == 0, s == last_stage, boundary, upcast, forward_kept)
         for s in range(p.stages)
     ]
 
@@ -478,6 +485,7 @@ def pipeline_stage_plans(
         moments = {}
         for states in dict.fromkeys(shards):
             other = other_bytes(config.model, config.data, states) + tables + pipe.buffers[rank] + batch
+            other += cp_positions(config) + (fed if ends[rank][0] else 0)  # parallel.cp's indices and feed
             other += hook_state(config.zero, locals_[rank]) if dp > 1 else 0  # the stage's DDP's hook
             ctx = StepContext(stage, locals_[rank], states, acts_peak, prec, sharded_over, device_kind, other)
             moments[states] = tuple(

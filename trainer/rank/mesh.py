@@ -53,7 +53,7 @@ def secondary_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     """hpZ under a pipeline: the mesh FSDP2 keeps each block's secondary shard over, `dp_mesh.mesh.view(-1, H)` of
     this rank's stage (H = zero.hpz_ranks; trainer/private_apis/of_torch.py `prebuilt_secondary_mesh` says why
     FSDP2 cannot build it itself), made by every rank at once over the world (pp, dp / H, H); None elsewhere.
-    hpZ does not compose with tp, nor cp with a pipeline (the composition table), so a stage's dp ranks are
+    hpZ does not compose with tp, nor with cp under a pipeline (the composition table), so a stage's dp ranks are
     consecutive."""
     if layout.hpz is None or not layout.enabled("pp"):
         return None

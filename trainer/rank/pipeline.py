@@ -15,6 +15,10 @@ torchtitan composes it (pytorch/torchtitan torchtitan/distributed/pipeline_paral
 - the schedules ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B stream the step's grad_accum
   micro-batches; the loss is the schedule's loss_fn on the last stage, and gradients are divided by the
   micro-batches' count (scale_grads), as the loop divides each micro-batch's loss by grad_accum;
+- under parallel.cp (torchtitan's composition: every stage's forward runs on its cp rank's share of the
+  micro-batch) each stage is a cp rank's, with its group's exchanges in its blocks' attention (trainer/model/
+  pipeline_split.py), the first stage fed its positions of the tokens and the loss_fn the whole rows' targets,
+  of which it takes its own, its loss its share of the group's mean (`cp_feed`, `PipelineLoss.cp_terms`);
 - one loss scale for the whole pipeline: under fp16 the scaler is ShardedGradScaler over every rank, so the
   overflow flag is all-reduced over pp (and dp) before any rank steps; the gradient norm is the whole model's
   (each stage's squared norm summed over the pp group).
@@ -49,7 +53,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import LossKind, ParallelConfig, TrainConfig
 from trainer.data import to_device
-from trainer.model.loss import LossTerms
+from trainer.model.context_parallel import ContextParallel
+from trainer.model.decoder import find_transformer
+from trainer.model.loss import IGNORE_INDEX, LossTerms
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
 from trainer.private_apis.of_torch import scale_on_device
 from trainer.rank.precision import build_autocast
@@ -168,13 +174,25 @@ class PipelineLoss:
     """loss.z_loss > 0: each micro-batch's terms since the last `unscaled`."""
     fault: Callable[[torch.Tensor], torch.Tensor] | None = None
     """This step's fault injection into the loss (fault.kind in LOSS_FAULTS, the loop's inject_fault), or None."""
+    context: ContextParallel | None = None
+    """parallel.cp > 1: the last stage's cp group. The schedule then hands the loss_fn whole rows of targets,
+    of which the stage's output holds this rank's positions (`cp_feed`)."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        terms = self.loss(logits, targets, self.z_weight)
+        terms = self.cp_terms(logits, targets)
         if terms.z_loss is not None:
             self.kept.append(LossTerms(*(local_loss(term).detach().float() for term in terms)))
         objective = terms.cross_entropy if terms.z_loss is None else terms.cross_entropy + terms.z_loss
         return self.scaler.scale(objective if self.fault is None else self.fault(objective))
+
+    def cp_terms(self, logits: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """The micro-batch's terms; under parallel.cp this rank's part of its group's mean, as the loop's
+        compute_loss takes it without a pipeline (ContextParallel.loss_factor needs the whole rows' targets)."""
+        if self.context is None:
+            return self.loss(logits, targets, self.z_weight)
+        mine = self.context.local(targets)
+        terms = self.loss(logits, mine, self.z_weight)
+        return terms.scaled(self.context.loss_factor(mine, targets, IGNORE_INDEX))
 
     def unscaled(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's summed cross-entropy and z-loss (None when off), of the micro-batches in the schedule's
@@ -206,6 +224,8 @@ class Pipeline:
     """Holds the last stage: takes the loss."""
     stages: list[MeasuredStage] = field(default_factory=list)
     """This rank's stages (their receive buffers are what the memory probe registers beside the model's)."""
+    context: ContextParallel | None = None
+    """parallel.cp > 1: this rank's cp group, the same on each of its stages (trainer/rank/parallelize.py)."""
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """Every receive buffer of this rank's stages (empty before the first step allocates them)."""
@@ -264,8 +284,17 @@ def build_pipeline(
         schedule = SCHEDULES[parallel.pp_schedule](stages[0], n_microbatches=config.grad_accum, loss_fn=loss)
     if world.is_main:
         print(split_line(config.model.n_layers, parallel.stages, parallel.pp), flush=True)
+    context = find_transformer(parts[0]).context  # parallel.cp > 1, else None
+    loss.context = context
     return Pipeline(
-        schedule, clock, loss, group, first=0 in indices, last=parallel.stages - 1 in indices, stages=stages
+        schedule,
+        clock,
+        loss,
+        group,
+        first=0 in indices,
+        last=parallel.stages - 1 in indices,
+        stages=stages,
+        context=context,
     )
 
 
@@ -279,12 +308,23 @@ def stage_kwargs(
     batch: tuple[torch.Tensor, ...], pipeline: Pipeline, config: TrainConfig
 ) -> dict[str, torch.Tensor]:
     """What this rank's stages take besides their input (StageModel.forward), which the schedule splits into
-    micro-batches as it does the inputs: data.packing=document's ids, for every stage; loss=chunked's targets,
-    for the last, whose output is then the loss."""
+    micro-batches as it does the inputs: data.packing=document's ids, for every stage (whole rows under
+    parallel.cp: the mask is the rows'); loss=chunked's targets, for the last, whose output is then the loss
+    (this cp rank's positions of them)."""
     kwargs = {"documents_BT": batch[2]} if len(batch) > 2 else {}
     if pipeline.last and config.loss.kind == LossKind.chunked:
-        kwargs["targets_BT"] = batch[1]
+        kwargs["targets_BT"] = batch[1] if pipeline.context is None else pipeline.context.local(batch[1])
     return kwargs
+
+
+def cp_feed(batch: tuple[torch.Tensor, ...], pipeline: Pipeline) -> tuple[torch.Tensor, ...]:
+    """The schedule's positional input: the first stage's tokens, under parallel.cp this rank's positions of
+    each row (the ranks of a cp group read the same rows: trainer/layout.py); nothing on the other stages.
+    The target stays whole: the loss_fn takes its positions and needs the rows' counted targets
+    (PipelineLoss.cp_terms)."""
+    if not pipeline.first:
+        return ()
+    return (batch[0] if pipeline.context is None else pipeline.context.local(batch[0]),)
 
 
 def chunked_terms(loss: torch.Tensor, targets: torch.Tensor, z_weight: float) -> LossTerms:
@@ -301,8 +341,7 @@ def pipeline_forward_backward(
     micro = [[to_device(t, world.device) for t in next(batches)] for _ in range(config.grad_accum)]
     data_s = time.perf_counter() - start
     batch = schedule_batch(micro)
-    inputs, targets = batch[:2]
-    args, losses = ((inputs,) if pipeline.first else ()), []
+    targets, losses = batch[1], []
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
     # losses. Each micro-batch's logits then live in `fwd_cache` until its backward.
@@ -314,7 +353,7 @@ def pipeline_forward_backward(
         pipeline.clock.timing("step"),
     ):
         pipeline.schedule.step(
-            *args,
+            *cp_feed(batch, pipeline),
             target=targets if pipeline.last else None,
             losses=losses,
             return_outputs=False,
@@ -348,7 +387,7 @@ def pipeline_evaluate(
             )
             losses: list[torch.Tensor] = []
             pipeline.schedule.eval(
-                *((batch[0],) if pipeline.first else ()),
+                *cp_feed(batch, pipeline),
                 target=batch[1] if pipeline.last else None,
                 losses=losses,
                 **stage_kwargs(batch, pipeline, config),
