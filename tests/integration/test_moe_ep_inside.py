@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import biased_trainee, compose_config, free_port, freeze_imports, torchrun_env
-from tests.integration.test_moe_plan import BIASED, EXACT, MOE_TINY, PLAN_BOUND, TRACKED, imbalance
+from tests.helpers import biased_trainee, free_port
+from tests.integration.test_moe_plan import EXACT, PLAN_BOUND, TRACKED, imbalance, point_config, worker
 from trainer.config import TrainConfig
 from trainer.plan import build_plan
 from trainer.units import GIB
@@ -44,22 +41,6 @@ POINTS = [
 the parity with ep=1; balanced and forced: test_moe_plan.py's BIASED; both: 2 experts, top 2, so that every token
 goes to both: one expert a rank, which FSDP2 cannot split on the expert dim over 2 ranks and shards on dim 1)."""
 EXTRA = {"both": ("model.n_experts=2", "model.top_k=2")}
-
-
-def point_config(tokens: Path, zero: str, ep: str, routing: str, precision: str) -> TrainConfig:
-    return compose_config(
-        *MOE_TINY,
-        *EXTRA.get(routing, ()),
-        "save=off",
-        f"steps={TRACKED[-1]}",
-        "telemetry.memory_every=0",
-        "data=tokens",
-        f"data.path={tokens}",
-        f"nproc={WORLD}",
-        f"precision={precision}",
-        f"zero={zero}",
-        f"parallel.ep={ep}",
-    )
 
 
 def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, Any]:
@@ -89,30 +70,18 @@ def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[st
     return out
 
 
-def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
-    os.environ.update(torchrun_env(rank, WORLD, port))
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "4096"  # every collective of a step (trainer/telemetry/comm.py)
-    from trainer.world import init_world, shutdown_world
-
-    world = init_world("cpu")
-    torch.set_num_threads(1)
-    freeze_imports()
-    results = {
-        name: tracked(config, world, BIASED.get(tuple(name.split()[1:3]), ()))  # type: ignore[arg-type]
-        for name, config in configs.items()
-    }
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    shutdown_world()
-
-
 @pytest.fixture(scope="module")
 def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict[str, Any]]:
     """Each point's plan at the imbalance its ranks measured, and each rank's peak in each tracked step."""
     out = tmp_path_factory.mktemp("moe_ep_inside")
     tokens = out / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    configs = {" ".join(point): point_config(tokens, *point) for point in POINTS}
-    mp.spawn(worker, args=(free_port(), str(out), configs), nprocs=WORLD)
+    configs = {
+        " ".join(point): point_config(tokens, zero, ep, "none", precision, WORLD, EXTRA.get(routing, ()))
+        for point in POINTS
+        for zero, ep, routing, precision in [point]
+    }
+    mp.spawn(worker, args=(free_port(), str(out), configs, WORLD, tracked), nprocs=WORLD)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     found = {}
     for point in POINTS:

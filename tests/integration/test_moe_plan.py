@@ -87,17 +87,25 @@ MOE_TINY = ("model=tiny-moe", "device=cpu", "logger=none", "seq_len=64", "micro_
 
 
 def point_config(
-    tokens: Path, zero: str, ep: str, checkpointing: str, precision: str = "fp32"
+    tokens: Path,
+    zero: str,
+    ep: str,
+    checkpointing: str,
+    precision: str = "fp32",
+    nproc: int = WORLD,
+    extra: tuple[str, ...] = (),
 ) -> TrainConfig:
-    """plan_sweep's point (tests/helpers.py plan_sweep_point) on tiny-moe: 3 steps on a token file."""
+    """plan_sweep's point (tests/helpers.py plan_sweep_point) on tiny-moe (with `extra` overrides): the tracked
+    steps on a token file."""
     return compose_config(
         *MOE_TINY,
+        *extra,
         "save=off",
         f"steps={TRACKED[-1]}",
         "telemetry.memory_every=0",
         "data=tokens",
         f"data.path={tokens}",
-        "nproc=2",
+        f"nproc={nproc}",
         f"precision={precision}",
         f"checkpointing={checkpointing}",
         f"zero={zero}",
@@ -124,15 +132,26 @@ def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[st
     return {"peaks": peaks, "loads": loads}
 
 
-def worker(rank: int, port: int, out_dir: str, configs: dict[str, TrainConfig]) -> None:
-    os.environ.update(torchrun_env(rank, WORLD, port))
+def worker(
+    rank: int,
+    port: int,
+    out_dir: str,
+    configs: dict[str, TrainConfig],
+    world_size: int = WORLD,
+    track: Any = None,
+) -> None:
+    """One rank of `world_size`: every point in turn, `track` (this module's `tracked` by default) with its
+    routers biased as BIASED says for its (ep, routing); its results in rank<r>.json."""
+    os.environ.update(torchrun_env(rank, world_size, port))
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "4096"  # every collective of a step, for a `track` that reads them
     from trainer.world import init_world, shutdown_world
 
     world = init_world("cpu")
     torch.set_num_threads(1)
     freeze_imports()
+    track = track or tracked
     results = {
-        name: tracked(config, world, BIASED.get(tuple(name.split()[1:3]), ()))  # type: ignore[arg-type]
+        name: track(config, world, BIASED.get(tuple(name.split()[1:3]), ()))  # type: ignore[arg-type]
         for name, config in configs.items()
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

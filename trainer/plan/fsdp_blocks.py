@@ -136,8 +136,8 @@ def experts_reduce_scatter_moment(ctx: StepContext, f: FsdpSizes, b: BlockBackwa
     backward (FSDP2's post-backward runs on the gradient of the unit's input, before the dispatch's backward): the
     unit resharded, its unsharded gradients copied into the reduce-scatter input, then freed for the output and
     gloo's copy of the input (listed with a tracker over MemTracker's storages at the peak of a rank receiving no
-    rows); the experts' saved rows and hidden tensors freed, the router's gradients waiting,
-    the gradient down the residual held."""
+    rows); the experts' saved rows and hidden tensors freed, the router's gradients waiting, the gradient down the
+    residual held."""
     rows = expert_rows(ctx.config, ctx.ep_rank, shard_ranks=ctx.world_size)
     m, compute = ctx.config.model, ctx.prec.compute
     own = 4 * compute * rows.total * m.expert_width + compute * rows.total * m.dim  # the loop's saved set

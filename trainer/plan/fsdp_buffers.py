@@ -28,9 +28,7 @@ class FsdpSizes:
     output_grad: int  # the output head's unsharded weight gradient (+ final norm's)
     gloo_copy: bool  # gloo's reduce-scatter works on a copy of its input
     secondary: int = 0  # hpZ: one block's secondary shard, kept from its forward to its backward all-gather
-    experts: int = (
-        0  # parallel.ep inside the shard group: the block's experts unit unsharded (in `block` too)
-    )
+    experts: int = 0  # an ep group inside the shard group: the experts' unit unsharded (in `block` too)
     experts_rs: int = 0  # and its reduce-scatter input (in `block_rs` too)
     experts_rs_out: int = 0  # its reduce-scatter output, reduce dtype
     experts_shard: int = 0  # its gradient shard (fp32)
@@ -54,13 +52,10 @@ def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
     # E / ep whole, never gathered, never reduce-scattered); their shards are the rank's states all the same.
     # Under an ep group inside the shard group FSDP2 gathers and reduce-scatters them over the `ranks` holding
     # the same experts, their own unit inside the block's, counted with it (`expert_unit`).
-    experts = expert_shapes(m) if ctx.config.parallel.ep > 1 else ()
-    block_padded = sum(padded_numel(t, w) for t in s.block) - sum(padded_numel(t, w) for t in experts)
-    expert_shard = sum(padded_numel(t, w) for t in experts) // w
+    experts = set(expert_shapes(m)) if ctx.config.parallel.ep > 1 else set()
+    block_padded = sum(padded_numel(t, w) for t in s.block if t not in experts)
     unit, ranks = expert_unit(ctx)
-    if ranks:
-        block_padded = sum(padded_numel(t, w) for t in s.block if t not in set(experts))
-        expert_shard = 0
+    expert_shard = 0 if ranks else sum(padded_numel(t, w) for t in s.block if t in experts) // w
     return FsdpSizes(
         root=p * root_padded,
         block=p * (block_padded + unit),
@@ -85,11 +80,8 @@ def expert_unit(ctx: StepContext) -> tuple[int, int]:
     """Under an ep group inside FSDP2's shard group: the elements of one block's experts unit unsharded (a rank's
     E / ep experts, the shard dim padded) and the ranks it is sharded over; (0, 0) elsewhere."""
     ranks = expert_shard_ranks(ctx.config, ctx.world_size)
-    if not ranks:
-        return 0, 0
-    return sum(
-        math.prod(t) for t in expert_local_shapes(ctx.config.model, ctx.config.parallel.ep, ranks)
-    ), ranks
+    shapes = expert_local_shapes(ctx.config.model, ctx.config.parallel.ep, ranks) if ranks else ()
+    return sum(math.prod(t) for t in shapes), ranks
 
 
 def secondaries(f: FsdpSizes, blocks: int) -> int:

@@ -119,7 +119,8 @@ def apply_fsdp(
         `dp_mesh`: 1-D, or HSDP's 2-D `(dp_replicate, dp_shard)`, `dp_shard_cp` under cp (FSDP2 shards over the last dim and all-reduces
         gradient shards over the first: torchtitan's data_parallel_replicate_degree x data_parallel_shard_degree,
         pytorch/torchtitan docs/fsdp.md). Under tensor parallelism FSDP2 shards the TP layers' DTensors again; under
-    parallel.ep it leaves the `ignored` expert weights, sharded over the same ranks already (trainer/rank/experts.py)."""
+    parallel.ep it leaves the `ignored` expert weights, sharded over the same ranks already (trainer/rank/experts.py),
+    or, with an ep group inside them, shards the experts over `experts_mesh` first (`shard_experts`)."""
     # FSDP2 shards over the mesh's last dim (dp_shard, or dp_shard_cp under cp): its size is the shard group's;
     # zero.shard_ranks and zero.hpz_ranks were checked against it with the layout (trainer/layout.py)
     groups = ShardGroups(dp_mesh.size(), dp_mesh.size(), dp_mesh.size(-1), zero.hpz_ranks)

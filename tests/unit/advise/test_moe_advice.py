@@ -19,11 +19,10 @@ def expert_degrees(model: str, nodes: int, global_batch: int) -> set[int | None]
 
 
 def test_ep_is_every_size_dividing_the_experts_and_the_data_parallel_ranks() -> None:
-    """Qwen3-30B-A3B's 128 experts: every power of two up to the 8 or 64 ranks (an ep group smaller than the
+    """Qwen3-30B-A3B's 128 experts: every power of two up to the 8 ranks (an ep group smaller than the
     data-parallel ranks under FSDP2, trainer/rank/mesh.py `expert_mesh`). Mixtral's 8 experts: 2, 4 and 8 on 8 H100s
     and on 64 (where ep=64 does not divide them)."""
     assert expert_degrees("qwen3-30b-a3b", 1, 64) == {None, 2, 4, 8}
-    assert expert_degrees("qwen3-30b-a3b", 8, 512) == {None, 2, 4, 8, 16, 32, 64}
     assert expert_degrees("mixtral-8x7b", 1, 64) == {None, 2, 4, 8}
     assert expert_degrees("mixtral-8x7b", 8, 512) == {None, 2, 4, 8}
     assert expert_degrees("llama3-8b", 1, 64) == {None}  # dense: no experts to shard
