@@ -122,8 +122,9 @@ def apply_fsdp(
     parallel.ep it leaves the `ignored` expert weights, sharded over the same ranks already (trainer/rank/experts.py),
     or, with an ep group inside them, shards the experts over `experts_mesh` first (`shard_experts`)."""
     # FSDP2 shards over the mesh's last dim (dp_shard, or dp_shard_cp under cp): its size is the shard group's;
-    # zero.shard_ranks and zero.hpz_ranks were checked against it with the layout (trainer/layout.py)
-    groups = ShardGroups(dp_mesh.size(), dp_mesh.size(), dp_mesh.size(-1), zero.hpz_ranks)
+    # zero.shard_ranks and zero.hpz_ranks were checked against it with the layout (trainer/layout.py). Its last dim
+    # by index, not -1: torch 2.11's size() of a flattened 1-D mesh (dp_shard_cp) takes no negative dim.
+    groups = ShardGroups(dp_mesh.size(), dp_mesh.size(), dp_mesh.size(dp_mesh.ndim - 1), zero.hpz_ranks)
     reshard = block_reshard(zero, groups)
     common = dict(
         mesh=dp_mesh,
