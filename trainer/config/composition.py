@@ -208,11 +208,20 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "offload=cpu or nvme",
-        lambda c: c.offload.target != OffloadTarget.none,
-        "not yet built: the experts FSDP2 leaves to expert parallelism would stay in host memory while the "
-        "device computes",
-        "use offload=none",
+        "offload=cpu where ep is every data-parallel rank",
+        lambda c: c.offload.target == OffloadTarget.cpu and ep_holds_the_experts(c),
+        "not yet built: FSDP2 leaves the experts whole to each ep rank there (trainer/rank/experts.py), so they "
+        "would stay in host memory while the device computes; with an ep group inside the data-parallel ranks "
+        "FSDP2 shards each rank's experts over the rest, and offloads them like any unit",
+        "use a parallel.ep dividing the data-parallel ranks below them, or offload=none",
+    ),
+    Refusal(
+        EP,
+        "offload=nvme",
+        lambda c: c.offload.target == OffloadTarget.nvme,
+        "not yet proven: Adam's moments streamed from disk (trainer/rank/nvme.py) beside experts that are DTensors "
+        "over two meshes",
+        "use offload=cpu or none",
     ),
     Refusal(
         MOE,
@@ -243,6 +252,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "use precision=bf16",
     ),
 )
+
+
+def ep_holds_the_experts(config: TrainConfig) -> bool:
+    """Whether parallel.ep is every data-parallel rank, so that each ep rank holds its experts whole and FSDP2
+    leaves them alone (below that, FSDP2 shards them over the ranks holding the same ones: trainer/rank/mesh.py
+    `expert_mesh`). Unknown under nproc=auto until a job resolves it: False here, and trainer/layout.py
+    `check_world` asks the table again with the world it knows."""
+    if not config.nproc.isdigit():
+        return False
+    p = config.parallel
+    return p.ep == config.nodes * int(config.nproc) // (p.tp * p.pp * p.cp)
 
 
 def first_refusal(config: TrainConfig) -> str | None:

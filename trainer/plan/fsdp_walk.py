@@ -90,13 +90,22 @@ def fsdp_forward_moments(ctx: StepContext, f: FsdpSizes, held: int, accumulated:
     # next copy-out; during its own copy-out the block before's is still there too); stage2
     # still holds every earlier block unsharded. Offloaded shards are staged on the device first.
     forward = f.root + (2 * f.block + secondaries(f, L - 1) if stage3 else (L + 1) * f.block) + accumulated
-    staging = (4 + ctx.prec.param) * f.block // ctx.world_size // ctx.prec.param if ctx.offloaded else 0
+    staging = offload_staging(ctx, f) if ctx.offloaded else 0
     return [
         ctx.moment(
             "forward: last block all-gather", held, acts.before_last_block, forward + f.block + staging
         ),
         ctx.moment("forward: last block", held, acts.before_last_block + acts.full_block, forward),
     ]
+
+
+def offload_staging(ctx: StepContext, f: FsdpSizes) -> int:
+    """An offloaded unit's fp32 shard copied to the device, and its cast to the param dtype, before its
+    all-gather. An experts unit inside the block (an ep group inside the shard group) gathers on its own, inside
+    the block's forward: the larger of the two shards' staging, not their sum (not yet measured: a GPU's)."""
+    p = ctx.prec.param
+    dense = (4 + p) * f.dense // ctx.world_size // p
+    return max(dense, (4 + p) * f.experts_shard // 4)
 
 
 def fsdp_loss_moments(
