@@ -260,7 +260,9 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
         )
     dp = world // (tp * pp * cp)
     check_expert_ranks(config, dp)
-    if config.nproc != str(nproc) or config.nodes != nodes:  # the table's rows that need the world (nproc=auto)
+    if (
+        config.nproc != str(nproc) or config.nodes != nodes
+    ):  # the table's rows that need the world (nproc=auto)
         check_composition(with_world(config, nproc, nodes))
     check_one_replica(zero, dp * cp)
     if not (tp == 1 or zero.uses_fsdp or dp * cp == 1):

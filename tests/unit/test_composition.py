@@ -187,9 +187,13 @@ def test_ep_offloads_where_fsdp2_shards_the_experts_and_the_world_decides_under_
     auto = compose_config(*EP, "offload=cpu")
     assert auto.nproc == "auto" and first_refusal(auto) is None
     check_world(auto, 4, 1)
-    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"):
+    with pytest.raises(
+        ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"
+    ):
         check_world(auto, 2, 1)
-    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"):
+    with pytest.raises(
+        ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"
+    ):
         compose_config(*EP, "nproc=1", "nodes=2", "offload=cpu")  # 2 nodes of 1 rank: ep=2 is all of them
 
 

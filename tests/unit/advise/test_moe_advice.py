@@ -34,7 +34,9 @@ def test_every_ep_candidate_composes_and_configures() -> None:
     # DDP with ZeroRedundancyOptimizer (stage1) is refused by the table; DDP alone (stage0) composes
     assert with_ep and {c["zero"] for c in with_ep} <= {"stage0", "stage2", "stage3"}
     assert "stage0" in {c["zero"] for c in with_ep}
-    assert all(c["offload"] == "none" and c.get("zero.shard_ranks") is None for c in with_ep)
+    assert all(c.get("zero.shard_ranks") is None for c in with_ep)
+    # offload only where an ep group lies inside the data-parallel ranks: FSDP2 holds (and offloads) the experts
+    assert {c["parallel.ep"] for c in with_ep if c["offload"] != "none"} == {2, 4}
     for choice in with_ep:
         configured = configure(config, choice)
         assert first_refusal(configured) is None
@@ -50,9 +52,27 @@ def test_the_advice_says_the_routing_it_planned_for() -> None:
     )
 
 
+def test_mixtral_on_8_h100s_fits_with_an_ep_group_inside_the_ranks_offloaded() -> None:
+    """Mixtral's 46.7B parameters' states (16 bytes each) pass 80 GiB a rank on 8 H100s: ep=4 inside the 8
+    data-parallel ranks, its experts FSDP2's and offloaded with the rest, fits."""
+    config = compose_config(*ADVISE, "model=mixtral-8x7b", "nproc=8", "global_batch=64")
+    choice = next(
+        c
+        for c in choices(config, 8, "cuda")
+        if c.get("parallel.ep") == 4
+        and c["zero"] == "stage3"
+        and c["offload"] == "cpu"
+        and c["checkpointing"] == "full"
+    )
+    rates = rates_for(config, 8, [choice["micro_batch"]])
+    candidate = evaluate(config, choice, "cuda", 8, rates, flops_per_token(config.model, config.seq_len))
+    assert candidate is not None and candidate.device_fits
+    assert candidate.reserved_bytes < 40 * GIB  # the states in host memory: activations and gathers remain
+
+
 def test_where_no_ep_candidate_fits_the_advice_names_the_least() -> None:
-    """Mixtral's 46.7B parameters on 8 H100s: with ep (which refuses offload) its states alone pass 80 GiB a rank;
-    the note names the candidate that needs the least, with what it needs."""
+    """Mixtral's 46.7B parameters on 8 H100s: with ep=8 (every data-parallel rank: no offload) its states alone
+    pass 80 GiB a rank; the note names the candidate that needs the least, with what it needs."""
     config = compose_config(*ADVISE, "model=mixtral-8x7b", "nproc=8", "global_batch=8")
     choice = next(
         c for c in choices(config, 8, "cuda") if c.get("parallel.ep") == 8 and c["zero"] == "stage3"
