@@ -226,13 +226,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (TP, "zero.hpz_ranks"): ("nproc=8", "zero=stage3", "zero.hpz_ranks=2"),
     (TP, "zero.compression"): ("zero.compression=powersgd",),
     (TP, "zero.sync_every"): ("zero.sync_every=4",),
-    (PP, "zero.hpz_ranks"): (
-        "nproc=8",
-        "zero=stage3",
-        "zero.reduce_every=step",
-        "zero.hpz_ranks=2",
-        "parallel.pp_schedule=interleaved_1f1b",
-    ),
     (PP, "zero.reduce_every=micro_batch"): ("zero.reduce_every=micro_batch",),
     (PP, "zero.reshard_after_backward=false"): (
         "zero=stage3",

@@ -1,13 +1,14 @@
 """HSDP (zero.shard_ranks) and hpZ (zero.hpz_ranks) per pipeline stage: parallel.pp=2 over 8 CPU ranks, fp32,
-Schedule1F1B over grad_accum=4 micro-batches of one sequence, 4 steps. HSDP at zero=stage2 and stage3: each stage's
+grad_accum=4 micro-batches of one sequence, 4 steps. HSDP at zero=stage2 and stage3 under Schedule1F1B: each stage's
 4 data-parallel ranks two shard groups of 2 (FSDP2 over the mesh's `(dp_replicate, dp_shard)` sub-mesh,
-trainer/rank/mesh.py); hpZ at stage3 (it needs stage3; the table refuses it beside GPipe and interleaving): one shard group of 4, secondary groups of 2 (FSDP2's
-post-forward mesh, made by every rank at once: trainer/rank/mesh.py `secondary_mesh`).
+trainer/rank/mesh.py); hpZ at stage3 (it needs stage3) under Schedule1F1B, ScheduleGPipe and
+ScheduleInterleaved1F1B: one shard group of 4, secondary groups of 2 (FSDP2's post-forward mesh, made by every rank
+at once: trainer/rank/mesh.py `secondary_mesh`).
 
 Each against the same pipeline without either (its 4 dp ranks one shard group): per-step losses within 1e-5; every
 rank's measured tensor peak within 0.5% of its stage's plan; every rank's bytes by collective in each group (shard,
 replicate or hpz, pp) equal to its pipeline rank's plan, the loop's own collectives aside. Marked slow: 8 ranks of
-gloo on CI's cores (about 20 s a job, five jobs).
+gloo on CI's cores (about 20 s a job, nine jobs).
 """
 
 from __future__ import annotations
@@ -32,22 +33,28 @@ WORLD = 8
 JOB = ("nproc=8", "micro_batch=1", "parallel.pp=2", "grad_accum=4", "zero.reduce_every=step", "save=off",
        "steps=4", "precision=fp32", "optim.warmup_steps=2", "telemetry.memory_every=2")  # fmt: skip
 CONFIGS = {
-    "stage2 HSDP": ("stage2", "zero.shard_ranks=2"),
-    "stage3 HSDP": ("stage3", "zero.shard_ranks=2"),
-    "stage3 hpZ": ("stage3", "zero.hpz_ranks=2"),
+    "stage2 HSDP": ("stage2", "zero.shard_ranks=2", "1f1b"),
+    "stage3 HSDP": ("stage3", "zero.shard_ranks=2", "1f1b"),
+    "stage3 hpZ": ("stage3", "zero.hpz_ranks=2", "1f1b"),
+    "stage3 hpZ gpipe": ("stage3", "zero.hpz_ranks=2", "gpipe"),
+    "stage3 hpZ interleaved": ("stage3", "zero.hpz_ranks=2", "interleaved_1f1b"),
 }
-"""name -> (zero stage, the setting); each against its stage's job without the setting."""
+"""name -> (zero stage, the setting, parallel.pp_schedule); each against its stage's job under the same schedule
+without the setting. Under GPipe all four micro-batches are in flight at the first backward, whose copy-out of
+each stage's first block is the peak; interleaved (two stages of one block a rank), a forward on the first rank and
+the last block's copy-out on the second (trainer/plan/pipeline_walk.py)."""
 NAMES = sorted(CONFIGS)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None], Run]:
-    """Each (zero stage, setting or None) job, run once on first use (one multi-rank job at a time)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None, str], Run]:
+    """Each (zero stage, setting or None, schedule) job, run once on first use (one multi-rank job at a time)."""
 
     @functools.cache
-    def run(zero: str, setting: str | None) -> Run:
-        out = tmp_path_factory.mktemp(f"pp-{zero}-{(setting or 'plain').replace('=', '-')}") / "run"
-        return run_trainer(out, *TINY, *JOB, f"zero={zero}", *((setting,) if setting else ()), timeout=900)
+    def run(zero: str, setting: str | None, schedule: str) -> Run:
+        name = f"pp-{zero}-{(setting or 'plain').replace('=', '-')}-{schedule}"
+        overrides = (f"zero={zero}", f"parallel.pp_schedule={schedule}", *((setting,) if setting else ()))
+        return run_trainer(tmp_path_factory.mktemp(name) / "run", *TINY, *JOB, *overrides, timeout=900)
 
     return run
 
@@ -57,9 +64,11 @@ def plan_of(run: Run) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_losses_equal_the_same_pipeline_without_it(name: str, runs: Callable[[str, str | None], Run]) -> None:
-    zero = CONFIGS[name][0]
-    run, plain = runs(*CONFIGS[name]), runs(zero, None)
+def test_losses_equal_the_same_pipeline_without_it(
+    name: str, runs: Callable[[str, str | None, str], Run]
+) -> None:
+    zero, _, schedule = CONFIGS[name]
+    run, plain = runs(*CONFIGS[name]), runs(zero, None, schedule)
     assert len(run.losses) == len(plain.losses) == 4
     worst = max(abs(a - b) for a, b in zip(run.losses, plain.losses))
     assert worst < 1e-5, (name, run.losses, plain.losses)
@@ -67,7 +76,7 @@ def test_losses_equal_the_same_pipeline_without_it(name: str, runs: Callable[[st
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_rank_within_half_a_percent_of_its_stage_plan(
-    name: str, runs: Callable[[str, str | None], Run]
+    name: str, runs: Callable[[str, str | None, str], Run]
 ) -> None:
     """Each stage's ranks (plan.json's `global_ranks`), their peak the lower of the two steps MemTracker tracked
     (2 and 4): at stage3 gloo's worker thread now and then frees its copy of a reduce-scatter input late (tests/
@@ -103,7 +112,7 @@ def loop_extra(group: str, kind: str, stage_tensors: int) -> int:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_groups_bytes_are_the_plans(name: str, runs: Callable[[str, str | None], Run]) -> None:
+def test_each_groups_bytes_are_the_plans(name: str, runs: Callable[[str, str | None, str], Run]) -> None:
     """Step 2 (step 1 also runs PipelineStage's shape inference): on every rank the shard group's all-gathers and
     reduce-scatters (gloo: all-reduces), HSDP's replicate group's all-reduce of each gradient shard or hpZ's
     backward all-gathers from the secondary shards, and the pp group's two scalars are its pipeline rank's plan

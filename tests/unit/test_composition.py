@@ -33,12 +33,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.tp=2 with model.tie_embeddings=true is not supported: the embedding (row-wise) and the "
         "output head (column-wise) shard the one tied weight two ways; use parallel.tp=1",
     ),
-    "parallel.pp x zero.hpz_ranks": (
-        (*PP, *STAGE3, "parallel.pp_schedule=gpipe"),
-        ("zero.hpz_ranks=2",),
-        "parallel.pp=2 with zero.hpz_ranks is not supported under parallel.pp_schedule=gpipe; use "
-        "parallel.pp_schedule=1f1b or zero.hpz_ranks=null or parallel.pp=1",
-    ),
     "parallel.pp x zero.reduce_every=micro_batch": (
         PP,
         ("zero.reduce_every=micro_batch",),

@@ -53,8 +53,7 @@ class Refusal:
     way_out: str
     """What to set instead (the message adds: or `first`=1)."""
     message: str = SAYS
-    """The message's template; three rows keep the words their messages have always had (two say why), and one
-    names the schedule it refuses."""
+    """The message's template; two rows keep the words their messages have always had, which say why."""
 
     @property
     def off(self) -> int:
@@ -83,17 +82,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "the embedding (row-wise) and the output head (column-wise) shard the one tied weight two ways",
         "use a model without tied embeddings",
         "{row.first}={degree} with {row.second} is not supported: {row.reason}; use {row.first}=1",
-    ),
-    Refusal(
-        PP,
-        "zero.hpz_ranks",
-        lambda c: c.zero.hpz_ranks is not None and c.parallel.pp_schedule != "1f1b",
-        "not yet planned: the pipeline's walk counts hpZ's secondary shards as measured under Schedule1F1B only; "
-        "GPipe's and interleaved_1f1b's plans miss (8 CPU ranks, stage3 fp32, stage 0 / stage 1: GPipe "
-        "-4.7% / -6.2%, interleaved_1f1b -2.9% / +0.4%)",
-        "use parallel.pp_schedule=1f1b or zero.hpz_ranks=null",
-        "{row.first}={degree} with {row.second} is not supported under parallel.pp_schedule="
-        "{config.parallel.pp_schedule}; {row.way_out} or {row.first}={row.off}",
     ),
     Refusal(
         PP,

@@ -120,6 +120,9 @@ class InFlight:
     forward: bool = False
     output_sent: bool = False
     """A backward whose stage output a send's Work keeps beyond it (`Sends`)."""
+    gathered: bool = False
+    """A forward whose stage was sharded when it began (stage3: not left unsharded by a backward), so that FSDP2
+    all-gathered its blocks."""
 
     def total(self, per_stage: dict[int, int], growth: int) -> int:
         return self.held + per_stage[self.stage] + self.kept + (growth if self.done else 0)
@@ -165,6 +168,7 @@ def walk_in_flight(
     for stage, forward in order:
         if forward:  # at its last block: every other stage's parameters as they were, its own resharded
             forwards_left -= 1
+            gathered = stage not in unsharded
             if stage in unsharded:
                 unsharded.discard(stage)
                 unsharded_bytes -= regathered.get(stage, 0)
@@ -175,6 +179,7 @@ def walk_in_flight(
                 outputs + grads + sent + unsharded_bytes,
                 done,
                 forward=True,
+                gathered=gathered,
             )
             alive.append(stage)
             alive_bytes += per_stage[stage]
@@ -203,13 +208,19 @@ def walk_in_flight(
 
 
 def worst_of(
-    moments: Iterable[InFlight], per_stage: dict[int, int], growth: int = 0, forward: bool = False
+    moments: Iterable[InFlight],
+    per_stage: dict[int, int],
+    growth: int = 0,
+    forward: bool = False,
+    gathered: int = 0,
 ) -> InFlight:
     """The walk's (`walk_in_flight`) worst backward start, or with `forward` its worst forward end; from the
-    first backward's end the stage holds `growth` (its gradient, accumulated from then on)."""
+    first backward's end the stage holds `growth` (its gradient, accumulated from then on), and a forward that
+    all-gathered its stage `gathered` more (stage3 over dp > 1: its last block's all-gather output,
+    pipeline_walk.py `forward_gathered`)."""
     chosen = [m for m in moments if m.forward == forward]
     assert chosen, "a schedule runs a backward for every forward"
-    return max(chosen, key=lambda m: m.total(per_stage, growth))
+    return max(chosen, key=lambda m: m.total(per_stage, growth) + (gathered if m.gathered else 0))
 
 
 def stage_model_shape(shape: ModelShape, blocks: int, first: bool, last: bool) -> ModelShape:
@@ -363,9 +374,10 @@ def build_pipeline(
     growth: tuple[int, ...] = (),
     regathered: dict[int, int] | None = None,
     upcast: bool = False,
+    gathered: int = 0,
 ) -> Pipeline:
     """The split, what each pipeline rank holds in flight, its buffers and what it sends per step (`upcast`:
-    stage_activations')."""
+    stage_activations'; `gathered`: what a forward that all-gathers its stage keeps beside, `worst_of`'s)."""
     p, m = config.parallel, config.grad_accum
     blocks = tuple(stage_blocks(config.model.n_layers, p.stages))
     boundary = boundary_bytes(config, residual_bytes)
@@ -388,7 +400,7 @@ def build_pipeline(
         moments = list(walk_in_flight(order, per_stage, {last_stage: logits}, sends, regathered))
         rank_growth = growth[rank] if growth else 0
         in_flight.append(worst_of(moments, per_stage, rank_growth))
-        forward_peaks.append(worst_of(moments, per_stage, rank_growth, forward=True))
+        forward_peaks.append(worst_of(moments, per_stage, rank_growth, forward=True, gathered=gathered))
         first_backwards.append(next(moment for moment in moments if not moment.forward))
         backwards.append(tuple(moment for moment in moments if not moment.forward))
         receives = sum(s > 0 for s in mine) + sum(s < last_stage for s in mine)

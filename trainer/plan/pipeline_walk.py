@@ -7,8 +7,9 @@ where that holds more than the residual add); the loss of the micro-batch whose 
 most activations (`pipeline.worst_of`) where the stage has the head; the worst of every backward's start of its
 last block (the other micro-batches' stages held beside it; at stage3 over dp > 1 the block below prefetched)
 and of every backward's reach of its stage's first block (the first backward's later blocks' gradients made, a
-later one's whole gradient held); under hpZ the worst copy-out of a last block's all-gather beside every block's
-secondary shard (`last_block_copy_out`); then the optimizer step. Throughout, the stage holds its model states, its
+later one's whole gradient held); at stage3 over dp > 1 the worst copy-out of a last block's all-gather (under
+hpZ beside every block's secondary shard: `last_block_copy_out`) and of a first block's, every later block
+unsharded beside it (`first_block_copy_out`); then the optimizer step. Throughout, the stage holds its model states, its
 send/recv buffers, its share of the step's batch and its DDP hook's state (zero.compression: ddp_walk.py
 `hook_state`, of the stage's parameters) as `other`, and what PipelineStage's accumulation keeps:
 the unsharded gradient of the stage (every backward but the last runs without gradient sync), under autocast
@@ -23,8 +24,8 @@ there until the last backward's reduce-scatter, whose shards it copies to the ho
 
 Not modelled: PowerSGD's transients inside its hook at the stage's one reduction (docs/memory_plan.md); the
 forward's own temporaries inside a block but those at its last residual add and (SP) w2's
-reduce-scatter (under interleaving a forward can be the peak), and in a forward the stage-2/3 all-gather
-buffer of one block beside the unsharded stage (FSDP2 frees it once copied out); under offload, each shard's
+reduce-scatter (under interleaving a forward can be the peak), and at stage2 the first forward's all-gather
+output of the stage's last block (stage3's is counted: `forward_gathered`); under offload, each shard's
 copy to the device (fp32, then cast) as its block is gathered, which in a backward comes before the block's
 temporaries exist (the pp = 1 walk counts it at the forward's last all-gather; neither is measured on a GPU here).
 """
@@ -176,6 +177,26 @@ def first_block_backward(keeps: Kept, first: Backward, made: int) -> Held:
     return Held(activations, temporary)
 
 
+def first_block_copy_out(ctx: StepContext, keeps: Kept, first: Backward, secondary: int) -> Held | None:
+    """stage3 over dp > 1: the copy-out of a stage's first block's all-gather, at its pre-backward in a backward
+    whose stage a forward resharded (_fsdp_param_group.py `wait_for_unshard`): every block of the stage unsharded
+    (the later ones kept since their backward, the running one just allocated) beside the all-gather output it is
+    copied from, the later blocks' gradients made (a later backward: the whole gradient held), the gradient
+    arriving into the block, the block's own saved set and the stage's output; under hpZ the block's secondary
+    shard, freed once copied. Measured with MemTracker on GPipe's stages at zero=stage3 fp32, dp 4, micro_batch
+    1, with hpZ (hpz_ranks 2) and without: the peak of both stages, where every micro-batch is in flight. None
+    where nothing is gathered: one block (its copy-out is the last block's), one rank, or a stage left
+    unsharded by its previous backward."""
+    if keeps.block == 0 or ctx.world_size == 1 or first.blocks < 2 or first.moment.unsharded:
+        return None
+    made = keeps.growth if first.moment.done else first.made
+    unsharded = keeps.block * (first.blocks + 1)  # the stage's blocks, and the flat all-gather output
+    temporary = keeps.always + first.moment.kept + unsharded + made + incoming_gradient(ctx) + secondary
+    acts = first.acts
+    saved = acts.blocks[0] + acts.batch - acts.received  # the first block's set: the later ones' are freed
+    return Held(first.moment.held + saved + stage_output(acts, first.last), temporary)
+
+
 def first_block_temporary(ctx: StepContext, keeps: Kept, done: bool) -> int:
     """w2's gradient at a backward's first block (`first_block_backward`): a later backward (`done`) adds its new
     one into the held gradient (`weight_gradient`); the step's first makes it, FSDP2's in its param dtype, else
@@ -192,6 +213,7 @@ def forward_moment(ctx: StepContext, keeps: Kept, grads: int | None, forward_end
     residual sum; under sequence parallelism, where it holds more, at w2's reduce-scatter (`w2_scattered`)."""
     fwd, acts, last = forward_end
     fixed = keeps.always + (keeps.growth if fwd.done else 0) + fwd.kept + keeps.block
+    fixed += forward_gathered(ctx, keeps, fwd)
     held = fwd.held + acts.before_last_block + acts.full_block
     residual = incoming_gradient(ctx)
     residual_sum = residual if norm_upcasts_input(ctx.prec, ctx.device_kind) else 0  # alive until the add
@@ -202,6 +224,16 @@ def forward_moment(ctx: StepContext, keeps: Kept, grads: int | None, forward_end
         return at_add
     at_scatter = ctx.moment("forward: last block", grads, held, fixed + residual_sum + scattered)
     return max(at_add, at_scatter, key=lambda moment: moment.total)
+
+
+def forward_gathered(ctx: StepContext, keeps: Kept, fwd: InFlight) -> int:
+    """stage3 over dp > 1: the last block's flat all-gather output, alive through the rest of the forward of a
+    stage whose blocks FSDP2 gathered (not left unsharded by a backward): in forward FSDP2 defers its free to
+    the next all-gather (_fsdp_param_group.py `wait_for_unshard` keeps it as `comm_ctx.all_gather_state`), and
+    the stage's last block has none after it (the pp = 1 walk's `last_gathered`). Measured with MemTracker on
+    ScheduleInterleaved1F1B's first rank at zero=stage3 fp32, dp 4, micro_batch 1 (one block a stage), where a
+    forward is the peak: a 787,456-byte ACT storage (tiny's block)."""
+    return keeps.block if fwd.gathered and ctx.world_size > 1 else 0
 
 
 def w2_scattered(ctx: StepContext) -> int:
@@ -267,14 +299,16 @@ def secondary_bytes(config: TrainConfig, shape: ModelShape) -> int:
 
 
 def last_block_copy_out(ctx: StepContext, keeps: Kept, backward: Backward, secondary: int) -> Held | None:
-    """hpZ: the copy-out of the last block's all-gather at the start of a backward whose stage a forward resharded
-    (_fsdp_param_group.py `wait_for_unshard`): the block unsharded beside the all-gather output it is copied from,
-    every block of the stage still holding its secondary shard (the running one's is freed after the copy), the
-    block's activations, the stage's output and the gradient arriving into the block (beyond the last stage the
-    receive buffer, counted with the buffers: `last_block_temporary`). Measured with MemTracker on Schedule1F1B's stages at zero=stage3
-    fp32, dp 4, hpz_ranks 2, micro_batch 1, where it is the peak of both stages. None where nothing is gathered."""
+    """stage3 over dp > 1: the copy-out of the last block's all-gather at the start of a backward whose stage a
+    forward resharded (_fsdp_param_group.py `wait_for_unshard`): the block unsharded beside the all-gather output
+    it is copied from, under hpZ every block of the stage still holding its secondary shard (the running one's is
+    freed after the copy), the block's activations, the stage's output and the gradient arriving into the block
+    (beyond the last stage the receive buffer, counted with the buffers: `last_block_temporary`). Measured with
+    MemTracker at zero=stage3 fp32, dp 4, micro_batch 1: on Schedule1F1B's stages with hpz_ranks 2, and on
+    ScheduleInterleaved1F1B's last stage (one block a stage, so nothing prefetched it), where it is the peak.
+    None where nothing is gathered: one rank, or a stage left unsharded by its previous backward."""
     peak, acts = backward.moment, backward.acts
-    if not secondary or peak.unsharded:
+    if keeps.block == 0 or ctx.world_size == 1 or peak.unsharded:
         return None
     fixed = keeps.always + (keeps.growth if peak.done else 0) + peak.kept
     held = peak.held + acts.before_last_block + acts.full_block + stage_output(acts, backward.last)
@@ -385,6 +419,11 @@ def stage_moments(
         moments.append(
             ctx.moment("backward: last block all-gather copy-out", grads, *max(copy_outs, key=sum))
         )
+    first_copy_outs = [held for b in backwards if (held := first_block_copy_out(ctx, keeps, b, secondary))]
+    if first_copy_outs:
+        moments.append(
+            ctx.moment("backward: first block all-gather copy-out", grads, *max(first_copy_outs, key=sum))
+        )
     if not keeps.grads_at_rest:
         first_temporary = functools.cache(functools.partial(first_block_temporary, ctx, keeps))
         firsts = [
@@ -429,13 +468,14 @@ def pipeline_stage_plans(
     ends = [(0 in rank_stages(p, r), last_stage in rank_stages(p, r)) for r in range(p.pp)]
     locals_ = rank_model_shapes(config, shape)
     keeps = [kept(config, prec, locals_[r], blocks[r], dp, first=ends[r][0]) for r in range(p.pp)]
-    regathered = None
+    regathered, gathered = None, 0
     if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
         block = PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel
         regathered = {s: block * len(split[s]) for s in range(p.stages)}
+        gathered = block if sharded_over > 1 else 0  # `forward_gathered`
     growth = tuple(k.growth for k in keeps)
     upcast = norm_upcasts_input(prec, device_kind)
-    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast)
+    pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast, gathered)
     pipe = dataclasses.replace(
         pipe, within_step=tuple(within_step(config, locals_[r], k) for r, k in enumerate(keeps))
     )

@@ -114,7 +114,9 @@ def test_a_forward_after_backwards_holds_the_other_stages_unsharded_parameters()
     worst = worst_of(
         walk_in_flight(order, sizes, {}, regathered=regathered), sizes, growth=1000, forward=True
     )
-    assert worst == InFlight(stage=2, held=400, count=5, kept=10, done=3, forward=True)
+    assert worst == InFlight(stage=2, held=400, count=5, kept=10, done=3, forward=True, gathered=True)
+    # stage 2's forwards after its own backwards: the first finds it unsharded, the second gathers it again
+    assert [m.gathered for m in forwards] == [True, True, True, True, True, True, False, True]
 
 
 @pytest.mark.parametrize(
