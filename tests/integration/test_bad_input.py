@@ -236,10 +236,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (CP, "parallel.pp_schedule=interleaved_1f1b"): (
         *("parallel.pp=2", "grad_accum=2", "nproc=4", "parallel.pp_schedule=interleaved_1f1b"),
     ),
-    (CP, "zero.hpz_ranks under parallel.pp > 1"): (
-        *("parallel.pp=2", "grad_accum=2", "nproc=8"),
-        *("zero=stage3", "zero.reduce_every=step", "zero.hpz_ranks=2"),
-    ),
     (EP, "zero=stage1"): ("zero=stage1",),
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),

@@ -3,12 +3,13 @@ grad_accum=4 micro-batches of one sequence, 4 steps. HSDP at zero=stage2 and sta
 4 data-parallel ranks two shard groups of 2 (FSDP2 over the mesh's `(dp_replicate, dp_shard)` sub-mesh,
 trainer/rank/mesh.py); hpZ at stage3 (it needs stage3) under Schedule1F1B, ScheduleGPipe and
 ScheduleInterleaved1F1B: one shard group of 4, secondary groups of 2 (FSDP2's post-forward mesh, made by every rank
-at once: trainer/rank/mesh.py `secondary_mesh`).
+at once: trainer/rank/mesh.py `secondary_mesh`), and under 1F1B beside context parallelism (pp=2 x cp=2 x dp=2: the
+shard group is a stage's dp ranks with cp folded in).
 
 Each against the same pipeline without either (its 4 dp ranks one shard group): per-step losses within 1e-5; every
 rank's measured tensor peak within 0.5% of its stage's plan; every rank's bytes by collective in each group (shard,
 replicate or hpz, pp) equal to its pipeline rank's plan, the loop's own collectives aside. Marked slow: 8 ranks of
-gloo on CI's cores (about 20 s a job, nine jobs).
+gloo on CI's cores (about 20 s a job, eleven jobs).
 """
 
 from __future__ import annotations
@@ -32,14 +33,19 @@ pytestmark = pytest.mark.slow
 WORLD = 8
 JOB = ("nproc=8", "micro_batch=1", "parallel.pp=2", "grad_accum=4", "zero.reduce_every=step", "save=off",
        "steps=4", "precision=fp32", "optim.warmup_steps=2", "telemetry.memory_every=2")  # fmt: skip
+CP = ("parallel.cp=2", "parallel.cp_impl=ulysses", "seq_len=128", "micro_batch=2")
+"""pp=2 x cp=2 x dp=2: each stage's shard group its 2 dp ranks with cp folded in (4), hpZ's groups 2 of them
+(trainer/rank/mesh.py `secondary_mesh`); longer rows, so that the synthetic data's tables (36,864 bytes the plan
+counts and MemTracker does not see) stay inside 0.5% of a peak."""
 CONFIGS = {
-    "stage2 HSDP": ("stage2", "zero.shard_ranks=2", "1f1b"),
-    "stage3 HSDP": ("stage3", "zero.shard_ranks=2", "1f1b"),
-    "stage3 hpZ": ("stage3", "zero.hpz_ranks=2", "1f1b"),
-    "stage3 hpZ gpipe": ("stage3", "zero.hpz_ranks=2", "gpipe"),
-    "stage3 hpZ interleaved": ("stage3", "zero.hpz_ranks=2", "interleaved_1f1b"),
+    "stage2 HSDP": ("stage2", "zero.shard_ranks=2", ("parallel.pp_schedule=1f1b",)),
+    "stage3 HSDP": ("stage3", "zero.shard_ranks=2", ("parallel.pp_schedule=1f1b",)),
+    "stage3 hpZ": ("stage3", "zero.hpz_ranks=2", ("parallel.pp_schedule=1f1b",)),
+    "stage3 hpZ gpipe": ("stage3", "zero.hpz_ranks=2", ("parallel.pp_schedule=gpipe",)),
+    "stage3 hpZ interleaved": ("stage3", "zero.hpz_ranks=2", ("parallel.pp_schedule=interleaved_1f1b",)),
+    "stage3 hpZ cp": ("stage3", "zero.hpz_ranks=2", ("parallel.pp_schedule=1f1b", *CP)),
 }
-"""name -> (zero stage, the setting, parallel.pp_schedule); each against its stage's job under the same schedule
+"""name -> (zero stage, the setting, the job's other overrides); each against its stage's job with the same overrides
 without the setting. Under GPipe all four micro-batches are in flight at the first backward, whose copy-out of
 each stage's first block is the peak; interleaved (two stages of one block a rank), a forward on the first rank and
 the last block's copy-out on the second (trainer/plan/pipeline_walk.py)."""
@@ -47,14 +53,17 @@ NAMES = sorted(CONFIGS)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None, str], Run]:
-    """Each (zero stage, setting or None, schedule) job, run once on first use (one multi-rank job at a time)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None, tuple[str, ...]], Run]:
+    """Each (zero stage, setting or None, other overrides) job, run once on first use (one multi-rank job at a
+    time)."""
 
     @functools.cache
-    def run(zero: str, setting: str | None, schedule: str) -> Run:
-        name = f"pp-{zero}-{(setting or 'plain').replace('=', '-')}-{schedule}"
-        overrides = (f"zero={zero}", f"parallel.pp_schedule={schedule}", *((setting,) if setting else ()))
-        return run_trainer(tmp_path_factory.mktemp(name) / "run", *TINY, *JOB, *overrides, timeout=900)
+    def run(zero: str, setting: str | None, base: tuple[str, ...]) -> Run:
+        name = "-".join((zero, setting or "plain", *(o.split("=")[-1] for o in base))).replace("=", "-")
+        overrides = (f"zero={zero}", *base, *((setting,) if setting else ()))
+        return run_trainer(
+            tmp_path_factory.mktemp(f"pp-{name}") / "run", *TINY, *JOB, *overrides, timeout=900
+        )
 
     return run
 
@@ -65,10 +74,10 @@ def plan_of(run: Run) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_losses_equal_the_same_pipeline_without_it(
-    name: str, runs: Callable[[str, str | None, str], Run]
+    name: str, runs: Callable[[str, str | None, tuple[str, ...]], Run]
 ) -> None:
-    zero, _, schedule = CONFIGS[name]
-    run, plain = runs(*CONFIGS[name]), runs(zero, None, schedule)
+    zero, _, base = CONFIGS[name]
+    run, plain = runs(*CONFIGS[name]), runs(zero, None, base)
     assert len(run.losses) == len(plain.losses) == 4
     worst = max(abs(a - b) for a, b in zip(run.losses, plain.losses))
     assert worst < 1e-5, (name, run.losses, plain.losses)
@@ -76,7 +85,7 @@ def test_losses_equal_the_same_pipeline_without_it(
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_rank_within_half_a_percent_of_its_stage_plan(
-    name: str, runs: Callable[[str, str | None, str], Run]
+    name: str, runs: Callable[[str, str | None, tuple[str, ...]], Run]
 ) -> None:
     """Each stage's ranks (plan.json's `global_ranks`), their peak the lower of the two steps MemTracker tracked
     (2 and 4): at stage3 gloo's worker thread now and then frees its copy of a reduce-scatter input late (tests/
@@ -112,15 +121,17 @@ def loop_extra(group: str, kind: str, stage_tensors: int) -> int:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_groups_bytes_are_the_plans(name: str, runs: Callable[[str, str | None, str], Run]) -> None:
+def test_each_groups_bytes_are_the_plans(
+    name: str, runs: Callable[[str, str | None, tuple[str, ...]], Run]
+) -> None:
     """Step 2 (step 1 also runs PipelineStage's shape inference): on every rank the shard group's all-gathers and
     reduce-scatters (gloo: all-reduces), HSDP's replicate group's all-reduce of each gradient shard or hpZ's
-    backward all-gathers from the secondary shards, and the pp group's two scalars are its pipeline rank's plan
-    (`bytes_by_collective_per_stage`), to the byte."""
+    backward all-gathers from the secondary shards, under cp its all-to-alls, and the pp group's two scalars are its
+    pipeline rank's plan (`bytes_by_collective_per_stage`), to the byte."""
     run = runs(*CONFIGS[name])
     groups = plan_of(run)["comm"]["groups"]
     second = "replicate" if "HSDP" in name else "hpz"
-    assert set(groups) == {"shard", second, "pp"}, groups
+    assert set(groups) == {"shard", second, "pp"} | ({"cp"} if "cp" in name else set()), groups
     assert groups[second]["ranks"] == 2 and groups["shard"]["ranks"] == (2 if "HSDP" in name else 4)
     record = run.records[1]
     assert record["step"] == 2

@@ -77,12 +77,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.cp=2 with parallel.pp_schedule=interleaved_1f1b is not supported; use parallel.pp_schedule=1f1b or "
         "gpipe or parallel.cp=1",
     ),
-    "parallel.cp x zero.hpz_ranks under parallel.pp > 1": (
-        (*CP, *PP, *STAGE3, "nproc=8"),
-        ("zero.hpz_ranks=2",),
-        "parallel.cp=2 with zero.hpz_ranks under parallel.pp > 1 is not supported; use zero.hpz_ranks=null or "
-        "parallel.cp=1",
-    ),
     "parallel.ep x zero=stage1": (
         EP,
         ("zero=stage1",),

@@ -150,14 +150,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "use parallel.pp_schedule=1f1b or gpipe",
     ),
     Refusal(
-        CP,
-        "zero.hpz_ranks under parallel.pp > 1",
-        lambda c: c.zero.hpz_ranks is not None and c.parallel.pp > 1,
-        "not yet built: hpZ's secondary mesh under a pipeline (trainer/rank/mesh.py `secondary_mesh`) is made over "
-        "(pp, dp / H, H), without the cp dim that FSDP2's shard dim folds in",
-        "use zero.hpz_ranks=null",
-    ),
-    Refusal(
         EP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,

@@ -52,13 +52,13 @@ def data_parallel_mesh(mesh: DeviceMesh, layout: Layout, zero: ZeroConfig) -> De
 def secondary_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     """hpZ under a pipeline: the mesh FSDP2 keeps each block's secondary shard over, `dp_mesh.mesh.view(-1, H)` of
     this rank's stage (H = zero.hpz_ranks; trainer/private_apis/of_torch.py `prebuilt_secondary_mesh` says why
-    FSDP2 cannot build it itself), made by every rank at once over the world (pp, dp / H, H); None elsewhere.
-    hpZ does not compose with tp, nor with cp under a pipeline (the composition table), so a stage's dp ranks are
-    consecutive."""
+    FSDP2 cannot build it itself), made by every rank at once over the world (pp, dp·cp / H, H); None elsewhere.
+    hpZ does not compose with tp (the composition table), so a stage's shard group, its dp ranks with cp folded in
+    (`data_parallel_mesh`), is consecutive ranks, and so is each secondary group."""
     if layout.hpz is None or not layout.enabled("pp"):
         return None
-    assert layout.tp == layout.cp == 1, layout
-    shape = (layout.pp, layout.dp // layout.hpz, layout.hpz)
+    assert layout.tp == 1, layout
+    shape = (layout.pp, layout.dp * layout.cp // layout.hpz, layout.hpz)
     world = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "hpz_rows", "hpz"))
     return world["hpz_rows", "hpz"]
 
