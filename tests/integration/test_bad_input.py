@@ -233,9 +233,6 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "zero.reshard_after_backward=false",
     ),
     (PP, "model.tie_embeddings=true"): ("model.tie_embeddings=true",),
-    (CP, "parallel.pp_schedule=interleaved_1f1b"): (
-        *("parallel.pp=2", "grad_accum=2", "nproc=4", "parallel.pp_schedule=interleaved_1f1b"),
-    ),
     (EP, "zero=stage1"): ("zero=stage1",),
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),

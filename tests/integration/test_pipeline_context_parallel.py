@@ -1,14 +1,13 @@
-"""Context parallelism per pipeline stage: parallel.pp=2 x parallel.cp=2 (Ulysses) on 4 CPU ranks, fp32, Schedule1F1B
-and ScheduleGPipe over grad_accum=4 micro-batches of one row of 128 positions, 3 steps: 1F1B at zero=stage0 (DDP over
-each stage's 2 cp ranks) and zero=stage2 (FSDP2 over them), GPipe at stage2 (interleaved_1f1b trains too, but its plan
-is refused: trainer/config/composition.py).
+"""Context parallelism per pipeline stage: parallel.pp=2 x parallel.cp=2 (Ulysses) on 4 CPU ranks, fp32, Schedule1F1B,
+ScheduleGPipe and ScheduleInterleaved1F1B over grad_accum=4 micro-batches of one row of 128 positions, 3 steps: 1F1B at
+zero=stage0 (DDP over each stage's 2 cp ranks) and zero=stage2 (FSDP2 over them), GPipe and interleaved at stage2.
 
 Each stage's forward runs on its cp rank's 64 positions of every row, with their rotary angles
 (trainer/model/pipeline_split.py `StageModel.forward`), the first stage fed those positions and the loss_fn the whole
 rows' targets (trainer/rank/pipeline.py `cp_feed`, `PipelineLoss.cp_terms`). Against pp=2 x cp=1 on 2 ranks: losses
 within 1e-5 (the order of fp32 sums differs). Every rank's measured peak within 0.5% of its plan; the cp group's
 all-to-all bytes on every rank equal to its pipeline rank's plan (`bytes_by_collective_per_stage`, step 2: step 1
-also runs PipelineStage's shape inference, whose forward exchanges too). Four 12 s jobs on this host's 2 cores.
+also runs PipelineStage's shape inference, whose forward exchanges too). Five 12 s jobs on this host's 2 cores.
 """
 
 from __future__ import annotations
@@ -34,7 +33,11 @@ POINTS = {
     "stage0 1f1b": ("zero=stage0",),
     "stage2 1f1b": ("zero=stage2",),
     "stage2 gpipe": ("zero=stage2", "parallel.pp_schedule=gpipe"),
+    "stage2 interleaved": ("zero=stage2", "parallel.pp_schedule=interleaved_1f1b"),
 }
+"""Interleaved, each rank runs two stages of one block, each stage module with its own rotary table: telemetry tells
+MemTracker of both (trainer/model/decoder.py `rope_cache` reads the rank module's `stage_modules`); it once saw
+neither, and this point measured 1.5% under its plan."""
 
 
 @pytest.fixture(scope="module")

@@ -71,12 +71,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.sync_every=2",),
         "parallel.tp=2 with zero.sync_every is not supported; use zero.sync_every=1 or parallel.tp=1",
     ),
-    "parallel.cp x parallel.pp_schedule=interleaved_1f1b": (
-        (*CP, *PP, "nproc=4"),
-        ("parallel.pp_schedule=interleaved_1f1b",),
-        "parallel.cp=2 with parallel.pp_schedule=interleaved_1f1b is not supported; use parallel.pp_schedule=1f1b or "
-        "gpipe or parallel.cp=1",
-    ),
     "parallel.ep x zero=stage1": (
         EP,
         ("zero=stage1",),

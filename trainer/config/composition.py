@@ -140,16 +140,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "use zero.sync_every=1",
     ),
     Refusal(
-        CP,
-        "parallel.pp_schedule=interleaved_1f1b",
-        lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule == "interleaved_1f1b",
-        "not yet planned: it trains (losses those of pp=2 x cp=1), but the plan over-counts: +1.5% / +1.4% on 4 CPU "
-        "ranks (pp=2 x cp=2, stage2 fp32, seq_len=128, either exchange), where the measured peak lies 81,920 B above "
-        "pp=2 x dp=2's at the same tokens a rank (one micro-batch's cp additions through the rank's two stages) and "
-        "the plan 215,552 B above (those of its five micro-batches in flight); GPipe and 1F1B are within 0.4%",
-        "use parallel.pp_schedule=1f1b or gpipe",
-    ),
-    Refusal(
         EP,
         "zero=stage1",
         lambda c: c.zero.stage == Stage.stage1,

@@ -300,8 +300,12 @@ class Transformer(nn.Module):
 
 def rope_cache(model: nn.Module) -> list[torch.Tensor]:
     """The rotary tables the model (or pipeline stage) holds in its per-device cache: memory a rank keeps
-    all step, which a memory tracker must be told of (under parallel.cp no op makes a view of them)."""
-    return [table for m in model.modules() if isinstance(m, Transformer) for table in m.cached_rope_tables()]
+    all step, which a memory tracker must be told of (under parallel.cp no op makes a view of them). An
+    interleaved pipeline rank's module holds its stages' parts, not the stages (trainer/rank/pipeline.py
+    `rank_model`), and names them in `stage_modules`."""
+    roots = (model, *getattr(model, "stage_modules", ()))
+    modules = {id(m): m for root in roots for m in root.modules() if isinstance(m, Transformer)}
+    return [table for m in modules.values() for table in m.cached_rope_tables()]
 
 
 def block_causal_mask(documents_BT: torch.Tensor) -> torch.Tensor:

@@ -253,6 +253,9 @@ def rank_model(parts: list[nn.Module]) -> nn.Module:
         return parts[0]
     held = nn.Module()
     held.layers = StageBlocks()
+    # The stage modules themselves, not registered (their children are, under the decoder's names): what they
+    # keep outside parameters and buffers, their rotary tables (trainer/model/decoder.py `rope_cache`)
+    held.stage_modules = tuple(parts)
     for part in parts:
         stage = part.module if isinstance(part, DistributedDataParallel) else part
         for name, child in stage.named_children():
