@@ -238,8 +238,11 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),
     (EP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
     (EP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
-    (EP, "offload=cpu where ep is every data-parallel rank"): ("zero=stage3", "offload=cpu"),
-    (EP, "offload=nvme"): ("zero=stage3", "offload=nvme", "offload.path={tmp}"),
+    (EP, "offload where ep is every data-parallel rank"): (
+        "zero=stage3",
+        "offload=nvme",
+        "offload.path={tmp}",
+    ),
     (MOE, "parallel.tp > 1"): ("parallel.tp=2",),
     (MOE, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2"),
     (MOE, "parallel.cp > 1"): ("parallel.cp=2",),

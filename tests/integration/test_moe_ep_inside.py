@@ -37,12 +37,19 @@ POINTS = [
     ("stage3", "2", "forced", "bf16"),
     ("stage3", "2", "both", "fp32"),
     ("stage3", "2", "forced", "fp32", "offload"),
+    ("stage3", "2", "forced", "fp32", "nvme"),
 ]
 """(zero, parallel.ep, routing, precision[, offload]) on 4 ranks: two ep groups of 2 (routed: the router's own
 routing, for the parity with ep=1; balanced and forced: test_moe_plan.py's BIASED; both: 2 experts, top 2, so that
 every token goes to both: one expert a rank, which FSDP2 cannot split on the expert dim over 2 ranks and shards on
-dim 1; offload: offload=cpu, FSDP2's CPUOffloadPolicy on every unit, the experts' too)."""
-EXTRA = {"both": ("model.n_experts=2", "model.top_k=2"), "offload": ("offload=cpu",)}
+dim 1; offload: offload=cpu, FSDP2's CPUOffloadPolicy on every unit, the experts' too; nvme: offload=nvme, Adam's
+moments of the experts' DTensors in the rank's file beside the rest's)."""
+EXTRA = {
+    "both": ("model.n_experts=2", "model.top_k=2"),
+    "offload": ("offload=cpu",),
+    "nvme": ("offload=nvme", "offload.path={out}", "offload.buffer_mib=1"),
+}
+"""Overrides by a point's word ({out}: the test's own directory)."""
 
 
 def tracked(config: TrainConfig, world: Any, biased: tuple[int, ...]) -> dict[str, Any]:
@@ -80,7 +87,13 @@ def points(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], di
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
     configs = {
         " ".join(point): point_config(
-            tokens, zero, ep, "none", precision, WORLD, sum((EXTRA.get(word, ()) for word in point[2:]), ())
+            tokens,
+            zero,
+            ep,
+            "none",
+            precision,
+            WORLD,
+            tuple(o.format(out=out) for word in point[2:] for o in EXTRA.get(word, ())),
         )
         for point in POINTS
         for zero, ep, routing, precision, *_ in [point]
@@ -121,12 +134,15 @@ def test_each_ranks_losses_and_the_gradient_norms_are_ep1s(
 
 
 def test_offloaded_experts_train_as_on_the_device(points: dict[tuple[str, ...], dict[str, Any]]) -> None:
-    """offload=cpu beside an ep group inside the shard group: FSDP2 offloads the experts' unit like any other,
-    and the job trains to the same losses and gradient norms, bit for bit (on a CPU rank the host is the device:
+    """offload=cpu and nvme beside an ep group inside the shard group: FSDP2 offloads the experts' unit like any
+    other (under nvme their Adam moments stream from the rank's file), and the job trains to the same losses and
+    gradient norms, bit for bit (on a CPU rank the host is the device:
     the offloaded states move nowhere; a GPU's copies are the plan's `offload_staging`, not yet measured)."""
-    on, off = points[("stage3", "2", "forced", "fp32")], points[("stage3", "2", "forced", "fp32", "offload")]
-    assert off["config"].offload.target.value == "cpu"
-    assert off["losses"] == on["losses"] and off["norms"] == on["norms"]
+    on = points[("stage3", "2", "forced", "fp32")]
+    for target in ("offload", "nvme"):
+        off = points[("stage3", "2", "forced", "fp32", target)]
+        assert off["config"].offload.target.value == {"offload": "cpu", "nvme": "nvme"}[target]
+        assert off["losses"] == on["losses"] and off["norms"] == on["norms"], target
 
 
 FIXED = [point for point in POINTS if point[2] != "routed"]

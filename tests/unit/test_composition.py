@@ -96,16 +96,11 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.hpz_ranks=2",),
         "parallel.ep=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.ep=1",
     ),
-    "parallel.ep x offload=cpu where ep is every data-parallel rank": (
+    "parallel.ep x offload where ep is every data-parallel rank": (
         (*EP, "nproc=2"),
         ("offload=cpu",),
-        "parallel.ep=2 with offload=cpu where ep is every data-parallel rank is not supported; use a parallel.ep "
+        "parallel.ep=2 with offload where ep is every data-parallel rank is not supported; use a parallel.ep "
         "dividing the data-parallel ranks below them, or offload=none or parallel.ep=1",
-    ),
-    "parallel.ep x offload=nvme": (
-        EP,
-        ("offload=nvme", "offload.path=."),
-        "parallel.ep=2 with offload=nvme is not supported; use offload=cpu or none or parallel.ep=1",
     ),
     "model.n_experts x parallel.tp > 1": (
         MOE,
@@ -162,20 +157,17 @@ def test_the_pipeline_takes_what_parallelize_applies_per_stage(setting: str) -> 
 
 
 def test_ep_offloads_where_fsdp2_shards_the_experts_and_the_world_decides_under_nproc_auto() -> None:
-    """offload=cpu composes with an ep group inside the data-parallel ranks (FSDP2 shards and offloads the experts,
-    tests/integration/test_moe_ep_inside.py trains it), not with ep equal to them; under nproc=auto the config
+    """offload composes with an ep group inside the data-parallel ranks (FSDP2 shards and offloads the experts,
+    tests/integration/test_moe_ep_inside.py trains it under cpu and nvme), not with ep equal to them; under nproc=auto the config
     cannot tell, and the job's world check (trainer/layout.py `check_world`) asks the table again."""
     assert first_refusal(compose_config(*EP, "nproc=4", "offload=cpu")) is None
+    assert first_refusal(compose_config(*EP, "nproc=4", "offload=nvme", "offload.path=.")) is None
     auto = compose_config(*EP, "offload=cpu")
     assert auto.nproc == "auto" and first_refusal(auto) is None
     check_world(auto, 4, 1)
-    with pytest.raises(
-        ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"
-    ):
+    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is every data-parallel rank"):
         check_world(auto, 2, 1)
-    with pytest.raises(
-        ConfigError, match="^parallel.ep=2 with offload=cpu where ep is every data-parallel rank"
-    ):
+    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is every data-parallel rank"):
         compose_config(*EP, "nproc=1", "nodes=2", "offload=cpu")  # 2 nodes of 1 rank: ep=2 is all of them
 
 

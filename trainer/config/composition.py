@@ -178,20 +178,12 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "offload=cpu where ep is every data-parallel rank",
-        lambda c: c.offload.target == OffloadTarget.cpu and ep_holds_the_experts(c),
-        "not yet built: FSDP2 leaves the experts whole to each ep rank there (trainer/rank/experts.py), so they "
-        "would stay in host memory while the device computes; with an ep group inside the data-parallel ranks "
-        "FSDP2 shards each rank's experts over the rest, and offloads them like any unit",
+        "offload where ep is every data-parallel rank",
+        lambda c: c.offload.target != OffloadTarget.none and ep_holds_the_experts(c),
+        "not yet built: FSDP2 leaves the experts whole to each ep rank there (trainer/rank/experts.py), so under "
+        "offload=cpu or nvme they would stay in host memory while the device computes; with an ep group inside the "
+        "data-parallel ranks FSDP2 shards each rank's experts over the rest, and offloads them like any unit",
         "use a parallel.ep dividing the data-parallel ranks below them, or offload=none",
-    ),
-    Refusal(
-        EP,
-        "offload=nvme",
-        lambda c: c.offload.target == OffloadTarget.nvme,
-        "not yet proven: Adam's moments streamed from disk (trainer/rank/nvme.py) beside experts that are DTensors "
-        "over two meshes",
-        "use offload=cpu or none",
     ),
     Refusal(
         MOE,
