@@ -237,7 +237,7 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),
     (EP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
-    (EP, "zero.hpz_ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
+    (EP, "zero.hpz_ranks where ep is every data-parallel rank"): ("zero=stage3", "zero.hpz_ranks=2"),
     (EP, "offload where ep is every data-parallel rank"): (
         "zero=stage3",
         "offload=nvme",

@@ -38,6 +38,7 @@ POINTS = [
     ("stage3", "2", "both", "fp32"),
     ("stage3", "2", "forced", "fp32", "offload"),
     ("stage3", "2", "forced", "fp32", "nvme"),
+    ("stage3", "2", "forced", "fp32", "hpz"),
 ]
 """(zero, parallel.ep, routing, precision[, offload]) on 4 ranks: two ep groups of 2 (routed: the router's own
 routing, for the parity with ep=1; balanced and forced: test_moe_plan.py's BIASED; both: 2 experts, top 2, so that
@@ -48,6 +49,7 @@ EXTRA = {
     "both": ("model.n_experts=2", "model.top_k=2"),
     "offload": ("offload=cpu",),
     "nvme": ("offload=nvme", "offload.path={out}", "offload.buffer_mib=1"),
+    "hpz": ("zero.hpz_ranks=2",),
 }
 """Overrides by a point's word ({out}: the test's own directory)."""
 
@@ -133,16 +135,30 @@ def test_each_ranks_losses_and_the_gradient_norms_are_ep1s(
     )  # ranks' batches differ, losses move
 
 
-def test_offloaded_experts_train_as_on_the_device(points: dict[tuple[str, ...], dict[str, Any]]) -> None:
+def test_offload_and_hpz_train_as_the_plain_point(points: dict[tuple[str, ...], dict[str, Any]]) -> None:
     """offload=cpu and nvme beside an ep group inside the shard group: FSDP2 offloads the experts' unit like any
-    other (under nvme their Adam moments stream from the rank's file), and the job trains to the same losses and
-    gradient norms, bit for bit (on a CPU rank the host is the device:
-    the offloaded states move nowhere; a GPU's copies are the plan's `offload_staging`, not yet measured)."""
+    other (under nvme their Adam moments stream from the rank's file); hpZ keeps the blocks' secondary shards (the
+    experts' unit reshards fully: trainer/rank/sharding.py `shard_experts`). Each trains to the plain point's losses
+    and gradient norms, bit for bit (on a CPU rank the host is the device: the offloaded states move nowhere; a GPU's
+    copies are the plan's `offload_staging`, not yet measured)."""
     on = points[("stage3", "2", "forced", "fp32")]
-    for target in ("offload", "nvme"):
-        off = points[("stage3", "2", "forced", "fp32", target)]
-        assert off["config"].offload.target.value == {"offload": "cpu", "nvme": "nvme"}[target]
-        assert off["losses"] == on["losses"] and off["norms"] == on["norms"], target
+    for word in ("offload", "nvme", "hpz"):
+        off = points[("stage3", "2", "forced", "fp32", word)]
+        assert off["losses"] == on["losses"] and off["norms"] == on["norms"], word
+    assert points[("stage3", "2", "forced", "fp32", "nvme")]["config"].offload.target.value == "nvme"
+
+
+def test_hpz_gathers_the_blocks_from_their_secondary_shards(
+    points: dict[tuple[str, ...], dict[str, Any]],
+) -> None:
+    """hpZ beside the experts: the blocks' backward all-gathers run in the hpz groups of 2, the plan's bytes to the
+    byte on every rank, and the experts' (the expert_shard group's) are the plain point's."""
+    hpz, plain = points[("stage3", "2", "forced", "fp32", "hpz")], points[("stage3", "2", "forced", "fp32")]
+    planned = hpz["plan"]["comm"]["groups"]["hpz"]
+    assert planned["ranks"] == 2 and planned["bytes_by_collective"]["all_gather"] > 0
+    for rank in range(WORLD):
+        assert hpz["comm"][rank]["hpz:all_gather"] == planned["bytes_by_collective"]["all_gather"], rank
+        assert hpz["comm"][rank]["expert_shard:all_gather"] == plain["comm"][rank]["expert_shard:all_gather"]
 
 
 FIXED = [point for point in POINTS if point[2] != "routed"]

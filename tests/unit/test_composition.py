@@ -91,10 +91,11 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.shard_ranks=2",),
         "parallel.ep=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.ep=1",
     ),
-    "parallel.ep x zero.hpz_ranks": (
-        EP,
-        ("zero.hpz_ranks=2",),
-        "parallel.ep=2 with zero.hpz_ranks is not supported; use zero.hpz_ranks=null or parallel.ep=1",
+    "parallel.ep x zero.hpz_ranks where ep is every data-parallel rank": (
+        (*EP, "nproc=4"),  # ep=2 of 4 ranks composes; ep=4 is all of them
+        ("parallel.ep=4", "zero.hpz_ranks=2"),
+        "parallel.ep=4 with zero.hpz_ranks where ep is every data-parallel rank is not supported; use a parallel.ep "
+        "dividing the data-parallel ranks below them, or zero.hpz_ranks=null or parallel.ep=1",
     ),
     "parallel.ep x offload where ep is every data-parallel rank": (
         (*EP, "nproc=2"),

@@ -171,10 +171,11 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "zero.hpz_ranks",
-        lambda c: c.zero.hpz_ranks is not None,
-        "not yet proven: hpZ's secondary groups beside experts FSDP2 does not shard",
-        "use zero.hpz_ranks=null",
+        "zero.hpz_ranks where ep is every data-parallel rank",
+        lambda c: c.zero.hpz_ranks is not None and ep_holds_the_experts(c),
+        "not yet proven: hpZ's secondary shards beside experts FSDP2 leaves whole to each ep rank (with an ep group "
+        "inside the data-parallel ranks the blocks keep them and the experts' unit reshards fully)",
+        "use a parallel.ep dividing the data-parallel ranks below them, or zero.hpz_ranks=null",
     ),
     Refusal(
         EP,

@@ -152,6 +152,9 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, reshard: bool | int, commo
     ranks; `MeanOverRanks` has divided them by the ep ranks whose tokens reached them: the mean over all. They are
     sharded on the expert dim where a rank's experts split evenly over `mesh`, else on the next: FSDP2 pads its
     shard dim to a multiple of the ranks, which on the expert dim would hold them several times over."""
+    # hpZ's secondary groups are consecutive ranks of the blocks' shard group (zero.hpz_ranks divides it, not
+    # this mesh's group): the experts reshard fully after forward, as at stage3 without hpZ
+    reshard = reshard if isinstance(reshard, bool) else True
     for layer in moe_layers(model):
         local = layer.experts.w1.to_local().shape[0]  # this rank's E / ep experts
         dim = expert_shard_dim(local, mesh.size())  # the plan's rule (trainer/plan/moe.py)
