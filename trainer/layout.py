@@ -27,12 +27,11 @@ over consecutive groups of FSDP2's shard group, dp_shard x cp (`group("hpz", ran
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.config import TP_SPLIT_KEYS, ConfigError, ZeroConfig, check_composition
+from trainer.config import TP_SPLIT_KEYS, ConfigError, ZeroConfig, check_composition, unchecked_replace
 
 if TYPE_CHECKING:
     from trainer.config import ModelConfig, TrainConfig
@@ -260,10 +259,9 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
         )
     dp = world // (tp * pp * cp)
     check_expert_ranks(config, dp)
-    if (
-        config.nproc != str(nproc) or config.nodes != nodes
-    ):  # the table's rows that need the world (nproc=auto)
-        check_composition(with_world(config, nproc, nodes))
+    # the table's rows that need the world (`ep_holds_the_experts`), asked again where nproc was auto
+    if config.nproc != str(nproc) or config.nodes != nodes:
+        check_composition(unchecked_replace(config, nproc=str(nproc), nodes=nodes))
     check_one_replica(zero, dp * cp)
     if not (tp == 1 or zero.uses_fsdp or dp * cp == 1):
         # The one tp leaving one replica, where it is a valid size (inside a node, dividing the model's heads).
@@ -273,14 +271,6 @@ def check_world(config: TrainConfig, nproc: int, nodes: int) -> None:
             f"DDP holds tensor-parallel parameters as local tensors); use zero=stage2 or stage3"
             + "".join(f", or parallel.tp={t}" for t in whole)
         )
-
-
-def with_world(config: TrainConfig, nproc: int, nodes: int) -> TrainConfig:
-    """A shallow copy of `config` on `nodes` hosts of `nproc` ranks, unchecked (the config was checked; only
-    the composition table's world-dependent rows are asked again)."""
-    copied = copy.copy(config)
-    vars(copied).update(nproc=str(nproc), nodes=nodes)
-    return copied
 
 
 def check_one_replica(zero: ZeroConfig, replicas: int) -> None:

@@ -23,7 +23,6 @@ device.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import json
@@ -52,6 +51,7 @@ from trainer.config import (
     Stage,
     TrainConfig,
     first_refusal,
+    unchecked_replace,
 )
 from trainer.layout import divisors
 from trainer.model.decoder import flops_per_token
@@ -481,13 +481,6 @@ def configure(config: TrainConfig, choice: dict[str, Any], check: bool = True) -
             ep=choice.get("parallel.ep") or 1,
         ),
     )
-
-
-def unchecked_replace(obj: Any, **changes: Any) -> Any:
-    """dataclasses.replace without __post_init__: a shallow copy with `changes` set."""
-    new = copy.copy(obj)
-    vars(new).update(changes)
-    return new
 
 
 def rates_for(config: TrainConfig, world_size: int, micro_batches: list[int]) -> Rates:

@@ -91,6 +91,7 @@ from trainer.config.train import (
     global_batch,
     is_endpoint,
     to_plain,
+    unchecked_replace,
     uses_fused,
     validate,
 )
@@ -141,6 +142,7 @@ __all__ = [
     "Refusal",
     "REFUSALS",
     "first_refusal",
+    "unchecked_replace",
     "check_composition",
     "refusals_markdown",
     "CONTEXT_PARALLEL_IMPLS",

@@ -224,8 +224,7 @@ def ep_holds_the_experts(config: TrainConfig) -> bool:
     `check_world` asks the table again with the world it knows."""
     if not config.nproc.isdigit():
         return False
-    p = config.parallel
-    return p.ep == config.nodes * int(config.nproc) // (p.tp * p.pp * p.cp)
+    return config.parallel.ep == config.parallel.dp(config.nodes * int(config.nproc))
 
 
 def first_refusal(config: TrainConfig) -> str | None:

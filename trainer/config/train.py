@@ -3,6 +3,7 @@ what reads it whole: `validate` (the composed config checked), `to_plain` and `f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,3 +312,11 @@ def global_batch(micro_batch: int, grad_accum: int, world_size: int) -> int:
     """Sequences per optimizer step over all ranks: always micro_batch * grad_accum * world size
     (the data stream, the saves' progress and the throughput all count steps in it)."""
     return micro_batch * grad_accum * world_size
+
+
+def unchecked_replace(obj: Any, **changes: Any) -> Any:
+    """dataclasses.replace without __post_init__: a shallow copy with `changes` set (for a config already
+    checked, asked again under other values: the advisor's candidates, the world a job resolves)."""
+    new = copy.copy(obj)
+    vars(new).update(changes)
+    return new
