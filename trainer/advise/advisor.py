@@ -1023,7 +1023,7 @@ def fp8_lines(config: TrainConfig, best: list[Candidate], base: list[str]) -> li
         f"fp8: predicted from the GEMM shapes, fitted to torchtitan's Llama-3.1-8B points on 8 H100 within "
         f"{FIT_ERROR_PP} percentage points (trainer/advise/fp8.py); x: over the same in bf16, both compiled; "
         "tokens/s compiled (compile's published gain where the row above is eager, trainer/advise/throughput.py); "
-        "memory as bf16 (torchao keeps no fp8 casts)"
+        "memory as bf16 (torchao keeps no fp8 casts; under fp8_all_gather an upper bound: its unsharded weights take 1 byte)"
     ]
     for i, c in enumerate(best, 1):
         for p in fp8_predictions(config, c):

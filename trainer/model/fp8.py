@@ -105,10 +105,17 @@ def converted_numel(m: ModelConfig, precision: PrecisionConfig) -> int:
     (Float8Linear hands its fp32 weight to torchao's matmul, which casts it to float8 per call)."""
     linears = block_linears(m)
     biases = {"attention.wq", "attention.wk", "attention.wv"} if m.qkv_bias else set()
-    return sum(
-        linears[name][0] * linears[name][1] + (linears[name][1] if name in biases else 0)
-        for name in precision_split(m, precision).converted
+    converted = precision_split(m, precision).converted
+    return converted_weight_numel(m, precision) + sum(
+        linears[name][1] for name in converted if name in biases
     )
+
+
+def converted_weight_numel(m: ModelConfig, precision: PrecisionConfig) -> int:
+    """The weights alone of one block's converted linears: what precision.fp8_all_gather all-gathers in float8
+    (torchao wraps each Float8Linear's weight, not its bias)."""
+    linears = block_linears(m)
+    return sum(linears[name][0] * linears[name][1] for name in precision_split(m, precision).converted)
 
 
 NORM_READERS = (

@@ -20,7 +20,7 @@ from trainer.devices import find_accelerator
 from trainer.layout import Layout
 from trainer.model.fp8 import precision_split
 from trainer.plan.activations import activations, precisions
-from trainer.plan.comm import CommPlan, data_parallel_groups, plan_comm
+from trainer.plan.comm import CommPlan, data_parallel_groups, pipeline_gathers, plan_comm
 from trainer.plan.context_parallel import cp_local, cp_positions
 from trainer.plan.ddp_walk import ddp_moments
 from trainer.plan.disk import DiskPlan, build_disk_plan, nvme_buffer_bytes
@@ -296,7 +296,12 @@ class Plan:
             stage = self.pipeline_stage(rank.rank)
             peaks[stage] = max(peaks.get(stage, 0), rank.peak_total)
             members.setdefault(stage, []).append(rank.rank)
-        return self.pipeline.to_json(peaks, self.worst_stage, members)
+        record = self.pipeline.to_json(peaks, self.worst_stage, members)
+        shard = self.comm.groups.get("shard")
+        if self.config.zero.uses_fsdp and shard is not None and shard.ranks > 1:  # the worst pipeline rank's
+            gathers = pipeline_gathers(self.config, self.world_size, record["worst_stage"])
+            record["all_gather_bytes_per_step_by_zero_stage"] = gathers
+        return record
 
 
 def build_plan(config: TrainConfig, device_kind: str, world_size: int) -> Plan:

@@ -67,6 +67,7 @@ from typing import Any
 
 from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
 from trainer.layout import Layout
+from trainer.model.fp8 import converted_weight_numel
 from trainer.plan.activations import precisions
 from trainer.plan.groups import INTRA_NODE, NETWORK, ShardGroups, shard_groups
 from trainer.plan.moe import expert_local_shapes, expert_rows, expert_shapes
@@ -93,6 +94,25 @@ MASTER_BYTES = 4  # fp32 master weights, what ZeroRedundancyOptimizer broadcasts
 MIN_COMPRESSION_RATE = 2.0
 """PowerSGDState's default min_compression_rate, which trainer/rank/compression.py passes: a matrix is
 compressed only where (n + m) * rank * rate < n * m (powerSGD_hook.py `_should_compress`)."""
+
+
+def fp8_gathered_numel(config: TrainConfig) -> int:
+    """precision.fp8_all_gather: the elements of one block FSDP2 all-gathers in float8, 1 byte each instead of the
+    compute dtype's: its converted linears' weights (torchao's WeightWithDynamicFloat8CastTensor casts its shard
+    before the all-gather, and the unsharded weight is a Float8TrainingTensor over the gathered bytes:
+    torchao/float8/fsdp_utils.py `fsdp_pre_all_gather`, `fsdp_post_all_gather`); 0 otherwise. `config` may be
+    one TP rank's job: its local linears, as autocast_casts counts them (trainer/plan/tp_walk.py)."""
+    precision = config.precision
+    if not (precision.is_fp8 and precision.fp8_all_gather):
+        return 0
+    return converted_weight_numel(config.model, precision)
+
+
+def gathered_block_bytes(config: TrainConfig, numel: int) -> int:
+    """The bytes FSDP2 all-gathers, and holds unsharded, for `numel` elements of one block: the compute dtype's,
+    but 1 byte for each weight precision.fp8_all_gather gathers in float8 (`fp8_gathered_numel`)."""
+    param = PARAM_BYTES[config.precision.compute_dtype]
+    return param * numel - (param - 1) * fp8_gathered_numel(config)
 
 
 @dataclass(frozen=True)
@@ -263,6 +283,25 @@ def pipelined(config: TrainConfig, shape: ModelShape, rank: int) -> tuple[TrainC
     local.zero.reduce_every = ReduceEvery.step
     local.zero.reshard_after_backward = not config.zero.uses_fsdp
     return local, stage_model_shape(shape, blocks, 0 in mine, p.stages - 1 in mine)
+
+
+def pipeline_gathers(config: TrainConfig, world_size: int, rank: int) -> dict[str, int]:
+    """parallel.pp under FSDP2: pipeline rank `rank`'s all-gather bytes per step at zero=stage3 and at zero=stage2,
+    side by side. stage2 is FSDP2's reshard_after_forward=False, torchtitan's default under PP ("to avoid
+    per-microbatch all-gathers", torchtitan/distributed/fsdp.py): the stage gathers each block once a step and holds
+    it unsharded from its first forward; stage3 reshards each block after every forward and gathers it again in
+    that micro-batch's backward (`pipelined`: PipelineStage keeps it unsharded from a backward to the next forward).
+    `config` is the job's; hpZ's backward gathers count with stage3's, none at stage2."""
+    local, shape = tp_local(config), model_shape(tp_local(config).model)
+    out = {}
+    for stage in (Stage.stage3, Stage.stage2):
+        choice = copy.copy(local)  # as `pipelined`: not the checks of a job the user wrote
+        choice.zero = copy.copy(local.zero)
+        choice.zero.stage = stage
+        choice.zero.hpz_ranks = local.zero.hpz_ranks if stage == Stage.stage3 else None
+        moves = dp_moves(*pipelined(choice, shape, rank), world_size)
+        out[stage.value] = sum(b for group in moves.values() for kind, b, _ in group if kind == "all_gather")
+    return out
 
 
 def tp_per_stage(config: TrainConfig, backend: str) -> tuple[dict[str, int], ...]:
@@ -454,10 +493,11 @@ def fsdp_group_moves(config: TrainConfig, shape: ModelShape, groups: ShardGroups
     reduce_bytes = REDUCE_BYTES[config.zero.reduce_dtype]
     stage3 = config.zero.stage == Stage.stage3
     reduced = reductions(config)
-    backward_gather = [("all_gather", accum * param_bytes * layers * block, accum * layers)] if stage3 else []
+    gathered = gathered_block_bytes(config, block)  # one block's all-gather: fp8 weights under fp8_all_gather
+    backward_gather = [("all_gather", accum * layers * gathered, accum * layers)] if stage3 else []
     gathers = forward_gathers(config)
     shard = [
-        ("all_gather", gathers * param_bytes * (root + layers * block), gathers * (1 + layers)),
+        ("all_gather", gathers * (param_bytes * root + layers * gathered), gathers * (1 + layers)),
         ("reduce_scatter", reduced * reduce_bytes * (root + layers * block), reduced * (1 + layers)),
     ]
     moves = {"shard": shard}

@@ -100,7 +100,7 @@ def block_ffn_norm_moment(ctx: StepContext, acc: Accumulation, b: BlockBackward)
 def block_end_moment(ctx: StepContext, f: FsdpSizes, acc: Accumulation, b: BlockBackward) -> Moment:
     """Its end: its activations gone, every unsharded weight gradient of the block held."""
     return ctx.moment(
-        f"{b.name} end", b.grads, b.below, b.params + acc.fresh(f.block) + block_end_temporary(ctx)
+        f"{b.name} end", b.grads, b.below, b.params + acc.fresh(f.block_grad) + block_end_temporary(ctx)
     )
 
 

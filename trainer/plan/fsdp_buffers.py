@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import ReduceEvery
-from trainer.plan.comm import REDUCE_BYTES
+from trainer.plan.comm import REDUCE_BYTES, gathered_block_bytes
 from trainer.plan.moe import expert_grad_bytes, expert_local_shapes, expert_shapes, expert_shard_ranks
 from trainer.plan.moments import StepContext, accumulation_grads
 from trainer.plan.states import padded_numel
@@ -18,7 +18,7 @@ class FsdpSizes:
     """FSDP2 buffers of one rank (bytes)."""
 
     root: int  # the root's unsharded parameters (= its flat all-gather output), param dtype
-    block: int  # one block's
+    block: int  # one block's (its float8 weights 1 byte each under precision.fp8_all_gather)
     root_rs: int  # the root's reduce-scatter input (reduce dtype, padded)
     block_rs: int
     block_grad_shard: int  # one block's gradient shard (fp32: the reduce-scatter output, cast back)
@@ -33,6 +33,7 @@ class FsdpSizes:
     experts_rs_out: int = 0  # its reduce-scatter output, reduce dtype
     experts_shard: int = 0  # its gradient shard (fp32)
     experts_grads: int = 0  # its unsharded gradients, as the experts' backward makes them
+    block_grad: int = 0  # one block's new unsharded gradient, param dtype (`block`, but never float8)
 
     @property
     def dense(self) -> int:
@@ -56,9 +57,10 @@ def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
     block_padded = sum(padded_numel(t, w) for t in s.block if t not in experts)
     unit, ranks = expert_unit(ctx)
     expert_shard = 0 if ranks else sum(padded_numel(t, w) for t in s.block if t in experts) // w
+    gathered = gathered_block_bytes(ctx.config, block_padded)  # float8 weights in 1 byte under fp8_all_gather
     return FsdpSizes(
         root=p * root_padded,
-        block=p * (block_padded + unit),
+        block=gathered + p * unit,
         root_rs=r * root_padded,
         block_rs=r * (block_padded + unit),
         block_grad_shard=4 * (block_padded // w + expert_shard + (unit // ranks if ranks else 0)),
@@ -67,12 +69,13 @@ def fsdp_sizes(ctx: StepContext) -> FsdpSizes:
         root_rs_out=r * root_padded // w,
         output_grad=p * (m.vocab_size * m.dim + m.dim),
         gloo_copy=ctx.device_kind == "cpu",
-        secondary=p * block_padded // ctx.config.zero.hpz_ranks if ctx.config.zero.hpz_ranks else 0,
+        secondary=gathered // hpz if (hpz := ctx.config.zero.hpz_ranks) else 0,
         experts=p * unit,
         experts_rs=r * unit,
         experts_rs_out=r * unit // ranks if ranks else 0,
         experts_shard=4 * unit // ranks if ranks else 0,
         experts_grads=expert_grad_bytes(ctx.prec.regime, apart=False) * unit,
+        block_grad=p * (block_padded + unit),
     )
 
 

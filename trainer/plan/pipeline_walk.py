@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from trainer.config import LossKind, Stage, TrainConfig
 from trainer.plan.activations import Activations, Precisions, norm_upcasts_input, sequence_shards
-from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES
+from trainer.plan.comm import PARAM_BYTES, REDUCE_BYTES, fp8_gathered_numel, gathered_block_bytes
 from trainer.plan.context_parallel import cp_positions, per_forward_kept, row_length
 from trainer.plan.ddp_walk import hook_results, hook_state
 from trainer.plan.loss import chunked_loss_moments, full_loss_temporaries
@@ -121,8 +121,8 @@ def kept(
         param, reduce = PARAM_BYTES[config.precision.compute_dtype], REDUCE_BYTES[config.zero.reduce_dtype]
         grads = reduce * numel + (replicated_embedding_gradient(config, reduce) if first else 0)
         if config.zero.stage == Stage.stage2:
-            return Kept(param * numel, grads, False)
-        return Kept(param * root, grads, False, param * block if blocks else 0)
+            return Kept(unsharded_stage_bytes(config, shape, blocks), grads, False)
+        return Kept(param * root, grads, False, gathered_block_bytes(config, block) if blocks else 0)
     head = config.model.vocab_size * config.model.dim if len(shape.root) > 1 else 0
     casts = 2 * (shape.block_linear_numel * blocks + head) if prec.regime == "autocast" else 0
     if dp > 1:
@@ -130,13 +130,21 @@ def kept(
     return Kept(casts, 4 * numel + (replicated_embedding_gradient(config, 4) if first else 0), False)
 
 
-def within_step(config: TrainConfig, shape: ModelShape, keeps: Kept) -> tuple[int, int]:
+def unsharded_stage_bytes(config: TrainConfig, shape: ModelShape, blocks: int) -> int:
+    """A stage's parameters unsharded under FSDP2: the compute dtype's bytes, but 1 byte for each weight
+    precision.fp8_all_gather gathers in float8 (trainer/plan/comm.py `fp8_gathered_numel`)."""
+    param = PARAM_BYTES[config.precision.compute_dtype]
+    return param * shape.num_params - (param - 1) * fp8_gathered_numel(config) * blocks
+
+
+def within_step(config: TrainConfig, shape: ModelShape, keeps: Kept, blocks: int) -> tuple[int, int]:
     """What a stage holds from its first backward to the step's end beyond its states at rest (the pipeline's
-    law): under FSDP2 every parameter unsharded in the compute dtype (stage3's backwards leave each block so) and
+    law): under FSDP2 every parameter unsharded in the compute dtype, the float8-gathered weights in 1 byte
+    (stage3's backwards leave each block so) and
     the unsharded gradient in the reduce dtype; under DDP and on one rank per stage, the fp32 gradient DDP's
     buckets do not hold (`Kept.growth`). So at ZeRO-3 a stage holds, per parameter of its TP shard, 2 + 4 bytes
     beside its 12 / dp of master weights and Adam: 6 + 12/dp (Megatron-LM's distributed optimizer's figure)."""
-    params = PARAM_BYTES[config.precision.compute_dtype] * shape.num_params if config.zero.uses_fsdp else 0
+    params = unsharded_stage_bytes(config, shape, blocks) if config.zero.uses_fsdp else 0
     return params, keeps.growth
 
 
@@ -295,7 +303,7 @@ def secondary_bytes(config: TrainConfig, shape: ModelShape) -> int:
     FSDP2 keeps from the block's forward to the copy-out of its next all-gather (fsdp_buffers.py `secondaries`);
     0 without hpZ."""
     hpz = config.zero.hpz_ranks
-    return PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel // hpz if hpz else 0
+    return gathered_block_bytes(config, shape.block_numel) // hpz if hpz else 0
 
 
 def last_block_copy_out(ctx: StepContext, keeps: Kept, backward: Backward, secondary: int) -> Held | None:
@@ -470,14 +478,14 @@ def pipeline_stage_plans(
     keeps = [kept(config, prec, locals_[r], blocks[r], dp, first=ends[r][0]) for r in range(p.pp)]
     regathered, gathered = None, 0
     if config.zero.stage == Stage.stage3:  # each stage's blocks, left unsharded by its backward
-        block = PARAM_BYTES[config.precision.compute_dtype] * shape.block_numel
+        block = gathered_block_bytes(config, shape.block_numel)
         regathered = {s: block * len(split[s]) for s in range(p.stages)}
         gathered = block if sharded_over > 1 else 0  # `forward_gathered`
     growth = tuple(k.growth for k in keeps)
     upcast = norm_upcasts_input(prec, device_kind)
     pipe = build_pipeline(config, acts, prec.residual, prec.compute, growth, regathered, upcast, gathered)
     pipe = dataclasses.replace(
-        pipe, within_step=tuple(within_step(config, locals_[r], k) for r, k in enumerate(keeps))
+        pipe, within_step=tuple(within_step(config, locals_[r], k, blocks[r]) for r, k in enumerate(keeps))
     )
     boundary = boundary_bytes(config, prec.residual)
     # The step's int64 inputs and targets on every rank, twice: the loaded micro-batches and their

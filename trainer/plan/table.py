@@ -127,7 +127,22 @@ def pipeline_lines(plan: Plan) -> list[str]:
             f"  within the step (PipelineStage reduces once, after the last backward) stage {worst['rank']} holds "
             f"{unsharded}its gradient unsharded ({format_bytes(grads)}) beside its states at rest"
         )
+    if "all_gather_bytes_per_step_by_zero_stage" in record:
+        lines.append(gathers_line(plan, record))
     return lines
+
+
+def gathers_line(plan: Plan, record: dict) -> str:
+    """FSDP2's all-gathers over dp of the worst stage, at zero=stage3 and at stage2 (torchtitan's default under PP:
+    reshard_after_forward=False), per micro-batch: what keeping the stage unsharded after forward saves."""
+    by, m = record["all_gather_bytes_per_step_by_zero_stage"], plan.config.grad_accum
+    stage3, stage2 = by["stage3"], by["stage2"]
+    return (
+        f"  all-gathers over dp of stage {record['worst_stage']}, a micro-batch on average: zero=stage3 "
+        f"{format_bytes(stage3 / m)} ({format_bytes(stage3)} a step: every block again in each backward, as each "
+        f"forward reshards it); zero=stage2 {format_bytes(stage2 / m)} ({format_bytes(stage2)} a step, each block "
+        "once: reshard_after_forward=False, torchtitan's default under PP, every block unsharded from its first forward)"
+    )
 
 
 def disk_lines(plan: Plan) -> list[str]:
@@ -201,9 +216,14 @@ def fp8_line(plan: Plan) -> str:
     )
     note = f"; {f['note']}" if "note" in f else ""
     per_block = ", ".join(f["converted_per_block"]) or "none"
+    gathered = (
+        "their weights all-gathered and held unsharded in fp8, 1 byte each (precision.fp8_all_gather); "
+        if f["all_gather"] == "fp8"
+        else ""
+    )
     return (
         f"fp8: {f['recipe']} scaling in {f['converted']} block linears (fp8_filter={f['filter']}; per block: "
-        f"{per_block}), {emulated}; left in bf16: {kept}; "
+        f"{per_block}), {emulated}; left in bf16: {kept}; {gathered}"
         f"memory as bf16: backward keeps {f['saved_for_backward']}{note}"
     )
 

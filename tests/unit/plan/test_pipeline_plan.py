@@ -368,3 +368,34 @@ def test_nvme_files_hold_each_ranks_stages_moments(
     ]
     assert list(plan.disk.file_bytes) == expected
     assert list(node_file_bytes(offloading(nproc, **path), nproc, 0).values()) == expected
+
+
+# zero=stage3 against stage2 under a pipeline: what keeping the blocks unsharded after forward saves (issue 57)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_each_zero_stages_all_gathers_side_by_side(schedule: str) -> None:
+    """plan.json's `all_gather_bytes_per_step_by_zero_stage` (the worst pipeline rank's): each figure is the shard
+    group's all-gather bytes of that rank in the job planned at that stage (test_pipeline.py measures stage3's);
+    stage3 gathers every block of the rank once more in each micro-batch's backward, stage2 each block once."""
+    base = (
+        "mode=plan",
+        "model=tiny",
+        "nproc=4",
+        "parallel.pp=2",
+        "grad_accum=4",
+        f"parallel.pp_schedule={schedule}",
+    )
+    plans = {
+        zero: build_plan(compose_config(*base, f"zero={zero}"), "cpu", 4) for zero in ("stage2", "stage3")
+    }
+    records = {zero: plan.pipeline_json() for zero, plan in plans.items()}
+    worst = records["stage3"]["worst_stage"]
+    by = records["stage3"]["all_gather_bytes_per_step_by_zero_stage"]
+    for zero, plan in plans.items():
+        assert by[zero] == plan.comm.groups["shard"].per_stage[worst]["all_gather"], zero
+    blocks = sum(len(r) for r in plans["stage3"].pipeline.stage_range(worst))
+    # fp32; tiny's dims pad nothing at 2 ranks
+    block = 4 * model_shape(plans["stage3"].config.model).block_numel
+    assert by["stage3"] - by["stage2"] == 4 * blocks * block
+    assert "zero=stage2" in format_plan(plans["stage3"])
