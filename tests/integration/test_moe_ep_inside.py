@@ -39,12 +39,16 @@ POINTS = [
     ("stage3", "2", "forced", "fp32", "offload"),
     ("stage3", "2", "forced", "fp32", "nvme"),
     ("stage3", "2", "forced", "fp32", "hpz"),
+    ("stage3", "4", "forced", "fp32"),
+    ("stage0", "4", "forced", "fp32"),
 ]
 """(zero, parallel.ep, routing, precision[, offload]) on 4 ranks: two ep groups of 2 (routed: the router's own
 routing, for the parity with ep=1; balanced and forced: test_moe_plan.py's BIASED; both: 2 experts, top 2, so that
 every token goes to both: one expert a rank, which FSDP2 cannot split on the expert dim over 2 ranks and shards on
 dim 1; offload: offload=cpu, FSDP2's CPUOffloadPolicy on every unit, the experts' too; nvme: offload=nvme, Adam's
-moments of the experts' DTensors in the rank's file beside the rest's)."""
+moments of the experts' DTensors in the rank's file beside the rest's). And ep=4, every rank its own ep rank (FSDP2
+and DDP leave the experts alone), every row on rank 0: its forward holds the most rows, and the ranks receiving none
+peak in the dispatch's backward (trainer/plan/moe.py `moe_backward_peak`)."""
 EXTRA = {
     "both": ("model.n_experts=2", "model.top_k=2"),
     "offload": ("offload=cpu",),
@@ -161,14 +165,18 @@ def test_hpz_gathers_the_blocks_from_their_secondary_shards(
         assert hpz["comm"][rank]["expert_shard:all_gather"] == plain["comm"][rank]["expert_shard:all_gather"]
 
 
-FIXED = [point for point in POINTS if point[2] != "routed"]
+FIXED = [point for point in POINTS if point[2] != "routed" and point[1] == "2"]
 """The points whose routing a bias sets, so that every rank's rows are known (a router's own routing differs by
 rank and step, and the plan takes one imbalance for every rank). Each is planned to EXACT bytes under its measured
 peak but `both`, whose experts FSDP2 shards on dim 1: 3,096 bytes under (0.03%) at the loss's backward, not yet
 accounted for."""
 
 
-@pytest.mark.parametrize("key", FIXED, ids=" ".join)
+EVERY_RANK = [point for point in POINTS if point[1] == "4"]
+"""ep=4 over the 4 ranks: the experts each rank's own, the bias sending every row to rank 0."""
+
+
+@pytest.mark.parametrize("key", FIXED + EVERY_RANK, ids=" ".join)
 def test_each_ranks_peak_is_the_plans_within_half_a_percent(
     points: dict[tuple[str, ...], dict[str, Any]], key: tuple[str, ...]
 ) -> None:
@@ -214,3 +222,18 @@ def test_the_ep_and_expert_shard_groups_move_the_plans_bytes(
             got["expert_shard:all_reduce"]
             == groups["expert_shard"]["bytes_by_collective"]["all_reduce"] + loop
         )
+
+
+@pytest.mark.parametrize("key", EVERY_RANK, ids=" ".join)
+def test_at_ep4_each_ranks_all_to_alls_are_the_plans(
+    points: dict[tuple[str, ...], dict[str, Any]], key: tuple[str, ...]
+) -> None:
+    """ep over every rank: one ep group of 4 and no expert_shard group; each rank's all-to-all bytes are its ep
+    rank's in the plan, rank 0's (receiving every row) the most."""
+    point = points[key]
+    groups = point["plan"]["comm"]["groups"]
+    assert groups["ep"]["ranks"] == 4 and "expert_shard" not in groups
+    per_rank = [figures["all_to_all"] for figures in groups["ep"]["bytes_by_collective_per_rank"]]
+    assert per_rank[0] == max(per_rank) > per_rank[1]
+    for rank in range(WORLD):
+        assert point["comm"][rank]["ep:all_to_all"] == per_rank[rank], rank

@@ -78,11 +78,12 @@ POINTS = [
 autocast at stages 0-1 each expert's weights are cast to bf16 per use, under parallel.ep FSDP2's mixed precision
 leaves the experts' fp32 weights to the same casts). parallel.ep=2 at zero=stage0: DDP leaves the experts out of its
 buckets (trainer/rank/experts.py); under checkpointing=full each block's recompute dispatches its rows again."""
-BIASED = {("1", "forced"): (0,), ("2", "balanced"): (0, 4), ("2", "forced"): (0, 1)}
+BIASED = {("1", "forced"): (0,), ("2", "balanced"): (0, 4), ("2", "forced"): (0, 1), ("4", "forced"): (0, 1)}
 """The experts a point's routers are biased towards (by 1.0: softmax scores differ by less, so every token picks
 them): at ep=1 expert 0 takes every token, 4 x the mean; at ep=2 experts 0 and 4 take every token, one on each
 rank, so each rank's experts take exactly the mean group's rows (balanced), or experts 0 and 1, both on rank 0,
-which takes every row, twice the mean group's (forced)."""
+which takes every row, twice the mean group's (forced); at ep=4 (tests/integration/test_moe_ep_inside.py) experts 0
+and 1 are rank 0's two, which takes every row, four times the mean group's."""
 MOE_TINY = ("model=tiny-moe", "device=cpu", "logger=none", "seq_len=64", "micro_batch=2", "log_every=1")
 
 

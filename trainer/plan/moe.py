@@ -295,7 +295,17 @@ def moe_backward_peak(
       (4 x R·D), with both experts' hidden tensors freed: the peak where R·D passes W (under ep, where a rank
       receives many rows);
 
-    both beside the gradients waiting at the router (`router_gradients`). In half precision (`expert_casts`) the
+    both beside the gradients waiting at the router (`router_gradients`). Under parallel.ep a third comes first,
+    before any expert's backward: index_copy_'s backward (putting the output back in arrival order) writes the
+    gradient of the experts' output (R·D, `index_select`) beside the gradient of the rows in arrival order the
+    all-to-all's backward returned (R·D), the combine's saved set freed, the experts' output still held (index_copy's
+    saved source): the peak on a rank receiving many rows (tiny-moe at ep=4 with every row on rank 0, zero=stage3:
+    753,664 bytes above the rows' sum, measured 753,680). And where the experts are the rank's own (`apart`: ep
+    over every ZeRO rank, their gradients held whole) a fourth comes last, the dispatch's backward: the experts'
+    three gradients made (3 W) and their saved sets freed, the sent rows' gradient back from the all-to-all (A·D)
+    and index's backward writing the ffn_norm output's (new_zeros, then index_put: 2 x N·D, in that output's
+    dtype): the peak on a rank receiving few rows when W is small (tiny-moe at ep=4, on the ranks receiving none:
+    65,536 bytes above the w2 sum, measured 65,552). In half precision (`expert_casts`) the
     weight casts of the experts whose backward ran are freed (the first expert's three and the second's w2 by its
     w2 sum; both experts' six by the rows' sum), and under autocast the rows' two casts of each of them; the rows'
     accumulated gradient, its new one and their sum are fp32 there (each expert's bf16 gradient of its rows' casts
@@ -324,4 +334,11 @@ def moe_backward_peak(
         before + 4 * compute * (first + second) * M + 6 * cast + rows_cast * (first + second),
         3 * W + RD + 3 * rows_grad + waiting,
     )
-    return max(w2_sum, rows_sum, key=lambda peak: peak[1] - peak[0])
+    peaks = [w2_sum, rows_sum]
+    if rows.ep > 1:  # the experts' output gradient, before any expert's backward
+        peaks.append((before - RD, 2 * RD + waiting))
+    if rows.ep > 1 and rows.apart:  # the dispatch's backward, after every expert's
+        width = 4 if regime == "autocast" else compute  # the ffn_norm output's dtype (fp32 under autocast)
+        saved = RD + 4 * compute * R * M + 8 * R + 3 * local * cast + rows_cast * R
+        peaks.append((before + saved, 3 * W + width * (A + 2 * tokens) * D + waiting))
+    return max(peaks, key=lambda peak: peak[1] - peak[0])
