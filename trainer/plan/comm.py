@@ -65,7 +65,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import Compression, DType, ReduceDType, ReduceEvery, Stage, TrainConfig, ZeroConfig
+from trainer.config import (
+    Compression,
+    DType,
+    ReduceDType,
+    ReduceEvery,
+    Stage,
+    TrainConfig,
+    ZeroConfig,
+    unchecked_replace,
+)
 from trainer.layout import Layout
 from trainer.model.fp8 import converted_weight_numel
 from trainer.plan.activations import precisions
@@ -292,14 +301,15 @@ def pipeline_gathers(config: TrainConfig, world_size: int, rank: int) -> dict[st
     it unsharded from its first forward; stage3 reshards each block after every forward and gathers it again in
     that micro-batch's backward (`pipelined`: PipelineStage keeps it unsharded from a backward to the next forward).
     `config` is the job's; hpZ's backward gathers count with stage3's, none at stage2."""
-    local, shape = tp_local(config), model_shape(tp_local(config).model)
+    local = tp_local(config)
+    shape = model_shape(local.model)
     out = {}
     for stage in (Stage.stage3, Stage.stage2):
-        choice = copy.copy(local)  # as `pipelined`: not the checks of a job the user wrote
-        choice.zero = copy.copy(local.zero)
-        choice.zero.stage = stage
-        choice.zero.hpz_ranks = local.zero.hpz_ranks if stage == Stage.stage3 else None
-        moves = dp_moves(*pipelined(choice, shape, rank), world_size)
+        hpz = local.zero.hpz_ranks if stage == Stage.stage3 else None
+        zero = unchecked_replace(
+            local.zero, stage=stage, hpz_ranks=hpz
+        )  # not a job the user wrote: unchecked
+        moves = dp_moves(*pipelined(unchecked_replace(local, zero=zero), shape, rank), world_size)
         out[stage.value] = sum(b for group in moves.values() for kind, b, _ in group if kind == "all_gather")
     return out
 

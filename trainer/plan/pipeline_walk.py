@@ -140,8 +140,7 @@ def unsharded_stage_bytes(config: TrainConfig, shape: ModelShape, blocks: int) -
 def within_step(config: TrainConfig, shape: ModelShape, keeps: Kept, blocks: int) -> tuple[int, int]:
     """What a stage holds from its first backward to the step's end beyond its states at rest (the pipeline's
     law): under FSDP2 every parameter unsharded in the compute dtype, the float8-gathered weights in 1 byte
-    (stage3's backwards leave each block so) and
-    the unsharded gradient in the reduce dtype; under DDP and on one rank per stage, the fp32 gradient DDP's
+    (stage3's backwards leave each block so), and the unsharded gradient in the reduce dtype; under DDP and on one rank per stage, the fp32 gradient DDP's
     buckets do not hold (`Kept.growth`). So at ZeRO-3 a stage holds, per parameter of its TP shard, 2 + 4 bytes
     beside its 12 / dp of master weights and Adam: 6 + 12/dp (Megatron-LM's distributed optimizer's figure)."""
     params = unsharded_stage_bytes(config, shape, blocks) if config.zero.uses_fsdp else 0
