@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from trainer.config import ConfigError, TrainConfig
-from trainer.faults.failures import FAILURES_DIR, lost_peer
+from trainer.faults.failures import FAILURES_DIR, weakness
 from trainer.overrides import split_override
 from trainer.telemetry.keys import Status
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # trainer/launch.py imports the elastic launcher, which only 
 
 # One node needs no agreed endpoint: port 0 lets the OS pick a free port for each job.
 LOCAL_ENDPOINT = "localhost:0"
-# How long a node whose ranks only lost a peer waits for the other nodes to say what happened.
+# How long a node whose ranks only lost a peer (or aborted) waits for the other nodes to say what happened.
 PEER_WAIT_S = 30.0
 
 
@@ -109,9 +109,13 @@ def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
     """The failure that ended a multi-node job, as every node tells it.
 
     Each node sees only its own ranks: when a rank on one node dies, the ranks of the others fail
-    on the broken connection a moment later. So each node writes its own failure to the shared
-    output directory (failures/node{n}.json); a node whose ranks only lost a peer waits (at most
-    PEER_WAIT_S) for the node whose rank failed first, and names that one.
+    on the broken connection a moment later, raising a lost peer or aborting (trainer/faults/failures.py
+    `weakness`). So each node writes its own failure to the shared output directory
+    (failures/node{n}.json); a node whose ranks only lost a peer or aborted waits (at most
+    PEER_WAIT_S, or until every node has written) for a node whose rank began it, and names the
+    earliest of the strongest causes. The waiting also keeps this node's process, which may host the
+    rendezvous store, alive: had the aborted node ended at once, the killed rank's node could have
+    found the store gone before its launcher saw its own rank end, and known only that.
     """
     from trainer.launch import RankFailure  # a job that trains: the caller has imported it already
 
@@ -120,14 +124,14 @@ def job_failure(out_dir: Path, own: RankFailure, nodes: int) -> RankFailure:
     path = node_failure_path(out_dir, own.node)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**dataclasses.asdict(own), "time": time.time()}) + "\n")
-    if not lost_peer(own.cause):
+    if weakness(own.cause) == 0:
         return own
     deadline = time.monotonic() + PEER_WAIT_S
     while True:
         records = [json.loads(p.read_text()) for p in sorted((out_dir / FAILURES_DIR).glob("node*.json"))]
-        causes = [r for r in records if not lost_peer(r["cause"])]
-        if causes or len(records) == nodes or time.monotonic() > deadline:
-            first = min(causes or records, key=lambda r: r["time"])
+        strongest = min(weakness(r["cause"]) for r in records)
+        if strongest == 0 or len(records) == nodes or time.monotonic() > deadline:
+            first = min((r for r in records if weakness(r["cause"]) == strongest), key=lambda r: r["time"])
             return RankFailure(**{k: v for k, v in first.items() if k != "time"})
         time.sleep(0.2)
 

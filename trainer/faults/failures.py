@@ -215,10 +215,11 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
     oom = [records[rank] for rank in sorted(records) if records[rank]["oom"]]
     if oom:
         return oom[0]
-    # Ranks a signal ended leave no record: the launcher's first failure first, if it is one.
+    # Ranks a signal ended leave no record: an abort last (see aborted), the launcher's first failure
+    # first among the rest.
     killed = sorted(
         (rank for rank, code in exitcodes.items() if code < 0 and rank not in records),
-        key=lambda rank: rank != first_rank,
+        key=lambda rank: (exitcodes[rank] == -signal.SIGABRT, rank != first_rank),
     )
     if capped and killed and exitcodes[killed[0]] == -signal.SIGKILL:
         return {
@@ -248,6 +249,21 @@ def explain(first_rank: int, exitcodes: dict[int, int], out_dir: Path, capped: b
 def lost_peer(cause: str) -> bool:
     """Whether a rank failed only because another rank's process went away (its connection broke)."""
     return any(marker in cause for marker in LOST_PEER_MARKERS)
+
+
+def aborted(cause: str) -> bool:
+    """Whether a rank died by SIGABRT without a record of its own: a consequence of a lost peer too
+    when the broken connection is met where no exception can reach Python (a communication library's
+    own thread ends the process in std::terminate). Seen here: gloo, in a loaded CI run, on the
+    peer of a rank killed by SIGKILL."""
+    return cause == killed_by(-signal.SIGABRT)
+
+
+def weakness(cause: str) -> int:
+    """How little a failure's cause says about what began it, for choosing among the ranks' and the
+    nodes' failures: 0 a rank's own exception or a signal from outside, 1 an abort (aborted), 2 a
+    lost peer (lost_peer)."""
+    return 2 if lost_peer(cause) else 1 if aborted(cause) else 0
 
 
 def killed_by(exitcode: int) -> str:

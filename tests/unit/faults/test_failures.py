@@ -95,3 +95,19 @@ def test_the_rank_that_raised_first_explains_the_job_when_torch_names_its_peer(t
     record = explain(first_rank=0, exitcodes={0: 1, 1: 1}, out_dir=tmp_path, capped=False)
     assert record is not None and (record["rank"], record["step"], record["phase"]) == (1, 2, "forward")
     assert record["message"] == "RuntimeError: injected fault at step 2"
+
+
+def test_a_killed_rank_explains_the_job_before_a_peer_that_aborted(tmp_path: Path) -> None:
+    """Rank 1 was killed; rank 0 met the broken connection on gloo's own thread and aborted, and the
+    launcher saw rank 0 end first: neither left a record, and rank 1's signal explains the job."""
+    exitcodes = {0: -signal.SIGABRT, 1: -signal.SIGKILL}
+    record = explain(first_rank=0, exitcodes=exitcodes, out_dir=tmp_path, capped=False)
+    assert record is not None and (record["rank"], record["message"]) == (
+        1,
+        "killed by SIGKILL (exit code -9)",
+    )
+    record = explain(first_rank=0, exitcodes={0: -signal.SIGABRT}, out_dir=tmp_path, capped=False)
+    assert record is not None and (record["rank"], record["message"]) == (
+        0,
+        "killed by SIGABRT (exit code -6)",
+    )
