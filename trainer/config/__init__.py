@@ -68,7 +68,7 @@ from trainer.config.enums import (
 )
 from trainer.config.errors import ConfigError
 from trainer.config.errors import _require as _require  # private, kept importable as before
-from trainer.config.model import LossConfig, ModelConfig
+from trainer.config.model import LossConfig, ModelConfig, TpLocalModel
 from trainer.config.moe import MoeConfig
 from trainer.config.offload import OffloadConfig
 from trainer.config.optim import OptimConfig
@@ -129,6 +129,7 @@ __all__ = [
     "SaveAsync",
     "SpikeAction",
     "ModelConfig",
+    "TpLocalModel",
     "LossConfig",
     "PrecisionConfig",
     "ZeroConfig",

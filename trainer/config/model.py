@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from trainer.config.enums import LossKind, RopeScaling, RouterScore
 from trainer.config.errors import ConfigError, _require
@@ -192,6 +193,21 @@ class ModelConfig:
     def head_width(self) -> int:
         """Each attention head's width: `head_dim`, else dim / n_heads."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def shape_key(self) -> tuple[tuple[str, Any], ...]:
+        """ModelConfig's fields, sorted: the key of the caches of shapes built from them (a TpLocalModel's
+        `tp` is not one: its dims are the shard's already)."""
+        return tuple(sorted((field.name, getattr(self, field.name)) for field in fields(ModelConfig)))
+
+
+@dataclass
+class TpLocalModel(ModelConfig):
+    """Not a config group: the decoder one tensor-parallel rank holds, as the memory plan counts it
+    (trainer/plan/tensor_parallel.py `tp_local_model`: heads, hidden width and vocabulary divided by `tp`).
+    It keeps `tp` so that what torch or torchao decides on the whole model before sharding, which linears
+    precision=fp8 converts (trainer/model/fp8.py), is decided on the whole shapes in the plan too."""
+
+    tp: int = 1
 
 
 @dataclass

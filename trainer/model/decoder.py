@@ -474,7 +474,7 @@ def retie_embeddings(model: nn.Module) -> None:
 def num_params(config: ModelConfig) -> int:
     """Exact parameter count, counted on a meta-device build (allocates nothing; cached per shape: the
     advisor and checks/plan_vs_published.py count the same model hundreds of times)."""
-    return _num_params(tuple(sorted(vars(config).items())))
+    return _num_params(config.shape_key())
 
 
 @functools.lru_cache(maxsize=64)

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.config import ConfigError, Fp8Filter, Fp8Recipe, ModelConfig, PrecisionConfig
+from trainer.config import ConfigError, Fp8Filter, Fp8Recipe, ModelConfig, PrecisionConfig, TpLocalModel
 
 FP8_EXTRA = "precision=fp8 needs torchao: pip install 'zerolab[fp8]' (torchao>=0.18)"
 GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 GEMM's weight divisible by 16
@@ -56,6 +56,20 @@ def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+ROWWISE = frozenset({"attention.wo", "feed_forward.w2"})
+"""The linears tensor parallelism shards by their input (trainer/rank/tensor_parallel.py); the others by output."""
+
+
+def whole_block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """`block_linears` of the whole model, where `m` is one TP rank's (TpLocalModel): the dims torchao's
+    conversion, which runs before sharding (apply_fp8), decides on."""
+    tp = m.tp if isinstance(m, TpLocalModel) else 1
+    return {
+        name: (n_in * tp, n_out) if name in ROWWISE else (n_in, n_out * tp)
+        for name, (n_in, n_out) in block_linears(m).items()
+    }
+
+
 def tensorwise_small(n_in: int, n_out: int) -> str | None:
     """torchao's `_auto_filter_for_tensorwise` (torchao/float8/float8_linear_utils.py, torchao 0.18;
     `N, K = mod.weight.shape`, so N is out_features and K in_features): skip K <= 4096 and N <= 1024."""
@@ -80,9 +94,10 @@ it has none for rowwise_with_gw_hp (NotImplementedError): precision.fp8_filter=a
 
 
 def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe) -> Fp8Split:
-    """The block linears `apply_fp8` converts under `fp8_filter` and `recipe`, and those it keeps in bf16, why."""
+    """The block linears `apply_fp8` converts under `fp8_filter` and `recipe`, and those it keeps in bf16, why:
+    decided on the whole model's dims, also where `m` is one TP rank's."""
     converted, kept = [], [("output", KEPT_BY_NAME["output"])]
-    for name, (n_in, n_out) in block_linears(m).items():
+    for name, (n_in, n_out) in whole_block_linears(m).items():
         small = SMALL_GEMM_RULES[recipe](n_in, n_out) if fp8_filter == Fp8Filter.auto else None
         if n_in % GEMM_MULTIPLE or n_out % GEMM_MULTIPLE:
             why = f"{n_in}x{n_out}: fp8 GEMMs need dims divisible by {GEMM_MULTIPLE}"

@@ -87,7 +87,7 @@ def _model_shape(key: tuple[Any, ...]) -> ModelShape:
 
 def model_shape(config: ModelConfig) -> ModelShape:
     """Shapes from the model definition itself, built on the meta device (cached per shape)."""
-    return _model_shape(tuple(sorted(vars(config).items())))
+    return _model_shape(config.shape_key())
 
 
 # ----------------------------------------------------------------------------- per-rank model states

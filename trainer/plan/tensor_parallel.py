@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from trainer.config import CheckpointMode, LossKind, ModelConfig, ReduceEvery, TrainConfig
+from trainer.config import CheckpointMode, LossKind, ModelConfig, ReduceEvery, TpLocalModel, TrainConfig
 from trainer.model.checkpointing import should_checkpoint
 from trainer.plan.activations import precisions
 
@@ -47,13 +47,17 @@ def tp_local_model(model: ModelConfig, tp: int) -> ModelConfig:
     """The decoder one TP rank holds (module docstring); the model itself at tp = 1."""
     if tp == 1:
         return model
-    return dataclasses.replace(
-        model,
-        n_heads=model.n_heads // tp,
-        n_kv_heads=model.n_kv_heads // tp,
-        ffn_dim=model.ffn_dim // tp,
-        vocab_size=model.vocab_size // tp,
-        head_dim=model.head_width,
+    fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(ModelConfig)}
+    return TpLocalModel(
+        **{
+            **fields,
+            "n_heads": model.n_heads // tp,
+            "n_kv_heads": model.n_kv_heads // tp,
+            "ffn_dim": model.ffn_dim // tp,
+            "vocab_size": model.vocab_size // tp,
+            "head_dim": model.head_width,
+        },
+        tp=tp,
     )
 
 
