@@ -119,11 +119,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         CP,
         "model.n_experts=8 with parallel.cp > 1 is not supported; use parallel.cp=1 or model.n_experts=0",
     ),
-    "model.n_experts x precision=fp8": (
-        MOE,
-        ("precision=fp8",),
-        "model.n_experts=8 with precision=fp8 is not supported; use precision=bf16 or model.n_experts=0",
-    ),
 }
 
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from trainer.config.enums import (
     Compression,
-    Fp8Recipe,
     OffloadTarget,
     ReduceEvery,
     Stage,
@@ -206,13 +205,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c: c.parallel.cp > 1,
         "not yet proven: the balance loss over a cp rank's share of each sequence",
         "use parallel.cp=1",
-    ),
-    Refusal(
-        MOE,
-        "precision=fp8",
-        lambda c: c.precision.fp8_recipe != Fp8Recipe.none,
-        "not yet built: the experts are 3-D weights that torchao's Float8Linear does not convert",
-        "use precision=bf16",
     ),
 )
 

@@ -6,7 +6,8 @@ modules left in bf16 without torchao: the output head (torchtitan leaves it out 
 `filter_fqns = ["output"]`, the logits feed an fp32 loss), any linear whose dims fp8 GEMMs
 cannot take (torch._scaled_mm needs both dims divisible by 16), and under precision.fp8_filter=auto
 (the default) the small GEMMs torchao's own filter skips because fp8's casts cost more there than
-its GEMM saves (`SMALL_GEMM_RULES`). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
+its GEMM saves (`SMALL_GEMM_RULES`). In a mixture of experts only the attention linears convert: the
+router's gate, the shared experts and the routed experts' 3-D weights stay bf16 (float8 grouped GEMMs are not built). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
 scales are real, the matmul is done in high precision on the dequantized values.
 
 torchao's matmul (`matmul_with_hp_or_float8_args`, torchao/float8/float8_linear.py) saves its
@@ -31,7 +32,10 @@ from trainer.config import ConfigError, Fp8Filter, Fp8Recipe, ModelConfig, Preci
 
 FP8_EXTRA = "precision=fp8 needs torchao: pip install 'zerolab[fp8]' (torchao>=0.18)"
 GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 GEMM's weight divisible by 16
-KEPT_BY_NAME = {"output": "the output head: logits feed the fp32 loss (torchtitan's filter_fqns)"}
+KEPT_BY_NAME = {
+    "output": "the output head: logits feed the fp32 loss (torchtitan's filter_fqns)",
+    "feed_forward": "the mixture of experts: router, routed and shared experts (float8 grouped GEMMs not built)",
+}
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,16 @@ class Fp8Split:
 def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every linear of one block by its name in the block: (in_features, out_features)."""
     HQ, KQ = m.n_heads * m.head_width, m.n_kv_heads * m.head_width
-    return {
+    attention = {
         "attention.wq": (m.dim, HQ),
         "attention.wk": (m.dim, KQ),
         "attention.wv": (m.dim, KQ),
         "attention.wo": (HQ, m.dim),
+    }
+    if m.is_moe:  # the MoE's router, experts and shared experts stay bf16 (KEPT_BY_NAME)
+        return attention
+    return {
+        **attention,
         "feed_forward.w1": (m.dim, m.ffn_dim),
         "feed_forward.w3": (m.dim, m.ffn_dim),
         "feed_forward.w2": (m.ffn_dim, m.dim),
@@ -97,6 +106,8 @@ def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe) -> Fp8Sp
     """The block linears `apply_fp8` converts under `fp8_filter` and `recipe`, and those it keeps in bf16, why:
     decided on the whole model's dims, also where `m` is one TP rank's."""
     converted, kept = [], [("output", KEPT_BY_NAME["output"])]
+    if m.is_moe:
+        kept.append(("layers.*.feed_forward", KEPT_BY_NAME["feed_forward"]))
     for name, (n_in, n_out) in whole_block_linears(m).items():
         small = SMALL_GEMM_RULES[recipe](n_in, n_out) if fp8_filter == Fp8Filter.auto else None
         if n_in % GEMM_MULTIPLE or n_out % GEMM_MULTIPLE:

@@ -23,6 +23,7 @@ from trainer.model.fp8 import (
     converted_numel,
     float8_config,
     fp8_split,
+    precision_split,
 )
 
 pytest.importorskip("torchao")
@@ -131,6 +132,22 @@ def test_the_meta_model_converts_as_fp8_split_says_emulated_on_cpu(recipe: str) 
     assert converted == {f"layers.{i}.{name}" for i in range(config.model.n_layers) for name in BLOCK}
     assert model.layers[0].attention.wq.config.emulate
     assert type(model.output) is torch.nn.Linear
+
+
+def test_a_mixture_of_experts_converts_its_attention_and_keeps_router_and_experts_bf16() -> None:
+    """tiny-moe: the four attention linears of each block are Float8Linear; the router's gate and the shared
+    experts' linears stay nn.Linear, and the experts' 3-D weights are not linears at all."""
+    config = compose_config(
+        "model=tiny-moe", "model.n_shared_experts=1", "precision=fp8", "precision.fp8_filter=all"
+    )
+    model = build_model(config.model, device="meta")
+    attention = ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
+    assert precision_split(config.model, config.precision).converted == tuple(attention)
+    assert apply_fp8(model, config.precision, "cpu") == 4 * config.model.n_layers
+    converted = {name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"}
+    assert converted == {f"layers.{i}.{name}" for i in range(config.model.n_layers) for name in attention}
+    kept = {name for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    assert {"layers.0.feed_forward.router.gate", "layers.0.feed_forward.shared.w1"} <= kept
 
 
 def test_under_fp8_filter_auto_a_tiny_model_converts_none_and_the_plan_says_so() -> None:
