@@ -243,9 +243,9 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "offload=nvme",
         "offload.path={tmp}",
     ),
+    (EP, "parallel.cp > 1"): ("parallel.cp=2",),
     (MOE, "parallel.tp > 1"): ("parallel.tp=2",),
     (MOE, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2"),
-    (MOE, "parallel.cp > 1"): ("parallel.cp=2",),
 }
 DEGREE = {  # 1F1B streams >= 2 micro-batches
     TP: ("parallel.tp=2",),

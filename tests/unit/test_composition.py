@@ -103,6 +103,11 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.ep=2 with offload where ep is every data-parallel rank is not supported; use a parallel.ep "
         "dividing the data-parallel ranks below them, or offload=none or parallel.ep=1",
     ),
+    "parallel.ep x parallel.cp > 1": (
+        (*EP, "nproc=4"),
+        CP,
+        "parallel.ep=2 with parallel.cp > 1 is not supported; use parallel.cp=1 or parallel.ep=1",
+    ),
     "model.n_experts x parallel.tp > 1": (
         MOE,
         TP,
@@ -113,11 +118,6 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         MOE,
         PP,
         "model.n_experts=8 with parallel.pp > 1 is not supported; use parallel.pp=1 or model.n_experts=0",
-    ),
-    "model.n_experts x parallel.cp > 1": (
-        MOE,
-        CP,
-        "model.n_experts=8 with parallel.cp > 1 is not supported; use parallel.cp=1 or model.n_experts=0",
     ),
 }
 

@@ -186,6 +186,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "use a parallel.ep dividing the data-parallel ranks below them, or offload=none",
     ),
     Refusal(
+        EP,
+        "parallel.cp > 1",
+        lambda c: c.parallel.cp > 1,
+        "not yet built: the ep group is carved from the data-parallel ranks, and under cp ZeRO works over dp x cp",
+        "use parallel.cp=1",
+    ),
+    Refusal(
         MOE,
         "parallel.tp > 1",
         lambda c: c.parallel.tp > 1,
@@ -198,13 +205,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c: c.parallel.pp > 1,
         "not yet built: a pipeline stage's loss (trainer/rank/pipeline.py) does not take its blocks' router losses",
         "use parallel.pp=1",
-    ),
-    Refusal(
-        MOE,
-        "parallel.cp > 1",
-        lambda c: c.parallel.cp > 1,
-        "not yet proven: the balance loss over a cp rank's share of each sequence",
-        "use parallel.cp=1",
     ),
 )
 

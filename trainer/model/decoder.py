@@ -332,9 +332,10 @@ def apply_sdpa_choice(model: nn.Module, choice: SdpaChoice) -> None:
 
 
 def apply_context_parallel(model: nn.Module, context: ContextParallel | None) -> None:
-    """Give the model and every attention layer the rank's cp group (parallel.cp > 1), or None."""
+    """Give the model, every attention layer and every MoE layer (its balance loss) the rank's cp group
+    (parallel.cp > 1), or None."""
     for module in model.modules():
-        if isinstance(module, (Attention, Transformer)):
+        if isinstance(module, (Attention, Transformer, MoE)):
             module.context = context
 
 

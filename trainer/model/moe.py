@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.config import BalanceLoss, DropPolicy, ModelConfig, MoeConfig, RouterScore
+
+if TYPE_CHECKING:  # trainer/model/context_parallel.py imports the decoder, which imports this module
+    from trainer.model.context_parallel import ContextParallel
 
 
 @dataclass
@@ -230,6 +233,7 @@ class MoE(nn.Module):
         self.routing = MoeConfig()  # the run's moe keys (apply_moe_choice)
         self.log: RouterLog | None = None  # the model's (Transformer.__init__)
         self.ep: ExpertGroup | None = None  # parallel.ep > 1 (trainer/rank/experts.py)
+        self.context: ContextParallel | None = None  # parallel.cp > 1: the balance loss's sums (apply_context_parallel)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -284,7 +288,8 @@ class MoE(nn.Module):
         routing, losses = self.routing, []
         balance = None
         if routing.balance != BalanceLoss.none:
-            balance = balance_loss(scores_NE, experts_NK, self.n_experts, batch, routing.balance)
+            cp = self.context.group if self.context is not None else None
+            balance = balance_loss(scores_NE, experts_NK, self.n_experts, batch, routing.balance, cp)
             if routing.aux_coeff > 0:
                 losses.append(routing.aux_coeff * balance)
         if routing.router_z_coeff > 0:
@@ -328,17 +333,34 @@ def capped_order(
 
 
 def balance_loss(
-    scores_NE: torch.Tensor, experts_NK: torch.Tensor, n_experts: int, batch: int, kind: BalanceLoss
+    scores_NE: torch.Tensor,
+    experts_NK: torch.Tensor,
+    n_experts: int,
+    batch: int,
+    kind: BalanceLoss,
+    cp: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """E · Σ_e f_e · P_e: f_e the share of the assignments that chose expert e, P_e its mean (normalised)
     score; 1.0 when balanced. aux: over the forward's tokens (Switch Transformer, eq. 4); seq_aux: per
-    sequence, then the mean over the sequences (DeepSeek-V3, eq. 17-20)."""
+    sequence, then the mean over the sequences (DeepSeek-V3, eq. 17-20).
+
+    parallel.cp > 1 (`cp`, the rank's cp group): each rank holds a share of every sequence, and both sums are
+    taken over the whole sequences, as at cp = 1: an all-reduce of the choices and one, differentiable, of the
+    scores. Every cp rank then has the same loss; the scores' all-reduce sums their gradients in backward, which
+    ZeRO's average over the cp ranks returns to the gradient at cp = 1."""
     probs_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)  # sigmoid scores normalised as softmax's are
     rows = batch if kind == BalanceLoss.seq_aux else 1
     probs_RSE = probs_NE.view(rows, -1, n_experts)
     chosen_RSE = torch.zeros_like(probs_RSE).scatter_(2, experts_NK.view(rows, -1, experts_NK.shape[1]), 1.0)
-    share_RE = chosen_RSE.sum(dim=1) / chosen_RSE.sum(dim=(1, 2))[:, None]
-    return (n_experts * (share_RE * probs_RSE.mean(dim=1)).sum(dim=-1)).mean()
+    chosen_RE, probs_RE, tokens = chosen_RSE.sum(dim=1), probs_RSE.sum(dim=1), probs_RSE.shape[1]
+    if cp is not None:
+        from torch.distributed.nn.functional import all_reduce  # torch's autograd-aware all-reduce
+
+        dist.all_reduce(chosen_RE, group=cp)
+        probs_RE = all_reduce(probs_RE, group=cp)
+        tokens *= dist.get_world_size(cp)
+    share_RE = chosen_RE / chosen_RE.sum(dim=-1, keepdim=True)
+    return (n_experts * (share_RE * probs_RE / tokens).sum(dim=-1)).mean()
 
 
 def dispatch_to_experts(

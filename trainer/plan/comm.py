@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import (
+    BalanceLoss,
     Compression,
     DType,
     ReduceDType,
@@ -425,15 +426,31 @@ def cp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move
     accum, layers = config.grad_accum, config.model.n_layers
     forwards = accum * (layers + recomputed_blocks(config))
     backwards = accum * layers
+    balance = moe_balance_moves(config, forwards, backwards)
     if config.parallel.cp_impl == "ulysses":
         each = sum(exchange.values())
-        return [("all_to_all", (forwards + backwards) * each, (forwards + backwards) * len(exchange))]
+        return [("all_to_all", (forwards + backwards) * each, (forwards + backwards) * len(exchange)), *balance]
     gathered = exchange["kv"]
     recorded = gathered // config.parallel.cp if backend == "gloo" else gathered
     return [
         ("all_gather", forwards * recorded, forwards),
         ("reduce_scatter", backwards * gathered, backwards),
+        *balance,
     ]
+
+
+def moe_balance_moves(config: TrainConfig, forwards: int, backwards: int) -> list[Move]:
+    """A mixture of experts' balance loss under cp (trainer/model/moe.py `balance_loss`): each MoE forward (a
+    checkpointed block's recompute too) all-reduces its choices and its scores, R x E fp32 each (R: one row for
+    moe.balance=aux, a row per sequence for seq_aux); where the loss is weighted (moe.aux_coeff > 0), backward
+    all-reduces the scores' gradient."""
+    routing = config.moe
+    if not config.model.is_moe or routing.balance == BalanceLoss.none:
+        return []
+    rows = config.micro_batch if routing.balance == BalanceLoss.seq_aux else 1
+    stats = 4 * rows * config.model.n_experts
+    backward = [("all_reduce", backwards * stats, backwards)] if routing.aux_coeff > 0 else []
+    return [("all_reduce", forwards * 2 * stats, forwards * 2), *backward]
 
 
 def tally(moves: list[Move], backend: str) -> tuple[dict[str, int], dict[str, int]]:
