@@ -429,7 +429,10 @@ def cp_moves(config: TrainConfig, compute_bytes: int, backend: str) -> list[Move
     balance = moe_balance_moves(config, forwards, backwards)
     if config.parallel.cp_impl == "ulysses":
         each = sum(exchange.values())
-        return [("all_to_all", (forwards + backwards) * each, (forwards + backwards) * len(exchange)), *balance]
+        return [
+            ("all_to_all", (forwards + backwards) * each, (forwards + backwards) * len(exchange)),
+            *balance,
+        ]
     gathered = exchange["kv"]
     recorded = gathered // config.parallel.cp if backend == "gloo" else gathered
     return [
