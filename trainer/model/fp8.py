@@ -7,7 +7,8 @@ modules left in bf16 without torchao: the output head (torchtitan leaves it out 
 cannot take (torch._scaled_mm needs both dims divisible by 16), and under precision.fp8_filter=auto
 (the default) the small GEMMs torchao's own filter skips because fp8's casts cost more there than
 its GEMM saves (`SMALL_GEMM_RULES`). In a mixture of experts only the attention linears convert: the
-router's gate, the shared experts and the routed experts' 3-D weights stay bf16 (float8 grouped GEMMs are not built). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
+router's gate, the shared experts and the routed experts' 3-D weights stay bf16 (float8 grouped GEMMs are
+not built). On CPU the emulated path runs (`Float8LinearConfig.emulate`): the casts to float8 and their
 scales are real, the matmul is done in high precision on the dequantized values.
 
 torchao's matmul (`matmul_with_hp_or_float8_args`, torchao/float8/float8_linear.py) saves its

@@ -233,9 +233,7 @@ class MoE(nn.Module):
         self.routing = MoeConfig()  # the run's moe keys (apply_moe_choice)
         self.log: RouterLog | None = None  # the model's (Transformer.__init__)
         self.ep: ExpertGroup | None = None  # parallel.ep > 1 (trainer/rank/experts.py)
-        self.context: ContextParallel | None = (
-            None  # parallel.cp > 1: the balance loss's sums (apply_context_parallel)
-        )
+        self.context: ContextParallel | None = None  # parallel.cp > 1: the balance loss's all-reduces
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
