@@ -169,6 +169,33 @@ def run_sweep(
     return run_command(args, cwd=REPO, env=os.environ.copy() if env is None else env, timeout=timeout)
 
 
+FP8_EXCLUDED = ("sweeps", "fail_fast", "logger", "logger.project", "logger.entity", "resume", "data.path")
+
+
+def fp8_sweep(sweep_dir: Path, steps: int, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """precision=bf16,fp8 as the points of one sweep of 2-rank jobs (fp8_filter=all: tiny shapes are all below
+    torchao's small-GEMM filter) over a token file, not the synthetic data, whose tables the plan counts and a
+    tracked step never touches; steps 2, 4 and 6 tracked."""
+    tokens = sweep_dir.parent / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
+    return run_sweep(
+        sweep_dir,
+        *TINY,
+        "nproc=2",
+        "save=off",
+        f"steps={steps}",
+        "optim.warmup_steps=2",
+        "telemetry.memory_every=2",
+        "data=tokens",
+        f"data.path={tokens}",
+        "precision=bf16,fp8",
+        "precision.fp8_filter=all",
+        *overrides,
+        # the token file's path stays out of the points' directory names (it holds slashes)
+        f"hydra.job.config.override_dirname.exclude_keys=[{','.join(FP8_EXCLUDED)}]",
+    )
+
+
 def sweep_runs(
     sweep_dir: Path, *overrides: str, by: tuple[str, ...], timeout: float = 900
 ) -> dict[tuple, Run]:

@@ -8,41 +8,20 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from tests.helpers import TINY, Run, point_dirs, run_sweep, settings
+from tests.helpers import Run, fp8_sweep, point_dirs, settings
 
 pytest.importorskip("torchao")
 STEPS = 6
 LOSS_BOUND = 0.005  # relative, every step: 0.24% at most seen over 6 steps here; 100 steps end within 0.1% (docs/memory_plan.md, "fp8")
 PLAN_BOUND = 0.005
-EXCLUDED = ("sweeps", "fail_fast", "logger", "logger.project", "logger.entity", "resume", "data.path")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
     tmp = tmp_path_factory.mktemp("fp8")
-    tokens = (
-        tmp / "tokens.npy"
-    )  # no synthetic tables: the plan counts them, a tracked step never touches them
-    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    proc = run_sweep(
-        tmp / "sweep",
-        *TINY,
-        "nproc=2",
-        "save=off",
-        f"steps={STEPS}",
-        "optim.warmup_steps=2",
-        "telemetry.memory_every=2",  # steps 2, 4 and 6 tracked: plan_errors says why
-        "data=tokens",
-        f"data.path={tokens}",
-        "precision=bf16,fp8",
-        "precision.fp8_filter=all",  # tiny's GEMMs are all below torchao's small-GEMM filter (auto)
-        "zero=stage0,stage3",
-        # the token file's path stays out of the points' directory names (it holds slashes)
-        f"hydra.job.config.override_dirname.exclude_keys=[{','.join(EXCLUDED)}]",
-    )
+    proc = fp8_sweep(tmp / "sweep", STEPS, "zero=stage0,stage3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
         (s["precision"], s["zero"]): Run(0, proc.stdout, "", point)

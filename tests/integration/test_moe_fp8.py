@@ -8,41 +8,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.helpers import TINY, Run, point_dirs, run_sweep, settings
+from tests.helpers import Run, fp8_sweep, point_dirs, settings
 
 pytest.importorskip("torchao")
 STEPS = 6
 LOSS_BOUND = 0.005  # relative, every step, as tests/integration/test_fp8.py's dense model
 PLAN_BOUND = 0.005
-EXCLUDED = ("sweeps", "fail_fast", "logger", "logger.project", "logger.entity", "resume", "data.path")
 ATTENTION = ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
 
 
 def sweep(tmp: Path, stage: str) -> dict[str, Run]:
     """The bf16 and fp8 jobs at `stage`, by precision."""
-    tokens = (
-        tmp / "tokens.npy"
-    )  # no synthetic tables: the plan counts them, a tracked step never touches them
-    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
-    proc = run_sweep(
-        tmp / "sweep",
-        *TINY,
-        "model=tiny-moe",
-        "nproc=2",
-        "save=off",
-        f"steps={STEPS}",
-        "optim.warmup_steps=2",
-        "telemetry.memory_every=2",  # steps 2, 4 and 6 tracked
-        "data=tokens",
-        f"data.path={tokens}",
-        "precision=bf16,fp8",
-        "precision.fp8_filter=all",  # tiny-moe's GEMMs are all below torchao's small-GEMM filter (auto)
-        f"zero={stage}",
-        f"hydra.job.config.override_dirname.exclude_keys=[{','.join(EXCLUDED)}]",
-    )
+    proc = fp8_sweep(tmp / "sweep", STEPS, "model=tiny-moe", f"zero={stage}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
         settings(point)["precision"]: Run(0, proc.stdout, "", point) for point in point_dirs(tmp / "sweep")
