@@ -12,6 +12,7 @@ from tests.helpers import run_trainer
 from trainer.report import command
 
 
+@pytest.mark.slow  # the default run's 20 minutes (README)
 def test_verify_runs_the_best_and_reports_measured_beside_predicted(tmp_path: Path) -> None:
     out, cache = tmp_path / "advice", tmp_path / "cache"
     proc = run_trainer(

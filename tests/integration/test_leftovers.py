@@ -90,7 +90,13 @@ def files_in(run_dir: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*")}
 
 
-@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+@pytest.mark.parametrize(
+    "save",
+    [
+        pytest.param(v, id=k, marks=pytest.mark.slow) if k == "save_on" else pytest.param(v, id=k)
+        for k, v in SAVES.items()
+    ],
+)  # save_on (a thread's save) in the slow tier: the default run's 20 minutes (README)
 def test_a_job_process_killed_takes_every_process_of_the_job_with_it_and_resumes(
     tmp_path: Path, save: tuple[str, ...]
 ) -> None:

@@ -1,7 +1,7 @@
 """precision=fp8 with a mixture of experts, as 2 CPU ranks run it (torchao's emulated Float8Linear): each block's
 attention linears convert, the router and the experts stay bf16 (trainer/model/fp8.py). Against the same job in
 bf16: the loss tracks it at every step, and the plan holds every rank's measured peak within 0.5%, at zero=stage3
-(FSDP2's bf16 parameters; default tier) and stage0 (DDP under autocast; slow tier)."""
+(FSDP2's bf16 parameters) and stage0 (DDP under autocast); slow tier."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 from tests.helpers import Run, fp8_sweep, point_dirs, settings
 
 pytest.importorskip("torchao")
+pytestmark = (
+    pytest.mark.slow
+)  # the default run's 20 minutes (README); the conversion itself: tests/unit/model/test_fp8.py
 STEPS = 6
 LOSS_BOUND = 0.005  # relative, every step, as tests/integration/test_fp8.py's dense model
 PLAN_BOUND = 0.005
@@ -28,7 +31,7 @@ def sweep(tmp: Path, stage: str) -> dict[str, Run]:
     }
 
 
-@pytest.fixture(scope="module", params=["stage3", pytest.param("stage0", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["stage3", "stage0"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return sweep(tmp_path_factory.mktemp(f"moe_fp8_{request.param}"), request.param)
 

@@ -367,6 +367,7 @@ def test_a_pipelined_save_resumes_at_pp1(tmp_path: Path, runs: Callable[[str], R
         assert math.isclose(record["loss/train"], expected["loss/train"], rel_tol=1e-5), (record, expected)
 
 
+@pytest.mark.slow  # the default run's 20 minutes (README)
 def test_fp8_stages_equal_one_rank_and_their_plan(tmp_path: Path) -> None:
     """precision=fp8 per stage (trainer/rank/parallelize.py converts each stage's block linears, as a whole
     model's): 1F1B on 2 ranks (zero=stage3) against one rank of the same global batch, 4 steps, losses within

@@ -53,8 +53,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return job(tmp_path_factory.mktemp("ref") / "run", "nproc=1", "micro_batch=8", "save=off")
 
 
-SLOW = {"tp2 hsdp 2x2 stage3"}
-"""8 ranks on CI's 2 cores (about 45 s): the slow tier's (CI runs both), keeping the default run under 20 minutes."""
+SLOW = {"tp2 hsdp 2x2 stage3", "tp2 dp2 stage2"}
+"""8 ranks on CI's 2 cores (about 45 s), and stage2 beside stage3: the slow tier's (CI runs both), keeping the
+default run under 20 minutes."""
 
 
 @pytest.fixture(
