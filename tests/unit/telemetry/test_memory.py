@@ -28,6 +28,14 @@ pytestmark = pytest.mark.torch_versions  # MemTracker is a private torch tool
 CPU = torch.device("cpu")
 
 
+def resident_pages(mib: int) -> mmap.mmap:
+    """`mib` MiB of private pages mapped fresh and written, so resident; close() returns them."""
+    held = mmap.mmap(-1, mib * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for _ in range(mib):  # a MiB at a time: no `mib` MiB source besides
+        held.write(b"\x01" * 2**20)
+    return held
+
+
 def test_tracking_runs_on_the_anchor_and_every_n_steps_after_it() -> None:
     assert [s for s in range(1, 13) if should_track_tensors(s, anchor=2, memory_every=5)] == [2, 7, 12]
     assert [s for s in range(1, 13) if should_track_tensors(s, anchor=2, memory_every=0)] == [2]
@@ -108,12 +116,14 @@ def adam_step_small(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     not sys.platform.startswith("linux"), reason="per-window peak RSS needs /proc/self/clear_refs"
 )
 def test_peak_rss_resets_each_window() -> None:
-    reset_peak_rss()
+    """64 MiB of fresh private pages, written and unmapped, raise the peak; a reset lowers it again.
+    Fresh pages, not an array: a CI worker once got its 64 MiB np.ones from heap pages an earlier test
+    had left resident, and the peak did not move."""
+    assert reset_peak_rss()
     before = peak_rss_bytes()
-    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-    del block
+    resident_pages(64).close()
     high = peak_rss_bytes()
-    reset_peak_rss()
+    assert reset_peak_rss()
     assert high - before >= 60 * 2**20
     assert peak_rss_bytes() < high - 60 * 2**20
 
@@ -127,9 +137,7 @@ def test_a_load_counts_the_private_memory_it_held_at_its_peak_once() -> None:
     above (the runtime's own). The probe's next row carries both figures, the one after it neither."""
     mib = 2**20
     with measure_load():
-        held = mmap.mmap(-1, 32 * mib, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        for _ in range(32):  # a MiB at a time: no 32 MiB source besides
-            held.write(b"\x01" * mib)
+        held = resident_pages(32)
         time.sleep(0.2)
         held.close()
     probe = MemoryProbe(CPU, memory_every=0, last_step=10)
