@@ -287,22 +287,23 @@ def check_one_replica(zero: ZeroConfig, replicas: int) -> None:
 
 
 def check_expert_ranks(config: TrainConfig, dp: int) -> None:
-    """parallel.ep > 1: the ep group is the data-parallel group ZeRO works over, or under FSDP2 (zero=stage2/3)
-    a group of ep consecutive ranks inside it (torchtitan's dp_shard_in_ep), FSDP2 sharding each rank's experts
-    over the dp / ep ranks holding the same ones (trainer/rank/experts.py). DDP (zero=stage0) would all-reduce
-    those over the same ranks, which is not yet built."""
-    ep = config.parallel.ep
-    if ep == 1 or ep == dp:
+    """parallel.ep > 1: the ep group is the group ZeRO works over (the `dp` data-parallel ranks times parallel.cp:
+    `zero_axes`), or under FSDP2 (zero=stage2/3) a group of ep consecutive ranks inside it (torchtitan's
+    dp_shard_in_ep, carved from dp_shard x cp as here), FSDP2 sharding each rank's experts over the ranks holding
+    the same ones (trainer/rank/experts.py). DDP (zero=stage0) would all-reduce those over the same ranks, which is
+    not yet built."""
+    ep, cp = config.parallel.ep, config.parallel.cp
+    ranks = dp * cp
+    if ep == 1 or ep == ranks:
         return
-    if config.zero.uses_fsdp and dp % ep == 0:
+    if config.zero.uses_fsdp and ranks % ep == 0:
         return
-    allowed = f"parallel.ep={dp} (if it divides model.n_experts={config.model.n_experts}) or 1"
+    what = f"{ranks} data-parallel x context-parallel ranks" if cp > 1 else f"{ranks} data-parallel ranks"
     if config.zero.uses_fsdp:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide the {dp} data-parallel ranks; allowed: a divisor of {dp}"
-        )
+        raise ConfigError(f"parallel.ep={ep} must divide the {what}; allowed: a divisor of {ranks}")
+    allowed = f"parallel.ep={ranks} (if it divides model.n_experts={config.model.n_experts}) or 1"
     raise ConfigError(
-        f"parallel.ep={ep} must equal the {dp} data-parallel ranks at zero={config.zero.stage.value} (an ep group "
+        f"parallel.ep={ep} must equal the {what} at zero={config.zero.stage.value} (an ep group "
         f"inside DDP's replicas is not yet built; zero=stage2 or stage3 take one); allowed: {allowed}"
     )
 

@@ -237,13 +237,12 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
     (EP, "zero.compression"): ("zero=stage0", "zero.compression=powersgd"),
     (EP, "zero.sync_every"): ("zero=stage0", "zero.sync_every=2"),
     (EP, "zero.shard_ranks"): ("zero=stage3", "zero.shard_ranks=1"),
-    (EP, "zero.hpz_ranks where ep is every data-parallel rank"): ("zero=stage3", "zero.hpz_ranks=2"),
-    (EP, "offload where ep is every data-parallel rank"): (
+    (EP, "zero.hpz_ranks where ep is all of ZeRO's ranks"): ("zero=stage3", "zero.hpz_ranks=2"),
+    (EP, "offload where ep is all of ZeRO's ranks"): (
         "zero=stage3",
         "offload=nvme",
         "offload.path={tmp}",
     ),
-    (EP, "parallel.cp > 1"): ("parallel.cp=2",),
     (MOE, "parallel.tp > 1"): ("parallel.tp=2",),
     (MOE, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2"),
 }

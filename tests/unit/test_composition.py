@@ -91,22 +91,17 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("zero.shard_ranks=2",),
         "parallel.ep=2 with zero.shard_ranks is not supported; use zero.shard_ranks=null or parallel.ep=1",
     ),
-    "parallel.ep x zero.hpz_ranks where ep is every data-parallel rank": (
+    "parallel.ep x zero.hpz_ranks where ep is all of ZeRO's ranks": (
         (*EP, "nproc=4"),  # ep=2 of 4 ranks composes; ep=4 is all of them
         ("parallel.ep=4", "zero.hpz_ranks=2"),
-        "parallel.ep=4 with zero.hpz_ranks where ep is every data-parallel rank is not supported; use a parallel.ep "
-        "dividing the data-parallel ranks below them, or zero.hpz_ranks=null or parallel.ep=1",
+        "parallel.ep=4 with zero.hpz_ranks where ep is all of ZeRO's ranks is not supported; use a parallel.ep "
+        "dividing ZeRO's ranks (dp x cp) below them, or zero.hpz_ranks=null or parallel.ep=1",
     ),
-    "parallel.ep x offload where ep is every data-parallel rank": (
+    "parallel.ep x offload where ep is all of ZeRO's ranks": (
         (*EP, "nproc=2"),
         ("offload=cpu",),
-        "parallel.ep=2 with offload where ep is every data-parallel rank is not supported; use a parallel.ep "
-        "dividing the data-parallel ranks below them, or offload=none or parallel.ep=1",
-    ),
-    "parallel.ep x parallel.cp > 1": (
-        (*EP, "nproc=4"),
-        CP,
-        "parallel.ep=2 with parallel.cp > 1 is not supported; use parallel.cp=1 or parallel.ep=1",
+        "parallel.ep=2 with offload where ep is all of ZeRO's ranks is not supported; use a parallel.ep "
+        "dividing ZeRO's ranks (dp x cp) below them, or offload=none or parallel.ep=1",
     ),
     "model.n_experts x parallel.tp > 1": (
         MOE,
@@ -161,10 +156,24 @@ def test_ep_offloads_where_fsdp2_shards_the_experts_and_the_world_decides_under_
     auto = compose_config(*EP, "offload=cpu")
     assert auto.nproc == "auto" and first_refusal(auto) is None
     check_world(auto, 4, 1)
-    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is every data-parallel rank"):
+    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is all of ZeRO's ranks"):
         check_world(auto, 2, 1)
-    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is every data-parallel rank"):
+    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is all of ZeRO's ranks"):
         compose_config(*EP, "nproc=1", "nodes=2", "offload=cpu")  # 2 nodes of 1 rank: ep=2 is all of them
+
+
+def test_under_cp_ep_is_counted_in_zeros_ranks() -> None:
+    """Under parallel.cp ZeRO works over dp x cp ranks, and the ep group is carved from them: on 2 ranks at cp=2,
+    ep=2 is all of them (offload refused), on 4 an ep group inside them; ep must divide dp x cp, not dp."""
+    assert first_refusal(compose_config(*EP, "nproc=4", *CP, "offload=cpu")) is None
+    with pytest.raises(ConfigError, match="^parallel.ep=2 with offload where ep is all of ZeRO's ranks"):
+        compose_config(*EP, "nproc=2", *CP, "offload=cpu")
+    check_world(compose_config(*EP, "nproc=2", *CP), 2, 1)  # dp = 1: the ep group is the cp ranks
+    check_world(compose_config(*EP, "parallel.ep=4", "nproc=4", *CP), 4, 1)
+    with pytest.raises(
+        ConfigError, match="^parallel.ep=8 must divide the 4 data-parallel x context-parallel ranks"
+    ):
+        check_world(compose_config(*EP, "model.n_experts=16", "parallel.ep=8", "nproc=4", *CP), 4, 1)
 
 
 def test_the_advisor_offers_nothing_the_table_refuses() -> None:

@@ -275,15 +275,15 @@ def choices(
                 for schedule in schedule_options(pp, accum, config.model.n_layers):
                     split = (reduce_dtype, mb, per_rank, shard, hpz, tp, pp, schedule, cp, impl)
                     ways = accumulation_choices(config, stage, accum, split, (stage, checkpointing, offload))
-                    ways += [with_ep for way in ways for with_ep in expert_parallel(config, way, dp)]
+                    ways += [with_ep for way in ways for with_ep in expert_parallel(config, way, replicas)]
                     out += [choice for choice in ways if composes(config, choice)]
     return out
 
 
 def expert_parallel(config: TrainConfig, choice: dict[str, Any], dp: int) -> list[dict[str, Any]]:
     """A mixture of experts: the choice with parallel.ep, every size that divides the experts and the `dp`
-    data-parallel ranks (trainer/layout.py `check_expert_ranks`): all of them, or under FSDP2 (zero=stage2/3) an
-    ep group inside them, FSDP2 sharding each rank's experts over the rest (torchtitan's dp_shard_in_ep); the
+    ranks ZeRO works over (data-parallel x context-parallel: trainer/layout.py `check_expert_ranks`): all of them,
+    or under FSDP2 (zero=stage2/3) an ep group inside them, FSDP2 sharding each rank's experts over the rest (torchtitan's dp_shard_in_ep); the
     composition table drops what ep does not compose with (HSDP, hpZ, offload)."""
     n = config.model.n_experts
     if not config.model.is_moe or dp < 2:

@@ -514,9 +514,9 @@ def group_ranks_per_node(name: str, config: TrainConfig, world_size: int) -> int
     strides over the TP ranks (one rank a node at tp = nproc), and a replicate group over the shard group."""
     layout = Layout.from_config(config, world_size)
     ep = config.parallel.ep
-    if name in ("ep", "expert_shard") and config.zero.uses_fsdp and 1 < ep < layout.dp:
-        # an ep group inside the shard group (trainer/rank/mesh.py `expert_mesh`; a mixture of experts takes no
-        # tp, pp or cp): ep consecutive ranks, and the ranks holding the same experts, every ep-th
+    if name in ("ep", "expert_shard") and config.zero.uses_fsdp and 1 < ep < layout.dp * layout.cp:
+        # an ep group inside the shard group, dp_shard x cp (trainer/rank/mesh.py `expert_mesh`; a mixture of
+        # experts takes no tp or pp): ep consecutive ranks, and the ranks holding the same experts, every ep-th
         per_node = world_size // config.nodes
         return min(ep, per_node) if name == "ep" else max(1, per_node // ep)
     return ranks_per_node(layout, GROUP_AXES[name])

@@ -170,27 +170,20 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         EP,
-        "zero.hpz_ranks where ep is every data-parallel rank",
+        "zero.hpz_ranks where ep is all of ZeRO's ranks",
         lambda c: c.zero.hpz_ranks is not None and ep_holds_the_experts(c),
         "not yet proven: hpZ's secondary shards beside experts FSDP2 leaves whole to each ep rank (with an ep group "
         "inside the data-parallel ranks the blocks keep them and the experts' unit reshards fully)",
-        "use a parallel.ep dividing the data-parallel ranks below them, or zero.hpz_ranks=null",
+        "use a parallel.ep dividing ZeRO's ranks (dp x cp) below them, or zero.hpz_ranks=null",
     ),
     Refusal(
         EP,
-        "offload where ep is every data-parallel rank",
+        "offload where ep is all of ZeRO's ranks",
         lambda c: c.offload.target != OffloadTarget.none and ep_holds_the_experts(c),
         "not yet built: FSDP2 leaves the experts whole to each ep rank there (trainer/rank/experts.py), so under "
         "offload=cpu or nvme they would stay in host memory while the device computes; with an ep group inside the "
         "data-parallel ranks FSDP2 shards each rank's experts over the rest, and offloads them like any unit",
-        "use a parallel.ep dividing the data-parallel ranks below them, or offload=none",
-    ),
-    Refusal(
-        EP,
-        "parallel.cp > 1",
-        lambda c: c.parallel.cp > 1,
-        "not yet built: the ep group is carved from the data-parallel ranks, and under cp ZeRO works over dp x cp",
-        "use parallel.cp=1",
+        "use a parallel.ep dividing ZeRO's ranks (dp x cp) below them, or offload=none",
     ),
     Refusal(
         MOE,
@@ -210,13 +203,14 @@ REFUSALS: tuple[Refusal, ...] = (
 
 
 def ep_holds_the_experts(config: TrainConfig) -> bool:
-    """Whether parallel.ep is every data-parallel rank, so that each ep rank holds its experts whole and FSDP2
-    leaves them alone (below that, FSDP2 shards them over the ranks holding the same ones: trainer/rank/mesh.py
-    `expert_mesh`). Unknown under nproc=auto until a job resolves it: False here, and trainer/layout.py
-    `check_world` asks the table again with the world it knows."""
+    """Whether parallel.ep is every data-parallel rank (times parallel.cp: ZeRO's ranks, trainer/layout.py), so
+    that each ep rank holds its experts whole and FSDP2 leaves them alone (below that, FSDP2 shards them over the
+    ranks holding the same ones: trainer/rank/mesh.py `expert_mesh`). Unknown under nproc=auto until a job
+    resolves it: False here, and trainer/layout.py `check_world` asks the table again with the world it knows."""
     if not config.nproc.isdigit():
         return False
-    return config.parallel.ep == config.parallel.dp(config.nodes * int(config.nproc))
+    p = config.parallel
+    return p.ep == p.dp(config.nodes * int(config.nproc)) * p.cp
 
 
 def first_refusal(config: TrainConfig) -> str | None:

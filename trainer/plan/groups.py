@@ -29,9 +29,9 @@ Groups, by the names plan.json, metrics.jsonl and the advisor use:
                activations (trainer/plan/tensor_parallel.py); `tp` consecutive ranks, inside one node
     ep         parallel.ep: the MoE layers' all-to-alls of the counts and rows (trainer/plan/comm.py `ep_moves`);
                the ep group is ZeRO's, FSDP2's shard group or DDP's `world` (trainer/rank/experts.py), so one process group that
-               telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py); or, ep < dp under
+               telemetry splits by kind: its all-to-alls are ep's (trainer/telemetry/comm.py); or, ep < dp x cp under
                FSDP2, `ep` consecutive ranks of the shard group (trainer/rank/mesh.py `expert_mesh`), a group of its own
-    expert_shard  ep < dp under FSDP2: the ranks holding the same experts, every ep-th of the shard group, over
+    expert_shard  ep < dp x cp under FSDP2: the ranks holding the same experts, every ep-th of the shard group, over
                which FSDP2 all-gathers and reduce-scatters them (torchtitan's dp_shard_mod_ep)
     pp         parallel.pp: a pipeline's ranks (the mesh's pp dim, striding over everything inside it): the
                all-reduces of the step's loss and squared gradient norm (trainer/plan/comm.py

@@ -64,13 +64,15 @@ def secondary_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
 
 
 def expert_mesh(layout: Layout, device_type: str, ep: int) -> DeviceMesh | None:
-    """parallel.ep inside the data-parallel ranks (ep < dp, zero=stage2/3): a mesh of its own over the world,
-    (dp / ep, ep), named ("expert_shard", "ep"): each ep group is ep consecutive ranks, and FSDP2 shards their
-    experts over "expert_shard", the ranks holding the same ones (torchtitan's dp_shard_mod_ep x dp_shard_in_ep). One root for
-    both dims, as FSDP2 requires of a parameter sharded already (the experts' DTensors on "ep"). A mixture of
-    experts takes no tp, pp or cp (the composition table), so the world is the data-parallel ranks. None where ep
-    is 1 or the whole data-parallel group (the job mesh's own dim serves)."""
-    if ep == 1 or ep == layout.dp:
+    """parallel.ep inside ZeRO's ranks (ep < dp x cp, zero=stage2/3): a mesh of its own over the world,
+    (dp x cp / ep, ep), named ("expert_shard", "ep"): each ep group is ep consecutive ranks of FSDP2's shard dim
+    (dp_shard then cp: under cp a group may be a sample's cp ranks, whose tokens route alike), and FSDP2 shards
+    their experts over "expert_shard", the ranks holding the same ones (torchtitan's dp_shard_mod_ep x
+    dp_shard_in_ep). One root for both dims, as FSDP2 requires of a parameter sharded already (the experts'
+    DTensors on "ep"). A mixture of experts takes no tp or pp (the composition table), so the world is ZeRO's
+    ranks. None where ep is 1 or all of ZeRO's ranks (the job mesh's own dim serves)."""
+    ranks = layout.dp * layout.cp
+    if ep == 1 or ep == ranks:
         return None
-    assert layout.world_size == layout.dp, layout
-    return init_device_mesh(device_type, (layout.dp // ep, ep), mesh_dim_names=("expert_shard", "ep"))
+    assert layout.world_size == ranks, layout
+    return init_device_mesh(device_type, (ranks // ep, ep), mesh_dim_names=("expert_shard", "ep"))

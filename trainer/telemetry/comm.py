@@ -84,7 +84,7 @@ GROUP_DESCRIPTIONS = {
 SHARED_WITH_EP = "+ep"
 """Suffix of a name `group_names` gives FSDP2's shard group under parallel.ep, which is the ep group too
 (trainer/rank/experts.py), or of DDP's group, `world+ep`: `entry_group` gives its all-to-alls (the MoE dispatch's;
-FSDP2 and DDP issue none) to `ep`."""
+FSDP2 and DDP issue none) to `ep`. At dp = 1 under parallel.cp one group is ZeRO's, cp's and ep's: `shard+cp+ep`."""
 SHARED_WITH_CP = "+cp"
 """Suffix of a name `group_names` gives ZeRO's group where it is also the cp group (dp = 1): `entry_group`
 splits its entries by what they move (`moves_activations`)."""
@@ -102,7 +102,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     tp or pp takes some): under a pipeline that dim is a group of its own, named alike here. At dp = 1 under
     parallel.cp, or under HSDP with zero.shard_ranks=1 (its shard dim), ZeRO works over the cp dim itself: that process group is ZeRO's and cp's, `shard+cp` or
     `world+cp` (SHARED_WITH_CP). Under parallel.ep ZeRO's group is the ep group too, `shard+ep` or `world+ep`
-    (SHARED_WITH_EP).
+    (SHARED_WITH_EP), both at once at dp = 1 under cp (`shard+cp+ep`).
     """
     layout = Layout.from_config(config, world_size)
     descriptions = dict(GROUP_DESCRIPTIONS)
@@ -115,12 +115,16 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     shared = layout.cp > 1 and alone == 1
     if shared:
         descriptions["mesh_cp"] = zero + SHARED_WITH_CP
-    ep_is_zero = config.parallel.ep > 1 and not (config.zero.uses_fsdp and config.parallel.ep < layout.dp)
-    if ep_is_zero:  # the ep group is ZeRO's data-parallel group (trainer/rank/experts.py)
+    zero_ranks = layout.dp * layout.cp
+    ep_is_zero = config.parallel.ep > 1 and not (config.zero.uses_fsdp and config.parallel.ep < zero_ranks)
+    if ep_is_zero:  # the ep group is ZeRO's group (trainer/rank/experts.py), under cp at dp = 1 cp's too
         descriptions["mesh_dp_shard"] = "shard" + SHARED_WITH_EP
         descriptions["mesh_dp_shard_cp"] = "shard" + SHARED_WITH_EP
         if not config.zero.uses_fsdp:
             descriptions["mesh_dp_replicate"] = "world" + SHARED_WITH_EP
+            descriptions["mesh_dp_replicate_cp"] = "world" + SHARED_WITH_EP
+        if shared:
+            descriptions["mesh_cp"] += SHARED_WITH_EP
     spanning = [axis for axis in ("tp", "pp") if 1 < layout.degree(axis) == world_size]
     if spanning:
         return spanning[0], descriptions
@@ -129,7 +133,7 @@ def group_names(config: TrainConfig, world_size: int) -> tuple[str, dict[str, st
     sharded_over_all = config.zero.uses_fsdp and layout.shard_size() == world_size
     zero = "shard" if sharded_over_all else "world"
     if ep_is_zero and (sharded_over_all or not config.zero.uses_fsdp):
-        return zero + SHARED_WITH_EP, descriptions  # DDP's replicas are every rank: the ep group is ep = dp
+        return zero + SHARED_WITH_EP, descriptions  # DDP's replicas are every rank: ep = dp x cp
     return zero, descriptions
 
 
@@ -319,19 +323,24 @@ def entry_group(
     entries are cp's, the rest ZeRO's."""
     description = (entry.get("process_group") or ["", ""])[-1]
     name = descriptions.get(description, default_group)
-    if name.endswith(SHARED_WITH_CP):
-        return "cp" if moves_activations(entry) else name.removesuffix(SHARED_WITH_CP)
-    if name.endswith(SHARED_WITH_EP):
-        all_to_all = collective_kind(entry.get("profiling_name", "")) == "all_to_all"
-        return "ep" if all_to_all else name.removesuffix(SHARED_WITH_EP)
-    return name
+    zero, *shared = name.split("+")
+    all_to_all = collective_kind(entry.get("profiling_name", "")) == "all_to_all"
+    if "ep" in shared and all_to_all and not activation_shaped(entry):
+        return "ep"  # the MoE dispatch's counts (1-D) and rows (2-D); cp's all-to-alls move 5-D tensors
+    if "cp" in shared and moves_activations(entry):
+        return "cp"
+    return zero
 
 
 def moves_activations(entry: dict[str, Any]) -> bool:
-    """A cp exchange: an all-to-all (nothing else issues one), or a collective of (rows, positions, heads,
-    head_dim) tensors (the K/V all-gather and its reduce-scatter)."""
-    if collective_kind(entry.get("profiling_name", "")) == "all_to_all":
-        return True
+    """A cp exchange: an all-to-all (beside the MoE dispatch's, which `entry_group` takes first, nothing else
+    issues one), or a collective of (rows, positions, heads, head_dim) tensors (the K/V all-gather and its
+    reduce-scatter)."""
+    return collective_kind(entry.get("profiling_name", "")) == "all_to_all" or activation_shaped(entry)
+
+
+def activation_shaped(entry: dict[str, Any]) -> bool:
+    """A collective of tensors of ACTIVATION_DIMS dims or more: the cp exchanges' (rows, positions, heads, ...)."""
     return any(len(shape) >= ACTIVATION_DIMS for shape in entry.get("input_sizes") or [])
 
 

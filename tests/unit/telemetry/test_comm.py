@@ -251,3 +251,49 @@ def test_context_parallel_groups_under_hsdp(world: int, shard_ranks: int, shard_
         ("all_reduce", "default_pg", [10], "world"),
     ]:
         assert entry_group(mesh_entry(kind, dim, sizes), default_group, descriptions) == group
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "ep", "default", "ep_dim", "zero"),
+    [
+        ("stage3", 2, 2, "shard+cp+ep", "default_pg", "shard"),  # dp 1: one group is ZeRO's, cp's and ep's
+        ("stage0", 2, 2, "world+cp+ep", "default_pg", "world"),
+        (
+            "stage3",
+            4,
+            4,
+            "shard+ep",
+            "default_pg",
+            "shard",
+        ),  # dp 2: ep is dp_shard x cp flattened, every rank
+        ("stage0", 4, 4, "world+ep", "default_pg", "world"),
+        ("stage3", 4, 2, "shard", "mesh_ep", "shard"),  # an ep group of its own inside dp_shard x cp
+    ],
+)
+def test_expert_parallel_groups_under_context_parallel(
+    stage: str, world: int, ep: int, default: str, ep_dim: str, zero: str
+) -> None:
+    """parallel.ep under parallel.cp=2 (Ulysses): the MoE dispatch's all-to-alls (1-D counts, 2-D rows) are ep's,
+    Ulysses' (5-D) cp's, ZeRO's flat collectives ZeRO's, wherever two or three of them share a process group."""
+    from tests.helpers import tiny_config
+    from trainer.telemetry.comm import entry_group, group_names
+
+    config = tiny_config(
+        nproc=str(world),
+        parallel__cp=2,
+        parallel__ep=ep,
+        zero__stage=stage,
+        model__n_experts=8,
+        model__top_k=2,
+        model__n_kv_heads=2,
+    )
+    default_group, descriptions = group_names(config, world)
+    assert default_group == default
+    cp_dim = "default_pg" if world == 2 else "mesh_cp"
+    assert entry_group(mesh_entry("all_to_all", ep_dim, [8]), default_group, descriptions) == "ep"
+    assert entry_group(mesh_entry("all_to_all", ep_dim, [256, 128]), default_group, descriptions) == "ep"
+    assert (
+        entry_group(mesh_entry("all_to_all", cp_dim, [2, 2, 32, 1, 32]), default_group, descriptions) == "cp"
+    )
+    for kind in ("all_gather", "all_reduce"):
+        assert entry_group(mesh_entry(kind, "default_pg", [4096]), default_group, descriptions) == zero
