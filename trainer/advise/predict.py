@@ -351,7 +351,7 @@ def rank_rate(config: TrainConfig, rates: Rates) -> float:
             config.micro_batch,
             rates.accelerator,
             config.precision.fp8_recipe.value,
-            precision_split(config.model, config.precision).converted,
+            precision_split(config.model, config.precision, config.parallel.tp).converted,
         )
         if config.precision.is_fp8 and rates.accelerator is not None
         else None

@@ -103,16 +103,25 @@ SMALL_GEMM_RULES = {Fp8Recipe.tensorwise: tensorwise_small, Fp8Recipe.rowwise: r
 it has none for rowwise_with_gw_hp (NotImplementedError): precision.fp8_filter=auto refuses that recipe."""
 
 
-def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe) -> Fp8Split:
+def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe, tp: int | None = None) -> Fp8Split:
     """The block linears `apply_fp8` converts under `fp8_filter` and `recipe`, and those it keeps in bf16, why:
-    decided on the whole model's dims, also where `m` is one TP rank's."""
+    decided on the whole model's dims, also where `m` is one TP rank's, but for the GEMM's own rule, which the
+    rank's shard must meet too (under TP each rank multiplies its shard: torch._scaled_mm on the local dims).
+    `tp`: the TP degree where `m` is the whole model (apply_fp8's); a TpLocalModel's own otherwise."""
     converted, kept = [], [("output", KEPT_BY_NAME["output"])]
     if m.is_moe:
         kept.append(("layers.*.feed_forward", KEPT_BY_NAME["feed_forward"]))
+    tp = tp or (m.tp if isinstance(m, TpLocalModel) else 1)
     for name, (n_in, n_out) in whole_block_linears(m).items():
         small = SMALL_GEMM_RULES[recipe](n_in, n_out) if fp8_filter == Fp8Filter.auto else None
+        local_in, local_out = (n_in // tp, n_out) if name in ROWWISE else (n_in, n_out // tp)
         if n_in % GEMM_MULTIPLE or n_out % GEMM_MULTIPLE:
             why = f"{n_in}x{n_out}: fp8 GEMMs need dims divisible by {GEMM_MULTIPLE}"
+        elif local_in % GEMM_MULTIPLE or local_out % GEMM_MULTIPLE:
+            why = (
+                f"{n_in}x{n_out} is {local_in}x{local_out} on each of {tp} TP ranks: fp8 GEMMs need dims "
+                f"divisible by {GEMM_MULTIPLE}"
+            )
         elif small is not None:
             why = f"{n_in}x{n_out}: torchao's small-GEMM filter ({recipe.value}): {small}, fp8 does not pay"
         else:
@@ -122,9 +131,9 @@ def fp8_split(m: ModelConfig, fp8_filter: Fp8Filter, recipe: Fp8Recipe) -> Fp8Sp
     return Fp8Split(tuple(converted), tuple(kept))
 
 
-def precision_split(m: ModelConfig, precision: PrecisionConfig) -> Fp8Split:
+def precision_split(m: ModelConfig, precision: PrecisionConfig, tp: int | None = None) -> Fp8Split:
     """`fp8_split` for a job's precision config (precision=fp8)."""
-    return fp8_split(m, precision.fp8_filter, precision.fp8_recipe)
+    return fp8_split(m, precision.fp8_filter, precision.fp8_recipe, tp)
 
 
 def converted_numel(m: ModelConfig, precision: PrecisionConfig) -> int:
@@ -203,12 +212,13 @@ def float8_config(precision: PrecisionConfig, device_kind: str) -> Any:
     )
 
 
-def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_kind: str) -> int:
+def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_kind: str, tp: int = 1) -> int:
     """Swap the block linears `fp8_split` names for Float8Linear (on the meta model, before
-    checkpointing, compile and sharding: torchtitan's order); returns how many (0 without fp8)."""
+    checkpointing, compile and sharding: torchtitan's order; `tp`: parallel.tp, which shards them after);
+    returns how many (0 without fp8)."""
     if precision.fp8_recipe == Fp8Recipe.none:
         return 0
-    converted = precision_split(model.config, precision).converted
+    converted = precision_split(model.config, precision, tp).converted
     float8 = import_float8()
     float8.convert_to_float8_training(
         model,

@@ -60,7 +60,7 @@ FP8_NOTE = (
 def fp8_split_fields(c: TrainConfig) -> dict[str, Any]:
     """precision=fp8: the recipe, the filter, the linears converted per block and those left in bf16 (why);
     plan.json's `fp8` and summary.json's `fp8` (apply_fp8 converts exactly these)."""
-    split = precision_split(c.model, c.precision)
+    split = precision_split(c.model, c.precision, c.parallel.tp)
     return {
         "recipe": c.precision.fp8_recipe.value,
         "filter": c.precision.fp8_filter.value,

@@ -31,7 +31,8 @@ def fp8_w2_backward(config: TrainConfig, compute: int, regime: str, incoming: in
     the residual); 0 without fp8 or where w2 stays a bf16 nn.Linear."""
     if (
         not config.precision.is_fp8
-        or "feed_forward.w2" not in precision_split(config.model, config.precision).converted
+        or "feed_forward.w2"
+        not in precision_split(config.model, config.precision, config.parallel.tp).converted
     ):
         return 0
     m, n = config.model, config.micro_batch * config.seq_len

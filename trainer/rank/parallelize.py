@@ -54,7 +54,7 @@ def parallelize(
     """Transform one meta-device part (the decoder, or a pipeline stage of it) in the module's order;
     returns the module this rank trains (DDP's wrapper, or the part itself). `secondary`: hpZ's mesh under a
     pipeline (trainer/rank/mesh.py `secondary_mesh`)."""
-    apply_fp8(part, config.precision, world.device.type)
+    apply_fp8(part, config.precision, world.device.type, config.parallel.tp)
     if layout.enabled("tp"):
         apply_tensor_parallel(
             part, mesh["tp"], config.parallel.sequence_parallel, config.loss.kind == LossKind.chunked

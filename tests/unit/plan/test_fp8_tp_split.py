@@ -40,3 +40,38 @@ def test_the_kept_linears_are_named_with_the_whole_models_dims() -> None:
     )
     kept = dict(precision_split(tp_local_model(config.model, 8), config.precision).kept)
     assert kept["layers.*.attention.wk"].startswith("4096x1024: torchao's small-GEMM filter (tensorwise)")
+
+
+def test_a_linear_whose_shard_breaks_the_gemm_rule_stays_bf16_in_the_plan_and_the_run() -> None:
+    """torch._scaled_mm needs both dims of each rank's GEMM divisible by 16 (on CUDA; the plan and the run keep the
+    rule everywhere): at dim 64, 8 heads of width 8 (4 kv) and ffn_dim 96 every linear converts at tp=2 (wk is
+    64 x 16 on a rank, w1 64 x 48), and at tp=4 only wq and wo do (64 x 16, 16 x 64): wk and wv are 64 x 8 on a
+    rank, w1 and w3 64 x 24, w2 24 x 64. apply_fp8, told parallel.tp, converts what one TP rank's plan lists."""
+    import torch
+
+    from trainer.model.decoder import Transformer
+    from trainer.model.fp8 import apply_fp8
+
+    config = compose_config(
+        "model=tiny",
+        "model.dim=64",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.ffn_dim=96",
+        "precision=fp8",
+        "precision.fp8_filter=all",
+    )
+    m = config.model
+    assert m.head_width == 8
+    assert len(precision_split(tp_local_model(m, 2), config.precision).converted) == 7
+    at_four = precision_split(tp_local_model(m, 4), config.precision)
+    assert at_four.converted == ("attention.wq", "attention.wo")
+    assert dict(at_four.kept)["layers.*.attention.wk"] == (
+        "64x32 is 64x8 on each of 4 TP ranks: fp8 GEMMs need dims divisible by 16"
+    )
+    assert dict(at_four.kept)["layers.*.feed_forward.w2"] == (
+        "96x64 is 24x64 on each of 4 TP ranks: fp8 GEMMs need dims divisible by 16"
+    )
+    with torch.device("meta"):
+        model = Transformer(m)
+    assert apply_fp8(model, config.precision, "cpu", tp=4) == 2 * m.n_layers
