@@ -244,7 +244,7 @@ REFUSAL_SETTINGS: dict[tuple[str, str], tuple[str, ...]] = {
         "offload.path={tmp}",
     ),
     (MOE, "parallel.tp > 1"): ("parallel.tp=2",),
-    (MOE, "parallel.pp > 1"): ("parallel.pp=2", "grad_accum=2"),
+    (EP, "parallel.pp > 1"): ("nproc=4", "parallel.pp=2", "grad_accum=2"),
 }
 DEGREE = {  # 1F1B streams >= 2 micro-batches
     TP: ("parallel.tp=2",),

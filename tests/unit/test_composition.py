@@ -103,16 +103,16 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "parallel.ep=2 with offload where ep is all of ZeRO's ranks is not supported; use a parallel.ep "
         "dividing ZeRO's ranks (dp x cp) below them, or offload=none or parallel.ep=1",
     ),
+    "parallel.ep x parallel.pp > 1": (
+        (*EP, "nproc=4"),
+        PP,
+        "parallel.ep=2 with parallel.pp > 1 is not supported; use parallel.pp=1 or parallel.ep=1",
+    ),
     "model.n_experts x parallel.tp > 1": (
         MOE,
         TP,
         "model.n_experts=8 with parallel.tp > 1 is not supported; use parallel.tp=1 (parallel.ep shards the "
         "experts) or model.n_experts=0",
-    ),
-    "model.n_experts x parallel.pp > 1": (
-        MOE,
-        PP,
-        "model.n_experts=8 with parallel.pp > 1 is not supported; use parallel.pp=1 or model.n_experts=0",
     ),
 }
 

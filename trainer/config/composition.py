@@ -186,18 +186,19 @@ REFUSALS: tuple[Refusal, ...] = (
         "use a parallel.ep dividing ZeRO's ranks (dp x cp) below them, or offload=none",
     ),
     Refusal(
+        EP,
+        "parallel.pp > 1",
+        lambda c: c.parallel.pp > 1,
+        "not yet built: the ep group is carved from the ranks ZeRO works over, and its mesh (trainer/rank/mesh.py "
+        "`expert_mesh`) and plan assume they are the whole world; a stage's are one pp-th of it",
+        "use parallel.pp=1",
+    ),
+    Refusal(
         MOE,
         "parallel.tp > 1",
         lambda c: c.parallel.tp > 1,
         "not yet built: the experts and the router are not sharded over the tensor-parallel group",
         "use parallel.tp=1 (parallel.ep shards the experts)",
-    ),
-    Refusal(
-        MOE,
-        "parallel.pp > 1",
-        lambda c: c.parallel.pp > 1,
-        "not yet built: a pipeline stage's loss (trainer/rank/pipeline.py) does not take its blocks' router losses",
-        "use parallel.pp=1",
     ),
 )
 

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -286,15 +286,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {row} exceeds model.max_seq_len ({max_len}); lower seq_len")
         x_BTD = self.tok_embeddings(tokens_BT)
         cis_TF, mask_B1TT = self.rotary_and_mask(T, documents_BT, tokens_BT.device)
-        log = self.router_log
-        if log is not None:
-            log.open = True  # the layers' routing is recorded during this forward only, not a recompute
-        try:
+        with recording(self.router_log):
             for layer in self.layers:
                 x_BTD = layer(x_BTD, cis_TF, mask_B1TT)
-        finally:
-            if log is not None:
-                log.open = False
         return self.norm(x_BTD)
 
 
@@ -376,6 +370,19 @@ class NoInitOnMeta(TorchFunctionMode):
 def canonical_name(name: str) -> str:
     """A parameter's name with wrapper segments removed: the same before and after wrapping."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+@contextlib.contextmanager
+def recording(log: RouterLog | None) -> Iterator[None]:
+    """The MoE layers' routing is recorded (model.n_experts > 0) during a forward's blocks only, not during a
+    checkpointed block's recompute in backward."""
+    if log is not None:
+        log.open = True
+    try:
+        yield
+    finally:
+        if log is not None:
+            log.open = False
 
 
 def find_transformer(model: nn.Module) -> Transformer:

@@ -19,7 +19,9 @@ checked against the loop here.
 
 What the router did is written to the model's `RouterLog` while the forward runs: per layer the tokens each
 expert was chosen by, the assignments dropped, and the balance and router z-losses, which the training
-loop adds to the objective (trainer/rank/loop.py) and logs (trainer/telemetry/metrics.py).
+loop adds to the objective (trainer/rank/loop.py) and logs (trainer/telemetry/metrics.py). Under parallel.pp
+only the last stage takes a loss, so each layer's router losses reach backward through its own output instead
+(`AttachLoss`, Megatron-LM's MoEAuxLossAutoScaler): the same gradients, on whichever stage holds the layer.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class RouterLog:
     """The step's summed balance losses (unweighted, summed over layers and forwards): logged."""
     watch: RoutingWatch | None = None
     """A plan that runs out of memory past some imbalance: the layers warn, once, when their routing passes it."""
+    backward_scale: torch.Tensor | None = None
+    """parallel.pp: the gradient each layer's router losses get through its output (`AttachLoss`), the loss's
+    own scale (fp16's loss scale, else 1; the schedule divides every gradient by the micro-batches after); None
+    without a pipeline, where the loop adds `losses` to the objective."""
 
     def records(self) -> bool:
         return self.open and torch.is_grad_enabled()
@@ -251,8 +257,10 @@ class MoE(nn.Module):
         y_ND = x_ND.new_zeros(x_ND.shape, dtype=rows_AD.dtype).index_add_(0, token_A, rows_AD)
         if hasattr(self, "shared"):
             y_ND = y_ND + self.shared(x_ND)
-        self.write_log(logits_NE, scores_NE, experts_NK, expert_A, kept_A, B)
-        return y_ND.view(B, T, D)
+        attached = self.write_log(logits_NE, scores_NE, experts_NK, expert_A, kept_A, B)
+        if attached is None:
+            return y_ND.view(B, T, D)
+        return AttachLoss.apply(y_ND.view(B, T, D), attached, self.log.backward_scale)
 
     def capacity(self, tokens: int) -> int | None:
         """moe.capacity_factor: the assignments an expert takes in this forward; None: dropless."""
@@ -278,13 +286,14 @@ class MoE(nn.Module):
         expert_A: torch.Tensor,
         kept_A: torch.Tensor,
         batch: int,
-    ) -> None:
-        """The layer's loads, drops and weighted router losses, into the model's RouterLog. A checkpointed block's
+    ) -> torch.Tensor | None:
+        """The layer's loads, drops and weighted router losses, into the model's RouterLog; under parallel.pp the
+        losses' sum is returned instead, for the forward to attach to its output. A checkpointed block's
         recompute computes the losses again and records nothing: torch.utils.checkpoint requires it to save
         for backward exactly what the forward saved."""
         log = self.log
         if log is None or not torch.is_grad_enabled():
-            return
+            return None
         routing, losses = self.routing, []
         balance = None
         if routing.balance != BalanceLoss.none:
@@ -295,10 +304,29 @@ class MoE(nn.Module):
         if routing.router_z_coeff > 0:
             losses.append(routing.router_z_coeff * torch.logsumexp(logits_NE, dim=-1).square().mean())
         if not log.records():
-            return
-        log.losses += losses
+            return None
         load_E = torch.bincount(expert_A, minlength=self.n_experts)
         log.record(self.layer, load_E, expert_A.numel() - kept_A.sum(), balance)
+        if log.backward_scale is not None and losses:
+            return torch.stack(losses).sum()
+        log.losses += losses
+        return None
+
+
+class AttachLoss(torch.autograd.Function):
+    """The identity on a layer's output whose backward also gives `loss` the gradient `scale`: the loss joins
+    the objective from inside a pipeline stage, whose schedule backpropagates only the last stage's loss
+    (Megatron-LM's MoEAuxLossAutoScaler; torch has no such op). Nothing is saved for backward, so a
+    checkpointed block's recompute, which attaches nothing, saves what the forward saved."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale, ctx.dtype = scale, loss.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, ctx.scale.to(ctx.dtype).reshape(()), None
 
 
 def assignment_order(

@@ -127,7 +127,7 @@ def build_pipeline_trainee(config: TrainConfig, world: World, layout: Layout, me
     terms = chunked_terms if config.loss.kind == LossKind.chunked else full_loss
     loss = PipelineLoss(terms, scaler, config.loss.z_loss)
     pipeline = build_pipeline(config, world, parts, mesh, loss)
-    return Trainee(model, optimizer, scheduler, scaler, pipeline)
+    return Trainee(model, optimizer, scheduler, scaler, pipeline, router_log=pipeline.router_log)
 
 
 def train(
@@ -299,16 +299,23 @@ def watch_routing(trainee: Trainee, config: TrainConfig, world: World, predicted
 
 def step_routing(trainee: Trainee, config: TrainConfig, world: World) -> StepRouting | None:
     """model.n_experts > 0: what the routers did this step (trainer/model/moe.py RouterLog); under
-    moe.bias_rate > 0 their loads summed over every rank (one all-reduce) move each expert's bias."""
+    moe.bias_rate > 0 their loads summed over every rank (one all-reduce) move each expert's bias. Under a
+    pipeline the replica's layers are summed over its stages first (a layer's rows are zero elsewhere)."""
     log = trainee.router_log
     taken = None if log is None else log.take_step()
     if taken is None:
         return None
     loads, dropped, balance = taken
     summed = False
+    if trainee.pipeline is not None:  # parallel.pp: each rank's log holds its own stages' layers
+        stages = trainee.pipeline.group
+        dist.all_reduce(dropped, group=stages)
+        dist.all_reduce(balance, group=stages)
+        if config.moe.bias_rate == 0:  # else summed over every rank below
+            dist.all_reduce(loads, group=stages)
     if config.moe.bias_rate > 0:
         if world.world_size > 1:
-            dist.all_reduce(loads)
+            dist.all_reduce(loads)  # under a pipeline each layer's from its own stage's ranks
         update_expert_bias(trainee.model, loads, config.moe.bias_rate)
         summed = True
     return StepRouting(loads, dropped, balance / config.grad_accum, summed)

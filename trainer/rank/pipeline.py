@@ -54,8 +54,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import LossKind, ParallelConfig, TrainConfig
 from trainer.data import to_device
 from trainer.model.context_parallel import ContextParallel
-from trainer.model.decoder import find_transformer
+from trainer.model.decoder import find_transformer, recording
 from trainer.model.loss import IGNORE_INDEX, LossTerms
+from trainer.model.moe import RouterLog, moe_layers
 from trainer.model.pipeline_split import StageBlocks, build_stage, split_line
 from trainer.private_apis.of_torch import scale_on_device
 from trainer.rank.precision import build_autocast
@@ -136,7 +137,10 @@ class MeasuredStage(PipelineStage):
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         next_stage_forward(self.submod)  # the tensor-level memory tracker, on its steps
-        with self.clock.timing("compute"):
+        # A mixture of experts' routing is recorded in a micro-batch's forward only: not in the forward torch
+        # runs on placeholder inputs to infer the stages' shapes in the first step (with gradients on), nor in
+        # a checkpointed block's recompute.
+        with self.clock.timing("compute"), recording(find_transformer(self.submod).router_log):
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -226,6 +230,8 @@ class Pipeline:
     """This rank's stages (their receive buffers are what the memory probe registers beside the model's)."""
     context: ContextParallel | None = None
     """parallel.cp > 1: this rank's cp group, the same on each of its stages (trainer/rank/parallelize.py)."""
+    router_log: RouterLog | None = None
+    """model.n_experts > 0: one RouterLog for every stage of this rank (`shared_router_log`)."""
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """Every receive buffer of this rank's stages (empty before the first step allocates them)."""
@@ -298,7 +304,20 @@ def build_pipeline(
         last=parallel.stages - 1 in indices,
         stages=stages,
         context=context,
+        router_log=shared_router_log(parts),
     )
+
+
+def shared_router_log(parts: list[nn.Module]) -> RouterLog | None:
+    """A mixture of experts: the first stage's RouterLog, given to every stage of this rank (interleaved
+    schedules hold several), so that the loop reads the rank's layers in one; None for a dense model."""
+    log = find_transformer(parts[0]).router_log
+    for part in parts[1:]:
+        stage = find_transformer(part)
+        stage.router_log = log
+        for layer in moe_layers(stage):
+            layer.log = log
+    return log
 
 
 def schedule_batch(micro: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -345,6 +364,10 @@ def pipeline_forward_backward(
     data_s = time.perf_counter() - start
     batch = schedule_batch(micro)
     targets, losses = batch[1], []
+    if pipeline.router_log is not None:  # the router losses' gradient through their layers' outputs (moe.py)
+        scaler = pipeline.loss.scaler
+        one = torch.ones((), device=world.device)
+        pipeline.router_log.backward_scale = scale_on_device(scaler) if scaler.is_enabled() else one
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
     # losses. Each micro-batch's logits then live in `fwd_cache` until its backward.
