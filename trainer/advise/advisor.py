@@ -283,8 +283,8 @@ def choices(
 def expert_parallel(config: TrainConfig, choice: dict[str, Any], dp: int) -> list[dict[str, Any]]:
     """A mixture of experts: the choice with parallel.ep, every size that divides the experts and the `dp`
     ranks ZeRO works over (data-parallel x context-parallel: trainer/layout.py `check_expert_ranks`): all of them,
-    or under FSDP2 (zero=stage2/3) an ep group inside them, FSDP2 sharding each rank's experts over the rest (torchtitan's dp_shard_in_ep); the
-    composition table drops what ep does not compose with (HSDP, hpZ, offload)."""
+    or under FSDP2 (zero=stage2/3) an ep group inside them, FSDP2 sharding each rank's experts over the rest
+    (torchtitan's dp_shard_in_ep); the composition table drops what ep does not compose with (HSDP, hpZ, offload)."""
     n = config.model.n_experts
     if not config.model.is_moe or dp < 2:
         return []

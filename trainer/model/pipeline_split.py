@@ -87,9 +87,8 @@ class StageModel(Transformer):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
         cis_TF, mask_B1TT = self.rotary_and_mask(T, documents_BT, x.device)
-        for (
-            layer
-        ) in self.layers:  # a mixture of experts' routing is recorded by the stage (trainer/rank/pipeline.py)
+        # a mixture of experts' routing is recorded by the stage around this forward (trainer/rank/pipeline.py)
+        for layer in self.layers:
             x = layer(x, cis_TF, mask_B1TT)
         if self.output is None:
             return x

@@ -44,10 +44,9 @@ c10d's flight recorder records them (trainer/telemetry/comm.py measures the same
 - parallel.ep > 1 (trainer/rank/experts.py): FSDP2 or DDP leaves the experts' stacked weights alone (no
   all-gather, reduce-scatter or all-reduce of them), and every MoE layer's dispatch runs all-to-alls over the ep
   group, which is ZeRO's data-parallel group, FSDP2's shard group or DDP's (`ep_moves`), in `groups["ep"]`, per
-  ep rank (its experts' rows differ; under cp a rank's own T / cp positions). An ep group inside FSDP2's shard group
-  (ep < dp x cp) is a group of its own, and
-  FSDP2 gathers and reduce-scatters each rank's experts over the ranks holding the same ones
-  (`expert_shard_moves`, in `groups["expert_shard"]`).
+  ep rank (its experts' rows differ; under cp a rank routes its own T / cp positions). An ep group inside FSDP2's
+  shard group (ep < dp x cp) is a group of its own, and FSDP2 gathers and reduce-scatters each rank's experts over
+  the ranks holding the same ones (`expert_shard_moves`, in `groups["expert_shard"]`).
 
 - parallel.pp > 1: the pipeline's own all-reduces over its pp group, every step: the step's fp32 loss
   (the last stage's, on every stage: trainer/rank/pipeline.py) and the fp32 squared gradient norm
@@ -349,10 +348,8 @@ def context_group(config: TrainConfig, world_size: int, backend: str) -> GroupCo
 def expert_group(config: TrainConfig, backend: str, groups: ShardGroups) -> GroupComm:
     """The ep group (parallel.ep, trainer/rank/experts.py): ZeRO's group itself (FSDP2's shard group, or DDP's), so
     its link; its headline figures are ep rank 0's (the busiest under moe.imbalance), `per_rank` every ep rank's."""
-    ep, local = (
-        config.parallel.ep,
-        cp_local(config),
-    )  # under cp a rank routes its T / cp positions of each row
+    ep = config.parallel.ep
+    local = cp_local(config)  # under cp a rank routes its T / cp positions of each row
     per_rank = tuple(tally(ep_moves(local, rank), backend) for rank in range(ep))
     bytes_by, calls_by = per_rank[0]
     # the ep group is ZeRO's (trainer/rank/experts.py), or a group of its own inside FSDP2's (trainer/rank/mesh.py)

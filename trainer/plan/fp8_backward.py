@@ -29,11 +29,9 @@ FP8 = 1
 def fp8_w2_backward(config: TrainConfig, compute: int, regime: str, incoming: int) -> int:
     """The worst of w2's backward under fp8 (module docstring), beside `incoming` (the gradient arriving down
     the residual); 0 without fp8 or where w2 stays a bf16 nn.Linear."""
-    if (
-        not config.precision.is_fp8
-        or "feed_forward.w2"
-        not in precision_split(config.model, config.precision, config.parallel.tp).converted
-    ):
+    if not config.precision.is_fp8:
+        return 0
+    if "feed_forward.w2" not in precision_split(config.model, config.precision, config.parallel.tp).converted:
         return 0
     m, n = config.model, config.micro_batch * config.seq_len
     nd, nm, md = n * m.dim, n * m.ffn_dim, m.dim * m.ffn_dim

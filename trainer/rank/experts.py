@@ -1,8 +1,8 @@
 """parallel.ep > 1: expert parallelism, each rank of the ep group holding n_experts / ep whole experts.
 
 The ep group here is ZeRO's data-parallel group (parallel.ep equal to its ranks, dp x cp under parallel.cp;
-trainer/layout.py): the one FSDP2 shards over (zero=stage2/3), or DDP's replicas (zero=stage0; stage1 is refused by the composition table:
-ZeroRedundancyOptimizer would partition and broadcast the experts). So each expert weight becomes a DTensor
+trainer/layout.py): the one FSDP2 shards over (zero=stage2/3), or DDP's replicas (zero=stage0; stage1 is refused
+by the composition table: ZeroRedundancyOptimizer would partition and broadcast the experts). So each expert weight becomes a DTensor
 sharded on dim 0 (the expert dim) over that one mesh dim, as torchtitan's ExpertParallel makes it, and every
 rank's tokens reach it through the all-to-all (trainer/model/moe.py `dispatch_to_experts`). The experts are
 sharded already, each rank holding whole experts of its own, so ZeRO is told to leave them alone: FSDP2's
