@@ -131,16 +131,19 @@ class MeasuredStage(PipelineStage):
     """torch's PipelineStage, timing its own forward and backward and counting what it sends: the tensors
     of the send ops it hands the schedule (which passes them to dist.batch_isend_irecv unchanged)."""
 
-    def __init__(self, *args: Any, clock: StageClock, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, clock: StageClock, router_log: RouterLog | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.clock = clock
+        self.router_log = router_log  # a mixture of experts: the rank's one log (`shared_router_log`)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         next_stage_forward(self.submod)  # the tensor-level memory tracker, on its steps
         # A mixture of experts' routing is recorded in a micro-batch's forward only: not in the forward torch
         # runs on placeholder inputs to infer the stages' shapes in the first step (with gradients on), nor in
         # a checkpointed block's recompute.
-        with self.clock.timing("compute"), recording(find_transformer(self.submod).router_log):
+        with self.clock.timing("compute"), recording(self.router_log):
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,8 +286,11 @@ def build_pipeline(
     parallel, clock = config.parallel, StageClock(world.device)
     indices = rank_stages(mesh[PP].get_local_rank(), parallel)
     group = mesh[PP].get_group()
+    router_log = shared_router_log(parts)
     stages = [
-        MeasuredStage(part, index, parallel.stages, world.device, group=group, clock=clock)
+        MeasuredStage(
+            part, index, parallel.stages, world.device, group=group, clock=clock, router_log=router_log
+        )
         for part, index in zip(parts, indices)
     ]
     if parallel.pp_schedule == "interleaved_1f1b":
@@ -304,7 +310,7 @@ def build_pipeline(
         last=parallel.stages - 1 in indices,
         stages=stages,
         context=context,
-        router_log=shared_router_log(parts),
+        router_log=router_log,
     )
 
 
@@ -366,8 +372,10 @@ def pipeline_forward_backward(
     targets, losses = batch[1], []
     if pipeline.router_log is not None:  # the router losses' gradient through their layers' outputs (moe.py)
         scaler = pipeline.loss.scaler
-        one = torch.ones((), device=world.device)
-        pipeline.router_log.backward_scale = scale_on_device(scaler) if scaler.is_enabled() else one
+        unscaled = not scaler.is_enabled()  # bf16, fp32: the objective's own gradient, 1
+        pipeline.router_log.backward_scale = (
+            torch.ones((), device=world.device) if unscaled else scale_on_device(scaler)
+        )
     # return_outputs=False: the last stage does not keep each micro-batch's logits in `output_chunks` to the
     # step's end and merge them (stage.py forward_one_chunk(save_forward_output=...)); the loop reads only the
     # losses. Each micro-batch's logits then live in `fwd_cache` until its backward.
